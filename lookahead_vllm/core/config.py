@@ -1,0 +1,89 @@
+"""Lookahead configuration.
+
+Terms:
+  decoding length   node budget per step: how many draft tokens (tree nodes,
+                    root excluded) one request may put into one forward.
+  branch length     maximum depth of a trie branch; also the window size used
+                    when prompt and output n-grams are inserted into the trie.
+  match length      how many trailing context tokens are matched against the
+                    trie before drafting; retrieval tries the longest first and
+                    shortens it while the matched sub-trie has fewer than
+                    ``min_retrieved_nodes`` candidates (multi-stage matching).
+  draft shape       ``hier``: shared prefixes merged into a token tree (seed 000
+                    Fig. 2c); ``par``: whole branches side by side, no merging
+                    below the root (Fig. 2b); ``one``: a single best branch.
+
+Every field is validated on construction; a bad value raises ``ValueError``
+naming the field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+DRAFT_SHAPES = ("hier", "par", "one")
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadConfig:
+    # Max draft nodes per request per step (root excluded); also vLLM's
+    # num_speculative_tokens.
+    decoding_length: int = 8
+    # Max depth of a trie branch and the insertion window size.
+    branch_length: int = 12
+    # Longest / shortest trailing context matched against the trie.
+    max_match_length: int = 6
+    min_match_length: int = 1
+    # Stop shortening the match once the sub-trie yields this many nodes.
+    min_retrieved_nodes: int = 4
+    # Trie node capacity; exceeding it triggers decay-and-prune.
+    trie_capacity: int = 1 << 18
+    # Multiplier of the requesting request's own prompt counts vs output counts.
+    prompt_weight: float = 1e4
+    # Draft shape: "hier", "par" or "one".
+    draft_shape: str = "one"
+    # Insert generated tokens into the trie (shared across requests).
+    insert_output: bool = True
+    # Insert prompt windows on admission.
+    insert_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("decoding_length", self.decoding_length, 1, 256)
+        _check_int("branch_length", self.branch_length, 2, 128)
+        _check_int("max_match_length", self.max_match_length, 1, self.branch_length - 1)
+        _check_int("min_match_length", self.min_match_length, 1, self.max_match_length)
+        _check_int("min_retrieved_nodes", self.min_retrieved_nodes, 1, 1 << 16)
+        _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
+        if isinstance(self.prompt_weight, bool) or not isinstance(self.prompt_weight, (int, float)):
+            raise ValueError(f"prompt_weight={self.prompt_weight!r}: must be a number in [0, 1e9]")
+        if not 0 <= self.prompt_weight <= 1e9:
+            raise ValueError(f"prompt_weight={self.prompt_weight!r}: must be in [0, 1e9]")
+        if self.draft_shape not in DRAFT_SHAPES:
+            raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
+        for name in ("insert_output", "insert_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "LookaheadConfig":
+        """Build from a user mapping; unknown keys are rejected by name."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown lookahead config key(s) {unknown}; allowed keys: {sorted(known)}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r}: must be in [{lo}, {hi}]")

@@ -1,0 +1,361 @@
+"""Global token trie of prompt and output n-grams (seed 000, section 4.3).
+
+One ``TokenTrie`` lives per engine and is shared by every request. A path from
+the (token-less) root is an n-gram; a node's counts say how many inserted
+windows pass through it:
+
+  out     output count (float, decays on pruning): windows of generated text,
+          inserted on the fly every step, and warm-up text.
+  prompt  per-request prompt counts ``{request slot: count}``: every window
+          ``P[i:i+branch_length]`` of a request's prompt, inserted on admission
+          and removed again ("eliminated") when the request finishes or aborts.
+
+Retrieval matches the longest trailing context first (multi-stage matching),
+then picks the highest-weighted nodes below the match within the node budget::
+
+    weight = prompt_weight * own_prompt + other_prompts + out
+
+Worked example (branch_length 4): after prompt ``a b c a b d`` the trie holds
+``a b c a``, ``b c a b``, ``c a b d``, ``a b d``, ``b d``, ``d``; the context
+``... a b`` matches ``a -> b`` whose children are ``c`` (1) and ``d`` (1), and
+``b`` alone matches ``b -> c, d``.
+
+When the node count exceeds ``trie_capacity`` the trie decays output counts by
+half, drops nodes whose weight fell below one, and if still too large drops the
+lightest leaves until it is at ``PRUNE_TARGET`` of capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Sequence
+
+from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.draft_tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+# After pruning, the trie holds at most this fraction of its capacity.
+PRUNE_TARGET = 0.75
+# Rough CPython bytes per node (object + children dict); for reporting only.
+BYTES_PER_NODE = 232
+
+
+class _Node:
+    __slots__ = ("token", "parent", "children", "out", "prompt", "ptotal", "alive")
+
+    def __init__(self, token: int, parent: "_Node | None") -> None:
+        self.token = token
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.out = 0.0  # output count
+        self.prompt: dict[int, int] | None = None  # request slot -> prompt count
+        self.ptotal = 0  # sum of prompt counts
+        self.alive = True
+
+    def weight(self, slot: int, prompt_weight: float) -> float:
+        own = self.prompt.get(slot, 0) if self.prompt else 0
+        return prompt_weight * own + (self.ptotal - own) + self.out
+
+
+@dataclass(slots=True)
+class _Request:
+    slot: int
+    # node -> prompt count this request added there (for elimination).
+    prompt_nodes: dict[_Node, int] = field(default_factory=dict)
+    # Last (branch_length - 1) tokens of the sequence: the open output windows.
+    window: list[int] = field(default_factory=list)
+    # cursors[j] = node reached by the path window[j:].
+    cursors: list[_Node] = field(default_factory=list)
+
+
+class TokenTrie:
+    """Engine-wide n-gram trie; see the module docstring."""
+
+    def __init__(self, config: LookaheadConfig) -> None:
+        self.config = config
+        self.root = _Node(-1, None)
+        self.num_nodes = 0  # root excluded
+        self.num_prunes = 0
+        self._requests: dict[Hashable, _Request] = {}
+        self._next_slot = 0
+
+    # ------------------------------------------------------------------ admin
+    @property
+    def num_bytes(self) -> int:
+        return self.num_nodes * BYTES_PER_NODE
+
+    @property
+    def active_requests(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def add_request(self, req_id: Hashable, prompt: Sequence[int]) -> None:
+        """Admit a request: insert its prompt windows and open its output windows."""
+        if req_id in self._requests:
+            raise KeyError(f"request {req_id!r} is already in the trie")
+        st = _Request(slot=self._next_slot)
+        self._next_slot += 1
+        self._requests[req_id] = st
+        if self.config.insert_prompt:
+            self._insert_prompt(st, prompt)
+        tail = list(prompt[-(self.config.branch_length - 1):])
+        st.window = tail
+        st.cursors = [self._walk(tail[j:], create=True) for j in range(len(tail))]
+        self._maybe_prune()
+
+    def finish_request(self, req_id: Hashable) -> None:
+        """Eliminate a finished or aborted request's prompt counts (idempotent)."""
+        st = self._requests.pop(req_id, None)
+        if st is None:
+            return
+        for node, count in st.prompt_nodes.items():
+            if node.prompt is not None and node.prompt.pop(st.slot, None) is not None:
+                node.ptotal -= count
+        for node in sorted(st.prompt_nodes, key=_depth, reverse=True):
+            self._drop_if_empty(node)
+
+    def extend(self, req_id: Hashable, tokens: Iterable[int]) -> None:
+        """Insert newly generated tokens of a request (on-the-fly output insertion)."""
+        st = self._requests[req_id]
+        for t in tokens:
+            self._extend_one(st, int(t))
+        self._maybe_prune()
+
+    def insert_output(self, tokens: Sequence[int]) -> None:
+        """Insert a whole text as output counts (warm-up with past responses)."""
+        st = _Request(slot=-1)
+        for t in tokens:
+            self._extend_one(st, int(t))
+        self._maybe_prune()
+
+    # -------------------------------------------------------------- retrieval
+    def retrieve(
+        self,
+        context: Sequence[int],
+        budget: int | None = None,
+        req_id: Hashable | None = None,
+        shape: str | None = None,
+    ) -> DraftTree:
+        """Draft tree for the tokens that follow ``context`` (multi-stage matching).
+
+        ``context`` ends with the root (the last committed token); at most
+        ``budget`` nodes (default ``decoding_length``) are returned.
+        """
+        cfg = self.config
+        budget = cfg.decoding_length if budget is None else budget
+        shape = cfg.draft_shape if shape is None else shape
+        if budget <= 0 or not context:
+            return DraftTree.empty()
+        slot = self._requests[req_id].slot if req_id in self._requests else -1
+        best = DraftTree.empty()
+        longest = min(cfg.max_match_length, len(context))
+        for m in range(longest, cfg.min_match_length - 1, -1):
+            node = self._walk(context[len(context) - m:], create=False)
+            if node is None or not node.children:
+                continue
+            tree = self._select(node, budget, cfg.branch_length - m, shape, slot)
+            if len(tree) > len(best):
+                best = tree
+            if len(tree) >= min(cfg.min_retrieved_nodes, budget):
+                break
+        return best
+
+    def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int) -> DraftTree:
+        if shape == "one":
+            return self._select_chain(start, min(budget, max_depth), slot)
+        picked = self._best_first(start, budget, max_depth, slot)
+        if shape == "hier":
+            return _flatten_dfs(start, picked)
+        return _flatten_parallel(start, picked, budget)
+
+    def _select_chain(self, node: _Node, depth: int, slot: int) -> DraftTree:
+        pw = self.config.prompt_weight
+        tokens: list[int] = []
+        weights: list[float] = []
+        while node.children and len(tokens) < depth:
+            node = max(node.children.values(), key=lambda c: (c.weight(slot, pw), -c.token))
+            tokens.append(node.token)
+            weights.append(node.weight(slot, pw))
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(weights))
+
+    def _best_first(self, start: _Node, budget: int, max_depth: int, slot: int) -> dict[_Node, float]:
+        """Up to ``budget`` heaviest nodes below ``start`` forming a connected tree."""
+        pw = self.config.prompt_weight
+        picked: dict[_Node, float] = {}
+        heap: list[tuple[float, int, int, _Node]] = []
+        counter = 0
+
+        def push(parent: _Node, depth: int) -> None:
+            nonlocal counter
+            if depth > max_depth:
+                return
+            for child in parent.children.values():
+                counter += 1
+                heapq.heappush(heap, (-child.weight(slot, pw), child.token, counter, child))
+
+        push(start, 1)
+        depth_of = {start: 0}
+        while heap and len(picked) < budget:
+            neg_w, _, _, node = heapq.heappop(heap)
+            picked[node] = -neg_w
+            depth_of[node] = depth_of[node.parent] + 1
+            push(node, depth_of[node] + 1)
+        return picked
+
+    # -------------------------------------------------------------- internals
+    def _child(self, node: _Node, token: int) -> _Node:
+        child = node.children.get(token)
+        if child is None:
+            child = _Node(token, node)
+            node.children[token] = child
+            self.num_nodes += 1
+        return child
+
+    def _walk(self, tokens: Sequence[int], create: bool) -> _Node | None:
+        node = self.root
+        for t in tokens:
+            nxt = node.children.get(t)
+            if nxt is None:
+                if not create:
+                    return None
+                nxt = self._child(node, t)
+            node = nxt
+        return node
+
+    def _insert_prompt(self, st: _Request, prompt: Sequence[int]) -> None:
+        lb = self.config.branch_length
+        for i in range(len(prompt)):
+            node = self.root
+            for t in prompt[i:i + lb]:
+                node = self._child(node, int(t))
+                if node.prompt is None:
+                    node.prompt = {}
+                node.prompt[st.slot] = node.prompt.get(st.slot, 0) + 1
+                node.ptotal += 1
+                st.prompt_nodes[node] = st.prompt_nodes.get(node, 0) + 1
+
+    def _extend_one(self, st: _Request, token: int) -> None:
+        cursors = []
+        for j, node in enumerate(st.cursors):
+            if not node.alive:
+                node = self._walk(st.window[j:], create=True)
+            child = self._child(node, token)
+            child.out += 1.0
+            cursors.append(child)
+        first = self._child(self.root, token)
+        first.out += 1.0
+        cursors.append(first)
+        st.window.append(token)
+        if len(st.window) >= self.config.branch_length:
+            del st.window[0]
+            del cursors[0]
+        st.cursors = cursors
+
+    def _drop_if_empty(self, node: _Node) -> None:
+        while node is not self.root and node.alive and not node.children and node.ptotal == 0 and node.out < 1:
+            self._detach(node)
+            node = node.parent
+
+    def _detach(self, node: _Node) -> None:
+        """Remove ``node`` and its subtree."""
+        del node.parent.children[node.token]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            n.alive = False
+            self.num_nodes -= 1
+            stack.extend(n.children.values())
+
+    def _maybe_prune(self) -> None:
+        if self.num_nodes > self.config.trie_capacity:
+            self.prune()
+
+    def prune(self) -> None:
+        """Decay output counts, drop light nodes, then lightest leaves to the target."""
+        before = self.num_nodes
+        target = int(self.config.trie_capacity * PRUNE_TARGET)
+        for node in list(_iter_nodes(self.root)):
+            node.out *= 0.5
+        for node in list(_iter_nodes(self.root)):
+            if node.alive and node.out < 1 and node.ptotal == 0:
+                self._detach(node)
+        if self.num_nodes > target:
+            self._drop_lightest_leaves(self.num_nodes - target)
+        self.num_prunes += 1
+        logger.debug("trie pruned: %d -> %d nodes", before, self.num_nodes)
+
+    def _drop_lightest_leaves(self, count: int) -> None:
+        heap = [(_raw_weight(n), id(n), n) for n in _iter_nodes(self.root) if not n.children]
+        heapq.heapify(heap)
+        while heap and count > 0:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            self._detach(node)
+            count -= 1
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (_raw_weight(parent), id(parent), parent))
+
+
+def _raw_weight(node: _Node) -> float:
+    return node.ptotal + node.out
+
+
+def _depth(node: _Node) -> int:
+    d = 0
+    while node.parent is not None:
+        node, d = node.parent, d + 1
+    return d
+
+
+def _iter_nodes(root: _Node):
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def _flatten_dfs(start: _Node, picked: dict[_Node, float]) -> DraftTree:
+    """DFS order, children heaviest first, parents before children."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    weights: list[float] = []
+    stack: list[tuple[_Node, int]] = [(c, -1) for c in _ranked(start, picked)[::-1]]
+    while stack:
+        node, parent = stack.pop()
+        idx = len(tokens)
+        tokens.append(node.token)
+        parents.append(parent)
+        weights.append(picked[node])
+        stack.extend((c, idx) for c in _ranked(node, picked)[::-1])
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights))
+
+
+def _ranked(node: _Node, picked: dict[_Node, float]) -> list[_Node]:
+    kids = [c for c in node.children.values() if c in picked]
+    kids.sort(key=lambda c: (-picked[c], c.token))
+    return kids
+
+
+def _flatten_parallel(start: _Node, picked: dict[_Node, float], budget: int) -> DraftTree:
+    """Whole root-to-leaf branches side by side (no merging), heaviest leaf first."""
+    leaves = [n for n in picked if not any(c in picked for c in n.children.values())]
+    leaves.sort(key=lambda n: (-picked[n], n.token))
+    tokens: list[int] = []
+    parents: list[int] = []
+    weights: list[float] = []
+    for leaf in leaves:
+        path = []
+        node = leaf
+        while node is not start:
+            path.append(node)
+            node = node.parent
+        for j, node in enumerate(reversed(path)):
+            if len(tokens) >= budget:
+                break
+            parents.append(-1 if j == 0 else len(tokens) - 1)
+            tokens.append(node.token)
+            weights.append(picked[node])
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights))

@@ -1,0 +1,1 @@
+"""Torch-only operators (no vLLM import): references for kernels and CPU fixes."""

