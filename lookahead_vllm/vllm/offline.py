@@ -1,0 +1,99 @@
+"""Helpers for offline ``LLM`` runs: engine kwargs per method, batched generation.
+
+Used by the demo, the benchmarks and the end-to-end tests so that every method
+is built the same way::
+
+    llm = LLM(model=path, **engine_kwargs("lookahead", k=8, lookahead={"draft_shape": "one"}))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+# Methods understood by engine_kwargs: "plain", "lookahead", "ngram<k>", "suffix".
+CPU_DEFAULTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_model_len": 2048,
+    "seed": 0,
+    "disable_log_stats": False,
+}
+# Added for speculative methods only (vLLM rejects it without speculation).
+SPEC_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
+
+
+def engine_kwargs(method: str, k: int = 8, lookahead: dict | None = None, **overrides: Any) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments for ``method`` with ``k`` draft tokens."""
+    kwargs = dict(CPU_DEFAULTS)
+    kwargs.update(overrides)
+    if method == "plain":
+        return kwargs
+    for key, value in SPEC_DEFAULTS.items():
+        kwargs.setdefault(key, value)
+    if method == "lookahead":
+        kwargs["speculative_config"] = {"method": "lookahead", "num_speculative_tokens": k}
+        kwargs["additional_config"] = {"lookahead": dict(lookahead or {})}
+    elif method.startswith("ngram"):
+        k = int(method[5:] or k)
+        # vLLM's own defaults for the lookup window (prompt_lookup_min = max = 5).
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k}
+    elif method == "suffix":
+        kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
+    else:
+        raise ValueError(f"method={method!r}: must be 'plain', 'lookahead', 'ngram<k>' or 'suffix'")
+    return kwargs
+
+
+@dataclass
+class GenerationResult:
+    # Output token ids per prompt, in prompt order.
+    token_ids: list[list[int]]
+    # Output texts per prompt.
+    texts: list[str]
+    # Wall seconds per generate() call, in call order.
+    seconds: list[float] = field(default_factory=list)
+    # Verify steps that carried drafts, and draft tokens accepted / proposed.
+    num_drafts: int = 0
+    num_accepted: int = 0
+    num_draft_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """vLLM's definition: 1 + accepted / drafts (1.0 when nothing was drafted)."""
+        return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else 1.0
+
+
+def generate(llm: Any, prompts: Sequence[Any], params: Any, batch_size: int) -> GenerationResult:
+    """Generate ``prompts`` in chunks of ``batch_size``; collect ids, times, acceptance."""
+    result = GenerationResult([], [])
+    for lo in range(0, len(prompts), batch_size):
+        chunk = list(prompts[lo:lo + batch_size])
+        start = time.perf_counter()
+        outputs = llm.generate(chunk, params, use_tqdm=False)
+        result.seconds.append(time.perf_counter() - start)
+        for out in outputs:
+            completion = out.outputs[0]
+            result.token_ids.append(list(completion.token_ids))
+            result.texts.append(completion.text)
+            _add_spec_metrics(result, getattr(completion, "spec_decode_metrics", None))
+    return result
+
+
+def _add_spec_metrics(result: GenerationResult, metrics: Any) -> None:
+    if metrics is None:
+        return
+    hist = list(metrics.histogram)
+    result.num_drafts += sum(hist)
+    result.num_accepted += sum(j * n for j, n in enumerate(hist))
+    result.num_draft_tokens += int(metrics.num_draft_tokens)
+
+
+def count_mismatches(reference: list[list[int]], other: list[list[int]]) -> int:
+    """Number of sequences whose token ids differ from the reference."""
+    return sum(1 for a, b in zip(reference, other, strict=True) if a != b)

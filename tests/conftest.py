@@ -1,0 +1,57 @@
+"""Shared fixtures. vLLM env vars are set here, before anything imports vllm."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+for key, value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "2",
+    "NUMBA_THREADING_LAYER": "workqueue",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(key, value)
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_vllm = pytest.mark.skip(reason="vllm is not installed (pip install -e '.[cpu]')")
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    has_cuda = None
+    for item in items:
+        if "vllm" in item.keywords and not HAS_VLLM:
+            item.add_marker(skip_vllm)
+        if "gpu" in item.keywords:
+            has_cuda = _has_cuda() if has_cuda is None else has_cuda
+            if not has_cuda:
+                item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from lookahead_vllm.models import prepare_smollm2
+
+    return str(prepare_smollm2())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from lookahead_vllm.models import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

@@ -1,0 +1,104 @@
+"""Plugin wiring: method routing, config validation before the engine starts, CPU fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lookahead_vllm.ops.sampling import expand_kernel_impl
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin():
+    from lookahead_vllm.vllm.plugin import register
+
+    register()
+
+
+def _engine_config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, enforce_eager=True, dtype="float32", max_model_len=512, **kwargs).create_engine_config()
+
+
+def test_plugin_registered_as_entry_point():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("lookahead") == "lookahead_vllm.vllm.plugin:register"
+
+
+@pytest.mark.parametrize("spec", [{"method": "lookahead"}, {"model": "lookahead"}])
+def test_method_routes_to_proposer(tiny_llama_dir, spec):
+    from lookahead_vllm.vllm.config import PROPOSER_PATH
+
+    cfg = _engine_config(tiny_llama_dir, speculative_config=dict(spec))
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.model == PROPOSER_PATH
+    assert cfg.speculative_config.num_speculative_tokens == 8
+
+
+def test_plain_config_untouched(tiny_llama_dir):
+    cfg = _engine_config(tiny_llama_dir)
+    assert cfg.speculative_config is None
+    ngram = _engine_config(tiny_llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert ngram.speculative_config.method == "ngram"
+
+
+@pytest.mark.parametrize(
+    "lookahead, k, message",
+    [
+        ({"decoding_length": 0}, 8, r"decoding_length=0: must be in \[1, 256\]"),
+        ({"decoding_length": 16}, 8, r"decoding_length=16: must be <= speculative_config.num_speculative_tokens=8"),
+        ({"branch_length": 1}, 8, r"branch_length=1: must be in \[2, 128\]"),
+        ({"max_match_length": 40}, 8, r"max_match_length=40: must be in \[1, 11\]"),
+        ({"trie_capacity": 1}, 8, r"trie_capacity=1: must be in \[64,"),
+        ({"prompt_weight": "high"}, 8, r"prompt_weight='high': must be a number"),
+        ({"draft_shape": "star"}, 8, r"draft_shape='star': must be one of"),
+        ({"bogus": 1}, 8, r"unknown lookahead config key\(s\) \['bogus'\]"),
+    ],
+)
+def test_bad_lookahead_config_rejected_before_engine(tiny_llama_dir, lookahead, k, message):
+    with pytest.raises(ValueError, match=message):
+        _engine_config(
+            tiny_llama_dir,
+            speculative_config={"method": "lookahead", "num_speculative_tokens": k},
+            additional_config={"lookahead": lookahead},
+        )
+
+
+def test_lookahead_with_draft_model_rejected(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"speculative_config.model='some/model': method 'lookahead' needs no draft"):
+        _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead", "model": "some/model"})
+
+
+def test_bad_lookahead_config_rejected_by_llm_constructor(tiny_llama_dir):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"min_match_length=0: must be in \[1, 6\]"):
+        LLM(
+            model=tiny_llama_dir,
+            enforce_eager=True,
+            speculative_config={"method": "lookahead"},
+            additional_config={"lookahead": {"min_match_length": 0}},
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+def test_expand_kernel_matches_definition(dtype):
+    values = torch.tensor([0.5, 2.0, -1.0]).to(dtype)
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    out = torch.full((7,), 9, dtype=dtype)
+    expand_kernel_impl(out, values, cu, replace_from=0, replace_to=3)
+    expected = torch.tensor([values[0], values[0], values[2], values[2], values[2], 9, 9], dtype=dtype)
+    if dtype != torch.float32:  # 0.5 -> int 0 -> replaced by 3
+        expected[:2] = 3
+    assert torch.equal(out, expected)
+
+
+def test_cpu_expand_kernel_patched():
+    from vllm.utils import cpu_triton_utils
+
+    assert cpu_triton_utils._expand_kernel_impl is expand_kernel_impl
