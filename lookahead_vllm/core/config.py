@@ -42,6 +42,9 @@ class LookaheadConfig:
     trie_capacity: int = 1 << 18
     # Multiplier of the requesting request's own prompt counts vs output counts.
     prompt_weight: float = 1e4
+    # Stop a branch once the product of smoothed P(child | parent) along it
+    # falls below this (0 drafts the full budget whenever the trie matches).
+    min_draft_confidence: float = 0.0
     # Draft shape: "hier", "par" or "one".
     draft_shape: str = "one"
     # Insert generated tokens into the trie (shared across requests).
@@ -56,10 +59,8 @@ class LookaheadConfig:
         _check_int("min_match_length", self.min_match_length, 1, self.max_match_length)
         _check_int("min_retrieved_nodes", self.min_retrieved_nodes, 1, 1 << 16)
         _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
-        if isinstance(self.prompt_weight, bool) or not isinstance(self.prompt_weight, (int, float)):
-            raise ValueError(f"prompt_weight={self.prompt_weight!r}: must be a number in [0, 1e9]")
-        if not 0 <= self.prompt_weight <= 1e9:
-            raise ValueError(f"prompt_weight={self.prompt_weight!r}: must be in [0, 1e9]")
+        _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
+        _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         for name in ("insert_output", "insert_prompt"):
@@ -80,6 +81,13 @@ class LookaheadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}]")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r}: must be in [{lo:g}, {hi:g}]")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:

@@ -171,27 +171,36 @@ class TokenTrie:
         return _flatten_parallel(start, picked, budget)
 
     def _select_chain(self, node: _Node, depth: int, slot: int) -> DraftTree:
-        pw = self.config.prompt_weight
+        pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
         tokens: list[int] = []
         weights: list[float] = []
+        confidence = 1.0
         while node.children and len(tokens) < depth:
-            node = max(node.children.values(), key=lambda c: (c.weight(slot, pw), -c.token))
+            parent = node
+            node = max(parent.children.values(), key=lambda c: (c.weight(slot, pw), -c.token))
+            confidence *= _confidence(parent, node)
+            if confidence < floor:
+                break
             tokens.append(node.token)
             weights.append(node.weight(slot, pw))
         return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(weights))
 
     def _best_first(self, start: _Node, budget: int, max_depth: int, slot: int) -> dict[_Node, float]:
         """Up to ``budget`` heaviest nodes below ``start`` forming a connected tree."""
-        pw = self.config.prompt_weight
+        pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
         picked: dict[_Node, float] = {}
         heap: list[tuple[float, int, int, _Node]] = []
         counter = 0
+        confidence = {start: 1.0}
 
         def push(parent: _Node, depth: int) -> None:
             nonlocal counter
             if depth > max_depth:
                 return
             for child in parent.children.values():
+                confidence[child] = confidence[parent] * _confidence(parent, child)
+                if confidence[child] < floor:
+                    continue
                 counter += 1
                 heapq.heappush(heap, (-child.weight(slot, pw), child.token, counter, child))
 
@@ -300,6 +309,15 @@ class TokenTrie:
 
 def _raw_weight(node: _Node) -> float:
     return node.ptotal + node.out
+
+
+def _confidence(parent: _Node, child: _Node) -> float:
+    """Smoothed estimate of P(child | parent) from raw counts (prompt weight ignored).
+
+    One unit of smoothing: a continuation seen once gets 0.5, three times 0.75.
+    """
+    total = sum(_raw_weight(c) for c in parent.children.values())
+    return _raw_weight(child) / (total + 1.0)
 
 
 def _depth(node: _Node) -> int:

@@ -130,6 +130,18 @@ def test_prune_respects_capacity_and_keeps_active_prompt_when_possible():
     assert trie.retrieve([1, 2], req_id="a", shape="one").tokens[:2] == (3, 4)
 
 
+def test_min_draft_confidence_cuts_uncertain_continuations():
+    text = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4]
+    loose = make(branch_length=6, max_match_length=1)
+    strict = make(branch_length=6, max_match_length=1, min_draft_confidence=0.5)
+    for trie in (loose, strict):
+        trie.insert_output(text)
+    # after "2": "3" seen 3 times (P ~ 3/4), then "4" 2 of 3 (P ~ 2/4): cumulative ~0.375
+    assert loose.retrieve([2], shape="one").tokens[:2] == (3, 4)
+    assert strict.retrieve([2], shape="one").tokens == (3,)
+    assert strict.retrieve([2], shape="hier").tokens == (3,)
+
+
 def test_budget_zero_and_empty_context():
     trie = make()
     trie.add_request("a", [1, 2, 3])

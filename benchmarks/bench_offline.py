@@ -1,0 +1,596 @@
+"""Offline speed benchmark: plain vLLM vs vLLM ngram vs lookahead, one process, one run.
+
+Terms:
+  cell       one (dataset, batch size) pair; every method generates the same
+             prompts in it, and speedups compare methods within a cell only.
+  chunk      the prompts of one ``llm.generate`` call: one prompt at bs=1, eight
+             at bs=8. For each chunk every method runs once, in an order rotated
+             per chunk, so that noise (another process taking a core) hits all
+             methods alike.
+  cold       ``lookahead``: a fresh engine per cell whose trie is emptied after
+             the untimed warm-up; it then learns from the cell's own prompts and
+             outputs, chunk after chunk (that is the method).
+  warm       ``lookahead-warm``: the same engine config, fresh per cell, whose
+             trie is preloaded before timing with plain vLLM's greedy outputs
+             for the *dev split*: the ``--warm-prompts`` prompts that follow the
+             test prompts in the same dataset (generated untimed).
+  speedup    method tok/s / plain tok/s in the same cell (all tokens / all timed
+             seconds); ``speedup_median`` is the ratio of per-chunk medians and
+             ``speedup_paired`` the median of per-chunk ratios.
+
+Example (the README demo, a few minutes on 2 cores)::
+
+    python benchmarks/bench_offline.py --preset demo
+"""
+
+import os
+
+_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "2",
+    "NUMBA_THREADING_LAYER": "workqueue",
+    "TOKENIZERS_PARALLELISM": "false",
+    # vLLM logs (warnings only: no periodic stats lines) to stderr; the table goes to stdout.
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+for _key, _value in _ENV.items():
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from dataclasses import dataclass, field, fields  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "lookahead", "lookahead-warm"]
+# Methods whose engine is built fresh for every cell (their trie learns).
+PER_CELL = ("lookahead", "lookahead-warm")
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {
+        "datasets": ["humaneval"], "num_prompts": 8, "max_tokens": 128,
+        "batch_sizes": [1], "methods": ["plain", "ngram8", "lookahead"],
+    },
+}
+WARMUP_PROMPT = "The three primary colors are"
+WARMUP_TOKENS = 32
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Other processes' load (cores) above which the run warns that timings are unreliable.
+BUSY_WARNING = 0.25
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**PRESETS[preset])  # explicit flags still win
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="named settings (flags given too override them)")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--num-prompts", type=int, default=20, help="test prompts per dataset")
+    p.add_argument("--warm-prompts", type=int, default=None,
+                   help="dev-split prompts that preload lookahead-warm (default: --num-prompts)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
+                   help="plain, ngram<k>, suffix, lookahead, lookahead-warm (plain is required)")
+    p.add_argument("--k", type=int, default=8, help="lookahead num_speculative_tokens")
+    p.add_argument("--lookahead-config", type=json.loads, default={},
+                   help='JSON for additional_config["lookahead"], e.g. \'{"draft_shape": "one"}\'')
+    p.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2-135M-Instruct fp32)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/offline_<time>.json)")
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if "plain" not in args.methods:
+        parser.error("--methods must include 'plain' (the reference for speedups and mismatches)")
+    if len(set(args.methods)) != len(args.methods):
+        parser.error("--methods has duplicates")
+    if not isinstance(args.lookahead_config, dict):
+        parser.error("--lookahead-config must be a JSON object")
+    if min(args.batch_sizes) < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        parser.error("--batch-sizes, --num-prompts and --max-tokens must be >= 1")
+    if args.warm_prompts is None:
+        args.warm_prompts = args.num_prompts if "lookahead-warm" in args.methods else 0
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    args.out = args.out or RESULTS / f"offline_{stamp}.json"
+    args.plot = args.plot or args.out.with_suffix(".png")
+
+
+# -------------------------------------------------------------------- engines
+def engine_method(method: str) -> str:
+    """The ``engine_kwargs`` method behind a benchmark method name."""
+    return "lookahead" if method in PER_CELL else method
+
+
+def build_engine(method: str, args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    start = time.perf_counter()
+    kwargs = engine_kwargs(engine_method(method), k=args.k, lookahead=args.lookahead_config)
+    llm = LLM(model=str(args.model), **kwargs)
+    llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
+    reset_tries(llm)  # "cold" means cold: forget the warm-up text
+    log(f"built {method} engine in {time.perf_counter() - start:.1f} s")
+    return llm
+
+
+def warmup_params() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS)
+
+
+def free_engine(llm: Any) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def proposers(llm: Any) -> list[Any]:
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    return find_proposers(llm)
+
+
+def reset_tries(llm: Any) -> None:
+    from lookahead_vllm.core.trie import TokenTrie
+
+    for proposer in proposers(llm):
+        proposer.trie = TokenTrie(proposer.config)
+
+
+def preload_trie(llm: Any, outputs: list[list[int]]) -> None:
+    trie = proposers(llm)[0].trie
+    for ids in outputs:
+        trie.insert_output(ids)
+
+
+def trie_nodes(llm: Any) -> int | None:
+    found = proposers(llm)
+    return sum(p.trie.num_nodes for p in found) if found else None
+
+
+def drafter_counters(llm: Any) -> Counter:
+    """Raw ``ProposerStats`` counters summed over the engine's proposers."""
+    total: Counter = Counter()
+    for proposer in proposers(llm):
+        total.update({f.name: getattr(proposer.stats, f.name) for f in fields(proposer.stats)})
+    return total
+
+
+# ---------------------------------------------------------------- CPU meter
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    busy = (user + nice + system + irq + softirq + steal) / CLK_TCK
+    return busy, usage.ru_utime + usage.ru_stime
+
+
+@dataclass(slots=True)
+class CpuMeter:
+    """CPU seconds other processes used between ``start()`` and ``stop()``."""
+
+    other_s: float = 0.0
+    wall_s: float = 0.0
+    # Other processes' CPU seconds per start/stop interval.
+    samples: list[float] = field(default_factory=list)
+    _mark: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def start(self) -> None:
+        self._mark = (*cpu_seconds(), time.perf_counter())
+
+    def stop(self) -> float:
+        busy, own = cpu_seconds()
+        other = max(0.0, (busy - self._mark[0]) - (own - self._mark[1]))
+        self.other_s += other
+        self.samples.append(round(other, 2))
+        self.wall_s += time.perf_counter() - self._mark[2]
+        return other
+
+    def as_dict(self) -> dict[str, float]:
+        cores = self.other_s / self.wall_s if self.wall_s else 0.0
+        return {"other_cpu_s": round(self.other_s, 2), "wall_s": round(self.wall_s, 2),
+                "other_cores_busy": round(cores, 3), "other_cpu_s_per_interval": self.samples}
+
+
+# ---------------------------------------------------------------- measuring
+@dataclass(slots=True)
+class MethodRun:
+    """Everything one method produced in one cell."""
+
+    method: str
+    token_ids: list[list[int]] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    chunk_seconds: list[float] = field(default_factory=list)
+    num_drafts: int = 0
+    num_accepted: int = 0
+    num_draft_tokens: int = 0
+    drafter: Counter = field(default_factory=Counter)
+    # Other processes' CPU seconds during each of this method's timed calls.
+    noise: CpuMeter = field(default_factory=CpuMeter)
+    trie_nodes_start: int | None = None
+    trie_nodes_end: int | None = None
+
+    def run_chunk(self, llm: Any, chunk: list[str], params: Any) -> float:
+        """Generate one chunk, timed; return its tok/s."""
+        from lookahead_vllm.vllm.offline import generate
+
+        before = drafter_counters(llm)
+        self.noise.start()
+        result = generate(llm, chunk, params, batch_size=len(chunk))
+        self.noise.stop()
+        self.drafter.update(drafter_counters(llm) - before)
+        self.token_ids += result.token_ids
+        self.chunk_tokens.append(result.num_tokens)
+        self.chunk_seconds.append(sum(result.seconds))
+        self.num_drafts += result.num_drafts
+        self.num_accepted += result.num_accepted
+        self.num_draft_tokens += result.num_draft_tokens
+        return result.num_tokens / sum(result.seconds)
+
+    @property
+    def chunk_tok_s(self) -> list[float]:
+        return [t / s for t, s in zip(self.chunk_tokens, self.chunk_seconds)]
+
+    @property
+    def tok_s(self) -> float:
+        return sum(self.chunk_tokens) / sum(self.chunk_seconds)
+
+
+def rotated(methods: list[str], i: int) -> list[str]:
+    shift = i % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, params: Any,
+             meter: CpuMeter) -> dict[str, MethodRun]:
+    """Interleave all methods chunk by chunk over ``prompts``."""
+    runs = {m: MethodRun(m, trie_nodes_start=trie_nodes(llm)) for m, llm in engines.items()}
+    chunks = [prompts[lo:lo + bs] for lo in range(0, len(prompts), bs)]
+    for i, chunk in enumerate(chunks):
+        meter.start()
+        speeds = {m: runs[m].run_chunk(engines[m], chunk, params) for m in rotated(list(engines), i)}
+        other = meter.stop()
+        shown = ", ".join(f"{m} {speeds[m]:.1f}" for m in engines)
+        log(f"[{tag}] chunk {i + 1}/{len(chunks)} tok/s: {shown} | other CPU {other:.1f} s")
+    for m, llm in engines.items():
+        runs[m].trie_nodes_end = trie_nodes(llm)
+    return runs
+
+
+# ---------------------------------------------------------------- summaries
+def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
+    from lookahead_vllm.vllm.offline import count_mismatches
+
+    med, plain_med = statistics.median(run.chunk_tok_s), statistics.median(plain.chunk_tok_s)
+    mismatched = [i for i, (a, b) in enumerate(zip(plain.token_ids, run.token_ids)) if a != b]
+    tokens = sum(run.chunk_tokens)
+    return {
+        "method": run.method,
+        "tokens": tokens,
+        "seconds": round(sum(run.chunk_seconds), 3),
+        "tok_s": round(run.tok_s, 2),
+        "median_chunk_tok_s": round(med, 2),
+        "speedup": round(run.tok_s / plain.tok_s, 3),
+        "speedup_median": round(med / plain_med, 3),
+        "speedup_paired": round(statistics.median(
+            a / b for a, b in zip(run.chunk_tok_s, plain.chunk_tok_s)), 3),
+        "mean_acceptance_length": round(1 + run.num_accepted / run.num_drafts, 3) if run.num_drafts else None,
+        "tokens_per_step": round(tokens / (tokens - run.num_accepted), 3),
+        "draft_acceptance_rate": round(run.num_accepted / run.num_draft_tokens, 3) if run.num_draft_tokens else None,
+        "num_drafts": run.num_drafts,
+        "num_accepted": run.num_accepted,
+        "num_draft_tokens": run.num_draft_tokens,
+        **drafter_summary(run.drafter),
+        "trie_nodes_start": run.trie_nodes_start,
+        "trie_nodes": run.trie_nodes_end,
+        "mismatches": count_mismatches(plain.token_ids, run.token_ids),
+        "mismatched_prompts": mismatched,
+        "chunk_tokens": run.chunk_tokens,
+        "chunk_seconds": [round(s, 4) for s in run.chunk_seconds],
+        "chunk_other_cpu_s": run.noise.samples,
+    }
+
+
+def drafter_summary(counters: Counter) -> dict[str, Any]:
+    steps, req_steps = counters.get("steps", 0), counters.get("request_steps", 0)
+    if not steps:
+        return {"drafter_ms_per_step": None, "drafter_ms_per_request_step": None, "drafter_steps": 0}
+    ms = counters["propose_ns"] / 1e6
+    return {"drafter_ms_per_step": round(ms / steps, 4),
+            "drafter_ms_per_request_step": round(ms / max(req_steps, 1), 4), "drafter_steps": steps}
+
+
+def warn_mismatches(cell: dict[str, Any]) -> None:
+    for row in cell["methods"]:
+        if row["mismatches"]:
+            log("!" * 78)
+            log(f"!!! MISMATCH: {cell['dataset']} bs={cell['batch_size']} {row['method']}: "
+                f"{row['mismatches']} prompt(s) differ from plain: {row['mismatched_prompts']}")
+            log("!" * 78)
+
+
+# ------------------------------------------------------------------ drivers
+def tokenizer_for(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+def dataset_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """(test prompts, dev prompts): the first ``num_prompts`` and the next ``warm_prompts``."""
+    from lookahead_vllm.datasets import load_prompts
+
+    wanted = args.num_prompts + args.warm_prompts
+    prompts = load_prompts(dataset, tokenizer, limit=wanted)
+    if len(prompts) < wanted:
+        raise SystemExit(f"{dataset} has {len(prompts)} prompts; --num-prompts + --warm-prompts = {wanted}")
+    return prompts[:args.num_prompts], prompts[args.num_prompts:]
+
+
+def dev_outputs(plain: Any, dev: list[str], params: Any, dataset: str) -> list[list[int]]:
+    """Plain vLLM's greedy outputs for the dev split (untimed)."""
+    from lookahead_vllm.vllm.offline import generate
+
+    start = time.perf_counter()
+    ids = generate(plain, dev, params, batch_size=8).token_ids
+    log(f"[{dataset}] dev split: {len(dev)} prompts generated in {time.perf_counter() - start:.1f} s")
+    return ids
+
+
+def cell_engines(shared: dict[str, Any], args: argparse.Namespace, dev_ids: list[list[int]]) -> dict[str, Any]:
+    """Shared engines plus fresh per-cell ones, in ``--methods`` order."""
+    engines = {}
+    for method in args.methods:
+        engines[method] = shared[method] if method in shared else build_engine(method, args)
+    if "lookahead-warm" in engines:
+        preload_trie(engines["lookahead-warm"], dev_ids)
+    return engines
+
+
+def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]], shared: dict[str, Any],
+               args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    engines = cell_engines(shared, args, dev_ids)
+    meter = CpuMeter()
+    runs = run_cell(f"{dataset} bs={bs}", engines, test, bs, params, meter)
+    for method in PER_CELL:
+        if method in engines:
+            free_engine(engines.pop(method))
+    plain = runs["plain"]
+    rows = [summarize(runs[m], plain) for m in args.methods]
+    cell = {"dataset": dataset, "batch_size": bs, "num_prompts": len(test), **meter.as_dict(), "methods": rows}
+    warn_mismatches(cell)
+    return cell
+
+
+def bench_dataset(dataset: str, shared: dict[str, Any], args: argparse.Namespace, params: Any,
+                  tokenizer: Any) -> list[dict[str, Any]]:
+    test, dev = dataset_split(dataset, args, tokenizer)
+    dev_ids = dev_outputs(shared["plain"], dev, params, dataset) if "lookahead-warm" in args.methods else []
+    return [bench_cell(dataset, bs, test, dev_ids, shared, args, params) for bs in args.batch_sizes]
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
+    tokenizer = tokenizer_for(args.model)
+    shared = {m: build_engine(m, args) for m in args.methods if m not in PER_CELL}
+    meter = CpuMeter()
+    meter.start()
+    cells = [cell for ds in args.datasets for cell in bench_dataset(ds, shared, args, params, tokenizer)]
+    meter.stop()
+    while shared:
+        free_engine(shared.popitem()[1])
+    return {"cells": cells, "run": meter.as_dict()}
+
+
+# ------------------------------------------------------------------ context
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "nproc": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name"),
+        "mem_total": _proc_field("/proc/meminfo", "MemTotal"),
+        "loadavg_at_start": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def git_info() -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+
+
+def context(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "versions": versions(),
+        "git": git_info(),
+        "env": {k: os.environ.get(k) for k in _ENV},
+        "other_cores_busy_at_start": other_load(),
+    }
+
+
+def other_load(seconds: float = 1.0) -> float:
+    """Cores other processes keep busy now; warns when timings will be unreliable."""
+    meter = CpuMeter()
+    meter.start()
+    time.sleep(seconds)
+    meter.stop()
+    cores = meter.as_dict()["other_cores_busy"]
+    if cores > BUSY_WARNING:
+        log(f"WARNING: other processes keep {cores:.2f} cores busy; with OMP_NUM_THREADS="
+            f"{os.environ['OMP_NUM_THREADS']} timings collapse (5-10x) and get noisy. Wait for them, "
+            "or rerun with OMP_NUM_THREADS=1. Methods are interleaved, so ratios suffer less than absolute tok/s.")
+    return cores
+
+
+# ------------------------------------------------------------------- output
+COLUMNS = ["dataset", "bs", "method", "tok/s", "med tok/s", "speedup", "med", "paired", "MAL",
+           "tok/step", "drafter ms", "trie nodes", "mismatch"]
+LEFT = {"dataset", "method"}
+
+
+def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
+    def opt(value: Any, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value)
+
+    return [cell["dataset"], str(cell["batch_size"]), row["method"], f"{row['tok_s']:.1f}",
+            f"{row['median_chunk_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['speedup_median']:.2f}x",
+            f"{row['speedup_paired']:.2f}x", opt(row["mean_acceptance_length"], "{:.2f}"),
+            f"{row['tokens_per_step']:.2f}",
+            opt(row["drafter_ms_per_step"], "{:.3f}"), opt(row["trie_nodes"], "{}"), str(row["mismatches"])]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """One row per (dataset, bs, method), then a noise line per cell."""
+    body = [[table_cells(cell, row) for row in cell["methods"]] for cell in report["cells"]]
+    widths = [max(len(c[i]) for c in [COLUMNS, *sum(body, [])]) for i in range(len(COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.ljust(w) if name in LEFT else v.rjust(w) for name, v, w in zip(COLUMNS, values, widths))
+
+    lines = [line(COLUMNS), "-" * len(line(COLUMNS))]
+    for cell, rows in zip(report["cells"], body):
+        lines += [line(values) for values in rows]
+        lines.append(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
+                     f"({cell['other_cores_busy']:.2f} cores busy)")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["cells"]
+    ncols = min(2, len(cells))
+    nrows = (len(cells) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, 4.5 * nrows + 1), squeeze=False)
+    for ax, cell in zip(axes.flat, cells):
+        plot_cell(ax, cell)
+    for ax in list(axes.flat)[len(cells):]:
+        ax.axis("off")
+    args = report["args"]
+    fig.suptitle(f"Offline speedup vs plain vLLM\n{Path(args['model']).name}, greedy, "
+                 f"max_tokens={args['max_tokens']}, lookahead k={args['k']}", fontsize=10)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8,
+               title="bar labels: tok/s speedup, mean acceptance length (MAL)", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.1 / nrows, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_cell(ax: Any, cell: dict[str, Any]) -> None:
+    rows = cell["methods"]
+    xs = range(len(rows))
+    width = 0.38
+    total = ax.bar([x - width / 2 for x in xs], [r["speedup"] for r in rows], width, label="tok/s ratio")
+    ax.bar([x + width / 2 for x in xs], [r["speedup_median"] for r in rows], width, label="per-chunk median ratio")
+    for bar, row in zip(total, rows):
+        ax.annotate(bar_label(row), (bar.get_x() + width, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xticks(list(xs), [r["method"] for r in rows], rotation=15)
+    ax.set_ylabel("speedup vs plain")
+    ax.set_ylim(0, max(max(r["speedup"], r["speedup_median"]) for r in rows) * 1.25)
+    plain = rows[0]["tok_s"] if rows[0]["method"] == "plain" else None
+    ax.set_title(f"{cell['dataset']} bs={cell['batch_size']} ({cell['num_prompts']} prompts"
+                 + (f", plain {plain:.1f} tok/s)" if plain else ")"))
+
+
+def bar_label(row: dict[str, Any]) -> str:
+    mal = row["mean_acceptance_length"]
+    label = f"{row['speedup']:.2f}x" + ("" if mal is None else f"\nMAL {mal:.2f}")
+    return label + ("\nMISMATCH" if row["mismatches"] else "")
+
+
+def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, args.plot)
+    for src, dst in ((args.out, RESULTS / "offline_latest.json"), (args.plot, RESULTS / "offline_latest.png")):
+        if src.resolve() != dst.resolve():
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    log(f"wrote {args.out} and {args.plot} (copies: {RESULTS}/offline_latest.{{json,png}})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.model is None:
+        from lookahead_vllm.models import prepare_smollm2
+
+        args.model = prepare_smollm2()
+    start = time.perf_counter()
+    report = context(args)
+    report.update(run_benchmark(args))
+    report["total_wall_s"] = round(time.perf_counter() - start, 1)
+    print(format_table(report))
+    print(f"total wall time {report['total_wall_s']:.1f} s; other processes "
+          f"{report['run']['other_cores_busy']:.2f} cores busy on average")
+    write_outputs(report, args)
+
+
+if __name__ == "__main__":
+    main()

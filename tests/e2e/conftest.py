@@ -1,0 +1,58 @@
+"""Engines and prompts shared by the end-to-end tests (SmolLM2-135M-Instruct, fp32, CPU)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from lookahead_vllm.vllm.offline import engine_kwargs
+
+# Kept short so the default suite stays fast; the slow suite uses 256.
+MAX_TOKENS = 64
+NUM_HUMANEVAL = 20
+NUM_MTBENCH = 10
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> dict[str, list[str]]:
+    from lookahead_vllm.datasets import load_prompts
+
+    return {
+        "humaneval": load_prompts("humaneval", tokenizer, NUM_HUMANEVAL),
+        "mtbench": load_prompts("mtbench", tokenizer, NUM_MTBENCH),
+    }
+
+
+class Engines:
+    """Lazily built engines, one per method, kept for the whole session."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._llms: dict[str, object] = {}
+
+    def get(self, name: str, **kwargs):
+        if name not in self._llms:
+            from vllm import LLM
+
+            method = "lookahead" if name.startswith("lookahead") else name
+            self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
+        return self._llms[name]
+
+    def close(self) -> None:
+        self._llms.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def engines(smollm2_dir):
+    pool = Engines(smollm2_dir)
+    yield pool
+    pool.close()
