@@ -45,6 +45,9 @@ class LookaheadConfig:
     # Stop a branch once the product of smoothed P(child | parent) along it
     # falls below this (0 drafts the full budget whenever the trie matches).
     min_draft_confidence: float = 0.0
+    # Draft tokens per engine step across the whole batch, given to the most
+    # confident positions first (0 = no cap: decoding_length per request).
+    step_draft_budget: int = 0
     # Draft shape: "hier", "par" or "one".
     draft_shape: str = "one"
     # Insert generated tokens into the trie (shared across requests).
@@ -60,6 +63,7 @@ class LookaheadConfig:
         _check_int("min_retrieved_nodes", self.min_retrieved_nodes, 1, 1 << 16)
         _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
+        _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")

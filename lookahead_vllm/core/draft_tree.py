@@ -33,10 +33,15 @@ class DraftTree:
     parents: tuple[int, ...]
     # Ranking weight of each node (higher = more likely); used for best_chain.
     weights: tuple[float, ...]
+    # Estimated probability that the whole root-to-node path is accepted
+    # (product of smoothed P(child | parent)); empty means unknown (all 1.0).
+    confidence: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.tokens) == len(self.parents) == len(self.weights):
             raise ValueError("tokens, parents and weights must have equal length")
+        if self.confidence and len(self.confidence) != len(self.tokens):
+            raise ValueError("confidence must be empty or one value per node")
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise ValueError(f"parents[{i}]={p}: must be in [-1, {i - 1}] (parent first)")
@@ -86,16 +91,23 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
-    def best_chain(self) -> list[int]:
-        """Tokens of the path that follows the heaviest child from the root."""
+    def node_confidence(self, i: int) -> float:
+        return self.confidence[i] if self.confidence else 1.0
+
+    def best_path(self) -> list[int]:
+        """Node indices of the path that follows the heaviest child from the root."""
         kids = self.children()
-        chain: list[int] = []
+        path: list[int] = []
         node = -1
         while kids[node]:
             node = max(kids[node], key=lambda c: self.weights[c])
-            chain.append(self.tokens[node])
-        return chain
+            path.append(node)
+        return path
+
+    def best_chain(self) -> list[int]:
+        """Tokens of :meth:`best_path`."""
+        return [self.tokens[i] for i in self.best_path()]
 
     def truncate(self, k: int) -> "DraftTree":
         """The first ``k`` nodes (still a valid tree because parents come first)."""
-        return DraftTree(self.tokens[:k], self.parents[:k], self.weights[:k])
+        return DraftTree(self.tokens[:k], self.parents[:k], self.weights[:k], self.confidence[:k])

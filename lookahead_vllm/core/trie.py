@@ -165,15 +165,16 @@ class TokenTrie:
     def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int) -> DraftTree:
         if shape == "one":
             return self._select_chain(start, min(budget, max_depth), slot)
-        picked = self._best_first(start, budget, max_depth, slot)
+        picked, confidence = self._best_first(start, budget, max_depth, slot)
         if shape == "hier":
-            return _flatten_dfs(start, picked)
-        return _flatten_parallel(start, picked, budget)
+            return _flatten_dfs(start, picked, confidence)
+        return _flatten_parallel(start, picked, confidence, budget)
 
     def _select_chain(self, node: _Node, depth: int, slot: int) -> DraftTree:
         pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
         tokens: list[int] = []
         weights: list[float] = []
+        confs: list[float] = []
         confidence = 1.0
         while node.children and len(tokens) < depth:
             parent = node
@@ -183,10 +184,16 @@ class TokenTrie:
                 break
             tokens.append(node.token)
             weights.append(node.weight(slot, pw))
-        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(weights))
+            confs.append(confidence)
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(weights), tuple(confs))
 
-    def _best_first(self, start: _Node, budget: int, max_depth: int, slot: int) -> dict[_Node, float]:
-        """Up to ``budget`` heaviest nodes below ``start`` forming a connected tree."""
+    def _best_first(
+        self, start: _Node, budget: int, max_depth: int, slot: int
+    ) -> tuple[dict[_Node, float], dict[_Node, float]]:
+        """Up to ``budget`` heaviest nodes below ``start`` forming a connected tree.
+
+        Returns their weights and the path confidence of every visited node.
+        """
         pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
         picked: dict[_Node, float] = {}
         heap: list[tuple[float, int, int, _Node]] = []
@@ -211,7 +218,7 @@ class TokenTrie:
             picked[node] = -neg_w
             depth_of[node] = depth_of[node.parent] + 1
             push(node, depth_of[node] + 1)
-        return picked
+        return picked, confidence
 
     # -------------------------------------------------------------- internals
     def _child(self, node: _Node, token: int) -> _Node:
@@ -335,11 +342,12 @@ def _iter_nodes(root: _Node):
         stack.extend(node.children.values())
 
 
-def _flatten_dfs(start: _Node, picked: dict[_Node, float]) -> DraftTree:
+def _flatten_dfs(start: _Node, picked: dict[_Node, float], confidence: dict[_Node, float]) -> DraftTree:
     """DFS order, children heaviest first, parents before children."""
     tokens: list[int] = []
     parents: list[int] = []
     weights: list[float] = []
+    confs: list[float] = []
     stack: list[tuple[_Node, int]] = [(c, -1) for c in _ranked(start, picked)[::-1]]
     while stack:
         node, parent = stack.pop()
@@ -347,8 +355,9 @@ def _flatten_dfs(start: _Node, picked: dict[_Node, float]) -> DraftTree:
         tokens.append(node.token)
         parents.append(parent)
         weights.append(picked[node])
+        confs.append(confidence[node])
         stack.extend((c, idx) for c in _ranked(node, picked)[::-1])
-    return DraftTree(tuple(tokens), tuple(parents), tuple(weights))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
 
 
 def _ranked(node: _Node, picked: dict[_Node, float]) -> list[_Node]:
@@ -357,13 +366,16 @@ def _ranked(node: _Node, picked: dict[_Node, float]) -> list[_Node]:
     return kids
 
 
-def _flatten_parallel(start: _Node, picked: dict[_Node, float], budget: int) -> DraftTree:
+def _flatten_parallel(
+    start: _Node, picked: dict[_Node, float], confidence: dict[_Node, float], budget: int
+) -> DraftTree:
     """Whole root-to-leaf branches side by side (no merging), heaviest leaf first."""
     leaves = [n for n in picked if not any(c in picked for c in n.children.values())]
     leaves.sort(key=lambda n: (-picked[n], n.token))
     tokens: list[int] = []
     parents: list[int] = []
     weights: list[float] = []
+    confs: list[float] = []
     for leaf in leaves:
         path = []
         node = leaf
@@ -376,4 +388,5 @@ def _flatten_parallel(start: _Node, picked: dict[_Node, float], budget: int) -> 
             parents.append(-1 if j == 0 else len(tokens) - 1)
             tokens.append(node.token)
             weights.append(picked[node])
-    return DraftTree(tuple(tokens), tuple(parents), tuple(weights))
+            confs.append(confidence[node])
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))

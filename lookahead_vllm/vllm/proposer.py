@@ -21,6 +21,8 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
+from lookahead_vllm.core.budget import allocate_step_budget
+from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.trie import TokenTrie
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 
@@ -93,20 +95,30 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
-        drafts: list[list[int]] = []
+        trees: list[DraftTree] = []
         active = 0
         for i, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[i])
             if not sampled or num_tokens >= self.max_model_len:
-                drafts.append([])
+                trees.append(DraftTree.empty())
                 continue
             req_id = batch.req_ids[i]
             active += 1
             self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
             budget = min(self.config.decoding_length, self.max_model_len - num_tokens - 1)
-            drafts.append(self._draft(req_id, token_ids_cpu[i], num_tokens, budget))
+            trees.append(self._draft(req_id, token_ids_cpu[i], num_tokens, budget))
+        drafts = self._chains_within_step_budget(trees)
         self._account(drafts, active, start)
         return drafts
+
+    def _chains_within_step_budget(self, trees: list[DraftTree]) -> list[list[int]]:
+        """Best chain per request, cut so the batch drafts <= step_draft_budget tokens."""
+        paths = [tree.best_path() for tree in trees]
+        keep = [len(p) for p in paths]
+        if self.config.step_draft_budget:
+            confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
+            keep = allocate_step_budget(confs, self.config.step_draft_budget)
+        return [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
 
     def _sync_request(self, req_id: str, row: int, num_tokens: int, token_ids: np.ndarray, batch: Any) -> None:
         done = self._inserted.get(req_id)
@@ -118,13 +130,12 @@ class LookaheadProposer:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
         self._inserted[req_id] = max(done, num_tokens)
 
-    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int) -> list[int]:
+    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int) -> DraftTree:
         if budget <= 0:
-            return []
+            return DraftTree.empty()
         lo = max(0, num_tokens - self.config.max_match_length)
         context = tokens[lo:num_tokens].tolist()
-        tree = self.trie.retrieve(context, budget=budget, req_id=req_id)
-        return tree.best_chain()
+        return self.trie.retrieve(context, budget=budget, req_id=req_id)
 
     def _account(self, drafts: list[list[int]], active: int, start_ns: int) -> None:
         s = self.stats

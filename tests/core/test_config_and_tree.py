@@ -71,3 +71,34 @@ def test_chain_tree():
     t = DraftTree.chain([4, 5, 6])
     assert t.depths == (1, 2, 3)
     assert np.array_equal(t.ancestor_mask(), np.tril(np.ones((3, 3), dtype=bool)))
+
+
+def test_step_budget_keeps_most_confident_prefixes():
+    from lookahead_vllm.core.budget import allocate_step_budget
+
+    assert allocate_step_budget([[0.9, 0.5, 0.2], [0.8, 0.7]], 3) == [1, 2]
+    assert allocate_step_budget([[0.9, 0.5], [0.8]], 10) == [2, 1]
+    assert allocate_step_budget([[], [0.3]], 0) == [0, 0]
+
+
+def test_step_budget_properties():
+    import random
+
+    from lookahead_vllm.core.budget import allocate_step_budget
+
+    rng = random.Random(0)
+    for _ in range(300):
+        confs = []
+        for _ in range(rng.randint(0, 6)):
+            c, chain = 1.0, []
+            for _ in range(rng.randint(0, 8)):
+                c *= rng.uniform(0.1, 0.99)
+                chain.append(c)
+            confs.append(chain)
+        budget = rng.randint(0, 20)
+        keep = allocate_step_budget(confs, budget)
+        assert sum(keep) == min(budget, sum(map(len, confs)))
+        assert all(0 <= k <= len(c) for k, c in zip(keep, confs))
+        kept = [c for k, chain in zip(keep, confs) for c in chain[:k]]
+        dropped = [c for k, chain in zip(keep, confs) for c in chain[k:]]
+        assert not kept or not dropped or min(kept) >= max(dropped)
