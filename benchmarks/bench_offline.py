@@ -59,7 +59,9 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "lookahead", "lookahead-warm"]
 # Methods whose engine is built fresh for every cell (their trie learns).
-PER_CELL = ("lookahead", "lookahead-warm")
+# Any method named "lookahead..." ("lookahead", "lookahead-warm", or a
+# "lookahead:NAME" variant from --variant) is per-cell.
+PER_CELL = "lookahead"
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "datasets": ["humaneval"], "num_prompts": 8, "max_tokens": 128,
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=8, help="lookahead num_speculative_tokens")
     p.add_argument("--lookahead-config", type=json.loads, default={},
                    help='JSON for additional_config["lookahead"], e.g. \'{"draft_shape": "one"}\'')
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="extra lookahead method 'lookahead:NAME' with these config overrides (repeatable)")
     p.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2-135M-Instruct fp32)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/offline_<time>.json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
@@ -113,6 +117,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--methods must include 'plain' (the reference for speedups and mismatches)")
     if len(set(args.methods)) != len(args.methods):
         parser.error("--methods has duplicates")
+    args.variants = {}
+    for spec in args.variant:
+        name, _, config = spec.partition("=")
+        try:
+            args.variants[f"lookahead:{name}"] = json.loads(config or "{}")
+        except json.JSONDecodeError as exc:
+            parser.error(f"--variant {spec!r}: {exc}")
+        if f"lookahead:{name}" not in args.methods:
+            args.methods.append(f"lookahead:{name}")
     if not isinstance(args.lookahead_config, dict):
         parser.error("--lookahead-config must be a JSON object")
     if min(args.batch_sizes) < 1 or args.num_prompts < 1 or args.max_tokens < 1:
@@ -127,7 +140,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 # -------------------------------------------------------------------- engines
 def engine_method(method: str) -> str:
     """The ``engine_kwargs`` method behind a benchmark method name."""
-    return "lookahead" if method in PER_CELL else method
+    return "lookahead" if method.startswith(PER_CELL) else method
+
+
+def lookahead_config(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--lookahead-config, updated by the method's --variant settings."""
+    return {**args.lookahead_config, **args.variants.get(method, {})}
 
 
 def build_engine(method: str, args: argparse.Namespace) -> Any:
@@ -136,7 +154,7 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     from lookahead_vllm.vllm.offline import engine_kwargs
 
     start = time.perf_counter()
-    kwargs = engine_kwargs(engine_method(method), k=args.k, lookahead=args.lookahead_config)
+    kwargs = engine_kwargs(engine_method(method), k=args.k, lookahead=lookahead_config(method, args))
     llm = LLM(model=str(args.model), **kwargs)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
     reset_tries(llm)  # "cold" means cold: forget the warm-up text
@@ -387,9 +405,8 @@ def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]],
     engines = cell_engines(shared, args, dev_ids)
     meter = CpuMeter()
     runs = run_cell(f"{dataset} bs={bs}", engines, test, bs, params, meter)
-    for method in PER_CELL:
-        if method in engines:
-            free_engine(engines.pop(method))
+    for method in [m for m in engines if m.startswith(PER_CELL)]:
+        free_engine(engines.pop(method))
     plain = runs["plain"]
     rows = [summarize(runs[m], plain) for m in args.methods]
     cell = {"dataset": dataset, "batch_size": bs, "num_prompts": len(test), **meter.as_dict(), "methods": rows}
@@ -409,7 +426,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
     tokenizer = tokenizer_for(args.model)
-    shared = {m: build_engine(m, args) for m in args.methods if m not in PER_CELL}
+    shared = {m: build_engine(m, args) for m in args.methods if not m.startswith(PER_CELL)}
     meter = CpuMeter()
     meter.start()
     cells = [cell for ds in args.datasets for cell in bench_dataset(ds, shared, args, params, tokenizer)]

@@ -43,8 +43,10 @@ class LookaheadConfig:
     # Multiplier of the requesting request's own prompt counts vs output counts.
     prompt_weight: float = 1e4
     # Stop a branch once the product of smoothed P(child | parent) along it
-    # falls below this (0 drafts the full budget whenever the trie matches).
-    min_draft_confidence: float = 0.0
+    # falls below this floor times the number of requests drafting in the step
+    # (a draft token's worth shrinks with the batch, its cost does not).
+    # 0 drafts the full budget whenever the trie matches.
+    min_draft_confidence: float = 0.025
     # Draft tokens per engine step across the whole batch, given to the most
     # confident positions first (0 = no cap: decoding_length per request).
     step_draft_budget: int = 0

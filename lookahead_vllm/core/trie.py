@@ -137,15 +137,19 @@ class TokenTrie:
         budget: int | None = None,
         req_id: Hashable | None = None,
         shape: str | None = None,
+        min_confidence: float | None = None,
     ) -> DraftTree:
         """Draft tree for the tokens that follow ``context`` (multi-stage matching).
 
         ``context`` ends with the root (the last committed token); at most
-        ``budget`` nodes (default ``decoding_length``) are returned.
+        ``budget`` nodes (default ``decoding_length``) are returned, none whose
+        path confidence is below ``min_confidence`` (default
+        ``min_draft_confidence``).
         """
         cfg = self.config
         budget = cfg.decoding_length if budget is None else budget
         shape = cfg.draft_shape if shape is None else shape
+        floor = cfg.min_draft_confidence if min_confidence is None else min_confidence
         if budget <= 0 or not context:
             return DraftTree.empty()
         slot = self._requests[req_id].slot if req_id in self._requests else -1
@@ -155,23 +159,23 @@ class TokenTrie:
             node = self._walk(context[len(context) - m:], create=False)
             if node is None or not node.children:
                 continue
-            tree = self._select(node, budget, cfg.branch_length - m, shape, slot)
+            tree = self._select(node, budget, cfg.branch_length - m, shape, slot, floor)
             if len(tree) > len(best):
                 best = tree
             if len(tree) >= min(cfg.min_retrieved_nodes, budget):
                 break
         return best
 
-    def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int) -> DraftTree:
+    def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int, floor: float) -> DraftTree:
         if shape == "one":
-            return self._select_chain(start, min(budget, max_depth), slot)
-        picked, confidence = self._best_first(start, budget, max_depth, slot)
+            return self._select_chain(start, min(budget, max_depth), slot, floor)
+        picked, confidence = self._best_first(start, budget, max_depth, slot, floor)
         if shape == "hier":
             return _flatten_dfs(start, picked, confidence)
         return _flatten_parallel(start, picked, confidence, budget)
 
-    def _select_chain(self, node: _Node, depth: int, slot: int) -> DraftTree:
-        pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
+    def _select_chain(self, node: _Node, depth: int, slot: int, floor: float) -> DraftTree:
+        pw = self.config.prompt_weight
         tokens: list[int] = []
         weights: list[float] = []
         confs: list[float] = []
@@ -188,13 +192,13 @@ class TokenTrie:
         return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(weights), tuple(confs))
 
     def _best_first(
-        self, start: _Node, budget: int, max_depth: int, slot: int
+        self, start: _Node, budget: int, max_depth: int, slot: int, floor: float
     ) -> tuple[dict[_Node, float], dict[_Node, float]]:
         """Up to ``budget`` heaviest nodes below ``start`` forming a connected tree.
 
         Returns their weights and the path confidence of every visited node.
         """
-        pw, floor = self.config.prompt_weight, self.config.min_draft_confidence
+        pw = self.config.prompt_weight
         picked: dict[_Node, float] = {}
         heap: list[tuple[float, int, int, _Node]] = []
         counter = 0

@@ -39,6 +39,8 @@ class ProposerStats:
     draft_tokens: int = 0
     # Wall time spent in propose(), nanoseconds.
     propose_ns: int = 0
+    # Largest number of draft tokens handed out in one step (whole batch).
+    max_step_draft_tokens: int = 0
 
     def as_dict(self) -> dict[str, float]:
         per_req = self.request_steps or 1
@@ -46,6 +48,7 @@ class ProposerStats:
             "steps": self.steps,
             "request_steps": self.request_steps,
             "draft_tokens": self.draft_tokens,
+            "max_step_draft_tokens": self.max_step_draft_tokens,
             "drafter_ms_per_step": self.propose_ns / 1e6 / (self.steps or 1),
             "drafter_ms_per_request_step": self.propose_ns / 1e6 / per_req,
         }
@@ -95,20 +98,20 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
-        trees: list[DraftTree] = []
-        active = 0
-        for i, sampled in enumerate(sampled_token_ids):
+        rows = [
+            i for i, sampled in enumerate(sampled_token_ids)
+            if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
+        ]
+        floor = min(1.0, self.config.min_draft_confidence * len(rows))
+        trees = [DraftTree.empty()] * len(sampled_token_ids)
+        for i in rows:
             num_tokens = int(num_tokens_no_spec[i])
-            if not sampled or num_tokens >= self.max_model_len:
-                trees.append(DraftTree.empty())
-                continue
             req_id = batch.req_ids[i]
-            active += 1
             self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
             budget = min(self.config.decoding_length, self.max_model_len - num_tokens - 1)
-            trees.append(self._draft(req_id, token_ids_cpu[i], num_tokens, budget))
+            trees[i] = self._draft(req_id, token_ids_cpu[i], num_tokens, budget, floor)
         drafts = self._chains_within_step_budget(trees)
-        self._account(drafts, active, start)
+        self._account(drafts, len(rows), start)
         return drafts
 
     def _chains_within_step_budget(self, trees: list[DraftTree]) -> list[list[int]]:
@@ -130,18 +133,20 @@ class LookaheadProposer:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
         self._inserted[req_id] = max(done, num_tokens)
 
-    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int) -> DraftTree:
+    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int, floor: float) -> DraftTree:
         if budget <= 0:
             return DraftTree.empty()
         lo = max(0, num_tokens - self.config.max_match_length)
         context = tokens[lo:num_tokens].tolist()
-        return self.trie.retrieve(context, budget=budget, req_id=req_id)
+        return self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
 
     def _account(self, drafts: list[list[int]], active: int, start_ns: int) -> None:
         s = self.stats
         s.steps += 1
         s.request_steps += active
-        s.draft_tokens += sum(len(d) for d in drafts)
+        step_tokens = sum(len(d) for d in drafts)
+        s.draft_tokens += step_tokens
+        s.max_step_draft_tokens = max(s.max_step_draft_tokens, step_tokens)
         s.propose_ns += time.perf_counter_ns() - start_ns
 
 

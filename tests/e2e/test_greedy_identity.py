@@ -59,6 +59,18 @@ def test_tree_shapes_verified_as_best_chain_stay_lossless(engines, prompts):
     assert ours.num_drafts > 0
 
 
+def test_step_draft_budget_honoured_and_lossless(engines, prompts):
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    plain = _plain(engines, prompts, "humaneval", 8)
+    llm = engines.get("lookahead-budget", lookahead={"step_draft_budget": 4})
+    ours = generate(llm, prompts["humaneval"], _greedy(), 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    (proposer,) = find_proposers(llm)
+    assert proposer.stats.max_step_draft_tokens <= 4
+    assert ours.num_drafts > 0
+
+
 def test_proposer_state_released_after_requests_finish(engines, prompts):
     from lookahead_vllm.vllm.proposer import find_proposers
 

@@ -57,6 +57,12 @@ def test_plain_config_untouched(tiny_llama_dir):
         ({"trie_capacity": 1}, 8, r"trie_capacity=1: must be in \[64,"),
         ({"prompt_weight": "high"}, 8, r"prompt_weight='high': must be a number"),
         ({"draft_shape": "star"}, 8, r"draft_shape='star': must be one of"),
+        ({"min_retrieved_nodes": 0}, 8, r"min_retrieved_nodes=0: must be in \[1, 65536\]"),
+        ({"min_match_length": 7}, 8, r"min_match_length=7: must be in \[1, 6\]"),
+        ({"min_draft_confidence": -0.1}, 8, r"min_draft_confidence=-0.1: must be in \[0, 1\]"),
+        ({"step_draft_budget": -1}, 8, r"step_draft_budget=-1: must be in \[0, 65536\]"),
+        ({"insert_prompt": 1}, 8, r"insert_prompt=1: must be true or false"),
+        ({"insert_output": None}, 8, r"insert_output=None: must be true or false"),
         ({"bogus": 1}, 8, r"unknown lookahead config key\(s\) \['bogus'\]"),
     ],
 )
@@ -67,6 +73,11 @@ def test_bad_lookahead_config_rejected_before_engine(tiny_llama_dir, lookahead, 
             speculative_config={"method": "lookahead", "num_speculative_tokens": k},
             additional_config={"lookahead": lookahead},
         )
+
+
+def test_non_mapping_lookahead_config_rejected(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"additional_config\['lookahead'\] must be a mapping"):
+        _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead"}, additional_config={"lookahead": [1]})
 
 
 def test_lookahead_with_draft_model_rejected(tiny_llama_dir):
