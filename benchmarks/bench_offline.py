@@ -25,20 +25,10 @@ Example (the README demo, a few minutes on 2 cores)::
 
 import os
 
-_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "2",
-    "NUMBA_THREADING_LAYER": "workqueue",
-    "TOKENIZERS_PARALLELISM": "false",
-    # vLLM logs (warnings only: no periodic stats lines) to stderr; the table goes to stdout.
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-}
-for _key, _value in _ENV.items():
-    os.environ.setdefault(_key, _value)
+from lookahead_vllm.vllm.offline import apply_cpu_env
+
+# vLLM logs (warnings only: no periodic stats lines) to stderr; the table goes to stdout.
+apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING", VLLM_LOGGING_STREAM="ext://sys.stderr")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
-for key, value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "2",
-    "NUMBA_THREADING_LAYER": "workqueue",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(key, value)
+from lookahead_vllm.vllm.offline import apply_cpu_env
+
+apply_cpu_env()
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

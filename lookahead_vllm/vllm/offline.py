@@ -8,9 +8,29 @@ is built the same way::
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+# Environment for fast, deterministic single-process vLLM on a small CPU
+# machine (see DESIGN.md); must be applied before vllm is imported.
+CPU_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "2",
+    "NUMBA_THREADING_LAYER": "workqueue",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_cpu_env(**extra: str) -> None:
+    """Set :data:`CPU_ENV` (and ``extra``) where the caller has not set them."""
+    for key, value in {**CPU_ENV, **extra}.items():
+        os.environ.setdefault(key, value)
 
 # Methods understood by engine_kwargs: "plain", "lookahead", "ngram<k>", "suffix".
 CPU_DEFAULTS: dict[str, Any] = {
