@@ -25,10 +25,11 @@ Example (the README demo, a few minutes on 2 cores)::
 
 import os
 
-from lookahead_vllm.vllm.offline import apply_cpu_env
+from lookahead_vllm.vllm.offline import CPU_ENV, apply_cpu_env
 
 # vLLM logs (warnings only: no periodic stats lines) to stderr; the table goes to stdout.
-apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING", VLLM_LOGGING_STREAM="ext://sys.stderr")
+_LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+apply_cpu_env(**_LOG_ENV)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -123,7 +124,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.warm_prompts is None:
         args.warm_prompts = args.num_prompts if "lookahead-warm" in args.methods else 0
     stamp = time.strftime("%Y%m%d_%H%M%S")
+    # Runs that write inside benchmarks/results/ also refresh offline_latest.*;
+    # runs writing elsewhere (tests, scratch) leave the committed results alone.
     args.out = args.out or RESULTS / f"offline_{stamp}.json"
+    args.copy_latest = args.out.resolve().parent == RESULTS.resolve()
     args.plot = args.plot or args.out.with_suffix(".png")
 
 
@@ -159,6 +163,12 @@ def warmup_params() -> Any:
 
 
 def free_engine(llm: Any) -> None:
+    """Shut an engine down to free its memory.
+
+    In-process engines share vLLM's global parallel groups and shutdown destroys
+    them: the next engine build re-creates them, so a shared engine must not run
+    between a shutdown and the next build (bench_cell builds first).
+    """
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
@@ -404,22 +414,24 @@ def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]],
     return cell
 
 
-def bench_dataset(dataset: str, shared: dict[str, Any], args: argparse.Namespace, params: Any,
-                  tokenizer: Any) -> list[dict[str, Any]]:
-    test, dev = dataset_split(dataset, args, tokenizer)
-    dev_ids = dev_outputs(shared["plain"], dev, params, dataset) if "lookahead-warm" in args.methods else []
-    return [bench_cell(dataset, bs, test, dev_ids, shared, args, params) for bs in args.batch_sizes]
-
-
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
     tokenizer = tokenizer_for(args.model)
     shared = {m: build_engine(m, args) for m in args.methods if not m.startswith(PER_CELL)}
+    # Everything that uses the shared engines outside a cell happens here, first:
+    # shutting a per-cell engine down tears down vLLM's process-global parallel
+    # groups, which only the next engine build re-creates (see free_engine).
+    splits = {ds: dataset_split(ds, args, tokenizer) for ds in args.datasets}
+    warm = "lookahead-warm" in args.methods
+    dev_ids = {ds: dev_outputs(shared["plain"], dev, params, ds) if warm else [] for ds, (_, dev) in splits.items()}
     meter = CpuMeter()
     meter.start()
-    cells = [cell for ds in args.datasets for cell in bench_dataset(ds, shared, args, params, tokenizer)]
+    cells = [
+        bench_cell(ds, bs, splits[ds][0], dev_ids[ds], shared, args, params)
+        for ds in args.datasets for bs in args.batch_sizes
+    ]
     meter.stop()
     while shared:
         free_engine(shared.popitem()[1])
@@ -471,7 +483,7 @@ def context(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "versions": versions(),
         "git": git_info(),
-        "env": {k: os.environ.get(k) for k in _ENV},
+        "env": {k: os.environ.get(k) for k in {**CPU_ENV, **_LOG_ENV}},
         "other_cores_busy_at_start": other_load(),
     }
 
@@ -576,11 +588,13 @@ def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     plot(report, args.plot)
+    log(f"wrote {args.out} and {args.plot}")
+    if not args.copy_latest:
+        return
     for src, dst in ((args.out, RESULTS / "offline_latest.json"), (args.plot, RESULTS / "offline_latest.png")):
         if src.resolve() != dst.resolve():
-            RESULTS.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
-    log(f"wrote {args.out} and {args.plot} (copies: {RESULTS}/offline_latest.{{json,png}})")
+    log(f"copied to {RESULTS}/offline_latest.{{json,png}}")
 
 
 def main(argv: list[str] | None = None) -> None:

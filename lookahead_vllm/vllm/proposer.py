@@ -24,9 +24,14 @@ from vllm.logger import init_logger
 from lookahead_vllm.core.budget import allocate_step_budget
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.trie import TokenTrie
+from lookahead_vllm.vllm import patches
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 
 logger = init_logger(__name__)
+
+# The batch-scaled confidence floor never exceeds this, so large batches still
+# draft their most certain continuations.
+MAX_CONFIDENCE_FLOOR = 0.5
 
 
 @dataclass(slots=True)
@@ -58,6 +63,8 @@ class LookaheadProposer:
     """Drafts chains from the engine-wide :class:`TokenTrie`."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
+        if not patches.apply("runner_request_ids"):
+            raise RuntimeError("lookahead needs the runner_request_ids patch, which failed (see log)")
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
@@ -95,6 +102,7 @@ class LookaheadProposer:
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
         slot_mappings: Any = None,
     ) -> list[list[int]]:
+        """One draft chain per batch row (``[]`` = no draft); see the module docstring."""
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
@@ -102,7 +110,7 @@ class LookaheadProposer:
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
         ]
-        floor = min(1.0, self.config.min_draft_confidence * len(rows))
+        floor = min(MAX_CONFIDENCE_FLOOR, self.config.min_draft_confidence * len(rows))
         trees = [DraftTree.empty()] * len(sampled_token_ids)
         for i in rows:
             num_tokens = int(num_tokens_no_spec[i])
@@ -125,6 +133,9 @@ class LookaheadProposer:
 
     def _sync_request(self, req_id: str, row: int, num_tokens: int, token_ids: np.ndarray, batch: Any) -> None:
         done = self._inserted.get(req_id)
+        if done is not None and num_tokens < done:  # the runner rewound tokens: start over
+            self.finish(req_id)
+            done = None
         if done is None:
             num_prompt = int(batch.num_prompt_tokens[row])
             self.trie.add_request(req_id, token_ids[row, :num_prompt].tolist())

@@ -84,11 +84,15 @@ def test_retrieve_prefers_own_prompt_and_longest_match():
 
 
 def test_retrieve_shortens_match_when_too_few_nodes():
-    trie = make(branch_length=5, max_match_length=3, min_retrieved_nodes=3)
-    trie.add_request("a", [1, 2, 3, 9, 4, 5, 6, 7])
-    # (2, 3) only continues with 1 node (9) within depth; context ends with 3 -> longer below
-    tree_long = trie.retrieve([5, 2, 3], req_id="a", shape="one")
-    assert len(tree_long) >= 1
+    prompt = [5, 3, 9, 1, 3, 4, 6, 7, 8]
+    # "5 3" continues only with 9 1 3 (3 nodes within the 5-token window);
+    # "3" alone continues with 9 1 3 4 or 4 6 7 8 (tie -> smaller token first).
+    loose = make(branch_length=5, max_match_length=2, min_retrieved_nodes=3)
+    loose.add_request("a", prompt)
+    assert loose.retrieve([5, 3], req_id="a", shape="one").tokens == (9, 1, 3)
+    strict = make(branch_length=5, max_match_length=2, min_retrieved_nodes=4)
+    strict.add_request("a", prompt)
+    assert strict.retrieve([5, 3], req_id="a", shape="one").tokens == (4, 6, 7, 8)
 
 
 def test_hier_tree_merges_prefixes_and_par_does_not():
@@ -235,3 +239,18 @@ def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, sha
         ), (context, branch)
     if shape == "one":
         assert list(tree.parents) == list(range(-1, len(tree) - 1))
+    for i, p in enumerate(tree.parents):
+        assert tree.node_confidence(i) > 0  # never draft a token without evidence
+        if p >= 0:
+            assert tree.node_confidence(i) <= tree.node_confidence(p)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, st.lists(st.integers(0, 6), min_size=1, max_size=4), st.floats(0.0, 0.9))
+def test_confidence_floor_respected(program, context, floor):
+    trie = make(max_match_length=3, trie_capacity=1 << 20)
+    prompts = _run(trie, program)
+    rid = next(iter(prompts), None)
+    for shape in ("one", "hier", "par"):
+        tree = trie.retrieve(context, budget=8, req_id=rid, shape=shape, min_confidence=floor)
+        assert all(tree.node_confidence(i) >= floor for i in range(len(tree)))

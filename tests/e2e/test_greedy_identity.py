@@ -83,6 +83,36 @@ def test_proposer_state_released_after_requests_finish(engines, prompts):
     assert stats["draft_tokens"] > 0 and stats["drafter_ms_per_step"] > 0
 
 
+def test_aborted_request_prompt_eliminated(engines, prompts):
+    """An aborted request's prompt counts leave the trie (finished ones are covered above)."""
+    from vllm import SamplingParams
+
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    llm = engines.get("lookahead-abort")
+    engine = llm.llm_engine
+    (proposer,) = find_proposers(llm)
+    engine.add_request("abort-me", prompts["mtbench"][0], SamplingParams(temperature=0.0, max_tokens=200))
+    for _ in range(4):
+        engine.step()
+    (live,) = proposer.trie.active_requests
+    assert live.startswith("abort-me")
+    slot = proposer.trie._requests[live].slot
+    assert _nodes_tagged(proposer.trie, slot) > 0
+    engine.abort_request(["abort-me"])
+    engine.add_request("next", prompts["mtbench"][1], SamplingParams(temperature=0.0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(r.startswith("abort-me") for r in proposer.trie.active_requests)
+    assert _nodes_tagged(proposer.trie, slot) == 0
+
+
+def _nodes_tagged(trie, slot: int) -> int:
+    from lookahead_vllm.core.trie import _iter_nodes
+
+    return sum(1 for n in _iter_nodes(trie.root) if n.prompt and slot in n.prompt)
+
+
 _UNUSED_SCRIPT = r"""
 import json, os, sys
 from vllm import LLM, SamplingParams

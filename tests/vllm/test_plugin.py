@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from lookahead_vllm.ops.sampling import expand_kernel_impl
 

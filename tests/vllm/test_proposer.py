@@ -1,0 +1,85 @@
+"""LookaheadProposer against a fake persistent batch: rows, skips, lifecycle, budgets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+MAX_LEN = 64
+A = [1, 2, 3, 4, 5] * 3  # "a" repeats 1..5
+B = [7, 8, 9] * 4  # "b" repeats 7..9
+
+
+def make_proposer(k: int = 4, **lookahead):
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        additional_config={"lookahead": lookahead},
+        model_config=SimpleNamespace(max_model_len=MAX_LEN),
+    )
+    return LookaheadProposer(config)
+
+
+def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=(), sampled=None):
+    """Run one propose() over ``rows`` (req id -> all committed tokens), in dict order."""
+    ids = list(rows)
+    batch = SimpleNamespace(req_ids=ids, num_prompt_tokens=np.array([prompt_lens[r] for r in ids]))
+    proposer.on_step(batch, finished)
+    tokens = np.zeros((len(ids), MAX_LEN), dtype=np.int64)
+    for i, r in enumerate(ids):
+        tokens[i, :len(rows[r])] = rows[r]
+    num_tokens = np.array([len(rows[r]) for r in ids])
+    sampled = sampled or [[rows[r][-1]] for r in ids]
+    return proposer.propose(sampled, num_tokens, tokens)
+
+
+def test_drafts_follow_each_rows_own_request():
+    p = make_proposer()
+    drafts = step(p, {"b": B + [7], "a": A + [1]}, {"a": len(A), "b": len(B)})
+    assert drafts == [[8, 9, 7, 8], [2, 3, 4, 5]]
+    drafts = step(p, {"a": A + [1, 2], "b": B + [7, 8]}, {"a": len(A), "b": len(B)})  # rows swapped
+    assert drafts == [[3, 4, 5, 1], [9, 7, 8, 9]]
+
+
+def test_rows_without_sample_or_at_max_len_get_no_draft():
+    p = make_proposer()
+    full = (A * 5)[:MAX_LEN]
+    drafts = step(p, {"a": A + [1], "b": full}, {"a": len(A), "b": 8}, sampled=[[], [full[-1]]])
+    assert drafts == [[], []]
+    assert p.trie.active_requests == []  # neither row was admitted
+
+
+def test_finish_eliminates_and_same_id_can_return():
+    p = make_proposer()
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    assert p.trie.active_requests == ["a"]
+    step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
+    assert p.trie.active_requests == ["b"]
+    drafts = step(p, {"a": B + [7]}, {"a": len(B)})  # a new request reusing the id
+    assert drafts == [[8, 9, 7, 8]]
+
+
+def test_rewound_request_is_readmitted():
+    p = make_proposer()
+    step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
+    drafts = step(p, {"a": A + [1]}, {"a": len(A)})  # runner dropped two tokens
+    assert drafts == [[2, 3, 4, 5]]
+    assert p.trie.active_requests == ["a"]
+
+
+def test_step_budget_and_stats():
+    p = make_proposer(step_draft_budget=5, min_draft_confidence=0.0)
+    drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
+    assert sum(map(len, drafts)) == 5
+    stats = p.stats.as_dict()
+    assert stats["max_step_draft_tokens"] == 5 and stats["request_steps"] == 2
+
+
+def test_decoding_length_above_k_rejected():
+    with pytest.raises(ValueError, match="decoding_length=8: must be <= speculative_config.num_speculative_tokens=4"):
+        make_proposer(k=4, decoding_length=8)
