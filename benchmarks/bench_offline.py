@@ -183,10 +183,8 @@ def proposers(llm: Any) -> list[Any]:
 
 
 def reset_tries(llm: Any) -> None:
-    from lookahead_vllm.core.trie import TokenTrie
-
     for proposer in proposers(llm):
-        proposer.trie = TokenTrie(proposer.config)
+        proposer.reset()
 
 
 def preload_trie(llm: Any, outputs: list[list[int]]) -> None:

@@ -90,6 +90,11 @@ class LookaheadProposer:
         for req_id in finished_req_ids:
             self.finish(req_id)
 
+    def reset(self) -> None:
+        """Forget everything: a fresh, empty trie (benchmarks' cold start)."""
+        self.trie = TokenTrie(self.config)
+        self._inserted.clear()
+
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
         if self._inserted.pop(req_id, None) is not None:

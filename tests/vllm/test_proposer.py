@@ -64,6 +64,14 @@ def test_finish_eliminates_and_same_id_can_return():
     assert drafts == [[8, 9, 7, 8]]
 
 
+def test_reset_forgets_requests_and_counts():
+    p = make_proposer()
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    p.reset()
+    assert p.trie.num_nodes == 0 and p.trie.active_requests == []
+    assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]  # re-admitted from scratch
+
+
 def test_rewound_request_is_readmitted():
     p = make_proposer()
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
