@@ -281,7 +281,7 @@ class TokenTrie:
         st.cursors = cursors
 
     def _drop_if_empty(self, node: _Node) -> None:
-        while node is not self.root and node.alive and not node.children and node.ptotal == 0 and node.out < 1:
+        while node is not self.root and node.alive and _is_empty(node):
             self._detach(node)
             node = node.parent
 
@@ -307,7 +307,7 @@ class TokenTrie:
         for node in nodes:
             node.out *= 0.5
         for node in reversed(nodes):  # bottom-up: a light node goes only once its subtree has
-            if not node.children and node.out < 1 and node.ptotal == 0:
+            if _is_empty(node):
                 self._detach(node)
         if self.num_nodes > target:
             self._drop_lightest_leaves(self.num_nodes - target)
@@ -324,6 +324,11 @@ class TokenTrie:
             count -= 1
             if parent is not self.root and not parent.children:
                 heapq.heappush(heap, (_raw_weight(parent), parent.serial, parent))
+
+
+def _is_empty(node: _Node) -> bool:
+    """A leaf with no prompt count and an output count decayed below one."""
+    return not node.children and node.ptotal == 0 and node.out < 1
 
 
 def _raw_weight(node: _Node) -> float:
@@ -359,20 +364,14 @@ def _iter_nodes(root: _Node):
 
 def _flatten_dfs(start: _Node, picked: dict[_Node, float], confidence: dict[_Node, float]) -> DraftTree:
     """DFS order, children heaviest first, parents before children."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    weights: list[float] = []
-    confs: list[float] = []
+    entries: list[tuple[_Node, int]] = []
     stack: list[tuple[_Node, int]] = [(c, -1) for c in _ranked(start, picked)[::-1]]
     while stack:
         node, parent = stack.pop()
-        idx = len(tokens)
-        tokens.append(node.token)
-        parents.append(parent)
-        weights.append(picked[node])
-        confs.append(confidence[node])
+        idx = len(entries)
+        entries.append((node, parent))
         stack.extend((c, idx) for c in _ranked(node, picked)[::-1])
-    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+    return _draft_tree(entries, picked, confidence)
 
 
 def _ranked(node: _Node, picked: dict[_Node, float]) -> list[_Node]:
@@ -387,21 +386,25 @@ def _flatten_parallel(
     """Whole root-to-leaf branches side by side (no merging), heaviest leaf first."""
     leaves = [n for n in picked if not any(c in picked for c in n.children.values())]
     leaves.sort(key=lambda n: (-picked[n], n.token))
-    tokens: list[int] = []
-    parents: list[int] = []
-    weights: list[float] = []
-    confs: list[float] = []
+    entries: list[tuple[_Node, int]] = []
     for leaf in leaves:
         path = []
         node = leaf
         while node is not start:
             path.append(node)
             node = node.parent
-        for j, node in enumerate(reversed(path)):
-            if len(tokens) >= budget:
-                break
-            parents.append(-1 if j == 0 else len(tokens) - 1)
-            tokens.append(node.token)
-            weights.append(picked[node])
-            confs.append(confidence[node])
-    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+        for j, node in enumerate(path[::-1][: budget - len(entries)]):
+            entries.append((node, -1 if j == 0 else len(entries) - 1))
+    return _draft_tree(entries, picked, confidence)
+
+
+def _draft_tree(
+    entries: list[tuple[_Node, int]], picked: dict[_Node, float], confidence: dict[_Node, float]
+) -> DraftTree:
+    """``(node, parent index)`` pairs in draft order -> DraftTree."""
+    return DraftTree(
+        tuple(n.token for n, _ in entries),
+        tuple(p for _, p in entries),
+        tuple(picked[n] for n, _ in entries),
+        tuple(confidence[n] for n, _ in entries),
+    )
