@@ -47,6 +47,7 @@ import torch
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
@@ -281,7 +282,7 @@ def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tenso
     key = kv_cache.data_ptr()
     cache = step.caches.get(key)
     if cache is None:
-        kind = CpuPagedKV if kv_cache.dim() == 4 else FlashPagedKV
+        kind = CpuPagedKV if kv_cache.device.type == "cpu" else FlashPagedKV
         cache = step.caches[key] = kind(impl, layer, kv_cache)
     return cache
 
@@ -355,20 +356,6 @@ def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: 
         return targets.__getitem__
     generator = runner.input_batch.generators.get(req.row)
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
-
-
-def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
-    """One token from ``softmax(logits / T)`` restricted by top-k and top-p."""
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= top_p  # mass before it already >= p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:
