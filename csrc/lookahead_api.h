@@ -30,7 +30,7 @@ enum LookaheadDtype {
 enum LookaheadStatus {
   LOOKAHEAD_OK = 0,
   LOOKAHEAD_ERR_DTYPE = 1,          // dtype not one of LookaheadDtype
-  LOOKAHEAD_ERR_HEAD_DIM = 2,       // head_dim not in {64, 128, 256}
+  LOOKAHEAD_ERR_HEAD_DIM = 2,       // head_dim not in {64, 128}
   LOOKAHEAD_ERR_HEADS = 3,          // num_heads <= 0, num_kv_heads <= 0 or not a divisor
   LOOKAHEAD_ERR_SIZE = 4,           // a count/size is negative or out of the grid's range
   LOOKAHEAD_ERR_ALIGNMENT = 5,      // a pointer or stride is not 16-byte aligned
@@ -43,7 +43,7 @@ static inline const char* lookahead_error_string(int code) {
   switch (code) {
     case LOOKAHEAD_OK: return "ok";
     case LOOKAHEAD_ERR_DTYPE: return "unsupported dtype (expected fp32, fp16 or bf16)";
-    case LOOKAHEAD_ERR_HEAD_DIM: return "unsupported head_dim (expected 64, 128 or 256)";
+    case LOOKAHEAD_ERR_HEAD_DIM: return "unsupported head_dim (expected 64 or 128)";
     case LOOKAHEAD_ERR_HEADS:
       return "bad head counts (num_heads and num_kv_heads must be > 0, num_kv_heads must divide num_heads)";
     case LOOKAHEAD_ERR_SIZE: return "a size is negative or exceeds the launch grid's range";

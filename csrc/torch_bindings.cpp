@@ -61,8 +61,8 @@ void tree_attention(const at::Tensor& query,        // [num_tokens, num_heads, h
   TORCH_CHECK(dtype >= 0, "tree_attention: query dtype ", query.scalar_type(),
               " unsupported (float32, float16, bfloat16)");
   const int64_t head_dim = query.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "tree_attention: head_dim=",
-              head_dim, " unsupported (64, 128, 256)");
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "tree_attention: head_dim=", head_dim,
+              " unsupported (64 or 128)");
   TORCH_CHECK(query.stride(2) == 1, "tree_attention: query's last dim must be contiguous");
   for (const auto* t : {&key_cache, &value_cache}) {
     const char* name = t == &key_cache ? "key_cache" : "value_cache";

@@ -15,7 +15,7 @@
 // one loop: a key is visible if it is in range and either a context token or
 // a tail token whose bit is set in the row's tree-mask word.
 //
-// Inside a CTA (4 warps x 8 rows each): K/V tiles of 32 tokens are staged in
+// Inside a CTA (4 warps x 8 rows each; warps with only padding rows just load): K/V tiles of 32 tokens are staged in
 // shared memory as fp32 (K rows padded by 4 floats so lane-per-key float4
 // reads are bank-conflict free). For each tile a warp computes the 32 scores
 // of its 8 rows with lane j owning key j (q broadcast from shared memory),
@@ -174,13 +174,11 @@ __global__ void __launch_bounds__(kThreads)
     q_s[i] = x;
   }
 
-  // This warp's rows: their tree-mask rows (padding rows reuse the last real one).
-  const int64_t* mask_row[kRowsPerWarp];
+  // This warp's rows: their tokens' tree-mask rows (padding rows reuse the last real one).
+  int mask_token[kRowsPerWarp];
 #pragma unroll
-  for (int j = 0; j < kRowsPerWarp; ++j) {
-    const int row = min(row_begin + warp * kRowsPerWarp + j, num_rows - 1);
-    mask_row[j] = p.tree_mask + (static_cast<int64_t>(q_begin) + row / group) * p.mask_words;
-  }
+  for (int j = 0; j < kRowsPerWarp; ++j)
+    mask_token[j] = q_begin + min(row_begin + warp * kRowsPerWarp + j, num_rows - 1) / group;
 
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kDimsPerLane];
 #pragma unroll
@@ -192,10 +190,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   const float* q_warp = q_s + warp * kRowsPerWarp * D;
+  // Warps whose rows are all padding (small trees) only help load the tiles.
+  const bool warp_active = row_begin + warp * kRowsPerWarp < num_rows;
   for (int t0 = kv_begin; t0 < kv_end; t0 += kKvTile) {
     __syncthreads();  // the previous tile (and q_s on the first pass) is done with
     load_kv_tile<T, D>(p, block_table, kv_head, t0, kv_end, k_s, v_s);
     __syncthreads();
+    if (!warp_active) continue;  // warp-uniform; the barriers above are outside
 
     // Scores: lane owns key t0 + lane.
     float sc[kRowsPerWarp];
@@ -219,7 +220,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kRowsPerWarp; ++j) {
       bool visible = in_range;
-      if (visible && bit >= 0) visible = (mask_row[j][bit >> 6] >> (bit & 63)) & 1;
+      if (visible && bit >= 0) {
+        const int64_t word = p.tree_mask[static_cast<int64_t>(mask_token[j]) * p.mask_words + (bit >> 6)];
+        visible = (word >> (bit & 63)) & 1;
+      }
       if (!visible) sc[j] = -INFINITY;
     }
 
@@ -256,6 +260,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Epilogue: normalise; write the output row, or this split's partial + lse.
+  if (!warp_active) return;
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const float l_sum = warp_sum(l[j]);

@@ -81,6 +81,18 @@ def find_nvcc() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
+def find_cuda_include() -> Path:
+    """The CUDA toolkit's include folder (holding ``cuda_runtime_api.h``)."""
+    nvcc = find_nvcc()
+    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+    roots += [Path(nvcc).resolve().parents[1]] if nvcc else []  # nvcc may be a wrapper script:
+    roots += [Path("/usr/local/cuda")]  # fall back to the usual toolkit location
+    for root in roots:
+        if (root / "include" / "cuda_runtime_api.h").is_file():
+            return root / "include"
+    raise FileNotFoundError(f"cuda_runtime_api.h not found under {', '.join(map(str, roots))}")
+
+
 def gencode_flags(archs: tuple[str, ...]) -> list[str]:
     """``("90a", "80")`` -> ``-gencode arch=compute_90a,code=sm_90a ...``."""
     flags: list[str] = []
@@ -117,11 +129,7 @@ def check_bindings_syntax(work_dir: Path) -> CompileResult:
     """
     import torch.utils.cpp_extension as cpp_extension
 
-    nvcc = find_nvcc()
-    cuda_include = Path(nvcc).resolve().parents[1] / "include" if nvcc else None
-    if cuda_include is None or not (cuda_include / "cuda_runtime_api.h").is_file():
-        raise FileNotFoundError("CUDA runtime headers not found next to nvcc")
-    includes = [*cpp_extension.include_paths(), str(cuda_include), str(csrc_dir())]
+    includes = [*cpp_extension.include_paths(), str(find_cuda_include()), str(csrc_dir())]
     if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in includes):
         shim = Path(work_dir) / "include" / "c10/cuda/impl/cuda_cmake_macros.h"
         shim.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,70 @@
+"""csrc/ compiles on machines without a GPU: every .cu with nvcc for sm_90a + sm_80, the bindings syntax-only.
+
+All compilations run once, in parallel, in a module fixture (the slowest,
+tree_attention.cu with 9 kernel instantiations x 2 archs, takes ~15 s of CPU).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from lookahead_vllm.ops import _build
+
+NVCC = _build.find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin)")
+
+# extern "C" launchers each object must define (the torch bindings link against them).
+EXPORTS = {
+    "tree_attention.cu": {"lookahead_tree_attention", "lookahead_tree_attention_workspace"},
+    "kv_compaction.cu": {"lookahead_compact_kv"},
+}
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("csrc_objects")
+    bindings = shutil.which("c++") is not None or shutil.which("g++") is not None
+    results = _build.compile_objects(out, _build.CI_ARCHS, jobs=3, bindings=bindings)
+    return {r.source.name: r for r in results}
+
+
+def test_every_cu_source_is_built(build):
+    sources = {p.name for p in _build.csrc_dir().glob("*.cu")}
+    assert sources == set(EXPORTS), "a new .cu file needs its exports listed here"
+    assert sources <= set(build)
+
+
+@pytest.mark.parametrize("source", sorted(EXPORTS))
+def test_cu_compiles_for_sm90a_and_sm80(build, source):
+    result = build[source]
+    assert result.ok, f"{' '.join(result.command)}\n{result.log[-4000:]}"
+    assert "arch=compute_90a,code=sm_90a" in result.command and "arch=compute_80,code=sm_80" in result.command
+    assert result.output.stat().st_size > 0
+    if shutil.which("nm") is None:
+        pytest.skip("nm not found: cannot list the object's symbols")
+    symbols = subprocess.run(["nm", "--defined-only", str(result.output)], capture_output=True, text=True).stdout
+    defined = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+    assert EXPORTS[source] <= defined, f"missing extern C launchers: {EXPORTS[source] - defined}"
+
+
+def test_torch_bindings_parse_against_torch_headers(build):
+    if _build.BINDINGS_SOURCE not in build:
+        pytest.skip("no host C++ compiler (c++/g++) for the syntax-only check")
+    result = build[_build.BINDINGS_SOURCE]
+    assert result.ok, f"{' '.join(result.command)}\n{result.log[-4000:]}"
+
+
+def test_compile_failure_is_reported(tmp_path):
+    bad = tmp_path / "broken.cu"
+    bad.write_text("__global__ void k(float* x) { x[0] = undefined_name; }\n")
+    result = _build.compile_object(bad, tmp_path, archs=("80",))
+    assert not result.ok and "undefined_name" in result.log
+
+
+def test_gencode_flags_validate_arch():
+    assert _build.gencode_flags(("90a",)) == ["-gencode", "arch=compute_90a,code=sm_90a"]
+    with pytest.raises(ValueError, match="sm_90"):
+        _build.gencode_flags(("sm_90",))
