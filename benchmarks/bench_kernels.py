@@ -91,16 +91,16 @@ def paged_inputs(batch, nodes, context, heads, block_size, rng, gen):
     order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     dev, bf16 = "cuda", torch.bfloat16
-    return dict(
-        query=torch.randn(batch * nodes, num_heads, head_dim, device=dev, dtype=bf16),
-        key_cache=torch.randn(shape, device=dev, dtype=bf16),
-        value_cache=torch.randn(shape, device=dev, dtype=bf16),
-        block_tables=order.view(batch, per_seq).to(dev),
-        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=dev),
-        query_start_loc=torch.arange(0, (batch + 1) * nodes, nodes, dtype=torch.int32, device=dev),
-        tree_mask=torch.cat([random_tree_mask(nodes, rng) for _ in range(batch)]).to(dev),
-        scale=head_dim**-0.5,
-    )
+    return {
+        "query": torch.randn(batch * nodes, num_heads, head_dim, device=dev, dtype=bf16),
+        "key_cache": torch.randn(shape, device=dev, dtype=bf16),
+        "value_cache": torch.randn(shape, device=dev, dtype=bf16),
+        "block_tables": order.view(batch, per_seq).to(dev),
+        "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32, device=dev),
+        "query_start_loc": torch.arange(0, (batch + 1) * nodes, nodes, dtype=torch.int32, device=dev),
+        "tree_mask": torch.cat([random_tree_mask(nodes, rng) for _ in range(batch)]).to(dev),
+        "scale": head_dim**-0.5,
+    }
 
 
 def baseline_fn(inputs, batch, nodes, heads):
@@ -155,9 +155,12 @@ def measure(args, name, heads, nodes, context, rng, gen) -> dict:
     base_name, base = baseline_fn(inputs, args.batch, nodes, heads)
     base_us = time_us(base, args.iters, args.warmup)
     kv_bytes = 2 * args.batch * seq_len * heads[1] * heads[2] * 2
-    row = dict(config=name, nodes=nodes, context=context, batch=args.batch, tree_us=round(tree_us, 2),
-               baseline_us=round(base_us, 2), tree_over_baseline=round(tree_us / base_us, 3),
-               tree_kv_gbps=round(kv_bytes / tree_us / 1e3, 1), max_err=max_err, baseline=base_name)
+    row = {
+        "config": name, "nodes": nodes, "context": context, "batch": args.batch,
+        "tree_us": round(tree_us, 2), "baseline_us": round(base_us, 2),
+        "tree_over_baseline": round(tree_us / base_us, 3), "tree_kv_gbps": round(kv_bytes / tree_us / 1e3, 1),
+        "max_err": max_err, "baseline": base_name,
+    }
     print(f"{name:14s} nodes {nodes:3d} ctx {context:5d}: tree {tree_us:8.1f} us  baseline {base_us:8.1f} us"
           f"  ratio {tree_us / base_us:5.2f}  {row['tree_kv_gbps']:7.1f} GB/s  err {max_err:.2e}")
     return row
@@ -201,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     rows = [measure(args, name, HEAD_CONFIGS[name], nodes, context, rng, gen)
             for name in args.configs for nodes in args.nodes for context in args.contexts]
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                  created=time.strftime("%Y-%m-%d %H:%M:%S"), args={k: str(v) for k, v in vars(args).items()},
-                  rows=rows)
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot(rows, args.plot)

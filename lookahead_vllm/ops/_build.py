@@ -105,7 +105,7 @@ def gencode_flags(archs: tuple[str, ...]) -> list[str]:
 
 def _run(source: Path, output: Path | None, command: list[str]) -> CompileResult:
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, check=False, capture_output=True, text=True)
     return CompileResult(source, output, tuple(command), proc.returncode, time.perf_counter() - start,
                          proc.stdout + proc.stderr)
 
@@ -127,7 +127,7 @@ def check_bindings_syntax(work_dir: Path) -> CompileResult:
     The CPU torch wheel lacks the CMake-generated ``c10/cuda/impl/cuda_cmake_macros.h``;
     if so, a copy with the content CUDA builds generate is written under ``work_dir``.
     """
-    import torch.utils.cpp_extension as cpp_extension
+    from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), str(find_cuda_include()), str(csrc_dir())]
     if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in includes):
@@ -161,7 +161,7 @@ def load_extension(verbose: bool = False) -> str:
     Needs a CUDA build of torch and nvcc; raises otherwise.
     """
     import torch
-    import torch.utils.cpp_extension as cpp_extension
+    from torch.utils import cpp_extension
 
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU build: the CUDA kernels cannot be built")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         try:
             print(load_extension(verbose=args.verbose))
-        except Exception as exc:  # a CLI: report, don't trace
+        except Exception as exc:  # noqa: BLE001 - a CLI: report, don't trace
             print(f"kernel build failed: {exc}\n(compile-only check: lookahead-vllm-build-kernels --check)",
                   file=sys.stderr)
             return 1

@@ -37,7 +37,7 @@ def kernels_available() -> bool:
         _build.load_extension()
         torch.ops.lookahead_vllm.tree_attention  # noqa: B018  (raises if the ops are not registered)
         torch.ops.lookahead_vllm.compact_kv  # noqa: B018
-    except Exception as exc:  # any build/load failure means: fall back
+    except Exception as exc:  # noqa: BLE001 - any build/load failure means: fall back
         logger.warning("lookahead_vllm CUDA kernels unavailable, using the torch reference: %s", exc)
         return False
     return True

@@ -27,7 +27,7 @@ def test_bench_kernels_plot_writes_png(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = [dict(config=c, nodes=n, context=x, batch=1, tree_us=10.0 * n, baseline_us=8.0 * n)
+    rows = [{"config": c, "nodes": n, "context": x, "batch": 1, "tree_us": 10.0 * n, "baseline_us": 8.0 * n}
             for c in ("smollm2-135m", "llama-8b") for n in (1, 16) for x in (512, 2048)]
     bench.plot(rows, tmp_path / "k.png")
     assert (tmp_path / "k.png").stat().st_size > 1000

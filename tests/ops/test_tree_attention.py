@@ -21,9 +21,9 @@ from tests.ops.cases import ancestor_visibility, dense_oracle, gather_slots, mak
 # Reference and oracle both compute in fp32 from the same stored inputs, so they
 # differ by fp32 noise plus at most one rounding step of the output dtype (one ulp).
 TOLERANCES = {
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=1e-3, rtol=1e-3),  # fp16 ulp is 2^-10 relative
-    torch.bfloat16: dict(atol=8e-3, rtol=8e-3),  # bf16 ulp is 2^-7 relative
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},  # fp16 ulp is 2^-10 relative
+    torch.bfloat16: {"atol": 8e-3, "rtol": 8e-3},  # bf16 ulp is 2^-7 relative
 }
 HEADS = {"mha": (4, 4, 64), "gqa8x2": (8, 2, 64), "smollm2": (9, 3, 64), "gqa-d128": (8, 2, 128)}
 
