@@ -21,6 +21,11 @@
 
 #include "lookahead_api.h"
 
+#ifndef LOOKAHEAD_LAUNCH  // seam for tests/ops/emu (see tree_attention.cuh)
+#define LOOKAHEAD_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#endif
+
 namespace lookahead {
 namespace {
 
@@ -119,7 +124,8 @@ int launch_chunk(const LookaheadCompactParams* p, int first, int count, cudaStre
   const int64_t chunks = (a.row_units + a.chunk_units - 1) / a.chunk_units;
   if (chunks > 0x7fffffff) return LOOKAHEAD_ERR_SIZE;
   const dim3 grid(static_cast<unsigned>(chunks), 2 * count);
-  compact_kv_kernel<U><<<grid, kCompactThreads, 0, stream>>>(a);
+  auto* kernel = compact_kv_kernel<U>;
+  LOOKAHEAD_LAUNCH(kernel, grid, kCompactThreads, 0, stream, a);
   return cudaGetLastError() == cudaSuccess ? LOOKAHEAD_OK : LOOKAHEAD_ERR_CUDA;
 }
 

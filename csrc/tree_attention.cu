@@ -109,10 +109,12 @@ int launch(const LookaheadTreeAttnParams& p, const Plan& plan, void* workspace,
                            static_cast<int>(smem)) != cudaSuccess)
     return LOOKAHEAD_ERR_CUDA;
   const dim3 grid(plan.q_tiles * plan.num_splits, p.num_kv_heads, p.num_reqs);
-  tree_attention_kernel<T, D><<<grid, kThreads, smem, stream>>>(p, s);
+  auto* kernel = tree_attention_kernel<T, D>;
+  LOOKAHEAD_LAUNCH(kernel, grid, kThreads, smem, stream, p, s);
   if (plan.num_splits > 1) {
     const dim3 merge_grid(p.num_tokens, p.num_heads);
-    tree_attention_merge_kernel<T, D><<<merge_grid, D, 0, stream>>>(p, s);
+    auto* merge = tree_attention_merge_kernel<T, D>;
+    LOOKAHEAD_LAUNCH(merge, merge_grid, D, 0, stream, p, s);
   }
   return cudaGetLastError() == cudaSuccess ? LOOKAHEAD_OK : LOOKAHEAD_ERR_CUDA;
 }

@@ -29,8 +29,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "lookahead_api.h"
+
+// Seams for tests/ops/emu (runs these kernels as host threads on CPU-only
+// machines); CUDA builds use the defaults.
+#ifndef LOOKAHEAD_DYNAMIC_SMEM
+#define LOOKAHEAD_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#endif
+#ifndef LOOKAHEAD_LAUNCH
+#define LOOKAHEAD_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#endif
 
 namespace lookahead {
 
@@ -107,10 +118,13 @@ __device__ __forceinline__ void load_kv_tile(const LookaheadTreeAttnParams& p,
       const int64_t off = block * p.kv_stride_block +
                           static_cast<int64_t>(pos % p.block_size) * p.kv_stride_token +
                           static_cast<int64_t>(kv_head) * p.kv_stride_head + c * kVec;
+      // One 16-byte load each; memcpy (register moves) rather than pointer punning,
+      // which is undefined behaviour a host compiler exploits (tests/ops/emu).
       const uint4 kr = *reinterpret_cast<const uint4*>(k_cache + off);
       const uint4 vr = *reinterpret_cast<const uint4*>(v_cache + off);
-      const T* ke = reinterpret_cast<const T*>(&kr);
-      const T* ve = reinterpret_cast<const T*>(&vr);
+      T ke[kVec], ve[kVec];
+      memcpy(ke, &kr, sizeof(kr));
+      memcpy(ve, &vr, sizeof(vr));
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         kf[e] = to_float(ke[e]);
@@ -137,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
     tree_attention_kernel(const LookaheadTreeAttnParams p, const SplitArgs s) {
   static_assert(D % 32 == 0 && D % (16 / sizeof(T)) == 0, "head_dim");
   constexpr int kDimsPerLane = D / 32;
-  extern __shared__ float4 smem_f4[];
+  LOOKAHEAD_DYNAMIC_SMEM(float4, smem_f4);
   float* q_s = reinterpret_cast<float*>(smem_f4);
   float* k_s = q_s + SmemLayout<D>::kQFloats;
   float* v_s = k_s + SmemLayout<D>::kKFloats;
