@@ -102,9 +102,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("num_sms", [132, 1], ids=["split-kv", "no-split"])
+# (case, dtype, emulated SM count): 132 SMs split these grids' KV range (split + merge kernels), 1 SM does not.
+RUNS = [("mixed-gqa3", torch.float32, 132), ("mixed-gqa3", torch.float16, 132), ("mixed-gqa3", torch.bfloat16, 132),
+        ("mixed-gqa3", torch.bfloat16, 1), ("long-ctx-d128", torch.float32, 132), ("long-ctx-d128", torch.float16, 1)]
+
+
+@pytest.mark.parametrize("name,dtype,num_sms", RUNS, ids=[f"{n}-{str(d)[6:]}-{s}sm" for n, d, s in RUNS])
 def test_emulated_tree_attention_matches_reference(lib, name, dtype, num_sms):
     tails, contexts, (heads, kv_heads), head_dim = CASES[name]
     case = make_case(tails, contexts, heads, kv_heads, head_dim, block_size=16, dtype=dtype, seed=len(name))
@@ -118,11 +121,11 @@ def test_emulated_tree_attention_matches_reference(lib, name, dtype, num_sms):
 
 
 def test_emulated_tree_attention_rejects_head_dim(lib):
-    case = make_case([2], [5], 2, 1, 64, seed=1)
     p = TreeAttnParams(dtype=0, num_tokens=2, num_heads=2, num_kv_heads=1, head_dim=96, num_reqs=1,
                        max_blocks_per_seq=2, block_size=16, mask_words=1, max_query_len=2, max_seq_len=7)
     assert lib.lookahead_tree_attention(ctypes.byref(p), None, 0, None) == 2  # LOOKAHEAD_ERR_HEAD_DIM
-    del case
+    p.head_dim, p.num_kv_heads = 64, 3  # 3 does not divide 2 query heads
+    assert lib.lookahead_tree_attention(ctypes.byref(p), None, 0, None) == 3  # LOOKAHEAD_ERR_HEADS
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (8, 4, 2, 64)), (torch.float16, (8, 4, 3, 5)),
