@@ -121,8 +121,13 @@ def compile_object(source: Path, out_dir: Path, archs: tuple[str, ...] = CI_ARCH
     return _run(Path(source), output, command)
 
 
-def check_bindings_syntax(work_dir: Path) -> CompileResult:
-    """``c++ -fsyntax-only`` of the torch bindings against the installed torch headers.
+def host_cxx() -> str:
+    """The host C++ compiler: ``$CXX``, else Python's, else ``c++``."""
+    return (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
+
+
+def bindings_include_paths(work_dir: Path) -> list[str]:
+    """Include folders for compiling the bindings with the installed torch (CPU wheels included).
 
     The CPU torch wheel lacks the CMake-generated ``c10/cuda/impl/cuda_cmake_macros.h``;
     if so, a copy with the content CUDA builds generate is written under ``work_dir``.
@@ -135,9 +140,13 @@ def check_bindings_syntax(work_dir: Path) -> CompileResult:
         shim.parent.mkdir(parents=True, exist_ok=True)
         shim.write_text(_CUDA_CMAKE_MACROS)
         includes.append(str(Path(work_dir) / "include"))
-    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
-    command = [cxx, "-std=c++20", "-fsyntax-only", "-Wall", *(f"-I{p}" for p in includes),
-               str(csrc_dir() / BINDINGS_SOURCE)]
+    return includes
+
+
+def check_bindings_syntax(work_dir: Path) -> CompileResult:
+    """``c++ -fsyntax-only`` of the torch bindings against the installed torch headers."""
+    command = [host_cxx(), "-std=c++20", "-fsyntax-only", "-Wall",
+               *(f"-I{p}" for p in bindings_include_paths(work_dir)), str(csrc_dir() / BINDINGS_SOURCE)]
     return _run(csrc_dir() / BINDINGS_SOURCE, None, command)
 
 

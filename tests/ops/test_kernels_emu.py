@@ -12,18 +12,14 @@ occupancy, speed): tests/ops/test_kernels_gpu.py does that where CUDA exists.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from lookahead_vllm.ops import _build
 from lookahead_vllm.ops.tree_attention import compact_kv_ref, paged_tree_attention_ref
 from tests.ops.cases import dense_oracle, make_case
+from tests.ops.emu import build
 
-EMU_HEADER = Path(__file__).resolve().parent / "emu" / "cuda_emu.h"
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -50,21 +46,9 @@ class CompactParams(ctypes.Structure):  # mirrors LookaheadCompactParams
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++/c++) to build the CPU emulation")
-    try:
-        cuda_include = _build.find_cuda_include()
-    except FileNotFoundError as exc:
-        pytest.skip(f"CUDA headers (cuda_fp16.h, vector types) not found: {exc}")
-    path = tmp_path_factory.mktemp("emu") / "libkernels_emu.so"
-    src = _build.csrc_dir()
-    cmd = [cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-attributes", "-include", str(EMU_HEADER),
-           f"-I{src}", f"-I{cuda_include}", "-x", "c++", *(str(src / s) for s in _build.CUDA_SOURCES), "-o", str(path)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lib = ctypes.CDLL(str(path))
+def lib(emu_objects):
+    out, objects = emu_objects
+    lib = ctypes.CDLL(str(build.kernels_library(out, objects)))
     lib.lookahead_tree_attention.argtypes = [ctypes.POINTER(TreeAttnParams), ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_void_p]
     lib.lookahead_tree_attention_workspace.argtypes = [ctypes.POINTER(TreeAttnParams),
