@@ -1,7 +1,8 @@
 """csrc/ compiles on machines without a GPU: every .cu with nvcc for sm_90a + sm_80, the bindings syntax-only.
 
-All compilations run once, in parallel, in a module fixture (the slowest,
-tree_attention.cu with 9 kernel instantiations x 2 archs, takes ~15 s of CPU).
+All compilations run once, in background threads started at collection
+(tests/ops/conftest.py); the slowest, tree_attention.cu with 6 kernel
+instantiations x 2 archs, takes ~10 s of CPU.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ EXPORTS = {
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    out = tmp_path_factory.mktemp("csrc_objects")
-    return {r.source.name: r for r in _build.compile_objects(out, _build.CI_ARCHS, jobs=2)}
+def build(nvcc_results):  # compiled in the background (tests/ops/conftest.py)
+    return nvcc_results
 
 
 def test_every_cu_source_is_built(build):
@@ -49,7 +49,7 @@ def test_cu_compiles_for_sm90a_and_sm80(build, source):
     assert EXPORTS[source] <= defined, f"missing extern C launchers: {EXPORTS[source] - defined}"
 
 
-def test_torch_bindings_build_load_and_register(emu_objects):
+def test_torch_bindings_build_load_and_register(bindings_library_path):
     """torch_bindings.cpp compiles against the installed torch, links, loads and registers both ops for CUDA.
 
     Linked with the emulated launchers and link-time stand-ins for libc10_cuda
@@ -58,10 +58,7 @@ def test_torch_bindings_build_load_and_register(emu_objects):
     """
     import torch
 
-    from tests.ops.emu import build as emu_build
-
-    out, objects = emu_objects
-    torch.ops.load_library(str(emu_build.bindings_library(out, objects)))
+    torch.ops.load_library(str(bindings_library_path))
     schemas = {name: str(getattr(torch.ops.lookahead_vllm, name).default._schema)
                for name in ("tree_attention", "compact_kv")}
     assert "float scale, int max_query_len, int max_seq_len, Tensor(a!) out) -> ()" in schemas["tree_attention"]

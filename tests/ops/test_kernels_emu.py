@@ -18,7 +18,6 @@ import torch
 
 from lookahead_vllm.ops.tree_attention import compact_kv_ref, paged_tree_attention_ref
 from tests.ops.cases import dense_oracle, make_case
-from tests.ops.emu import build
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -46,9 +45,8 @@ class CompactParams(ctypes.Structure):  # mirrors LookaheadCompactParams
 
 
 @pytest.fixture(scope="module")
-def lib(emu_objects):
-    out, objects = emu_objects
-    lib = ctypes.CDLL(str(build.kernels_library(out, objects)))
+def lib(emu_kernels_path):  # built in the background (tests/ops/conftest.py)
+    lib = ctypes.CDLL(str(emu_kernels_path))
     lib.lookahead_tree_attention.argtypes = [ctypes.POINTER(TreeAttnParams), ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_void_p]
     lib.lookahead_tree_attention_workspace.argtypes = [ctypes.POINTER(TreeAttnParams),
