@@ -85,8 +85,12 @@ def compact_kv(
     values = [value_caches] if isinstance(value_caches, torch.Tensor) else list(value_caches)
     if len(keys) != len(values):
         raise ValueError(f"compact_kv: {len(keys)} key caches but {len(values)} value caches")
-    src, dst = src_slots.to(torch.int64), dst_slots.to(torch.int64)
-    if keys and keys[0].is_cuda and kernels_available():
+    if not keys:
+        return
+    device = keys[0].device  # slots may come from the CPU: move them next to the caches
+    src = src_slots.to(device=device, dtype=torch.int64, non_blocking=True)
+    dst = dst_slots.to(device=device, dtype=torch.int64, non_blocking=True)
+    if keys[0].is_cuda and kernels_available():
         torch.ops.lookahead_vllm.compact_kv(keys, values, src, dst)
         return
     for key, value in zip(keys, values):
