@@ -63,7 +63,7 @@ def tree_attention_dense(
     scale: float,
 ) -> torch.Tensor:  # [q, num_heads, head_dim], query dtype
     """One request's tree attention over dense K/V (fp32 math)."""
-    q, num_heads, head_dim = query.shape
+    q, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
     assert visible.shape == (q, q), f"visible {tuple(visible.shape)} != ({q}, {q})"
     assert seq_len >= q and num_heads % num_kv_heads == 0
@@ -128,6 +128,7 @@ def compact_kv_ref(
     as along an accepted path) are safe.
     """
     assert src_slots.shape == dst_slots.shape
-    for cache in (key_cache, value_cache):
-        flat = cache.view(-1, *cache.shape[2:])
-        flat[dst_slots] = flat[src_slots].clone()
+    block_size = key_cache.shape[1]
+    src, dst = src_slots.long(), dst_slots.long()
+    for cache in (key_cache, value_cache):  # strided views (vLLM's K/V of one tensor) work too
+        cache[dst // block_size, dst % block_size] = cache[src // block_size, src % block_size].clone()

@@ -48,7 +48,7 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
 from lookahead_vllm.ops.sampling import sample_row
-from lookahead_vllm.ops.tree_attention import tree_attention_dense
+from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 logger = init_logger(__name__)
@@ -97,6 +97,8 @@ class TreeStep:
     # CPU path rounds (shared by all layers) and every tree row, built lazily.
     rounds: list | None = None
     all_rows: torch.Tensor | None = None
+    # GPU kernel arguments (shared by all layers), built lazily.
+    kernel_args: dict | None = None
 
 
 # The step being executed in this process (one model runner per worker process).
@@ -169,6 +171,7 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
             runner.positions[rows] = runner.positions[start] + offsets
     if requests:
         _current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
+        _current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
 
 
 # ---------------------------------------------------------------- attention
@@ -190,6 +193,9 @@ def fix_tree_rows(
     out = output.view(-1, impl.num_heads, impl.head_size)
     if isinstance(cache, CpuPagedKV) and TREE_ATTENTION != "reference":
         _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
+        return
+    if isinstance(cache, FlashPagedKV):
+        _paged_kernel(step, impl, query, cache, metadata, out)
         return
     seq_lens = metadata.seq_lens.tolist()
     for req in step.requests:
@@ -234,6 +240,35 @@ def _cpu_path_rounds(
     impl.do_kv_cache_update(layer, key[rows], value[rows], kv_cache, slots)
 
 
+def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
+    """All tree rows of the batch in one call: csrc kernel on CUDA, else the reference."""
+    from lookahead_vllm.ops import cuda as la_cuda
+
+    if step.kernel_args is None:
+        reqs = step.requests
+        q_max = max(r.num_rows for r in reqs)
+        masks = [torch.nn.functional.pad(r.visible, (0, q_max - r.num_rows)) for r in reqs]
+        device = query.device
+        rows = step.all_rows.to(device)
+        req_rows = torch.tensor([r.row for r in reqs], device=device)
+        qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        step.kernel_args = dict(
+            rows=rows,
+            block_tables=metadata.block_table[req_rows],
+            seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
+            query_start_loc=qsl.to(device),
+            tree_mask=pack_tree_mask(torch.cat(masks)).to(device),
+            max_query_len=q_max,
+            max_seq_len=int(metadata.max_seq_len),
+        )
+    a = step.kernel_args
+    out[a["rows"]] = la_cuda.tree_attention(
+        query[a["rows"]], cache.key_cache, cache.value_cache, a["block_tables"], a["seq_lens"],
+        a["query_start_loc"], a["tree_mask"], impl.scale, max_query_len=a["max_query_len"],
+        max_seq_len=a["max_seq_len"],
+    )
+
+
 @dataclass(slots=True)
 class PathRound:
     """One kernel call: the j-th root-to-leaf path of every tree request."""
@@ -267,7 +302,6 @@ def _rounds(step: TreeStep, metadata: Any) -> list[PathRound]:
             torch.tensor(rows), torch.cat(slots), torch.tensor(qsl, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
         ))
-    step.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in step.requests])
     return step.rounds
 
 
@@ -369,6 +403,12 @@ def _compact(step: TreeStep, moves: list[tuple[int, int]]) -> None:
     assert step.slot_mapping is not None, "no attention layer saw this step"
     src = step.slot_mapping[[s for s, _ in moves]]
     dst = step.slot_mapping[[d for _, d in moves]]
-    for cache in step.caches.values():
+    caches = list(step.caches.values())
+    if caches and isinstance(caches[0], FlashPagedKV):
+        from lookahead_vllm.ops import cuda as la_cuda
+
+        la_cuda.compact_kv([c.key_cache for c in caches], [c.value_cache for c in caches], src, dst)
+        return
+    for cache in caches:
         key, value = cache.gather_slots(src)
         cache.write_slots(dst, key, value)
