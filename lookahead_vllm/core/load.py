@@ -7,8 +7,8 @@ budget stays at ``decoding_length`` up to ``load_shrink_above`` running
 requests, shrinks linearly above it and reaches zero (no drafting) at
 ``load_stop_at``.
 
-Example: decoding_length 8, shrink above 8, stop at 32:
-running 8 -> 8, 16 -> 6 (ceil(8 * 16/24)), 31 -> 1, 32 -> 0.
+Example: decoding_length 8, shrink above 8, stop at 16 (the defaults):
+running 8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
 """
 
 from __future__ import annotations
