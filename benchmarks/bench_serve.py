@@ -29,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -303,7 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or str(prepare_smollm2())
     prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), max(counts))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    servers = start_servers(model, args.methods, args, args.out.parent)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    servers = start_servers(model, args.methods, args, log_dir)
     started = time.time()
     try:
         # Untimed warm-up (one short request each; the lookahead trie learns nothing it reuses).
