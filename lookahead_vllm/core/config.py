@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 DRAFT_SHAPES = ("hier", "par", "one")
+DEBUG_SWITCHES = ("positions", "mask", "compaction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +58,17 @@ class LookaheadConfig:
     # suit a small CPU; GPUs verify many more tokens for free (raise both).
     load_shrink_above: int = 8
     load_stop_at: int = 16
-    # Draft shape: "hier", "par" or "one".
+    # Draft shape: "one" drafts a chain; "hier" a token tree with shared
+    # prefixes merged, "par" whole branches side by side; trees are verified
+    # in one forward with tree attention (vllm/tree_verify.py).
     draft_shape: str = "one"
     # Insert generated tokens into the trie (shared across requests).
     insert_output: bool = True
     # Insert prompt windows on admission.
     insert_prompt: bool = True
+    # Debug only: switch off pieces of tree verification ("positions", "mask",
+    # "compaction") to prove each is needed; output is then NOT lossless.
+    debug_disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("decoding_length", self.decoding_length, 1, 256)
@@ -78,6 +84,11 @@ class LookaheadConfig:
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
+        if isinstance(self.debug_disable, (list, tuple)):
+            object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
+        bad = [x for x in self.debug_disable if x not in DEBUG_SWITCHES] if isinstance(self.debug_disable, tuple) else [1]
+        if bad:
+            raise ValueError(f"debug_disable={self.debug_disable!r}: must be a list drawn from {DEBUG_SWITCHES}")
         for name in ("insert_output", "insert_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")

