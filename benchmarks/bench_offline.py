@@ -148,7 +148,10 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     from lookahead_vllm.vllm.offline import engine_kwargs
 
     start = time.perf_counter()
-    kwargs = engine_kwargs(engine_method(method), k=args.k, lookahead=lookahead_config(method, args))
+    config = lookahead_config(method, args)
+    # A variant's decoding_length is its node budget: vLLM's k follows it.
+    k = config.get("decoding_length", args.k) if engine_method(method) == "lookahead" else args.k
+    kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config)
     llm = LLM(model=str(args.model), **kwargs)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
     reset_tries(llm)  # "cold" means cold: forget the warm-up text
@@ -348,7 +351,9 @@ def drafter_summary(counters: Counter) -> dict[str, Any]:
         return {"drafter_ms_per_step": None, "drafter_ms_per_request_step": None, "drafter_steps": 0}
     ms = counters["propose_ns"] / 1e6
     return {"drafter_ms_per_step": round(ms / steps, 4),
-            "drafter_ms_per_request_step": round(ms / max(req_steps, 1), 4), "drafter_steps": steps}
+            "drafter_ms_per_request_step": round(ms / max(req_steps, 1), 4), "drafter_steps": steps,
+            "tree_request_steps": counters.get("tree_request_steps", 0),
+            "tree_off_chain_accepts": counters.get("tree_off_chain_accepts", 0)}
 
 
 def warn_mismatches(cell: dict[str, Any]) -> None:

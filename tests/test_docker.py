@@ -63,6 +63,8 @@ def test_run_commands_refer_to_real_things(path):
     ):
         rel = Path(*module.split("."))
         assert (REPO / rel).with_suffix(".py").exists() or (REPO / rel / "__init__.py").exists(), module
+    for script in re.findall(r"(lookahead-vllm-[\w-]+)", runs):
+        assert script in pyproject()["project"]["scripts"], f"{path.name}: {script} is not a console script"
     extras = pyproject()["project"]["optional-dependencies"]
     for group in re.findall(r'"\.\[([\w,]+)\]"', runs):
         for extra in group.split(","):

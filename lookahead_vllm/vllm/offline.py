@@ -90,12 +90,16 @@ class GenerationResult:
 
 
 def generate(llm: Any, prompts: Sequence[Any], params: Any, batch_size: int) -> GenerationResult:
-    """Generate ``prompts`` in chunks of ``batch_size``; collect ids, times, acceptance."""
+    """Generate ``prompts`` in chunks of ``batch_size``; collect ids, times, acceptance.
+
+    ``params``: one ``SamplingParams`` for all, or a list with one per prompt.
+    """
     result = GenerationResult([], [])
     for lo in range(0, len(prompts), batch_size):
         chunk = list(prompts[lo:lo + batch_size])
         start = time.perf_counter()
-        outputs = llm.generate(chunk, params, use_tqdm=False)
+        chunk_params = params[lo:lo + batch_size] if isinstance(params, list) else params
+        outputs = llm.generate(chunk, chunk_params, use_tqdm=False)
         result.seconds.append(time.perf_counter() - start)
         for out in outputs:
             completion = out.outputs[0]

@@ -12,9 +12,9 @@ vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where each (token,
 dim) landed, giving a permutation per (dtype, block size, head dim, ISA).
 Writes always go through the op itself.
 
-``FlashPagedKV``: the GPU FlashAttention layout ``[2, num_blocks, block_size,
-num_kv_heads, head_dim]``, read and written directly (compaction runs the
-csrc kernel when it is built).
+``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape, read as
+K/V ``[num_blocks, block_size, num_kv_heads, head_dim]`` views), read and
+written directly.
 """
 
 from __future__ import annotations
@@ -97,10 +97,16 @@ def _discover_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: st
 
 
 class FlashPagedKV:
-    """Slot access for one FlashAttention-layout layer cache ``[2, nb, bs, H, D]``."""
+    """Slot access for one FlashAttention layer cache ``[num_blocks, kv_heads, block_size, 2 * head_dim]``.
+
+    vLLM 0.32's FLASH_ATTN views it as K and V ``[num_blocks, block_size,
+    kv_heads, head_dim]`` (strided, not contiguous): slots are addressed by
+    (block, offset), never through a flattening copy.
+    """
 
     def __init__(self, impl: Any, layer: Any, kv_cache: torch.Tensor) -> None:
-        self.key_cache, self.value_cache = kv_cache.unbind(0)
+        by_token = kv_cache.transpose(1, 2)  # [nb, bs, H, 2D]
+        self.key_cache, self.value_cache = by_token.split(impl.head_size, dim=-1)
         self.block_size = self.key_cache.shape[1]
 
     def gather_seq(self, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,10 +116,10 @@ class FlashPagedKV:
         )
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.key_cache.flatten(0, 1)[slots.long()]
-        v = self.value_cache.flatten(0, 1)[slots.long()]
-        return k, v
+        blk, off = slots.long() // self.block_size, slots.long() % self.block_size
+        return self.key_cache[blk, off], self.value_cache[blk, off]
 
     def write_slots(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.key_cache.flatten(0, 1)[slots.long()] = key
-        self.value_cache.flatten(0, 1)[slots.long()] = value
+        blk, off = slots.long() // self.block_size, slots.long() % self.block_size
+        self.key_cache[blk, off] = key
+        self.value_cache[blk, off] = value

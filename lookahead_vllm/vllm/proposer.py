@@ -52,6 +52,13 @@ class ProposerStats:
     propose_ns: int = 0
     # Largest number of draft tokens handed out in one step (whole batch).
     max_step_draft_tokens: int = 0
+    # Tree verification: request-steps verified as trees, their draft nodes,
+    # tokens emitted (accepted + bonus), and accepted nodes that were not on
+    # the leading chain (what chain verification could not have accepted).
+    tree_request_steps: int = 0
+    tree_nodes: int = 0
+    tree_tokens: int = 0
+    tree_off_chain_accepts: int = 0
 
     def as_dict(self) -> dict[str, float]:
         per_req = self.request_steps or 1
@@ -62,6 +69,9 @@ class ProposerStats:
             "max_step_draft_tokens": self.max_step_draft_tokens,
             "drafter_ms_per_step": self.propose_ns / 1e6 / (self.steps or 1),
             "drafter_ms_per_request_step": self.propose_ns / 1e6 / per_req,
+            "tree_request_steps": self.tree_request_steps,
+            "tree_tokens_per_request_step": self.tree_tokens / (self.tree_request_steps or 1),
+            "tree_off_chain_accepts": self.tree_off_chain_accepts,
         }
 
 

@@ -47,6 +47,7 @@ import torch
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
@@ -101,6 +102,11 @@ class TreeStep:
 # The step being executed in this process (one model runner per worker process).
 _current: TreeStep | None = None
 
+# Tests set a list here (in-process engines only) to receive, per verified
+# tree: the context token ids (root last), the plan, the node logits and the
+# committed K/V per layer after compaction (see tests/e2e/test_tree_oracle.py).
+recorder: list[dict[str, Any]] | None = None
+
 
 def tree_verifiable(sp: Any) -> bool:
     """Whether a request's sampling is per-row (no history along the draft)."""
@@ -153,6 +159,10 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
         start = int(starts[row])
         visible = torch.from_numpy(plan.visibility())
         requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
+        if recorder is not None:
+            num_tokens = int(runner.input_batch.num_tokens_no_spec[row])
+            context = runner.input_batch.token_ids_cpu[row, :num_tokens].tolist()
+            recorder.append({"req_id": req_id, "context": context, "plan": plan})
         if "positions" not in disabled:
             offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
             rows = slice(start, start + plan.num_nodes + 1)
@@ -272,7 +282,7 @@ def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tenso
     key = kv_cache.data_ptr()
     cache = step.caches.get(key)
     if cache is None:
-        kind = CpuPagedKV if kv_cache.dim() == 4 else FlashPagedKV
+        kind = CpuPagedKV if kv_cache.device.type == "cpu" else FlashPagedKV
         cache = step.caches[key] = kind(impl, layer, kv_cache)
     return cache
 
@@ -314,8 +324,29 @@ def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_o
         row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
         sampled[req.row] = row.to(sampled.device)
         moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
+        _count(runner.drafter.stats, req, nodes, tokens)
     if moves and "compaction" not in step.disabled:
         _compact(step, moves)
+    if recorder is not None:
+        _record(step, logits, cu_sampled, sampled)
+
+
+def _record(step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled: torch.Tensor) -> None:
+    entries = {e["req_id"]: e for e in recorder[-len(step.requests):]}
+    for req in step.requests:
+        first = cu_sampled[req.row] - req.num_rows
+        entry = entries[req.req_id]
+        entry["logits"] = logits[first : first + req.num_rows].float().clone()
+        entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
+        committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
+        entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
+
+
+def _count(stats: Any, req: TreeRequest, nodes: list[int], tokens: list[int]) -> None:
+    stats.tree_request_steps += 1
+    stats.tree_nodes += req.plan.num_nodes
+    stats.tree_tokens += len(tokens)
+    stats.tree_off_chain_accepts += sum(1 for j, n in enumerate(nodes) if n != j)
 
 
 def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
@@ -325,20 +356,6 @@ def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: 
         return targets.__getitem__
     generator = runner.input_batch.generators.get(req.row)
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
-
-
-def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
-    """One token from ``softmax(logits / T)`` restricted by top-k and top-p."""
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.numel():
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= top_p  # mass before it already >= p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:

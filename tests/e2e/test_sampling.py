@@ -83,3 +83,19 @@ def test_same_seed_reproduces_text(engines, sampling_prompts):
 def test_sampling_with_drafts_accepts_tokens(engines, sampling_prompts):
     ours = generate(engines.get("lookahead"), sampling_prompts[10:], _params(3000)[0], 10)
     assert ours.num_drafts > 0 and ours.num_accepted > 0
+
+
+def test_tree_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts):
+    """Tree acceptance by sampling (draft_shape="hier") stays on the target distribution."""
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    llm = engines.get("lookahead-tree-hier-", lookahead={"draft_shape": "hier"})
+    (proposer,) = find_proposers(llm)
+    before = proposer.stats.tree_request_steps
+    plain = _sample(engines.get("plain"), sampling_prompts, seed=1000)
+    ours = _sample(llm, sampling_prompts, seed=4000)
+    assert proposer.stats.tree_request_steps > before, "no tree was verified while sampling"
+    ll_plain = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, plain)
+    ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
+    print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead hier {ll_ours:.3f}")
+    assert abs(ll_ours - ll_plain) < TOLERANCE, (ll_plain, ll_ours)

@@ -1,0 +1,161 @@
+// Paged-KV tree attention: launcher. Checks sizes, strides and alignment,
+// plans the KV split, and instantiates the kernels of tree_attention.cuh for
+// fp32/fp16/bf16 x head_dim 64/128 (adding a head_dim is one `case` here and
+// in the checks; each costs ~1/3 more compile time). Plain CUDA runtime, no torch: CI
+// compiles this file on machines without a GPU.
+#include <cuda_runtime.h>
+
+#include "lookahead_api.h"
+#include "tree_attention.cuh"
+
+namespace lookahead {
+namespace {
+
+constexpr int kMinTilesPerSplit = 4;  // a split covers at least 128 keys
+constexpr int kMaxSplits = 32;
+constexpr int kCtasPerSmTarget = 2;   // split until the grid reaches 2 CTAs per SM
+
+struct Plan {
+  int q_tiles = 0;
+  int num_splits = 1;
+  int chunk = 0;
+  size_t partial_out_bytes = 0;
+  size_t workspace_bytes = 0;
+};
+
+int element_size(int dtype) { return dtype == LOOKAHEAD_FP32 ? 4 : 2; }
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+int check_params(const LookaheadTreeAttnParams* p) {
+  if (p == nullptr) return LOOKAHEAD_ERR_NULL;
+  if (p->dtype != LOOKAHEAD_FP32 && p->dtype != LOOKAHEAD_FP16 && p->dtype != LOOKAHEAD_BF16)
+    return LOOKAHEAD_ERR_DTYPE;
+  if (p->head_dim != 64 && p->head_dim != 128) return LOOKAHEAD_ERR_HEAD_DIM;
+  if (p->num_heads <= 0 || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads != 0 ||
+      p->num_kv_heads > 65535 || p->num_heads > 65535)
+    return LOOKAHEAD_ERR_HEADS;
+  if (p->num_tokens < 0 || p->num_reqs < 0 || p->num_reqs > 65535 || p->block_size <= 0 ||
+      p->max_blocks_per_seq < 0 || p->mask_words < 0 || p->max_query_len < 0 ||
+      p->max_seq_len < p->max_query_len ||
+      static_cast<int64_t>(p->mask_words) * 64 < p->max_query_len ||
+      static_cast<int64_t>(p->max_blocks_per_seq) * p->block_size < p->max_seq_len)
+    return LOOKAHEAD_ERR_SIZE;
+  if (p->num_tokens == 0 || p->num_reqs == 0 || p->max_query_len == 0) return LOOKAHEAD_OK;
+  if (!p->query || !p->key_cache || !p->value_cache || !p->block_tables || !p->seq_lens ||
+      !p->query_start_loc || !p->tree_mask || !p->out)
+    return LOOKAHEAD_ERR_NULL;
+  const int64_t esize = element_size(p->dtype);
+  if (!aligned16(p->key_cache) || !aligned16(p->value_cache) ||
+      (p->kv_stride_block * esize) % 16 != 0 || (p->kv_stride_token * esize) % 16 != 0 ||
+      (p->kv_stride_head * esize) % 16 != 0)
+    return LOOKAHEAD_ERR_ALIGNMENT;
+  return LOOKAHEAD_OK;
+}
+
+int num_sms() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;
+  return sms;
+}
+
+// Rows -> q tiles; then split the KV range while the grid is under
+// kCtasPerSmTarget CTAs per SM and every split keeps >= kMinTilesPerSplit tiles.
+int make_plan(const LookaheadTreeAttnParams* p, Plan* plan) {
+  const int64_t group = p->num_heads / p->num_kv_heads;
+  const int64_t q_tiles = (p->max_query_len * group + kRowsPerCta - 1) / kRowsPerCta;
+  const int64_t kv_tiles = (static_cast<int64_t>(p->max_seq_len) + kKvTile - 1) / kKvTile;
+  const int64_t base_ctas = static_cast<int64_t>(p->num_reqs) * p->num_kv_heads * q_tiles;
+  const int sms = num_sms();
+  if (sms <= 0) return LOOKAHEAD_ERR_CUDA;
+  int64_t splits = 1;
+  const int64_t target = static_cast<int64_t>(kCtasPerSmTarget) * sms;
+  if (base_ctas < target && kv_tiles >= 2 * kMinTilesPerSplit) {
+    splits = (target + base_ctas - 1) / base_ctas;
+    if (splits > kv_tiles / kMinTilesPerSplit) splits = kv_tiles / kMinTilesPerSplit;
+    if (splits > kMaxSplits) splits = kMaxSplits;
+  }
+  const int64_t chunk_tiles = kv_tiles > 0 ? (kv_tiles + splits - 1) / splits : 1;
+  splits = kv_tiles > 0 ? (kv_tiles + chunk_tiles - 1) / chunk_tiles : 1;  // no empty tail split
+  if (q_tiles * splits > 0x7fffffff) return LOOKAHEAD_ERR_SIZE;
+  plan->q_tiles = static_cast<int>(q_tiles);
+  plan->num_splits = static_cast<int>(splits);
+  plan->chunk = static_cast<int>(chunk_tiles * kKvTile);
+  plan->partial_out_bytes = 0;
+  plan->workspace_bytes = 0;
+  if (splits > 1) {
+    const size_t rows = static_cast<size_t>(splits) * p->num_tokens * p->num_heads;
+    plan->partial_out_bytes = (rows * p->head_dim * sizeof(float) + 255) / 256 * 256;
+    plan->workspace_bytes = plan->partial_out_bytes + rows * sizeof(float);
+  }
+  return LOOKAHEAD_OK;
+}
+
+template <typename T, int D>
+int launch(const LookaheadTreeAttnParams& p, const Plan& plan, void* workspace,
+           cudaStream_t stream) {
+  SplitArgs s;
+  s.q_tiles = plan.q_tiles;
+  s.num_splits = plan.num_splits;
+  s.chunk = plan.chunk;
+  s.partial_out = static_cast<float*>(workspace);
+  s.partial_lse = plan.num_splits > 1
+                      ? reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.partial_out_bytes)
+                      : nullptr;
+  const size_t smem = SmemLayout<D>::kBytes;
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(tree_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)) != cudaSuccess)
+    return LOOKAHEAD_ERR_CUDA;
+  const dim3 grid(plan.q_tiles * plan.num_splits, p.num_kv_heads, p.num_reqs);
+  auto* kernel = tree_attention_kernel<T, D>;
+  LOOKAHEAD_LAUNCH(kernel, grid, kThreads, smem, stream, p, s);
+  if (plan.num_splits > 1) {
+    const dim3 merge_grid(p.num_tokens, p.num_heads);
+    auto* merge = tree_attention_merge_kernel<T, D>;
+    LOOKAHEAD_LAUNCH(merge, merge_grid, D, 0, stream, p, s);
+  }
+  return cudaGetLastError() == cudaSuccess ? LOOKAHEAD_OK : LOOKAHEAD_ERR_CUDA;
+}
+
+template <typename T>
+int dispatch_head_dim(const LookaheadTreeAttnParams& p, const Plan& plan, void* ws,
+                      cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch<T, 64>(p, plan, ws, stream);
+    case 128: return launch<T, 128>(p, plan, ws, stream);
+    default: return LOOKAHEAD_ERR_HEAD_DIM;
+  }
+}
+
+}  // namespace
+}  // namespace lookahead
+
+extern "C" int lookahead_tree_attention_workspace(const LookaheadTreeAttnParams* p, size_t* bytes) {
+  if (bytes == nullptr) return LOOKAHEAD_ERR_NULL;
+  *bytes = 0;
+  const int rc = lookahead::check_params(p);
+  if (rc != LOOKAHEAD_OK || p->num_tokens == 0 || p->num_reqs == 0 || p->max_query_len == 0) return rc;
+  lookahead::Plan plan;
+  const int prc = lookahead::make_plan(p, &plan);
+  if (prc == LOOKAHEAD_OK) *bytes = plan.workspace_bytes;
+  return prc;
+}
+
+extern "C" int lookahead_tree_attention(const LookaheadTreeAttnParams* p, void* workspace,
+                                        size_t workspace_bytes, cudaStream_t stream) {
+  const int rc = lookahead::check_params(p);
+  if (rc != LOOKAHEAD_OK || p->num_tokens == 0 || p->num_reqs == 0 || p->max_query_len == 0) return rc;
+  lookahead::Plan plan;
+  const int prc = lookahead::make_plan(p, &plan);
+  if (prc != LOOKAHEAD_OK) return prc;
+  if (plan.workspace_bytes > 0 && (workspace == nullptr || workspace_bytes < plan.workspace_bytes))
+    return LOOKAHEAD_ERR_WORKSPACE;
+  switch (p->dtype) {
+    case LOOKAHEAD_FP32: return lookahead::dispatch_head_dim<float>(*p, plan, workspace, stream);
+    case LOOKAHEAD_FP16: return lookahead::dispatch_head_dim<__half>(*p, plan, workspace, stream);
+    case LOOKAHEAD_BF16: return lookahead::dispatch_head_dim<__nv_bfloat16>(*p, plan, workspace, stream);
+    default: return LOOKAHEAD_ERR_DTYPE;
+  }
+}

@@ -1,0 +1,63 @@
+"""Slot access to vLLM's per-layer paged KV caches (CPU_ATTN and FLASH_ATTN layouts)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
+
+NB, H, BS, D = 6, 3, 128, 64
+
+
+class _CpuImpl:
+    """The two attributes CpuPagedKV uses, writing through vLLM's own op."""
+
+    is_fp8_kv_cache = False
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        from vllm import _custom_ops as ops
+
+        key_cache, value_cache = kv_cache.view(NB, H, 2 * BS, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, layer.isa)
+
+
+def _sequence(length: int, table: list[int], dtype):
+    gen = torch.Generator().manual_seed(length)
+    slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(length)])
+    return slots, torch.randn(length, H, D, generator=gen).to(dtype), torch.randn(length, H, D, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_layout_roundtrip_through_vllm_op(dtype):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache = CpuPagedKV(_CpuImpl(), SimpleNamespace(isa=_get_attn_isa(dtype, BS, D)), torch.zeros(NB, H, BS, 2 * D, dtype=dtype))
+    table = [4, 1, 3]
+    slots, key, value = _sequence(300, table, dtype)
+    cache.write_slots(slots, key, value)
+    k, v = cache.gather_seq(torch.tensor(table, dtype=torch.int32), 300)
+    assert torch.equal(k, key) and torch.equal(v, value)
+    pick = torch.tensor([0, 129, 299])
+    k, v = cache.gather_slots(slots[pick])
+    assert torch.equal(k, key[pick]) and torch.equal(v, value[pick])
+    # Compaction-style move: read all sources, then write.
+    src, dst = slots[[5, 7]], slots[[3, 4]]
+    cache.write_slots(dst, *cache.gather_slots(src))
+    k, _ = cache.gather_seq(torch.tensor(table, dtype=torch.int32), 300)
+    assert torch.equal(k[3], key[5]) and torch.equal(k[4], key[7]) and torch.equal(k[6], key[6])
+
+
+def test_flash_layout_matches_flash_attention_view():
+    kv_cache = torch.zeros(NB, H, BS, 2 * D)
+    cache = FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
+    table = [2, 5]
+    slots, key, value = _sequence(200, table, torch.float32)
+    cache.write_slots(slots, key, value)
+    # Where vLLM 0.32's FLASH_ATTN reads them: (B, H, N, 2D) -> (B, N, H, D) x 2.
+    fa_k, fa_v = kv_cache.transpose(1, 2).split(D, dim=-1)
+    assert torch.equal(fa_k[5, 3], key[128 + 3]) and torch.equal(fa_v[2, 7], value[7])
+    k, v = cache.gather_seq(torch.tensor(table, dtype=torch.int32), 200)
+    assert torch.equal(k, key) and torch.equal(v, value)
