@@ -52,6 +52,12 @@ class LookaheadConfig:
     # Draft tokens per engine step across the whole batch, given to the most
     # confident positions first (0 = no cap: decoding_length per request).
     step_draft_budget: int = 0
+    # Load adaptation (see core/load.py): with more running requests than
+    # load_shrink_above the per-request budget shrinks linearly; at
+    # load_stop_at running requests or more nothing is drafted. Defaults
+    # suit a small CPU; GPUs verify many more tokens for free (raise both).
+    load_shrink_above: int = 8
+    load_stop_at: int = 16
     # Draft shape: "one" drafts a chain; "hier" a token tree with shared
     # prefixes merged, "par" whole branches side by side; trees are verified
     # in one forward with tree attention (vllm/tree_verify.py).
@@ -74,6 +80,8 @@ class LookaheadConfig:
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
+        _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
+        _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         if isinstance(self.debug_disable, (list, tuple)):

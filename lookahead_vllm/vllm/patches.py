@@ -21,6 +21,9 @@ tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
                        attention backends' ``forward`` (tree mask); see
                        ``tree_verify``. Applied lazily by ``LookaheadProposer``
                        when its draft shape makes trees.
+request_options, cli_speculative_model
+                       serving: per-request keys validated with the request;
+                       ``--speculative-model lookahead`` (see serve_patches.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Callable
 from vllm.logger import init_logger
 
 from lookahead_vllm.vllm import config as la_config
+from lookahead_vllm.vllm import serve_patches
 
 logger = init_logger(__name__)
 
@@ -110,6 +114,7 @@ def patch_runner_request_ids() -> bool:
             drafter = getattr(self, "drafter", None)
             if isinstance(drafter, LookaheadProposer):
                 drafter.on_step(self.input_batch, scheduler_output.finished_req_ids)
+                drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
             return original(self, scheduler_output)
 
         return _update_states
@@ -195,7 +200,8 @@ def patch_cpu_kernel_overrides_once() -> bool:
 
 # runner_request_ids is applied by LookaheadProposer itself, in the worker, only
 # when lookahead is selected: the plugin never imports the model runner.
-EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once")
+EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once",
+         "request_options", "cli_speculative_model")
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
@@ -203,4 +209,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
+    # Serving (issue 3): see serve_patches.py.
+    "request_options": serve_patches.patch_request_options,
+    "cli_speculative_model": serve_patches.patch_cli_speculative_model,
 }

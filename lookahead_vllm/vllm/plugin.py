@@ -33,7 +33,9 @@ def register() -> None:
         logger.warning(
             "lookahead-vllm was tested with vLLM %s; found %s", "/".join(SUPPORTED_VLLM), version
         )
-    from lookahead_vllm.vllm import patches
+    from lookahead_vllm.vllm import logs, metrics, patches
 
+    logs.share_vllm_handlers()
     patches.apply_all()
+    metrics.setup_process()  # lookahead_* series on /metrics (see metrics.py)
     _registered = True

@@ -24,10 +24,12 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import allocate_step_budget
+from lookahead_vllm.core.load import load_scaled_budget
+from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.trie import TokenTrie
-from lookahead_vllm.vllm import patches
+from lookahead_vllm.vllm import metrics, patches
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -88,6 +90,12 @@ class LookaheadProposer:
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
         self._inserted: dict[str, int] = {}
+        # request id -> its per-request draft cap (extra_args; 0 = off).
+        self._caps: dict[str, int] = {}
+        # Prometheus lookahead_* series and the periodic log line (metrics.py).
+        self.metrics = metrics.StepStats()
+        self._publisher = metrics.StatsPublisher(self, self.metrics)
+        self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
         # request id -> the tree it was handed last step (tree mode only).
         self.plans: dict[str, StepPlan] = {}
         # The runner's request states (sampling params); set by tree_verify.
@@ -111,6 +119,14 @@ class LookaheadProposer:
         for req_id in finished_req_ids:
             self.finish(req_id)
 
+    def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
+        """Record per-request caps from ``extra_args`` (validated when the request was made)."""
+        for req in new_reqs:
+            params = getattr(req, "sampling_params", None)
+            cap = draft_cap(params.extra_args) if params is not None else None
+            if cap is not None:
+                self._caps[req.req_id] = cap
+
     def reset(self) -> None:
         """Forget everything: a fresh, empty trie (benchmarks' cold start)."""
         self.trie = TokenTrie(self.config)
@@ -119,6 +135,7 @@ class LookaheadProposer:
 
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
+        self._caps.pop(req_id, None)
         self.plans.pop(req_id, None)
         if self._inserted.pop(req_id, None) is not None:
             self.trie.finish_request(req_id)
@@ -138,18 +155,39 @@ class LookaheadProposer:
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
         ]
-        floor = min(MAX_CONFIDENCE_FLOOR, self.config.min_draft_confidence * len(rows))
-        trees = [DraftTree.empty()] * len(sampled_token_ids)
+        # Load adaptation (core/load.py) and per-request caps shrink each row's budget.
+        load_budget = load_scaled_budget(self.config, len(batch.req_ids))
+        budgets = {}
         for i in rows:
             num_tokens = int(num_tokens_no_spec[i])
             req_id = batch.req_ids[i]
             self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
-            budget = min(self.config.decoding_length, self.max_model_len - num_tokens - 1)
-            trees[i] = self._draft(req_id, token_ids_cpu[i], num_tokens, budget, floor)
+            cap = self._caps.get(req_id, load_budget)
+            budgets[i] = min(load_budget, cap, self.max_model_len - num_tokens - 1)
+        drafting = [i for i in rows if budgets[i] > 0]
+        floor = min(MAX_CONFIDENCE_FLOOR, self.config.min_draft_confidence * len(drafting))
+        trees = [DraftTree.empty()] * len(sampled_token_ids)
+        for i in drafting:
+            num_tokens = int(num_tokens_no_spec[i])
+            trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
         drafts = self._drafts_within_step_budget(trees, req_ids)
         self._account(drafts, len(rows), start)
+        self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
         return drafts
+
+    def _record_metrics(self, drafts, sampled_token_ids, rows, load_budget: int, start_ns: int) -> None:
+        skipped = {"request": 0, "load": 0}
+        for i in rows:
+            if load_budget == 0:
+                skipped["load"] += 1
+            elif self._caps.get(self._input_batch.req_ids[i]) == 0:
+                skipped["request"] += 1
+        accepted = sum(len(s) - 1 for s in sampled_token_ids if s)
+        m = self.metrics
+        m.trie_nodes, m.trie_bytes, m.load_budget = self.trie.num_nodes, self.trie.num_bytes, load_budget
+        m.record_step(sum(len(d) for d in drafts), accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
+        self._interval_log.maybe_log(m)
 
     def _drafts_within_step_budget(self, trees: list[DraftTree], req_ids: list[str | None]) -> list[list[int]]:
         """Per request its tree (tree mode, verifiable sampling) or best chain,
@@ -206,6 +244,12 @@ class LookaheadProposer:
         s.draft_tokens += step_tokens
         s.max_step_draft_tokens = max(s.max_step_draft_tokens, step_tokens)
         s.propose_ns += time.perf_counter_ns() - start_ns
+
+
+def _log_interval_s() -> float:
+    import vllm.envs as envs
+
+    return float(envs.VLLM_LOG_STATS_INTERVAL)
 
 
 def _check_tree_support(vllm_config: VllmConfig, shape: str) -> None:

@@ -91,3 +91,32 @@ def test_step_budget_and_stats():
 def test_decoding_length_above_k_rejected():
     with pytest.raises(ValueError, match="decoding_length=8: must be <= speculative_config.num_speculative_tokens=4"):
         make_proposer(k=4, decoding_length=8)
+
+
+def test_per_request_cap_and_off():
+    p = make_proposer()
+    p.on_new_requests([
+        SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(extra_args={"lookahead_enabled": False})),
+        SimpleNamespace(req_id="b", sampling_params=SimpleNamespace(extra_args={"lookahead_max_draft_tokens": 2})),
+    ])
+    drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
+    assert drafts == [[], [8, 9]]
+    assert p.trie.active_requests == ["a", "b"]  # an opted-out request still feeds the trie
+    assert p.metrics.skipped_request_steps == {"request": 1, "load": 0}
+    step(p, {"c": B + [7]}, {"c": len(B)}, finished=["a", "b"])
+    assert p._caps == {}  # caps are forgotten with their requests
+
+
+def test_load_adaptation_shrinks_then_stops_drafting():
+    rows = {f"r{i}": B + [7] for i in range(4)}
+    lens = {r: len(B) for r in rows}
+    full = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6)
+    assert all(len(d) == 4 for d in step(full, rows, lens))
+    rows5 = {**rows, "r4": B + [7]}
+    half = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6)
+    assert [len(d) for d in step(half, rows5, {**lens, "r4": len(B)})] == [2] * 5  # ceil(4 * 1/2)
+    rows6 = {**rows5, "r5": B + [7]}
+    stop = make_proposer(k=4, load_shrink_above=4, load_stop_at=6)
+    assert step(stop, rows6, {r: len(B) for r in rows6}) == [[]] * 6
+    assert stop.metrics.skipped_request_steps["load"] == 6 and stop.metrics.load_budget == 0
+    assert len(stop.trie.active_requests) == 6  # tokens still inserted while not drafting

@@ -1,0 +1,345 @@
+"""Serving benchmark: plain vs vLLM ngram vs lookahead, through real OpenAI-compatible servers.
+
+One server per method (``lookahead-vllm-serve``, same flags apart from the
+speculation), all started before timing and kept for the whole run. For each
+concurrency ``c`` the prompts are cut into *waves* of ``c`` requests sent at
+once (streaming completions, greedy); for each wave every method runs once,
+in an order rotated wave by wave, so that noise hits all methods alike.
+
+Reported per (concurrency, method): request latency p50 / p99 (send to last
+token), time to first token p50, output tok/s (all tokens / all wave wall
+seconds), the speedup vs plain, and mismatches (requests whose text differs
+from plain's: must be 0). Other processes' CPU use is measured around every
+wave (machine busy jiffies minus the CPU time of this script's process tree).
+
+    python benchmarks/bench_serve.py                      # c = 1, 4, 16 -> benchmarks/results/serve_latest.{json,png}
+    python benchmarks/bench_serve.py --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+METHODS = {
+    "plain": [],
+    "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8}'],
+    "lookahead": ["--speculative-model", "lookahead"],
+}
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    model: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Cell:
+    # Per method: request latencies and TTFTs (s), wave tokens and wave seconds, texts by prompt index.
+    latency: dict[str, list[float]] = field(default_factory=dict)
+    ttft: dict[str, list[float]] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    texts: dict[str, dict[int, str]] = field(default_factory=dict)
+    other_cpu_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(model: str, methods: list[str], args: argparse.Namespace, log_dir: Path) -> list[Server]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    env.setdefault("OMP_NUM_THREADS", str(args.omp_threads))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    servers = []
+    for name in methods:
+        port = free_port()
+        cmd = [sys.executable, "-m", "lookahead_vllm.serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+               "--max-num-seqs", str(max(args.concurrency)), *METHODS[name]]
+        if name == "lookahead" and args.lookahead_config:
+            cmd += ["--additional-config", json.dumps({"lookahead": json.loads(args.lookahead_config)})]
+        log = open(log_dir / f"serve_{name}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        servers.append(Server(name, proc, port, model))
+    deadline = time.monotonic() + 600
+    for s in servers:
+        while not _healthy(s):
+            if s.proc.poll() is not None or time.monotonic() > deadline:
+                stop_servers(servers)
+                raise SystemExit(f"{s.name} server did not start; see {log_dir}/serve_{s.name}.log")
+            time.sleep(1)
+    return servers
+
+
+def _healthy(s: Server) -> bool:
+    try:
+        with urllib.request.urlopen(f"{s.url}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def stop_servers(servers: list[Server]) -> None:
+    for s in servers:
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGINT)
+    for s in servers:
+        try:
+            s.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(s.proc.pid, signal.SIGKILL)
+
+
+async def one_request(client: Any, server: Server, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+    start = time.perf_counter()
+    ttft, text, tokens = None, "", 0
+    stream = await client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.text and ttft is None:
+                ttft = time.perf_counter() - start
+            text += c.text
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return time.perf_counter() - start, ttft or 0.0, tokens, text
+
+
+async def run_wave(server: Server, prompts: list[str], max_tokens: int) -> tuple[float, list]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one_request(client, server, p, max_tokens) for p in prompts))
+    wall = time.perf_counter() - start
+    await client.close()
+    return wall, results
+
+
+def tree_cpu_seconds(root_pids: list[int]) -> float:
+    """CPU seconds (user + system) of the live processes under ``root_pids`` (inclusive)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, cpu = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(pid)] = int(fields[1])
+        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in cpu.items():
+        p = pid
+        while p and p not in root_pids:
+            p = parents.get(p, 0)
+        if p:
+            total += seconds
+    return total
+
+
+def busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int) -> Cell:
+    cell = Cell()
+    roots = [os.getpid()] + [s.proc.pid for s in servers]
+    start = time.perf_counter()
+    for w, lo in enumerate(range(0, len(prompts), c)):
+        wave = prompts[lo:lo + c]
+        order = servers[w % len(servers):] + servers[:w % len(servers)]
+        busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
+        for s in order:
+            wall, results = asyncio.run(run_wave(s, wave, max_tokens))
+            cell.seconds.setdefault(s.name, []).append(wall)
+            cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
+            cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
+            cell.ttft.setdefault(s.name, []).extend(r[1] for r in results)
+            for i, r in enumerate(results):
+                cell.texts.setdefault(s.name, {})[lo + i] = r[3]
+        cell.other_cpu_s.append(max(0.0, (busy_seconds() - busy0) - (tree_cpu_seconds(roots) - ours0)))
+        print(f"  c={c} wave {w + 1}: " + ", ".join(
+            f"{s.name} {cell.tokens[s.name][-1] / cell.seconds[s.name][-1]:.1f} tok/s" for s in servers
+        ), file=sys.stderr, flush=True)
+    cell.wall_s = time.perf_counter() - start
+    return cell
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(cell: Cell, c: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"concurrency": c, "wall_s": cell.wall_s, "other_cpu_s": sum(cell.other_cpu_s),
+                           "other_cores_busy": sum(cell.other_cpu_s) / cell.wall_s, "methods": {}}
+    plain_tok_s = sum(cell.tokens["plain"]) / sum(cell.seconds["plain"])
+    for name in cell.latency:
+        tok_s = sum(cell.tokens[name]) / sum(cell.seconds[name])
+        paired = statistics.median(
+            (t / s) / (pt / ps) for t, s, pt, ps in
+            zip(cell.tokens[name], cell.seconds[name], cell.tokens["plain"], cell.seconds["plain"])
+        )
+        out["methods"][name] = {
+            "output_tok_s": tok_s,
+            "speedup": tok_s / plain_tok_s,
+            "speedup_paired_median": paired,
+            "latency_p50_s": percentile(cell.latency[name], 0.5),
+            "latency_p99_s": percentile(cell.latency[name], 0.99),
+            "ttft_p50_s": percentile(cell.ttft[name], 0.5),
+            "tokens": sum(cell.tokens[name]),
+            "seconds": sum(cell.seconds[name]),
+            "requests": len(cell.latency[name]),
+            "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
+        }
+    return out
+
+
+def print_table(cells: list[dict[str, Any]]) -> None:
+    head = f"{'conc':>4}  {'method':<10} {'tok/s':>7} {'speedup':>8} {'paired':>7} {'p50 s':>7} {'p99 s':>7} " \
+           f"{'ttft p50':>8} {'mismatch':>8}"
+    print(head)
+    print("-" * len(head))
+    for cell in cells:
+        for name, m in cell["methods"].items():
+            print(f"{cell['concurrency']:>4}  {name:<10} {m['output_tok_s']:>7.1f} {m['speedup']:>7.2f}x "
+                  f"{m['speedup_paired_median']:>6.2f}x {m['latency_p50_s']:>7.2f} {m['latency_p99_s']:>7.2f} "
+                  f"{m['ttft_p50_s']:>8.3f} {m['mismatches']:>8}")
+        print(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
+              f"({cell['other_cores_busy']:.2f} cores busy)")
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(cells[0]["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(cells))
+    width = 0.8 / len(methods)
+    for j, name in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in x]
+        speed = [c["methods"][name]["speedup"] for c in cells]
+        p50 = [c["methods"][name]["latency_p50_s"] for c in cells]
+        p99 = [c["methods"][name]["latency_p99_s"] for c in cells]
+        bars = axes[0].bar(xs, speed, width, label=name)
+        axes[0].bar_label(bars, labels=[f"{v:.2f}x" for v in speed], fontsize=7)
+        axes[1].bar(xs, p50, width, label=f"{name} p50")
+        axes[1].scatter(xs, p99, marker="_", s=200, color="black")
+    for ax in axes:
+        ax.set_xticks(list(x), [f"c={c['concurrency']}" for c in cells])
+    axes[0].axhline(1.0, ls="--", color="gray")
+    axes[0].set_ylabel("output tok/s vs plain")
+    axes[0].set_title("throughput (higher is better)")
+    axes[1].set_ylabel("request latency, s (bar p50, tick p99)")
+    axes[1].set_title("latency (lower is better)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("lookahead-vllm serving, SmolLM2-135M fp32, 2-core CPU, greedy, streaming")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=[8, 8, 16],
+                        help="prompts per concurrency (one value, or one per --concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"])
+    parser.add_argument("--omp-threads", type=int, default=2)
+    parser.add_argument("--lookahead-config", default=None, help="JSON of lookahead fields")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"serve_{time.strftime('%Y%m%d_%H%M%S')}.json")
+    args = parser.parse_args(argv)
+    if "plain" not in args.methods:
+        parser.error("--methods must include plain (the reference)")
+    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+
+    from transformers import AutoTokenizer
+
+    from lookahead_vllm.datasets import load_prompts
+    from lookahead_vllm.models import prepare_smollm2
+
+    model = args.model or str(prepare_smollm2())
+    prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), max(counts))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    servers = start_servers(model, args.methods, args, log_dir)
+    started = time.time()
+    try:
+        # Untimed warm-up (one short request each; the lookahead trie learns nothing it reuses).
+        for s in servers:
+            asyncio.run(run_wave(s, ["Hello, my name is"], 8))
+        cells = [summarize(run_cell(servers, prompts[:n], c, args.max_tokens), c)
+                 for c, n in zip(args.concurrency, counts)]
+    finally:
+        stop_servers(servers)
+    result = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_at_end": os.getloadavg()},
+        "git": _git(),
+        "cells": cells,
+    }
+    print_table(cells)
+    args.out.write_text(json.dumps(result, indent=2))
+    png = args.out.with_suffix(".png")
+    plot(cells, png)
+    if args.out.parent.resolve() == RESULTS.resolve():
+        shutil.copy(args.out, RESULTS / "serve_latest.json")
+        shutil.copy(png, RESULTS / "serve_latest.png")
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
+
+
+def _git() -> dict[str, Any]:
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain"))}
+
+
+if __name__ == "__main__":
+    main()

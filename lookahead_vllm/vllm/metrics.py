@@ -1,0 +1,285 @@
+"""Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
+
+The proposer runs in the worker process (in a server: API server -> engine
+core -> worker, three processes), while ``/metrics`` is served by the API
+server's Prometheus registry. vLLM ships its own figures through the
+scheduler stats; ours take a simpler road that works for any process layout:
+
+1. :func:`setup_process` (called by the plugin in every process) makes sure
+   ``$LOOKAHEAD_VLLM_STATS_DIR`` names a directory; the first process (the
+   API server, or the offline ``LLM``'s process) creates a temporary one, and
+   every process it starts inherits the variable. It also registers
+   :class:`StatsCollector` with ``prometheus_client``'s default registry.
+2. Each proposer owns a :class:`StepStats` (cumulative counters, gauges and
+   histograms) and a :class:`StatsPublisher`, a daemon thread that writes a
+   JSON snapshot to ``<dir>/<pid>-<n>.json`` twice a second (atomically:
+   write + rename). Only tensor-parallel rank 0 publishes.
+3. On every scrape, :class:`StatsCollector` reads the snapshots of live
+   processes and sums them into Prometheus families.
+
+Exposed series (all cumulative since the engine started, except gauges):
+
+  lookahead_trie_nodes, lookahead_trie_bytes      gauges: trie size now
+  lookahead_load_budget                           gauge: per-request node budget after load adaptation
+  lookahead_steps_total                           engine steps the drafter ran
+  lookahead_draft_tokens_total                    draft nodes handed to vLLM
+  lookahead_accepted_tokens_total                 draft tokens the target accepted
+  lookahead_skipped_request_steps_total{reason}   request-steps not drafted: "request"
+                                                  (per-request off/cap 0) or "load"
+  lookahead_drafter_seconds                       histogram: drafter wall time per step
+  lookahead_draft_tokens_per_step                 histogram: draft nodes per step (whole batch)
+  lookahead_accepted_tokens_per_step              histogram: accepted draft tokens per step
+
+Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
+tokens accepted ``m - 1`` drafts of the previous step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+STATS_DIR_ENV = "LOOKAHEAD_VLLM_STATS_DIR"
+PUBLISH_INTERVAL_S = 0.5
+SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+SKIP_REASONS = ("request", "load")
+
+_counter = itertools.count()
+_setup_done = False
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative histogram: ``counts[i]`` observations <= ``bounds[i]``, last = +Inf."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one proposer publishes; mutated by the proposer's thread only."""
+
+    trie_nodes: int = 0
+    trie_bytes: int = 0
+    load_budget: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    skipped_request_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    drafter_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    draft_tokens_per_step: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
+    accepted_tokens_per_step: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
+
+    def record_step(self, draft_tokens: int, accepted: int, seconds: float, skipped: dict[str, int]) -> None:
+        self.steps += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        for reason, n in skipped.items():
+            self.skipped_request_steps[reason] += n
+        self.drafter_seconds.observe(seconds)
+        self.draft_tokens_per_step.observe(draft_tokens)
+        self.accepted_tokens_per_step.observe(accepted)
+
+    def snapshot(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class IntervalLogger:
+    """One INFO line per interval, like vLLM's ``SpecDecoding metrics`` line."""
+
+    def __init__(self, logger: Any, interval_s: float) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last_t = time.monotonic()
+        self._last = (0, 0, 0, 0.0)  # steps, draft tokens, accepted, drafter seconds
+
+    def maybe_log(self, stats: StepStats) -> None:
+        now = time.monotonic()
+        if now - self._last_t < self.interval_s:
+            return
+        cur = (stats.steps, stats.draft_tokens, stats.accepted_tokens, stats.drafter_seconds.total)
+        steps = cur[0] - self._last[0]
+        self._last_t, last, self._last = now, self._last, cur
+        if steps <= 0:
+            return
+        self.logger.info(
+            "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes (%.1f MiB), "
+            "drafter %.3f ms/step, load budget %d nodes/request",
+            (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
+            stats.trie_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
+        )
+
+
+class StatsPublisher:
+    """Daemon thread writing ``stats.snapshot()`` to the stats directory twice a second."""
+
+    def __init__(self, owner: object, stats: StepStats) -> None:
+        self.path = None
+        directory = os.environ.get(STATS_DIR_ENV)
+        if not directory or not os.path.isdir(directory) or _tp_rank() != 0:
+            return
+        self.path = os.path.join(directory, f"{os.getpid()}-{next(_counter)}.json")
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=_publish_loop, args=(self.path, stats, stop), name="lookahead-stats", daemon=True
+        )
+        thread.start()
+        # The owner (the proposer) going away stops the thread and removes its file.
+        weakref.finalize(owner, _stop_publishing, stop, self.path)
+
+
+def _publish_loop(path: str, stats: StepStats, stop: threading.Event) -> None:
+    while not stop.wait(PUBLISH_INTERVAL_S):
+        write_snapshot(path, stats.snapshot())
+
+
+def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(snapshot, f)
+        os.replace(tmp, path)
+    except OSError:  # the directory went away at shutdown
+        pass
+
+
+def _stop_publishing(stop: threading.Event, path: str) -> None:
+    stop.set()
+    for p in (path, f"{path}.tmp"):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no distributed state (unit tests): single rank
+        return 0
+
+
+def read_snapshots(directory: str) -> list[dict[str, Any]]:
+    """Snapshots written by live processes (files of dead processes are skipped)."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StatsCollector:
+    """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def describe(self) -> list:
+        return []  # unchecked collector: nothing is read at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snaps = read_snapshots(self.directory) if os.path.isdir(self.directory) else []
+        if not snaps:
+            return
+
+        def total(key: str) -> float:
+            return sum(s[key] for s in snaps)
+
+        for name, key, doc in (
+            ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
+            ("lookahead_trie_bytes", "trie_bytes", "Estimated memory of the lookahead token trie, bytes."),
+            ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=total(key))
+        for name, key, doc in (
+            ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
+            ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
+            ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
+        ):
+            yield CounterMetricFamily(name, doc, value=total(key))
+        skipped = CounterMetricFamily(
+            "lookahead_skipped_request_steps", "Request-steps not drafted, by reason.", labels=["reason"]
+        )
+        for reason in SKIP_REASONS:
+            skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in snaps))
+        yield skipped
+        for name, key, doc in (
+            ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
+            ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),
+            ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
+             "Accepted lookahead draft tokens per engine step."),
+        ):
+            yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in snaps])
+
+
+def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:
+    bounds = hists[0]["bounds"]
+    counts = [sum(h["counts"][i] for h in hists) for i in range(len(bounds) + 1)]
+    cumulative = list(itertools.accumulate(counts))
+    buckets = [(_le(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    return family(name, doc, buckets=buckets, sum_value=sum(h["total"] for h in hists))
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))
+
+
+def setup_process() -> None:
+    """Stats directory in the environment (created by the first process) and the collector registered."""
+    global _setup_done
+    if _setup_done:
+        return
+    _setup_done = True
+    directory = os.environ.get(STATS_DIR_ENV)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="lookahead-vllm-stats-")
+        os.environ[STATS_DIR_ENV] = directory
+        atexit.register(shutil.rmtree, directory, True)
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(StatsCollector(directory))

@@ -1,0 +1,78 @@
+"""Named patches for serving (registered in :mod:`.patches`).
+
+request_options          ``SamplingParams`` validates the per-request
+                         lookahead keys of ``extra_args`` (see
+                         :mod:`lookahead_vllm.core.request_options`) where it
+                         validates its own fields: offline that raises at
+                         construction, in the API server the request gets an
+                         HTTP 400 before it reaches the engine.
+cli_speculative_model    vLLM's argument parser accepts the removed flag
+                         ``--speculative-model lookahead`` (only that value;
+                         it sets ``--spec-model``, which our
+                         ``speculative_method`` patch routes to the proposer)
+                         and ``--num-speculative-tokens`` as an alias of
+                         ``--spec-tokens``. Applies to ``vllm serve`` and to
+                         ``lookahead-vllm-serve``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from lookahead_vllm.core.request_options import draft_cap
+from lookahead_vllm.vllm.config import METHOD
+
+
+def _validation_error():
+    """``VLLMValidationError`` that is also a ``ValueError`` (HTTP 400 in the server)."""
+    from vllm.exceptions import VLLMValidationError
+
+    class LookaheadRequestError(VLLMValidationError, ValueError):
+        pass
+
+    return LookaheadRequestError
+
+
+def patch_request_options() -> bool:
+    from vllm.sampling_params import SamplingParams
+
+    error = _validation_error()
+    original = SamplingParams._verify_args
+
+    @functools.wraps(original)
+    def _verify_args(self) -> None:
+        original(self)
+        try:
+            draft_cap(self.extra_args)
+        except ValueError as e:
+            raise error(str(e), parameter="vllm_xargs") from None
+
+    _verify_args.__lookahead_original__ = original
+    SamplingParams._verify_args = _verify_args
+    return True
+
+
+def patch_cli_speculative_model() -> bool:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.add_cli_args
+
+    @functools.wraps(original)
+    def add_cli_args(parser):
+        parser = original(parser)
+        known = set(parser._option_string_actions)
+        if "--speculative-model" not in known:
+            parser.add_argument(
+                "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
+                help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
+                "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
+            )
+        if "--num-speculative-tokens" not in known:
+            parser.add_argument(
+                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                help="Alias of --spec-tokens (restored by lookahead-vllm).",
+            )
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    return True

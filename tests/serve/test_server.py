@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server with lookahead, through the ``openai`` client.
+
+Greedy text must equal a plain server's on the same prompts, for completions
+and chat, streaming or not, with stop strings and max_tokens; per-request
+control works (and bad per-request input is a 400 that leaves the server
+serving); ``/metrics`` counters move by what the responses imply.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+openai = pytest.importorskip("openai")
+
+MAX_TOKENS = 40
+NUM_CODE = 3
+NUM_CHAT = 2
+
+
+@pytest.fixture(scope="module")
+def code_prompts() -> list[str]:
+    from lookahead_vllm.datasets import load_humaneval
+
+    return load_humaneval(NUM_CODE)
+
+
+@pytest.fixture(scope="module")
+def chat_questions() -> list[str]:
+    from lookahead_vllm.datasets import load_mtbench
+
+    return load_mtbench(NUM_CHAT)
+
+
+def _both(plain, lookahead, fn):
+    """Run ``fn(server)`` on both servers at once (one core each); return (plain, lookahead)."""
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(fn, plain), pool.submit(fn, lookahead)
+        return a.result(), b.result()
+
+
+def complete(server, prompt, stream=False, **kw):
+    client = server.client()
+    args = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    if not stream:
+        r = client.completions.create(**args)
+        return r.choices[0].text, r.choices[0].finish_reason, r
+    text, finish = "", None
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+    return text, finish, None
+
+
+def chat(server, question, stream=False, **kw):
+    client = server.client()
+    args = {
+        "model": server.model, "messages": [{"role": "user", "content": question}],
+        "max_tokens": MAX_TOKENS, "temperature": 0, **kw,
+    }
+    if not stream:
+        r = client.chat.completions.create(**args)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r
+    text, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return text, finish, None
+
+
+def spec_metrics(response) -> dict:
+    return response.model_extra["metrics"]["speculative_decoding"]
+
+
+def scrape(server) -> dict[str, float]:
+    """``/metrics`` samples without the ``model_name``/``engine`` labels: name{labels} -> value."""
+    out: dict[str, float] = {}
+    for line in server.metrics_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = re.sub(r'(engine|model_name)="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_completions_identical_to_plain(plain, lookahead, code_prompts):
+    drafted = 0
+    for prompt in code_prompts:
+        ref, la = _both(plain, lookahead, lambda s: complete(s, prompt))
+        assert la[0] == ref[0] and la[1] == ref[1]
+        streamed = complete(lookahead, prompt, stream=True)
+        assert streamed[:2] == ref[:2]
+        drafted += spec_metrics(la[2])["num_accepted_draft_tokens"]
+        assert la[2].usage.completion_tokens == ref[2].usage.completion_tokens
+    assert drafted > 0  # lookahead really drafted (and drafts were accepted)
+
+
+def test_chat_identical_to_plain(plain, lookahead, chat_questions):
+    for question in chat_questions:
+        ref, la = _both(plain, lookahead, lambda s: chat(s, question))
+        assert la[:2] == ref[:2]
+        assert chat(lookahead, question, stream=True)[:2] == ref[:2]
+
+
+def test_stop_strings_and_max_tokens(plain, lookahead, code_prompts):
+    prompt = code_prompts[0]
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, stop=["return"]))
+    assert la[:2] == ref[:2] and ref[1] == "stop" and "return" not in la[0]
+    assert complete(lookahead, prompt, stream=True, stop=["return"])[:2] == ref[:2]
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, max_tokens=7))
+    assert la[:2] == ref[:2] and la[1] == "length"
+    assert la[2].usage.completion_tokens == 7
+
+
+def test_n_greater_than_one(plain, lookahead, code_prompts):
+    # Greedy n > 1 is refused by vLLM itself, with or without speculation.
+    for server in (plain, lookahead):
+        with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+            complete(server, code_prompts[0], n=2)
+    # Sampled n > 1 works with lookahead: n independent choices.
+    r = lookahead.client().completions.create(
+        model=lookahead.model, prompt=code_prompts[1], max_tokens=16, temperature=0.8, seed=1, n=2
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.text for c in r.choices) and r.usage.completion_tokens > 16
+
+
+def test_per_request_off_identical_and_undrafted(plain, lookahead, code_prompts):
+    prompt = code_prompts[1]
+    before = scrape(lookahead)
+    off = {"vllm_xargs": {"lookahead_enabled": False}}
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, extra_body=off))
+    assert la[:2] == ref[:2]
+    m = spec_metrics(la[2])
+    assert m["num_draft_tokens"] == 0 and m["num_spec_steps"] == 0
+    after = scrape(lookahead)
+    assert after["vllm:spec_decode_num_draft_tokens_total"] == before["vllm:spec_decode_num_draft_tokens_total"]
+    assert after["vllm:spec_decode_num_drafts_total"] == before["vllm:spec_decode_num_drafts_total"]
+    # The same request with lookahead on does draft (so "zero" above means something).
+    assert spec_metrics(complete(lookahead, prompt, max_tokens=16)[2])["num_draft_tokens"] > 0
+
+
+def test_per_request_cap(plain, lookahead, code_prompts):
+    prompt = code_prompts[2]
+    cap = {"vllm_xargs": {"lookahead_max_draft_tokens": 1}}
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, max_tokens=24, extra_body=cap))
+    assert la[:2] == ref[:2]
+    m = spec_metrics(la[2])
+    assert 0 < m["num_draft_tokens"] <= m["num_spec_steps"]  # at most one draft token per step
+
+
+@pytest.mark.parametrize(
+    "xargs, message",
+    [
+        ({"lookahead_enabeld": 0}, r"unknown per-request lookahead key\(s\) \['lookahead_enabeld'\]"),
+        ({"lookahead_max_draft_tokens": 999}, r"lookahead_max_draft_tokens=999: must be an integer in \[0, 256\]"),
+        ({"lookahead_max_draft_tokens": "two"}, r"lookahead_max_draft_tokens='two': must be an integer"),
+        ({"lookahead_enabled": "off"}, r"lookahead_enabled='off': must be true or false"),
+    ],
+)
+def test_bad_per_request_field_is_400_and_server_keeps_serving(lookahead, code_prompts, xargs, message):
+    with pytest.raises(openai.BadRequestError, match=message) as info:
+        complete(lookahead, code_prompts[0], max_tokens=4, extra_body={"vllm_xargs": xargs})
+    assert info.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match=message):
+        chat(lookahead, "hi", max_tokens=4, extra_body={"vllm_xargs": xargs})
+    assert complete(lookahead, code_prompts[0], max_tokens=4)[2].usage.completion_tokens == 4
+
+
+def test_metrics_move_by_what_responses_imply(lookahead, code_prompts):
+    before = settled_scrape(lookahead)
+    drafts = accepted = tokens = steps = 0
+    for prompt in code_prompts[:3]:
+        _, _, r = complete(lookahead, prompt)
+        m = spec_metrics(r)
+        drafts, accepted, steps = drafts + m["num_draft_tokens"], accepted + m["num_accepted_draft_tokens"], steps + m["num_spec_steps"]
+        tokens += r.usage.completion_tokens
+    after = scrape(lookahead)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert accepted > 0
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == drafts
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert delta("vllm:spec_decode_num_drafts_total") == steps
+    per_pos = sum(v - before.get(k, 0.0) for k, v in after.items()
+                  if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == accepted
+    assert delta("vllm:generation_tokens_total") == tokens
+    # Our own series: published twice a second by the engine's worker process.
+    # (Over clean requests they agree exactly; a request stopped by a stop string can have one
+    # more step sampled in the worker than the scheduler keeps, so totals may differ slightly.)
+    ours = _wait_for(lookahead, lambda m: m.get("lookahead_accepted_tokens_total", 0.0)
+                     - before.get("lookahead_accepted_tokens_total", 0.0) >= accepted)
+    assert ours["lookahead_accepted_tokens_total"] - before.get("lookahead_accepted_tokens_total", 0.0) == accepted
+    # We hand vLLM at least what it scheduled (it drops drafts past a request's end).
+    assert ours["lookahead_draft_tokens_total"] - before.get("lookahead_draft_tokens_total", 0.0) >= drafts
+    assert ours["lookahead_trie_nodes"] > 0 and ours["lookahead_trie_bytes"] > 0
+    assert ours["lookahead_drafter_seconds_count"] > before.get("lookahead_drafter_seconds_count", 0.0)
+    assert ours["lookahead_draft_tokens_per_step_sum"] > before.get("lookahead_draft_tokens_per_step_sum", 0.0)
+    assert ours["lookahead_accepted_tokens_per_step_count"] == ours["lookahead_steps_total"]
+    assert re.search(r"lookahead: drafted [\d.]+ nodes/step, accepted [\d.]+ tok/step, trie \d+ nodes",
+                     lookahead.log_text())
+
+
+def test_load_adaptation_stops_drafting_under_concurrency(plain, lookahead, code_prompts):
+    # The lookahead server stops drafting at 4 running requests (tests/serve/conftest.py).
+    before = scrape(lookahead)
+    prompts = code_prompts * 2  # 8 concurrent requests
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: complete(lookahead, p, max_tokens=24), prompts))
+        refs = list(pool.map(lambda p: complete(plain, p, max_tokens=24), prompts))
+    assert [o[:2] for o in outs] == [r[:2] for r in refs]
+    after = _wait_for(lookahead, lambda m: m.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0)
+                      > before.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0))
+    assert after['lookahead_skipped_request_steps_total{reason="load"}'] > \
+        before.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0)
+
+
+def settled_scrape(server) -> dict[str, float]:
+    """A scrape after our engine-side snapshot has caught up (it is written every 0.5 s)."""
+    import time
+
+    from lookahead_vllm.vllm.metrics import PUBLISH_INTERVAL_S
+
+    time.sleep(2 * PUBLISH_INTERVAL_S + 0.2)
+    return scrape(server)
+
+
+def _wait_for(server, predicate, timeout_s: float = 10.0) -> dict[str, float]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(server)
+        if predicate(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)

@@ -1,0 +1,71 @@
+"""lookahead_* Prometheus series: snapshots written by the engine side, summed by the collector."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from lookahead_vllm.vllm import metrics  # noqa: E402
+
+
+def _scrape(directory) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.StatsCollector(str(directory)))
+    text = prometheus_client.generate_latest(registry).decode()
+    return {
+        s.name + (f"{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}" if s.labels else ""): s.value
+        for fam in text_string_to_metric_families(text) for s in fam.samples
+    }
+
+
+def test_snapshots_of_live_processes_are_summed(tmp_path):
+    a, b = metrics.StepStats(trie_nodes=10, trie_bytes=2000), metrics.StepStats(trie_nodes=5, trie_bytes=1000)
+    a.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 1, "load": 0})
+    a.record_step(draft_tokens=0, accepted=0, seconds=0.00005, skipped={"request": 0, "load": 2})
+    b.record_step(draft_tokens=3, accepted=3, seconds=0.02, skipped={"request": 0, "load": 0})
+    metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-0.json"), a.snapshot())
+    metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-1.json"), b.snapshot())
+    metrics.write_snapshot(str(tmp_path / "999999999-0.json"), a.snapshot())  # dead process: ignored
+    got = _scrape(tmp_path)
+    assert got["lookahead_trie_nodes"] == 15 and got["lookahead_trie_bytes"] == 3000
+    assert got["lookahead_steps_total"] == 3
+    assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_accepted_tokens_total"] == 7
+    assert got["lookahead_skipped_request_steps_total{reason=request}"] == 1
+    assert got["lookahead_skipped_request_steps_total{reason=load}"] == 2
+    assert got["lookahead_drafter_seconds_count"] == 3
+    assert got["lookahead_drafter_seconds_sum"] == pytest.approx(0.02035)
+    assert got["lookahead_drafter_seconds_bucket{le=0.0001}"] == 1
+    assert got["lookahead_drafter_seconds_bucket{le=0.0005}"] == 2
+    assert got["lookahead_draft_tokens_per_step_bucket{le=0.0}"] == 1
+    assert got["lookahead_draft_tokens_per_step_bucket{le=4.0}"] == 2
+    assert got["lookahead_draft_tokens_per_step_bucket{le=+Inf}"] == 3
+
+
+def test_no_snapshot_no_series(tmp_path):
+    assert not any(k.startswith("lookahead_") for k in _scrape(tmp_path))
+
+
+def test_interval_logger_reports_per_step_means():
+    lines = []
+
+    class Log:
+        def info(self, fmt, *args):
+            lines.append(fmt % args)
+
+    stats = metrics.StepStats(trie_nodes=100, trie_bytes=3 * 2**20, load_budget=8)
+    log = metrics.IntervalLogger(Log(), interval_s=0.0)
+    stats.record_step(draft_tokens=8, accepted=6, seconds=0.001, skipped={})
+    stats.record_step(draft_tokens=4, accepted=0, seconds=0.003, skipped={})
+    log.maybe_log(stats)
+    assert lines == [
+        "lookahead: drafted 6.00 nodes/step, accepted 3.00 tok/step, trie 100 nodes (3.0 MiB), "
+        "drafter 2.000 ms/step, load budget 8 nodes/request"
+    ]
+    log.maybe_log(stats)  # no step since: no line
+    assert len(lines) == 1
