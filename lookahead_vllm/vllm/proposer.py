@@ -59,6 +59,8 @@ class ProposerStats:
     tree_nodes: int = 0
     tree_tokens: int = 0
     tree_off_chain_accepts: int = 0
+    # Trees the scheduler cut to a prefix (token budget / max_model_len).
+    tree_truncated: int = 0
 
     def as_dict(self) -> dict[str, float]:
         per_req = self.request_steps or 1
@@ -147,7 +149,7 @@ class LookaheadProposer:
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
         slot_mappings: Any = None,
     ) -> list[list[int]]:
-        """One draft chain per batch row (``[]`` = no draft); see the module docstring."""
+        """One draft per batch row (a chain, or a flattened tree in tree mode; ``[]`` = none)."""
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"

@@ -149,6 +149,8 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
         plan = plans.get(req_id)
         if plan is None or not draft:
             continue
+        if len(draft) < plan.num_nodes:
+            drafter.stats.tree_truncated += 1  # the scheduler's token budget cut the tree
         plan = plan.truncate(len(draft))
         if plan.is_chain():
             continue

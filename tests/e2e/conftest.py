@@ -56,3 +56,19 @@ def engines(smollm2_dir):
     pool = Engines(smollm2_dir)
     yield pool
     pool.close()
+
+
+_PLAIN_RUNS: dict = {}
+
+
+def plain_run(engines, prompts: list, params, bs: int, key: tuple):
+    """Plain vLLM's outputs for ``prompts``/``params`` at batch ``bs``, once per session.
+
+    ``key`` names the (prompts, params) combination; modules that use the same
+    key share one plain run.
+    """
+    from lookahead_vllm.vllm.offline import generate
+
+    if (key, bs) not in _PLAIN_RUNS:
+        _PLAIN_RUNS[(key, bs)] = generate(engines.get("plain"), prompts, params, bs)
+    return _PLAIN_RUNS[(key, bs)]

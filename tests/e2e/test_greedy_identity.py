@@ -15,7 +15,7 @@ import pytest
 
 from lookahead_vllm.vllm.offline import count_mismatches, generate
 
-from .conftest import MAX_TOKENS
+from .conftest import MAX_TOKENS, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -30,14 +30,8 @@ def _greedy(max_tokens: int = MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-_plain_cache: dict = {}
-
-
 def _plain(engines, prompts, dataset, bs):
-    key = (dataset, bs)
-    if key not in _plain_cache:
-        _plain_cache[key] = generate(engines.get("plain"), prompts[dataset], _greedy(), bs)
-    return _plain_cache[key]
+    return plain_run(engines, prompts[dataset], _greedy(), bs, (dataset, "greedy"))
 
 
 @pytest.mark.parametrize("bs", [1, 8])

@@ -5,7 +5,9 @@
 - compaction: after a tree step, the committed sequence's K/V (all layers) at
   the accepted positions equal a plain forward's K/V over the committed tokens.
 
-Negative controls run the same checks with the mask / compaction switched off.
+Negative controls (slow) run the same checks with the mask / compaction
+switched off; tests/e2e/test_tree_verify.py shows greedy identity breaks
+without each piece in the default suite.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.vllm
 # fp32 vLLM vs fp32 HF on CPU: different kernels and summation order.
 LOGITS_ATOL = 2e-3
 KV_ATOL = 1e-3
-MAX_CHECKED = 12
+MAX_CHECKED = 6
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def _record(engines, prompts, name, **lookahead):
     llm = engines.get(name, lookahead={"draft_shape": "hier", **lookahead})
     tree_verify.recorder = []
     try:
-        generate(llm, prompts["humaneval"][:4], SamplingParams(temperature=0.0, max_tokens=40), 1)
+        generate(llm, prompts["humaneval"][:3], SamplingParams(temperature=0.0, max_tokens=40), 1)
         return [e for e in tree_verify.recorder if "logits" in e]
     finally:
         tree_verify.recorder = None
@@ -107,6 +109,7 @@ def test_node_logits_and_compacted_kv_match_hf(engines, prompts, hf_model):
     assert max(kv) < KV_ATOL, f"compacted KV differs from HF by {max(kv):.2e}"
 
 
+@pytest.mark.slow
 def test_oracle_detects_missing_mask_and_compaction(engines, prompts, hf_model):
     """The same checks fail when the tree mask / compaction is switched off."""
     no_mask = _record(engines, prompts, "lookahead-tree-oracle-nomask", debug_disable=["mask"])

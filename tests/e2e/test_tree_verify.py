@@ -10,30 +10,29 @@ import pytest
 
 from lookahead_vllm.vllm.offline import count_mismatches, generate
 
-from .conftest import MAX_TOKENS
+from .conftest import MAX_TOKENS, plain_run
 
 pytestmark = pytest.mark.vllm
 
 
-def _params(n: int, mixed: bool):
-    """Greedy params; with ``mixed`` every third request uses a repetition
-    penalty, which needs history along the draft, so it is verified as a chain."""
+def _params(n: int, mixed: bool, **extra):
+    """Greedy params. With ``mixed``, request 3j+1 turns lookahead off and
+    request 3j+2 uses a repetition penalty (history along the draft: verified
+    as a chain); the rest draft trees."""
     from vllm import SamplingParams
 
-    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    penalised = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.2)
-    return [penalised if mixed and i % 3 == 2 else plain for i in range(n)]
-
-
-_plain_cache: dict = {}
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, **extra)
+    if not mixed:
+        return [plain] * n
+    off = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args={"lookahead_enabled": False}, **extra)
+    penalised = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.2, **extra)
+    return [(plain, off, penalised)[i % 3] for i in range(n)]
 
 
 def _plain(engines, prompts, dataset, bs, mixed):
-    key = (dataset, bs, mixed)
-    if key not in _plain_cache:
-        ps = prompts[dataset]
-        _plain_cache[key] = generate(engines.get("plain"), ps, _params(len(ps), mixed), bs)
-    return _plain_cache[key]
+    ps = prompts[dataset]
+    # Unmixed greedy is the same run as test_greedy_identity's (shared).
+    return plain_run(engines, ps, _params(len(ps), mixed), bs, (dataset, "mixed" if mixed else "greedy"))
 
 
 def _tree_engine(engines, shape: str, **extra):
@@ -71,7 +70,7 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mi
 def test_each_piece_is_needed(engines, prompts, switch):
     """Negative controls: switching off one piece must break greedy identity."""
     subset = prompts["humaneval"][:8]
-    plain = _plain(engines, {"hier8": subset}, "hier8", 8, False)
+    plain = _plain(engines, {"humaneval[:8]": subset}, "humaneval[:8]", 8, False)
     llm = _tree_engine(engines, "hier", debug_disable=(switch,))
     ours = generate(llm, subset, _params(len(subset), False), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
@@ -89,7 +88,22 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
     )
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    (proposer,) = find_proposers(llm)
     first = generate(llm, subset, params, 6)
     again = generate(llm, subset, params, 6)  # prompts now hit the prefix cache
     assert count_mismatches(plain.token_ids, first.token_ids) == 0
     assert count_mismatches(plain.token_ids, again.token_ids) == 0
+    assert proposer.stats.tree_truncated > 0, "the token budget never cut a tree"
+
+
+def test_stop_strings_and_eos_inside_accepted_runs(engines, prompts):
+    """Stop strings and EOS that fall inside an accepted tree path end the text exactly like plain."""
+    subset = prompts["humaneval"][:8] + prompts["mtbench"][:4]
+    params = _params(len(subset), True, stop=["\n\n", "return"])
+    plain = generate(engines.get("plain"), subset, params, 12)
+    ours = generate(_tree_engine(engines, "hier"), subset, params, 12)
+    assert ours.texts == plain.texts
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert any(len(ids) < MAX_TOKENS for ids in plain.token_ids), "no request stopped early"
