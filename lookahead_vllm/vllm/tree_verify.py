@@ -97,6 +97,8 @@ class TreeStep:
     # CPU path rounds (shared by all layers) and every tree row, built lazily.
     rounds: list | None = None
     all_rows: torch.Tensor | None = None
+    # Rows whose slots the CPU path rounds overwrite (restored afterwards).
+    restore_rows: torch.Tensor | None = None
     # GPU kernel arguments (shared by all layers), built lazily.
     kernel_args: dict | None = None
 
@@ -212,16 +214,20 @@ def _cpu_path_rounds(
 ) -> None:
     """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time.
 
-    In round ``j`` every tree request puts the K/V of its ``j``-th path into its
-    next slots and the path's rows run as a causal chain, which is exactly
-    tree attention for them. Afterwards slot ``C + i`` holds row ``i`` again.
+    The stock causal call already got the root and the leading chain right
+    (there the tree mask is causal). In round ``j`` every tree request writes
+    the K/V of its ``j``-th other root-to-leaf path into its next slots and
+    runs the path's not-yet-computed rows as the tail of a causal query: for
+    them that is exactly tree attention. Afterwards the overwritten slots get
+    their own rows' K/V back.
     """
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    for rnd in _rounds(step, metadata):
-        impl.do_kv_cache_update(layer, key[rnd.rows], value[rnd.rows], kv_cache, rnd.slots)
+    rounds = _rounds(step, metadata)
+    for rnd in rounds:
+        impl.do_kv_cache_update(layer, key[rnd.kv_rows], value[rnd.kv_rows], kv_cache, rnd.slots)
         if rnd.scheduler_metadata is None:
             rnd.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(rnd.seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
@@ -229,17 +235,18 @@ def _cpu_path_rounds(
                 query_start_loc=rnd.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
                 enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype,
             )
-        path_out = torch.empty(len(rnd.rows), impl.num_heads, impl.head_size, dtype=out.dtype)
+        path_out = torch.empty(len(rnd.query_rows), impl.num_heads, impl.head_size, dtype=out.dtype)
         ops.cpu_attention_with_kv_cache(
-            query=query[rnd.rows], key_cache=key_cache, value_cache=value_cache, output=path_out,
+            query=query[rnd.query_rows], key_cache=key_cache, value_cache=value_cache, output=path_out,
             query_start_loc=rnd.query_start_loc, seq_lens=rnd.seq_lens, scale=impl.scale, causal=True,
             alibi_slopes=None, sliding_window=-1, block_table=rnd.block_table, softcap=0,
             scheduler_metadata=rnd.scheduler_metadata, s_aux=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
         )
-        out[rnd.rows] = path_out
-    rows, slots = step.all_rows, step.slot_mapping[step.all_rows]
-    impl.do_kv_cache_update(layer, key[rows], value[rows], kv_cache, slots)
+        out[rnd.query_rows] = path_out
+    if rounds:
+        rows = step.restore_rows
+        impl.do_kv_cache_update(layer, key[rows], value[rows], kv_cache, step.slot_mapping[rows])
 
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
@@ -273,12 +280,13 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
 
 @dataclass(slots=True)
 class PathRound:
-    """One kernel call: the j-th root-to-leaf path of every tree request."""
+    """One kernel call: one more root-to-leaf path of every tree request that has one."""
 
-    rows: torch.Tensor  # [n] long: flattened step rows, path order per request
+    kv_rows: torch.Tensor  # [n] long: step rows whose K/V go to the paths' slots, path order
     slots: torch.Tensor  # [n] long: each request's next slots C, C+1, ...
-    query_start_loc: torch.Tensor  # [num_paths + 1] int32
-    seq_lens: torch.Tensor  # [num_paths] int32
+    query_rows: torch.Tensor  # [m] long: the paths' rows not computed yet (path tails)
+    query_start_loc: torch.Tensor  # [num_paths + 1] int32, over query_rows
+    seq_lens: torch.Tensor  # [num_paths] int32: context + path length
     block_table: torch.Tensor  # [num_paths, max_blocks] int32
     scheduler_metadata: Any = None
 
@@ -286,32 +294,50 @@ class PathRound:
 def _rounds(step: TreeStep, metadata: Any) -> list[PathRound]:
     if step.rounds is not None:
         return step.rounds
-    paths = [_leaf_paths(req.plan) for req in step.requests]
+    per_request = [_uncovered_paths(req.plan) for req in step.requests]
     seq_lens = metadata.seq_lens.tolist()
     step.rounds = []
-    for j in range(max(len(p) for p in paths)):
-        rows, slots, qsl, lens, tables = [], [], [0], [], []
-        for req, req_paths in zip(step.requests, paths):
-            if j >= len(req_paths):
+    restore: set[int] = set()
+    for j in range(max(len(p) for p in per_request)):
+        kv_rows, slots, query_rows, qsl, lens, tables = [], [], [], [0], [], []
+        for req, paths in zip(step.requests, per_request):
+            if j >= len(paths):
                 continue
-            path = req_paths[j]
-            rows += [req.start + r for r in path]
+            path, tail = paths[j]
+            kv_rows += [req.start + r for r in path]
+            restore.update(req.start + i for i in range(len(path)))
             slots.append(step.slot_mapping[req.start : req.start + len(path)])
-            qsl.append(qsl[-1] + len(path))
+            query_rows += [req.start + r for r in path[-tail:]]
+            qsl.append(qsl[-1] + tail)
             lens.append(seq_lens[req.row] - req.num_rows + len(path))
             tables.append(metadata.block_table[req.row])
         step.rounds.append(PathRound(
-            torch.tensor(rows), torch.cat(slots), torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
+            torch.tensor(kv_rows), torch.cat(slots), torch.tensor(query_rows),
+            torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
         ))
+    step.restore_rows = torch.tensor(sorted(restore))
     return step.rounds
 
 
-def _leaf_paths(plan: StepPlan) -> list[list[int]]:
-    """Row indices (root = 0) of every root-to-leaf path of a plan."""
+def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
+    """Root-to-leaf paths (rows, root = 0) still needing attention after the
+    stock causal call, each with how many trailing rows are new.
+
+    The root and the leading chain are already right; every other row is
+    computed once, on the first path through it.
+    """
     kids = plan.tree.children()
-    leaves = [i for i in range(plan.num_nodes) if not kids[i]]
-    return [[0] + [n + 1 for n in plan.tree.path_to(leaf)] for leaf in leaves]
+    done = set(range(plan.chain_prefix_length() + 1))
+    out = []
+    for leaf in (i for i in range(plan.num_nodes) if not kids[i]):
+        path = [0] + [n + 1 for n in plan.tree.path_to(leaf)]
+        tail = sum(1 for r in path if r not in done)
+        if tail:
+            # DFS order: a path's new rows are its last ones.
+            assert all(r not in done for r in path[-tail:])
+            out.append((path, tail))
+            done.update(path)
+    return out
 
 
 def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tensor) -> Any:
