@@ -46,3 +46,24 @@ def test_trie_replay_measures_every_step():
     streams = [([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([1, 2, 3], [4, 5])]
     times = bench_trie.replay(TokenTrie(LookaheadConfig()), streams, accept_per_step=2)
     assert len(times) == 3 + 1 and all(t > 0 for t in times)
+
+
+def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
+    """Variants named <shape>-<d|b><N> become one line per (axis, shape), sorted by N."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import plot_sweep
+
+    def row(method, speedup, mal):
+        return {"method": method, "speedup": speedup, "mean_acceptance_length": mal}
+
+    cell = {"dataset": "humaneval", "batch_size": 1, "methods": [
+        row("plain", 1.0, None), row("ngram8", 1.3, 6.0), row("lookahead:hier-d16", 1.5, 2.3),
+        row("lookahead:hier-d4", 1.4, 1.9), row("lookahead:one-d8", 1.8, 2.1), row("lookahead:hier-b8", 1.2, 2.0),
+    ]}
+    lines = plot_sweep.series(cell)
+    assert sorted(lines) == [("b", "hier"), ("d", "hier"), ("d", "one")]
+    assert [n for n, _ in lines[("d", "hier")]] == [4, 16]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"cells": [cell]}))
+    plot_sweep.main([str(path)])
+    assert (tmp_path / "s_sweep.png").stat().st_size > 1000
