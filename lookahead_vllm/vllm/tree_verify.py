@@ -11,9 +11,12 @@ the acceptance treat those tokens as a tree:
                      each node at its depth while node ``i`` still writes its
                      K/V to slot ``C + 1 + i`` (no collisions).
 ``tree_attention``   the attention backend's ``forward``: after the stock
-                     kernel, tree rows are recomputed with the tree mask
-                     (committed context + root + ancestors) over the paged
-                     cache (pure-torch reference on CPU, csrc kernel on GPU).
+                     kernel, tree rows off the leading chain are recomputed
+                     with the tree mask (committed context + root + ancestors)
+                     over the paged cache: on CPU with vLLM's own kernel, one
+                     root-to-leaf path per call (``LOOKAHEAD_TREE_ATTENTION=
+                     reference``: the pure-torch reference), on GPU with the
+                     csrc kernel, all tree rows in one launch.
 ``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
                      of tree requests are replaced by a tree walk (greedy
                      argmax, or a sample with the request's own temperature,

@@ -31,24 +31,44 @@ def prompts(tokenizer) -> dict[str, list[str]]:
     }
 
 
+# Engines alive at once (each holds ~1 GiB of KV cache plus the model); the
+# least recently used one is shut down before another is built. "plain" stays.
+MAX_LIVE_ENGINES = 4
+
+
 class Engines:
-    """Lazily built engines, one per method, kept for the whole session."""
+    """Lazily built engines, one per name, at most MAX_LIVE_ENGINES alive."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self._llms: dict[str, object] = {}
 
     def get(self, name: str, **kwargs):
-        if name not in self._llms:
-            from vllm import LLM
+        if name in self._llms:
+            self._llms[name] = self._llms.pop(name)  # most recently used last
+            return self._llms[name]
+        while len(self._llms) >= MAX_LIVE_ENGINES:
+            oldest = next(n for n in self._llms if n != "plain")
+            _shutdown(self._llms.pop(oldest))
+        from vllm import LLM
 
-            method = "lookahead" if name.startswith("lookahead") else name
-            self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
+        method = "lookahead" if name.startswith("lookahead") else name
+        # Building right after a shutdown also re-creates vLLM's global
+        # parallel groups, which an in-process shutdown destroys.
+        self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
         return self._llms[name]
 
     def close(self) -> None:
         self._llms.clear()
         gc.collect()
+
+
+def _shutdown(llm) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
