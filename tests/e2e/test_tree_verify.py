@@ -84,7 +84,7 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
     llm = engines.get(
         "lookahead-tree-hier-small-budget",
         lookahead={"draft_shape": "hier"},
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=32,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
     )
