@@ -32,7 +32,6 @@ _LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.s
 apply_cpu_env(**_LOG_ENV)
 
 import argparse  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
@@ -166,17 +165,11 @@ def warmup_params() -> Any:
 
 
 def free_engine(llm: Any) -> None:
-    """Shut an engine down to free its memory.
+    """Shut an engine down (see ``offline.shutdown_engine``: a shared engine
+    must not run between a shutdown and the next build; bench_cell builds first)."""
+    from lookahead_vllm.vllm.offline import shutdown_engine
 
-    In-process engines share vLLM's global parallel groups and shutdown destroys
-    them: the next engine build re-creates them, so a shared engine must not run
-    between a shutdown and the next build (bench_cell builds first).
-    """
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-    del llm
-    gc.collect()
+    shutdown_engine(llm)
 
 
 def proposers(llm: Any) -> list[Any]:

@@ -8,6 +8,7 @@ is built the same way::
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -116,6 +117,20 @@ def _add_spec_metrics(result: GenerationResult, metrics: Any) -> None:
     result.num_drafts += sum(hist)
     result.num_accepted += sum(j * n for j, n in enumerate(hist))
     result.num_draft_tokens += int(metrics.num_draft_tokens)
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Shut an in-process ``LLM`` down to free its memory.
+
+    In-process engines share vLLM's global parallel groups and shutdown destroys
+    them: the next engine build re-creates them, so no other engine may run
+    between a shutdown and the next build.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
 
 
 def count_mismatches(reference: list[list[int]], other: list[list[int]]) -> int:

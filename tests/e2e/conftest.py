@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from lookahead_vllm.vllm.offline import engine_kwargs
+from lookahead_vllm.vllm.offline import engine_kwargs, shutdown_engine
 
 # Kept short so the default suite stays fast; the slow suite uses 256.
 MAX_TOKENS = 64
@@ -49,7 +49,7 @@ class Engines:
             return self._llms[name]
         while len(self._llms) >= MAX_LIVE_ENGINES:
             oldest = next(n for n in self._llms if n != "plain")
-            _shutdown(self._llms.pop(oldest))
+            shutdown_engine(self._llms.pop(oldest))
         from vllm import LLM
 
         method = "lookahead" if name.startswith("lookahead") else name
@@ -61,14 +61,6 @@ class Engines:
     def close(self) -> None:
         self._llms.clear()
         gc.collect()
-
-
-def _shutdown(llm) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-    del llm
-    gc.collect()
 
 
 @pytest.fixture(scope="session")
