@@ -52,6 +52,14 @@ class LookaheadConfig:
     # Draft tokens per engine step across the whole batch, given to the most
     # confident positions first (0 = no cap: decoding_length per request).
     step_draft_budget: int = 0
+    # Forward-cost model (core/budget.py): a forward scoring up to
+    # cost_free_tokens tokens costs about one token's forward; past that,
+    # cost_marginal_tokens more tokens cost one more forward. Each step keeps
+    # the batch's most confident draft nodes only while they raise expected
+    # tokens per second. Defaults fit this project's 2-core CPU; a GPU
+    # verifies far more tokens for free (raise cost_free_tokens); 0 = off.
+    cost_free_tokens: int = 12
+    cost_marginal_tokens: float = 18.0
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at
     # load_stop_at running requests or more nothing is drafted. Defaults
@@ -79,6 +87,8 @@ class LookaheadConfig:
         _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
+        _check_int("cost_free_tokens", self.cost_free_tokens, 0, 1 << 16)
+        _check_float("cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)

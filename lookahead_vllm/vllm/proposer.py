@@ -23,7 +23,7 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import allocate_step_budget
+from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -88,6 +88,7 @@ class LookaheadProposer:
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trie = TokenTrie(self.config)
+        self.cost = ForwardCost(self.config.cost_free_tokens, self.config.cost_marginal_tokens)
         self.stats = ProposerStats()
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
@@ -173,7 +174,7 @@ class LookaheadProposer:
             num_tokens = int(num_tokens_no_spec[i])
             trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
-        drafts = self._drafts_within_step_budget(trees, req_ids)
+        drafts = self._drafts_within_step_budget(trees, req_ids, len(rows))
         self._account(drafts, len(rows), start)
         self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
         return drafts
@@ -191,14 +192,14 @@ class LookaheadProposer:
         m.record_step(sum(len(d) for d in drafts), accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 
-    def _drafts_within_step_budget(self, trees: list[DraftTree], req_ids: list[str | None]) -> list[list[int]]:
+    def _drafts_within_step_budget(
+        self, trees: list[DraftTree], req_ids: list[str | None], num_rows: int
+    ) -> list[list[int]]:
         """Per request its tree (tree mode, verifiable sampling) or best chain,
-        cut to a prefix so the batch drafts <= step_draft_budget tokens."""
+        cut to the prefix the forward-cost model and step_draft_budget allow."""
         paths = [self._node_order(tree, req_id) for tree, req_id in zip(trees, req_ids)]
-        keep = [len(p) for p in paths]
-        if self.config.step_draft_budget:
-            confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
-            keep = allocate_step_budget(confs, self.config.step_draft_budget)
+        confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
+        keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost)
         for tree, path, n, req_id in zip(trees, paths, keep, req_ids):
             if self.tree_mode and req_id is not None:
                 is_tree = n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain()

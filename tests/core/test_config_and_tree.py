@@ -102,3 +102,48 @@ def test_step_budget_properties():
         kept = [c for k, chain in zip(keep, confs) for c in chain[:k]]
         dropped = [c for k, chain in zip(keep, confs) for c in chain[k:]]
         assert not kept or not dropped or min(kept) >= max(dropped)
+
+
+def test_forward_cost_model():
+    from lookahead_vllm.core.budget import ForwardCost
+
+    cost = ForwardCost(free_tokens=12, marginal_tokens=18)
+    assert cost(1) == cost(12) == 1.0
+    assert cost(30) == pytest.approx(2.0)
+    assert ForwardCost(free_tokens=0)(500) == 1.0  # off: every token free
+
+
+def test_cost_model_keeps_only_paying_draft_tokens():
+    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+
+    cost = ForwardCost(free_tokens=12, marginal_tokens=18)
+    # One request: 1 + 8 tokens fit in the free region, so everything is kept.
+    assert allocate_step_budget([[0.9, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.01]], None, 1, cost) == [8]
+    # Eight requests: 4 free slots, then a token pays only if its confidence
+    # beats tokens-per-forward / marginal_tokens (about 0.75 here): the 0.95
+    # and 0.9 positions do, the 0.3 ones do not.
+    assert allocate_step_budget([[0.95, 0.9, 0.3, 0.1]] * 8, None, 8, cost) == [2] * 8
+    # A low-confidence batch drafts nothing past the free region.
+    assert sum(allocate_step_budget([[0.05] * 8] * 16, None, 16, cost)) == 0
+
+
+def test_cost_model_picks_the_best_prefix_of_the_merged_order():
+    import random
+
+    from lookahead_vllm.core.budget import ForwardCost, _merged_order, allocate_step_budget
+
+    rng = random.Random(1)
+    for _ in range(200):
+        # Tree drafts in DFS order: confidences need not be monotone.
+        confs = [[rng.uniform(0, 1) for _ in range(rng.randint(0, 8))] for _ in range(rng.randint(1, 12))]
+        cost = ForwardCost(free_tokens=rng.randint(1, 16), marginal_tokens=rng.uniform(2, 30))
+        rows = len(confs)
+        keep = allocate_step_budget(confs, None, rows, cost)
+        order = _merged_order(confs)
+        rates = [(rows + sum(c for c, _ in order[:m])) / cost(rows + m) for m in range(len(order) + 1)]
+        assert (rows + sum(sum(c[:k]) for c, k in zip(confs, keep))) / cost(rows + sum(keep)) == pytest.approx(max(rates))
+        # Each request keeps a prefix, taken head-first from the merged order.
+        counts = [0] * len(confs)
+        for _, req in order[:sum(keep)]:
+            counts[req] += 1
+        assert counts == keep

@@ -110,13 +110,28 @@ def test_per_request_cap_and_off():
 def test_load_adaptation_shrinks_then_stops_drafting():
     rows = {f"r{i}": B + [7] for i in range(4)}
     lens = {r: len(B) for r in rows}
-    full = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6)
+    # The forward-cost model is off here (cost_free_tokens=0): only load adapts.
+    full = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6, cost_free_tokens=0)
     assert all(len(d) == 4 for d in step(full, rows, lens))
     rows5 = {**rows, "r4": B + [7]}
-    half = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6)
+    half = make_proposer(k=4, min_draft_confidence=0.0, load_shrink_above=4, load_stop_at=6, cost_free_tokens=0)
     assert [len(d) for d in step(half, rows5, {**lens, "r4": len(B)})] == [2] * 5  # ceil(4 * 1/2)
     rows6 = {**rows5, "r5": B + [7]}
     stop = make_proposer(k=4, load_shrink_above=4, load_stop_at=6)
     assert step(stop, rows6, {r: len(B) for r in rows6}) == [[]] * 6
     assert stop.metrics.skipped_request_steps["load"] == 6 and stop.metrics.load_budget == 0
     assert len(stop.trie.active_requests) == 6  # tokens still inserted while not drafting
+
+
+def test_forward_cost_model_trims_batch_drafts():
+    rows = {f"r{i}": B + [7] for i in range(4)}
+    lens = {r: len(B) for r in rows}
+    free = make_proposer(k=4, min_draft_confidence=0.0, cost_free_tokens=0)
+    assert [len(d) for d in step(free, rows, lens)] == [4] * 4
+    # 4 rows fill the free region; past it a token costs half a forward (two
+    # tokens' worth at this step's rate), which no draft token can pay for.
+    costly = make_proposer(k=4, min_draft_confidence=0.0, cost_free_tokens=4, cost_marginal_tokens=2)
+    assert step(costly, rows, lens) == [[]] * 4
+    # With room for 8 free tokens, the 4 most confident positions are kept.
+    roomy = make_proposer(k=4, min_draft_confidence=0.0, cost_free_tokens=8, cost_marginal_tokens=2)
+    assert sum(len(d) for d in step(roomy, rows, lens)) == 4

@@ -1,0 +1,160 @@
+"""Acceptance simulator: mean accepted length of lookahead drafting, without the model.
+
+Greedy verification is lossless, so at batch 1 the tokens a request emits are
+exactly plain vLLM's greedy output, and what one step accepts is a pure
+function of the draft tree and that output: the longest root-to-node path of
+the tree that spells the next output tokens. This script generates the greedy
+outputs once with plain vLLM (cached under ``--cache``), then replays the
+proposer's trie on them for any number of config variants in seconds:
+
+  step     context = prompt + output[:i]; the trie drafts a tree (budget,
+           shape, confidence floor as the proposer would at batch 1); the
+           step emits ``accepted + 1`` tokens (the bonus); the trie learns
+           them; i advances.
+  MAL      emitted tokens / steps (the first token, from prefill, excluded).
+
+Requests run one after another through one trie, like the benchmark's cold
+``lookahead`` cell at bs=1; ``--warm-prompts N`` first inserts the greedy
+outputs of the next N prompts (the dev split), like ``lookahead-warm``.
+
+Example::
+
+    python benchmarks/sim_acceptance.py --datasets humaneval --num-prompts 16 \\
+        --variant chain='{"draft_shape": "one"}' --variant hier='{"draft_shape": "hier"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.trie import TokenTrie
+
+DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def accepted_length(tree: DraftTree, future: list[int]) -> tuple[int, bool]:
+    """(tokens of ``future`` the tree accepts, whether any accepted node is off the best path)."""
+    kids = tree.children()
+    node, n = -1, 0
+    while n < len(future):
+        match = next((c for c in kids[node] if tree.tokens[c] == future[n]), None)
+        if match is None:
+            break
+        node, n = match, n + 1
+    off_chain = n > 0 and node not in tree.best_path()
+    return n, off_chain
+
+
+def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
+             warm: list[list[int]]) -> dict[str, float]:
+    """Replay the trie over (prompt, greedy output) pairs; see the module docstring."""
+    trie = TokenTrie(config)
+    for ids in warm:
+        trie.insert_output(ids)
+    steps = emitted = nodes = off_chain = 0
+    floor = config.min_draft_confidence  # one request drafting
+    for r, (prompt, out) in enumerate(zip(prompts, outputs)):
+        trie.add_request(r, prompt)
+        seq = list(prompt) + out[:1]
+        trie.extend(r, out[:1])
+        i = 1
+        while i < len(out):
+            tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
+            if config.draft_shape == "one":
+                tree = DraftTree.chain(tree.best_chain())
+            n, off = accepted_length(tree, out[i:])
+            n = min(n + 1, len(out) - i)  # + bonus token
+            trie.extend(r, out[i:i + n])
+            seq.extend(out[i:i + n])
+            i += n
+            steps += 1
+            emitted += n
+            nodes += len(tree)
+            off_chain += off
+        trie.finish_request(r)
+    return {"mal": emitted / max(steps, 1), "steps": steps, "tokens": emitted,
+            "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain}
+
+
+def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:
+    """(prompt ids, plain vLLM greedy output ids) for the first ``count`` prompts, cached."""
+    path = cache / f"{dataset}_{count}_{max_tokens}_{model.name}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return data["prompts"], data["outputs"]
+    from lookahead_vllm.vllm.offline import apply_cpu_env
+
+    apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from lookahead_vllm.datasets import load_prompts
+    from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    texts = load_prompts(dataset, tokenizer, limit=count)
+    start = time.perf_counter()
+    llm = LLM(model=str(model), **engine_kwargs("plain"))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = generate(llm, texts, params, batch_size=8).token_ids
+    shutdown_engine(llm)
+    prompts = [tokenizer(t).input_ids for t in texts]
+    log(f"[{dataset}] {count} greedy outputs in {time.perf_counter() - start:.1f} s -> {path}")
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    return prompts, outputs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--warm-prompts", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="a lookahead config to replay (repeatable); default: chain and hier at decoding_length 8")
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from lookahead_vllm.models import prepare_smollm2
+
+        args.model = prepare_smollm2()
+    specs = args.variant or ['chain={"draft_shape": "one"}', 'hier={"draft_shape": "hier"}']
+    variants = {}
+    for spec in specs:
+        name, _, raw = spec.partition("=")
+        try:
+            variants[name] = LookaheadConfig.from_dict(json.loads(raw or "{}"))
+        except (json.JSONDecodeError, ValueError) as exc:
+            p.error(f"--variant {spec!r}: {exc}")
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    for dataset in args.datasets:
+        total = args.num_prompts + args.warm_prompts
+        prompts, outputs = greedy_outputs(dataset, total, args.max_tokens, args.model, args.cache)
+        test = slice(0, args.num_prompts)
+        warm = outputs[args.num_prompts:total]
+        for name, config in variants.items():
+            r = simulate(config, prompts[test], outputs[test], warm)
+            results["cells"].append({"dataset": dataset, "variant": name, **r})
+            print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
+                  f"off-chain steps {r['off_chain_steps']}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
