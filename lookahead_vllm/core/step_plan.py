@@ -7,8 +7,9 @@ row it fixes:
 - a position offset: the root's position plus the row's depth (root 0);
 - a visibility row over the plan's rows: itself and its ancestors, root
   included (the committed context is always visible);
-- a role: ``verify`` rows may be accepted (trie branches); Jacobi ``lookahead``
-  rows only feed the n-gram pool (not produced yet).
+- a role: ``verify`` rows may be accepted (trie and pool branches); Jacobi
+  ``lookahead`` rows (core/jacobi.py) are never accepted: their outputs only
+  refill the window and the n-gram pool.
 
 Acceptance walks the tree from the root: at each reached row the target's token
 (argmax, or a sample) is accepted if a child of that row carries it, and the
@@ -28,6 +29,7 @@ import numpy as np
 from lookahead_vllm.core.draft_tree import DraftTree
 
 ROLE_VERIFY = "verify"
+ROLE_LOOKAHEAD = "lookahead"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +37,28 @@ class StepPlan:
     """One request's rows for one step (root + draft nodes)."""
 
     tree: DraftTree
+    # Per node: True for a Jacobi lookahead node (empty: all verify).
+    lookahead: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lookahead and len(self.lookahead) != len(self.tree):
+            raise ValueError(f"lookahead flags: {len(self.lookahead)} for {len(self.tree)} nodes")
+
+    def role(self, node: int) -> str:
+        return ROLE_LOOKAHEAD if self.lookahead and self.lookahead[node] else ROLE_VERIFY
+
+    @property
+    def has_lookahead(self) -> bool:
+        return any(self.lookahead)
 
     @property
     def num_nodes(self) -> int:
         return len(self.tree)
 
     def is_chain(self) -> bool:
-        """True if every node's parent is the previous node (plain causal rows)."""
-        return all(p == i - 1 for i, p in enumerate(self.tree.parents))
+        """True if every node's parent is the previous node (plain causal rows)
+        and every node may be accepted (vLLM's chain verification applies)."""
+        return not self.has_lookahead and all(p == i - 1 for i, p in enumerate(self.tree.parents))
 
     def chain_prefix_length(self) -> int:
         """Number of leading nodes that form a chain from the root."""
@@ -64,7 +80,7 @@ class StepPlan:
         return vis
 
     def truncate(self, k: int) -> "StepPlan":
-        return StepPlan(self.tree.truncate(k))
+        return StepPlan(self.tree.truncate(k), self.lookahead[:k])
 
 
 def walk_tree(plan: StepPlan, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
@@ -73,9 +89,11 @@ def walk_tree(plan: StepPlan, target_at: Callable[[int], int]) -> tuple[list[int
     Returns ``(accepted_nodes, output_tokens)``: the accepted node indices in
     root-to-leaf order and the tokens to emit (the accepted nodes' tokens, then
     the bonus). ``target_at`` is called once per reached row, in walk order, so
-    a sampler may draw lazily.
+    a sampler may draw lazily. Lookahead nodes are never accepted.
     """
     kids = plan.tree.children()
+    if plan.has_lookahead:
+        kids = [[c for c in cs if not plan.lookahead[c]] for cs in kids]
     tokens = plan.tree.tokens
     accepted: list[int] = []
     node = -1

@@ -1,0 +1,174 @@
+"""Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool.
+
+Terms (digest sections 2 and 5):
+  W, N, G    window columns, n-gram size (the window keeps N - 1 levels), and
+             the most pool n-grams verified per step (also the most kept per
+             key).
+  window     per request, ``rows[0]`` holds W - 1 tokens (columns 1..W-1;
+             column 0 of level 0 is x0, the last committed token) and
+             ``rows[l]`` for l = 1..N-2 hold W tokens each.
+  lookahead  the window's nodes in a step plan. Node (l, i) sits at position
+             p + l + i and sees x0, (0, 1..i) and (1..l, i): exactly its
+             ancestors if (l, i)'s parent is (l-1, i), (1, 0)'s and (0, 1)'s
+             parent is x0 and (0, i)'s is (0, i-1). So the window is a token
+             tree rooted at x0, verified by the same tree attention as the trie's
+             drafts; its nodes are never accepted.
+  new tokens the target's argmax at the N-2 level (at x0 for column 0 when
+             N = 2): one new token per column, for position p + N - 1 + i.
+  n-grams    column i yields ((0, i), (1, i), ..., (N-2, i), new_i), keyed by
+             its first token ((0, 0) = x0). The pool keeps, per key, the G most
+             recently seen continuations (LRU).
+  verify     up to G pool n-grams keyed by x0 become draft branches from x0,
+             merged with the trie's tree (shared prefixes merged).
+
+Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
+
+    level 0:   x0   (0,1) (0,2) (0,3) (0,4)        positions p .. p+4
+    level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
+    level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
+
+After the forward, the slide drops level 0's first column and level 0 itself:
+``rows = [rows[1][1:], rows[2], new]``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from lookahead_vllm.core.draft_tree import DraftTree
+
+# Draft confidence given to a pool n-gram's node at depth d (the pool has no
+# counts; Jacobi n-grams are right roughly this often on chat text).
+POOL_CONFIDENCE = 0.5
+
+
+class NgramPool:
+    """First token -> up to ``max_per_key`` continuations of ``n - 1`` tokens, LRU."""
+
+    def __init__(self, n: int, max_per_key: int) -> None:
+        self.n = n
+        self.max_per_key = max_per_key
+        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self.num_added = 0
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._pool.values())
+
+    def add(self, ngram: Sequence[int]) -> None:
+        if len(ngram) != self.n:
+            raise ValueError(f"n-gram {tuple(ngram)} has {len(ngram)} tokens; the pool holds {self.n}-grams")
+        entries = self._pool.setdefault(int(ngram[0]), OrderedDict())
+        cont = tuple(int(t) for t in ngram[1:])
+        if cont in entries:
+            entries.move_to_end(cont)
+        else:
+            entries[cont] = None
+            if len(entries) > self.max_per_key:
+                entries.popitem(last=False)
+        self.num_added += 1
+
+    def get(self, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
+        """Continuations of ``key``, most recently seen first."""
+        found = list(reversed(self._pool.get(int(key), ())))
+        return found if limit is None else found[:limit]
+
+
+def lookahead_parents(window: int, ngram: int) -> list[int]:
+    """Parent of every lookahead node in plan order (-1 = x0), see the module docstring."""
+    parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
+    for level in range(1, ngram - 1):
+        for col in range(window):
+            parents.append(_index(level - 1, col, window))
+    return parents
+
+
+def _index(level: int, col: int, window: int) -> int:
+    """Plan index of node (level, col) among the lookahead nodes; -1 for x0."""
+    if level == 0:
+        return col - 1
+    return window - 1 + (level - 1) * window + col
+
+
+def output_nodes(window: int, ngram: int) -> list[int]:
+    """Per column, the lookahead node whose output is the column's new token (-1 = x0)."""
+    return [_index(ngram - 2, col, window) for col in range(window)]
+
+
+@dataclass
+class JacobiWindow:
+    """One request's 2D window (see the module docstring)."""
+
+    window: int
+    ngram: int
+    rows: list[list[int]]
+
+    @classmethod
+    def from_prompt(cls, prompt: Sequence[int], window: int, ngram: int, seed: int = 0) -> "JacobiWindow":
+        """Every level filled with tokens drawn from the prompt (seeded: rebuilt identically)."""
+        rng = random.Random(seed)
+        pick = list(prompt) or [0]
+        rows = [[rng.choice(pick) for _ in range(window - 1)]]
+        rows += [[rng.choice(pick) for _ in range(window)] for _ in range(ngram - 2)]
+        return cls(window, ngram, rows)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.window * (self.ngram - 1) - 1
+
+    def tokens(self) -> list[int]:
+        """Lookahead node tokens in plan order."""
+        return [t for row in self.rows for t in row]
+
+    def update(self, x0: int, new: Sequence[int]) -> list[tuple[int, ...]]:
+        """Take the step's new tokens (one per column): return the column n-grams, slide."""
+        if len(new) != self.window:
+            raise ValueError(f"{len(new)} new tokens for a window of {self.window} columns")
+        levels = [[x0, *self.rows[0]], *self.rows[1:]]
+        grams = [tuple(level[col] for level in levels) + (int(new[col]),) for col in range(self.window)]
+        full = [*self.rows, [int(t) for t in new]]
+        self.rows = [full[1][1:], *full[2:]]
+        return grams
+
+
+def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], budget: int) -> DraftTree:
+    """``tree`` plus ``branches`` from the root, shared prefixes merged, at most ``budget`` nodes.
+
+    The tree's own nodes keep their order, weights and confidences; new nodes
+    follow them (parents first) with confidence ``POOL_CONFIDENCE ** depth``.
+    """
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    weights, confs = list(tree.weights), [tree.node_confidence(i) for i in range(len(tree))]
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    for branch in branches:
+        node, conf = -1, 1.0
+        for token in branch:
+            conf *= POOL_CONFIDENCE
+            nxt = child_of.get((node, int(token)))
+            if nxt is None:
+                if len(tokens) >= budget:
+                    break
+                nxt = len(tokens)
+                tokens.append(int(token))
+                parents.append(node)
+                weights.append(conf)
+                confs.append(conf)
+                child_of[(node, int(token))] = nxt
+            node = nxt
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+
+
+def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
+    """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags."""
+    base = len(tree)
+    parents = [p if p < 0 else p + base for p in lookahead_parents(window.window, window.ngram)]
+    toks = window.tokens()
+    combined = DraftTree(
+        tree.tokens + tuple(toks),
+        tree.parents + tuple(parents),
+        tree.weights + (0.0,) * len(toks),
+        tuple(tree.node_confidence(i) for i in range(base)) + (0.0,) * len(toks),
+    )
+    return combined, (False,) * base + (True,) * len(toks)

@@ -1,0 +1,125 @@
+"""Jacobi lookahead: window layout, slide, n-gram pool, merged step plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.jacobi import (
+    JacobiWindow,
+    NgramPool,
+    merge_branches,
+    output_nodes,
+    with_lookahead,
+)
+from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
+
+
+def digest_plan(W=5, N=4, G=2):
+    """x0 = 100; window levels 0..N-2 hold tokens 1000*l + i; G pool candidates."""
+    rows = [[i for i in range(1, W)]] + [[1000 * l + i for i in range(W)] for l in range(1, N - 1)]
+    window = JacobiWindow(W, N, rows)
+    cands = [tuple(200 + 10 * g + j for j in range(N - 1)) for g in range(G)]
+    verify = merge_branches(DraftTree.empty(), cands, budget=G * (N - 1))
+    tree, flags = with_lookahead(verify, window)
+    return StepPlan(tree, flags), cands
+
+
+def test_layout_matches_the_digest_table_w5_n4_g2():
+    W, N, G = 5, 4, 2
+    plan, cands = digest_plan(W, N, G)
+    # (W + G)(N - 1) rows per step: 1 input + 14 lookahead + 6 verification.
+    assert plan.num_nodes + 1 == (W + G) * (N - 1) == 21
+    assert sum(plan.lookahead) == 14 and plan.lookahead.count(False) == 6
+    pos = plan.position_offsets()
+    vis = plan.visibility()
+    tokens = (None, *plan.tree.tokens)  # row r -> token (row 0 is x0)
+    row_of = {t: r for r, t in enumerate(tokens) if r}
+
+    def rows(*toks):
+        return {0} | {row_of[t] for t in toks}
+
+    # Lookahead level 0: (0,i) at p+i sees x0 and (0,1..i).
+    for i in range(1, W):
+        r = row_of[i]
+        assert pos[r] == i
+        assert set(np.flatnonzero(vis[r])) == rows(*range(1, i + 1))
+    # Level l >= 1: (l,i) at p+l+i sees x0, (0,1..i) and (1..l, i).
+    for l in range(1, N - 1):
+        for i in range(W):
+            r = row_of[1000 * l + i]
+            assert pos[r] == l + i
+            own = [1000 * m + i for m in range(1, l + 1)]
+            assert set(np.flatnonzero(vis[r])) == rows(*range(1, i + 1), *own)
+    # Verification candidate g: g_j at p+j sees x0 and its own earlier tokens.
+    for cand in cands:
+        for j, t in enumerate(cand, start=1):
+            r = row_of[t]
+            assert pos[r] == j
+            assert set(np.flatnonzero(vis[r])) == rows(*cand[:j])
+    # The two branches never see each other.
+    look = [r for r in range(1, 21) if plan.role(r - 1) == ROLE_LOOKAHEAD]
+    ver = [r for r in range(1, 21) if plan.role(r - 1) == ROLE_VERIFY]
+    assert not vis[np.ix_(look, ver)].any() and not vis[np.ix_(ver, look)].any()
+    # The new token of column i comes from (N-2, i).
+    assert [tokens[n + 1 + 6] for n in output_nodes(W, N)] == [2000 + i for i in range(W)]
+
+
+def test_walk_never_accepts_lookahead_nodes():
+    plan, cands = digest_plan()
+    # The target agrees with lookahead node (0,1) = token 1 at x0: not accepted.
+    out = walk_tree(plan, lambda row: 1)
+    assert out == ([], [1])
+    # It agrees with candidate 1 all the way: accepted, plus the bonus.
+    by_row = {0: cands[1][0]}
+    by_row.update({1 + plan.tree.tokens.index(t): nxt for t, nxt in zip(cands[1], cands[1][1:])})
+    nodes, toks = walk_tree(plan, lambda row: by_row.get(row, 7))
+    assert toks == [*cands[1], 7] and all(not plan.lookahead[n] for n in nodes)
+    assert not plan.is_chain()
+
+
+def test_window_update_reads_column_ngrams_and_slides():
+    W, N = 4, 3
+    win = JacobiWindow(W, N, [[1, 2, 3], [10, 11, 12, 13]])
+    grams = win.update(x0=0, new=[20, 21, 22, 23])
+    assert grams == [(0, 10, 20), (1, 11, 21), (2, 12, 22), (3, 13, 23)]
+    assert win.rows == [[11, 12, 13], [20, 21, 22, 23]]
+    # N = 2 is plain Jacobi: the window is level 0 only; its new tokens come
+    # from x0 and the level-0 nodes themselves.
+    jac = JacobiWindow(3, 2, [[5, 6]])
+    assert output_nodes(3, 2) == [-1, 0, 1]
+    assert jac.update(x0=4, new=[7, 8, 9]) == [(4, 7), (5, 8), (6, 9)]
+    assert jac.rows == [[8, 9]]
+    with pytest.raises(ValueError, match="3 new tokens for a window of 4 columns"):
+        win.update(0, [1, 2, 3])
+
+
+def test_window_from_prompt_is_deterministic():
+    a = JacobiWindow.from_prompt([5, 6, 7, 8], 5, 4, seed=3)
+    b = JacobiWindow.from_prompt([5, 6, 7, 8], 5, 4, seed=3)
+    assert a.rows == b.rows and [len(r) for r in a.rows] == [4, 5, 5]
+    assert {t for r in a.rows for t in r} <= {5, 6, 7, 8}
+    assert a.num_nodes == len(a.tokens()) == 14
+
+
+def test_pool_is_lru_per_key():
+    pool = NgramPool(n=3, max_per_key=2)
+    pool.add((1, 2, 3))
+    pool.add((1, 4, 5))
+    pool.add((1, 2, 3))  # seen again: most recent
+    pool.add((1, 6, 7))  # evicts (4, 5), the least recently seen
+    assert pool.get(1) == [(6, 7), (2, 3)]
+    assert pool.get(1, limit=1) == [(6, 7)] and pool.get(9) == []
+    assert len(pool) == 2 and pool.num_added == 4
+    with pytest.raises(ValueError, match="holds 3-grams"):
+        pool.add((1, 2))
+
+
+def test_pool_branches_merge_into_the_trie_tree():
+    trie_tree = DraftTree((5, 6, 7), (-1, 0, -1), (3.0, 2.0, 1.0), (0.9, 0.8, 0.1))
+    merged = merge_branches(trie_tree, [(5, 6, 9), (8, 1)], budget=5)
+    assert merged.tokens[:3] == (5, 6, 7) and merged.confidence[:3] == (0.9, 0.8, 0.1)
+    # (5, 6) shared; 9 hangs under 6; (8, 1) is cut by the budget after 8.
+    assert merged.tokens[3:] == (9, 8) and merged.parents[3:] == (1, -1)
+    assert merged.confidence[3:] == (0.125, 0.5)
