@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 DRAFT_SHAPES = ("hier", "par", "one")
+SOURCES = ("trie", "jacobi", "both")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 
 
@@ -74,6 +75,17 @@ class LookaheadConfig:
     insert_output: bool = True
     # Insert prompt windows on admission.
     insert_prompt: bool = True
+    # Where verify branches come from: the trie, the Jacobi n-gram pool, or
+    # both merged into one tree (core/jacobi.py). "jacobi" and "both" add the
+    # 2D lookahead window (jacobi_window * (jacobi_ngram - 1) - 1 nodes) to
+    # every step on top of decoding_length verify nodes; they need tree
+    # verification and greedy-compatible sampling (any per-row sampling works).
+    source: str = "trie"
+    # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
+    # most pool n-grams verified per step / kept per first token G.
+    jacobi_window: int = 4
+    jacobi_ngram: int = 3
+    jacobi_guesses: int = 4
     # Debug only: switch off pieces of tree verification ("positions", "mask",
     # "compaction") to prove each is needed; output is then NOT lossless.
     debug_disable: tuple[str, ...] = ()
@@ -92,6 +104,11 @@ class LookaheadConfig:
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r}: must be one of {SOURCES}")
+        _check_int("jacobi_window", self.jacobi_window, 1, 64)
+        _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
+        _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         if isinstance(self.debug_disable, (list, tuple)):
@@ -114,6 +131,15 @@ class LookaheadConfig:
                 f"unknown lookahead config key(s) {unknown}; allowed keys: {sorted(known)}"
             )
         return cls(**values)
+
+    @property
+    def uses_jacobi(self) -> bool:
+        return self.source != "trie"
+
+    @property
+    def lookahead_nodes(self) -> int:
+        """Jacobi window nodes per step: W * (N - 1) - 1 (0 for source="trie")."""
+        return self.jacobi_window * (self.jacobi_ngram - 1) - 1 if self.uses_jacobi else 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

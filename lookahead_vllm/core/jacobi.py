@@ -34,6 +34,7 @@ After the forward, the slide drops level 0's first column and level 0 itself:
 from __future__ import annotations
 
 import random
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -172,3 +173,28 @@ def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tu
         tuple(tree.node_confidence(i) for i in range(base)) + (0.0,) * len(toks),
     )
     return combined, (False,) * base + (True,) * len(toks)
+
+
+@dataclass
+class JacobiRequest:
+    """One request's Jacobi state in the proposer: its window and n-gram pool."""
+
+    window: JacobiWindow
+    pool: NgramPool
+    # Set when a plan with the window goes out: x0 and the first pool node
+    # (verify nodes from this index on came from the pool, not the trie).
+    x0: int = -1
+    pool_from: int = 0
+
+    @classmethod
+    def from_prompt(cls, prompt: Sequence[int], window: int, ngram: int, guesses: int) -> "JacobiRequest":
+        """Deterministic in the prompt, so a recomputed request gets the same window."""
+        seed = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt))
+        return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses))
+
+    def update(self, new: Sequence[int]) -> int:
+        """Feed the step's new tokens; return how many n-grams went into the pool."""
+        grams = self.window.update(self.x0, new)
+        for gram in grams:
+            self.pool.add(gram)
+        return len(grams)

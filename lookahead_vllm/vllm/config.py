@@ -4,7 +4,9 @@ Users select the method with ``speculative_config={"method": "lookahead"}``
 (optionally ``"num_speculative_tokens": k``, default 8) and tune it with
 ``additional_config={"lookahead": {...}}`` whose keys are the fields of
 :class:`LookaheadConfig`. ``decoding_length`` defaults to ``k`` and may not
-exceed it (vLLM reserves ``k`` draft slots per request).
+exceed it (vLLM reserves ``k`` draft slots per request). With a Jacobi source
+the window's ``W * (N - 1) - 1`` lookahead nodes come on top, so
+``decoding_length`` defaults to ``k`` minus them.
 """
 
 from __future__ import annotations
@@ -51,11 +53,23 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
             f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
         )
     values = dict(values or {})
-    values.setdefault("decoding_length", num_speculative_tokens)
+    probe = LookaheadConfig.from_dict({**values, "decoding_length": 1})  # validates the other fields
+    window = probe.lookahead_nodes
+    if probe.uses_jacobi:
+        w, n, g = probe.jacobi_window, probe.jacobi_ngram, probe.jacobi_guesses
+        if (w + g) * (n - 1) - 1 > num_speculative_tokens:
+            raise ValueError(
+                f"jacobi_window={w}, jacobi_ngram={n}, jacobi_guesses={g}: the step needs "
+                f"(W + G) * (N - 1) - 1 = {(w + g) * (n - 1) - 1} draft slots, more than "
+                f"speculative_config.num_speculative_tokens={num_speculative_tokens} "
+                "(raise num_speculative_tokens or lower W, N or G)"
+            )
+    values.setdefault("decoding_length", num_speculative_tokens - window)
     config = LookaheadConfig.from_dict(values)
-    if config.decoding_length > num_speculative_tokens:
+    if config.decoding_length + window > num_speculative_tokens:
+        extra = f" + {window} Jacobi lookahead nodes" if window else ""
         raise ValueError(
-            f"decoding_length={config.decoding_length}: must be <= "
+            f"decoding_length={config.decoding_length}{extra}: must be <= "
             f"speculative_config.num_speculative_tokens={num_speculative_tokens} "
             "(raise num_speculative_tokens or lower decoding_length)"
         )

@@ -27,6 +27,7 @@ from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.jacobi import JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.trie import TokenTrie
 from lookahead_vllm.vllm import metrics, patches
@@ -61,6 +62,14 @@ class ProposerStats:
     tree_off_chain_accepts: int = 0
     # Trees the scheduler cut to a prefix (token budget / max_model_len).
     tree_truncated: int = 0
+    # Jacobi lookahead: request-steps that carried the window, its nodes,
+    # n-grams added to the pools, pool branches offered for verification and
+    # accepted tokens that came from pool nodes.
+    jacobi_steps: int = 0
+    jacobi_nodes: int = 0
+    pool_ngrams_added: int = 0
+    pool_branches: int = 0
+    pool_accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, float]:
         per_req = self.request_steps or 1
@@ -74,6 +83,10 @@ class ProposerStats:
             "tree_request_steps": self.tree_request_steps,
             "tree_tokens_per_request_step": self.tree_tokens / (self.tree_request_steps or 1),
             "tree_off_chain_accepts": self.tree_off_chain_accepts,
+            "jacobi_steps": self.jacobi_steps,
+            "pool_ngrams_added": self.pool_ngrams_added,
+            "pool_branches": self.pool_branches,
+            "pool_accepted_tokens": self.pool_accepted_tokens,
         }
 
 
@@ -103,14 +116,14 @@ class LookaheadProposer:
         self.plans: dict[str, StepPlan] = {}
         # The runner's request states (sampling params); set by tree_verify.
         self.requests: dict[str, Any] = {}
-        self.tree_mode = self.config.draft_shape != "one"
+        # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
+        self.jacobi: dict[str, JacobiRequest] = {}
+        self.tree_mode = self.config.draft_shape != "one" or self.config.uses_jacobi
         if self.tree_mode:
-            _check_tree_support(vllm_config, self.config.draft_shape)
+            what = f"source={self.config.source!r}" if self.config.uses_jacobi else f"draft_shape={self.config.draft_shape!r}"
+            _check_tree_support(vllm_config, what)
             if not patches.apply("tree_verification"):
-                raise RuntimeError(
-                    f"lookahead draft_shape={self.config.draft_shape!r} needs the tree_verification patch, "
-                    "which failed (see log)"
-                )
+                raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -135,11 +148,13 @@ class LookaheadProposer:
         self.trie = TokenTrie(self.config)
         self._inserted.clear()
         self.plans.clear()
+        self.jacobi.clear()
 
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
         self._caps.pop(req_id, None)
         self.plans.pop(req_id, None)
+        self.jacobi.pop(req_id, None)
         if self._inserted.pop(req_id, None) is not None:
             self.trie.finish_request(req_id)
 
@@ -154,6 +169,8 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
+        for jac in self.jacobi.values():
+            jac.x0 = -1  # set again by _draft for the rows that draft this step
         rows = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
@@ -174,6 +191,13 @@ class LookaheadProposer:
             num_tokens = int(num_tokens_no_spec[i])
             trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
+        # The Jacobi window rides along only with the full budget (no load
+        # shrink, no per-request cap); x0 = -1 marks rows without it this step.
+        full = self.config.decoding_length
+        for i in rows:
+            jac = self.jacobi.get(batch.req_ids[i])
+            if jac is not None and budgets[i] < full:
+                jac.x0 = -1
         drafts = self._drafts_within_step_budget(trees, req_ids, len(rows))
         self._account(drafts, len(rows), start)
         self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
@@ -196,18 +220,36 @@ class LookaheadProposer:
         self, trees: list[DraftTree], req_ids: list[str | None], num_rows: int
     ) -> list[list[int]]:
         """Per request its tree (tree mode, verifiable sampling) or best chain,
-        cut to the prefix the forward-cost model and step_draft_budget allow."""
+        cut to the prefix the forward-cost model and step_draft_budget allow;
+        requests with a Jacobi window get its lookahead nodes appended."""
         paths = [self._node_order(tree, req_id) for tree, req_id in zip(trees, req_ids)]
         confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
         keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost)
-        for tree, path, n, req_id in zip(trees, paths, keep, req_ids):
-            if self.tree_mode and req_id is not None:
-                is_tree = n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain()
-                if is_tree:
-                    self.plans[req_id] = StepPlan(tree.truncate(n))
-                else:
-                    self.plans.pop(req_id, None)
-        return [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
+        drafts = [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
+        if not self.tree_mode:
+            return drafts
+        for row, (tree, path, n, req_id) in enumerate(zip(trees, paths, keep, req_ids)):
+            if req_id is None:
+                continue
+            self.plans.pop(req_id, None)
+            jac = self.jacobi.get(req_id) if len(path) == len(tree) else None
+            if jac is not None and jac.x0 >= 0:
+                plan = StepPlan(*with_lookahead(tree.truncate(n), jac.window))
+                self.plans[req_id] = plan
+                drafts[row] = list(plan.tree.tokens)
+                self.stats.jacobi_steps += 1
+                self.stats.jacobi_nodes += jac.window.num_nodes
+            elif n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain():
+                self.plans[req_id] = StepPlan(tree.truncate(n))
+        return drafts
+
+    def on_lookahead_outputs(self, req_id: str, new_tokens: list[int], accepted_nodes: list[int]) -> None:
+        """The window's new tokens for a request (from tree_verify): slide it, fill its pool."""
+        jac = self.jacobi.get(req_id)
+        if jac is None:
+            return
+        self.stats.pool_accepted_tokens += sum(1 for n in accepted_nodes if n >= jac.pool_from)
+        self.stats.pool_ngrams_added += jac.update(new_tokens)
 
     def _node_order(self, tree: DraftTree, req_id: str | None) -> list[int]:
         """All nodes (a verifiable tree) or the best path's nodes (a chain)."""
@@ -226,7 +268,11 @@ class LookaheadProposer:
             done = None
         if done is None:
             num_prompt = int(batch.num_prompt_tokens[row])
-            self.trie.add_request(req_id, token_ids[row, :num_prompt].tolist())
+            prompt = token_ids[row, :num_prompt].tolist()
+            self.trie.add_request(req_id, prompt)
+            if self.config.uses_jacobi and self._tree_verifiable(req_id):
+                c = self.config
+                self.jacobi[req_id] = JacobiRequest.from_prompt(prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses)
             done = num_prompt
         if num_tokens > done:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
@@ -237,7 +283,16 @@ class LookaheadProposer:
             return DraftTree.empty()
         lo = max(0, num_tokens - self.config.max_match_length)
         context = tokens[lo:num_tokens].tolist()
-        return self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
+        tree = DraftTree.empty()
+        if self.config.source != "jacobi":
+            tree = self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
+        jac = self.jacobi.get(req_id)
+        if jac is not None:
+            jac.x0, jac.pool_from = context[-1], len(tree)
+            branches = jac.pool.get(context[-1], self.config.jacobi_guesses)
+            self.stats.pool_branches += len(branches)
+            tree = merge_branches(tree, branches, budget)
+        return tree
 
     def _account(self, drafts: list[list[int]], active: int, start_ns: int) -> None:
         s = self.stats
@@ -255,7 +310,7 @@ def _log_interval_s() -> float:
     return float(envs.VLLM_LOG_STATS_INTERVAL)
 
 
-def _check_tree_support(vllm_config: VllmConfig, shape: str) -> None:
+def _check_tree_support(vllm_config: VllmConfig, what: str) -> None:
     """Configurations tree verification cannot serve: a clear error at startup."""
     problems = []
     if vllm_config.scheduler_config.async_scheduling:
@@ -266,7 +321,8 @@ def _check_tree_support(vllm_config: VllmConfig, shape: str) -> None:
         problems.append("M-RoPE models")
     if problems:
         raise ValueError(
-            f"lookahead draft_shape={shape!r} (tree verification) does not support {', '.join(problems)}; use draft_shape='one'"
+            f"lookahead {what} (tree verification) does not support {', '.join(problems)}; "
+            "use draft_shape='one' and source='trie'"
         )
 
 

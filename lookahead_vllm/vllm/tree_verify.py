@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from lookahead_vllm.core.jacobi import output_nodes
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
 from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
@@ -390,6 +391,8 @@ def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_o
         sampled[req.row] = row.to(sampled.device)
         moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
         _count(runner.drafter.stats, req, nodes, tokens)
+        if req.plan.has_lookahead:
+            _window_outputs(runner.drafter, req, logits[first : first + req.num_rows], nodes)
     if moves and "compaction" not in step.disabled:
         _compact(step, moves)
     if recorder is not None:
@@ -421,6 +424,16 @@ def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: 
         return targets.__getitem__
     generator = runner.input_batch.generators.get(req.row)
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
+
+
+def _window_outputs(drafter: Any, req: TreeRequest, logits: torch.Tensor, accepted: list[int]) -> None:
+    """Hand the Jacobi window's new tokens (argmax at its last level) to the proposer."""
+    cfg, plan = drafter.config, req.plan
+    base = plan.lookahead.index(True)
+    if plan.num_nodes - base != cfg.lookahead_nodes:
+        return  # the scheduler cut the window: keep it as it is
+    rows = [0 if n < 0 else 1 + base + n for n in output_nodes(cfg.jacobi_window, cfg.jacobi_ngram)]
+    drafter.on_lookahead_outputs(req.req_id, logits[rows].argmax(dim=-1).tolist(), accepted)
 
 
 def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:

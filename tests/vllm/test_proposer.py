@@ -20,7 +20,9 @@ def make_proposer(k: int = 4, **lookahead):
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         additional_config={"lookahead": lookahead},
-        model_config=SimpleNamespace(max_model_len=MAX_LEN),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, uses_mrope=False),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
     )
     return LookaheadProposer(config)
 
@@ -135,3 +137,44 @@ def test_forward_cost_model_trims_batch_drafts():
     # With room for 8 free tokens, the 4 most confident positions are kept.
     roomy = make_proposer(k=4, min_draft_confidence=0.0, cost_free_tokens=8, cost_marginal_tokens=2)
     assert sum(len(d) for d in step(roomy, rows, lens)) == 4
+
+
+def test_jacobi_window_rides_along_and_pool_branches_get_verified():
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="both", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                      min_draft_confidence=0.0, max_match_length=4)
+    assert p.config.decoding_length == 16 - 5 and p.tree_mode
+    p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    drafts = step(p, {"a": A + [1]}, {"a": len(A)})
+    plan = p.plans["a"]
+    # The trie's chain (depth <= branch_length - 4), then W(N-1)-1 = 5 window nodes.
+    n = plan.lookahead.count(False)
+    assert n == 8 and drafts[0][:n] == [2, 3, 4, 5, 1, 2, 3, 4] and len(drafts[0]) == n + 5
+    assert plan.lookahead == (False,) * n + (True,) * 5
+    window_tokens = drafts[0][n:]
+    assert set(window_tokens) <= set(A)  # initialised from the prompt
+    # The step's new tokens (one per column): three n-grams keyed 1 (x0), then level 0.
+    p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[0, 1])
+    jac = p.jacobi["a"]
+    assert p.stats.pool_ngrams_added == 3 and len(jac.pool.get(1)) == 1
+    key, cont = 1, jac.pool.get(1)[0]
+    assert cont[-1] == 40
+    # Next time x0 is 1 the pool branch is merged into the verify tree.
+    drafts = step(p, {"a": A + [1, 2, 3, 4, 5, 1]}, {"a": len(A)})
+    verify = [t for t, look in zip(drafts[0], p.plans["a"].lookahead) if not look]
+    assert p.stats.pool_branches == 1 and verify[-1] == 40 and verify[0] == 2
+    # A finished request drops its window and pool.
+    step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
+    assert "a" not in p.jacobi
+
+
+def test_jacobi_budget_checked_against_num_speculative_tokens():
+    with pytest.raises(ValueError, match=r"jacobi_window=4, jacobi_ngram=3, jacobi_guesses=4: the step needs "
+                       r"\(W \+ G\) \* \(N - 1\) - 1 = 15 draft slots, more than "
+                       r"speculative_config.num_speculative_tokens=8"):
+        make_proposer(k=8, source="jacobi")
+    with pytest.raises(ValueError, match=r"decoding_length=12 \+ 7 Jacobi lookahead nodes: must be <= "):
+        make_proposer(k=16, source="both", decoding_length=12)
+    with pytest.raises(ValueError, match=r"source='jac': must be one of \('trie', 'jacobi', 'both'\)"):
+        make_proposer(k=16, source="jac")
