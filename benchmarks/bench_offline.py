@@ -148,8 +148,14 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
 
     start = time.perf_counter()
     config = lookahead_config(method, args)
-    # A variant's decoding_length is its node budget: vLLM's k follows it.
-    k = config.get("decoding_length", args.k) if engine_method(method) == "lookahead" else args.k
+    # A variant's decoding_length is its node budget: vLLM's k follows it,
+    # plus the Jacobi window's nodes for source "jacobi"/"both".
+    k = args.k
+    if engine_method(method) == "lookahead":
+        from lookahead_vllm.core.config import LookaheadConfig
+
+        window = LookaheadConfig.from_dict({**config, "decoding_length": 1}).lookahead_nodes
+        k = config.get("decoding_length", args.k) + window
     kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config)
     llm = LLM(model=str(args.model), **kwargs)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
