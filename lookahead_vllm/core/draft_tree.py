@@ -108,6 +108,35 @@ class DraftTree:
         """Tokens of :meth:`best_path`."""
         return [self.tokens[i] for i in self.best_path()]
 
+    def merged(self, other: "DraftTree", budget: int) -> "DraftTree":
+        """This tree plus ``other``'s nodes (same root), shared prefixes merged,
+        at most ``budget`` nodes.
+
+        This tree's nodes keep their order and values; ``other``'s new nodes
+        follow, parents first, with their confidence as weight, so they rank
+        below this tree's nodes (whose weights are counts >= 1) in
+        :meth:`best_path`.
+        """
+        tokens, parents = list(self.tokens), list(self.parents)
+        weights = list(self.weights)
+        confs = [self.node_confidence(i) for i in range(len(self))]
+        index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+        mapped: dict[int, int] = {-1: -1}
+        for j, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+            if parent not in mapped:
+                continue  # its parent did not fit
+            key = (mapped[parent], token)
+            if key not in index:
+                if len(tokens) >= budget:
+                    continue
+                index[key] = len(tokens)
+                tokens.append(token)
+                parents.append(key[0])
+                weights.append(other.node_confidence(j))
+                confs.append(other.node_confidence(j))
+            mapped[j] = index[key]
+        return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+
     def truncate(self, k: int) -> "DraftTree":
         """The first ``k`` nodes (still a valid tree because parents come first)."""
         return DraftTree(self.tokens[:k], self.parents[:k], self.weights[:k], self.confidence[:k])

