@@ -35,7 +35,8 @@ def _greedy(n: int, max_tokens: int = MAX_TOKENS):
 @pytest.mark.parametrize(
     "source,dataset,bs",
     [
-        ("jacobi", "mtbench", 1),
+        # Slow (~60 s): "both" covers the window at bs 1 in the default suite.
+        pytest.param("jacobi", "mtbench", 1, marks=pytest.mark.slow),
         ("both", "mtbench", 1),
         ("jacobi", "humaneval", 8),
         ("both", "humaneval", 8),
