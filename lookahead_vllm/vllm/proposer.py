@@ -233,7 +233,7 @@ class LookaheadProposer:
                 continue
             self.plans.pop(req_id, None)
             jac = self.jacobi.get(req_id) if len(path) == len(tree) else None
-            if jac is not None and jac.x0 >= 0:
+            if jac is not None and jac.x0 >= 0 and jac.window_active():
                 plan = StepPlan(*with_lookahead(tree.truncate(n), jac.window))
                 self.plans[req_id] = plan
                 drafts[row] = list(plan.tree.tokens)
@@ -248,8 +248,10 @@ class LookaheadProposer:
         jac = self.jacobi.get(req_id)
         if jac is None:
             return
-        self.stats.pool_accepted_tokens += sum(1 for n in accepted_nodes if n >= jac.pool_from)
+        from_pool = sum(1 for n in accepted_nodes if n >= jac.pool_from)
+        self.stats.pool_accepted_tokens += from_pool
         self.stats.pool_ngrams_added += jac.update(new_tokens)
+        jac.credit(from_pool)
 
     def _node_order(self, tree: DraftTree, req_id: str | None) -> list[int]:
         """All nodes (a verifiable tree) or the best path's nodes (a chain)."""
@@ -272,7 +274,9 @@ class LookaheadProposer:
             self.trie.add_request(req_id, prompt)
             if self.config.uses_jacobi and self._tree_verifiable(req_id):
                 c = self.config
-                self.jacobi[req_id] = JacobiRequest.from_prompt(prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses)
+                self.jacobi[req_id] = JacobiRequest.from_prompt(
+                    prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses, c.jacobi_min_yield
+                )
             done = num_prompt
         if num_tokens > done:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())

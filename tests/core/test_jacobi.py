@@ -123,3 +123,24 @@ def test_pool_branches_merge_into_the_trie_tree():
     # (5, 6) shared; 9 hangs under 6; (8, 1) is cut by the budget after 8.
     assert merged.tokens[3:] == (9, 8) and merged.parents[3:] == (1, -1)
     assert merged.confidence[3:] == (0.125, 0.5)
+
+
+def test_window_pauses_when_it_does_not_pay_and_resumes():
+    from lookahead_vllm.core.jacobi import YIELD_PERIOD, JacobiRequest
+
+    jac = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2, min_yield=0.5)
+    for _ in range(YIELD_PERIOD):
+        assert jac.window_active()
+        jac.credit(0)  # the pool never helped
+    paused = [jac.window_active() for _ in range(YIELD_PERIOD)]
+    assert paused == [False] * YIELD_PERIOD and jac.window_active()
+    for _ in range(YIELD_PERIOD):  # fails again: twice as long a pause
+        jac.credit(0)
+    assert sum(not jac.window_active() for _ in range(3 * YIELD_PERIOD)) == 2 * YIELD_PERIOD
+    for _ in range(YIELD_PERIOD):  # pays (1 token per step): never paused, pause length resets
+        jac.credit(1)
+    assert jac.window_active() and jac.next_pause == YIELD_PERIOD
+    never = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2)  # min_yield 0: always on
+    for _ in range(3 * YIELD_PERIOD):
+        never.credit(0)
+    assert never.window_active()
