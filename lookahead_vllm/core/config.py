@@ -86,10 +86,6 @@ class LookaheadConfig:
     jacobi_window: int = 4
     jacobi_ngram: int = 3
     jacobi_guesses: int = 4
-    # Adaptive window: every 16 steps with the window, a request whose pool
-    # branches yielded fewer accepted tokens per step than this pauses its
-    # window (16, 32, ... 256 steps; the pool keeps serving). 0 = never pause.
-    jacobi_min_yield: float = 0.0
     # Debug only: switch off pieces of tree verification ("positions", "mask",
     # "compaction") to prove each is needed; output is then NOT lossless.
     debug_disable: tuple[str, ...] = ()
@@ -113,7 +109,6 @@ class LookaheadConfig:
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
         _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
-        _check_float("jacobi_min_yield", self.jacobi_min_yield, 0.0, 64.0)
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         if isinstance(self.debug_disable, (list, tuple)):

@@ -166,63 +166,51 @@ def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tu
     return combined, (False,) * base + (True,) * len(toks)
 
 
-# Adaptive window: steps with the window between yield checks, and the
-# longest pause (in steps) a request's window can be switched off for.
-YIELD_PERIOD = 16
-MAX_PAUSE = 256
+# Adaptive window: a request's expected pool tokens per window step starts
+# at YIELD_PRIOR and follows a moving average (weight YIELD_ALPHA); a window
+# that does not pay is still sent every PROBE_EVERY steps to re-measure it.
+YIELD_PRIOR = 1.0
+YIELD_ALPHA = 0.25
+PROBE_EVERY = 32
 
 
 @dataclass
 class JacobiRequest:
     """One request's Jacobi state in the proposer: its window and n-gram pool.
 
-    With ``min_yield > 0`` the window pays for itself or pauses: every
-    ``YIELD_PERIOD`` steps with it, if pool nodes were accepted at fewer than
-    ``min_yield`` tokens per step, the window stays off for a pause that
-    doubles on every failed check (16 .. ``MAX_PAUSE`` steps) and resets on a
-    good one. The pool keeps serving verify branches meanwhile.
+    The window pays for itself or stays off: the proposer sends it when the
+    expected yield (``yield_est``: accepted tokens from pool nodes per step
+    with the window) beats what the window's extra tokens cost the step
+    (core/budget.py), or as a probe after ``PROBE_EVERY`` steps without it.
+    The pool keeps serving verify branches either way.
     """
 
     window: JacobiWindow
     pool: NgramPool
-    min_yield: float = 0.0
     # Set when a plan with the window goes out: x0 and the first pool node
     # (verify nodes from this index on came from the pool, not the trie).
     x0: int = -1
     pool_from: int = 0
-    # Yield bookkeeping since the last check, and the pause state.
-    window_steps: int = 0
-    pool_tokens: int = 0
-    paused_for: int = 0
-    next_pause: int = YIELD_PERIOD
+    yield_est: float = YIELD_PRIOR
+    steps_without: int = 0
 
-    def window_active(self) -> bool:
-        """Whether this step carries the window (counts down a pause)."""
-        if self.paused_for > 0:
-            self.paused_for -= 1
-            return False
-        return True
+    def wants_window(self, need: float) -> bool:
+        """Whether to send the window when it must yield ``need`` tokens to pay."""
+        if self.yield_est >= need or self.steps_without >= PROBE_EVERY:
+            self.steps_without = 0
+            return True
+        self.steps_without += 1
+        return False
 
     def credit(self, pool_tokens: int) -> None:
         """Book one step with the window that accepted ``pool_tokens`` pool tokens."""
-        self.window_steps += 1
-        self.pool_tokens += pool_tokens
-        if self.min_yield <= 0 or self.window_steps < YIELD_PERIOD:
-            return
-        if self.pool_tokens < self.min_yield * self.window_steps:
-            self.paused_for = self.next_pause
-            self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
-        else:
-            self.next_pause = YIELD_PERIOD
-        self.window_steps = self.pool_tokens = 0
+        self.yield_est += YIELD_ALPHA * (pool_tokens - self.yield_est)
 
     @classmethod
-    def from_prompt(
-        cls, prompt: Sequence[int], window: int, ngram: int, guesses: int, min_yield: float = 0.0
-    ) -> "JacobiRequest":
+    def from_prompt(cls, prompt: Sequence[int], window: int, ngram: int, guesses: int) -> "JacobiRequest":
         """Deterministic in the prompt, so a recomputed request gets the same window."""
         seed = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt))
-        return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses), min_yield)
+        return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses))
 
     def update(self, new: Sequence[int]) -> int:
         """Feed the step's new tokens; return how many n-grams went into the pool."""

@@ -228,12 +228,13 @@ class LookaheadProposer:
         drafts = [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
         if not self.tree_mode:
             return drafts
+        windows = self._windows_that_pay(trees, paths, keep, confs, req_ids, num_rows)
         for row, (tree, path, n, req_id) in enumerate(zip(trees, paths, keep, req_ids)):
             if req_id is None:
                 continue
             self.plans.pop(req_id, None)
-            jac = self.jacobi.get(req_id) if len(path) == len(tree) else None
-            if jac is not None and jac.x0 >= 0 and jac.window_active():
+            if req_id in windows:
+                jac = self.jacobi[req_id]
                 plan = StepPlan(*with_lookahead(tree.truncate(n), jac.window))
                 self.plans[req_id] = plan
                 drafts[row] = list(plan.tree.tokens)
@@ -242,6 +243,31 @@ class LookaheadProposer:
             elif n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain():
                 self.plans[req_id] = StepPlan(tree.truncate(n))
         return drafts
+
+    def _windows_that_pay(self, trees, paths, keep, confs, req_ids, num_rows: int) -> set[str]:
+        """Requests whose Jacobi window goes out this step.
+
+        The step scores ``tokens`` tokens and is expected to emit ``gain``; a
+        window of ``w`` nodes must be expected to add more accepted tokens than
+        ``gain * (cost(tokens + w) / cost(tokens) - 1)``, what its extra
+        tokens cost at the step's rate (see JacobiRequest.wants_window).
+        """
+        tokens = num_rows + sum(keep)
+        gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
+        candidates = []
+        for tree, path, req_id in zip(trees, paths, req_ids):
+            jac = self.jacobi.get(req_id) if req_id is not None else None
+            if jac is not None and jac.x0 >= 0 and len(path) == len(tree):
+                candidates.append((req_id, jac))
+        chosen = set()
+        for req_id, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
+            w = jac.window.num_nodes
+            need = gain * (self.cost(tokens + w) / self.cost(tokens) - 1.0)
+            if jac.wants_window(need):
+                chosen.add(req_id)
+                tokens += w
+                gain += jac.yield_est
+        return chosen
 
     def on_lookahead_outputs(self, req_id: str, new_tokens: list[int], accepted_nodes: list[int]) -> None:
         """The window's new tokens for a request (from tree_verify): slide it, fill its pool."""

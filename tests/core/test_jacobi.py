@@ -125,22 +125,17 @@ def test_pool_branches_merge_into_the_trie_tree():
     assert merged.confidence[3:] == (0.125, 0.5)
 
 
-def test_window_pauses_when_it_does_not_pay_and_resumes():
-    from lookahead_vllm.core.jacobi import YIELD_PERIOD, JacobiRequest
+def test_window_goes_out_while_it_pays_and_is_probed_when_not():
+    from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest
 
-    jac = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2, min_yield=0.5)
-    for _ in range(YIELD_PERIOD):
-        assert jac.window_active()
-        jac.credit(0)  # the pool never helped
-    paused = [jac.window_active() for _ in range(YIELD_PERIOD)]
-    assert paused == [False] * YIELD_PERIOD and jac.window_active()
-    for _ in range(YIELD_PERIOD):  # fails again: twice as long a pause
+    jac = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2)
+    assert jac.yield_est == YIELD_PRIOR and jac.wants_window(0.5)
+    for _ in range(20):  # the pool never helps: the estimate decays
         jac.credit(0)
-    assert sum(not jac.window_active() for _ in range(3 * YIELD_PERIOD)) == 2 * YIELD_PERIOD
-    for _ in range(YIELD_PERIOD):  # pays (1 token per step): never paused, pause length resets
+    assert jac.yield_est < 0.01
+    sent = [jac.wants_window(0.5) for _ in range(2 * PROBE_EVERY + 2)]
+    # Off, except one probe after every PROBE_EVERY steps without it.
+    assert sum(sent) == 2 and sent[PROBE_EVERY] and sent[2 * PROBE_EVERY + 1]
+    for _ in range(20):  # it pays again (1 token per step): back on
         jac.credit(1)
-    assert jac.window_active() and jac.next_pause == YIELD_PERIOD
-    never = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2)  # min_yield 0: always on
-    for _ in range(3 * YIELD_PERIOD):
-        never.credit(0)
-    assert never.window_active()
+    assert jac.wants_window(0.5) and jac.wants_window(0.9)
