@@ -300,9 +300,7 @@ class LookaheadProposer:
             self.trie.add_request(req_id, prompt)
             if self.config.uses_jacobi and self._tree_verifiable(req_id):
                 c = self.config
-                self.jacobi[req_id] = JacobiRequest.from_prompt(
-                    prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses, c.jacobi_min_yield
-                )
+                self.jacobi[req_id] = JacobiRequest.from_prompt(prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses)
             done = num_prompt
         if num_tokens > done:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
