@@ -37,8 +37,9 @@ def run_config(model: str, prompts: list[str], max_tokens: int, n: int, w: int) 
 
     g = w
     scored = (w + g) * (n - 1)
+    # Cost model off: every step carries the window, whatever it costs here.
     config = {"source": "jacobi", "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
-              "jacobi_guesses": g, "decoding_length": g * (n - 1)}
+              "jacobi_guesses": g, "decoding_length": g * (n - 1), "cost_free_tokens": 0}
     llm = LLM(model=model, **engine_kwargs("lookahead", k=scored - 1, lookahead=config))
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -142,8 +142,9 @@ def test_forward_cost_model_trims_batch_drafts():
 def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     from vllm import SamplingParams
 
+    # Cost model off: the window always pays (its pricing is tested below).
     p = make_proposer(k=16, source="both", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
-                      min_draft_confidence=0.0, max_match_length=4)
+                      min_draft_confidence=0.0, max_match_length=4, cost_free_tokens=0)
     assert p.config.decoding_length == 16 - 5 and p.tree_mode
     p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     drafts = step(p, {"a": A + [1]}, {"a": len(A)})
@@ -167,6 +168,26 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     # A finished request drops its window and pool.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
     assert "a" not in p.jacobi
+
+
+def test_jacobi_window_is_priced_by_the_cost_model():
+    from vllm import SamplingParams
+
+    def proposer():
+        p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                          cost_free_tokens=4, cost_marginal_tokens=8)
+        p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+        return p
+
+    # Prior yield 1 token vs need 1 * (cost(6) / cost(1) - 1) = 0.25: sent.
+    p = proposer()
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    assert p.plans["a"].has_lookahead and p.stats.jacobi_steps == 1
+    # The pool never pays: the estimate decays below 0.25 and the window stays home.
+    for _ in range(8):
+        p.jacobi["a"].credit(0)
+    step(p, {"a": A + [1, 2]}, {"a": len(A)})
+    assert "a" not in p.plans and p.stats.jacobi_steps == 1
 
 
 def test_jacobi_budget_checked_against_num_speculative_tokens():
