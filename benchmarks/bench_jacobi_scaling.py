@@ -79,15 +79,23 @@ def main(argv: list[str] | None = None) -> None:
     shutdown_engine(plain)
     plain_tokens = sum(len(t) for t in ref.token_ids)
     rows = []
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+
+    skipped = []
     for n in args.ngram:
         for w in args.window:
+            if 2 * w * (n - 1) - 1 > MAX_SPEC_LEN:
+                skipped.append({"ngram": n, "window": w, "why": f"(W + G)(N - 1) - 1 > vLLM's MAX_SPEC_LEN={MAX_SPEC_LEN}"})
+                log(f"N={n} W={w}: skipped, {skipped[-1]['why']}")
+                continue
             row = run_config(model, prompts, args.max_tokens, n, w)
             row["mismatches"] = count_mismatches(ref.token_ids, row.pop("ids"))
             rows.append(row)
             log(f"N={n} W={w} G={w}: {row['tokens_per_step_scored']} tokens/step, {row['decoding_steps']} steps "
                 f"(plain {plain_tokens}), compression {row['step_compression']:.3f}, "
                 f"mismatches {row['mismatches']}, {row['seconds']:.1f} s")
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "plain_steps": plain_tokens, "rows": rows}
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "plain_steps": plain_tokens, "rows": rows,
+              "skipped": skipped}
     args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
     log(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -53,6 +53,13 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
             f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
         )
     values = dict(values or {})
+    limit = _max_spec_len()
+    if num_speculative_tokens > limit:
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection sampler "
+            f"verifies at most {limit} draft tokens per request (MAX_SPEC_LEN); lower it "
+            "(and decoding_length, or jacobi_window / jacobi_ngram / jacobi_guesses)"
+        )
     probe = LookaheadConfig.from_dict({**values, "decoding_length": 1})  # validates the other fields
     window = probe.lookahead_nodes
     if probe.uses_jacobi:
@@ -74,3 +81,12 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
             "(raise num_speculative_tokens or lower decoding_length)"
         )
     return config
+
+
+def _max_spec_len() -> int:
+    """vLLM's per-request draft limit (the rejection sampler asserts on it)."""
+    try:
+        from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+    except ImportError:  # no vLLM here (pure config checks): no limit to enforce
+        return 1 << 16
+    return int(MAX_SPEC_LEN)

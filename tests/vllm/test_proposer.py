@@ -197,5 +197,7 @@ def test_jacobi_budget_checked_against_num_speculative_tokens():
         make_proposer(k=8, source="jacobi")
     with pytest.raises(ValueError, match=r"decoding_length=12 \+ 7 Jacobi lookahead nodes: must be <= "):
         make_proposer(k=16, source="both", decoding_length=12)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=191: vLLM's rejection sampler verifies at most 128"):
+        make_proposer(k=191, source="jacobi", jacobi_window=16, jacobi_ngram=7, jacobi_guesses=16)
     with pytest.raises(ValueError, match=r"source='jac': must be one of \('trie', 'jacobi', 'both'\)"):
         make_proposer(k=16, source="jac")
