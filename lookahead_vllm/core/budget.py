@@ -38,12 +38,16 @@ class ForwardCost:
     free_tokens: int = 12
     # Past ``free_tokens``, this many more tokens cost one more forward.
     marginal_tokens: float = 18.0
+    # Extra cost of each additional root-to-leaf path the tree attention runs
+    # separately (the CPU path rounds; 0 where one kernel launch covers all).
+    per_path: float = 0.0
 
-    def __call__(self, tokens: int) -> float:
-        """Forward time for ``tokens`` scored tokens, in single-token forwards."""
+    def __call__(self, tokens: int, paths: int = 0) -> float:
+        """Forward time for ``tokens`` scored tokens and ``paths`` extra
+        attention paths, in single-token forwards."""
         if self.free_tokens == 0:
             return 1.0
-        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens
+        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + paths * self.per_path
 
 
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:

@@ -16,6 +16,7 @@ reports them (see ``patches.runner_request_ids``).
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -124,6 +125,9 @@ class LookaheadProposer:
             _check_tree_support(vllm_config, what)
             if not patches.apply("tree_verification"):
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
+            from lookahead_vllm.vllm.tree_verify import path_cost
+
+            self.cost = dataclasses.replace(self.cost, per_path=path_cost())
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -249,10 +253,11 @@ class LookaheadProposer:
 
         The step scores ``tokens`` tokens and is expected to emit ``gain``; a
         window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w) / cost(tokens) - 1)``, what its extra
-        tokens cost at the step's rate (see JacobiRequest.wants_window).
+        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
+        what its extra tokens and its W column paths cost at the step's rate
+        (see JacobiRequest.wants_window).
         """
-        tokens = num_rows + sum(keep)
+        tokens, extra = num_rows + sum(keep), 0
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
         for tree, path, req_id in zip(trees, paths, req_ids):
@@ -261,11 +266,11 @@ class LookaheadProposer:
                 candidates.append((req_id, jac))
         chosen = set()
         for req_id, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
-            w = jac.window.num_nodes
-            need = gain * (self.cost(tokens + w) / self.cost(tokens) - 1.0)
+            w, cols = jac.window.num_nodes, jac.window.window
+            need = gain * (self.cost(tokens + w, extra + cols) / self.cost(tokens, extra) - 1.0)
             if jac.wants_window(need):
                 chosen.add(req_id)
-                tokens += w
+                tokens, extra = tokens + w, extra + cols
                 gain += jac.yield_est
         return chosen
 

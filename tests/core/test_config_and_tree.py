@@ -111,6 +111,7 @@ def test_forward_cost_model():
     assert cost(1) == cost(12) == 1.0
     assert cost(30) == pytest.approx(2.0)
     assert ForwardCost(free_tokens=0)(500) == 1.0  # off: every token free
+    assert ForwardCost(12, 18, per_path=0.1)(30, paths=2) == pytest.approx(2.2)
 
 
 def test_cost_model_keeps_only_paying_draft_tokens():

@@ -179,8 +179,11 @@ def test_jacobi_window_is_priced_by_the_cost_model():
         p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
         return p
 
-    # Prior yield 1 token vs need 1 * (cost(6) / cost(1) - 1) = 0.25: sent.
+    # Prior yield 1 token vs need 1 * (cost(6 tokens, 3 paths) / cost(1) - 1)
+    # = 0.25 + 3 * 0.08 (CPU path rounds) = 0.49: sent.
+    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST
     p = proposer()
+    assert p.cost.per_path == CPU_PATH_COST
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.plans["a"].has_lookahead and p.stats.jacobi_steps == 1
     # The pool never pays: the estimate decays below 0.25 and the window stays home.
