@@ -15,8 +15,8 @@ reports them (see ``patches.runner_request_ids``).
 
 from __future__ import annotations
 
-import time
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
