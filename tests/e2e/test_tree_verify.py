@@ -72,7 +72,8 @@ def test_each_piece_is_needed(engines, prompts, switch):
     """Negative controls: switching off one piece must break greedy identity."""
     subset = prompts["humaneval"][:8]
     plain = _plain(engines, {"humaneval[:8]": subset}, "humaneval[:8]", 8, False)
-    llm = _tree_engine(engines, "hier", debug_disable=(switch,))
+    # Full trees at batch 8 (the forward-cost model off), so every piece is exercised.
+    llm = _tree_engine(engines, "hier", debug_disable=(switch,), cost_free_tokens=0)
     ours = generate(llm, subset, _params(len(subset), False), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
 
@@ -84,7 +85,8 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
     plain = generate(engines.get("plain"), subset, params, 6)
     llm = engines.get(
         "lookahead-tree-hier-small-budget",
-        lookahead={"draft_shape": "hier"},
+        # Full trees (the forward-cost model off) so the token budget must cut some.
+        lookahead={"draft_shape": "hier", "cost_free_tokens": 0},
         max_num_batched_tokens=32,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
