@@ -170,6 +170,21 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert "a" not in p.jacobi
 
 
+def test_jacobi_state_rebuilt_identically_after_a_rewind():
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2, cost_free_tokens=0)
+    p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    first = [list(r) for r in p.jacobi["a"].window.rows]
+    p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])
+    step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
+    assert p.jacobi["a"].window.rows != first and len(p.jacobi["a"].pool) == 3
+    # vLLM recomputes the request (preemption): the runner rewinds its tokens.
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    assert p.jacobi["a"].window.rows == first and len(p.jacobi["a"].pool) == 0
+
+
 def test_jacobi_window_is_priced_by_the_cost_model():
     from vllm import SamplingParams
 
