@@ -34,6 +34,7 @@ from typing import Any
 
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.step_plan import StepPlan, walk_tree
 from lookahead_vllm.core.trie import TokenTrie
 
 DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
@@ -44,16 +45,14 @@ def log(message: str) -> None:
 
 
 def accepted_length(tree: DraftTree, future: list[int]) -> tuple[int, bool]:
-    """(tokens of ``future`` the tree accepts, whether any accepted node is off the best path)."""
-    kids = tree.children()
-    node, n = -1, 0
-    while n < len(future):
-        match = next((c for c in kids[node] if tree.tokens[c] == future[n]), None)
-        if match is None:
-            break
-        node, n = match, n + 1
-    off_chain = n > 0 and node not in tree.best_path()
-    return n, off_chain
+    """(tokens of ``future`` the tree accepts, whether any accepted node is off the best path).
+
+    The engine's own greedy walk (``core.step_plan.walk_tree``) with the target
+    tokens read from ``future`` in walk order.
+    """
+    targets = iter(future)
+    nodes, _ = walk_tree(StepPlan(tree), lambda row: next(targets, -1))
+    return len(nodes), bool(nodes) and nodes[-1] not in tree.best_path()
 
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
