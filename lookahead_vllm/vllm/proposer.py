@@ -195,13 +195,6 @@ class LookaheadProposer:
             num_tokens = int(num_tokens_no_spec[i])
             trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
-        # The Jacobi window rides along only with the full budget (no load
-        # shrink, no per-request cap); x0 = -1 marks rows without it this step.
-        full = self.config.decoding_length
-        for i in rows:
-            jac = self.jacobi.get(batch.req_ids[i])
-            if jac is not None and budgets[i] < full:
-                jac.x0 = -1
         drafts = self._drafts_within_step_budget(trees, req_ids, len(rows))
         self._account(drafts, len(rows), start)
         self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
@@ -321,7 +314,10 @@ class LookaheadProposer:
             tree = self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
         jac = self.jacobi.get(req_id)
         if jac is not None:
-            jac.x0, jac.pool_from = context[-1], len(tree)
+            # The window rides along only with the full budget (no load shrink,
+            # no per-request cap); x0 = -1 marks rows without it this step.
+            jac.x0 = context[-1] if budget == self.config.decoding_length else -1
+            jac.pool_from = len(tree)
             branches = jac.pool.get(context[-1], self.config.jacobi_guesses)
             self.stats.pool_branches += len(branches)
             tree = merge_branches(tree, branches, budget)
