@@ -10,7 +10,8 @@ Terms:
   cold       ``lookahead``: a fresh engine per cell whose trie is emptied after
              the untimed warm-up; it then learns from the cell's own prompts and
              outputs, chunk after chunk (that is the method).
-  warm       ``lookahead-warm``: the same engine config, fresh per cell, whose
+  warm       ``lookahead-warm`` (and any ``lookahead:NAME-warm`` variant): the
+             same engine config, fresh per cell, whose
              trie is preloaded before timing with plain vLLM's greedy outputs
              for the *dev split*: the ``--warm-prompts`` prompts that follow the
              test prompts in the same dataset (generated untimed).
@@ -52,6 +53,8 @@ DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "lookahead", "lookahead-warm"]
 # Any method named "lookahead..." ("lookahead", "lookahead-warm", or a
 # "lookahead:NAME" variant from --variant) is per-cell.
 PER_CELL = "lookahead"
+# Per-cell methods whose name ends so get their trie preloaded (the dev split).
+WARM_SUFFIX = "-warm"
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "datasets": ["humaneval"], "num_prompts": 8, "max_tokens": 128,
@@ -121,7 +124,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if min(args.batch_sizes) < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         parser.error("--batch-sizes, --num-prompts and --max-tokens must be >= 1")
     if args.warm_prompts is None:
-        args.warm_prompts = args.num_prompts if "lookahead-warm" in args.methods else 0
+        args.warm_prompts = args.num_prompts if any(map(is_warm, args.methods)) else 0
     stamp = time.strftime("%Y%m%d_%H%M%S")
     # Runs that write inside benchmarks/results/ also refresh offline_latest.*;
     # runs writing elsewhere (tests, scratch) leave the committed results alone.
@@ -131,6 +134,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 # -------------------------------------------------------------------- engines
+def is_warm(method: str) -> bool:
+    """``lookahead-warm`` or a ``lookahead:NAME-warm`` variant: trie preloaded."""
+    return method.startswith(PER_CELL) and method.endswith(WARM_SUFFIX)
+
+
 def engine_method(method: str) -> str:
     """The ``engine_kwargs`` method behind a benchmark method name."""
     return "lookahead" if method.startswith(PER_CELL) else method
@@ -397,8 +405,8 @@ def cell_engines(shared: dict[str, Any], args: argparse.Namespace, dev_ids: list
     engines = {}
     for method in args.methods:
         engines[method] = shared[method] if method in shared else build_engine(method, args)
-    if "lookahead-warm" in engines:
-        preload_trie(engines["lookahead-warm"], dev_ids)
+    for method in filter(is_warm, engines):
+        preload_trie(engines[method], dev_ids)
     return engines
 
 
@@ -426,7 +434,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     # shutting a per-cell engine down tears down vLLM's process-global parallel
     # groups, which only the next engine build re-creates (see free_engine).
     splits = {ds: dataset_split(ds, args, tokenizer) for ds in args.datasets}
-    warm = "lookahead-warm" in args.methods
+    warm = any(map(is_warm, args.methods))
     dev_ids = {ds: dev_outputs(shared["plain"], dev, params, ds) if warm else [] for ds, (_, dev) in splits.items()}
     meter = CpuMeter()
     meter.start()

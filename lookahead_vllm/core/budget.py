@@ -20,6 +20,11 @@ requests' nodes most-confident-first (each request keeps a prefix of its draft
 order) and keeps the prefix of that merged order with the best throughput
 ``(R + S) / cost(R + kept)``, capped at ``budget`` tokens.
 
+Where tree attention runs each extra root-to-leaf path separately (the CPU
+path rounds), a node that opens a new path (a parent's second or later child)
+also costs ``per_path``; the rounds are shared by the batch, so a prefix costs
+``per_path`` times the most paths any one request opens.
+
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep
 ``[0.9]`` + ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
 """
@@ -69,24 +74,37 @@ def allocate_step_budget(
     budget: int | None = None,
     num_rows: int | None = None,
     cost: ForwardCost | None = None,
+    new_paths: Sequence[Sequence[bool]] | None = None,
 ) -> list[int]:
     """Prefix length to keep per request: at most ``budget`` tokens in all
     (None = no cap), and, given ``cost``, the count that maximises expected
     tokens per forward for ``num_rows`` requests in the step (default: one per
-    confidence list)."""
+    confidence list). ``new_paths[r][i]``: whether request ``r``'s node ``i``
+    opens a root-to-leaf path (see :func:`opens_path`; default: none does)."""
     order = _merged_order(confidences)
     limit = len(order) if budget is None else min(budget, len(order))
     take = limit
     if cost is not None and cost.free_tokens:
         rows = len(confidences) if num_rows is None else num_rows
         best, gained = rows / cost(rows), 0.0
-        take = 0
-        for m, (conf, _) in enumerate(order[:limit], start=1):
+        take, kept, paths, rounds = 0, [0] * len(confidences), [0] * len(confidences), 0
+        for m, (conf, req) in enumerate(order[:limit], start=1):
             gained += conf
-            rate = (rows + gained) / cost(rows + m)
+            if new_paths is not None and new_paths[req][kept[req]]:
+                paths[req] += 1
+                rounds = max(rounds, paths[req])
+            kept[req] += 1
+            rate = (rows + gained) / cost(rows + m, rounds)
             if rate > best:
                 best, take = rate, m
     keep = [0] * len(confidences)
     for _, req in order[:take]:
         keep[req] += 1
     return keep
+
+
+def opens_path(parents: Sequence[int]) -> list[bool]:
+    """Per node of a parent-first (DFS) tree: whether it starts a root-to-leaf
+    path of its own, i.e. is not its parent's first child (``parents[i]`` is
+    ``-1`` for the root's children; the root's first child continues the root)."""
+    return [p + 1 != i for i, p in enumerate(parents)]

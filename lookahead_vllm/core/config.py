@@ -61,6 +61,11 @@ class LookaheadConfig:
     # verifies far more tokens for free (raise cost_free_tokens); 0 = off.
     cost_free_tokens: int = 12
     cost_marginal_tokens: float = 18.0
+    # Extra cost, in forwards, of each root-to-leaf path a tree step's
+    # attention runs separately (the CPU path rounds; the CUDA kernel does all
+    # paths in one launch). -1 = the platform's measured value
+    # (tree_verify.path_cost()).
+    cost_per_path: float = -1.0
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at
     # load_stop_at running requests or more nothing is drafted. Defaults
@@ -101,6 +106,9 @@ class LookaheadConfig:
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
         _check_int("cost_free_tokens", self.cost_free_tokens, 0, 1 << 16)
         _check_float("cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
+        per_path = self.cost_per_path
+        if isinstance(per_path, bool) or not isinstance(per_path, (int, float)) or not (per_path == -1 or 0 <= per_path <= 100):
+            raise ValueError(f"cost_per_path={self.cost_per_path!r}: must be -1 (platform default) or in [0, 100]")
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)

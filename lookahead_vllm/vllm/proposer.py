@@ -24,7 +24,7 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -127,7 +127,8 @@ class LookaheadProposer:
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
-            self.cost = dataclasses.replace(self.cost, per_path=path_cost())
+            per_path = self.config.cost_per_path
+            self.cost = dataclasses.replace(self.cost, per_path=path_cost() if per_path < 0 else per_path)
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -221,11 +222,13 @@ class LookaheadProposer:
         requests with a Jacobi window get its lookahead nodes appended."""
         paths = [self._node_order(tree, req_id) for tree, req_id in zip(trees, req_ids)]
         confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
-        keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost)
+        opens = [opens_path(t.parents) if len(p) == len(t) else [False] * len(p) for t, p in zip(trees, paths)]
+        keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost, opens)
         drafts = [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
         if not self.tree_mode:
             return drafts
-        windows = self._windows_that_pay(trees, paths, keep, confs, req_ids, num_rows)
+        rounds = max((sum(o[:n]) for o, n in zip(opens, keep)), default=0)
+        windows = self._windows_that_pay(trees, paths, keep, confs, req_ids, num_rows, rounds)
         for row, (tree, path, n, req_id) in enumerate(zip(trees, paths, keep, req_ids)):
             if req_id is None:
                 continue
@@ -241,16 +244,17 @@ class LookaheadProposer:
                 self.plans[req_id] = StepPlan(tree.truncate(n))
         return drafts
 
-    def _windows_that_pay(self, trees, paths, keep, confs, req_ids, num_rows: int) -> set[str]:
+    def _windows_that_pay(self, trees, paths, keep, confs, req_ids, num_rows: int, rounds: int) -> set[str]:
         """Requests whose Jacobi window goes out this step.
 
         The step scores ``tokens`` tokens and is expected to emit ``gain``; a
         window of ``w`` nodes must be expected to add more accepted tokens than
         ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
         what its extra tokens and its W column paths cost at the step's rate
-        (see JacobiRequest.wants_window).
+        (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
+        path ``rounds``.
         """
-        tokens, extra = num_rows + sum(keep), 0
+        tokens, extra = num_rows + sum(keep), rounds
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
         for tree, path, req_id in zip(trees, paths, req_ids):

@@ -24,6 +24,8 @@ from lookahead_vllm.core import DraftTree, LookaheadConfig
         ("draft_shape", "tree", r"draft_shape='tree': must be one of \('hier', 'par', 'one'\)"),
         ("insert_output", "yes", r"insert_output='yes': must be true or false"),
         ("min_retrieved_nodes", True, r"min_retrieved_nodes=True: must be an integer"),
+        ("cost_per_path", -0.5, r"cost_per_path=-0.5: must be -1 \(platform default\) or in \[0, 100\]"),
+        ("cost_per_path", True, r"cost_per_path=True: must be -1"),
     ],
 )
 def test_invalid_fields_rejected(field, value, message):
@@ -128,6 +130,35 @@ def test_cost_model_keeps_only_paying_draft_tokens():
     assert sum(allocate_step_budget([[0.05] * 8] * 16, None, 16, cost)) == 0
 
 
+def test_opens_path_marks_every_child_but_the_first():
+    from lookahead_vllm.core.budget import opens_path
+
+    # root -> 0 -> 1 -> 2, 0 -> 3, root -> 4 -> 5, 4 -> 6
+    parents = [-1, 0, 1, 0, -1, 4, 4]
+    assert opens_path(parents) == [False, False, False, True, True, False, True]
+    # Leaves = 1 + paths opened (each extra child adds one leaf).
+    tree = DraftTree(tokens=tuple(range(7)), parents=tuple(parents), weights=(1.0,) * 7)
+    leaves = sum(1 for kids in tree.children()[:7] if not kids)
+    assert leaves == 1 + sum(opens_path(parents))
+
+
+def test_cost_model_prices_extra_tree_paths():
+    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+
+    # Chain 0.9 -> 0.5, and a side branch of 0.2 from the root (a second path).
+    confs, opens = [[0.9, 0.5, 0.2]], [[False, False, True]]
+    # Without a path cost the side branch is free at batch 1: kept.
+    assert allocate_step_budget(confs, None, 1, ForwardCost(12, 18), opens) == [3]
+    # At 0.1 forwards a path it costs more than its 0.2 tokens bring: (2.6 / 1.1 < 2.4).
+    assert allocate_step_budget(confs, None, 1, ForwardCost(12, 18, per_path=0.1), opens) == [2]
+    # At 0.05 it pays (2.6 / 1.05 > 2.4).
+    assert allocate_step_budget(confs, None, 1, ForwardCost(12, 18, per_path=0.05), opens) == [3]
+    # Rounds are shared by the batch: a second request's side branch rides the same round.
+    two = allocate_step_budget([[0.9, 0.2], [0.9, 0.2]], None, 2, ForwardCost(12, 18, per_path=0.1),
+                               [[False, True], [False, True]])
+    assert two == [2, 2]  # (2 + 1.8 + 0.4) / 1.1 > (2 + 1.8) / 1
+
+
 def test_cost_model_picks_the_best_prefix_of_the_merged_order():
     import random
 
@@ -137,12 +168,25 @@ def test_cost_model_picks_the_best_prefix_of_the_merged_order():
     for _ in range(200):
         # Tree drafts in DFS order: confidences need not be monotone.
         confs = [[rng.uniform(0, 1) for _ in range(rng.randint(0, 8))] for _ in range(rng.randint(1, 12))]
-        cost = ForwardCost(free_tokens=rng.randint(1, 16), marginal_tokens=rng.uniform(2, 30))
+        opens = [[rng.random() < 0.4 for _ in c] for c in confs]
+        cost = ForwardCost(free_tokens=rng.randint(1, 16), marginal_tokens=rng.uniform(2, 30),
+                           per_path=rng.choice([0.0, rng.uniform(0, 0.3)]))
         rows = len(confs)
-        keep = allocate_step_budget(confs, None, rows, cost)
+        keep = allocate_step_budget(confs, None, rows, cost, opens)
+
+        def rate(prefix: list[int]) -> float:  # prefix length per request
+            rounds = max(sum(o[:k]) for o, k in zip(opens, prefix))
+            gain = rows + sum(sum(c[:k]) for c, k in zip(confs, prefix))
+            return gain / cost(rows + sum(prefix), rounds)
+
         order = _merged_order(confs)
-        rates = [(rows + sum(c for c, _ in order[:m])) / cost(rows + m) for m in range(len(order) + 1)]
-        assert (rows + sum(sum(c[:k]) for c, k in zip(confs, keep))) / cost(rows + sum(keep)) == pytest.approx(max(rates))
+        rates = []
+        for m in range(len(order) + 1):
+            prefix = [0] * len(confs)
+            for _, req in order[:m]:
+                prefix[req] += 1
+            rates.append(rate(prefix))
+        assert rate(keep) == pytest.approx(max(rates))
         # Each request keeps a prefix, taken head-first from the merged order.
         counts = [0] * len(confs)
         for _, req in order[:sum(keep)]:

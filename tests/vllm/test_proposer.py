@@ -219,3 +219,20 @@ def test_jacobi_budget_checked_against_num_speculative_tokens():
         make_proposer(k=191, source="jacobi", jacobi_window=16, jacobi_ngram=7, jacobi_guesses=16)
     with pytest.raises(ValueError, match=r"source='jac': must be one of \('trie', 'jacobi', 'both'\)"):
         make_proposer(k=16, source="jac")
+
+
+def test_tree_side_branches_priced_per_path():
+    from vllm import SamplingParams
+
+    prompt = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9]  # after "1 2": 3 twice, 4 once
+
+    def draft(per_path: float) -> list[int]:
+        p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
+                          cost_per_path=per_path)
+        p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+        return step(p, {"a": prompt + [1]}, {"a": len(prompt)})[0]
+
+    # Free paths: the tree keeps the rarer branch "4" beside "3" (a second path).
+    assert draft(0.0)[:2] == [2, 3] and 4 in draft(0.0)
+    # A path costing a whole forward is not worth its third of a token: a chain.
+    assert 4 not in draft(1.0) and draft(1.0)[:2] == [2, 3]
