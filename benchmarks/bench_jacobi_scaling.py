@@ -29,6 +29,13 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def step_slots(n: int, w: int) -> int:
+    """Draft slots of a full Jacobi step with G = W: (W + G)(N - 1) - 1."""
+    from lookahead_vllm.core.config import LookaheadConfig
+
+    return LookaheadConfig(source="jacobi", jacobi_window=w, jacobi_ngram=n, jacobi_guesses=w).jacobi_step_slots
+
+
 def run_config(model: str, prompts: list[str], max_tokens: int, n: int, w: int) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -36,10 +43,10 @@ def run_config(model: str, prompts: list[str], max_tokens: int, n: int, w: int) 
     from lookahead_vllm.vllm.proposer import find_proposers
 
     g = w
-    scored = (w + g) * (n - 1)
     # Cost model off: every step carries the window, whatever it costs here.
     config = {"source": "jacobi", "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
               "jacobi_guesses": g, "decoding_length": g * (n - 1), "cost_free_tokens": 0}
+    scored = step_slots(n, w) + 1  # the root too
     llm = LLM(model=model, **engine_kwargs("lookahead", k=scored - 1, lookahead=config))
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped = []
     for n in args.ngram:
         for w in args.window:
-            if 2 * w * (n - 1) - 1 > MAX_SPEC_LEN:
+            if step_slots(n, w) > MAX_SPEC_LEN:
                 skipped.append({"ngram": n, "window": w, "why": f"(W + G)(N - 1) - 1 > vLLM's MAX_SPEC_LEN={MAX_SPEC_LEN}"})
                 log(f"N={n} W={w}: skipped, {skipped[-1]['why']}")
                 continue

@@ -42,7 +42,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field, fields  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -212,7 +212,7 @@ def drafter_counters(llm: Any) -> Counter:
     """Raw ``ProposerStats`` counters summed over the engine's proposers."""
     total: Counter = Counter()
     for proposer in proposers(llm):
-        total.update({f.name: getattr(proposer.stats, f.name) for f in fields(proposer.stats)})
+        total.update(proposer.stats.counters())
     return total
 
 

@@ -149,6 +149,12 @@ class LookaheadConfig:
         """Jacobi window nodes per step: W * (N - 1) - 1 (0 for source="trie")."""
         return self.jacobi_window * (self.jacobi_ngram - 1) - 1 if self.uses_jacobi else 0
 
+    @property
+    def jacobi_step_slots(self) -> int:
+        """Draft slots a full Jacobi step needs: the window plus G pool n-grams
+        of N - 1 tokens, (W + G) * (N - 1) - 1 (the root is the step's own token)."""
+        return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -64,10 +64,10 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
     window = probe.lookahead_nodes
     if probe.uses_jacobi:
         w, n, g = probe.jacobi_window, probe.jacobi_ngram, probe.jacobi_guesses
-        if (w + g) * (n - 1) - 1 > num_speculative_tokens:
+        if probe.jacobi_step_slots > num_speculative_tokens:
             raise ValueError(
                 f"jacobi_window={w}, jacobi_ngram={n}, jacobi_guesses={g}: the step needs "
-                f"(W + G) * (N - 1) - 1 = {(w + g) * (n - 1) - 1} draft slots, more than "
+                f"(W + G) * (N - 1) - 1 = {probe.jacobi_step_slots} draft slots, more than "
                 f"speculative_config.num_speculative_tokens={num_speculative_tokens} "
                 "(raise num_speculative_tokens or lower W, N or G)"
             )

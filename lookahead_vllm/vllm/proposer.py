@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 import numpy as np
@@ -44,14 +44,13 @@ MAX_CONFIDENCE_FLOOR = 0.5
 
 @dataclass(slots=True)
 class ProposerStats:
-    # Proposal calls (engine steps that drafted).
-    steps: int = 0
+    """Counters for benchmarks and tests. Steps, draft tokens and drafter time
+    are counted once, in the :class:`metrics.StepStats` the server publishes
+    (``step``); :meth:`counters` reads them from there."""
+
+    step: metrics.StepStats = field(default_factory=metrics.StepStats, repr=False)
     # Request-steps that were given a (possibly empty) draft.
     request_steps: int = 0
-    # Draft tokens handed to vLLM.
-    draft_tokens: int = 0
-    # Wall time spent in propose(), nanoseconds.
-    propose_ns: int = 0
     # Largest number of draft tokens handed out in one step (whole batch).
     max_step_draft_tokens: int = 0
     # Tree verification: request-steps verified as trees, their draft nodes,
@@ -72,22 +71,30 @@ class ProposerStats:
     pool_branches: int = 0
     pool_accepted_tokens: int = 0
 
+    def counters(self) -> dict[str, int]:
+        """Every raw counter (summable across proposers), ``propose_ns`` included."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step"}
+        step = self.step
+        return {**own, "steps": step.steps, "draft_tokens": step.draft_tokens,
+                "propose_ns": round(step.drafter_seconds.total * 1e9)}
+
     def as_dict(self) -> dict[str, float]:
-        per_req = self.request_steps or 1
+        c = self.counters()
+        per_req = c["request_steps"] or 1
         return {
-            "steps": self.steps,
-            "request_steps": self.request_steps,
-            "draft_tokens": self.draft_tokens,
-            "max_step_draft_tokens": self.max_step_draft_tokens,
-            "drafter_ms_per_step": self.propose_ns / 1e6 / (self.steps or 1),
-            "drafter_ms_per_request_step": self.propose_ns / 1e6 / per_req,
-            "tree_request_steps": self.tree_request_steps,
-            "tree_tokens_per_request_step": self.tree_tokens / (self.tree_request_steps or 1),
-            "tree_off_chain_accepts": self.tree_off_chain_accepts,
-            "jacobi_steps": self.jacobi_steps,
-            "pool_ngrams_added": self.pool_ngrams_added,
-            "pool_branches": self.pool_branches,
-            "pool_accepted_tokens": self.pool_accepted_tokens,
+            "steps": c["steps"],
+            "request_steps": c["request_steps"],
+            "draft_tokens": c["draft_tokens"],
+            "max_step_draft_tokens": c["max_step_draft_tokens"],
+            "drafter_ms_per_step": c["propose_ns"] / 1e6 / (c["steps"] or 1),
+            "drafter_ms_per_request_step": c["propose_ns"] / 1e6 / per_req,
+            "tree_request_steps": c["tree_request_steps"],
+            "tree_tokens_per_request_step": c["tree_tokens"] / (c["tree_request_steps"] or 1),
+            "tree_off_chain_accepts": c["tree_off_chain_accepts"],
+            "jacobi_steps": c["jacobi_steps"],
+            "pool_ngrams_added": c["pool_ngrams_added"],
+            "pool_branches": c["pool_branches"],
+            "pool_accepted_tokens": c["pool_accepted_tokens"],
         }
 
 
@@ -103,7 +110,6 @@ class LookaheadProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trie = TokenTrie(self.config)
         self.cost = ForwardCost(self.config.cost_free_tokens, self.config.cost_marginal_tokens)
-        self.stats = ProposerStats()
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
         self._inserted: dict[str, int] = {}
@@ -111,6 +117,7 @@ class LookaheadProposer:
         self._caps: dict[str, int] = {}
         # Prometheus lookahead_* series and the periodic log line (metrics.py).
         self.metrics = metrics.StepStats()
+        self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
         # request id -> the tree it was handed last step (tree mode only).
@@ -197,7 +204,6 @@ class LookaheadProposer:
             trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
         drafts = self._drafts_within_step_budget(trees, req_ids, len(rows))
-        self._account(drafts, len(rows), start)
         self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
         return drafts
 
@@ -209,9 +215,12 @@ class LookaheadProposer:
             elif self._caps.get(self._input_batch.req_ids[i]) == 0:
                 skipped["request"] += 1
         accepted = sum(len(s) - 1 for s in sampled_token_ids if s)
+        step_tokens = sum(len(d) for d in drafts)
+        self.stats.request_steps += len(rows)
+        self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
         m = self.metrics
         m.trie_nodes, m.trie_bytes, m.load_budget = self.trie.num_nodes, self.trie.num_bytes, load_budget
-        m.record_step(sum(len(d) for d in drafts), accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
+        m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 
     def _drafts_within_step_budget(
@@ -326,15 +335,6 @@ class LookaheadProposer:
             self.stats.pool_branches += len(branches)
             tree = merge_branches(tree, branches, budget)
         return tree
-
-    def _account(self, drafts: list[list[int]], active: int, start_ns: int) -> None:
-        s = self.stats
-        s.steps += 1
-        s.request_steps += active
-        step_tokens = sum(len(d) for d in drafts)
-        s.draft_tokens += step_tokens
-        s.max_step_draft_tokens = max(s.max_step_draft_tokens, step_tokens)
-        s.propose_ns += time.perf_counter_ns() - start_ns
 
 
 def _log_interval_s() -> float:
