@@ -168,10 +168,12 @@ def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tu
 
 # Adaptive window: a request's expected pool tokens per window step starts
 # at YIELD_PRIOR and follows a moving average (weight YIELD_ALPHA); a window
-# that does not pay is still sent every PROBE_EVERY steps to re-measure it.
+# that does not pay is still sent after PROBE_EVERY steps to re-measure it,
+# and each probe that brings nothing doubles that wait (up to MAX_PROBE_EVERY).
 YIELD_PRIOR = 1.0
 YIELD_ALPHA = 0.25
 PROBE_EVERY = 32
+MAX_PROBE_EVERY = 512
 
 
 @dataclass
@@ -193,11 +195,15 @@ class JacobiRequest:
     pool_from: int = 0
     yield_est: float = YIELD_PRIOR
     steps_without: int = 0
+    probe_every: int = PROBE_EVERY
+    # The window in flight was sent as a probe (it did not pay by yield_est).
+    probing: bool = False
 
     def wants_window(self, need: float) -> bool:
         """Whether to send the window when it must yield ``need`` tokens to pay."""
-        if self.yield_est >= need or self.steps_without >= PROBE_EVERY:
-            self.steps_without = 0
+        pays = self.yield_est >= need
+        if pays or self.steps_without >= self.probe_every:
+            self.steps_without, self.probing = 0, not pays
             return True
         self.steps_without += 1
         return False
@@ -205,6 +211,11 @@ class JacobiRequest:
     def credit(self, pool_tokens: int) -> None:
         """Book one step with the window that accepted ``pool_tokens`` pool tokens."""
         self.yield_est += YIELD_ALPHA * (pool_tokens - self.yield_est)
+        if pool_tokens:
+            self.probe_every = PROBE_EVERY
+        elif self.probing:
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        self.probing = False
 
     @classmethod
     def from_prompt(cls, prompt: Sequence[int], window: int, ngram: int, guesses: int) -> "JacobiRequest":

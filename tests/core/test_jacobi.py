@@ -139,3 +139,32 @@ def test_window_goes_out_while_it_pays_and_is_probed_when_not():
     for _ in range(20):  # it pays again (1 token per step): back on
         jac.credit(1)
     assert jac.wants_window(0.5) and jac.wants_window(0.9)
+
+
+def test_fruitless_probes_back_off_and_a_productive_one_resets():
+    from lookahead_vllm.core.jacobi import MAX_PROBE_EVERY, PROBE_EVERY, JacobiRequest
+
+    jac = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2)
+    for _ in range(20):
+        jac.credit(0)
+
+    def steps_to_next_probe() -> int:
+        n = 1
+        while not jac.wants_window(0.5):
+            n += 1
+        return n
+
+    gaps = []
+    for _ in range(6):
+        gaps.append(steps_to_next_probe())
+        jac.credit(0)  # the probe's step accepted nothing from the pool
+    assert gaps == [PROBE_EVERY + 1, 2 * PROBE_EVERY + 1, 4 * PROBE_EVERY + 1, 8 * PROBE_EVERY + 1,
+                    MAX_PROBE_EVERY + 1, MAX_PROBE_EVERY + 1]
+    steps_to_next_probe()
+    jac.credit(2)  # a probe that pays off: back to the short wait
+    assert jac.probe_every == PROBE_EVERY
+    # A window sent because it pays never lengthens the wait, even if it brings nothing once.
+    jac.yield_est = 1.0
+    assert jac.wants_window(0.5) and not jac.probing
+    jac.credit(0)
+    assert jac.probe_every == PROBE_EVERY
