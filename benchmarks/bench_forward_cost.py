@@ -9,12 +9,23 @@ free (the "critical decoding length").
 
     python benchmarks/bench_forward_cost.py --nodes 0 1 2 4 8 16 32 64 \\
         --out benchmarks/results/forward_cost.json
+
+``--paths`` measures what tree verification adds: for each ``nodes`` a fixed
+token tree of that many nodes in P root branches (P = 1 is a chain) goes
+through the lookahead proposer and tree verification every step
+(``FixedTreeProposer``); each extra branch is one more root-to-leaf path for
+the tree attention. The slope of step time over P, in plain decode steps, is
+the per-path cost (``cost_per_path``).
+
+    python benchmarks/bench_forward_cost.py --nodes 8 --paths 1 2 3 4 8 \\
+        --out benchmarks/results/path_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,17 +50,55 @@ class FixedProposer:
         return [[0] * self.n if s else [] for s in sampled_token_ids]
 
 
-def step_times(model: str, n: int, context: list[int], steps: int) -> list[float]:
+def fixed_tree(nodes: int, paths: int) -> "DraftTree":
+    """``nodes`` nodes in ``paths`` root branches of near-equal length (DFS
+    order); branch b repeats token 1000 + b, so siblings differ."""
+    from lookahead_vllm.core.draft_tree import DraftTree
+
+    tokens, parents = [], []
+    for b in range(paths):
+        length = nodes // paths + (b < nodes % paths)
+        for d in range(length):
+            parents.append(-1 if d == 0 else len(tokens) - 1)
+            tokens.append(1000 + b)
+    return DraftTree(tuple(tokens), tuple(parents), (1.0,) * nodes, (1.0,) * nodes)
+
+
+def _fixed_tree_proposer():
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    class FixedTreeProposer(LookaheadProposer):
+        """The lookahead proposer, drafting ``fixed_tree(k, BENCH_TREE_PATHS)`` every step."""
+
+        def _draft(self, req_id, tokens, num_tokens, budget, floor):
+            return fixed_tree(self.k, int(os.environ["BENCH_TREE_PATHS"]))
+
+    return FixedTreeProposer
+
+
+def __getattr__(name: str):  # vLLM imports the class by path; build it lazily (needs vLLM)
+    if name == "FixedTreeProposer":
+        return _fixed_tree_proposer()
+    raise AttributeError(name)
+
+
+def step_times(model: str, n: int, context: list[int], steps: int, paths: int = 0) -> list[float]:
     from vllm import LLM, SamplingParams
 
     from lookahead_vllm.vllm.offline import engine_kwargs
 
     kwargs = engine_kwargs("plain")
     if n:
+        proposer = "FixedTreeProposer" if paths else "FixedProposer"
         kwargs["speculative_config"] = {
-            "method": "custom_class", "model": "benchmarks.bench_forward_cost.FixedProposer",
+            "method": "custom_class", "model": f"benchmarks.bench_forward_cost.{proposer}",
             "num_speculative_tokens": n,
         }
+    if paths:
+        os.environ["BENCH_TREE_PATHS"] = str(paths)
+        # Every node goes out: no cost model, no confidence floor.
+        kwargs["additional_config"] = {"lookahead": {"draft_shape": "hier", "cost_free_tokens": 0,
+                                                     "min_draft_confidence": 0.0}}
     llm = LLM(model=model, **kwargs)
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": context}, SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
@@ -68,9 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", nargs="+", type=int, default=[0, 1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--context", type=int, default=288, help="context tokens before decoding")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per point")
+    p.add_argument("--paths", nargs="+", type=int, default=None,
+                   help="tree mode: root branches per fixed tree of --nodes nodes (1 = chain)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/forward_cost.json")
     args = p.parse_args(argv)
+    if args.paths and (min(args.paths) < 1 or min(args.nodes) < max(args.paths)):
+        p.error("--paths must be >= 1 and at most every --nodes value")
     from lookahead_vllm.vllm.offline import apply_cpu_env
 
     apply_cpu_env()
@@ -79,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or str(prepare_smollm2())
     rng = np.random.default_rng(0)
     context = rng.integers(100, 20000, size=args.context).tolist()
+    if args.paths:
+        return main_paths(args, model, context)
     rows = []
     for n in args.nodes:
         times = step_times(model, n, context, args.steps)
@@ -92,6 +147,78 @@ def main(argv: list[str] | None = None) -> None:
     args.out.write_text(json.dumps({"context": args.context, "model": model, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
+
+
+def tree_step_times(model: str, nodes: int, context: list[int], steps: int, paths: list[int]) -> dict[int, list[float]]:
+    """Step times of one engine drafting ``fixed_tree(nodes, P)``, P cycling
+    through ``paths`` step by step (so drift hits every P alike). A step
+    verifies the tree drafted at the end of the step before it."""
+    from vllm import LLM, SamplingParams
+
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    os.environ["BENCH_TREE_PATHS"] = str(paths[0])
+    kwargs = engine_kwargs("plain")
+    kwargs["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": nodes,
+                                    "model": "benchmarks.bench_forward_cost.FixedTreeProposer"}
+    kwargs["additional_config"] = {"lookahead": {"draft_shape": "hier", "cost_free_tokens": 0,
+                                                 "min_draft_confidence": 0.0}}
+    llm = LLM(model=model, **kwargs)
+    engine = llm.llm_engine
+    total = steps * len(paths) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=total * (nodes + 1), ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": context}, params)
+    engine.step()  # prefill; drafts the first tree
+    times: dict[int, list[float]] = {p: [] for p in paths}
+    for i in range(total):
+        drafted = paths[i % len(paths)]  # the tree this step verifies
+        os.environ["BENCH_TREE_PATHS"] = str(paths[(i + 1) % len(paths)])  # the one it drafts
+        start = time.perf_counter()
+        engine.step()
+        if i >= 2:  # warm-up
+            times[drafted].append(time.perf_counter() - start)
+    engine.abort_request(["r"])
+    del llm
+    return times
+
+
+def main_paths(args: argparse.Namespace, model: str, context: list[int]) -> None:
+    plain_ms = 1e3 * statistics.median(step_times(model, 0, context, args.steps))
+    print(f"plain decode step: median {plain_ms:.1f} ms", flush=True)
+    rows, fits = [], {}
+    for n in args.nodes:
+        for p, times in tree_step_times(model, n, context, args.steps, args.paths).items():
+            ms = 1e3 * statistics.median(times)
+            rows.append({"nodes": n, "paths": p, "median_ms": round(ms, 3), "relative": round(ms / plain_ms, 3),
+                         "steps": len(times)})
+            print(f"{n:3d} nodes in {p} paths: median {ms:.1f} ms = {ms / plain_ms:.3f} plain steps", flush=True)
+        pts = [(r["paths"], r["relative"]) for r in rows if r["nodes"] == n]
+        fits[n] = round(float(np.polyfit(*zip(*pts), 1)[0]), 4) if len(pts) > 1 else None
+        print(f"{n:3d} nodes: {fits[n]} plain steps per extra path (least squares)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"context": args.context, "model": model, "plain_ms": round(plain_ms, 3),
+                                    "per_path_fit": fits, "rows": rows}, indent=1))
+    plot_paths(rows, fits, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+
+
+def plot_paths(rows: list[dict], fits: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for n in sorted({r["nodes"] for r in rows}):
+        pts = sorted((r["paths"], r["relative"]) for r in rows if r["nodes"] == n)
+        ax.plot(*zip(*pts), "o-", label=f"{n} nodes (slope {fits[n]})")
+    ax.set_xlabel("root-to-leaf paths in the tree (1 = chain)")
+    ax.set_ylabel("step time / plain decode step")
+    ax.set_title("Tree verification cost per path, SmolLM2-135M fp32, CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(rows: list[dict], path: Path) -> None:

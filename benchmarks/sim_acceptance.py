@@ -12,6 +12,11 @@ proposer's trie on them for any number of config variants in seconds:
            step emits ``accepted + 1`` tokens (the bonus); the trie learns
            them; i advances.
   MAL      emitted tokens / steps (the first token, from prefill, excluded).
+  speed    modeled speedup over plain decoding: emitted tokens / forwards,
+           a step costing ``ForwardCost(1 + kept nodes, extra paths)`` plain
+           forwards; the draft is first cut by the forward-cost model exactly
+           as the proposer does at batch 1 (config ``cost_*``; per path: the
+           config's ``cost_per_path``, or the CPU path rounds' measured value).
 
 Requests run one after another through one trie, like the benchmark's cold
 ``lookahead`` cell at bs=1; ``--warm-prompts N`` first inserts the greedy
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
@@ -61,7 +67,9 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     trie = TokenTrie(config)
     for ids in warm:
         trie.insert_output(ids)
+    cost = forward_cost(config)
     steps = emitted = nodes = off_chain = 0
+    forwards = 0.0
     floor = config.min_draft_confidence  # one request drafting
     for r, (prompt, out) in enumerate(zip(prompts, outputs)):
         trie.add_request(r, prompt)
@@ -72,6 +80,11 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
             if config.draft_shape == "one":
                 tree = DraftTree.chain(tree.best_chain())
+            if config.cost_free_tokens:
+                confs = [tree.node_confidence(j) for j in range(len(tree))]
+                (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
+                tree = tree.truncate(keep)
+            forwards += cost(1 + len(tree), sum(opens_path(tree.parents)))
             n, off = accepted_length(tree, out[i:])
             n = min(n + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
@@ -82,8 +95,20 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             nodes += len(tree)
             off_chain += off
         trie.finish_request(r)
-    return {"mal": emitted / max(steps, 1), "steps": steps, "tokens": emitted,
+    return {"mal": emitted / max(steps, 1), "speed": emitted / max(forwards, 1e-9), "steps": steps, "tokens": emitted,
             "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain}
+
+
+def forward_cost(config: LookaheadConfig) -> ForwardCost:
+    """The proposer's cost model for ``config`` on the CPU path rounds (the tree
+    attention this simulator's figures are compared with)."""
+    per_path = config.cost_per_path
+    if per_path < 0:
+        from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST
+
+        per_path = CPU_PATH_COST if config.draft_shape != "one" else 0.0
+    # The modeled speed needs forward times even where the model is off for drafting.
+    return ForwardCost(config.cost_free_tokens or LookaheadConfig().cost_free_tokens, config.cost_marginal_tokens, per_path)
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:
@@ -148,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, config in variants.items():
             r = simulate(config, prompts[test], outputs[test], warm)
             results["cells"].append({"dataset": dataset, "variant": name, **r})
-            print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
+            print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
                   f"off-chain steps {r['off_chain_steps']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

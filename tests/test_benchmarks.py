@@ -69,3 +69,17 @@ def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
     path.write_text(json.dumps({"cells": [cell]}))
     plot_sweep.main([str(path)])
     assert (tmp_path / "s_sweep.png").stat().st_size > 1000
+
+
+def test_forward_cost_fixed_tree_has_the_asked_paths():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_forward_cost
+    finally:
+        sys.path.pop(0)
+    from lookahead_vllm.core.budget import opens_path
+
+    tree = bench_forward_cost.fixed_tree(8, 3)
+    assert len(tree) == 8 and tree.parents == (-1, 0, 1, -1, 3, 4, -1, 6)
+    assert 1 + sum(opens_path(tree.parents)) == 3  # root-to-leaf paths
+    assert bench_forward_cost.fixed_tree(8, 1).parents == tuple(range(-1, 7))  # a chain

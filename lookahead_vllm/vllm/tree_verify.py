@@ -114,10 +114,8 @@ class TreeStep:
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
     # CPU path rounds (shared by all layers) and every tree row, built lazily.
-    rounds: list | None = None
+    rounds: Any = None  # PathPlan
     all_rows: torch.Tensor | None = None
-    # Rows whose slots the CPU path rounds overwrite (restored afterwards).
-    restore_rows: torch.Tensor | None = None
     # GPU kernel arguments (shared by all layers), built lazily.
     kernel_args: dict | None = None
 
@@ -238,15 +236,23 @@ def _cpu_path_rounds(
     the K/V of its ``j``-th other root-to-leaf path into its next slots and
     runs the path's not-yet-computed rows as the tail of a causal query: for
     them that is exactly tree attention. Afterwards the overwritten slots get
-    their own rows' K/V back.
+    their own rows' K/V back. The rows every round reads are gathered once
+    per layer and the outputs scattered once (the index plan is per step).
     """
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    rounds = _rounds(step, metadata)
-    for rnd in rounds:
-        impl.do_kv_cache_update(layer, key[rnd.kv_rows], value[rnd.kv_rows], kv_cache, rnd.slots)
+    plan = _rounds(step, metadata)
+    if not plan.rounds:
+        return
+    scales = dict(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
+    path_k, path_v = key.index_select(0, plan.kv_rows), value.index_select(0, plan.kv_rows)
+    path_q = query.index_select(0, plan.query_rows)
+    path_out = torch.empty(len(plan.query_rows), impl.num_heads, impl.head_size, dtype=out.dtype)
+    for rnd in plan.rounds:
+        kv, q = rnd.kv, rnd.q
+        ops.cpu_attn_reshape_and_cache(path_k[kv], path_v[kv], key_cache, value_cache, rnd.slots, layer.isa, **scales)
         if rnd.scheduler_metadata is None:
             rnd.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(rnd.seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
@@ -254,18 +260,16 @@ def _cpu_path_rounds(
                 query_start_loc=rnd.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
                 enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype,
             )
-        path_out = torch.empty(len(rnd.query_rows), impl.num_heads, impl.head_size, dtype=out.dtype)
         ops.cpu_attention_with_kv_cache(
-            query=query[rnd.query_rows], key_cache=key_cache, value_cache=value_cache, output=path_out,
+            query=path_q[q], key_cache=key_cache, value_cache=value_cache, output=path_out[q],
             query_start_loc=rnd.query_start_loc, seq_lens=rnd.seq_lens, scale=impl.scale, causal=True,
             alibi_slopes=None, sliding_window=-1, block_table=rnd.block_table, softcap=0,
-            scheduler_metadata=rnd.scheduler_metadata, s_aux=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype,
+            scheduler_metadata=rnd.scheduler_metadata, s_aux=None, **scales,
         )
-        out[rnd.query_rows] = path_out
-    if rounds:
-        rows = step.restore_rows
-        impl.do_kv_cache_update(layer, key[rows], value[rows], kv_cache, step.slot_mapping[rows])
+    out.index_copy_(0, plan.query_rows, path_out)
+    rows = plan.restore_rows
+    ops.cpu_attn_reshape_and_cache(key.index_select(0, rows), value.index_select(0, rows), key_cache, value_cache,
+                                   plan.restore_slots, layer.isa, **scales)
 
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
@@ -301,21 +305,32 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
 class PathRound:
     """One kernel call: one more root-to-leaf path of every tree request that has one."""
 
-    kv_rows: torch.Tensor  # [n] long: step rows whose K/V go to the paths' slots, path order
+    kv: slice  # this round's rows of PathPlan.kv_rows (K/V written to ``slots``)
     slots: torch.Tensor  # [n] long: each request's next slots C, C+1, ...
-    query_rows: torch.Tensor  # [m] long: the paths' rows not computed yet (path tails)
-    query_start_loc: torch.Tensor  # [num_paths + 1] int32, over query_rows
+    q: slice  # this round's rows of PathPlan.query_rows (the paths' rows not computed yet)
+    query_start_loc: torch.Tensor  # [num_paths + 1] int32, over the round's query rows
     seq_lens: torch.Tensor  # [num_paths] int32: context + path length
     block_table: torch.Tensor  # [num_paths, max_blocks] int32
     scheduler_metadata: Any = None
 
 
-def _rounds(step: TreeStep, metadata: Any) -> list[PathRound]:
+@dataclass(slots=True)
+class PathPlan:
+    """The step's CPU path rounds; shared by all layers."""
+
+    rounds: list[PathRound]
+    kv_rows: torch.Tensor  # [n] long: step rows whose K/V the rounds write, round by round
+    query_rows: torch.Tensor  # [m] long: step rows the rounds compute, round by round
+    restore_rows: torch.Tensor  # [r] long: rows whose slots the rounds overwrote
+    restore_slots: torch.Tensor  # [r] long: their own slots
+
+
+def _rounds(step: TreeStep, metadata: Any) -> PathPlan:
     if step.rounds is not None:
         return step.rounds
     per_request = [_uncovered_paths(req.plan) for req in step.requests]
     seq_lens = metadata.seq_lens.tolist()
-    step.rounds = []
+    rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
     for j in range(max(len(p) for p in per_request)):
         kv_rows, slots, query_rows, qsl, lens, tables = [], [], [], [0], [], []
@@ -330,11 +345,17 @@ def _rounds(step: TreeStep, metadata: Any) -> list[PathRound]:
             qsl.append(qsl[-1] + tail)
             lens.append(seq_lens[req.row] - req.num_rows + len(path))
             tables.append(metadata.block_table[req.row])
-        step.rounds.append(PathRound(
-            torch.tensor(kv_rows), torch.cat(slots), torch.tensor(query_rows),
-            torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
+        kv = slice(len(all_kv), len(all_kv) + len(kv_rows))
+        q = slice(len(all_q), len(all_q) + len(query_rows))
+        all_kv += kv_rows
+        all_q += query_rows
+        rounds.append(PathRound(
+            kv, torch.cat(slots), q, torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+            torch.stack(tables),
         ))
-    step.restore_rows = torch.tensor(sorted(restore))
+    restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
+    step.rounds = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
+                           restore_rows, step.slot_mapping[restore_rows])
     return step.rounds
 
 
