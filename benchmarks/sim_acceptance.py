@@ -102,13 +102,14 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
 def forward_cost(config: LookaheadConfig) -> ForwardCost:
     """The proposer's cost model for ``config`` on the CPU path rounds (the tree
     attention this simulator's figures are compared with)."""
-    per_path = config.cost_per_path
+    setup, per_path = 0.0, config.cost_per_path
     if per_path < 0:
-        from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST
+        from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
 
-        per_path = CPU_PATH_COST if config.draft_shape != "one" else 0.0
+        setup, per_path = (CPU_PATH_SETUP, CPU_PATH_COST) if config.draft_shape != "one" else (0.0, 0.0)
     # The modeled speed needs forward times even where the model is off for drafting.
-    return ForwardCost(config.cost_free_tokens or LookaheadConfig().cost_free_tokens, config.cost_marginal_tokens, per_path)
+    free = config.cost_free_tokens or LookaheadConfig().cost_free_tokens
+    return ForwardCost(free, config.cost_marginal_tokens, per_path, setup)
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:

@@ -22,8 +22,10 @@ order) and keeps the prefix of that merged order with the best throughput
 
 Where tree attention runs each extra root-to-leaf path separately (the CPU
 path rounds), a node that opens a new path (a parent's second or later child)
-also costs ``per_path``; the rounds are shared by the batch, so a prefix costs
-``per_path`` times the most paths any one request opens.
+also costs ``per_path``, and the first such node of the step ``path_setup``
+(gathering, restoring and scattering the rounds' rows); the rounds are shared
+by the batch, so a prefix costs ``path_setup + per_path * rounds`` with
+``rounds`` the most paths any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep
 ``[0.9]`` + ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
@@ -44,15 +46,18 @@ class ForwardCost:
     # Past ``free_tokens``, this many more tokens cost one more forward.
     marginal_tokens: float = 18.0
     # Extra cost of each additional root-to-leaf path the tree attention runs
-    # separately (the CPU path rounds; 0 where one kernel launch covers all).
+    # separately (the CPU path rounds; 0 where one kernel launch covers all),
+    # and the fixed cost of a step that runs any.
     per_path: float = 0.0
+    path_setup: float = 0.0
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra
         attention paths, in single-token forwards."""
         if self.free_tokens == 0:
             return 1.0
-        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + paths * self.per_path
+        extra = self.path_setup + paths * self.per_path if paths else 0.0
+        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
 
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:

@@ -63,8 +63,9 @@ class LookaheadConfig:
     cost_marginal_tokens: float = 18.0
     # Extra cost, in forwards, of each root-to-leaf path a tree step's
     # attention runs separately (the CPU path rounds; the CUDA kernel does all
-    # paths in one launch). -1 = the platform's measured value
-    # (tree_verify.path_cost()).
+    # paths in one launch). -1 = the platform's measured model
+    # (tree_verify.path_cost(): on the CPU 0.09 per step that runs any, plus
+    # 0.02 per path).
     cost_per_path: float = -1.0
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at

@@ -134,8 +134,8 @@ class LookaheadProposer:
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
-            per_path = self.config.cost_per_path
-            self.cost = dataclasses.replace(self.cost, per_path=path_cost() if per_path < 0 else per_path)
+            setup, per_path = path_cost() if self.config.cost_per_path < 0 else (0.0, self.config.cost_per_path)
+            self.cost = dataclasses.replace(self.cost, per_path=per_path, path_setup=setup)
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:

@@ -61,19 +61,25 @@ logger = init_logger(__name__)
 # or "reference" (gather the paged KV, pure-torch masked attention).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
-# Cost of one extra root-to-leaf path on the CPU path (a round of vLLM's CPU
-# attention per layer, plus K/V writes and restores), in single-token
-# forwards. Measured with SmolLM2 on the 2-core CPU: a Jacobi window of W=4
-# leaves and 7 nodes made HumanEval steps 67 -> 96 ms (+0.43 forwards), of
-# which the forward-cost model gives 0.11 to the tokens: ~0.08 per path.
-CPU_PATH_COST = 0.08
+# Cost of tree verification's CPU path rounds, in single-token forwards:
+# a step that runs any costs CPU_PATH_SETUP (the rows gathered, the
+# overwritten slots restored, the outputs scattered, once per layer), and each
+# round CPU_PATH_COST more (one kernel call and K/V write per layer).
+# Measured with SmolLM2 on the 2-core CPU (benchmarks/bench_forward_cost.py
+# --nodes 8 16 --paths 1 2 3 4 8): 8 nodes in 1/2/3/4/8 root branches cost
+# 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes 1.49/1.63/1.61/1.65/1.79.
+CPU_PATH_SETUP = 0.09
+CPU_PATH_COST = 0.02
 
 
-def path_cost() -> float:
-    """Extra cost per additional tree path on this platform (0 with the CUDA kernel)."""
+def path_cost() -> tuple[float, float]:
+    """(setup, per path) of tree verification's extra paths on this platform
+    (0, 0 with the CUDA kernel, which covers all paths in one launch)."""
     from vllm.platforms import current_platform
 
-    return CPU_PATH_COST if current_platform.is_cpu() and TREE_ATTENTION == "paths" else 0.0
+    if current_platform.is_cpu() and TREE_ATTENTION == "paths":
+        return CPU_PATH_SETUP, CPU_PATH_COST
+    return 0.0, 0.0
 
 
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).

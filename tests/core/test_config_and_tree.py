@@ -114,6 +114,10 @@ def test_forward_cost_model():
     assert cost(30) == pytest.approx(2.0)
     assert ForwardCost(free_tokens=0)(500) == 1.0  # off: every token free
     assert ForwardCost(12, 18, per_path=0.1)(30, paths=2) == pytest.approx(2.2)
+    # A fixed cost for a step that runs any extra path at all, then per path.
+    with_setup = ForwardCost(12, 18, per_path=0.02, path_setup=0.09)
+    assert with_setup(9, paths=0) == 1.0 and with_setup(9, paths=1) == pytest.approx(1.11)
+    assert with_setup(9, paths=3) == pytest.approx(1.15)
 
 
 def test_cost_model_keeps_only_paying_draft_tokens():
@@ -170,7 +174,7 @@ def test_cost_model_picks_the_best_prefix_of_the_merged_order():
         confs = [[rng.uniform(0, 1) for _ in range(rng.randint(0, 8))] for _ in range(rng.randint(1, 12))]
         opens = [[rng.random() < 0.4 for _ in c] for c in confs]
         cost = ForwardCost(free_tokens=rng.randint(1, 16), marginal_tokens=rng.uniform(2, 30),
-                           per_path=rng.choice([0.0, rng.uniform(0, 0.3)]))
+                           per_path=rng.choice([0.0, rng.uniform(0, 0.3)]), path_setup=rng.choice([0.0, 0.1]))
         rows = len(confs)
         keep = allocate_step_budget(confs, None, rows, cost, opens)
 

@@ -195,13 +195,14 @@ def test_jacobi_window_is_priced_by_the_cost_model():
         return p
 
     # Prior yield 1 token vs need 1 * (cost(6 tokens, 3 paths) / cost(1) - 1)
-    # = 0.25 + 3 * 0.08 (CPU path rounds) = 0.49: sent.
-    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST
+    # = 0.25 + 0.09 + 3 * 0.02 (CPU path rounds: setup, per path) = 0.40: sent.
+    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
     p = proposer()
-    assert p.cost.per_path == CPU_PATH_COST
+    assert (p.cost.path_setup, p.cost.per_path) == (CPU_PATH_SETUP, CPU_PATH_COST)
+    assert p.cost(6, 3) == pytest.approx(1.40)
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.plans["a"].has_lookahead and p.stats.jacobi_steps == 1
-    # The pool never pays: the estimate decays below 0.25 and the window stays home.
+    # The pool never pays: the estimate decays below 0.40 and the window stays home.
     for _ in range(8):
         p.jacobi["a"].credit(0)
     step(p, {"a": A + [1, 2]}, {"a": len(A)})
