@@ -14,9 +14,10 @@ proposer's trie on them for any number of config variants in seconds:
   MAL      emitted tokens / steps (the first token, from prefill, excluded).
   speed    modeled speedup over plain decoding: emitted tokens / forwards,
            a step costing ``ForwardCost(1 + kept nodes, extra paths)`` plain
-           forwards; the draft is first cut by the forward-cost model exactly
-           as the proposer does at batch 1 (config ``cost_*``; per path: the
-           config's ``cost_per_path``, or the CPU path rounds' measured value).
+           forwards under this machine's model (default token costs, the CPU
+           path rounds' measured setup and per-path cost for trees), whatever
+           the variant drafts with; the draft is first cut by the variant's
+           own forward-cost model exactly as the proposer does at batch 1.
 
 Requests run one after another through one trie, like the benchmark's cold
 ``lookahead`` cell at bs=1; ``--warm-prompts N`` first inserts the greedy
@@ -67,7 +68,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     trie = TokenTrie(config)
     for ids in warm:
         trie.insert_output(ids)
-    cost = forward_cost(config)
+    cost, timing = forward_cost(config), forward_cost(LookaheadConfig(draft_shape=config.draft_shape))
     steps = emitted = nodes = off_chain = 0
     forwards = 0.0
     floor = config.min_draft_confidence  # one request drafting
@@ -84,7 +85,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
                 confs = [tree.node_confidence(j) for j in range(len(tree))]
                 (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
                 tree = tree.truncate(keep)
-            forwards += cost(1 + len(tree), sum(opens_path(tree.parents)))
+            forwards += timing(1 + len(tree), sum(opens_path(tree.parents)))
             n, off = accepted_length(tree, out[i:])
             n = min(n + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
@@ -100,8 +101,8 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
 
 
 def forward_cost(config: LookaheadConfig) -> ForwardCost:
-    """The proposer's cost model for ``config`` on the CPU path rounds (the tree
-    attention this simulator's figures are compared with)."""
+    """The proposer's cost model for ``config`` at batch 1 with the CPU path
+    rounds (the tree attention the engine runs here)."""
     setup, per_path = 0.0, config.cost_per_path
     if per_path < 0:
         from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP

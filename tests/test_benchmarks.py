@@ -83,3 +83,27 @@ def test_forward_cost_fixed_tree_has_the_asked_paths():
     assert len(tree) == 8 and tree.parents == (-1, 0, 1, -1, 3, 4, -1, 6)
     assert 1 + sum(opens_path(tree.parents)) == 3  # root-to-leaf paths
     assert bench_forward_cost.fixed_tree(8, 1).parents == tuple(range(-1, 7))  # a chain
+
+
+def test_sim_acceptance_replays_the_trie_and_prices_paths():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import sim_acceptance
+    finally:
+        sys.path.pop(0)
+    from lookahead_vllm.core import LookaheadConfig
+
+    prompt, out = [1, 2, 3, 4, 5] * 4, [1, 2, 3, 4, 5] * 6
+    chain = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt], [out], [])
+    # The prompt's cycle continues: every step accepts several tokens; the
+    # first output token comes from prefill and is not counted.
+    assert chain["tokens"] == len(out) - 1 and chain["mal"] > 3
+    # Chains at batch 1 stay in the free region: modeled speed == MAL.
+    assert chain["speed"] == pytest.approx(chain["mal"])
+    # Two continuations after "1 2": a tree can take either; paths cost time.
+    prompt2 = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9] * 2
+    out2 = [1, 2, 4, 9, 1, 2, 3, 9] * 3
+    hier = sim_acceptance.simulate(LookaheadConfig(draft_shape="hier", cost_per_path=0), [prompt2], [out2], [])
+    one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt2], [out2], [])
+    assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
+    assert hier["speed"] < hier["mal"]  # timed with the CPU path rounds' costs
