@@ -360,7 +360,9 @@ def drafter_summary(counters: Counter) -> dict[str, Any]:
     return {"drafter_ms_per_step": round(ms / steps, 4),
             "drafter_ms_per_request_step": round(ms / max(req_steps, 1), 4), "drafter_steps": steps,
             "tree_request_steps": counters.get("tree_request_steps", 0),
-            "tree_off_chain_accepts": counters.get("tree_off_chain_accepts", 0)}
+            "tree_off_chain_accepts": counters.get("tree_off_chain_accepts", 0),
+            "jacobi_steps": counters.get("jacobi_steps", 0),
+            "pool_accepted_tokens": counters.get("pool_accepted_tokens", 0)}
 
 
 def warn_mismatches(cell: dict[str, Any]) -> None:
