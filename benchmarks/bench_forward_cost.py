@@ -30,8 +30,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lookahead_vllm.core.draft_tree import DraftTree
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,7 +54,7 @@ class FixedProposer:
         return [[0] * self.n if s else [] for s in sampled_token_ids]
 
 
-def fixed_tree(nodes: int, paths: int) -> "DraftTree":
+def fixed_tree(nodes: int, paths: int) -> DraftTree:
     """``nodes`` nodes in ``paths`` root branches of near-equal length (DFS
     order); branch b repeats token 1000 + b, so siblings differ."""
     from lookahead_vllm.core.draft_tree import DraftTree
@@ -82,23 +86,17 @@ def __getattr__(name: str):  # vLLM imports the class by path; build it lazily (
     raise AttributeError(name)
 
 
-def step_times(model: str, n: int, context: list[int], steps: int, paths: int = 0) -> list[float]:
+def step_times(model: str, n: int, context: list[int], steps: int) -> list[float]:
     from vllm import LLM, SamplingParams
 
     from lookahead_vllm.vllm.offline import engine_kwargs
 
     kwargs = engine_kwargs("plain")
     if n:
-        proposer = "FixedTreeProposer" if paths else "FixedProposer"
         kwargs["speculative_config"] = {
-            "method": "custom_class", "model": f"benchmarks.bench_forward_cost.{proposer}",
+            "method": "custom_class", "model": "benchmarks.bench_forward_cost.FixedProposer",
             "num_speculative_tokens": n,
         }
-    if paths:
-        os.environ["BENCH_TREE_PATHS"] = str(paths)
-        # Every node goes out: no cost model, no confidence floor.
-        kwargs["additional_config"] = {"lookahead": {"draft_shape": "hier", "cost_free_tokens": 0,
-                                                     "min_draft_confidence": 0.0}}
     llm = LLM(model=model, **kwargs)
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": context}, SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
@@ -161,6 +159,7 @@ def tree_step_times(model: str, nodes: int, context: list[int], steps: int, path
     kwargs = engine_kwargs("plain")
     kwargs["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": nodes,
                                     "model": "benchmarks.bench_forward_cost.FixedTreeProposer"}
+    # Every node goes out: no cost model, no confidence floor.
     kwargs["additional_config"] = {"lookahead": {"draft_shape": "hier", "cost_free_tokens": 0,
                                                  "min_draft_confidence": 0.0}}
     llm = LLM(model=model, **kwargs)

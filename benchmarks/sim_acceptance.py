@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, forward_cost, opens_path
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
@@ -68,7 +68,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     trie = TokenTrie(config)
     for ids in warm:
         trie.insert_output(ids)
-    cost, timing = forward_cost(config), forward_cost(LookaheadConfig(draft_shape=config.draft_shape))
+    cost, timing = batch1_cost(config), batch1_cost(LookaheadConfig())
     steps = emitted = nodes = off_chain = 0
     forwards = 0.0
     floor = config.min_draft_confidence  # one request drafting
@@ -100,17 +100,12 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain}
 
 
-def forward_cost(config: LookaheadConfig) -> ForwardCost:
-    """The proposer's cost model for ``config`` at batch 1 with the CPU path
-    rounds (the tree attention the engine runs here)."""
-    setup, per_path = 0.0, config.cost_per_path
-    if per_path < 0:
-        from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
+def batch1_cost(config: LookaheadConfig) -> ForwardCost:
+    """The proposer's cost model for ``config`` with the CPU path rounds (the
+    tree attention the engine runs here; chains open no paths)."""
+    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
 
-        setup, per_path = (CPU_PATH_SETUP, CPU_PATH_COST) if config.draft_shape != "one" else (0.0, 0.0)
-    # The modeled speed needs forward times even where the model is off for drafting.
-    free = config.cost_free_tokens or LookaheadConfig().cost_free_tokens
-    return ForwardCost(free, config.cost_marginal_tokens, per_path, setup)
+    return forward_cost(config, (CPU_PATH_SETUP, CPU_PATH_COST))
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:

@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from lookahead_vllm.core.config import LookaheadConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,14 @@ class ForwardCost:
             return 1.0
         extra = self.path_setup + paths * self.per_path if paths else 0.0
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
+
+
+def forward_cost(config: "LookaheadConfig", platform_paths: tuple[float, float] = (0.0, 0.0)) -> ForwardCost:
+    """The cost model ``config`` asks for. ``platform_paths``: (setup, per path)
+    of the platform's tree attention, used where ``cost_per_path`` is -1;
+    a ``cost_per_path`` >= 0 is a flat per-path price with no setup."""
+    setup, per_path = platform_paths if config.cost_per_path < 0 else (0.0, config.cost_per_path)
+    return ForwardCost(config.cost_free_tokens, config.cost_marginal_tokens, per_path, setup)
 
 
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:

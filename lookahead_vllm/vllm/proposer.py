@@ -15,7 +15,6 @@ reports them (see ``patches.runner_request_ids``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
@@ -24,7 +23,7 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_vllm.core.budget import allocate_step_budget, forward_cost, opens_path
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -109,7 +108,7 @@ class LookaheadProposer:
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trie = TokenTrie(self.config)
-        self.cost = ForwardCost(self.config.cost_free_tokens, self.config.cost_marginal_tokens)
+        self.cost = forward_cost(self.config)
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
         self._inserted: dict[str, int] = {}
@@ -134,8 +133,7 @@ class LookaheadProposer:
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
-            setup, per_path = path_cost() if self.config.cost_per_path < 0 else (0.0, self.config.cost_per_path)
-            self.cost = dataclasses.replace(self.cost, per_path=per_path, path_setup=setup)
+            self.cost = forward_cost(self.config, path_cost())
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:

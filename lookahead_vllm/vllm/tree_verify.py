@@ -120,7 +120,7 @@ class TreeStep:
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
     # CPU path rounds (shared by all layers) and every tree row, built lazily.
-    rounds: Any = None  # PathPlan
+    path_plan: PathPlan | None = None
     all_rows: torch.Tensor | None = None
     # GPU kernel arguments (shared by all layers), built lazily.
     kernel_args: dict | None = None
@@ -249,7 +249,7 @@ def _cpu_path_rounds(
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    plan = _rounds(step, metadata)
+    plan = _path_plan(step, metadata)
     if not plan.rounds:
         return
     scales = dict(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
@@ -331,9 +331,9 @@ class PathPlan:
     restore_slots: torch.Tensor  # [r] long: their own slots
 
 
-def _rounds(step: TreeStep, metadata: Any) -> PathPlan:
-    if step.rounds is not None:
-        return step.rounds
+def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
+    if step.path_plan is not None:
+        return step.path_plan
     per_request = [_uncovered_paths(req.plan) for req in step.requests]
     seq_lens = metadata.seq_lens.tolist()
     rounds, all_kv, all_q = [], [], []
@@ -360,9 +360,9 @@ def _rounds(step: TreeStep, metadata: Any) -> PathPlan:
             torch.stack(tables),
         ))
     restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
-    step.rounds = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
-                           restore_rows, step.slot_mapping[restore_rows])
-    return step.rounds
+    step.path_plan = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
+                              restore_rows, step.slot_mapping[restore_rows])
+    return step.path_plan
 
 
 def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
