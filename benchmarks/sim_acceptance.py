@@ -80,7 +80,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
         while i < len(out):
             tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
             if config.draft_shape == "one":
-                tree = DraftTree.chain(tree.best_chain())
+                tree = tree.best_path_tree()  # what the proposer drafts in chain mode
             if config.cost_free_tokens:
                 confs = [tree.node_confidence(j) for j in range(len(tree))]
                 (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])

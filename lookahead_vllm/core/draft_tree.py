@@ -108,6 +108,14 @@ class DraftTree:
         """Tokens of :meth:`best_path`."""
         return [self.tokens[i] for i in self.best_path()]
 
+    def best_path_tree(self) -> "DraftTree":
+        """:meth:`best_path` as a chain tree, its nodes' weights and confidences kept."""
+        path = self.best_path()
+        return DraftTree(
+            tuple(self.tokens[i] for i in path), tuple(range(-1, len(path) - 1)),
+            tuple(self.weights[i] for i in path), tuple(self.node_confidence(i) for i in path) if path else (),
+        )
+
     def merged(self, other: "DraftTree", budget: int) -> "DraftTree":
         """This tree plus ``other``'s nodes (same root), shared prefixes merged,
         at most ``budget`` nodes.

@@ -149,7 +149,6 @@ def patch_tree_verification() -> bool:
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
             result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             if tree_verify._current is not None and self.attn_type == "decoder":
-                tree_verify.check_supported(self)
                 tree_verify.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
             return result
 

@@ -387,11 +387,18 @@ def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
 
 
 def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tensor) -> Any:
+    """The layer's slot accessor, kept on the layer (its cache tensor lives as
+    long as the engine), registered with the step for compaction."""
     key = kv_cache.data_ptr()
     cache = step.caches.get(key)
     if cache is None:
-        kind = CpuPagedKV if kv_cache.device.type == "cpu" else FlashPagedKV
-        cache = step.caches[key] = kind(impl, layer, kv_cache)
+        cache, cached_for = getattr(layer, "_lookahead_kv", (None, None))
+        if cached_for is not kv_cache:
+            check_supported(impl)
+            kind = CpuPagedKV if kv_cache.device.type == "cpu" else FlashPagedKV
+            cache = kind(impl, layer, kv_cache)
+            layer._lookahead_kv = (cache, kv_cache)
+        step.caches[key] = cache
     return cache
 
 

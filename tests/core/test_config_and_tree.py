@@ -60,6 +60,9 @@ def test_draft_tree_layout_seed000_example():
     assert mask[5].tolist() == [True, False, False, False, True, True]
     assert tree.best_chain() == [on, a, table]
     assert tree.path_to(5) == [0, 4, 5]
+    conf = DraftTree(tree.tokens, tree.parents, (1, 5, 1, 4, 2, 1), (0.9, 0.5, 0.2, 0.3, 0.4, 0.1))
+    chain = conf.best_path_tree()  # on (1) -> a (5) -> chair (4): confidences follow their nodes
+    assert (chain.tokens, chain.parents, chain.confidence) == ((on, a, chair), (-1, 0, 1), (0.9, 0.5, 0.3))
     sub = tree.truncate(3)
     assert sub.parents == (-1, 0, 1)
 
