@@ -1,7 +1,7 @@
 """Plot a length sweep from a ``bench_offline.py`` JSON (seed 000 Fig. 4/5 style).
 
 Variants named ``<shape>-<axis><N>`` (axis ``d`` = decoding_length, ``b`` =
-branch_length), e.g. ``--variant hier-d16='{"draft_shape":"hier","decoding_length":16}'``,
+branch_length; with a ``-warm`` suffix, trie preloaded, a line of its own), e.g. ``--variant hier-d16='{"draft_shape":"hier","decoding_length":16}'``,
 become one line per shape: speedup over plain and mean acceptance length vs N,
 per dataset/batch cell, with vLLM ngram's best as a reference line.
 
@@ -16,7 +16,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-NAME = re.compile(r"^lookahead:(?P<shape>[a-z]+)-(?P<axis>[db])(?P<n>\d+)$")
+NAME = re.compile(r"^lookahead:(?P<shape>[a-z]+)-(?P<axis>[db])(?P<n>\d+)(?P<warm>-warm)?$")
 AXES = {"d": "decoding_length (draft nodes per step)", "b": "branch_length"}
 
 
@@ -25,7 +25,7 @@ def series(cell: dict) -> dict[tuple[str, str], list[tuple[int, dict]]]:
     for row in cell["methods"]:
         m = NAME.match(row["method"])
         if m:
-            lines[(m["axis"], m["shape"])].append((int(m["n"]), row))
+            lines[(m["axis"], m["shape"] + (m["warm"] or ""))].append((int(m["n"]), row))
     return {key: sorted(points, key=lambda p: p[0]) for key, points in lines.items()}
 
 
