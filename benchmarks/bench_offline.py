@@ -61,6 +61,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "batch_sizes": [1], "methods": ["plain", "ngram8", "lookahead"],
     },
 }
+# Host memory an engine holds beyond its weights and CPU KV cache (measured:
+# 5 engines of the bundled model, 0.54 GB weights and 1 GiB KV each, held 10.7 GB).
+ENGINE_RUNTIME_BYTES = int(0.55 * 2**30)
 WARMUP_PROMPT = "The three primary colors are"
 WARMUP_TOKENS = 32
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -102,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2-135M-Instruct fp32)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/offline_<time>.json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the JSON)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="run even if every method's engine alive at once may not fit in host memory")
     return p
 
 
@@ -426,7 +431,33 @@ def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]],
     return cell
 
 
-def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+def engine_bytes(model: Path) -> int:
+    """Host memory one engine of ``model`` holds: weights, CPU KV cache, runtime."""
+    from vllm.platforms import current_platform
+
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    kv = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 4) * 2**30 if current_platform.is_cpu() else 0
+    return weights + kv + ENGINE_RUNTIME_BYTES
+
+
+def check_memory(args: argparse.Namespace, available: int | None = None) -> None:
+    """Every method's engine is alive during a cell: refuse a run that cannot fit
+    (the kernel would kill it mid-run and every finished cell would be lost)."""
+    if args.skip_memory_check:
+        return
+    need = len(args.methods) * engine_bytes(args.model)
+    if available is None:
+        available = int(_proc_field("/proc/meminfo", "MemAvailable").split()[0]) * 1024
+    if need > available:
+        raise SystemExit(
+            f"bench_offline: --methods/--variant give {len(args.methods)} engines, alive at once during a cell, "
+            f"needing about {need / 2**30:.1f} GiB of host memory ({engine_bytes(args.model) / 2**30:.2f} GiB each); "
+            f"{available / 2**30:.1f} GiB is available. Run fewer methods per process (speedups are relative to "
+            "plain in the same run), or pass --skip-memory-check."
+        )
+
+
+def run_benchmark(args: argparse.Namespace, on_cell: Any = None) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
@@ -440,10 +471,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     dev_ids = {ds: dev_outputs(shared["plain"], dev, params, ds) if warm else [] for ds, (_, dev) in splits.items()}
     meter = CpuMeter()
     meter.start()
-    cells = [
-        bench_cell(ds, bs, splits[ds][0], dev_ids[ds], shared, args, params)
-        for ds in args.datasets for bs in args.batch_sizes
-    ]
+    cells = []
+    for ds in args.datasets:
+        for bs in args.batch_sizes:
+            cells.append(bench_cell(ds, bs, splits[ds][0], dev_ids[ds], shared, args, params))
+            if on_cell is not None:
+                on_cell(cells)
     meter.stop()
     while shared:
         free_engine(shared.popitem()[1])
@@ -615,9 +648,15 @@ def main(argv: list[str] | None = None) -> None:
         from lookahead_vllm.models import prepare_smollm2
 
         args.model = prepare_smollm2()
+    check_memory(args)
     start = time.perf_counter()
     report = context(args)
-    report.update(run_benchmark(args))
+
+    def save_partial(cells: list[dict[str, Any]]) -> None:  # a crash later loses no finished cell
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**report, "partial": True, "cells": cells}, indent=1) + "\n")
+
+    report.update(run_benchmark(args, on_cell=save_partial))
     report["total_wall_s"] = round(time.perf_counter() - start, 1)
     print(format_table(report))
     print(f"total wall time {report['total_wall_s']:.1f} s; other processes "

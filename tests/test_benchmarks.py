@@ -61,9 +61,10 @@ def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
     cell = {"dataset": "humaneval", "batch_size": 1, "methods": [
         row("plain", 1.0, None), row("ngram8", 1.3, 6.0), row("lookahead:hier-d16", 1.5, 2.3),
         row("lookahead:hier-d4", 1.4, 1.9), row("lookahead:one-d8", 1.8, 2.1), row("lookahead:hier-b8", 1.2, 2.0),
+        row("lookahead:hier-d8-warm", 1.6, 2.4),
     ]}
     lines = plot_sweep.series(cell)
-    assert sorted(lines) == [("b", "hier"), ("d", "hier"), ("d", "one")]
+    assert sorted(lines) == [("b", "hier"), ("d", "hier"), ("d", "hier-warm"), ("d", "one")]
     assert [n for n, _ in lines[("d", "hier")]] == [4, 16]
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"cells": [cell]}))
@@ -107,3 +108,21 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt2], [out2], [])
     assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
     assert hier["speed"] < hier["mal"]  # timed with the CPU path rounds' costs
+
+
+def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
+    """Every method's engine is alive during a cell; too many for the host is a clear error before any work."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_offline
+    finally:
+        sys.path.pop(0)
+    args = bench_offline.parse_args(["--model", tiny_llama_dir, "--methods", "plain", "ngram8", "lookahead"])
+    bench_offline.check_args(bench_offline.build_parser(), args)
+    one = bench_offline.engine_bytes(args.model)
+    assert one > bench_offline.ENGINE_RUNTIME_BYTES  # weights and KV cache counted
+    bench_offline.check_memory(args, available=3 * one)  # fits: no error
+    with pytest.raises(SystemExit, match=r"3 engines.*fewer methods per process"):
+        bench_offline.check_memory(args, available=3 * one - 1)
+    args.skip_memory_check = True
+    bench_offline.check_memory(args, available=0)
