@@ -6,9 +6,12 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
-(on this project's 2-core CPU with SmolLM2-135M the measured curve is 1.00,
-1.00, 1.16, 1.28, 2.18, 3.93 forwards at T = 1, 5, 9, 17, 33, 65 tokens; the
-defaults ``free_tokens=12, marginal_tokens=18`` fit it within 0.16.)
+(on this project's 2-core CPU with SmolLM2-135M three measurements gave
+1.05-1.16 forwards at T = 9, 1.28-1.49 at 17, 1.90 at 25, 2.18-2.22 at 33 and
+3.93 at 65, with T <= 5 no dearer than one token; the defaults
+``free_tokens=5, marginal_tokens=20`` give 1.20, 1.60, 2.00, 2.40, 4.00: a
+little dear between 9 and 17 tokens, which also keeps batch-8 steps, already
+past the free region, from over-drafting.)
 
 Every request offers its draft nodes in draft order, each with its path
 confidence: the estimated probability that the node is accepted. The expected

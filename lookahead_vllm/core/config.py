@@ -59,8 +59,8 @@ class LookaheadConfig:
     # the batch's most confident draft nodes only while they raise expected
     # tokens per second. Defaults fit this project's 2-core CPU; a GPU
     # verifies far more tokens for free (raise cost_free_tokens); 0 = off.
-    cost_free_tokens: int = 12
-    cost_marginal_tokens: float = 18.0
+    cost_free_tokens: int = 5
+    cost_marginal_tokens: float = 20.0
     # Extra cost, in forwards, of each root-to-leaf path a tree step's
     # attention runs separately (the CPU path rounds; the CUDA kernel does all
     # paths in one launch). -1 = the platform's measured model

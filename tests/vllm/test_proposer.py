@@ -17,6 +17,9 @@ B = [7, 8, 9] * 4  # "b" repeats 7..9
 def make_proposer(k: int = 4, **lookahead):
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
+    # Row bookkeeping tests want every draft token: the forward-cost model is
+    # off unless a test prices tokens itself.
+    lookahead.setdefault("cost_free_tokens", 0)
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         additional_config={"lookahead": lookahead},
@@ -229,7 +232,7 @@ def test_tree_side_branches_priced_per_path():
 
     def draft(per_path: float) -> list[int]:
         p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
-                          cost_per_path=per_path)
+                          cost_free_tokens=8, cost_per_path=per_path)  # tokens free: only paths priced
         p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
         return step(p, {"a": prompt + [1]}, {"a": len(prompt)})[0]
 
