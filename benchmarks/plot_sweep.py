@@ -6,6 +6,7 @@ become one line per shape: speedup over plain and mean acceptance length vs N,
 per dataset/batch cell, with vLLM ngram's best as a reference line.
 
     python benchmarks/plot_sweep.py benchmarks/results/tree_sweep.json
+    python benchmarks/plot_sweep.py chains.json trees.json --out sweep.png   # rows of two runs
 """
 
 from __future__ import annotations
@@ -29,12 +30,25 @@ def series(cell: dict) -> dict[tuple[str, str], list[tuple[int, dict]]]:
     return {key: sorted(points, key=lambda p: p[0]) for key, points in lines.items()}
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report whose cells hold every run's rows (first run's row per method)."""
+    cells: dict[tuple, dict] = {}
+    for report in reports:
+        for cell in report["cells"]:
+            merged = cells.setdefault((cell["dataset"], cell["batch_size"]), {**cell, "methods": []})
+            seen = {row["method"] for row in merged["methods"]}
+            merged["methods"] += [row for row in cell["methods"] if row["method"] not in seen]
+    return {"cells": list(cells.values())}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="PNG (default: <json>_sweep.png)")
+    p.add_argument("json", type=Path, nargs="+",
+                   help="bench_offline JSONs; rows of the same dataset/batch cell are merged, the first run's "
+                        "row wins for a method in several (each row's speedup is against its own run's plain)")
+    p.add_argument("--out", type=Path, default=None, help="PNG (default: <first json>_sweep.png)")
     args = p.parse_args(argv)
-    report = json.loads(args.json.read_text())
+    report = merge([json.loads(path.read_text()) for path in args.json])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             ax.grid(alpha=0.3)
         ax_speed.legend(fontsize=8)
     fig.tight_layout()
-    out = args.out or args.json.with_name(args.json.stem + "_sweep.png")
+    out = args.out or args.json[0].with_name(args.json[0].stem + "_sweep.png")
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 

@@ -70,6 +70,11 @@ def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
     path.write_text(json.dumps({"cells": [cell]}))
     plot_sweep.main([str(path)])
     assert (tmp_path / "s_sweep.png").stat().st_size > 1000
+    # Two runs (e.g. chains and trees, each with its own plain) plot as one cell.
+    other = {"cells": [{**cell, "methods": [row("plain", 1.0, None), row("lookahead:one-d64", 1.7, 2.2)]}]}
+    rows = plot_sweep.merge([{"cells": [cell]}, other])["cells"][0]["methods"]
+    assert [r["method"] for r in rows] == [r["method"] for r in cell["methods"]] + ["lookahead:one-d64"]
+    assert rows[0]["speedup"] == 1.0 and len(plot_sweep.series({"methods": rows})[("d", "one")]) == 2
 
 
 def test_forward_cost_fixed_tree_has_the_asked_paths():
