@@ -1,9 +1,10 @@
 """Plot a length sweep from a ``bench_offline.py`` JSON (seed 000 Fig. 4/5 style).
 
 Variants named ``<shape>-<axis><N>`` (axis ``d`` = decoding_length, ``b`` =
-branch_length; with a ``-warm`` suffix, trie preloaded, a line of its own), e.g. ``--variant hier-d16='{"draft_shape":"hier","decoding_length":16}'``,
-become one line per shape: speedup over plain and mean acceptance length vs N,
-per dataset/batch cell, with vLLM ngram's best as a reference line.
+branch_length), e.g. ``--variant hier-d16='{"draft_shape":"hier","decoding_length":16}'``,
+become one line per shape (``<shape>-<axis><N>-warm``, trie preloaded, a line
+of its own): speedup over plain and mean acceptance length vs N, per
+dataset/batch cell, with vLLM ngram's best as a reference line.
 
     python benchmarks/plot_sweep.py benchmarks/results/tree_sweep.json
     python benchmarks/plot_sweep.py chains.json trees.json --out sweep.png   # rows of two runs
