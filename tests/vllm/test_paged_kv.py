@@ -61,3 +61,27 @@ def test_flash_layout_matches_flash_attention_view():
     assert torch.equal(fa_k[5, 3], key[128 + 3]) and torch.equal(fa_v[2, 7], value[7])
     k, v = cache.gather_seq(torch.tensor(table, dtype=torch.int32), 200)
     assert torch.equal(k, key) and torch.equal(v, value)
+
+
+def test_tree_steps_reuse_each_layers_accessor_until_its_cache_changes():
+    """Tree verification builds a layer's accessor once per engine (kept on the
+    layer), not once per step; a new cache tensor on the layer gets a new one."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from lookahead_vllm.vllm import tree_verify
+
+    impl = _CpuImpl()
+    impl.sliding_window, impl.alibi_slopes, impl.logits_soft_cap, impl.sinks = -1, None, 0, None
+    layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, BS, D))
+    kv = torch.zeros(NB, H, BS, 2 * D)
+    steps = [tree_verify.TreeStep([], 0, frozenset()) for _ in range(3)]
+    got = [tree_verify._cache_accessor(step, impl, layer, kv) for step in steps]
+    assert isinstance(got[0], CpuPagedKV) and got[0].kv_cache is kv
+    assert got[1] is got[0] and got[2] is got[0]
+    assert all(step.caches == {kv.data_ptr(): got[0]} for step in steps)  # each step lists it for compaction
+    kv2 = torch.zeros(NB, H, BS, 2 * D)
+    fresh = tree_verify._cache_accessor(tree_verify.TreeStep([], 0, frozenset()), impl, layer, kv2)
+    assert fresh is not got[0] and fresh.kv_cache is kv2
+    impl.sliding_window = 64  # unsupported features are refused when the accessor is built
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        tree_verify._cache_accessor(tree_verify.TreeStep([], 0, frozenset()), impl, layer, torch.zeros(NB, H, BS, 2 * D))
