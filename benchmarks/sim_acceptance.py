@@ -81,7 +81,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
             if config.draft_shape == "one":
                 tree = tree.best_path_tree()  # what the proposer drafts in chain mode
-            if config.cost_free_tokens:
+            if cost.free_tokens:
                 confs = [tree.node_confidence(j) for j in range(len(tree))]
                 (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
                 tree = tree.truncate(keep)
@@ -105,7 +105,7 @@ def batch1_cost(config: LookaheadConfig) -> ForwardCost:
     tree attention the engine runs here; chains open no paths)."""
     from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
 
-    return forward_cost(config, (CPU_PATH_SETUP, CPU_PATH_COST))
+    return forward_cost(config, (CPU_PATH_SETUP, CPU_PATH_COST), "cpu")
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:

@@ -6,12 +6,13 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
-(on this project's 2-core CPU with SmolLM2-135M three measurements gave
-1.05-1.16 forwards at T = 9, 1.28-1.49 at 17, 1.90 at 25, 2.18-2.22 at 33 and
-3.93 at 65, with T <= 5 no dearer than one token; the defaults
-``free_tokens=5, marginal_tokens=20`` give 1.20, 1.60, 2.00, 2.40, 4.00: a
-little dear between 9 and 17 tokens, which also keeps batch-8 steps, already
-past the free region, from over-drafting.)
+The defaults per platform are :data:`PLATFORM_TOKEN_COSTS`. On this
+project's 2-core CPU with SmolLM2-135M three measurements gave 1.05-1.16
+forwards at T = 9, 1.28-1.49 at 17, 1.90 at 25, 2.18-2.22 at 33 and 3.93 at
+65, with T <= 5 no dearer than one token; ``free_tokens=5, marginal_tokens=20``
+give 1.20, 1.60, 2.00, 2.40, 4.00: a little dear between 9 and 17 tokens,
+which also keeps batch-8 steps, already past the free region, from
+over-drafting.
 
 Every request offers its draft nodes in draft order, each with its path
 confidence: the estimated probability that the node is accepted. The expected
@@ -44,13 +45,21 @@ if TYPE_CHECKING:
     from lookahead_vllm.core.config import LookaheadConfig
 
 
+# (free_tokens, marginal_tokens) where the config leaves them at -1. "cpu":
+# fit to this project's measured curves (above). "gpu": seed 000 measured the
+# critical decoding length of a 10B model on an A100 at ~128 tokens (context
+# 256); half of it, and one more forward per 64 tokens past it, errs on the
+# side of drafting too little for larger models, contexts and batches.
+PLATFORM_TOKEN_COSTS: dict[str, tuple[int, float]] = {"cpu": (5, 20.0), "gpu": (64, 64.0)}
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
     # Tokens one forward scores at about the cost of one token (0 = no cost
     # model: every draft token is free).
-    free_tokens: int = 12
+    free_tokens: int = 5
     # Past ``free_tokens``, this many more tokens cost one more forward.
-    marginal_tokens: float = 18.0
+    marginal_tokens: float = 20.0
     # Extra cost of each additional root-to-leaf path the tree attention runs
     # separately (the CPU path rounds; 0 where one kernel launch covers all),
     # and the fixed cost of a step that runs any.
@@ -66,12 +75,21 @@ class ForwardCost:
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
 
-def forward_cost(config: "LookaheadConfig", platform_paths: tuple[float, float] = (0.0, 0.0)) -> ForwardCost:
-    """The cost model ``config`` asks for. ``platform_paths``: (setup, per path)
-    of the platform's tree attention, used where ``cost_per_path`` is -1;
-    a ``cost_per_path`` >= 0 is a flat per-path price with no setup."""
+def forward_cost(
+    config: "LookaheadConfig", platform_paths: tuple[float, float] = (0.0, 0.0), platform: str = "cpu"
+) -> ForwardCost:
+    """The cost model ``config`` asks for on ``platform`` ("cpu" or "gpu").
+
+    Token costs left at -1 come from :data:`PLATFORM_TOKEN_COSTS`.
+    ``platform_paths``: (setup, per path) of the platform's tree attention,
+    used where ``cost_per_path`` is -1; a ``cost_per_path`` >= 0 is a flat
+    per-path price with no setup.
+    """
+    free, marginal = PLATFORM_TOKEN_COSTS[platform]
+    free = free if config.cost_free_tokens < 0 else config.cost_free_tokens
+    marginal = marginal if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
     setup, per_path = platform_paths if config.cost_per_path < 0 else (0.0, config.cost_per_path)
-    return ForwardCost(config.cost_free_tokens, config.cost_marginal_tokens, per_path, setup)
+    return ForwardCost(free, marginal, per_path, setup)
 
 
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:

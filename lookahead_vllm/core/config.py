@@ -57,10 +57,11 @@ class LookaheadConfig:
     # cost_free_tokens tokens costs about one token's forward; past that,
     # cost_marginal_tokens more tokens cost one more forward. Each step keeps
     # the batch's most confident draft nodes only while they raise expected
-    # tokens per second. Defaults fit this project's 2-core CPU; a GPU
-    # verifies far more tokens for free (raise cost_free_tokens); 0 = off.
-    cost_free_tokens: int = 5
-    cost_marginal_tokens: float = 20.0
+    # tokens per second. -1 = the platform's default (budget.PLATFORM_TOKEN_COSTS:
+    # 5 and 20 measured on this project's CPU, 64 and 64 on a GPU, which
+    # verifies far more tokens for free); cost_free_tokens=0 turns it off.
+    cost_free_tokens: int = -1
+    cost_marginal_tokens: float = -1.0
     # Extra cost, in forwards, of each root-to-leaf path a tree step's
     # attention runs separately (the CPU path rounds; the CUDA kernel does all
     # paths in one launch). -1 = the platform's measured model
@@ -105,11 +106,9 @@ class LookaheadConfig:
         _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
-        _check_int("cost_free_tokens", self.cost_free_tokens, 0, 1 << 16)
-        _check_float("cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
-        per_path = self.cost_per_path
-        if isinstance(per_path, bool) or not isinstance(per_path, (int, float)) or not (per_path == -1 or 0 <= per_path <= 100):
-            raise ValueError(f"cost_per_path={self.cost_per_path!r}: must be -1 (platform default) or in [0, 100]")
+        _check_or_platform(_check_int, "cost_free_tokens", self.cost_free_tokens, 0, 1 << 16)
+        _check_or_platform(_check_float, "cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
+        _check_or_platform(_check_float, "cost_per_path", self.cost_per_path, 0.0, 100.0)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
         _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
@@ -158,6 +157,16 @@ class LookaheadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_or_platform(check: Any, name: str, value: Any, lo: float, hi: float) -> None:
+    """-1 (the platform's default) or a value ``check`` accepts."""
+    if value == -1 and not isinstance(value, bool):
+        return
+    try:
+        check(name, value, lo, hi)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: must be -1 (platform default) or in [{lo:g}, {hi:g}]") from None
 
 
 def _check_float(name: str, value: Any, lo: float, hi: float) -> None:

@@ -108,7 +108,7 @@ class LookaheadProposer:
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trie = TokenTrie(self.config)
-        self.cost = forward_cost(self.config)
+        self.cost = forward_cost(self.config, platform=_platform())
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
         self._inserted: dict[str, int] = {}
@@ -133,7 +133,7 @@ class LookaheadProposer:
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
-            self.cost = forward_cost(self.config, path_cost())
+            self.cost = forward_cost(self.config, path_cost(), _platform())
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -333,6 +333,13 @@ class LookaheadProposer:
             self.stats.pool_branches += len(branches)
             tree = merge_branches(tree, branches, budget)
         return tree
+
+
+def _platform() -> str:
+    """The forward-cost model's platform (core.budget.PLATFORM_TOKEN_COSTS)."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "gpu"
 
 
 def _log_interval_s() -> float:

@@ -26,6 +26,8 @@ from lookahead_vllm.core import DraftTree, LookaheadConfig
         ("min_retrieved_nodes", True, r"min_retrieved_nodes=True: must be an integer"),
         ("cost_per_path", -0.5, r"cost_per_path=-0.5: must be -1 \(platform default\) or in \[0, 100\]"),
         ("cost_per_path", True, r"cost_per_path=True: must be -1"),
+        ("cost_free_tokens", -2, r"cost_free_tokens=-2: must be -1 \(platform default\) or in \[0, 65536\]"),
+        ("cost_marginal_tokens", 0.5, r"cost_marginal_tokens=0.5: must be -1 \(platform default\) or in \[1, 1e\+06\]"),
     ],
 )
 def test_invalid_fields_rejected(field, value, message):
@@ -121,6 +123,21 @@ def test_forward_cost_model():
     with_setup = ForwardCost(12, 18, per_path=0.02, path_setup=0.09)
     assert with_setup(9, paths=0) == 1.0 and with_setup(9, paths=1) == pytest.approx(1.11)
     assert with_setup(9, paths=3) == pytest.approx(1.15)
+
+
+def test_forward_cost_platform_defaults_and_overrides():
+    from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS, ForwardCost, forward_cost
+
+    default = LookaheadConfig()
+    assert (default.cost_free_tokens, default.cost_marginal_tokens, default.cost_per_path) == (-1, -1.0, -1.0)
+    assert forward_cost(default) == ForwardCost(*PLATFORM_TOKEN_COSTS["cpu"]) == ForwardCost(5, 20.0)
+    gpu = forward_cost(default, platform="gpu")
+    assert (gpu.free_tokens, gpu.marginal_tokens) == PLATFORM_TOKEN_COSTS["gpu"] and gpu(64) == 1.0 < gpu(65)
+    # The CPU path rounds' model applies where cost_per_path is -1.
+    assert forward_cost(default, (0.09, 0.02)) == ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09)
+    mine = LookaheadConfig(cost_free_tokens=0, cost_marginal_tokens=7, cost_per_path=0.5)
+    assert forward_cost(mine, (0.09, 0.02), "gpu") == ForwardCost(0, 7, per_path=0.5, path_setup=0.0)
+    assert forward_cost(mine)(1000, paths=3) == 1.0  # cost_free_tokens=0: the model is off
 
 
 def test_cost_model_keeps_only_paying_draft_tokens():
