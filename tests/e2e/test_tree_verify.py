@@ -54,9 +54,10 @@ def _tree_engine(engines, shape: str, **extra):
 def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mixed):
     from lookahead_vllm.vllm.proposer import find_proposers
 
-    # Side branches go out at every batch size (the forward-cost model prices
-    # each extra path on the CPU and trims most at batch 8; unit-tested).
-    llm = _tree_engine(engines, shape, cost_per_path=0)
+    # Side branches go out at every batch size: the forward-cost model (which
+    # prices tokens and each extra path on the CPU and at batch 8 keeps few
+    # side branches; unit-tested) is off here.
+    llm = _tree_engine(engines, shape, cost_free_tokens=0)
     (proposer,) = find_proposers(llm)
     before = proposer.stats.as_dict()
     ours = generate(llm, prompts[dataset], _params(len(prompts[dataset]), mixed), bs)
@@ -108,7 +109,7 @@ def test_stop_strings_and_eos_inside_accepted_runs(engines, prompts):
     subset = prompts["humaneval"][:8] + prompts["mtbench"][:4]
     params = _params(len(subset), True, stop=["\n\n", "return"])
     plain = generate(engines.get("plain"), subset, params, 12)
-    ours = generate(_tree_engine(engines, "hier", cost_per_path=0), subset, params, 12)
+    ours = generate(_tree_engine(engines, "hier", cost_free_tokens=0), subset, params, 12)
     assert ours.texts == plain.texts
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert any(len(ids) < MAX_TOKENS for ids in plain.token_ids), "no request stopped early"
