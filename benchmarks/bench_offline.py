@@ -445,13 +445,14 @@ def check_memory(args: argparse.Namespace, available: int | None = None) -> None
     (the kernel would kill it mid-run and every finished cell would be lost)."""
     if args.skip_memory_check:
         return
-    need = len(args.methods) * engine_bytes(args.model)
+    each = engine_bytes(args.model)
+    need = len(args.methods) * each
     if available is None:
         available = int(_proc_field("/proc/meminfo", "MemAvailable").split()[0]) * 1024
     if need > available:
         raise SystemExit(
             f"bench_offline: --methods/--variant give {len(args.methods)} engines, alive at once during a cell, "
-            f"needing about {need / 2**30:.1f} GiB of host memory ({engine_bytes(args.model) / 2**30:.2f} GiB each); "
+            f"needing about {need / 2**30:.1f} GiB of host memory ({each / 2**30:.2f} GiB each); "
             f"{available / 2**30:.1f} GiB is available. Run fewer methods per process (speedups are relative to "
             "plain in the same run), or pass --skip-memory-check."
         )

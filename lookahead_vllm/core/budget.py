@@ -57,9 +57,9 @@ PLATFORM_TOKEN_COSTS: dict[str, tuple[int, float]] = {"cpu": (5, 20.0), "gpu": (
 class ForwardCost:
     # Tokens one forward scores at about the cost of one token (0 = no cost
     # model: every draft token is free).
-    free_tokens: int = 5
+    free_tokens: int = PLATFORM_TOKEN_COSTS["cpu"][0]
     # Past ``free_tokens``, this many more tokens cost one more forward.
-    marginal_tokens: float = 20.0
+    marginal_tokens: float = PLATFORM_TOKEN_COSTS["cpu"][1]
     # Extra cost of each additional root-to-leaf path the tree attention runs
     # separately (the CPU path rounds; 0 where one kernel launch covers all),
     # and the fixed cost of a step that runs any.

@@ -108,7 +108,6 @@ class LookaheadProposer:
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trie = TokenTrie(self.config)
-        self.cost = forward_cost(self.config, platform=_platform())
         self._input_batch: Any = None
         # request id -> number of its tokens already inserted into the trie.
         self._inserted: dict[str, int] = {}
@@ -126,6 +125,7 @@ class LookaheadProposer:
         # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
         self.jacobi: dict[str, JacobiRequest] = {}
         self.tree_mode = self.config.draft_shape != "one" or self.config.uses_jacobi
+        platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
             what = f"source={self.config.source!r}" if self.config.uses_jacobi else f"draft_shape={self.config.draft_shape!r}"
             _check_tree_support(vllm_config, what)
@@ -133,7 +133,8 @@ class LookaheadProposer:
                 raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
-            self.cost = forward_cost(self.config, path_cost(), _platform())
+            platform_paths = path_cost()
+        self.cost = forward_cost(self.config, platform_paths, _platform())
         logger.info("lookahead proposer ready: %s", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
