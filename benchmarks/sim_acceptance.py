@@ -17,7 +17,9 @@ proposer's trie on them for any number of config variants in seconds:
            forwards under this machine's model (default token costs, the CPU
            path rounds' measured setup and per-path cost for trees), whatever
            the variant drafts with; the draft is first cut by the variant's
-           own forward-cost model exactly as the proposer does at batch 1.
+           own forward-cost model exactly as the proposer does at batch 1,
+           with confidences calibrated online from the steps so far
+           (``calibrate_confidence``, core/calibration.py).
 
 Requests run one after another through one trie, like the benchmark's cold
 ``lookahead`` cell at bs=1; ``--warm-prompts N`` first inserts the greedy
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, forward_cost, opens_path
+from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
@@ -69,6 +72,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     for ids in warm:
         trie.insert_output(ids)
     cost, timing = batch1_cost(config), batch1_cost(LookaheadConfig())
+    calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
     steps = emitted = nodes = off_chain = 0
     forwards = 0.0
     floor = config.min_draft_confidence  # one request drafting
@@ -81,12 +85,18 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
             if config.draft_shape == "one":
                 tree = tree.best_path_tree()  # what the proposer drafts in chain mode
+            kinds = node_kinds(tree)
             if cost.free_tokens:
-                confs = [tree.node_confidence(j) for j in range(len(tree))]
+                if calibrator is not None:
+                    confs = calibrator.calibrate(tree, kinds)
+                else:
+                    confs = [tree.node_confidence(j) for j in range(len(tree))]
                 (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
-                tree = tree.truncate(keep)
+                tree, kinds = tree.truncate(keep), kinds[:keep]
             forwards += timing(1 + len(tree), sum(opens_path(tree.parents)))
             n, off = accepted_length(tree, out[i:])
+            if calibrator is not None:
+                calibrator.observe(tree, kinds, out[i:i + n + 1])
             n = min(n + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
             seq.extend(out[i:i + n])

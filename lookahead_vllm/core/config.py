@@ -68,6 +68,10 @@ class LookaheadConfig:
     # (tree_verify.path_cost(): on the CPU 0.09 per step that runs any, plus
     # 0.02 per path).
     cost_per_path: float = -1.0
+    # Learn how often draft nodes of each kind (leading chain, side branch,
+    # Jacobi pool) and raw confidence are accepted, and hand the cost model
+    # calibrated confidences (core/calibration.py).
+    calibrate_confidence: bool = True
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at
     # load_stop_at running requests or more nothing is drafted. Defaults
@@ -124,7 +128,7 @@ class LookaheadConfig:
         bad = [x for x in self.debug_disable if x not in DEBUG_SWITCHES] if isinstance(self.debug_disable, tuple) else [1]
         if bad:
             raise ValueError(f"debug_disable={self.debug_disable!r}: must be a list drawn from {DEBUG_SWITCHES}")
-        for name in ("insert_output", "insert_prompt"):
+        for name in ("insert_output", "insert_prompt", "calibrate_confidence"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
 

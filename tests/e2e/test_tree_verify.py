@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
 from lookahead_vllm.vllm.offline import count_mismatches, generate
 
 from .conftest import MAX_TOKENS, plain_run
@@ -60,6 +61,8 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mi
     llm = _tree_engine(engines, shape, cost_free_tokens=0)
     (proposer,) = find_proposers(llm)
     before = proposer.stats.as_dict()
+    cal = proposer.calibrator
+    seen_before, accepted_before = cal.nodes.copy(), cal.accepted.sum()
     ours = generate(llm, prompts[dataset], _params(len(prompts[dataset]), mixed), bs)
     plain = _plain(engines, prompts, dataset, bs, mixed)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
@@ -68,6 +71,11 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mi
     # chain: something chain verification cannot produce.
     assert after["tree_request_steps"] > before["tree_request_steps"]
     assert after["tree_off_chain_accepts"] > before["tree_off_chain_accepts"]
+    # The calibrator learned from the verified trees, side branches included
+    # (the scheduled drafts reach the proposer).
+    seen = cal.nodes - seen_before
+    assert seen[KIND_CHAIN].sum() > 0 and seen[KIND_BRANCH].sum() > 0
+    assert 0 < cal.accepted.sum() - accepted_before < seen.sum()
 
 
 @pytest.mark.parametrize("switch", ["positions", "mask", "compaction"])

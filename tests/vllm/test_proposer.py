@@ -30,11 +30,13 @@ def make_proposer(k: int = 4, **lookahead):
     return LookaheadProposer(config)
 
 
-def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=(), sampled=None):
-    """Run one propose() over ``rows`` (req id -> all committed tokens), in dict order."""
+def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=(), sampled=None,
+         scheduled=None):
+    """Run one propose() over ``rows`` (req id -> all committed tokens), in dict order;
+    ``scheduled``: the draft tokens vLLM scheduled per request this step."""
     ids = list(rows)
     batch = SimpleNamespace(req_ids=ids, num_prompt_tokens=np.array([prompt_lens[r] for r in ids]))
-    proposer.on_step(batch, finished)
+    proposer.on_step(batch, finished, scheduled)
     tokens = np.zeros((len(ids), MAX_LEN), dtype=np.int64)
     for i, r in enumerate(ids):
         tokens[i, :len(rows[r])] = rows[r]
@@ -240,3 +242,41 @@ def test_tree_side_branches_priced_per_path():
     assert draft(0.0)[:2] == [2, 3] and 4 in draft(0.0)
     # A path costing a whole forward is not worth its third of a token: a chain.
     assert 4 not in draft(1.0) and draft(1.0)[:2] == [2, 3]
+
+
+def test_calibration_learns_what_the_scheduler_verified_of_last_steps_draft():
+    p = make_proposer(k=4, min_draft_confidence=0.0)
+    assert step(p, {"a": A + [1]}, {"a": len(A)}) == [[2, 3, 4, 5]]
+    cal = p.calibrator
+    # The scheduler verified only [2, 3]; both were accepted, 7 is the bonus.
+    step(p, {"a": A + [1, 2, 3, 7]}, {"a": len(A)}, sampled=[[2, 3, 7]], scheduled={"a": [2, 3]})
+    assert cal.nodes.sum() == 2 and cal.accepted.sum() == 2
+    # The draft made after "... 3 7" was not scheduled (the request was
+    # preempted and recomputed): it is dropped, nothing learned.
+    drafted = step(p, {"a": A + [1, 2, 3, 7, 1]}, {"a": len(A)}, sampled=[[1]], scheduled={})[0]
+    assert drafted and cal.nodes.sum() == 2
+    # The next one is verified in full and wholly rejected (9 is the bonus).
+    step(p, {"a": A + [1, 2, 3, 7, 1, 9]}, {"a": len(A)}, sampled=[[9]], scheduled={"a": drafted})
+    assert cal.nodes.sum() == 2 + len(drafted) and cal.accepted.sum() == 2
+    assert make_proposer(calibrate_confidence=False).calibrator is None
+
+
+def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
+    from vllm import SamplingParams
+
+    from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
+    from lookahead_vllm.core.draft_tree import DraftTree
+
+    prompt = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9]  # after "1 2": 3 twice, 4 once
+    # Four tokens free, then 20 per forward: the runner-up "4" (raw confidence
+    # 0.22) pays for its twentieth of a forward.
+    p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
+                      cost_free_tokens=4, cost_marginal_tokens=20, cost_per_path=0.0)
+    p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    rows, lens = {"a": prompt + [1]}, {"a": len(prompt)}
+    assert step(p, rows, lens)[0] == [2, 3, 9, 4]
+    # Verification then shows side branches of that confidence are never accepted.
+    side = DraftTree((5, 6), (-1, -1), (1.0, 1.0), (0.5, 0.22))
+    for _ in range(100):
+        p.calibrator.observe(side, [KIND_CHAIN, KIND_BRANCH], [5, 7])
+    assert step(p, rows, lens)[0] == [2, 3, 9]
