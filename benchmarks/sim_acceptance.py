@@ -12,6 +12,9 @@ proposer's trie on them for any number of config variants in seconds:
            step emits ``accepted + 1`` tokens (the bonus); the trie learns
            them; i advances.
   MAL      emitted tokens / steps (the first token, from prefill, excluded).
+  raw_calibration
+           per node kind and raw-confidence bin, how often the trie's
+           retrieved nodes (before any cost cut) would have been accepted.
   speed    modeled speedup over plain decoding: emitted tokens / forwards,
            a step costing ``ForwardCost(1 + kept nodes, extra paths)`` plain
            forwards under this machine's model (default token costs, the CPU
@@ -73,6 +76,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
         trie.insert_output(ids)
     cost, timing = batch1_cost(config), batch1_cost(LookaheadConfig())
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
+    audit = ConfidenceCalibrator()  # the trie's raw confidences vs acceptance, every retrieved node
     steps = emitted = nodes = off_chain = 0
     forwards = 0.0
     floor = config.min_draft_confidence  # one request drafting
@@ -86,6 +90,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             if config.draft_shape == "one":
                 tree = tree.best_path_tree()  # what the proposer drafts in chain mode
             kinds = node_kinds(tree)
+            audit.observe(tree, kinds, out[i:])
             if cost.free_tokens:
                 if calibrator is not None:
                     confs = calibrator.calibrate(tree, kinds)
@@ -107,7 +112,8 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             off_chain += off
         trie.finish_request(r)
     return {"mal": emitted / max(steps, 1), "speed": emitted / max(forwards, 1e-9), "steps": steps, "tokens": emitted,
-            "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain}
+            "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
+            "raw_calibration": audit.summary()}
 
 
 def batch1_cost(config: LookaheadConfig) -> ForwardCost:
