@@ -47,7 +47,7 @@ from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, forwar
 from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_vllm.core.step_plan import accepted_path
 from lookahead_vllm.core.trie import TokenTrie
 
 DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
@@ -63,8 +63,7 @@ def accepted_length(tree: DraftTree, future: list[int]) -> tuple[int, bool]:
     The engine's own greedy walk (``core.step_plan.walk_tree``) with the target
     tokens read from ``future`` in walk order.
     """
-    targets = iter(future)
-    nodes, _ = walk_tree(StepPlan(tree), lambda row: next(targets, -1))
+    nodes = accepted_path(tree, future)
     return len(nodes), bool(nodes) and nodes[-1] not in tree.best_path()
 
 
@@ -90,7 +89,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             if config.draft_shape == "one":
                 tree = tree.best_path_tree()  # what the proposer drafts in chain mode
             kinds = node_kinds(tree)
-            audit.observe(tree, kinds, out[i:])
+            audit.observe(tree, kinds, accepted_path(tree, out[i:]))
             if cost.free_tokens:
                 if calibrator is not None:
                     confs = calibrator.calibrate(tree, kinds)
@@ -101,7 +100,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             forwards += timing(1 + len(tree), sum(opens_path(tree.parents)))
             n, off = accepted_length(tree, out[i:])
             if calibrator is not None:
-                calibrator.observe(tree, kinds, out[i:i + n + 1])
+                calibrator.observe(tree, kinds, accepted_path(tree, out[i:]))
             n = min(n + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
             seq.extend(out[i:i + n])

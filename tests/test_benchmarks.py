@@ -115,6 +115,13 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt2], [out2], [])
     assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
     assert hier["speed"] < hier["mal"]  # timed with the CPU path rounds' costs
+    # The audit of the trie's raw confidences saw every retrieved node: the
+    # leading chain's and the side branches' (off-chain accepts among them).
+    audit = hier["raw_calibration"]
+    branch_nodes = sum(r["nodes"] for r in audit["branch"])
+    assert sum(r["nodes"] for r in audit["chain"]) > 0 and branch_nodes > 0
+    assert 0 < sum(r["acceptance"] * r["nodes"] for r in audit["branch"]) < branch_nodes
+    assert audit["pool"] == []
 
 
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):

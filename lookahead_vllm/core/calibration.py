@@ -32,7 +32,6 @@ from typing import Sequence
 import numpy as np
 
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.step_plan import StepPlan, walk_tree
 
 KIND_CHAIN, KIND_BRANCH, KIND_POOL = 0, 1, 2
 KIND_NAMES = ("chain", "branch", "pool")
@@ -79,12 +78,9 @@ class ConfidenceCalibrator:
             out.append(c if p < 0 else min(c, out[p]))
         return out
 
-    def observe(self, tree: DraftTree, kinds: Sequence[int], emitted: Sequence[int]) -> int:
-        """Learn from one verified draft: ``emitted`` is what the step produced
-        for the request (accepted tokens, then the bonus). Returns the number
-        of accepted nodes."""
-        targets = iter(emitted)
-        accepted, _ = walk_tree(StepPlan(tree), lambda _row: next(targets, -1))
+    def observe(self, tree: DraftTree, kinds: Sequence[int], accepted: Sequence[int]) -> None:
+        """Learn from one verified draft and the nodes of it that were accepted
+        (``step_plan.accepted_path``)."""
         hit = set(accepted)
         touched = set()
         for i, kind in enumerate(kinds):
@@ -100,7 +96,6 @@ class ConfidenceCalibrator:
                 self.accepted[kind, b] /= 2
                 self.nodes[kind, b] /= 2
             self._factor[kind, b] = (self.accepted[kind, b] + self.prior) / (self.predicted[kind, b] + self.prior)
-        return len(accepted)
 
     def summary(self) -> dict[str, list[dict[str, float]]]:
         """Per kind, the bins that saw nodes: range, nodes, mean raw confidence, acceptance rate, factor."""

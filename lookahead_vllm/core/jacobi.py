@@ -218,10 +218,16 @@ class JacobiRequest:
         self.probing = False
 
     @classmethod
-    def from_prompt(cls, prompt: Sequence[int], window: int, ngram: int, guesses: int) -> "JacobiRequest":
-        """Deterministic in the prompt, so a recomputed request gets the same window."""
+    def from_prompt(
+        cls, prompt: Sequence[int], window: int, ngram: int, guesses: int,
+        yield_est: float = YIELD_PRIOR, probe_every: int = PROBE_EVERY,
+    ) -> "JacobiRequest":
+        """Window deterministic in the prompt, so a recomputed request gets the
+        same one; ``yield_est`` and ``probe_every``: where the window policy
+        starts (the proposer passes what earlier requests learned)."""
         seed = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt))
-        return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses))
+        return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses),
+                   yield_est=yield_est, probe_every=probe_every)
 
     def update(self, new: Sequence[int]) -> int:
         """Feed the step's new tokens; return how many n-grams went into the pool."""

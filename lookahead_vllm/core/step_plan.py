@@ -22,7 +22,7 @@ example with nodes ``0:a(root) 1:b(0) 2:c(root)`` and target tokens per row
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -104,3 +104,12 @@ def walk_tree(plan: StepPlan, target_at: Callable[[int], int]) -> tuple[list[int
             return accepted, [tokens[i] for i in accepted] + [target]
         accepted.append(child)
         node = child
+
+
+def accepted_path(tree: DraftTree, emitted: Sequence[int]) -> list[int]:
+    """Nodes of ``tree`` a step accepted, given what it emitted for the request
+    (the accepted tokens, then the bonus): the walk with the emitted tokens as
+    the targets (children carry distinct tokens, so the path is unique)."""
+    targets = iter(emitted)
+    nodes, _ = walk_tree(StepPlan(tree), lambda _row: next(targets, -1))
+    return nodes

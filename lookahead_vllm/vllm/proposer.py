@@ -24,12 +24,12 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import allocate_step_budget, forward_cost, opens_path
-from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
+from lookahead_vllm.core.calibration import KIND_POOL, ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.jacobi import JacobiRequest, merge_branches, with_lookahead
-from lookahead_vllm.core.step_plan import StepPlan
+from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
+from lookahead_vllm.core.step_plan import StepPlan, accepted_path
 from lookahead_vllm.core.trie import TokenTrie
 from lookahead_vllm.vllm import metrics, patches
 from lookahead_vllm.vllm.config import resolve_lookahead_config
@@ -125,6 +125,11 @@ class LookaheadProposer:
         self.requests: dict[str, Any] = {}
         # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
         self.jacobi: dict[str, JacobiRequest] = {}
+        # What the Jacobi window last yielded (pool tokens per window step)
+        # and the probe interval it had reached: new requests start there, so
+        # a workload where the window does not pay stops probing it anew for
+        # every request.
+        self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py): request id -> (the draft it was handed last
         # step with its nodes' kinds), and how many of its draft tokens the
@@ -286,15 +291,20 @@ class LookaheadProposer:
         return self.calibrator.calibrate(tree, kinds)
 
     def _learn_acceptance(self, req_id: str, sampled: list[int]) -> None:
-        """Calibrate on the draft handed to this request last step, cut to what
-        the scheduler verified of it (``sampled``: accepted tokens, then the bonus)."""
+        """Book the draft handed to this request last step, cut to what the
+        scheduler verified of it (``sampled``: accepted tokens, then the
+        bonus): pool tokens accepted, and the calibrator's evidence."""
         offered = self._offered.pop(req_id, None)
         verified = self._scheduled_drafts.get(req_id, 0)
-        if offered is None or not verified or self.calibrator is None:
+        if offered is None or not verified:
             return
         tree, kinds = offered
         verified = min(verified, len(tree))
-        self.calibrator.observe(tree.truncate(verified), kinds[:verified], sampled)
+        tree, kinds = tree.truncate(verified), kinds[:verified]
+        accepted = accepted_path(tree, sampled)
+        self.stats.pool_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_POOL)
+        if self.calibrator is not None:
+            self.calibrator.observe(tree, kinds, accepted)
 
     def _windows_that_pay(self, offers, keep, confs, req_ids, num_rows: int, rounds: int) -> set[str]:
         """Requests whose Jacobi window goes out this step.
@@ -324,14 +334,15 @@ class LookaheadProposer:
         return chosen
 
     def on_lookahead_outputs(self, req_id: str, new_tokens: list[int], accepted_nodes: list[int]) -> None:
-        """The window's new tokens for a request (from tree_verify): slide it, fill its pool."""
+        """The window's new tokens for a request (from tree_verify): slide it,
+        fill its pool, and book what the window step got from the pool (the
+        window's yield, which new requests start from)."""
         jac = self.jacobi.get(req_id)
         if jac is None:
             return
-        from_pool = sum(1 for n in accepted_nodes if n >= jac.pool_from)
-        self.stats.pool_accepted_tokens += from_pool
         self.stats.pool_ngrams_added += jac.update(new_tokens)
-        jac.credit(from_pool)
+        jac.credit(sum(1 for n in accepted_nodes if n >= jac.pool_from))
+        self._window_prior = (jac.yield_est, jac.probe_every)
 
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)
@@ -348,7 +359,9 @@ class LookaheadProposer:
             self.trie.add_request(req_id, prompt)
             if self.config.uses_jacobi and self._tree_verifiable(req_id):
                 c = self.config
-                self.jacobi[req_id] = JacobiRequest.from_prompt(prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses)
+                self.jacobi[req_id] = JacobiRequest.from_prompt(
+                    prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses, *self._window_prior
+                )
             done = num_prompt
         if num_tokens > done:
             self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())

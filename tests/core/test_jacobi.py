@@ -168,3 +168,13 @@ def test_fruitless_probes_back_off_and_a_productive_one_resets():
     assert jac.wants_window(0.5) and not jac.probing
     jac.credit(0)
     assert jac.probe_every == PROBE_EVERY
+
+
+def test_request_policy_can_start_from_a_learned_prior():
+    from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest
+
+    fresh = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2)
+    assert (fresh.yield_est, fresh.probe_every) == (YIELD_PRIOR, PROBE_EVERY)
+    seasoned = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2, yield_est=0.01, probe_every=4 * PROBE_EVERY)
+    assert seasoned.window.rows == fresh.window.rows  # the window itself only depends on the prompt
+    assert not any(seasoned.wants_window(0.5) for _ in range(2 * PROBE_EVERY))

@@ -170,6 +170,13 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     drafts = step(p, {"a": A + [1, 2, 3, 4, 5, 1]}, {"a": len(A)})
     verify = [t for t, look in zip(drafts[0], p.plans["a"].lookahead) if not look]
     assert p.stats.pool_branches == 1 and verify[-1] == 40 and verify[0] == 2
+    # The target follows the pool branch (5, 40) from the root: two pool
+    # tokens, booked on any verified step (with or without the window).
+    assert verify[-2:] == [5, 40]
+    before = p.stats.pool_accepted_tokens
+    step(p, {"a": A + [1, 2, 3, 4, 5, 1, 5, 40, 99]}, {"a": len(A)}, sampled=[[5, 40, 99]],
+         scheduled={"a": drafts[0]})
+    assert p.stats.pool_accepted_tokens == before + 2
     # A finished request drops its window and pool.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
     assert "a" not in p.jacobi
@@ -278,5 +285,23 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     # Verification then shows side branches of that confidence are never accepted.
     side = DraftTree((5, 6), (-1, -1), (1.0, 1.0), (0.5, 0.22))
     for _ in range(100):
-        p.calibrator.observe(side, [KIND_CHAIN, KIND_BRANCH], [5, 7])
+        p.calibrator.observe(side, [KIND_CHAIN, KIND_BRANCH], accepted=[0])
     assert step(p, rows, lens)[0] == [2, 3, 9]
+
+
+def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                      cost_free_tokens=4, cost_marginal_tokens=8)
+    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
+    p.requests = {"a": greedy, "b": greedy}
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    assert p.plans["a"].has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
+    for _ in range(8):
+        p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])  # the window brings nothing
+    learned = p.jacobi["a"].yield_est
+    assert learned < 0.4
+    step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
+    assert p.jacobi["b"].yield_est == learned
+    assert "b" not in p.plans  # no fresh optimism: the new request keeps the window home
