@@ -213,6 +213,13 @@ def trie_nodes(llm: Any) -> int | None:
     return sum(p.trie.num_nodes for p in found) if found else None
 
 
+def calibration(llm: Any) -> dict | None:
+    """The first proposer's learned confidence calibration (None: no lookahead or calibration off)."""
+    found = proposers(llm)
+    cal = found[0].calibrator if found else None
+    return cal.summary() if cal is not None else None
+
+
 def drafter_counters(llm: Any) -> Counter:
     """Raw ``ProposerStats`` counters summed over the engine's proposers."""
     total: Counter = Counter()
@@ -275,6 +282,8 @@ class MethodRun:
     noise: CpuMeter = field(default_factory=CpuMeter)
     trie_nodes_start: int | None = None
     trie_nodes_end: int | None = None
+    # The engine's confidence calibration after the cell (cumulative over its cells).
+    calibration: dict | None = None
 
     def run_chunk(self, llm: Any, chunk: list[str], params: Any) -> float:
         """Generate one chunk, timed; return its tok/s."""
@@ -320,6 +329,7 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
         log(f"[{tag}] chunk {i + 1}/{len(chunks)} tok/s: {shown} | other CPU {other:.1f} s")
     for m, llm in engines.items():
         runs[m].trie_nodes_end = trie_nodes(llm)
+        runs[m].calibration = calibration(llm)
     return runs
 
 
@@ -349,6 +359,7 @@ def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
         **drafter_summary(run.drafter),
         "trie_nodes_start": run.trie_nodes_start,
         "trie_nodes": run.trie_nodes_end,
+        "calibration": run.calibration,
         "mismatches": count_mismatches(plain.token_ids, run.token_ids),
         "mismatched_prompts": mismatched,
         "chunk_tokens": run.chunk_tokens,

@@ -33,6 +33,9 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
         # "-warm" variants are preloaded with the dev split too; cold starts empty.
         assert rows["lookahead-warm"]["trie_nodes_start"] > 0 and rows["lookahead:nofloor-warm"]["trie_nodes_start"] > 0
         assert rows["lookahead"]["trie_nodes_start"] == 0
+        # The lookahead engines report what their calibrators learned.
+        assert rows["plain"]["calibration"] is None
+        assert set(rows["lookahead"]["calibration"]) == {"chain", "branch", "pool"}
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "lookahead:nofloor-warm" in proc.stdout
 
