@@ -86,7 +86,8 @@ def __getattr__(name: str):  # vLLM imports the class by path; build it lazily (
     raise AttributeError(name)
 
 
-def step_times(model: str, n: int, context: list[int], steps: int) -> list[float]:
+def step_times(model: str, n: int, contexts: list[list[int]], steps: int) -> list[float]:
+    """Decode step times with one request per context, each drafting ``n`` tokens every step."""
     from vllm import LLM, SamplingParams
 
     from lookahead_vllm.vllm.offline import engine_kwargs
@@ -99,8 +100,12 @@ def step_times(model: str, n: int, context: list[int], steps: int) -> list[float
         }
     llm = LLM(model=model, **kwargs)
     engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": context}, SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
-    engine.step()  # prefill
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+    for i, context in enumerate(contexts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": context}, params)
+    prefilling = {f"r{i}" for i in range(len(contexts))}
+    while prefilling:  # prefill, in as many chunks as the token budget needs
+        prefilling -= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -117,11 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per point")
     p.add_argument("--paths", nargs="+", type=int, default=None,
                    help="tree mode: root branches per fixed tree of --nodes nodes (1 = chain)")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together, each drafting --nodes tokens")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/forward_cost.json")
     args = p.parse_args(argv)
     if args.paths and (min(args.paths) < 1 or min(args.nodes) < max(args.paths)):
         p.error("--paths must be >= 1 and at most every --nodes value")
+    if args.paths and args.batch != 1:
+        p.error("--paths measures one request: leave --batch at 1")
+    if not 1 <= args.batch <= 64:
+        p.error(f"--batch={args.batch}: must be in [1, 64]")
     from lookahead_vllm.vllm.offline import apply_cpu_env
 
     apply_cpu_env()
@@ -129,21 +139,26 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(prepare_smollm2())
     rng = np.random.default_rng(0)
-    context = rng.integers(100, 20000, size=args.context).tolist()
+    contexts = [rng.integers(100, 20000, size=args.context).tolist() for _ in range(args.batch)]
     if args.paths:
-        return main_paths(args, model, context)
+        return main_paths(args, model, contexts[0])
+    # The unit is always one request's plain decode step, so batch curves
+    # read in the forward-cost model's units (core/budget.py).
+    base = 1e3 * statistics.median(step_times(model, 0, contexts[:1], args.steps))
+    print(f"batch 1, plain decode step: median {base:.1f} ms", flush=True)
     rows = []
     for n in args.nodes:
-        times = step_times(model, n, context, args.steps)
-        rows.append({"draft_tokens": n, "tokens_scored": n + 1, "median_ms": round(1e3 * statistics.median(times), 3),
+        times = step_times(model, n, contexts, args.steps)
+        rows.append({"draft_tokens": n, "tokens_scored": args.batch * (n + 1),
+                     "median_ms": round(1e3 * statistics.median(times), 3),
                      "p90_ms": round(1e3 * float(np.percentile(times, 90)), 3), "steps": len(times)})
-        print(f"draft {n:3d} -> scored {n + 1:3d}: median {rows[-1]['median_ms']:.1f} ms", flush=True)
-    base = rows[0]["median_ms"]
-    for row in rows:
-        row["relative"] = round(row["median_ms"] / base, 3)
+        rows[-1]["relative"] = round(rows[-1]["median_ms"] / base, 3)
+        print(f"batch {args.batch}, draft {n:3d} each -> scored {rows[-1]['tokens_scored']:4d}: "
+              f"median {rows[-1]['median_ms']:.1f} ms = {rows[-1]['relative']:.3f} single-token steps", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"context": args.context, "model": model, "rows": rows}, indent=1))
-    plot(rows, args.out.with_suffix(".png"))
+    args.out.write_text(json.dumps({"context": args.context, "batch": args.batch, "model": model,
+                                    "single_token_ms": round(base, 3), "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"), args.batch)
     print(f"wrote {args.out}")
 
 
@@ -182,7 +197,7 @@ def tree_step_times(model: str, nodes: int, context: list[int], steps: int, path
 
 
 def main_paths(args: argparse.Namespace, model: str, context: list[int]) -> None:
-    plain_ms = 1e3 * statistics.median(step_times(model, 0, context, args.steps))
+    plain_ms = 1e3 * statistics.median(step_times(model, 0, [context], args.steps))
     print(f"plain decode step: median {plain_ms:.1f} ms", flush=True)
     rows, fits = [], {}
     for n in args.nodes:
@@ -220,18 +235,23 @@ def plot_paths(rows: list[dict], fits: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, batch: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from lookahead_vllm.core.budget import ForwardCost
+
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r["tokens_scored"] for r in rows], [r["relative"] for r in rows], "o-")
+    scored = [r["tokens_scored"] for r in rows]
+    ax.plot(scored, [r["relative"] for r in rows], "o-", label="measured")
+    ax.plot(scored, [ForwardCost()(t) for t in scored], "--", label="cost model (CPU defaults)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens scored per step (root + drafts)")
-    ax.set_ylabel("step time / plain decode step")
-    ax.set_title("vLLM forward cost, SmolLM2-135M fp32, CPU")
+    ax.set_xlabel("tokens scored per step (roots + drafts)")
+    ax.set_ylabel("step time / single-token step")
+    ax.set_title(f"vLLM forward cost, batch {batch}, SmolLM2-135M fp32, CPU", fontsize=9)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

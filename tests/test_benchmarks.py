@@ -94,6 +94,21 @@ def test_forward_cost_fixed_tree_has_the_asked_paths():
     assert bench_forward_cost.fixed_tree(8, 1).parents == tuple(range(-1, 7))  # a chain
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--paths", "2", "--nodes", "8", "--batch", "8"], "--paths measures one request"),
+    (["--batch", "0"], "--batch=0: must be in"),
+])
+def test_forward_cost_rejects_bad_arguments(argv, message, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_forward_cost
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        bench_forward_cost.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_sim_acceptance_replays_the_trie_and_prices_paths():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
