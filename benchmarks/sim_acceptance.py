@@ -68,12 +68,14 @@ def accepted_length(tree: DraftTree, future: list[int]) -> tuple[int, bool]:
 
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
-             warm: list[list[int]]) -> dict[str, float]:
-    """Replay the trie over (prompt, greedy output) pairs; see the module docstring."""
+             warm: list[list[int]], paths: tuple[float, float] | None = None) -> dict[str, float]:
+    """Replay the trie over (prompt, greedy output) pairs; see the module docstring.
+    ``paths``: (setup, per path) of tree attention's extra paths, for the
+    proposer's decisions and the timing (default: the CPU path rounds')."""
     trie = TokenTrie(config)
     for ids in warm:
         trie.insert_output(ids)
-    cost, timing = batch1_cost(config), batch1_cost(LookaheadConfig())
+    cost, timing = batch1_cost(config, paths), batch1_cost(LookaheadConfig(), paths)
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
     audit = ConfidenceCalibrator()  # the trie's raw confidences vs acceptance, every retrieved node
     steps = emitted = nodes = off_chain = 0
@@ -115,12 +117,13 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             "raw_calibration": audit.summary()}
 
 
-def batch1_cost(config: LookaheadConfig) -> ForwardCost:
+def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = None) -> ForwardCost:
     """The proposer's cost model for ``config`` with the CPU path rounds (the
-    tree attention the engine runs here; chains open no paths)."""
+    tree attention the engine runs here; chains open no paths), or with
+    ``paths`` = (setup, per path) instead."""
     from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
 
-    return forward_cost(config, (CPU_PATH_SETUP, CPU_PATH_COST), "cpu")
+    return forward_cost(config, paths or (CPU_PATH_SETUP, CPU_PATH_COST), "cpu")
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:
@@ -160,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="a lookahead config to replay (repeatable); default: chain and hier at decoding_length 8")
+    p.add_argument("--path-cost", nargs=2, type=float, default=None, metavar=("SETUP", "PER_PATH"),
+                   help="price of tree attention's extra paths, in forwards (default: the CPU path rounds'; "
+                        "0 0: one kernel launch for all paths, as on a GPU)")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         test = slice(0, args.num_prompts)
         warm = outputs[args.num_prompts:total]
         for name, config in variants.items():
-            r = simulate(config, prompts[test], outputs[test], warm)
+            r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost))
             results["cells"].append({"dataset": dataset, "variant": name, **r})
             print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
                   f"off-chain steps {r['off_chain_steps']}", flush=True)

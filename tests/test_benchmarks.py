@@ -125,6 +125,8 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     # Chains open no paths: a step costs at most the token model's price of
     # 1 + 8 tokens, and drafts past the free region cost something.
     cost = sim_acceptance.batch1_cost(LookaheadConfig())
+    free_paths = sim_acceptance.batch1_cost(LookaheadConfig(), (0.0, 0.0))  # --path-cost 0 0
+    assert free_paths(9, 3) == cost(9, 0) < cost(9, 3)
     assert chain["mal"] / cost(1 + 8, 0) <= chain["speed"] < chain["mal"]
     # Two continuations after "1 2": a tree can take either; paths cost time.
     prompt2 = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9] * 2

@@ -170,12 +170,15 @@ class LookaheadProposer:
                 self._caps[req.req_id] = cap
 
     def reset(self) -> None:
-        """Forget everything: a fresh, empty trie (benchmarks' cold start)."""
+        """Forget everything: a fresh, empty trie, calibration and window
+        policy (benchmarks' cold start)."""
         self.trie = TokenTrie(self.config)
         self._inserted.clear()
         self.plans.clear()
         self.jacobi.clear()
         self._offered.clear()
+        self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
+        self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
 
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""

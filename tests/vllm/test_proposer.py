@@ -74,8 +74,11 @@ def test_finish_eliminates_and_same_id_can_return():
 def test_reset_forgets_requests_and_counts():
     p = make_proposer()
     step(p, {"a": A + [1]}, {"a": len(A)})
+    step(p, {"a": A + [1, 2, 9]}, {"a": len(A)}, sampled=[[2, 9]], scheduled={"a": [2, 3]})
+    assert p.calibrator.nodes.sum() == 2
     p.reset()
     assert p.trie.num_nodes == 0 and p.trie.active_requests == []
+    assert p.calibrator.nodes.sum() == 0
     assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]  # re-admitted from scratch
 
 
