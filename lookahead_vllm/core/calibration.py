@@ -4,9 +4,10 @@ The forward-cost model (core/budget.py) keeps a draft node only while its
 confidence (the estimated probability that it is accepted) pays for its
 cost, so the confidences must be probabilities, not just a ranking. The
 trie's are products of smoothed ``P(child | parent)`` counts: about right on
-a tree's leading chain, but far too high off it. Replaying 16 HumanEval
-prompts (``sim_acceptance``), side-branch nodes the trie rated 0.2-0.4 were
-accepted 8-13% of the time; leading-chain nodes in the same range 29-49%.
+a tree's leading chain, but far too high off it. Replaying 32 prompts per
+dataset (``sim_acceptance``, benchmarks/results/sim_acceptance_part6.json),
+side-branch nodes the trie rated 0.2-0.4 were accepted 10-13% of the time,
+leading-chain nodes in the same range 24-35%.
 The counts mix many contexts, while the target keeps repeating its own
 favourite continuation, so the runner-up is rarely right. The Jacobi pool's
 n-grams have only a fixed prior (``POOL_CONFIDENCE ** depth``).
