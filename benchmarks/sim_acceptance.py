@@ -43,10 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, forward_cost, opens_path
+from lookahead_vllm.core.budget import (
+    ForwardCost,
+    allocate_step_budget,
+    forward_cost,
+    opens_path,
+)
 from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import accepted_path
 from lookahead_vllm.core.trie import TokenTrie
 
@@ -55,16 +59,6 @@ DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def accepted_length(tree: DraftTree, future: list[int]) -> tuple[int, bool]:
-    """(tokens of ``future`` the tree accepts, whether any accepted node is off the best path).
-
-    The engine's own greedy walk (``core.step_plan.walk_tree``) with the target
-    tokens read from ``future`` in walk order.
-    """
-    nodes = accepted_path(tree, future)
-    return len(nodes), bool(nodes) and nodes[-1] not in tree.best_path()
 
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
@@ -100,10 +94,12 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
                 (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
                 tree, kinds = tree.truncate(keep), kinds[:keep]
             forwards += timing(1 + len(tree), sum(opens_path(tree.parents)))
-            n, off = accepted_length(tree, out[i:])
+            # The engine's greedy walk with the target tokens read from the output.
+            accepted = accepted_path(tree, out[i:])
             if calibrator is not None:
-                calibrator.observe(tree, kinds, accepted_path(tree, out[i:]))
-            n = min(n + 1, len(out) - i)  # + bonus token
+                calibrator.observe(tree, kinds, accepted)
+            off = bool(accepted) and accepted[-1] not in tree.best_path()
+            n = min(len(accepted) + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
             seq.extend(out[i:i + n])
             i += n
