@@ -378,7 +378,9 @@ def drafter_summary(counters: Counter) -> dict[str, Any]:
             "tree_request_steps": counters.get("tree_request_steps", 0),
             "tree_off_chain_accepts": counters.get("tree_off_chain_accepts", 0),
             "jacobi_steps": counters.get("jacobi_steps", 0),
-            "pool_accepted_tokens": counters.get("pool_accepted_tokens", 0)}
+            "pool_accepted_tokens": counters.get("pool_accepted_tokens", 0),
+            "context_drafts": counters.get("context_drafts", 0),
+            "context_accepted_tokens": counters.get("context_accepted_tokens", 0)}
 
 
 def warn_mismatches(cell: dict[str, Any]) -> None:

@@ -7,8 +7,9 @@ the tree that spells the next output tokens. This script generates the greedy
 outputs once with plain vLLM (cached under ``--cache``), then replays the
 proposer's trie on them for any number of config variants in seconds:
 
-  step     context = prompt + output[:i]; the trie drafts a tree (budget,
-           shape, confidence floor as the proposer would at batch 1); the
+  step     context = prompt + output[:i]; the context chain and the trie
+           draft a tree (budget, shape, confidence floor as the proposer
+           would at batch 1, core/context_match.py leading); the
            step emits ``accepted + 1`` tokens (the bonus); the trie learns
            them; i advances.
   MAL      emitted tokens / steps (the first token, from prefill, excluded).
@@ -51,6 +52,7 @@ from lookahead_vllm.core.budget import (
 )
 from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.step_plan import accepted_path
 from lookahead_vllm.core.trie import TokenTrie
 
@@ -79,12 +81,16 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
         trie.add_request(r, prompt)
         seq = list(prompt) + out[:1]
         trie.extend(r, out[:1])
+        index = ContextIndex(config.context_match, seq) if config.context_match else None
         i = 1
         while i < len(out):
             tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
-            if config.draft_shape == "one":
-                tree = tree.best_path_tree()  # what the proposer drafts in chain mode
-            kinds = node_kinds(tree)
+            chain = index.draft(config.decoding_length, floor) if index is not None else tree.empty()
+            tree = with_context(chain, tree, config.decoding_length)
+            kinds = node_kinds(tree, context=len(chain))
+            if config.draft_shape == "one":  # what the proposer drafts in chain mode
+                kinds = [kinds[j] for j in tree.best_path()]
+                tree = tree.best_path_tree()
             audit.observe(tree, kinds, accepted_path(tree, out[i:]))
             if cost.free_tokens:
                 if calibrator is not None:
@@ -102,6 +108,8 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             n = min(len(accepted) + 1, len(out) - i)  # + bonus token
             trie.extend(r, out[i:i + n])
             seq.extend(out[i:i + n])
+            if index is not None:
+                index.extend(out[i:i + n])
             i += n
             steps += 1
             emitted += n

@@ -10,10 +10,12 @@ side-branch nodes the trie rated 0.2-0.4 were accepted 10-13% of the time,
 leading-chain nodes in the same range 24-35%.
 The counts mix many contexts, while the target keeps repeating its own
 favourite continuation, so the runner-up is rarely right. The Jacobi pool's
-n-grams have only a fixed prior (``POOL_CONFIDENCE ** depth``).
+n-grams and the context chain's tokens (core/context_match.py) have only
+fixed priors (``POOL_CONFIDENCE ** depth``, ``CONTEXT_CONFIDENCE ** depth``).
 
 The calibrator learns a correction per node *kind* (leading chain, side
-branch, pool) and raw-confidence bin from what verification accepted::
+branch, pool, context chain) and raw-confidence bin from what verification
+accepted::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
@@ -34,22 +36,25 @@ import numpy as np
 
 from lookahead_vllm.core.draft_tree import DraftTree
 
-KIND_CHAIN, KIND_BRANCH, KIND_POOL = 0, 1, 2
-KIND_NAMES = ("chain", "branch", "pool")
+KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_CONTEXT = 0, 1, 2, 3
+KIND_NAMES = ("chain", "branch", "pool", "context")
 # Upper edges of the raw-confidence bins (the last bin runs to 1).
 BIN_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 HALF_LIFE_NODES = 4096
 
 
-def node_kinds(tree: DraftTree, pool_from: int | None = None) -> list[int]:
-    """Per node: KIND_CHAIN on the leading chain (node ``i``'s parent is ``i - 1``
-    from the root on), KIND_POOL from ``pool_from`` on (Jacobi pool n-grams
-    merged after the trie's nodes), KIND_BRANCH otherwise."""
+def node_kinds(tree: DraftTree, pool_from: int | None = None, context: int = 0) -> list[int]:
+    """Per node: KIND_CONTEXT for the first ``context`` nodes (the context
+    chain, core/context_match.py), KIND_POOL from ``pool_from`` on (Jacobi
+    pool n-grams merged after the trie's nodes), else KIND_CHAIN on the
+    leading chain (node ``i``'s parent is ``i - 1`` from the root on) and
+    KIND_BRANCH off it."""
     pool_from = len(tree) if pool_from is None else pool_from
     kinds, chain = [], True
     for i, p in enumerate(tree.parents):
         chain = chain and p == i - 1
-        kinds.append(KIND_POOL if i >= pool_from else KIND_CHAIN if chain else KIND_BRANCH)
+        kind = KIND_CHAIN if chain else KIND_BRANCH
+        kinds.append(KIND_CONTEXT if i < context else KIND_POOL if i >= pool_from else kind)
     return kinds
 
 

@@ -40,6 +40,12 @@ class LookaheadConfig:
     min_match_length: int = 1
     # Stop shortening the match once the sub-trie yields this many nodes.
     min_retrieved_nodes: int = 4
+    # Context match (core/context_match.py): the tokens that followed the most
+    # recent earlier occurrence of the request's last ``context_match`` tokens
+    # (prompt or output) lead its draft, the trie's tree merged after them,
+    # so long repeats of the request's own text are drafted whole (what
+    # vLLM's ngram method does best). 0 = off; not used with source="jacobi".
+    context_match: int = 3
     # Trie node capacity; exceeding it triggers decay-and-prune (a pass over
     # all nodes in Python: ~0.1 s at 65536 nodes, once per ~16k new nodes).
     trie_capacity: int = 1 << 16
@@ -107,6 +113,7 @@ class LookaheadConfig:
         _check_int("max_match_length", self.max_match_length, 1, self.branch_length - 1)
         _check_int("min_match_length", self.min_match_length, 1, self.max_match_length)
         _check_int("min_retrieved_nodes", self.min_retrieved_nodes, 1, 1 << 16)
+        _check_int("context_match", self.context_match, 0, 64)
         _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
         _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
         _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)

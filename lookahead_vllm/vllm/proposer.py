@@ -4,8 +4,10 @@ Per step, for every request row of the persistent batch that just sampled:
 
 1. admit the request on first sight (its prompt windows go into the trie),
 2. insert every committed token not yet inserted (on-the-fly output insertion;
-   robust to steps in which vLLM skipped drafting),
-3. retrieve a draft tree for the trailing context and hand vLLM its best
+   robust to steps in which vLLM skipped drafting) into the trie and the
+   request's context index,
+3. draft a tree: the context chain (core/context_match.py) first, the trie's
+   tree for the trailing context merged after it, and hand vLLM its best
    chain (``draft_shape="one"``), or the whole tree flattened parent-first
    (``hier``/``par``), keeping its :class:`StepPlan` for ``tree_verify``.
 
@@ -24,7 +26,8 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import allocate_step_budget, forward_cost, opens_path
-from lookahead_vllm.core.calibration import KIND_POOL, ConfidenceCalibrator, node_kinds
+from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator, node_kinds
+from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -70,6 +73,10 @@ class ProposerStats:
     pool_ngrams_added: int = 0
     pool_branches: int = 0
     pool_accepted_tokens: int = 0
+    # Context match: request-steps whose draft led with a context chain, and
+    # accepted tokens that came from context chains.
+    context_drafts: int = 0
+    context_accepted_tokens: int = 0
 
     def counters(self) -> dict[str, int]:
         """Every raw counter (summable across proposers), ``propose_ns`` included."""
@@ -95,6 +102,8 @@ class ProposerStats:
             "pool_ngrams_added": c["pool_ngrams_added"],
             "pool_branches": c["pool_branches"],
             "pool_accepted_tokens": c["pool_accepted_tokens"],
+            "context_drafts": c["context_drafts"],
+            "context_accepted_tokens": c["context_accepted_tokens"],
         }
 
 
@@ -125,6 +134,10 @@ class LookaheadProposer:
         self.requests: dict[str, Any] = {}
         # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
         self.jacobi: dict[str, JacobiRequest] = {}
+        # request id -> its tokens indexed for context matching, and how many
+        # nodes of this step's draft are its context chain.
+        self.contexts: dict[str, ContextIndex] = {}
+        self._context_nodes: dict[str, int] = {}
         # What the Jacobi window last yielded (pool tokens per window step)
         # and the probe interval it had reached: new requests start there, so
         # a workload where the window does not pay stops probing it anew for
@@ -176,6 +189,7 @@ class LookaheadProposer:
         self._inserted.clear()
         self.plans.clear()
         self.jacobi.clear()
+        self.contexts.clear()
         self._offered.clear()
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
@@ -185,6 +199,7 @@ class LookaheadProposer:
         self._caps.pop(req_id, None)
         self.plans.pop(req_id, None)
         self.jacobi.pop(req_id, None)
+        self.contexts.pop(req_id, None)
         self._offered.pop(req_id, None)
         if self._inserted.pop(req_id, None) is not None:
             self.trie.finish_request(req_id)
@@ -202,6 +217,7 @@ class LookaheadProposer:
         assert batch is not None, "runner patch runner_request_ids was not applied"
         for jac in self.jacobi.values():
             jac.x0 = -1  # set again by _draft for the rows that draft this step
+        self._context_nodes.clear()
         rows = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
@@ -283,7 +299,8 @@ class LookaheadProposer:
         sampling) or the tree's best path as a chain; its nodes' calibration
         kinds; whether it is the tree."""
         jac = self.jacobi.get(req_id) if req_id is not None else None
-        kinds = node_kinds(tree, jac.pool_from if jac is not None else None)
+        context = self._context_nodes.get(req_id, 0) if req_id is not None else 0
+        kinds = node_kinds(tree, jac.pool_from if jac is not None else None, context)
         if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
             return tree, kinds, True
         return tree.best_path_tree(), [kinds[i] for i in tree.best_path()], False
@@ -306,6 +323,7 @@ class LookaheadProposer:
         tree, kinds = tree.truncate(verified), kinds[:verified]
         accepted = accepted_path(tree, sampled)
         self.stats.pool_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_POOL)
+        self.stats.context_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_CONTEXT)
         if self.calibrator is not None:
             self.calibrator.observe(tree, kinds, accepted)
 
@@ -360,6 +378,8 @@ class LookaheadProposer:
             num_prompt = int(batch.num_prompt_tokens[row])
             prompt = token_ids[row, :num_prompt].tolist()
             self.trie.add_request(req_id, prompt)
+            if self.config.context_match and self.config.source != "jacobi":
+                self.contexts[req_id] = ContextIndex(self.config.context_match, prompt)
             if self.config.uses_jacobi and self._tree_verifiable(req_id):
                 c = self.config
                 self.jacobi[req_id] = JacobiRequest.from_prompt(
@@ -367,7 +387,10 @@ class LookaheadProposer:
                 )
             done = num_prompt
         if num_tokens > done:
-            self.trie.extend(req_id, token_ids[row, done:num_tokens].tolist())
+            new = token_ids[row, done:num_tokens].tolist()
+            self.trie.extend(req_id, new)
+            if req_id in self.contexts:
+                self.contexts[req_id].extend(new)
         self._inserted[req_id] = max(done, num_tokens)
 
     def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int, floor: float) -> DraftTree:
@@ -378,6 +401,13 @@ class LookaheadProposer:
         tree = DraftTree.empty()
         if self.config.source != "jacobi":
             tree = self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
+        index = self.contexts.get(req_id)
+        if index is not None:
+            chain = index.draft(budget, floor)
+            if len(chain):
+                self._context_nodes[req_id] = len(chain)
+                self.stats.context_drafts += 1
+                tree = with_context(chain, tree, budget)
         jac = self.jacobi.get(req_id)
         if jac is not None:
             # The window rides along only with the full budget (no load shrink,

@@ -24,6 +24,8 @@ from lookahead_vllm.core import DraftTree, LookaheadConfig
         ("draft_shape", "tree", r"draft_shape='tree': must be one of \('hier', 'par', 'one'\)"),
         ("insert_output", "yes", r"insert_output='yes': must be true or false"),
         ("min_retrieved_nodes", True, r"min_retrieved_nodes=True: must be an integer"),
+        ("context_match", -1, r"context_match=-1: must be in \[0, 64\]"),
+        ("context_match", 2.0, r"context_match=2.0: must be an integer"),
         ("cost_per_path", -0.5, r"cost_per_path=-0.5: must be -1 \(platform default\) or in \[0, 100\]"),
         ("cost_per_path", True, r"cost_per_path=True: must be -1"),
         ("cost_free_tokens", -2, r"cost_free_tokens=-2: must be -1 \(platform default\) or in \[0, 65536\]"),

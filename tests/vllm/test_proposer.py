@@ -308,3 +308,36 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
     assert p.jacobi["b"].yield_est == learned
     assert "b" not in p.plans  # no fresh optimism: the new request keeps the window home
+
+
+def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
+    # Branch length 4: the trie drafts at most 3 tokens below a match.
+    run = list(range(20, 40))  # 20 distinct tokens, generated once, then started again
+    rows, lens = {"a": [1, 2, 3] + run + [9] + run[:3]}, {"a": 3}
+    p = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0)
+    assert step(p, rows, lens) == [run[3:11]]
+    assert p.stats.context_drafts == 1
+    off = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0, context_match=0)
+    assert step(off, rows, lens) == [run[3:6]] and off.contexts == {}
+    # The target accepts five context tokens (then 99, the bonus): booked as context tokens.
+    grown = rows["a"] + run[3:8] + [99]
+    step(p, {"a": grown}, lens, sampled=[run[3:8] + [99]], scheduled={"a": run[3:11]})
+    assert p.stats.context_accepted_tokens == 5
+    from lookahead_vllm.core.calibration import KIND_CONTEXT
+
+    assert p.calibrator.nodes[KIND_CONTEXT].sum() == 8 and p.calibrator.accepted[KIND_CONTEXT].sum() == 5
+    assert len(p.contexts["a"]) == len(grown)
+    # Finished requests drop their index; reset drops all.
+    step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
+    assert list(p.contexts) == ["b"]
+    p.reset()
+    assert p.contexts == {}
+
+
+def test_context_chain_is_not_used_by_source_jacobi():
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2)
+    p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    assert p.contexts == {} and p.stats.context_drafts == 0

@@ -1,0 +1,89 @@
+"""Context match: the request's own earlier continuation of its last n-gram leads the draft."""
+
+from __future__ import annotations
+
+import pytest
+
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, node_kinds
+from lookahead_vllm.core.context_match import (
+    CONTEXT_CONFIDENCE, RECENT_OCCURRENCES, ContextIndex, with_context,
+)
+from lookahead_vllm.core.draft_tree import DraftTree
+
+A, B, C, D, X, Y, Z = 1, 2, 3, 4, 5, 6, 7
+
+
+def test_docstring_example():
+    index = ContextIndex(2, [A, B, C, D, X, A, B])
+    assert index.match() == (2, 2)
+    chain = index.draft(4)
+    assert chain.tokens == (C, D, X, A)
+    assert chain.parents == (-1, 0, 1, 2)
+    assert chain.confidence == pytest.approx([CONTEXT_CONFIDENCE ** d for d in range(1, 5)])
+
+
+def test_no_earlier_occurrence_drafts_nothing():
+    assert len(ContextIndex(2, [A, B, C, D]).draft(8)) == 0
+    assert len(ContextIndex(3, [A, B]).draft(8)) == 0
+    assert len(ContextIndex(2, [A, B, A, B]).draft(0)) == 0
+
+
+def test_longest_backward_match_wins_then_the_most_recent():
+    # "X A B" was followed by C, "Y A B" by D; the sequence ends "X A B".
+    index = ContextIndex(2, [X, A, B, C, Y, A, B, D, Z, X, A, B])
+    assert index.match() == (3, 3)
+    assert index.draft(2).tokens == (C, Y)
+    # Equal matches: the most recent occurrence.
+    index = ContextIndex(2, [A, B, C, A, B, D, A, B])
+    assert index.draft(1).tokens == (D,)
+
+
+def test_extend_indexes_new_tokens_like_building_at_once():
+    tokens = [A, B, C, A, B, D, Z, A, B, C, X, Y, A, B]
+    whole = ContextIndex(2, tokens)
+    grown = ContextIndex(2, tokens[:3])
+    for t in tokens[3:]:
+        grown.extend([t])
+        assert grown.draft(5) == ContextIndex(2, grown.tokens).draft(5)
+    assert grown.draft(5) == whole.draft(5) and len(grown) == len(tokens)
+
+
+def test_periodic_text_continues_the_period():
+    index = ContextIndex(2, [A, B, A, B, A])
+    assert index.draft(4).tokens == (B, A)  # what followed the latest "B A": ends at the sequence's end
+
+
+def test_only_recent_occurrences_are_kept():
+    tokens = []
+    for filler in range(RECENT_OCCURRENCES + 2):
+        tokens += [A, B, 100 + filler]
+    index = ContextIndex(2, tokens + [A, B])
+    assert index.draft(1).tokens == (100 + RECENT_OCCURRENCES + 1,)
+    assert len(index._next[(A, B)]) == RECENT_OCCURRENCES
+
+
+def test_floor_cuts_the_chain():
+    index = ContextIndex(1, [A, B, C, D, X, Y, Z, A])
+    full = index.draft(6)
+    assert len(full) == 6
+    floor = CONTEXT_CONFIDENCE ** 3
+    assert index.draft(6, floor + 1e-9).tokens == full.tokens[:2]
+
+
+def test_chain_leads_and_trie_tree_merges_after_it():
+    chain = ContextIndex(2, [A, B, C, D, X, A, B]).draft(3)  # C D X
+    # Trie tree: C -> D -> Y (shares C D), and Z beside C.
+    trie = DraftTree((C, D, Y, Z), (-1, 0, 1, -1), (5.0, 4.0, 3.0, 2.0), (0.6, 0.5, 0.4, 0.2))
+    tree = with_context(chain, trie, budget=5)
+    assert tree.tokens == (C, D, X, Y, Z)
+    assert tree.parents == (-1, 0, 1, 1, -1)
+    assert tree.best_chain() == [C, D, X]  # chain mode follows the context chain
+    assert node_kinds(tree, context=len(chain)) == [KIND_CONTEXT] * 3 + [KIND_BRANCH, KIND_BRANCH]
+    assert with_context(DraftTree.empty(), trie, 5) is trie
+    assert node_kinds(trie) == [KIND_CHAIN] * 3 + [KIND_BRANCH]
+    assert len(with_context(chain, trie, budget=3)) == 3
+
+
+def test_min_match_validated():
+    with pytest.raises(ValueError, match=r"min_match=0: must be >= 1"):
+        ContextIndex(0)
