@@ -131,8 +131,9 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     # Two continuations after "1 2": a tree can take either; paths cost time.
     prompt2 = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9] * 2
     out2 = [1, 2, 4, 9, 1, 2, 3, 9] * 3
-    hier = sim_acceptance.simulate(LookaheadConfig(draft_shape="hier", cost_per_path=0), [prompt2], [out2], [])
-    one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt2], [out2], [])
+    trie_only = dict(context_match=0)  # the trie's trees alone (the context chain is checked below)
+    hier = sim_acceptance.simulate(LookaheadConfig(draft_shape="hier", cost_per_path=0, **trie_only), [prompt2], [out2], [])
+    one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one", **trie_only), [prompt2], [out2], [])
     assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
     assert hier["speed"] < hier["mal"]  # timed with the CPU path rounds' costs
     # The audit of the trie's raw confidences saw every retrieved node: the
@@ -142,6 +143,14 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     assert sum(r["nodes"] for r in audit["chain"]) > 0 and branch_nodes > 0
     assert 0 < sum(r["acceptance"] * r["nodes"] for r in audit["branch"]) < branch_nodes
     assert audit["pool"] == []
+    # A long repeat of the prompt: the context chain drafts it past the trie's branch length.
+    text = list(range(100, 140))
+    short = dict(draft_shape="one", branch_length=4, max_match_length=2, cost_free_tokens=0)
+    ctx = sim_acceptance.simulate(LookaheadConfig(**short), [text], [text], [])
+    no_ctx = sim_acceptance.simulate(LookaheadConfig(**short, **trie_only), [text], [text], [])
+    assert ctx["mal"] > no_ctx["mal"] + 1 and no_ctx["mal"] <= 4
+    assert sum(r["nodes"] for r in ctx["raw_calibration"]["context"]) > 0
+    assert no_ctx["raw_calibration"]["context"] == []
 
 
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
