@@ -19,7 +19,9 @@ prefixes merged:
   match     the last ``min_match`` tokens of the sequence; among its
             ``RECENT_OCCURRENCES`` most recent earlier occurrences the one
             whose match extends furthest backwards wins (ties: the latest).
-  chain     the tokens that followed the winner, at most ``budget``.
+  chain     the tokens that followed the winner, at most ``budget``; where
+            they run into the sequence's end the text is periodic and the
+            chain repeats the period (``a b a b a`` drafts ``b a b a``).
   confidence  ``CONTEXT_CONFIDENCE ** depth`` (the calibrator of
             core/calibration.py learns the real acceptance per depth bin, node
             kind ``context``); the chain stops below the step's floor.
@@ -94,6 +96,9 @@ class ContextIndex:
         if start < 0 or budget <= 0:
             return DraftTree.empty()
         tokens = self.tokens[start:start + budget]
+        period = len(self.tokens) - start
+        while len(tokens) < budget:  # the continuation reached the end: it repeats with the period
+            tokens.append(tokens[len(tokens) - period])
         confs = [CONTEXT_CONFIDENCE ** d for d in range(1, len(tokens) + 1)]
         keep = sum(1 for c in confs if c >= floor)
         return DraftTree(

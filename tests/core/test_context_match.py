@@ -50,7 +50,10 @@ def test_extend_indexes_new_tokens_like_building_at_once():
 
 def test_periodic_text_continues_the_period():
     index = ContextIndex(2, [A, B, A, B, A])
-    assert index.draft(4).tokens == (B, A)  # what followed the latest "B A": ends at the sequence's end
+    # What followed the latest "B A" runs into the end: the period repeats.
+    assert index.draft(5).tokens == (B, A, B, A, B)
+    index = ContextIndex(2, [X, A, B, C, A, B, C, A, B])
+    assert index.draft(7).tokens == (C, A, B, C, A, B, C)
 
 
 def test_only_recent_occurrences_are_kept():
