@@ -35,7 +35,7 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
         assert rows["lookahead"]["trie_nodes_start"] == 0
         # The lookahead engines report what their calibrators learned.
         assert rows["plain"]["calibration"] is None
-        assert set(rows["lookahead"]["calibration"]) == {"chain", "branch", "pool"}
+        assert set(rows["lookahead"]["calibration"]) == {"chain", "branch", "pool", "context"}
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "lookahead:nofloor-warm" in proc.stdout
 

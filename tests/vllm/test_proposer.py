@@ -150,9 +150,11 @@ def test_forward_cost_model_trims_batch_drafts():
 def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     from vllm import SamplingParams
 
-    # Cost model off: the window always pays (its pricing is tested below).
+    # Cost model off: the window always pays (its pricing is tested below). Context chain off:
+    # the trie's chain is what this test follows.
     p = make_proposer(k=16, source="both", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
-                      min_draft_confidence=0.0, max_match_length=4, cost_free_tokens=0)
+                      min_draft_confidence=0.0, max_match_length=4, cost_free_tokens=0,
+                      context_match=0)
     assert p.config.decoding_length == 16 - 5 and p.tree_mode
     p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     drafts = step(p, {"a": A + [1]}, {"a": len(A)})
