@@ -10,7 +10,8 @@ config, tree size (1/16/64 nodes: 1 = plain decode) and context length
 * baseline: ``flash_attn.flash_attn_with_kvcache`` with a paged cache (block
   size 256, which it requires) and ``causal=True`` (n rows = a chain of n
   drafts) if flash-attn is importable; else torch SDPA forced onto its flash
-  backend with dense K/V (KV heads repeated for GQA, no mask: same work).
+  backend with dense K/V (GQA through ``enable_gqa`` where that backend takes
+  it, else KV heads repeated; no mask: same work).
 
 Timings are CUDA-event medians over ``--iters`` launches after a warm-up;
 ``max_err`` is the kernel's max abs error against the fp32 torch reference.
@@ -125,16 +126,26 @@ def baseline_fn(inputs, batch, nodes, heads):
             q, k, v, cache_seqlens=lens, block_table=table, causal=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # K/V with num_heads heads: GQA's repeated KV heads, materialised (the flash backend needs equal heads)
-    k = torch.randn(batch, num_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     qt = q.transpose(1, 2).contiguous()
+    # Dense K/V with the KV heads only (GQA in the kernel) where the flash backend takes enable_gqa;
+    # else the KV heads repeated up to num_heads, materialised (more bytes read: a slower baseline).
+    k = torch.randn(batch, num_kv_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa(qt, k, v, enable_gqa=True)
+        name, kwargs = "torch sdpa flash backend (dense, enable_gqa)", {"enable_gqa": True}
+    except (RuntimeError, TypeError):
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        name, kwargs = "torch sdpa flash backend (dense, repeated KV heads)", {}
 
     def run():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, k, v)
+            return sdpa(qt, k, v, **kwargs)
 
-    return "torch sdpa flash backend (dense, repeated KV heads)", run
+    return name, run
 
 
 def measure(args, name, heads, nodes, context, rng, gen) -> dict:

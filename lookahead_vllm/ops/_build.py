@@ -185,6 +185,11 @@ def load_extension(verbose: bool = False) -> str:
         extra_include_paths=[str(src)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],
+        # Link the shared libstdc++ explicitly: a compiler driver that links it statically
+        # (seen: a g++ wrapper on the GPU machines) gives the extension a private iostream
+        # whose locale was never initialised, and the first TORCH_CHECK message that
+        # formats an integer crashes the process instead of raising.
+        extra_ldflags=["-lstdc++"],
         build_directory=build_dir,
         is_python_module=False,
         verbose=verbose,

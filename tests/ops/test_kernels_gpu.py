@@ -95,6 +95,16 @@ def test_tree_attention_kernel_rejects_bad_inputs():
         ops_cuda.tree_attention(*case.args())
 
 
+def test_compact_kv_kernel_rejects_bad_inputs():
+    """Messages that format integers raise (a statically linked libstdc++ once crashed here)."""
+    k = torch.zeros(4, 16, 2, 64, device="cuda")
+    one, two = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="1 key caches but 2 value caches"):
+        torch.ops.lookahead_vllm.compact_kv([k], [k.clone(), k.clone()], one, one)
+    with pytest.raises(RuntimeError, match="src_slots has 1 entries, dst_slots has 2"):
+        torch.ops.lookahead_vllm.compact_kv([k], [k.clone()], one, two)
+
+
 def _compaction_case(num_layers, dtype, shape=(12, 16, 2, 64)):
     gen = torch.Generator(device="cuda").manual_seed(num_layers)
     keys = [torch.randn(shape, generator=gen, device="cuda").to(dtype) for _ in range(num_layers)]
@@ -132,7 +142,7 @@ def test_compact_kv_kernel_many_slots_and_strided_blocks():
     """A [num_blocks, 2, block_size, H, D] cache seen as K/V views: block stride != block_size * row."""
     kv = torch.randn(10, 2, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     key, value = kv[:, 0], kv[:, 1]
-    n = 40
+    n = 30  # src slots 20, 22, ..., 78 of the 80
     src = torch.arange(20, 20 + 2 * n, 2, device="cuda")
     dst = torch.arange(20, 20 + n, device="cuda")
     expected = kv.clone()  # by hand: compact_kv_ref needs contiguous caches (it flattens with .view)
