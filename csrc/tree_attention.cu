@@ -1,9 +1,12 @@
 // Paged-KV tree attention: launcher. Checks sizes, strides and alignment,
-// plans the KV split, and instantiates the kernels of tree_attention.cuh for
-// fp32/fp16/bf16 x head_dim 64/128 (adding a head_dim is one `case` here and
-// in the checks; each costs ~1/3 more compile time). Plain CUDA runtime, no torch: CI
-// compiles this file on machines without a GPU.
+// picks the kernel (tensor cores for fp16/bf16 on sm_80+, the fp32 SIMT kernel
+// otherwise), plans the KV split, and instantiates the kernels of
+// tree_attention.cuh for fp32/fp16/bf16 x head_dim 64/128 (adding a head_dim is
+// one `case` here and in the checks). Plain CUDA runtime, no torch: CI compiles
+// this file on machines without a GPU.
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "lookahead_api.h"
 #include "tree_attention.cuh"
@@ -11,11 +14,19 @@
 namespace lookahead {
 namespace {
 
-constexpr int kMinTilesPerSplit = 4;  // a split covers at least 128 keys
+constexpr int kMinKeysPerSplit = 128;
 constexpr int kMaxSplits = 32;
 constexpr int kCtasPerSmTarget = 2;   // split until the grid reaches 2 CTAs per SM
 
+// The kernel a launch uses and the rows/keys one of its CTAs covers per tile.
+struct KernelShape {
+  bool mma;
+  int rows_per_cta;
+  int kv_tile;
+};
+
 struct Plan {
+  KernelShape shape{false, kRowsPerCta, kKvTile};
   int q_tiles = 0;
   int num_splits = 1;
   int chunk = 0;
@@ -53,35 +64,42 @@ int check_params(const LookaheadTreeAttnParams* p) {
   return LOOKAHEAD_OK;
 }
 
-int num_sms() {
-  int device = 0, sms = 0;
+// The current device's attribute, or -1.
+int device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return -1;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;
-  return sms;
+  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) return -1;
+  return value;
 }
 
 // Rows -> q tiles; then split the KV range while the grid is under
-// kCtasPerSmTarget CTAs per SM and every split keeps >= kMinTilesPerSplit tiles.
+// kCtasPerSmTarget CTAs per SM and every split keeps >= kMinKeysPerSplit keys.
 int make_plan(const LookaheadTreeAttnParams* p, Plan* plan) {
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
+  if (sms <= 0 || major < 0) return LOOKAHEAD_ERR_CUDA;
+  const KernelShape shape = p->dtype != LOOKAHEAD_FP32 && major >= 8
+                                ? KernelShape{true, kMmaRowsPerCta, kMmaKvTile}
+                                : KernelShape{false, kRowsPerCta, kKvTile};
   const int64_t group = p->num_heads / p->num_kv_heads;
-  const int64_t q_tiles = (p->max_query_len * group + kRowsPerCta - 1) / kRowsPerCta;
-  const int64_t kv_tiles = (static_cast<int64_t>(p->max_seq_len) + kKvTile - 1) / kKvTile;
+  const int64_t q_tiles = (p->max_query_len * group + shape.rows_per_cta - 1) / shape.rows_per_cta;
+  const int64_t kv_tiles = (static_cast<int64_t>(p->max_seq_len) + shape.kv_tile - 1) / shape.kv_tile;
+  const int64_t min_tiles = (kMinKeysPerSplit + shape.kv_tile - 1) / shape.kv_tile;
   const int64_t base_ctas = static_cast<int64_t>(p->num_reqs) * p->num_kv_heads * q_tiles;
-  const int sms = num_sms();
-  if (sms <= 0) return LOOKAHEAD_ERR_CUDA;
   int64_t splits = 1;
   const int64_t target = static_cast<int64_t>(kCtasPerSmTarget) * sms;
-  if (base_ctas < target && kv_tiles >= 2 * kMinTilesPerSplit) {
+  if (base_ctas < target && kv_tiles >= 2 * min_tiles) {
     splits = (target + base_ctas - 1) / base_ctas;
-    if (splits > kv_tiles / kMinTilesPerSplit) splits = kv_tiles / kMinTilesPerSplit;
+    if (splits > kv_tiles / min_tiles) splits = kv_tiles / min_tiles;
     if (splits > kMaxSplits) splits = kMaxSplits;
   }
   const int64_t chunk_tiles = kv_tiles > 0 ? (kv_tiles + splits - 1) / splits : 1;
   splits = kv_tiles > 0 ? (kv_tiles + chunk_tiles - 1) / chunk_tiles : 1;  // no empty tail split
   if (q_tiles * splits > 0x7fffffff) return LOOKAHEAD_ERR_SIZE;
+  plan->shape = shape;
   plan->q_tiles = static_cast<int>(q_tiles);
   plan->num_splits = static_cast<int>(splits);
-  plan->chunk = static_cast<int>(chunk_tiles * kKvTile);
+  plan->chunk = static_cast<int>(chunk_tiles * shape.kv_tile);
   plan->partial_out_bytes = 0;
   plan->workspace_bytes = 0;
   if (splits > 1) {
@@ -103,14 +121,22 @@ int launch(const LookaheadTreeAttnParams& p, const Plan& plan, void* workspace,
   s.partial_lse = plan.num_splits > 1
                       ? reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.partial_out_bytes)
                       : nullptr;
-  const size_t smem = SmemLayout<D>::kBytes;
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(tree_attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)) != cudaSuccess)
-    return LOOKAHEAD_ERR_CUDA;
   const dim3 grid(plan.q_tiles * plan.num_splits, p.num_kv_heads, p.num_reqs);
-  auto* kernel = tree_attention_kernel<T, D>;
-  LOOKAHEAD_LAUNCH(kernel, grid, kThreads, smem, stream, p, s);
+  auto start = [&](auto* kernel, size_t smem, int threads) {
+    if (smem > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem)) != cudaSuccess)
+      return false;
+    LOOKAHEAD_LAUNCH(kernel, grid, threads, smem, stream, p, s);
+    return true;
+  };
+  bool started = false;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (plan.shape.mma) started = start(tree_attention_mma_kernel<T, D>, MmaSmem<T, D>::kBytes, kMmaThreads);
+    else started = start(tree_attention_kernel<T, D>, SmemLayout<D>::kBytes, kThreads);
+  } else {
+    started = start(tree_attention_kernel<T, D>, SmemLayout<D>::kBytes, kThreads);
+  }
+  if (!started) return LOOKAHEAD_ERR_CUDA;
   if (plan.num_splits > 1) {
     const dim3 merge_grid(p.num_tokens, p.num_heads);
     auto* merge = tree_attention_merge_kernel<T, D>;

@@ -24,10 +24,16 @@
 // accumulates P.V with lane d owning output dims d, d+32, ... and p_j taken
 // from lane j by a shuffle. All arithmetic is fp32 (scores in the log2
 // domain: q is pre-scaled by scale * log2(e), so exp2f replaces expf).
+//
+// fp16/bf16 on sm_80+ use tree_attention_mma_kernel instead (bottom of this
+// file): the same rows/splits/mask semantics, with both matrix products on
+// tensor cores (WMMA 16x16x16, fp32 accumulation) and cp.async K/V staging.
+// The fp32 kernel above stays the path for fp32 and for older GPUs.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -319,6 +325,281 @@ __global__ void __launch_bounds__(D)
   }
   T* out = static_cast<T*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
   out[d] = from_float<T>(den > 0.f ? num / den : 0.f);
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core path (fp16/bf16, sm_80+). One CTA = 4 warps x 16 rows = 64
+// (token, head) rows of one KV head, as above; KV tiles of 64 keys. Per tile:
+//   S = Q K^T      WMMA, each warp its 16 rows x 64 keys, fp32, to shared memory;
+//   softmax        SIMT over the warp's S rows (lane j owns keys j, j + 32):
+//                  scale into the log2 domain, tree mask, online max/sum, P in
+//                  the storage dtype to shared memory, O rows rescaled by alpha;
+//   O += P V       WMMA with the fp32 O tile kept in shared memory (loaded
+//                  into accumulators, updated, stored back).
+// K and V are staged with cp.async into one buffer each; the next tile's K
+// loads while this tile's softmax and P.V run, the next V while the next S
+// runs. Keys past the split's end are zero-filled (P = 0 times a NaN slot
+// would be NaN). The accepted error is that of P rounded to the storage dtype
+// before P.V, as in FlashAttention.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaRowsPerWarp = 16;
+constexpr int kMmaRowsPerCta = kMmaWarps * kMmaRowsPerWarp;
+constexpr int kMmaKvTile = 64;
+constexpr int kMmaThreads = kMmaWarps * 32;
+
+// Byte layout of the dynamic shared memory; every region and row offset WMMA
+// touches is a multiple of 32 bytes.
+template <typename T, int D>
+struct MmaSmem {
+  static constexpr int kLd = D + 8;            // T per staged Q/K/V row (+16 bytes: no bank conflicts)
+  static constexpr int kSLd = kMmaKvTile + 4;  // floats per score row
+  static constexpr int kPLd = kMmaKvTile + 8;  // T per probability row
+  static constexpr int kOLd = D + 4;           // floats per output row
+  static constexpr size_t kQ = sizeof(T) * kMmaRowsPerCta * kLd;
+  static constexpr size_t kKV = sizeof(T) * kMmaKvTile * kLd;
+  static constexpr size_t kS = sizeof(float) * kMmaRowsPerWarp * kSLd;  // per warp
+  static constexpr size_t kP = sizeof(T) * kMmaRowsPerWarp * kPLd;      // per warp
+  static constexpr size_t kO = sizeof(float) * kMmaRowsPerWarp * kOLd;  // per warp
+  static constexpr size_t kWarp = kS + kP + kO;
+  static constexpr size_t kBytes = kQ + 2 * kKV + kMmaWarps * kWarp;
+  static_assert(kQ % 32 == 0 && kKV % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0);
+};
+
+// 16-byte global -> shared copy: cp.async on sm_80+, a plain copy elsewhere (host emulation).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+#else
+  memcpy(smem, gmem, 16);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most `pending` committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+#endif
+}
+
+// Start copying keys [t0, t0 + kMmaKvTile) of one KV head of `cache` into `dst` ([key][kLd]).
+template <typename T, int D>
+__device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, const T* cache,
+                                              const int32_t* block_table, int kv_head, int t0,
+                                              int kv_end, T* dst) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVecsPerRow = D / kVec;
+  for (int i = threadIdx.x; i < kMmaKvTile * kVecsPerRow; i += kMmaThreads) {
+    const int kk = i / kVecsPerRow;
+    const int c = i % kVecsPerRow;
+    const int pos = t0 + kk;
+    T* d = dst + kk * MmaSmem<T, D>::kLd + c * kVec;
+    if (pos < kv_end) {
+      const int64_t block = block_table[pos / p.block_size];
+      const int64_t off = block * p.kv_stride_block +
+                          static_cast<int64_t>(pos % p.block_size) * p.kv_stride_token +
+                          static_cast<int64_t>(kv_head) * p.kv_stride_head + c * kVec;
+      cp_async16(d, cache + off);
+    } else {
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      memcpy(d, &zero, sizeof(zero));
+    }
+  }
+}
+
+// grid = (q_tiles * num_splits, num_kv_heads, num_reqs), block = kMmaThreads,
+// dynamic shared memory = MmaSmem<T, D>::kBytes.
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    tree_attention_mma_kernel(const LookaheadTreeAttnParams p, const SplitArgs s) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  namespace wmma = nvcuda::wmma;
+  using L = MmaSmem<T, D>;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+  using FragKt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;  // K^T from [key][d]
+  using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+  using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  static_assert(D % 16 == 0 && kMmaKvTile == 64, "lane j owns keys j and j + 32");
+  constexpr int kKeyBlocks = kMmaKvTile / 16;
+
+  LOOKAHEAD_DYNAMIC_SMEM(float4, smem_f4);
+  char* smem = reinterpret_cast<char*>(smem_f4);
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* k_s = reinterpret_cast<T*>(smem + L::kQ);
+  T* v_s = reinterpret_cast<T*>(smem + L::kQ + L::kKV);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  char* warp_smem = smem + L::kQ + 2 * L::kKV + warp * L::kWarp;
+  float* s_s = reinterpret_cast<float*>(warp_smem);
+  T* p_s = reinterpret_cast<T*>(warp_smem + L::kS);
+  float* o_s = reinterpret_cast<float*>(warp_smem + L::kS + L::kP);
+
+  const int req = blockIdx.z;
+  const int kv_head = blockIdx.y;
+  const int split = blockIdx.x % s.num_splits;
+  const int tile = blockIdx.x / s.num_splits;
+  const int q_begin = p.query_start_loc[req];
+  const int q_len = p.query_start_loc[req + 1] - q_begin;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int num_rows = q_len * group;
+  const int row_begin = tile * kMmaRowsPerCta;
+  if (q_len <= 0 || row_begin >= num_rows) return;  // uniform over the CTA
+  const int seq_len = p.seq_lens[req];
+  const int ctx_len = seq_len - q_len;
+  const int kv_begin = split * s.chunk;
+  const int kv_end = min(seq_len, kv_begin + s.chunk);
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
+  const T* k_cache = static_cast<const T*>(p.key_cache);
+  const T* v_cache = static_cast<const T*>(p.value_cache);
+
+  // First K and V tiles in flight while Q is staged (rows past num_rows are zero).
+  stage_kv_tile<T, D>(p, k_cache, block_table, kv_head, kv_begin, kv_end, k_s);
+  cp_async_commit();
+  stage_kv_tile<T, D>(p, v_cache, block_table, kv_head, kv_begin, kv_end, v_s);
+  cp_async_commit();
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kMmaRowsPerCta * D; i += kMmaThreads) {
+    const int r = i / D;
+    const int row = row_begin + r;
+    T x = from_float<T>(0.f);
+    if (row < num_rows) {
+      const int64_t token = q_begin + row / group;
+      const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
+      x = query[token * p.q_stride_token + head * p.q_stride_head + i % D];
+    }
+    q_s[r * L::kLd + i % D] = x;
+  }
+  for (int i = lane; i < kMmaRowsPerWarp * L::kOLd; i += 32) o_s[i] = 0.f;
+
+  const int warp_row = row_begin + warp * kMmaRowsPerWarp;
+  const bool warp_active = warp_row < num_rows;  // warps of padding rows only help stage tiles
+  int mask_token[kMmaRowsPerWarp];
+  float m[kMmaRowsPerWarp], l[kMmaRowsPerWarp];  // l: this lane's share of the row sum
+#pragma unroll
+  for (int r = 0; r < kMmaRowsPerWarp; ++r) {
+    mask_token[r] = q_begin + min(warp_row + r, num_rows - 1) / group;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  const float log2_scale = p.scale * kLog2e;
+
+  __syncthreads();  // q_s staged
+  FragA q_frag[D / 16];
+  if (warp_active) {
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd)
+      wmma::load_matrix_sync(q_frag[kd], q_s + warp * kMmaRowsPerWarp * L::kLd + kd * 16, L::kLd);
+  }
+
+  for (int t0 = kv_begin; t0 < kv_end; t0 += kMmaKvTile) {
+    const int next = t0 + kMmaKvTile;
+    cp_async_wait<1>();  // this tile's K has landed (its V may still be in flight)
+    __syncthreads();
+    if (warp_active) {
+#pragma unroll
+      for (int n = 0; n < kKeyBlocks; ++n) {
+        FragAcc s_frag;
+        wmma::fill_fragment(s_frag, 0.f);
+#pragma unroll
+        for (int kd = 0; kd < D / 16; ++kd) {
+          FragKt k_frag;
+          wmma::load_matrix_sync(k_frag, k_s + n * 16 * L::kLd + kd * 16, L::kLd);
+          wmma::mma_sync(s_frag, q_frag[kd], k_frag, s_frag);
+        }
+        wmma::store_matrix_sync(s_s + n * 16, s_frag, L::kSLd, wmma::mem_row_major);
+      }
+    }
+    __syncthreads();  // every warp is done with k_s: the next K may land there
+    if (next < kv_end) stage_kv_tile<T, D>(p, k_cache, block_table, kv_head, next, kv_end, k_s);
+    cp_async_commit();
+
+    if (warp_active) {
+      __syncwarp();  // S rows stored by the warp's WMMA
+#pragma unroll
+      for (int r = 0; r < kMmaRowsPerWarp; ++r) {
+        float x[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pos = t0 + lane + 32 * h;
+          bool visible = pos < kv_end;
+          const int bit = pos - ctx_len;  // tail index when >= 0
+          if (visible && bit >= 0) {
+            const int64_t word = p.tree_mask[static_cast<int64_t>(mask_token[r]) * p.mask_words + (bit >> 6)];
+            visible = (word >> (bit & 63)) & 1;
+          }
+          x[h] = visible ? s_s[r * L::kSLd + lane + 32 * h] * log2_scale : -INFINITY;
+        }
+        const float m_new = fmaxf(m[r], warp_max(fmaxf(x[0], x[1])));  // warp-uniform
+        float alpha = 1.f, p0 = 0.f, p1 = 0.f;
+        if (m_new != -INFINITY) {
+          alpha = exp2f(m[r] - m_new);
+          p0 = exp2f(x[0] - m_new);
+          p1 = exp2f(x[1] - m_new);
+        }
+        m[r] = m_new;
+        l[r] = l[r] * alpha + p0 + p1;
+        p_s[r * L::kPLd + lane] = from_float<T>(p0);
+        p_s[r * L::kPLd + lane + 32] = from_float<T>(p1);
+#pragma unroll
+        for (int d = lane; d < D; d += 32) o_s[r * L::kOLd + d] *= alpha;
+      }
+      __syncwarp();  // P and the rescaled O rows are visible to the warp's WMMA
+    }
+    cp_async_wait<1>();  // this tile's V has landed (the next K may still be in flight)
+    __syncthreads();
+    if (warp_active) {
+      FragA p_frag[kKeyBlocks];
+#pragma unroll
+      for (int kk = 0; kk < kKeyBlocks; ++kk) wmma::load_matrix_sync(p_frag[kk], p_s + kk * 16, L::kPLd);
+#pragma unroll 2
+      for (int n = 0; n < D / 16; ++n) {
+        FragAcc o_frag;
+        wmma::load_matrix_sync(o_frag, o_s + n * 16, L::kOLd, wmma::mem_row_major);
+#pragma unroll
+        for (int kk = 0; kk < kKeyBlocks; ++kk) {
+          FragV v_frag;
+          wmma::load_matrix_sync(v_frag, v_s + kk * 16 * L::kLd + n * 16, L::kLd);
+          wmma::mma_sync(o_frag, p_frag[kk], v_frag, o_frag);
+        }
+        wmma::store_matrix_sync(o_s + n * 16, o_frag, L::kOLd, wmma::mem_row_major);
+      }
+    }
+    __syncthreads();  // every warp is done with v_s: the next V may land there
+    if (next < kv_end) stage_kv_tile<T, D>(p, v_cache, block_table, kv_head, next, kv_end, v_s);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: normalise; write the output row, or this split's partial + lse.
+  if (!warp_active) return;
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < kMmaRowsPerWarp; ++r) {
+    const float l_sum = warp_sum(l[r]);
+    const int row = warp_row + r;
+    if (row >= num_rows) break;  // warp-uniform; later rows are padding too
+    const int64_t token = q_begin + row / group;
+    const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
+    const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
+    const float* o_row = o_s + r * L::kOLd;
+    if (s.num_splits == 1) {
+      T* out = static_cast<T*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
+      for (int d = lane; d < D; d += 32) out[d] = from_float<T>(o_row[d] * inv);
+    } else {
+      const int64_t prow = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_heads + head;
+      float* po = s.partial_out + prow * D;
+      for (int d = lane; d < D; d += 32) po[d] = o_row[d] * inv;
+      if (lane == 0) s.partial_lse[prow] = l_sum > 0.f ? m[r] + log2f(l_sum) : -INFINITY;
+    }
+  }
+#endif
 }
 
 }  // namespace lookahead

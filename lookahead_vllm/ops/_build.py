@@ -185,11 +185,11 @@ def load_extension(verbose: bool = False) -> str:
         extra_include_paths=[str(src)],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3"],
-        # Link the shared libstdc++ explicitly: a compiler driver that links it statically
-        # (seen: a g++ wrapper on the GPU machines) gives the extension a private iostream
-        # whose locale was never initialised, and the first TORCH_CHECK message that
-        # formats an integer crashes the process instead of raising.
-        extra_ldflags=["-lstdc++"],
+        # Link the shared libstdc++ by file name: a toolchain whose own library folder holds
+        # only libstdc++.a (seen: the g++ wrapper on the GPU machines) links it statically,
+        # giving the extension a private iostream whose locale torch never initialised; the
+        # first TORCH_CHECK message that formats an integer then crashed the process.
+        extra_ldflags=["-l:libstdc++.so.6"],
         build_directory=build_dir,
         is_python_module=False,
         verbose=verbose,

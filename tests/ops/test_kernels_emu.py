@@ -55,8 +55,11 @@ def lib(emu_kernels_path):  # built in the background (tests/ops/conftest.py)
     return lib
 
 
-def run_tree_attention(lib, case, num_sms: int) -> tuple[torch.Tensor, int]:
-    """Kernel output and the number of kernel launches (2 = split + merge)."""
+def run_tree_attention(lib, case, num_sms: int, major: int = 9) -> tuple[torch.Tensor, int]:
+    """Kernel output and the number of kernel launches (2 = split + merge) on an emulated sm_<major>x GPU.
+
+    fp16/bf16 take the tensor-core (WMMA) kernel from sm_80 on and the SIMT kernel before.
+    """
     q, kc = case.query, case.key_cache
     out = torch.full_like(q, float("nan"))
     p = TreeAttnParams(
@@ -68,6 +71,7 @@ def run_tree_attention(lib, case, num_sms: int) -> tuple[torch.Tensor, int]:
         kc.stride(2), case.scale,
     )
     lib.emu_set_num_sms(num_sms)
+    lib.emu_set_compute_capability(major)
     size = ctypes.c_size_t(0)
     assert lib.lookahead_tree_attention_workspace(ctypes.byref(p), ctypes.byref(size)) == 0
     workspace = torch.empty(max(size.value, 1), dtype=torch.uint8)
@@ -84,16 +88,21 @@ CASES = {
 }
 
 
-# (case, dtype, emulated SM count): 132 SMs split these grids' KV range (split + merge kernels), 1 SM does not.
-RUNS = [("mixed-gqa3", torch.float32, 132), ("mixed-gqa3", torch.float16, 132), ("mixed-gqa3", torch.bfloat16, 132),
-        ("mixed-gqa3", torch.bfloat16, 1), ("long-ctx-d128", torch.float32, 132), ("long-ctx-d128", torch.float16, 1)]
+# (case, dtype, emulated SM count, compute capability major): 132 SMs split these grids' KV range (split +
+# merge kernels), 1 SM does not; fp16/bf16 run the WMMA kernel on sm_90 and the SIMT kernel on sm_75.
+RUNS = [("mixed-gqa3", torch.float32, 132, 9), ("mixed-gqa3", torch.float16, 132, 9),
+        ("mixed-gqa3", torch.bfloat16, 132, 9), ("mixed-gqa3", torch.bfloat16, 1, 9),
+        ("mixed-gqa3", torch.float16, 132, 7), ("long-ctx-d128", torch.float32, 132, 9),
+        ("long-ctx-d128", torch.float16, 1, 9), ("long-ctx-d128", torch.bfloat16, 132, 9),
+        ("long-ctx-d128", torch.bfloat16, 1, 7)]
 
 
-@pytest.mark.parametrize("name,dtype,num_sms", RUNS, ids=[f"{n}-{str(d)[6:]}-{s}sm" for n, d, s in RUNS])
-def test_emulated_tree_attention_matches_reference(lib, name, dtype, num_sms):
+@pytest.mark.parametrize("name,dtype,num_sms,major", RUNS,
+                         ids=[f"{n}-{str(d)[6:]}-{s}sm-sm{m}x" for n, d, s, m in RUNS])
+def test_emulated_tree_attention_matches_reference(lib, name, dtype, num_sms, major):
     tails, contexts, (heads, kv_heads), head_dim = CASES[name]
     case = make_case(tails, contexts, heads, kv_heads, head_dim, block_size=16, dtype=dtype, seed=len(name))
-    out, launches = run_tree_attention(lib, case, num_sms)
+    out, launches = run_tree_attention(lib, case, num_sms, major)
     assert launches == (2 if num_sms > 1 else 1)  # the split path must really run the merge kernel
     assert torch.isfinite(out.float()).all()
     ref32 = paged_tree_attention_ref(*case.to("cpu", torch.float32).args())

@@ -6,6 +6,9 @@
 // switches at barriers);
 // __syncthreads is a barrier over the CTA; warp shuffles exchange values through
 // per-warp slots and a warp barrier;
+// WMMA fragments hold their whole 16x16 tile in every lane and each WMMA call
+// is warp-collective (a warp barrier around every load/store), so a lane never
+// sees another lane's half-finished tile;
 // dynamic shared memory is a per-CTA buffer; CTAs run one after another; the
 // CUDA runtime calls the launchers make are stubs ("device" pointers are host
 // pointers). It checks the kernels' indexing, masking, softmax and split/merge
@@ -22,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 namespace emu {
@@ -60,6 +64,7 @@ inline uint3 t_thread_idx, t_block_idx;
 inline dim3 t_block_dim, t_grid_dim;
 inline BlockCtx* t_ctx = nullptr;
 inline int num_sms = 132;
+inline int compute_capability_major = 9;
 inline int launches = 0;
 
 inline void yield() {
@@ -93,6 +98,7 @@ inline void arrive_and_drop(Barrier& b) {
 }
 
 inline void syncthreads() { arrive_and_wait(t_ctx->block); }
+inline void syncwarp() { arrive_and_wait(t_ctx->warps[t_thread_idx.x / 32]); }
 
 inline float shfl(float v, int src_lane) {
   const int warp = t_thread_idx.x / 32, lane = t_thread_idx.x % 32;
@@ -167,20 +173,86 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, Args... arg
 
 inline cudaError_t get_device(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
-  *v = attr == cudaDevAttrMultiProcessorCount ? num_sms : 0;
+  *v = attr == cudaDevAttrMultiProcessorCount ? num_sms
+       : attr == cudaDevAttrComputeCapabilityMajor ? compute_capability_major
+                                                  : 0;
   return cudaSuccess;
 }
 template <typename F>
 cudaError_t func_set_attribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
 inline cudaError_t get_last_error() { return cudaSuccess; }
 
+inline float to_f(float x) { return x; }
+inline float to_f(__half x) { return __half2float(x); }
+inline float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 }  // namespace emu
+
+// WMMA (mma.h declares nothing without nvcc): the subset the kernels use.
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static constexpr int kRows = std::is_same_v<Use, matrix_b> ? K : M;
+  static constexpr int kCols = std::is_same_v<Use, matrix_a> ? K : N;
+  T x[kRows * kCols];  // the whole tile, row-major, in every lane
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, T value) {
+  for (auto& e : f.x) e = value;
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* ptr, unsigned ldm) {
+  using F = fragment<Use, M, N, K, T, Layout>;
+  for (int r = 0; r < F::kRows; ++r)
+    for (int c = 0; c < F::kCols; ++c)
+      f.x[r * F::kCols + c] = std::is_same_v<Layout, row_major> ? ptr[r * ldm + c] : ptr[c * ldm + r];
+  emu::syncwarp();
+}
+
+template <int M, int N, int K, typename T>
+void load_matrix_sync(fragment<accumulator, M, N, K, T>& f, const T* ptr, unsigned ldm, layout_t layout) {
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_row_major ? ptr[r * ldm + c] : ptr[c * ldm + r];
+  emu::syncwarp();
+}
+
+template <int M, int N, int K, typename T>
+void store_matrix_sync(T* ptr, const fragment<accumulator, M, N, K, T>& f, unsigned ldm, layout_t layout) {
+  emu::syncwarp();  // every lane has read what this overwrites
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) (layout == mem_row_major ? ptr[r * ldm + c] : ptr[c * ldm + r]) = f.x[r * N + c];
+  emu::syncwarp();
+}
+
+template <int M, int N, int K, typename T, typename Ta, typename La, typename Lb>
+void mma_sync(fragment<accumulator, M, N, K, T>& d, const fragment<matrix_a, M, N, K, Ta, La>& a,
+              const fragment<matrix_b, M, N, K, Ta, Lb>& b, const fragment<accumulator, M, N, K, T>& c) {
+  T out[M * N];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float acc = c.x[i * N + j];
+      for (int k = 0; k < K; ++k) acc += emu::to_f(a.x[i * K + k]) * emu::to_f(b.x[k * N + j]);
+      out[i * N + j] = acc;
+    }
+  for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
+}
+}  // namespace nvcuda::wmma
 
 #define threadIdx emu::t_thread_idx
 #define blockIdx emu::t_block_idx
 #define blockDim emu::t_block_dim
 #define gridDim emu::t_grid_dim
 #define __syncthreads() emu::syncthreads()
+#define __syncwarp(...) emu::syncwarp()
 #define __launch_bounds__(...)
 inline float __shfl_sync(unsigned, float v, int src_lane) { return emu::shfl(v, src_lane); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
@@ -199,3 +271,4 @@ using std::min;
 // Weak: the header is included by every emulated translation unit.
 extern "C" __attribute__((weak)) void emu_set_num_sms(int n) { emu::num_sms = n; }
 extern "C" __attribute__((weak)) int emu_launches() { return emu::launches; }
+extern "C" __attribute__((weak)) void emu_set_compute_capability(int major) { emu::compute_capability_major = major; }
