@@ -88,8 +88,8 @@ int make_plan(const LookaheadTreeAttnParams* p, Plan* plan) {
   const int64_t base_ctas = static_cast<int64_t>(p->num_reqs) * p->num_kv_heads * q_tiles;
   int64_t splits = 1;
   const int64_t target = static_cast<int64_t>(kCtasPerSmTarget) * sms;
-  if (base_ctas < target && kv_tiles >= 2 * min_tiles) {
-    splits = (target + base_ctas - 1) / base_ctas;
+  if (2 * base_ctas <= target && kv_tiles >= 2 * min_tiles) {
+    splits = target / base_ctas;  // rounded down: a partly filled extra wave costs a whole one
     if (splits > kv_tiles / min_tiles) splits = kv_tiles / min_tiles;
     if (splits > kMaxSplits) splits = kMaxSplits;
   }

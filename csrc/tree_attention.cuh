@@ -347,8 +347,11 @@ constexpr int kMmaRowsPerCta = kMmaWarps * kMmaRowsPerWarp;
 constexpr int kMmaKvTile = 64;
 constexpr int kMmaThreads = kMmaWarps * 32;
 
-// Byte layout of the dynamic shared memory; every region and row offset WMMA
-// touches is a multiple of 32 bytes.
+// Byte layout of the dynamic shared memory: K tile, V tile, then per warp its
+// scores S (fp32; P, in the storage dtype, overwrites S row by row: P row r
+// only reaches S rows <= r, already consumed) and its fp32 O tile. Q is staged
+// once over the warps' areas before the loop. Every region and row offset
+// WMMA touches is a multiple of 32 bytes.
 template <typename T, int D>
 struct MmaSmem {
   static constexpr int kLd = D + 8;            // T per staged Q/K/V row (+16 bytes: no bank conflicts)
@@ -357,12 +360,12 @@ struct MmaSmem {
   static constexpr int kOLd = D + 4;           // floats per output row
   static constexpr size_t kQ = sizeof(T) * kMmaRowsPerCta * kLd;
   static constexpr size_t kKV = sizeof(T) * kMmaKvTile * kLd;
-  static constexpr size_t kS = sizeof(float) * kMmaRowsPerWarp * kSLd;  // per warp
-  static constexpr size_t kP = sizeof(T) * kMmaRowsPerWarp * kPLd;      // per warp
+  static constexpr size_t kS = sizeof(float) * kMmaRowsPerWarp * kSLd;  // per warp, P in place
   static constexpr size_t kO = sizeof(float) * kMmaRowsPerWarp * kOLd;  // per warp
-  static constexpr size_t kWarp = kS + kP + kO;
-  static constexpr size_t kBytes = kQ + 2 * kKV + kMmaWarps * kWarp;
-  static_assert(kQ % 32 == 0 && kKV % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0);
+  static constexpr size_t kWarp = kS + kO;
+  static constexpr size_t kBytes = 2 * kKV + kMmaWarps * kWarp;
+  static_assert(kKV % 32 == 0 && kS % 32 == 0 && kO % 32 == 0);
+  static_assert(sizeof(T) * kPLd <= sizeof(float) * kSLd && kQ <= kMmaWarps * kWarp, "aliasing");
 };
 
 // 16-byte global -> shared copy: cp.async on sm_80+, a plain copy elsewhere (host emulation).
@@ -390,10 +393,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Start copying keys [t0, t0 + kMmaKvTile) of one KV head of `cache` into `dst` ([key][kLd]).
+// block_shift: log2(block_size) when that is a power of two (no integer division), else -1.
 template <typename T, int D>
 __device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, const T* cache,
-                                              const int32_t* block_table, int kv_head, int t0,
-                                              int kv_end, T* dst) {
+                                              const int32_t* block_table, int block_shift, int kv_head,
+                                              int t0, int kv_end, T* dst) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecsPerRow = D / kVec;
   for (int i = threadIdx.x; i < kMmaKvTile * kVecsPerRow; i += kMmaThreads) {
@@ -402,9 +406,10 @@ __device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, 
     const int pos = t0 + kk;
     T* d = dst + kk * MmaSmem<T, D>::kLd + c * kVec;
     if (pos < kv_end) {
-      const int64_t block = block_table[pos / p.block_size];
-      const int64_t off = block * p.kv_stride_block +
-                          static_cast<int64_t>(pos % p.block_size) * p.kv_stride_token +
+      const int block_pos = block_shift >= 0 ? pos >> block_shift : pos / p.block_size;
+      const int in_block = pos - block_pos * p.block_size;
+      const int64_t off = static_cast<int64_t>(block_table[block_pos]) * p.kv_stride_block +
+                          static_cast<int64_t>(in_block) * p.kv_stride_token +
                           static_cast<int64_t>(kv_head) * p.kv_stride_head + c * kVec;
       cp_async16(d, cache + off);
     } else {
@@ -431,15 +436,15 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   LOOKAHEAD_DYNAMIC_SMEM(float4, smem_f4);
   char* smem = reinterpret_cast<char*>(smem_f4);
-  T* q_s = reinterpret_cast<T*>(smem);
-  T* k_s = reinterpret_cast<T*>(smem + L::kQ);
-  T* v_s = reinterpret_cast<T*>(smem + L::kQ + L::kKV);
+  T* k_s = reinterpret_cast<T*>(smem);
+  T* v_s = reinterpret_cast<T*>(smem + L::kKV);
+  T* q_s = reinterpret_cast<T*>(smem + 2 * L::kKV);  // before the loop only: the warps' areas
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  char* warp_smem = smem + L::kQ + 2 * L::kKV + warp * L::kWarp;
+  char* warp_smem = smem + 2 * L::kKV + warp * L::kWarp;
   float* s_s = reinterpret_cast<float*>(warp_smem);
-  T* p_s = reinterpret_cast<T*>(warp_smem + L::kS);
-  float* o_s = reinterpret_cast<float*>(warp_smem + L::kS + L::kP);
+  T* p_s = reinterpret_cast<T*>(warp_smem);  // overwrites s_s row by row
+  float* o_s = reinterpret_cast<float*>(warp_smem + L::kS);
 
   const int req = blockIdx.z;
   const int kv_head = blockIdx.y;
@@ -458,11 +463,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
   const T* k_cache = static_cast<const T*>(p.key_cache);
   const T* v_cache = static_cast<const T*>(p.value_cache);
+  const int block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
 
   // First K and V tiles in flight while Q is staged (rows past num_rows are zero).
-  stage_kv_tile<T, D>(p, k_cache, block_table, kv_head, kv_begin, kv_end, k_s);
+  stage_kv_tile<T, D>(p, k_cache, block_table, block_shift, kv_head, kv_begin, kv_end, k_s);
   cp_async_commit();
-  stage_kv_tile<T, D>(p, v_cache, block_table, kv_head, kv_begin, kv_end, v_s);
+  stage_kv_tile<T, D>(p, v_cache, block_table, block_shift, kv_head, kv_begin, kv_end, v_s);
   cp_async_commit();
   const T* query = static_cast<const T*>(p.query);
   for (int i = threadIdx.x; i < kMmaRowsPerCta * D; i += kMmaThreads) {
@@ -476,10 +482,10 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
     q_s[r * L::kLd + i % D] = x;
   }
-  for (int i = lane; i < kMmaRowsPerWarp * L::kOLd; i += 32) o_s[i] = 0.f;
 
   const int warp_row = row_begin + warp * kMmaRowsPerWarp;
   const bool warp_active = warp_row < num_rows;  // warps of padding rows only help stage tiles
+  const int live_rows = min(kMmaRowsPerWarp, num_rows - warp_row);  // the rest are padding
   int mask_token[kMmaRowsPerWarp];
   float m[kMmaRowsPerWarp], l[kMmaRowsPerWarp];  // l: this lane's share of the row sum
 #pragma unroll
@@ -497,6 +503,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     for (int kd = 0; kd < D / 16; ++kd)
       wmma::load_matrix_sync(q_frag[kd], q_s + warp * kMmaRowsPerWarp * L::kLd + kd * 16, L::kLd);
   }
+  __syncthreads();  // every warp holds its Q fragments: the warps' areas are free
+  for (int i = lane; i < kMmaRowsPerWarp * L::kOLd; i += 32) o_s[i] = 0.f;
 
   for (int t0 = kv_begin; t0 < kv_end; t0 += kMmaKvTile) {
     const int next = t0 + kMmaKvTile;
@@ -517,13 +525,14 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with k_s: the next K may land there
-    if (next < kv_end) stage_kv_tile<T, D>(p, k_cache, block_table, kv_head, next, kv_end, k_s);
+    if (next < kv_end) stage_kv_tile<T, D>(p, k_cache, block_table, block_shift, kv_head, next, kv_end, k_s);
     cp_async_commit();
 
     if (warp_active) {
       __syncwarp();  // S rows stored by the warp's WMMA
 #pragma unroll
       for (int r = 0; r < kMmaRowsPerWarp; ++r) {
+        if (r >= live_rows) break;  // warp-uniform: padding rows' P and O stay garbage, never read
         float x[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -572,7 +581,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with v_s: the next V may land there
-    if (next < kv_end) stage_kv_tile<T, D>(p, v_cache, block_table, kv_head, next, kv_end, v_s);
+    if (next < kv_end) stage_kv_tile<T, D>(p, v_cache, block_table, block_shift, kv_head, next, kv_end, v_s);
     cp_async_commit();
   }
   cp_async_wait<0>();

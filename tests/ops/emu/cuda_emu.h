@@ -254,6 +254,7 @@ void mma_sync(fragment<accumulator, M, N, K, T>& d, const fragment<matrix_a, M, 
 #define __syncthreads() emu::syncthreads()
 #define __syncwarp(...) emu::syncwarp()
 #define __launch_bounds__(...)
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float __shfl_sync(unsigned, float v, int src_lane) { return emu::shfl(v, src_lane); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   return emu::shfl(v, static_cast<int>(threadIdx.x % 32) ^ lane_mask);
