@@ -13,7 +13,9 @@ config, tree size (1/16/64 nodes: 1 = plain decode) and context length
   backend with dense K/V (GQA through ``enable_gqa`` where that backend takes
   it, else KV heads repeated; no mask: same work).
 
-Timings are CUDA-event medians over ``--iters`` launches after a warm-up;
+Timings are device time: ``--graph-calls`` calls captured in one CUDA graph
+(as vLLM runs decode steps), replayed ``--iters`` times, CUDA-event median per
+call; ``*_eager_us`` are medians of single eager calls, host overhead included.
 ``max_err`` is the kernel's max abs error against the fp32 torch reference.
 Writes JSON + a PNG (``--out``, ``--plot``). GPU only: exits with status 2
 and a message when CUDA is unavailable.
@@ -47,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--batch", type=int, default=1, help="requests per launch (each with the same shape)")
     parser.add_argument("--block-size", type=int, default=16, help="tree kernel's KV block size")
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--graph-calls", type=int, default=20, help="calls captured per CUDA graph")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels_gpu.json")
@@ -55,19 +58,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def time_us(fn, iters: int, warmup: int) -> float:
-    """Median CUDA-event time of one call, microseconds."""
-    for _ in range(warmup):
-        fn()
+def _median_event_us(run, iters: int, per_run: int) -> float:
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / per_run)
     return statistics.median(times)
+
+
+def time_us(fn, iters: int, warmup: int, graph_calls: int) -> tuple[float, float]:
+    """(device time per call from CUDA-graph replays, eager time per call), microseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    eager = _median_event_us(fn, iters, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            fn()
+    graph.replay()
+    return _median_event_us(graph.replay, iters, graph_calls), eager
 
 
 def random_tree_mask(nodes: int, rng: random.Random) -> torch.Tensor:
@@ -162,18 +176,20 @@ def measure(args, name, heads, nodes, context, rng, gen) -> dict:
     tree()
     fp32 = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
     max_err = (out.float() - paged_tree_attention_ref(**fp32).float()).abs().max().item()
-    tree_us = time_us(tree, args.iters, args.warmup)
+    tree_us, tree_eager = time_us(tree, args.iters, args.warmup, args.graph_calls)
     base_name, base = baseline_fn(inputs, args.batch, nodes, heads)
-    base_us = time_us(base, args.iters, args.warmup)
+    base_us, base_eager = time_us(base, args.iters, args.warmup, args.graph_calls)
     kv_bytes = 2 * args.batch * seq_len * heads[1] * heads[2] * 2
     row = {
         "config": name, "nodes": nodes, "context": context, "batch": args.batch,
         "tree_us": round(tree_us, 2), "baseline_us": round(base_us, 2),
+        "tree_eager_us": round(tree_eager, 2), "baseline_eager_us": round(base_eager, 2),
         "tree_over_baseline": round(tree_us / base_us, 3), "tree_kv_gbps": round(kv_bytes / tree_us / 1e3, 1),
         "max_err": max_err, "baseline": base_name,
     }
     print(f"{name:14s} nodes {nodes:3d} ctx {context:5d}: tree {tree_us:8.1f} us  baseline {base_us:8.1f} us"
-          f"  ratio {tree_us / base_us:5.2f}  {row['tree_kv_gbps']:7.1f} GB/s  err {max_err:.2e}")
+          f"  ratio {tree_us / base_us:5.2f}  {row['tree_kv_gbps']:7.1f} GB/s  err {max_err:.2e}"
+          f"  (eager: tree {tree_eager:6.1f} us, baseline {base_eager:6.1f} us)")
     return row
 
 
@@ -195,7 +211,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="time per launch (us)", title=config)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Tree attention vs FlashAttention decode (bf16, batch {rows[0]['batch']})")
+    fig.suptitle(f"Tree attention vs FlashAttention decode (bf16, batch {rows[0]['batch']}, device time in CUDA graphs)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

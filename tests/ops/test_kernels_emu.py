@@ -111,6 +111,15 @@ def test_emulated_tree_attention_matches_reference(lib, name, dtype, num_sms, ma
     assert kernel_err <= 2 * torch_err + 1e-5, f"kernel {kernel_err:.3g} vs plain torch {torch_err:.3g}"
 
 
+@pytest.mark.parametrize("block_size", [12, 1])  # not a power of two (integer division); one slot per block
+def test_emulated_wmma_kernel_odd_block_sizes(lib, block_size):
+    case = make_case([1, 6, 66], [40, 260, 3], 9, 3, 64, block_size=block_size, dtype=torch.bfloat16, seed=4)
+    out, _ = run_tree_attention(lib, case, 132, 9)
+    ref32 = paged_tree_attention_ref(*case.to("cpu", torch.float32).args())
+    torch_err = (dense_oracle(case, torch.bfloat16).float() - ref32).abs().max().item()
+    assert (out.float() - ref32).abs().max().item() <= 2 * torch_err + 1e-5
+
+
 def test_emulated_tree_attention_rejects_head_dim(lib):
     p = TreeAttnParams(dtype=0, num_tokens=2, num_heads=2, num_kv_heads=1, head_dim=96, num_reqs=1,
                        max_blocks_per_seq=2, block_size=16, mask_words=1, max_query_len=2, max_seq_len=7)
