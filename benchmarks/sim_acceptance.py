@@ -47,6 +47,7 @@ from typing import Any
 from lookahead_vllm.core.budget import (
     ForwardCost,
     allocate_step_budget,
+    confidence_floor,
     forward_cost,
     opens_path,
 )
@@ -64,10 +65,14 @@ def log(message: str) -> None:
 
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
-             warm: list[list[int]], paths: tuple[float, float] | None = None) -> dict[str, float]:
+             warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1) -> dict[str, float]:
     """Replay the trie over (prompt, greedy output) pairs; see the module docstring.
     ``paths``: (setup, per path) of tree attention's extra paths, for the
-    proposer's decisions and the timing (default: the CPU path rounds')."""
+    proposer's decisions and the timing (default: the CPU path rounds').
+    ``batch``: requests run in waves of this many, stepping together until
+    the wave's last one finishes (as ``generate`` with that many prompts):
+    each step shares the forward-cost model's budget across the wave's
+    running requests, and plain decoding is timed over the same waves."""
     trie = TokenTrie(config)
     for ids in warm:
         trie.insert_output(ids)
@@ -75,49 +80,70 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
     audit = ConfidenceCalibrator()  # the trie's raw confidences vs acceptance, every retrieved node
     steps = emitted = nodes = off_chain = 0
-    forwards = 0.0
-    floor = config.min_draft_confidence  # one request drafting
-    for r, (prompt, out) in enumerate(zip(prompts, outputs)):
-        trie.add_request(r, prompt)
-        seq = list(prompt) + out[:1]
-        trie.extend(r, out[:1])
-        index = ContextIndex(config.context_match, seq) if config.context_match else None
-        i = 1
-        while i < len(out):
-            tree = trie.retrieve(seq[-config.max_match_length:], req_id=r, min_confidence=floor)
-            chain = index.draft(config.decoding_length, floor) if index is not None else tree.empty()
-            tree = with_context(chain, tree, config.decoding_length)
-            kinds = node_kinds(tree, context=len(chain))
-            if config.draft_shape == "one":  # what the proposer drafts in chain mode
-                kinds = [kinds[j] for j in tree.best_path()]
-                tree = tree.best_path_tree()
-            audit.observe(tree, kinds, accepted_path(tree, out[i:]))
+    forwards = plain_forwards = 0.0
+    for first in range(0, len(prompts), batch):
+        wave = range(first, min(first + batch, len(prompts)))
+        seqs, indexes, pos = {}, {}, {}
+        for r in wave:
+            prompt, out = prompts[r], outputs[r]
+            trie.add_request(r, prompt)
+            seqs[r] = list(prompt) + out[:1]
+            trie.extend(r, out[:1])
+            indexes[r] = ContextIndex(config.context_match, seqs[r]) if config.context_match else None
+            pos[r] = 1
+        # Plain decoding: one token per running request per step.
+        lengths = [len(outputs[r]) - 1 for r in wave]
+        plain_forwards += sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
+        running = [r for r in wave if pos[r] < len(outputs[r])]
+        while running:
+            floor = confidence_floor(config, len(running))
+            trees, kinds = [], []
+            for r in running:
+                out, index = outputs[r], indexes[r]
+                tree = trie.retrieve(seqs[r][-config.max_match_length:], req_id=r, min_confidence=floor)
+                chain = index.draft(config.decoding_length, floor) if index is not None else tree.empty()
+                tree = with_context(chain, tree, config.decoding_length)
+                k = node_kinds(tree, context=len(chain))
+                if config.draft_shape == "one":  # what the proposer drafts in chain mode
+                    k = [k[j] for j in tree.best_path()]
+                    tree = tree.best_path_tree()
+                audit.observe(tree, k, accepted_path(tree, out[pos[r]:]))
+                trees.append(tree)
+                kinds.append(k)
+            opens = [opens_path(t.parents) for t in trees]
             if cost.free_tokens:
                 if calibrator is not None:
-                    confs = calibrator.calibrate(tree, kinds)
+                    confs = [calibrator.calibrate(t, k) for t, k in zip(trees, kinds)]
                 else:
-                    confs = [tree.node_confidence(j) for j in range(len(tree))]
-                (keep,) = allocate_step_budget([confs], None, 1, cost, [opens_path(tree.parents)])
-                tree, kinds = tree.truncate(keep), kinds[:keep]
-            forwards += timing(1 + len(tree), sum(opens_path(tree.parents)))
-            # The engine's greedy walk with the target tokens read from the output.
-            accepted = accepted_path(tree, out[i:])
-            if calibrator is not None:
-                calibrator.observe(tree, kinds, accepted)
-            off = bool(accepted) and accepted[-1] not in tree.best_path()
-            n = min(len(accepted) + 1, len(out) - i)  # + bonus token
-            trie.extend(r, out[i:i + n])
-            seq.extend(out[i:i + n])
-            if index is not None:
-                index.extend(out[i:i + n])
-            i += n
-            steps += 1
-            emitted += n
-            nodes += len(tree)
-            off_chain += off
-        trie.finish_request(r)
-    return {"mal": emitted / max(steps, 1), "speed": emitted / max(forwards, 1e-9), "steps": steps, "tokens": emitted,
-            "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
+                    confs = [[t.node_confidence(j) for j in range(len(t))] for t in trees]
+                keep = allocate_step_budget(confs, None, len(running), cost, opens)
+                trees = [t.truncate(n) for t, n in zip(trees, keep)]
+                kinds = [k[:n] for k, n in zip(kinds, keep)]
+            rounds = max(sum(o[:len(t)]) for o, t in zip(opens, trees))
+            forwards += timing(len(running) + sum(len(t) for t in trees), rounds)
+            for r, tree, k in zip(running, trees, kinds):
+                out, i = outputs[r], pos[r]
+                # The engine's greedy walk with the target tokens read from the output.
+                accepted = accepted_path(tree, out[i:])
+                if calibrator is not None:
+                    calibrator.observe(tree, k, accepted)
+                off = bool(accepted) and accepted[-1] not in tree.best_path()
+                n = min(len(accepted) + 1, len(out) - i)  # + bonus token
+                trie.extend(r, out[i:i + n])
+                seqs[r].extend(out[i:i + n])
+                if indexes[r] is not None:
+                    indexes[r].extend(out[i:i + n])
+                pos[r] = i + n
+                steps += 1
+                emitted += n
+                nodes += len(tree)
+                off_chain += off
+            for r in running:
+                if pos[r] >= len(outputs[r]):
+                    trie.finish_request(r)
+            running = [r for r in running if pos[r] < len(outputs[r])]
+    return {"mal": emitted / max(steps, 1), "speed": plain_forwards / max(forwards, 1e-9), "steps": steps,
+            "tokens": emitted, "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
             "raw_calibration": audit.summary()}
 
 
@@ -165,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--warm-prompts", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--batch", type=int, default=1, help="requests stepping together (waves, as generate())")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="a lookahead config to replay (repeatable); default: chain and hier at decoding_length 8")
     p.add_argument("--path-cost", nargs=2, type=float, default=None, metavar=("SETUP", "PER_PATH"),
@@ -193,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         test = slice(0, args.num_prompts)
         warm = outputs[args.num_prompts:total]
         for name, config in variants.items():
-            r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost))
+            r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost), args.batch)
             results["cells"].append({"dataset": dataset, "variant": name, **r})
             print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
                   f"off-chain steps {r['off_chain_steps']}", flush=True)

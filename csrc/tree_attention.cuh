@@ -554,6 +554,9 @@ __global__ void __launch_bounds__(kMmaThreads)
         }
         m[r] = m_new;
         l[r] = l[r] * alpha + p0 + p1;
+        // P row r overlays S rows <= r, which other lanes read: order those reads
+        // before these writes (the shuffles above order execution, not memory).
+        __syncwarp();
         p_s[r * L::kPLd + lane] = from_float<T>(p0);
         p_s[r * L::kPLd + lane + 32] = from_float<T>(p1);
 #pragma unroll

@@ -92,6 +92,17 @@ def forward_cost(
     return ForwardCost(free, marginal, per_path, setup)
 
 
+# The batch-scaled confidence floor never exceeds this, so large batches still
+# draft their most certain continuations.
+MAX_CONFIDENCE_FLOOR = 0.5
+
+
+def confidence_floor(config: "LookaheadConfig", drafting: int) -> float:
+    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``
+    per request drafting in the step, at most :data:`MAX_CONFIDENCE_FLOOR`."""
+    return min(MAX_CONFIDENCE_FLOOR, config.min_draft_confidence * drafting)
+
+
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:
     """(confidence, request) in the order nodes are kept: always the most
     confident next node among the requests' draft-order heads."""

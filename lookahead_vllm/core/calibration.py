@@ -11,7 +11,8 @@ leading-chain nodes in the same range 24-35%.
 The counts mix many contexts, while the target keeps repeating its own
 favourite continuation, so the runner-up is rarely right. The Jacobi pool's
 n-grams and the context chain's tokens (core/context_match.py) have only
-fixed priors (``POOL_CONFIDENCE ** depth``, ``CONTEXT_CONFIDENCE ** depth``).
+priors (``POOL_CONFIDENCE ** depth``; ``(m / (m + 1)) ** depth`` for a context
+match of ``m`` tokens).
 
 The calibrator learns a correction per node *kind* (leading chain, side
 branch, pool, context chain) and raw-confidence bin from what verification

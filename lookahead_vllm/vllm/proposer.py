@@ -25,7 +25,7 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import allocate_step_budget, forward_cost, opens_path
+from lookahead_vllm.core.budget import allocate_step_budget, confidence_floor, forward_cost, opens_path
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator, node_kinds
 from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.load import load_scaled_budget
@@ -39,10 +39,6 @@ from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
 logger = init_logger(__name__)
-
-# The batch-scaled confidence floor never exceeds this, so large batches still
-# draft their most certain continuations.
-MAX_CONFIDENCE_FLOOR = 0.5
 
 
 @dataclass(slots=True)
@@ -233,7 +229,7 @@ class LookaheadProposer:
             cap = self._caps.get(req_id, load_budget)
             budgets[i] = min(load_budget, cap, self.max_model_len - num_tokens - 1)
         drafting = [i for i in rows if budgets[i] > 0]
-        floor = min(MAX_CONFIDENCE_FLOOR, self.config.min_draft_confidence * len(drafting))
+        floor = confidence_floor(self.config, len(drafting))
         trees = [DraftTree.empty()] * len(sampled_token_ids)
         for i in drafting:
             num_tokens = int(num_tokens_no_spec[i])

@@ -6,7 +6,7 @@ import pytest
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, node_kinds
 from lookahead_vllm.core.context_match import (
-    CONTEXT_CONFIDENCE, RECENT_OCCURRENCES, ContextIndex, with_context,
+    RECENT_OCCURRENCES, ContextIndex, match_confidence, with_context,
 )
 from lookahead_vllm.core.draft_tree import DraftTree
 
@@ -19,7 +19,7 @@ def test_docstring_example():
     chain = index.draft(4)
     assert chain.tokens == (C, D, X, A)
     assert chain.parents == (-1, 0, 1, 2)
-    assert chain.confidence == pytest.approx([CONTEXT_CONFIDENCE ** d for d in range(1, 5)])
+    assert chain.confidence == pytest.approx([(2 / 3) ** d for d in range(1, 5)])  # a 2-token match
 
 
 def test_no_earlier_occurrence_drafts_nothing():
@@ -69,7 +69,7 @@ def test_floor_cuts_the_chain():
     index = ContextIndex(1, [A, B, C, D, X, Y, Z, A])
     full = index.draft(6)
     assert len(full) == 6
-    floor = CONTEXT_CONFIDENCE ** 3
+    floor = match_confidence(1) ** 3
     assert index.draft(6, floor + 1e-9).tokens == full.tokens[:2]
 
 
@@ -85,6 +85,16 @@ def test_chain_leads_and_trie_tree_merges_after_it():
     assert with_context(DraftTree.empty(), trie, 5) is trie
     assert node_kinds(trie) == [KIND_CHAIN] * 3 + [KIND_BRANCH]
     assert len(with_context(chain, trie, budget=3)) == 3
+
+
+def test_longer_matches_draft_with_higher_confidence():
+    # Same continuation (C D), matched over 1 token and over 4.
+    short = ContextIndex(1, [X, B, C, D, Y, B]).draft(2)
+    long = ContextIndex(1, [Z, A, X, B, C, D, Y, Z, A, X, B]).draft(2)
+    assert short.tokens == long.tokens == (C, D)
+    assert short.confidence == pytest.approx([1 / 2, 1 / 4])
+    assert long.confidence == pytest.approx([4 / 5, 16 / 25])
+    assert [match_confidence(m) for m in (1, 3, 31)] == pytest.approx([0.5, 0.75, 31 / 32])
 
 
 def test_min_match_validated():
