@@ -153,6 +153,35 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     assert no_ctx["raw_calibration"]["context"] == []
 
 
+def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_waves():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import sim_acceptance
+    finally:
+        sys.path.pop(0)
+    from lookahead_vllm.core import LookaheadConfig
+
+    # Text that never repeats drafts nothing: lookahead's steps are plain's,
+    # so the modeled speed is exactly 1 however the waves' lengths differ.
+    prompts = [list(range(1000 * r, 1000 * r + 10)) for r in range(5)]
+    outputs = [list(range(1000 * r + 10, 1000 * r + 10 + n)) for r, n in enumerate((7, 30, 12, 3, 20))]
+    for batch in (1, 2, 8):
+        r = sim_acceptance.simulate(LookaheadConfig(), prompts, outputs, [], batch=batch)
+        assert r["nodes_per_step"] == 0 and r["speed"] == pytest.approx(1.0)
+        assert r["tokens"] == sum(len(o) - 1 for o in outputs)
+    # Repetitive requests: every token is emitted once at any batch size, and
+    # at batch 8 (past the free tokens of the CPU model) the shared budget
+    # keeps fewer nodes per request-step than one request alone drafts.
+    cycle = [[7, 8, 9, 10 + r, 11 + r] for r in range(8)]
+    prompts = [c * 4 for c in cycle]
+    outputs = [c * 8 for c in cycle]
+    alone = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), prompts, outputs, [], batch=1)
+    shared = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), prompts, outputs, [], batch=8)
+    assert alone["tokens"] == shared["tokens"] == sum(len(o) - 1 for o in outputs)
+    assert 0 < shared["nodes_per_step"] < alone["nodes_per_step"]
+    assert 1 < shared["speed"] < shared["mal"]
+
+
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
     """Every method's engine is alive during a cell; too many for the host is a clear error before any work."""
     sys.path.insert(0, str(REPO / "benchmarks"))
