@@ -104,6 +104,61 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// The (token, head) rows one CTA owns, and the keys it reads: grid.z = request,
+// grid.y = KV head, grid.x = q tile * num_splits + KV split (see the top of this file).
+struct CtaRows {
+  int kv_head, split;
+  int q_begin, group, num_rows;  // the request's first token; q_len * group rows in all
+  int row_begin;                 // this CTA's first row
+  int ctx_len;                   // committed tokens; tail (tree) tokens follow
+  int kv_begin, kv_end;          // this split's keys
+  const int32_t* block_table;
+
+  __device__ __forceinline__ CtaRows(const LookaheadTreeAttnParams& p, const SplitArgs& s, int rows_per_cta) {
+    const int req = blockIdx.z;
+    kv_head = blockIdx.y;
+    split = blockIdx.x % s.num_splits;
+    q_begin = p.query_start_loc[req];
+    const int q_len = p.query_start_loc[req + 1] - q_begin;
+    group = p.num_heads / p.num_kv_heads;
+    num_rows = q_len * group;
+    row_begin = blockIdx.x / s.num_splits * rows_per_cta;
+    const int seq_len = p.seq_lens[req];
+    ctx_len = seq_len - q_len;
+    kv_begin = split * s.chunk;
+    kv_end = min(seq_len, kv_begin + s.chunk);
+    block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
+  }
+  // No rows for this CTA (uniform over the CTA).
+  __device__ __forceinline__ bool idle() const { return num_rows <= 0 || row_begin >= num_rows; }
+  __device__ __forceinline__ int64_t token(int row) const { return q_begin + row / group; }
+  __device__ __forceinline__ int64_t head(int row) const {
+    return static_cast<int64_t>(kv_head) * group + row % group;
+  }
+};
+
+// Epilogue of one row: normalise and write the output row, or (KV split) this
+// split's partial output and log-sum-exp. value(i): the row's unnormalised
+// output at dim lane + 32 * i; m: its running max (log2 domain); l_sum: its sum.
+template <typename T, int D, typename Value>
+__device__ __forceinline__ void write_row(const LookaheadTreeAttnParams& p, const SplitArgs& s,
+                                          const CtaRows& c, int row, float m, float l_sum, int lane,
+                                          Value value) {
+  const int64_t token = c.token(row), head = c.head(row);
+  const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
+  if (s.num_splits == 1) {
+    T* out = static_cast<T*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = from_float<T>(value(i) * inv);
+  } else {
+    const int64_t prow = (static_cast<int64_t>(c.split) * p.num_tokens + token) * p.num_heads + head;
+    float* po = s.partial_out + prow * D;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) po[lane + 32 * i] = value(i) * inv;
+    if (lane == 0) s.partial_lse[prow] = l_sum > 0.f ? m + log2f(l_sum) : -INFINITY;
+  }
+}
+
 // Stage keys [t0, t0 + kKvTile) of one KV head into shared memory as fp32.
 // Keys at or past kv_end are zero-filled (a zero P times a garbage V could be NaN).
 template <typename T, int D>
@@ -162,21 +217,8 @@ __global__ void __launch_bounds__(kThreads)
   float* k_s = q_s + SmemLayout<D>::kQFloats;
   float* v_s = k_s + SmemLayout<D>::kKFloats;
 
-  const int req = blockIdx.z;
-  const int kv_head = blockIdx.y;
-  const int split = blockIdx.x % s.num_splits;
-  const int tile = blockIdx.x / s.num_splits;
-  const int q_begin = p.query_start_loc[req];
-  const int q_len = p.query_start_loc[req + 1] - q_begin;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int num_rows = q_len * group;
-  const int row_begin = tile * kRowsPerCta;
-  if (q_len <= 0 || row_begin >= num_rows) return;  // uniform over the CTA
-  const int seq_len = p.seq_lens[req];
-  const int ctx_len = seq_len - q_len;
-  const int kv_begin = split * s.chunk;
-  const int kv_end = min(seq_len, kv_begin + s.chunk);
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
+  const CtaRows c(p, s, kRowsPerCta);
+  if (c.idle()) return;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
@@ -184,11 +226,10 @@ __global__ void __launch_bounds__(kThreads)
   const T* query = static_cast<const T*>(p.query);
   const float q_scale = p.scale * kLog2e;
   for (int i = threadIdx.x; i < kRowsPerCta * D; i += kThreads) {
-    const int row = row_begin + i / D;
+    const int row = c.row_begin + i / D;
     float x = 0.f;
-    if (row < num_rows) {
-      const int64_t token = q_begin + row / group;
-      const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
+    if (row < c.num_rows) {
+      const int64_t token = c.token(row), head = c.head(row);
       x = to_float(query[token * p.q_stride_token + head * p.q_stride_head + i % D]) * q_scale;
     }
     q_s[i] = x;
@@ -198,7 +239,7 @@ __global__ void __launch_bounds__(kThreads)
   int mask_token[kRowsPerWarp];
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j)
-    mask_token[j] = q_begin + min(row_begin + warp * kRowsPerWarp + j, num_rows - 1) / group;
+    mask_token[j] = static_cast<int>(c.token(min(c.row_begin + warp * kRowsPerWarp + j, c.num_rows - 1)));
 
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kDimsPerLane];
 #pragma unroll
@@ -211,10 +252,10 @@ __global__ void __launch_bounds__(kThreads)
 
   const float* q_warp = q_s + warp * kRowsPerWarp * D;
   // Warps whose rows are all padding (small trees) only help load the tiles.
-  const bool warp_active = row_begin + warp * kRowsPerWarp < num_rows;
-  for (int t0 = kv_begin; t0 < kv_end; t0 += kKvTile) {
+  const bool warp_active = c.row_begin + warp * kRowsPerWarp < c.num_rows;
+  for (int t0 = c.kv_begin; t0 < c.kv_end; t0 += kKvTile) {
     __syncthreads();  // the previous tile (and q_s on the first pass) is done with
-    load_kv_tile<T, D>(p, block_table, kv_head, t0, kv_end, k_s, v_s);
+    load_kv_tile<T, D>(p, c.block_table, c.kv_head, t0, c.kv_end, k_s, v_s);
     __syncthreads();
     if (!warp_active) continue;  // warp-uniform; the barriers above are outside
 
@@ -235,8 +276,8 @@ __global__ void __launch_bounds__(kThreads)
 
     // Mask: out of range, or a tail token the row's tree mask does not show.
     const int pos = t0 + lane;
-    const bool in_range = pos < kv_end;
-    const int bit = pos - ctx_len;  // tail index when >= 0 (always < q_len in range)
+    const bool in_range = pos < c.kv_end;
+    const int bit = pos - c.ctx_len;  // tail index when >= 0 (always < q_len in range)
 #pragma unroll
     for (int j = 0; j < kRowsPerWarp; ++j) {
       bool visible = in_range;
@@ -284,22 +325,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < kRowsPerWarp; ++j) {
     const float l_sum = warp_sum(l[j]);
-    const int row = row_begin + warp * kRowsPerWarp + j;
-    if (row >= num_rows) continue;  // warp-uniform
-    const int64_t token = q_begin + row / group;
-    const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
-    const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
-    if (s.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
-#pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i) out[lane + 32 * i] = from_float<T>(acc[j][i] * inv);
-    } else {
-      const int64_t prow = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_heads + head;
-      float* po = s.partial_out + prow * D;
-#pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i) po[lane + 32 * i] = acc[j][i] * inv;
-      if (lane == 0) s.partial_lse[prow] = l_sum > 0.f ? m[j] + log2f(l_sum) : -INFINITY;
-    }
+    const int row = c.row_begin + warp * kRowsPerWarp + j;
+    if (row >= c.num_rows) continue;  // warp-uniform
+    write_row<T, D>(p, s, c, row, m[j], l_sum, lane, [&](int i) { return acc[j][i]; });
   }
 }
 
@@ -446,51 +474,37 @@ __global__ void __launch_bounds__(kMmaThreads)
   T* p_s = reinterpret_cast<T*>(warp_smem);  // overwrites s_s row by row
   float* o_s = reinterpret_cast<float*>(warp_smem + L::kS);
 
-  const int req = blockIdx.z;
-  const int kv_head = blockIdx.y;
-  const int split = blockIdx.x % s.num_splits;
-  const int tile = blockIdx.x / s.num_splits;
-  const int q_begin = p.query_start_loc[req];
-  const int q_len = p.query_start_loc[req + 1] - q_begin;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int num_rows = q_len * group;
-  const int row_begin = tile * kMmaRowsPerCta;
-  if (q_len <= 0 || row_begin >= num_rows) return;  // uniform over the CTA
-  const int seq_len = p.seq_lens[req];
-  const int ctx_len = seq_len - q_len;
-  const int kv_begin = split * s.chunk;
-  const int kv_end = min(seq_len, kv_begin + s.chunk);
-  const int32_t* block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
+  const CtaRows c(p, s, kMmaRowsPerCta);
+  if (c.idle()) return;
   const T* k_cache = static_cast<const T*>(p.key_cache);
   const T* v_cache = static_cast<const T*>(p.value_cache);
   const int block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
 
   // First K and V tiles in flight while Q is staged (rows past num_rows are zero).
-  stage_kv_tile<T, D>(p, k_cache, block_table, block_shift, kv_head, kv_begin, kv_end, k_s);
+  stage_kv_tile<T, D>(p, k_cache, c.block_table, block_shift, c.kv_head, c.kv_begin, c.kv_end, k_s);
   cp_async_commit();
-  stage_kv_tile<T, D>(p, v_cache, block_table, block_shift, kv_head, kv_begin, kv_end, v_s);
+  stage_kv_tile<T, D>(p, v_cache, c.block_table, block_shift, c.kv_head, c.kv_begin, c.kv_end, v_s);
   cp_async_commit();
   const T* query = static_cast<const T*>(p.query);
   for (int i = threadIdx.x; i < kMmaRowsPerCta * D; i += kMmaThreads) {
     const int r = i / D;
-    const int row = row_begin + r;
+    const int row = c.row_begin + r;
     T x = from_float<T>(0.f);
-    if (row < num_rows) {
-      const int64_t token = q_begin + row / group;
-      const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
+    if (row < c.num_rows) {
+      const int64_t token = c.token(row), head = c.head(row);
       x = query[token * p.q_stride_token + head * p.q_stride_head + i % D];
     }
     q_s[r * L::kLd + i % D] = x;
   }
 
-  const int warp_row = row_begin + warp * kMmaRowsPerWarp;
-  const bool warp_active = warp_row < num_rows;  // warps of padding rows only help stage tiles
-  const int live_rows = min(kMmaRowsPerWarp, num_rows - warp_row);  // the rest are padding
+  const int warp_row = c.row_begin + warp * kMmaRowsPerWarp;
+  const bool warp_active = warp_row < c.num_rows;  // warps of padding rows only help stage tiles
+  const int live_rows = min(kMmaRowsPerWarp, c.num_rows - warp_row);  // the rest are padding
   int mask_token[kMmaRowsPerWarp];
   float m[kMmaRowsPerWarp], l[kMmaRowsPerWarp];  // l: this lane's share of the row sum
 #pragma unroll
   for (int r = 0; r < kMmaRowsPerWarp; ++r) {
-    mask_token[r] = q_begin + min(warp_row + r, num_rows - 1) / group;
+    mask_token[r] = static_cast<int>(c.token(min(warp_row + r, c.num_rows - 1)));
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
@@ -506,7 +520,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   __syncthreads();  // every warp holds its Q fragments: the warps' areas are free
   for (int i = lane; i < kMmaRowsPerWarp * L::kOLd; i += 32) o_s[i] = 0.f;
 
-  for (int t0 = kv_begin; t0 < kv_end; t0 += kMmaKvTile) {
+  for (int t0 = c.kv_begin; t0 < c.kv_end; t0 += kMmaKvTile) {
     const int next = t0 + kMmaKvTile;
     cp_async_wait<1>();  // this tile's K has landed (its V may still be in flight)
     __syncthreads();
@@ -525,7 +539,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with k_s: the next K may land there
-    if (next < kv_end) stage_kv_tile<T, D>(p, k_cache, block_table, block_shift, kv_head, next, kv_end, k_s);
+    if (next < c.kv_end) stage_kv_tile<T, D>(p, k_cache, c.block_table, block_shift, c.kv_head, next, c.kv_end, k_s);
     cp_async_commit();
 
     if (warp_active) {
@@ -537,8 +551,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int pos = t0 + lane + 32 * h;
-          bool visible = pos < kv_end;
-          const int bit = pos - ctx_len;  // tail index when >= 0
+          bool visible = pos < c.kv_end;
+          const int bit = pos - c.ctx_len;  // tail index when >= 0
           if (visible && bit >= 0) {
             const int64_t word = p.tree_mask[static_cast<int64_t>(mask_token[r]) * p.mask_words + (bit >> 6)];
             visible = (word >> (bit & 63)) & 1;
@@ -584,7 +598,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with v_s: the next V may land there
-    if (next < kv_end) stage_kv_tile<T, D>(p, v_cache, block_table, block_shift, kv_head, next, kv_end, v_s);
+    if (next < c.kv_end) stage_kv_tile<T, D>(p, v_cache, c.block_table, block_shift, c.kv_head, next, c.kv_end, v_s);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -596,20 +610,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int r = 0; r < kMmaRowsPerWarp; ++r) {
     const float l_sum = warp_sum(l[r]);
     const int row = warp_row + r;
-    if (row >= num_rows) break;  // warp-uniform; later rows are padding too
-    const int64_t token = q_begin + row / group;
-    const int64_t head = static_cast<int64_t>(kv_head) * group + row % group;
-    const float inv = l_sum > 0.f ? 1.f / l_sum : 0.f;
+    if (row >= c.num_rows) break;  // warp-uniform; later rows are padding too
     const float* o_row = o_s + r * L::kOLd;
-    if (s.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
-      for (int d = lane; d < D; d += 32) out[d] = from_float<T>(o_row[d] * inv);
-    } else {
-      const int64_t prow = (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_heads + head;
-      float* po = s.partial_out + prow * D;
-      for (int d = lane; d < D; d += 32) po[d] = o_row[d] * inv;
-      if (lane == 0) s.partial_lse[prow] = l_sum > 0.f ? m[r] + log2f(l_sum) : -INFINITY;
-    }
+    write_row<T, D>(p, s, c, row, m[r], l_sum, lane, [&](int i) { return o_row[lane + 32 * i]; });
   }
 #endif
 }
