@@ -26,7 +26,8 @@ proposer's trie on them for any number of config variants in seconds:
            (``calibrate_confidence``, core/calibration.py).
 
 Requests run one after another through one trie, like the benchmark's cold
-``lookahead`` cell at bs=1; ``--warm-prompts N`` first inserts the greedy
+``lookahead`` cell at bs=1 (``--batch B``: in waves of B that share each
+step's budget, like its bs=B cells); ``--warm-prompts N`` first inserts the greedy
 outputs of the next N prompts (the dev split), like ``lookahead-warm``.
 
 Example::
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error(f"--batch {args.batch}: must be >= 1")
     if args.model is None:
         from lookahead_vllm.models import prepare_smollm2
 

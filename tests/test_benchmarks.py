@@ -153,7 +153,7 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     assert no_ctx["raw_calibration"]["context"] == []
 
 
-def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_waves():
+def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_waves(capsys):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import sim_acceptance
@@ -180,6 +180,9 @@ def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_wave
     assert alone["tokens"] == shared["tokens"] == sum(len(o) - 1 for o in outputs)
     assert 0 < shared["nodes_per_step"] < alone["nodes_per_step"]
     assert 1 < shared["speed"] < shared["mal"]
+    with pytest.raises(SystemExit):
+        sim_acceptance.main(["--batch", "0"])
+    assert "--batch 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
