@@ -129,13 +129,12 @@ int launch(const LookaheadTreeAttnParams& p, const Plan& plan, void* workspace,
     LOOKAHEAD_LAUNCH(kernel, grid, threads, smem, stream, p, s);
     return true;
   };
-  bool started = false;
-  if constexpr (!std::is_same_v<T, float>) {
-    if (plan.shape.mma) started = start(tree_attention_mma_kernel<T, D>, MmaSmem<T, D>::kBytes, kMmaThreads);
-    else started = start(tree_attention_kernel<T, D>, SmemLayout<D>::kBytes, kThreads);
-  } else {
-    started = start(tree_attention_kernel<T, D>, SmemLayout<D>::kBytes, kThreads);
-  }
+  const bool started = [&] {
+    if constexpr (!std::is_same_v<T, float>) {  // no fp32 tensor-core kernel (make_plan never asks for one)
+      if (plan.shape.mma) return start(tree_attention_mma_kernel<T, D>, MmaSmem<T, D>::kBytes, kMmaThreads);
+    }
+    return start(tree_attention_kernel<T, D>, SmemLayout<D>::kBytes, kThreads);
+  }();
   if (!started) return LOOKAHEAD_ERR_CUDA;
   if (plan.num_splits > 1) {
     const dim3 merge_grid(p.num_tokens, p.num_heads);

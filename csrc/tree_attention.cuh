@@ -113,6 +113,7 @@ struct CtaRows {
   int ctx_len;                   // committed tokens; tail (tree) tokens follow
   int kv_begin, kv_end;          // this split's keys
   const int32_t* block_table;
+  int block_shift;               // log2(block_size) when that is a power of two (no division), else -1
 
   __device__ __forceinline__ CtaRows(const LookaheadTreeAttnParams& p, const SplitArgs& s, int rows_per_cta) {
     const int req = blockIdx.z;
@@ -128,12 +129,20 @@ struct CtaRows {
     kv_begin = split * s.chunk;
     kv_end = min(seq_len, kv_begin + s.chunk);
     block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_seq;
+    block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
   }
   // No rows for this CTA (uniform over the CTA).
   __device__ __forceinline__ bool idle() const { return num_rows <= 0 || row_begin >= num_rows; }
   __device__ __forceinline__ int64_t token(int row) const { return q_begin + row / group; }
   __device__ __forceinline__ int64_t head(int row) const {
     return static_cast<int64_t>(kv_head) * group + row % group;
+  }
+  // Offset (elements) of key `pos`'s row for this CTA's KV head in the paged K or V cache.
+  __device__ __forceinline__ int64_t kv_offset(const LookaheadTreeAttnParams& p, int pos) const {
+    const int block_pos = block_shift >= 0 ? pos >> block_shift : pos / p.block_size;
+    const int in_block = pos - block_pos * p.block_size;
+    return static_cast<int64_t>(block_table[block_pos]) * p.kv_stride_block +
+           static_cast<int64_t>(in_block) * p.kv_stride_token + static_cast<int64_t>(kv_head) * p.kv_stride_head;
   }
 };
 
@@ -159,12 +168,11 @@ __device__ __forceinline__ void write_row(const LookaheadTreeAttnParams& p, cons
   }
 }
 
-// Stage keys [t0, t0 + kKvTile) of one KV head into shared memory as fp32.
+// Stage keys [t0, t0 + kKvTile) of the CTA's KV head into shared memory as fp32.
 // Keys at or past kv_end are zero-filled (a zero P times a garbage V could be NaN).
 template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(const LookaheadTreeAttnParams& p,
-                                             const int32_t* block_table, int kv_head,
-                                             int t0, int kv_end, float* k_s, float* v_s) {
+__device__ __forceinline__ void load_kv_tile(const LookaheadTreeAttnParams& p, const CtaRows& cta, int t0,
+                                             float* k_s, float* v_s) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte load
   constexpr int kVecsPerRow = D / kVec;
   const T* k_cache = static_cast<const T*>(p.key_cache);
@@ -174,11 +182,8 @@ __device__ __forceinline__ void load_kv_tile(const LookaheadTreeAttnParams& p,
     const int c = i % kVecsPerRow;
     const int pos = t0 + kk;
     float kf[kVec], vf[kVec];
-    if (pos < kv_end) {
-      const int64_t block = block_table[pos / p.block_size];
-      const int64_t off = block * p.kv_stride_block +
-                          static_cast<int64_t>(pos % p.block_size) * p.kv_stride_token +
-                          static_cast<int64_t>(kv_head) * p.kv_stride_head + c * kVec;
+    if (pos < cta.kv_end) {
+      const int64_t off = cta.kv_offset(p, pos) + c * kVec;
       // One 16-byte load each; memcpy (register moves) rather than pointer punning,
       // which is undefined behaviour a host compiler exploits (tests/ops/emu).
       const uint4 kr = *reinterpret_cast<const uint4*>(k_cache + off);
@@ -255,7 +260,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool warp_active = c.row_begin + warp * kRowsPerWarp < c.num_rows;
   for (int t0 = c.kv_begin; t0 < c.kv_end; t0 += kKvTile) {
     __syncthreads();  // the previous tile (and q_s on the first pass) is done with
-    load_kv_tile<T, D>(p, c.block_table, c.kv_head, t0, c.kv_end, k_s, v_s);
+    load_kv_tile<T, D>(p, c, t0, k_s, v_s);
     __syncthreads();
     if (!warp_active) continue;  // warp-uniform; the barriers above are outside
 
@@ -420,12 +425,10 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Start copying keys [t0, t0 + kMmaKvTile) of one KV head of `cache` into `dst` ([key][kLd]).
-// block_shift: log2(block_size) when that is a power of two (no integer division), else -1.
+// Start copying keys [t0, t0 + kMmaKvTile) of the CTA's KV head of `cache` into `dst` ([key][kLd]).
 template <typename T, int D>
-__device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, const T* cache,
-                                              const int32_t* block_table, int block_shift, int kv_head,
-                                              int t0, int kv_end, T* dst) {
+__device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, const CtaRows& cta,
+                                              const T* cache, int t0, T* dst) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kVecsPerRow = D / kVec;
   for (int i = threadIdx.x; i < kMmaKvTile * kVecsPerRow; i += kMmaThreads) {
@@ -433,13 +436,8 @@ __device__ __forceinline__ void stage_kv_tile(const LookaheadTreeAttnParams& p, 
     const int c = i % kVecsPerRow;
     const int pos = t0 + kk;
     T* d = dst + kk * MmaSmem<T, D>::kLd + c * kVec;
-    if (pos < kv_end) {
-      const int block_pos = block_shift >= 0 ? pos >> block_shift : pos / p.block_size;
-      const int in_block = pos - block_pos * p.block_size;
-      const int64_t off = static_cast<int64_t>(block_table[block_pos]) * p.kv_stride_block +
-                          static_cast<int64_t>(in_block) * p.kv_stride_token +
-                          static_cast<int64_t>(kv_head) * p.kv_stride_head + c * kVec;
-      cp_async16(d, cache + off);
+    if (pos < cta.kv_end) {
+      cp_async16(d, cache + cta.kv_offset(p, pos) + c * kVec);
     } else {
       const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
       memcpy(d, &zero, sizeof(zero));
@@ -478,12 +476,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   if (c.idle()) return;
   const T* k_cache = static_cast<const T*>(p.key_cache);
   const T* v_cache = static_cast<const T*>(p.value_cache);
-  const int block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
 
   // First K and V tiles in flight while Q is staged (rows past num_rows are zero).
-  stage_kv_tile<T, D>(p, k_cache, c.block_table, block_shift, c.kv_head, c.kv_begin, c.kv_end, k_s);
+  stage_kv_tile<T, D>(p, c, k_cache, c.kv_begin, k_s);
   cp_async_commit();
-  stage_kv_tile<T, D>(p, v_cache, c.block_table, block_shift, c.kv_head, c.kv_begin, c.kv_end, v_s);
+  stage_kv_tile<T, D>(p, c, v_cache, c.kv_begin, v_s);
   cp_async_commit();
   const T* query = static_cast<const T*>(p.query);
   for (int i = threadIdx.x; i < kMmaRowsPerCta * D; i += kMmaThreads) {
@@ -539,7 +536,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with k_s: the next K may land there
-    if (next < c.kv_end) stage_kv_tile<T, D>(p, k_cache, c.block_table, block_shift, c.kv_head, next, c.kv_end, k_s);
+    if (next < c.kv_end) stage_kv_tile<T, D>(p, c, k_cache, next, k_s);
     cp_async_commit();
 
     if (warp_active) {
@@ -598,7 +595,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
     }
     __syncthreads();  // every warp is done with v_s: the next V may land there
-    if (next < c.kv_end) stage_kv_tile<T, D>(p, v_cache, c.block_table, block_shift, c.kv_head, next, c.kv_end, v_s);
+    if (next < c.kv_end) stage_kv_tile<T, D>(p, c, v_cache, next, v_s);
     cp_async_commit();
   }
   cp_async_wait<0>();
