@@ -1,12 +1,21 @@
 """Jacobi lookahead scaling (seed 001 Fig. 6 style): decoding steps vs tokens per step.
 
-For every (N, W) pair, one engine with ``source="jacobi"`` and G = W
-generates the same greedy prompts at batch 1; the plot shows how many
-decoding steps it took against the tokens each step scores,
-(W + G)(N - 1), one line per N, with plain decoding's steps as the reference.
-Outputs are checked token for token against plain vLLM.
+For every (N, W) pair, one engine generates the same greedy prompts at batch 1
+with the window on every step (cost model off); the plot shows how many
+decoding steps it took against the tokens each step scores, (W + G)(N - 1),
+one line per N, with plain decoding's steps as the reference. G = W, or the
+largest G that keeps a step within vLLM's MAX_SPEC_LEN draft slots (the row
+records it). Outputs are checked token for token against plain vLLM.
+
+``--source jacobi`` (default) measures the pool alone. ``--source both``
+measures the window's ceiling on top of the trie: for every verify budget
+G(N - 1) in the grid it also runs ``source="trie"`` (``hier``, same budget,
+cost model off) and reports ``vs_trie``, the trie's decoding steps over
+``both``'s. On a platform where the step's tokens were free, that ratio is
+``both``'s speedup over the trie; the CPU seconds are recorded beside it.
 
     python benchmarks/bench_jacobi_scaling.py --ngram 3 5 7 --window 4 8 16 --num-prompts 4
+    python benchmarks/bench_jacobi_scaling.py --source both --dataset mtbench --num-prompts 8
 """
 
 from __future__ import annotations
@@ -29,24 +38,39 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def step_slots(n: int, w: int) -> int:
-    """Draft slots of a full Jacobi step with G = W: (W + G)(N - 1) - 1."""
+def step_slots(n: int, w: int, g: int) -> int:
+    """Draft slots of a full Jacobi step: (W + G)(N - 1) - 1."""
     from lookahead_vllm.core.config import LookaheadConfig
 
-    return LookaheadConfig(source="jacobi", jacobi_window=w, jacobi_ngram=n, jacobi_guesses=w).jacobi_step_slots
+    return LookaheadConfig(source="jacobi", jacobi_window=w, jacobi_ngram=n, jacobi_guesses=g).jacobi_step_slots
 
 
-def run_config(model: str, prompts: list[str], max_tokens: int, n: int, w: int) -> dict:
+def guesses_that_fit(n: int, w: int, max_slots: int) -> int:
+    """G = W, or the largest G < W whose step fits in ``max_slots`` draft slots; 0 if none does."""
+    for g in range(w, 0, -1):
+        if step_slots(n, w, g) <= max_slots:
+            return g
+    return 0
+
+
+def lookahead_config(source: str, n: int, w: int, g: int) -> dict:
+    """Engine config of one cell: window every step (cost model off), verify
+    budget G(N - 1); ``source="trie"`` gets the same budget and no window."""
+    budget = g * (n - 1)
+    if source == "trie":
+        return {"source": "trie", "draft_shape": "hier", "decoding_length": budget, "cost_free_tokens": 0}
+    return {"source": source, "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
+            "jacobi_guesses": g, "decoding_length": budget, "cost_free_tokens": 0}
+
+
+def run_config(model: str, prompts: list[str], max_tokens: int, source: str, n: int, w: int, g: int) -> dict:
     from vllm import LLM, SamplingParams
 
     from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
     from lookahead_vllm.vllm.proposer import find_proposers
 
-    g = w
-    # Cost model off: every step carries the window, whatever it costs here.
-    config = {"source": "jacobi", "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
-              "jacobi_guesses": g, "decoding_length": g * (n - 1), "cost_free_tokens": 0}
-    scored = step_slots(n, w) + 1  # the root too
+    config = lookahead_config(source, n, w, g)
+    scored = (step_slots(n, w, g) if source != "trie" else config["decoding_length"]) + 1  # the root too
     llm = LLM(model=model, **engine_kwargs("lookahead", k=scored - 1, lookahead=config))
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -58,54 +82,98 @@ def run_config(model: str, prompts: list[str], max_tokens: int, n: int, w: int) 
     tokens = sum(len(t) for t in out.token_ids)
     # Decode steps: each prompt's first token comes from its prefill step.
     steps = stats["steps"] + len(prompts)
-    return {"ngram": n, "window": w, "guesses": g, "tokens_per_step_scored": scored, "tokens": tokens,
-            "decoding_steps": steps, "step_compression": tokens / steps, "seconds": seconds,
+    return {"source": source, "ngram": n, "window": w, "guesses": g, "decoding_length": config["decoding_length"],
+            "tokens_per_step_scored": scored,
+            "tokens": tokens, "decoding_steps": steps, "step_compression": tokens / steps, "seconds": seconds,
             "pool_accepted_tokens": stats["pool_accepted_tokens"], "ids": out.token_ids}
+
+
+def grid(ngrams: list[int], windows: list[int], max_slots: int) -> tuple[list[tuple[int, int, int]], list[dict]]:
+    """(N, W, G) cells to run, and the cells no G fits (with why)."""
+    cells, skipped = [], []
+    for n in ngrams:
+        for w in windows:
+            g = guesses_that_fit(n, w, max_slots)
+            if g:
+                cells.append((n, w, g))
+            else:
+                skipped.append({"ngram": n, "window": w, "why": f"(W + 1)(N - 1) - 1 > vLLM's MAX_SPEC_LEN={max_slots}"})
+    return cells, skipped
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder (default: bundled SmolLM2-135M-Instruct fp32)")
     p.add_argument("--dataset", default="mtbench")
+    p.add_argument("--source", choices=["jacobi", "both"], default="jacobi")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ngram", type=int, nargs="+", default=[3, 5, 7])
     p.add_argument("--window", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--out", type=Path, default=RESULTS / "jacobi_scaling.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: results/jacobi_scaling.json (jacobi), results/jacobi_ceiling_<dataset>.json (both)")
     args = p.parse_args(argv)
+    if args.out is None:
+        name = "jacobi_scaling.json" if args.source == "jacobi" else f"jacobi_ceiling_{args.dataset}.json"
+        args.out = RESULTS / name
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
 
     from lookahead_vllm.datasets import load_prompts
     from lookahead_vllm.models import prepare_smollm2
     from lookahead_vllm.vllm.offline import count_mismatches, engine_kwargs, generate, shutdown_engine
 
-    model = str(prepare_smollm2())
+    model = str(args.model or prepare_smollm2())
     prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), args.num_prompts)
     plain = LLM(model=model, **engine_kwargs("plain"))
+    start = time.perf_counter()
     ref = generate(plain, prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), 1)
+    plain_seconds = time.perf_counter() - start
     shutdown_engine(plain)
     plain_tokens = sum(len(t) for t in ref.token_ids)
-    rows = []
-    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+    cells, skipped = grid(args.ngram, args.window, MAX_SPEC_LEN)
+    for s in skipped:
+        log(f"N={s['ngram']} W={s['window']}: skipped, {s['why']}")
 
-    skipped = []
-    for n in args.ngram:
-        for w in args.window:
-            if step_slots(n, w) > MAX_SPEC_LEN:
-                skipped.append({"ngram": n, "window": w, "why": f"(W + G)(N - 1) - 1 > vLLM's MAX_SPEC_LEN={MAX_SPEC_LEN}"})
-                log(f"N={n} W={w}: skipped, {skipped[-1]['why']}")
-                continue
-            row = run_config(model, prompts, args.max_tokens, n, w)
-            row["mismatches"] = count_mismatches(ref.token_ids, row.pop("ids"))
-            rows.append(row)
-            log(f"N={n} W={w} G={w}: {row['tokens_per_step_scored']} tokens/step, {row['decoding_steps']} steps "
-                f"(plain {plain_tokens}), compression {row['step_compression']:.3f}, "
-                f"mismatches {row['mismatches']}, {row['seconds']:.1f} s")
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "plain_steps": plain_tokens, "rows": rows,
-              "skipped": skipped}
+    def run(source: str, n: int, w: int, g: int) -> dict:
+        row = run_config(model, prompts, args.max_tokens, source, n, w, g)
+        row["mismatches"] = count_mismatches(ref.token_ids, row.pop("ids"))
+        if source == "trie":  # no window: only its verify budget, decoding_length, describes it
+            for key in ("ngram", "window", "guesses"):
+                row.pop(key)
+        what = f"trie budget {row['decoding_length']}" if source == "trie" else f"{source} N={n} W={w} G={g}"
+        log(f"{what}: {row['tokens_per_step_scored']} tokens/step, {row['decoding_steps']} steps "
+            f"(plain {plain_tokens}), compression {row['step_compression']:.3f}, pool tokens "
+            f"{row['pool_accepted_tokens']}, mismatches {row['mismatches']}, {row['seconds']:.1f} s")
+        return row
+
+    trie_rows: dict[int, dict] = {}
+    if args.source == "both":
+        for budget in sorted({g * (n - 1) for n, _, g in cells}):
+            trie_rows[budget] = run("trie", 2, budget, budget)  # N = 2, G = budget: verify budget G(N - 1)
+    rows = []
+    for n, w, g in cells:
+        row = run(args.source, n, w, g)
+        if trie_rows:
+            trie = trie_rows[g * (n - 1)]
+            row["trie_steps"], row["trie_seconds"] = trie["decoding_steps"], trie["seconds"]
+            row["vs_trie"] = trie["decoding_steps"] / row["decoding_steps"]
+            row["vs_trie_seconds"] = trie["seconds"] / row["seconds"]
+            log(f"  vs trie at budget {g * (n - 1)}: {row['vs_trie']:.3f}x fewer steps, "
+                f"{row['vs_trie_seconds']:.3f}x the speed on this CPU")
+        rows.append(row)
+        write(args, plain_tokens, plain_seconds, rows, list(trie_rows.values()), skipped)
+    log(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def write(args, plain_steps: int, plain_seconds: float, rows: list[dict], trie_rows: list[dict],
+          skipped: list[dict]) -> None:
+    """JSON and plot after every cell, so a crash loses no finished cell."""
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "plain_steps": plain_steps,
+              "plain_seconds": plain_seconds, "rows": rows, "trie_rows": trie_rows, "skipped": skipped}
     args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
-    log(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -114,18 +182,26 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    source = report["rows"][0].get("source", "jacobi") if report["rows"] else "jacobi"
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for n in sorted({r["ngram"] for r in report["rows"]}):
-        pts = sorted((r["tokens_per_step_scored"], r["decoding_steps"], r["window"]) for r in report["rows"] if r["ngram"] == n)
-        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker="o", label=f"N={n}")
-        for x, y, w in pts:
-            ax.annotate(f"W={w}", (x, y), fontsize=7)
+        pts = sorted((r["tokens_per_step_scored"], r["decoding_steps"], r["window"], r["guesses"])
+                     for r in report["rows"] if r["ngram"] == n)
+        ax.plot([x for x, *_ in pts], [y for _, y, *_ in pts], marker="o", label=f"{source}, N={n}")
+        for x, y, w, g in pts:
+            ax.annotate(f"W={w}" + (f",G={g}" if g != w else ""), (x, y), fontsize=7)
+    trie = sorted((r["tokens_per_step_scored"], r["decoding_steps"]) for r in report.get("trie_rows", []))
+    if trie:
+        ax.plot([x for x, _ in trie], [y for _, y in trie], marker="s", color="black",
+                label="trie alone (hier), budget G(N - 1)")
     ax.axhline(report["plain_steps"], color="gray", linestyle="--", label="plain (1 token/step)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens scored per step, (W + G)(N - 1), G = W")
+    ax.set_xlabel("tokens scored per step, (W + G)(N - 1); G = W where it fits")
     ax.set_ylabel("decoding steps")
-    ax.set_title("Jacobi lookahead scaling (SmolLM2-135M, CPU)")
-    ax.legend()
+    dataset = report["args"].get("dataset", "")
+    ax.set_title(f"Jacobi lookahead scaling, {dataset} (SmolLM2-135M, CPU, window every step)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -201,3 +201,50 @@ def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
         bench_offline.check_memory(args, available=3 * one - 1)
     args.skip_memory_check = True
     bench_offline.check_memory(args, available=0)
+
+
+def _import_bench(name: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_jacobi_scaling_caps_g_to_fit_the_step_slots():
+    scaling = _import_bench("bench_jacobi_scaling")
+    # (W + G)(N - 1) - 1 <= 128: N=7, W=16 fits G=5 (125 slots), not G=6 (131).
+    assert scaling.guesses_that_fit(7, 16, 128) == 5
+    assert scaling.step_slots(7, 16, 5) == 125 and scaling.step_slots(7, 16, 6) == 131
+    assert scaling.guesses_that_fit(3, 4, 128) == 4
+    cells, skipped = scaling.grid([3, 9], [4, 16], 128)
+    # N=9, W=16: even G=1 needs (17)(8) - 1 = 135 slots.
+    assert cells == [(3, 4, 4), (3, 16, 16), (9, 4, 4)]
+    assert [(s["ngram"], s["window"]) for s in skipped] == [(9, 16)]
+    # The trie reference verifies the same G(N - 1) budget, without a window.
+    assert scaling.lookahead_config("trie", 5, 8, 8) == {
+        "source": "trie", "draft_shape": "hier", "decoding_length": 32, "cost_free_tokens": 0}
+    assert scaling.lookahead_config("both", 5, 8, 3)["decoding_length"] == 12
+
+
+@pytest.mark.vllm
+def test_jacobi_ceiling_compares_both_with_the_trie_at_the_same_budget(tiny_llama_dir, tmp_path):
+    out = tmp_path / "ceiling.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_jacobi_scaling.py"), "--model", tiny_llama_dir,
+           "--source", "both", "--dataset", "humaneval", "--num-prompts", "2", "--max-tokens", "16",
+           "--ngram", "3", "--window", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows, tries = report["rows"], {r["decoding_length"]: r for r in report["trie_rows"]}
+    assert [(r["source"], r["window"], r["guesses"]) for r in rows] == [("both", 2, 2)]
+    assert list(tries) == [4] and tries[4]["source"] == "trie"
+    for row in rows + list(tries.values()):
+        assert row["mismatches"] == 0 and row["tokens"] == report["plain_steps"]
+    for row in rows:
+        trie = tries[row["decoding_length"]]
+        assert row["trie_steps"] == trie["decoding_steps"]
+        assert row["vs_trie"] == pytest.approx(trie["decoding_steps"] / row["decoding_steps"])
+        # The window rode along on every step: (W + G)(N - 1) tokens scored.
+        assert row["tokens_per_step_scored"] == (row["window"] + row["guesses"]) * 2
+    assert out.with_suffix(".png").stat().st_size > 0
