@@ -177,20 +177,24 @@ def write(args, plain_steps: int, plain_seconds: float, rows: list[dict], trie_r
 
 
 def plot(report: dict, path: Path) -> None:
+    """Decoding steps vs tokens scored per step; with a trie reference, a
+    second panel: ``both`` over the trie in steps and in CPU seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    source = report["rows"][0].get("source", "jacobi") if report["rows"] else "jacobi"
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for n in sorted({r["ngram"] for r in report["rows"]}):
+    rows = report["rows"]
+    source = rows[0].get("source", "jacobi") if rows else "jacobi"
+    trie = sorted((r["tokens_per_step_scored"], r["decoding_steps"]) for r in report.get("trie_rows", []))
+    fig, axes = plt.subplots(1, 2 if trie else 1, figsize=(11 if trie else 6.5, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for n in sorted({r["ngram"] for r in rows}):
         pts = sorted((r["tokens_per_step_scored"], r["decoding_steps"], r["window"], r["guesses"])
-                     for r in report["rows"] if r["ngram"] == n)
+                     for r in rows if r["ngram"] == n)
         ax.plot([x for x, *_ in pts], [y for _, y, *_ in pts], marker="o", label=f"{source}, N={n}")
         for x, y, w, g in pts:
             ax.annotate(f"W={w}" + (f",G={g}" if g != w else ""), (x, y), fontsize=7)
-    trie = sorted((r["tokens_per_step_scored"], r["decoding_steps"]) for r in report.get("trie_rows", []))
     if trie:
         ax.plot([x for x, _ in trie], [y for _, y in trie], marker="s", color="black",
                 label="trie alone (hier), budget G(N - 1)")
@@ -198,12 +202,31 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens scored per step, (W + G)(N - 1); G = W where it fits")
     ax.set_ylabel("decoding steps")
-    dataset = report["args"].get("dataset", "")
-    ax.set_title(f"Jacobi lookahead scaling, {dataset} (SmolLM2-135M, CPU, window every step)")
-    ax.title.set_fontsize(9)
+    ax.set_title(f"Jacobi scaling, {report['args'].get('dataset', '')} (SmolLM2-135M, window every step)", fontsize=9)
     ax.legend(fontsize=7)
+    if trie:
+        _plot_vs_trie(axes[0][1], rows)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _plot_vs_trie(ax, rows: list[dict]) -> None:
+    """``both`` over the trie at the same verify budget: fewer steps (what a
+    platform with free tokens gains) and CPU speed (what this machine gains)."""
+    pts = sorted((r["tokens_per_step_scored"], r["vs_trie"], r["vs_trie_seconds"], r["ngram"], r["window"])
+                 for r in rows)
+    xs = [p[0] for p in pts]
+    ax.scatter(xs, [p[1] for p in pts], marker="o", label="trie steps / both steps")
+    ax.scatter(xs, [p[2] for p in pts], marker="x", color="red", label="both speed / trie speed, this CPU")
+    for x, y, _, n, w in pts:
+        ax.annotate(f"N={n},W={w}", (x, y), fontsize=6)
+    ax.axhline(1.0, color="gray", linestyle="--")
+    ax.axhline(1.15, color="green", linestyle=":", label="issue target 1.15x")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens scored per step by both")
+    ax.set_ylabel("both / trie alone")
+    ax.set_title("both over the trie at the same verify budget", fontsize=9)
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":
