@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="default: results/jacobi_scaling.json (jacobi), results/jacobi_ceiling_<dataset>.json (both)")
     args = p.parse_args(argv)
+    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--ngram", min(args.ngram), 2), ("--window", min(args.window), 1)):
+        if value < low:
+            p.error(f"{flag} {value}: must be at least {low}")
     if args.out is None:
         name = "jacobi_scaling.json" if args.source == "jacobi" else f"jacobi_ceiling_{args.dataset}.json"
         args.out = RESULTS / name

@@ -227,6 +227,18 @@ def test_jacobi_scaling_caps_g_to_fit_the_step_slots():
     assert scaling.lookahead_config("both", 5, 8, 3)["decoding_length"] == 12
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "0"], "--num-prompts 0: must be at least 1"),
+    (["--ngram", "3", "1"], "--ngram 1: must be at least 2"),
+    (["--window", "0"], "--window 0: must be at least 1"),
+])
+def test_jacobi_scaling_rejects_bad_arguments(argv, message, capsys):
+    scaling = _import_bench("bench_jacobi_scaling")
+    with pytest.raises(SystemExit) as exc:
+        scaling.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.vllm
 def test_jacobi_ceiling_compares_both_with_the_trie_at_the_same_budget(tiny_llama_dir, tmp_path):
     out = tmp_path / "ceiling.json"
