@@ -53,24 +53,28 @@ def guesses_that_fit(n: int, w: int, max_slots: int) -> int:
     return 0
 
 
-def lookahead_config(source: str, n: int, w: int, g: int) -> dict:
-    """Engine config of one cell: window every step (cost model off), verify
-    budget G(N - 1); ``source="trie"`` gets the same budget and no window."""
-    budget = g * (n - 1)
-    if source == "trie":
-        return {"source": "trie", "draft_shape": "hier", "decoding_length": budget, "cost_free_tokens": 0}
+def window_config(source: str, n: int, w: int, g: int) -> dict:
+    """Engine config of one grid cell: the window on every step (cost model
+    off), verify budget G(N - 1)."""
     return {"source": source, "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
-            "jacobi_guesses": g, "decoding_length": budget, "cost_free_tokens": 0}
+            "jacobi_guesses": g, "decoding_length": g * (n - 1), "cost_free_tokens": 0}
 
 
-def run_config(model: str, prompts: list[str], max_tokens: int, source: str, n: int, w: int, g: int) -> dict:
+def trie_config(budget: int) -> dict:
+    """The trie alone at a cell's verify budget: same shape, no window, cost model off."""
+    return {"source": "trie", "draft_shape": "hier", "decoding_length": budget, "cost_free_tokens": 0}
+
+
+def run_config(model: str, prompts: list[str], max_tokens: int, config: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    from lookahead_vllm.core.config import LookaheadConfig
     from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
     from lookahead_vllm.vllm.proposer import find_proposers
 
-    config = lookahead_config(source, n, w, g)
-    scored = (step_slots(n, w, g) if source != "trie" else config["decoding_length"]) + 1  # the root too
+    resolved = LookaheadConfig(**config)
+    # Verify nodes, window nodes and the root: (W + G)(N - 1) with a window.
+    scored = resolved.decoding_length + resolved.lookahead_nodes + 1
     llm = LLM(model=model, **engine_kwargs("lookahead", k=scored - 1, lookahead=config))
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -82,7 +86,7 @@ def run_config(model: str, prompts: list[str], max_tokens: int, source: str, n: 
     tokens = sum(len(t) for t in out.token_ids)
     # Decode steps: each prompt's first token comes from its prefill step.
     steps = stats["steps"] + len(prompts)
-    return {"source": source, "ngram": n, "window": w, "guesses": g, "decoding_length": config["decoding_length"],
+    return {"source": resolved.source, "decoding_length": resolved.decoding_length,
             "tokens_per_step_scored": scored,
             "tokens": tokens, "decoding_steps": steps, "step_compression": tokens / steps, "seconds": seconds,
             "pool_accepted_tokens": stats["pool_accepted_tokens"], "ids": out.token_ids}
@@ -140,13 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     for s in skipped:
         log(f"N={s['ngram']} W={s['window']}: skipped, {s['why']}")
 
-    def run(source: str, n: int, w: int, g: int) -> dict:
-        row = run_config(model, prompts, args.max_tokens, source, n, w, g)
+    def run(config: dict, what: str) -> dict:
+        row = run_config(model, prompts, args.max_tokens, config)
         row["mismatches"] = count_mismatches(ref.token_ids, row.pop("ids"))
-        if source == "trie":  # no window: only its verify budget, decoding_length, describes it
-            for key in ("ngram", "window", "guesses"):
-                row.pop(key)
-        what = f"trie budget {row['decoding_length']}" if source == "trie" else f"{source} N={n} W={w} G={g}"
         log(f"{what}: {row['tokens_per_step_scored']} tokens/step, {row['decoding_steps']} steps "
             f"(plain {plain_tokens}), compression {row['step_compression']:.3f}, pool tokens "
             f"{row['pool_accepted_tokens']}, mismatches {row['mismatches']}, {row['seconds']:.1f} s")
@@ -155,16 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     trie_rows: dict[int, dict] = {}
     if args.source == "both":
         for budget in sorted({g * (n - 1) for n, _, g in cells}):
-            trie_rows[budget] = run("trie", 2, budget, budget)  # N = 2, G = budget: verify budget G(N - 1)
+            trie_rows[budget] = run(trie_config(budget), f"trie budget {budget}")
     rows = []
     for n, w, g in cells:
-        row = run(args.source, n, w, g)
-        if trie_rows:
-            trie = trie_rows[g * (n - 1)]
+        row = {"ngram": n, "window": w, "guesses": g,
+               **run(window_config(args.source, n, w, g), f"{args.source} N={n} W={w} G={g}")}
+        trie = trie_rows.get(row["decoding_length"])
+        if trie is not None:
             row["trie_steps"], row["trie_seconds"] = trie["decoding_steps"], trie["seconds"]
             row["vs_trie"] = trie["decoding_steps"] / row["decoding_steps"]
             row["vs_trie_seconds"] = trie["seconds"] / row["seconds"]
-            log(f"  vs trie at budget {g * (n - 1)}: {row['vs_trie']:.3f}x fewer steps, "
+            log(f"  vs trie at budget {row['decoding_length']}: {row['vs_trie']:.3f}x fewer steps, "
                 f"{row['vs_trie_seconds']:.3f}x the speed on this CPU")
         rows.append(row)
         write(args, plain_tokens, plain_seconds, rows, list(trie_rows.values()), skipped)

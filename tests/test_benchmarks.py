@@ -222,9 +222,9 @@ def test_jacobi_scaling_caps_g_to_fit_the_step_slots():
     assert cells == [(3, 4, 4), (3, 16, 16), (9, 4, 4)]
     assert [(s["ngram"], s["window"]) for s in skipped] == [(9, 16)]
     # The trie reference verifies the same G(N - 1) budget, without a window.
-    assert scaling.lookahead_config("trie", 5, 8, 8) == {
+    assert scaling.trie_config(scaling.window_config("both", 5, 8, 8)["decoding_length"]) == {
         "source": "trie", "draft_shape": "hier", "decoding_length": 32, "cost_free_tokens": 0}
-    assert scaling.lookahead_config("both", 5, 8, 3)["decoding_length"] == 12
+    assert scaling.window_config("both", 5, 8, 3)["decoding_length"] == 12
 
 
 @pytest.mark.parametrize("argv, message", [
