@@ -12,6 +12,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _import_bench(name: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
 @pytest.mark.vllm
 def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
@@ -41,11 +49,7 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
 
 
 def test_trie_replay_measures_every_step():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_trie
-    finally:
-        sys.path.pop(0)
+    bench_trie = _import_bench("bench_trie")
     from lookahead_vllm.core import LookaheadConfig, TokenTrie
 
     streams = [([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([1, 2, 3], [4, 5])]
@@ -55,8 +59,7 @@ def test_trie_replay_measures_every_step():
 
 def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
     """Variants named <shape>-<d|b><N> become one line per (axis, shape), sorted by N."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import plot_sweep
+    plot_sweep = _import_bench("plot_sweep")
 
     def row(method, speedup, mal):
         return {"method": method, "speedup": speedup, "mean_acceptance_length": mal}
@@ -81,11 +84,7 @@ def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
 
 
 def test_forward_cost_fixed_tree_has_the_asked_paths():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_forward_cost
-    finally:
-        sys.path.pop(0)
+    bench_forward_cost = _import_bench("bench_forward_cost")
     from lookahead_vllm.core.budget import opens_path
 
     tree = bench_forward_cost.fixed_tree(8, 3)
@@ -99,22 +98,14 @@ def test_forward_cost_fixed_tree_has_the_asked_paths():
     (["--batch", "0"], "--batch=0: must be in"),
 ])
 def test_forward_cost_rejects_bad_arguments(argv, message, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_forward_cost
-    finally:
-        sys.path.pop(0)
+    bench_forward_cost = _import_bench("bench_forward_cost")
     with pytest.raises(SystemExit):
         bench_forward_cost.main(argv)
     assert message in capsys.readouterr().err
 
 
 def test_sim_acceptance_replays_the_trie_and_prices_paths():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import sim_acceptance
-    finally:
-        sys.path.pop(0)
+    sim_acceptance = _import_bench("sim_acceptance")
     from lookahead_vllm.core import LookaheadConfig
 
     prompt, out = [1, 2, 3, 4, 5] * 4, [1, 2, 3, 4, 5] * 6
@@ -154,11 +145,7 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
 
 
 def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_waves(capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import sim_acceptance
-    finally:
-        sys.path.pop(0)
+    sim_acceptance = _import_bench("sim_acceptance")
     from lookahead_vllm.core import LookaheadConfig
 
     # Text that never repeats drafts nothing: lookahead's steps are plain's,
@@ -187,11 +174,7 @@ def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_wave
 
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
     """Every method's engine is alive during a cell; too many for the host is a clear error before any work."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_offline
-    finally:
-        sys.path.pop(0)
+    bench_offline = _import_bench("bench_offline")
     args = bench_offline.parse_args(["--model", tiny_llama_dir, "--methods", "plain", "ngram8", "lookahead"])
     bench_offline.check_args(bench_offline.build_parser(), args)
     one = bench_offline.engine_bytes(args.model)
@@ -201,14 +184,6 @@ def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
         bench_offline.check_memory(args, available=3 * one - 1)
     args.skip_memory_check = True
     bench_offline.check_memory(args, available=0)
-
-
-def _import_bench(name: str):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
 
 
 def test_jacobi_scaling_caps_g_to_fit_the_step_slots():
