@@ -190,6 +190,10 @@ class LookaheadProposer:
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
 
+    def num_request_states(self) -> int:
+        """Requests the drafter holds state for (0 once the engine drained)."""
+        return len(self._inserted)
+
     def finish(self, req_id: str) -> None:
         """Eliminate a finished or aborted request's prompt counts."""
         self._caps.pop(req_id, None)
