@@ -21,6 +21,9 @@ Exposed series (all cumulative since the engine started, except gauges):
 
   lookahead_trie_nodes, lookahead_trie_bytes      gauges: trie size now
   lookahead_load_budget                           gauge: per-request node budget after load adaptation
+  lookahead_request_states                        gauge: requests the drafter holds state for now
+                                                  (the proposer's ``num_request_states()``; 0 once
+                                                  the engine drained, whatever was aborted)
   lookahead_steps_total                           engine steps the drafter ran
   lookahead_draft_tokens_total                    draft nodes handed to vLLM
   lookahead_accepted_tokens_total                 draft tokens the target accepted
@@ -135,7 +138,12 @@ class IntervalLogger:
 
 
 class StatsPublisher:
-    """Daemon thread writing ``stats.snapshot()`` to the stats directory twice a second."""
+    """Daemon thread writing ``stats.snapshot()`` to the stats directory twice a second.
+
+    If the owner has ``num_request_states()``, each snapshot also carries its
+    value as ``request_states``: read by this thread (a ``len`` of a dict), so
+    the gauge falls to 0 after a drain even when no engine step follows.
+    """
 
     def __init__(self, owner: object, stats: StepStats) -> None:
         self.path = None
@@ -144,17 +152,26 @@ class StatsPublisher:
             return
         self.path = os.path.join(directory, f"{os.getpid()}-{next(_counter)}.json")
         stop = threading.Event()
+        states = weakref.WeakMethod(owner.num_request_states) if hasattr(owner, "num_request_states") else None
         thread = threading.Thread(
-            target=_publish_loop, args=(self.path, stats, stop), name="lookahead-stats", daemon=True
+            target=_publish_loop, args=(self.path, stats, stop, states), name="lookahead-stats", daemon=True
         )
         thread.start()
         # The owner (the proposer) going away stops the thread and removes its file.
         weakref.finalize(owner, _stop_publishing, stop, self.path)
 
 
-def _publish_loop(path: str, stats: StepStats, stop: threading.Event) -> None:
+def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None) -> None:
     while not stop.wait(PUBLISH_INTERVAL_S):
-        write_snapshot(path, stats.snapshot())
+        write_snapshot(path, snapshot_with_states(stats, states))
+
+
+def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]:
+    """``stats.snapshot()`` plus ``request_states`` from the (weak) ``num_request_states`` method."""
+    snap = stats.snapshot()
+    count = states() if states is not None else None
+    snap["request_states"] = int(count()) if count is not None else 0
+    return snap
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
@@ -226,12 +243,13 @@ class StatsCollector:
             return
 
         def total(key: str) -> float:
-            return sum(s[key] for s in snaps)
+            return sum(s.get(key, 0) for s in snaps)
 
         for name, key, doc in (
             ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
             ("lookahead_trie_bytes", "trie_bytes", "Estimated memory of the lookahead token trie, bytes."),
             ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
+            ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
         ):
             yield GaugeMetricFamily(name, doc, value=total(key))
         for name, key, doc in (
