@@ -1,0 +1,354 @@
+"""Draft index: the drafting core. Drafts the tokens that followed the
+longest earlier match of a request's trailing tokens, in its own text and in
+every request's output, for a whole batch in one call.
+
+This module is the pure-Python reference; ``lookahead_vllm/_draft_index``
+(``csrc/draft_index/draft_index.cpp``, built at install time) implements the
+same class with the same results, and tests hold the two to each other.
+
+Terms:
+
+  sequence  one request: ``own`` text (prompt + output tokens so far) while it
+            runs; its output tokens also join the ``corpus``, and stay there
+            after it finishes (oldest finished outputs are evicted first once
+            the corpus holds more than ``corpus_tokens`` finished tokens).
+  key       the last ``ngram`` tokens. ``own`` index: per running sequence,
+            key -> positions of the token that followed it (ascending, the
+            ``max_occurrences`` most recent). ``corpus`` index: key ->
+            ``(sequence id, position in its output)``, the ``max_occurrences``
+            most recent across all outputs.
+  candidate an earlier occurrence of the sequence's current key. Its *match*
+            ``m`` is how far the occurrence agrees with the current text
+            backwards (``ngram <= m <= max_match``). Candidates are ranked by
+            ``m`` (longest first), then own before corpus, then most recent
+            first; the best ``max_candidates`` are kept.
+  continuation  the tokens that followed a candidate, at most ``budget``; an
+            own candidate that runs into the text's end repeats its period
+            (``a b a b a`` continues ``b a b a``).
+  draft     the continuations merged into a token tree. A node's weight ``W``
+            is the sum of ``m`` over the candidates through it, ``M`` their
+            largest ``m``; its confidence (estimated probability that the
+            root-to-node path is accepted) is::
+
+                (W / W_root) * q(M) ** depth,   q(m) = m / (m + 1)
+
+            ``W / W_root`` is how many of the matches (weighted by length)
+            agree on the path, as in suffix decoding's count ratio; ``q`` is
+            Laplace's rule: a text that agreed ``m`` tokens in a row goes on
+            agreeing with probability ``m / (m + 1)``. Nodes below ``floor``
+            are never drafted. ``tree=False`` drafts the chain that follows
+            the heaviest child at every depth (ties: the better-ranked
+            candidate's); ``tree=True`` picks the ``budget`` most confident
+            nodes (ties: creation order) and flattens them depth-first,
+            children by confidence, so every parent precedes its children.
+
+Worked example (``ngram=2``): own text ``a b c d x a b`` ends with key
+``a b``, seen at 0..1 and followed by position 2, with match ``m = 2``
+(``x`` before ``a b`` at the end differs from nothing before position 0).
+Its continuation for a budget of 3 is ``c d x``, confidences
+``(2/3), (2/3)^2, (2/3)^3``.
+
+Every operation is deterministic, so every tensor-parallel rank drafts the
+same tokens from the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+OWN, CORPUS = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class DraftIndexConfig:
+    # Key length: a candidate must agree on at least this many trailing tokens.
+    ngram: int = 3
+    # Matches are measured backwards at most this far (tokens).
+    max_match: int = 64
+    # Occurrences kept per key (own: per sequence; corpus: across outputs).
+    max_occurrences: int = 16
+    # Candidates merged into one draft (best-ranked first).
+    max_candidates: int = 8
+    # Finished output tokens kept in the corpus (oldest sequences evicted first).
+    corpus_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("ngram", 1, 4), ("max_match", 1, 1 << 16), ("max_occurrences", 1, 1024),
+                             ("max_candidates", 1, 1024), ("corpus_tokens", 0, 1 << 34)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"{name}={value!r}: must be an int in [{lo}, {hi}]")
+        if self.max_match < self.ngram:
+            raise ValueError(f"max_match={self.max_match!r}: must be >= ngram ({self.ngram})")
+
+
+class _Sequence:
+    __slots__ = ("tokens", "prompt_len", "own")
+
+    def __init__(self, prompt_len: int) -> None:
+        self.tokens: list[int] = []
+        self.prompt_len = prompt_len
+        self.own: dict[tuple[int, ...], list[int]] = {}
+
+
+class DraftIndex:
+    """Pure-Python reference of the drafting core (see the module docstring)."""
+
+    native = False
+
+    def __init__(self, config: DraftIndexConfig = DraftIndexConfig()) -> None:
+        self.config = config
+        self._live: dict[int, _Sequence] = {}
+        # Outputs in the corpus: sequence id -> output tokens (live ones grow).
+        self._outputs: dict[int, list[int]] = {}
+        # Finished sequences, oldest first, and their total output tokens.
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._finished_tokens = 0
+        self._corpus: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def add(self, sid: int, tokens: Sequence[int], prompt_len: int) -> None:
+        """Admit sequence ``sid`` with its first ``tokens`` (the prompt, and
+        any output already generated: ``tokens[prompt_len:]``)."""
+        if sid in self._live or sid in self._outputs:
+            raise KeyError(f"sequence {sid} is already in the index")
+        if not 0 <= prompt_len <= len(tokens):
+            raise ValueError(f"prompt_len={prompt_len}: must be in [0, {len(tokens)}]")
+        self._live[sid] = _Sequence(prompt_len)
+        self._outputs[sid] = []
+        self.extend(sid, tokens)
+
+    def extend(self, sid: int, tokens: Sequence[int]) -> None:
+        """Append committed tokens of a running sequence."""
+        seq = self._live[sid]
+        n, cap = self.config.ngram, self.config.max_occurrences
+        out = self._outputs[sid]
+        for t in tokens:
+            seq.tokens.append(int(t))
+            p = len(seq.tokens) - 1  # position of the new token: it follows tokens[p-n:p]
+            if p >= n:
+                _push(seq.own.setdefault(tuple(seq.tokens[p - n:p]), []), p, cap)
+            if p >= seq.prompt_len:
+                out.append(int(t))
+                q = len(out) - 1
+                if q >= n:
+                    _push(self._corpus.setdefault(tuple(out[q - n:q]), []), (sid, q), cap)
+
+    def finish(self, sid: int) -> None:
+        """The sequence finished or was aborted: its own index goes, its
+        output stays in the corpus (evicting the oldest outputs over the cap).
+        Unknown ids are ignored."""
+        if self._live.pop(sid, None) is None:
+            return
+        self._finished[sid] = None
+        self._finished_tokens += len(self._outputs[sid])
+        while self._finished and self._finished_tokens > self.config.corpus_tokens:
+            old, _ = self._finished.popitem(last=False)
+            self._finished_tokens -= len(self._outputs[old])
+            self._evict(old)
+
+    def rewind(self, sid: int, length: int) -> None:
+        """The runner dropped committed tokens past ``length`` (preemption):
+        the sequence is indexed anew from its first ``length`` tokens."""
+        seq = self._live[sid]
+        tokens, prompt_len = seq.tokens[:length], min(seq.prompt_len, length)
+        del self._live[sid]
+        self._evict(sid)
+        self.add(sid, tokens, prompt_len)
+
+    def _evict(self, sid: int) -> None:
+        """Drop a sequence's output and its corpus entries (a finished
+        sequence already taken off ``_finished``, or a running one rewound)."""
+        out = self._outputs.pop(sid)
+        n = self.config.ngram
+        for q in range(n, len(out)):
+            key = tuple(out[q - n:q])
+            entries = self._corpus.get(key)
+            if entries is None:
+                continue
+            entries[:] = [e for e in entries if e[0] != sid]
+            if not entries:
+                del self._corpus[key]
+
+    # ----------------------------------------------------------------- stats
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def num_sequences(self) -> int:
+        """Sequences held: running ones and finished outputs in the corpus."""
+        return len(self._outputs)
+
+    def corpus_tokens(self) -> int:
+        """Finished output tokens held in the corpus."""
+        return self._finished_tokens
+
+    def length(self, sid: int) -> int:
+        """Tokens of running sequence ``sid`` (-1 if unknown)."""
+        seq = self._live.get(sid)
+        return -1 if seq is None else len(seq.tokens)
+
+    # ------------------------------------------------------------- drafting
+    def draft(self, sid: int, budget: int, floor: float = 0.0, tree: bool = False
+              ) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, confidences) of one sequence's draft; see the
+        module docstring. Parents index earlier nodes, -1 = the root."""
+        if budget <= 0 or sid not in self._live:
+            return [], [], []
+        cands = self._candidates(sid)
+        if not cands:
+            return [], [], []
+        nodes = self._merge(sid, cands, budget)
+        return _select_chain(nodes, budget, floor) if not tree else _select_tree(nodes, budget, floor)
+
+    def draft_batch(self, sids: Sequence[int], budgets: Sequence[int], floor: float = 0.0, tree: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Drafts of many sequences: ``tokens [B, K]`` int32, ``parents [B, K]``
+        int32, ``confidence [B, K]`` float64, ``lengths [B]`` int32 with
+        ``K = max(budgets)``; row ``i`` holds ``lengths[i]`` nodes."""
+        width = max((int(b) for b in budgets), default=0)
+        tokens = np.zeros((len(sids), width), np.int32)
+        parents = np.full((len(sids), width), -1, np.int32)
+        conf = np.zeros((len(sids), width), np.float64)
+        lengths = np.zeros(len(sids), np.int32)
+        for i, (sid, budget) in enumerate(zip(sids, budgets)):
+            t, p, c = self.draft(int(sid), int(budget), floor, tree)
+            lengths[i] = len(t)
+            tokens[i, :len(t)], parents[i, :len(t)], conf[i, :len(t)] = t, p, c
+        return tokens, parents, conf, lengths
+
+    def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
+             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> None:
+        """Bring many sequences up to date with the runner's token table:
+        ``token_ids[rows[i], :num_tokens[i]]`` (``[max_rows, max_len]``) are
+        sequence ``sids[i]``'s committed tokens. Unknown ids are admitted
+        (``prompt_lens[i]`` prompt tokens), shorter ones rewound, longer ones
+        extended."""
+        for i, sid in enumerate(sids):
+            sid, row, n = int(sid), int(rows[i]), int(num_tokens[i])
+            have = self.length(sid)
+            if have < 0:
+                self.add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n))
+                continue
+            if n < have:
+                self.rewind(sid, n)
+                have = n
+            if n > have:
+                self.extend(sid, token_ids[row, have:n].tolist())
+
+    def _candidates(self, sid: int) -> list[tuple[int, int, int, int]]:
+        """Ranked ``(m, scope, sequence id, position)``, at most max_candidates."""
+        cfg = self.config
+        text = self._live[sid].tokens
+        end = len(text)
+        if end < cfg.ngram:
+            return []
+        key = tuple(text[end - cfg.ngram:])
+        found = []
+        for p in reversed(self._live[sid].own.get(key, ())):
+            found.append((_match(text, p, text, end, cfg), OWN, sid, p))
+        for other, q in reversed(self._corpus.get(key, ())):
+            if other != sid:
+                found.append((_match(self._outputs[other], q, text, end, cfg), CORPUS, other, q))
+        found.sort(key=lambda c: (-c[0], c[1]))  # stable: most recent first within ties
+        return found[:cfg.max_candidates]
+
+    def _continuation(self, sid: int, scope: int, other: int, pos: int, budget: int) -> list[int]:
+        if scope == CORPUS:
+            return self._outputs[other][pos:pos + budget]
+        text = self._live[sid].tokens
+        cont = text[pos:pos + budget]
+        period = len(text) - pos
+        while len(cont) < budget:
+            cont.append(cont[len(cont) - period])
+        return cont
+
+    def _merge(self, sid: int, cands: list[tuple[int, int, int, int]], budget: int) -> list[list]:
+        """The candidates' continuations as a token tree: nodes
+        ``[token, parent, W, M, depth, children]``, node 0 the root."""
+        nodes: list[list] = [[-1, -1, 0, 0, 0, {}]]
+        for m, scope, other, pos in cands:
+            nodes[0][2] += m
+            at = 0
+            for t in self._continuation(sid, scope, other, pos, budget):
+                child = nodes[at][5].get(t)
+                if child is None:
+                    child = len(nodes)
+                    nodes.append([t, at, 0, 0, nodes[at][4] + 1, {}])
+                    nodes[at][5][t] = child
+                nodes[child][2] += m
+                nodes[child][3] = max(nodes[child][3], m)
+                at = child
+        return nodes
+
+
+def _push(entries: list, value, cap: int) -> None:
+    entries.append(value)
+    if len(entries) > cap:
+        del entries[0]
+
+
+def _match(src: list[int], pos: int, text: list[int], end: int, cfg: DraftIndexConfig) -> int:
+    """How many tokens before ``src[pos]`` agree with the tokens before
+    ``text[end]`` (at least ngram: the key matched), at most max_match."""
+    m = cfg.ngram
+    while m < cfg.max_match and pos - m - 1 >= 0 and src[pos - m - 1] == text[end - m - 1]:
+        m += 1
+    return m
+
+
+def _confidence(nodes: list[list], i: int) -> float:
+    """``(W / W_root) * q(M) ** depth`` (the power as repeated products, as
+    the native core computes it)."""
+    _, _, w, m, depth, _ = nodes[i]
+    q = m / (m + 1.0)
+    c = w / nodes[0][2]
+    for _ in range(depth):
+        c *= q
+    return c
+
+
+def _select_chain(nodes: list[list], budget: int, floor: float) -> tuple[list[int], list[int], list[float]]:
+    tokens, parents, confs = [], [], []
+    at = 0
+    while nodes[at][5] and len(tokens) < budget:
+        best = -1
+        for child in nodes[at][5].values():  # creation order: ties keep the better-ranked candidate's
+            if best < 0 or nodes[child][2] > nodes[best][2]:
+                best = child
+        c = _confidence(nodes, best)
+        if c < floor:
+            break
+        parents.append(len(tokens) - 1)
+        tokens.append(nodes[best][0])
+        confs.append(c)
+        at = best
+    return tokens, parents, confs
+
+
+def _select_tree(nodes: list[list], budget: int, floor: float) -> tuple[list[int], list[int], list[float]]:
+    conf = [1.0] + [_confidence(nodes, i) for i in range(1, len(nodes))]
+    picked = set()
+    frontier = [c for c in nodes[0][5].values()]
+    while frontier and len(picked) < budget:
+        best = max(frontier, key=lambda i: (conf[i], -i))
+        if conf[best] < floor:
+            break
+        frontier.remove(best)
+        picked.add(best)
+        frontier.extend(nodes[best][5].values())
+    tokens, parents, confs = [], [], []
+    stack = [(c, -1) for c in sorted((c for c in nodes[0][5].values() if c in picked),
+                                     key=lambda i: (conf[i], -i))]
+    while stack:  # depth-first, most confident child first
+        node, parent = stack.pop()
+        idx = len(tokens)
+        tokens.append(nodes[node][0])
+        parents.append(parent)
+        confs.append(conf[node])
+        kids = sorted((c for c in nodes[node][5].values() if c in picked), key=lambda i: (conf[i], -i))
+        stack.extend((c, idx) for c in kids)
+    return tokens, parents, confs
