@@ -163,8 +163,8 @@ _EDITS = (
     "Change nothing else and return the complete code.",
     "Rename the parameter `{arg}` of `{entry}` to `input_{arg}` in the signature, "
     "the docstring and the body. Change nothing else and return the complete code.",
-    "Add Python type annotations to every function signature in this code. "
-    "Keep everything else unchanged and return the complete code.",
+    "Add Python type annotations to every local variable and to any function signature "
+    "that lacks them. Keep everything else unchanged and return the complete code.",
     "Add a short comment above each block of the function bodies explaining what it does. "
     "Do not change the code itself; return the complete code.",
     "Refactor the body of `{entry}` for readability (descriptive variable names, early "
@@ -268,9 +268,10 @@ _DOC_DISTS = (
 )
 _DOC_SUFFIXES = (".md", ".rst")
 _DOC_SKIP = re.compile(r"(^|/)(tests?|templates?)/|licen[cs]e|copying|notice|authors", re.I)
-_DOC_TARGET_CHARS = 8000  # a part ends at the first blank line after this many characters
-_DOC_MAX_CHARS = 9500  # ... or at a line boundary before this many
-_DOC_MIN_CHARS = 7000  # shorter parts (a document's tail) are dropped
+# Part sizes in estimated SmolLM2 tokens (see _estimate_tokens):
+_DOC_TARGET_TOKENS = 2100  # a part ends at the first blank line after this many
+_DOC_MAX_TOKENS = 2500  # ... or at a line end before this many
+_DOC_MIN_TOKENS = 1900  # shorter parts (a document's tail) are dropped
 _DOC_MAX_PARTS = 2  # parts taken from one document
 _DOC_QUESTIONS = (
     "Summarise the document above in 5 to 8 bullet points, keeping its own technical terms.",
@@ -287,6 +288,8 @@ _MD_IMAGE = re.compile(r"\[?!\[[^\]]*\]\([^)]*\)(\]\([^)]*\))?")
 _RST_BADGES = re.compile(r"^(\s*\|[\w-]+\|)+\s*$")
 _RST_SUBST = re.compile(r"^\.\. \|[^|]+\|.*(\n[ \t]+\S.*)*", re.M)
 _BLANKS = re.compile(r"\n\s*\n(\s*\n)+")
+_WORD = re.compile(r"[^\W\d_]+")
+_PUNCT = re.compile(r"[^\w\s]")
 
 
 def _clean_doc(text: str) -> str:
@@ -310,18 +313,35 @@ def _doc_files(dist: metadata.Distribution) -> list[tuple[str, str]]:
     return docs
 
 
+def _estimate_tokens(line: str) -> float:
+    """SmolLM2 tokens of one line plus its newline, estimated without a tokenizer.
+
+    A least-squares fit over 3000-character pieces of the documents read here:
+    1.5 per digit, 1.25 per word plus 0.25 per letter beyond six, 0.5 per
+    punctuation character, 0.6 per line; within 17% of the true count on all
+    192 pieces (5-95%: within 12%). Example: ``"Install it with pip."`` ->
+    4 words x 1.25 + 1 letter beyond six x 0.25 + 1 punctuation x 0.5 + 0.6 = 6.35
+    (true: 5 tokens + newline).
+    """
+    words = _WORD.findall(line)
+    long_letters = sum(max(len(word) - 6, 0) for word in words)
+    digits = sum(char.isdigit() for char in line)
+    return 1.5 * digits + 1.25 * len(words) + 0.25 * long_letters + 0.5 * len(_PUNCT.findall(line)) + 0.6
+
+
 def _doc_parts(text: str) -> list[str]:
-    """Up to :data:`_DOC_MAX_PARTS` consecutive parts of ~8000 characters, cut at line ends."""
-    parts, current, size = [], [], 0
+    """Up to :data:`_DOC_MAX_PARTS` consecutive parts of ~2100 estimated tokens, cut at line ends."""
+    parts, current, size = [], [], 0.0
     for line in text.split("\n"):
-        ends = (size >= _DOC_TARGET_CHARS and not line.strip()) or size + len(line) > _DOC_MAX_CHARS
+        cost = _estimate_tokens(line)
+        ends = (size >= _DOC_TARGET_TOKENS and not line.strip()) or size + cost > _DOC_MAX_TOKENS
         if ends and current:
-            parts.append("\n".join(current).strip())
-            current, size = [], 0
+            parts.append(("\n".join(current).strip(), size))
+            current, size = [], 0.0
         current.append(line)
-        size += len(line) + 1
-    parts.append("\n".join(current).strip())
-    return [p for p in parts if len(p) >= _DOC_MIN_CHARS][:_DOC_MAX_PARTS]
+        size += cost
+    parts.append(("\n".join(current).strip(), size))
+    return [part for part, size in parts if size >= _DOC_MIN_TOKENS][:_DOC_MAX_PARTS]
 
 
 def _headings(text: str) -> list[str]:
@@ -416,7 +436,7 @@ _PEOPLE = ("ana@example.com", "bo.chen@example.org", "dmitri@example.net", "fati
 _TOPICS = ("the Q3 budget", "the office lease renewal", "onboarding checklists", "travel receipts",
            "the vendor contract with Acme", "team offsite photos", "the security audit",
            "customer churn analysis", "the hiring plan", "release notes for version 2.4")
-_FILE_TYPES = ("any", "pdf", "spreadsheet", "document", "image")
+_FILE_TYPES = ("", "pdf ", "spreadsheet ", "document ", "image ")  # "" = any type
 _CURRENCIES = (("USD", "EUR"), ("GBP", "JPY"), ("EUR", "CHF"), ("CAD", "USD"), ("INR", "GBP"),
                ("AUD", "NZD"), ("JPY", "KRW"), ("BRL", "USD"))
 _EVENTS = ("Design review", "1:1 with manager", "Dentist appointment", "Sprint planning",
@@ -429,12 +449,12 @@ _AGENT_TASKS = (
               f"{_PEOPLE[i % 8]} and {_PEOPLE[(i + 3) % 8]}.",
     lambda i: f"Email {_PEOPLE[(i + 1) % 8]} with the subject '{_EVENTS[(i + 2) % 8]} moved' and "
               f"tell them it now starts at {10 + i % 6}:00 on 2026-12-{i % 28 + 1:02d}.",
-    lambda i: f"Find up to {5 * (i % 4 + 1)} {_FILE_TYPES[i % 5]} files about {_TOPICS[i % 10]}.",
+    lambda i: f"Find up to {5 * (i % 4 + 1)} {_FILE_TYPES[i % 5]}files about {_TOPICS[i % 10]}.",
     lambda i: f"How much is {125 * (i % 9 + 1)} {_CURRENCIES[i % 8][0]} in {_CURRENCIES[i % 8][1]}?",
     lambda i: f"I'm flying to {_CITIES[(i + 5) % 12]} tomorrow: check the forecast there for 3 days "
               f"in celsius, convert {200 + 50 * (i % 7)} {_CURRENCIES[i % 8][0]} to "
               f"{_CURRENCIES[(i + 1) % 8][1]}, and email {_PEOPLE[i % 8]} that I'll be away.",
-    lambda i: f"Search my {_FILE_TYPES[(i + 2) % 5]} files for {_TOPICS[(i + 3) % 10]}, then set up "
+    lambda i: f"Search my {_FILE_TYPES[(i + 2) % 5]}files for {_TOPICS[(i + 3) % 10]}, then set up "
               f"'Review: {_TOPICS[(i + 3) % 10]}' on 2027-01-{i % 28 + 1:02d} at 14:00 for 60 minutes "
               f"with {_PEOPLE[(i + 2) % 8]}.",
 )
