@@ -26,6 +26,11 @@ def is_lookahead(speculative_config: Any) -> bool:
     return speculative_config is not None and getattr(speculative_config, "model", None) == PROPOSER_PATH
 
 
+def selects_lookahead(kwargs: dict[str, Any]) -> bool:
+    """Whether ``SpeculativeConfig`` keyword arguments ask for lookahead."""
+    return METHOD in (kwargs.get("method"), kwargs.get("model")) or kwargs.get("model") == PROPOSER_PATH
+
+
 def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Rewrite ``method="lookahead"`` (or ``model="lookahead"``) to vLLM's custom_class."""
     if kwargs.get("method") != METHOD and kwargs.get("model") != METHOD:

