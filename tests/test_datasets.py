@@ -109,7 +109,8 @@ def test_limit_takes_a_prefix() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
-    ({"dataset": "gsm8k"}, r"unknown dataset 'gsm8k'; expected one of humaneval, mtbench, codeedit, chat, docqa, agent"),
+    ({"dataset": "gsm8k"},
+     r"unknown dataset 'gsm8k'; expected one of humaneval, mtbench, codeedit, chat, docqa, agent"),
     ({"split": "train"}, r"unknown split 'train'; expected one of dev, test"),
     ({"limit": -1}, r"limit must be None or an int >= 0, got -1"),
     ({"limit": 2.5}, r"limit must be None or an int >= 0, got 2.5"),
@@ -150,7 +151,8 @@ def test_load_prompts_keeps_old_behaviour_and_covers_new_classes() -> None:
     assert datasets.load_prompts("mtbench", None) == datasets.load_mtbench()
     for dataset in ("codeedit", "chat", "docqa", "agent"):
         everything = datasets.load_prompts(dataset, None)
-        assert sorted(everything) == sorted(load_split(dataset, "dev", None) + load_split(dataset, "test", None))
+        both = load_split(dataset, "dev", None) + load_split(dataset, "test", None)
+        assert sorted(everything) == sorted(both)
 
 
 def test_describe_counts_and_means() -> None:
@@ -160,7 +162,8 @@ def test_describe_counts_and_means() -> None:
         for split in SPLITS:
             texts = load_split(dataset, split, None)
             assert summary[dataset][split]["prompts"] == len(texts)
-            assert summary[dataset][split]["mean_chars"] == pytest.approx(sum(map(len, texts)) / len(texts), abs=0.1)
+            mean = sum(map(len, texts)) / len(texts)
+            assert summary[dataset][split]["mean_chars"] == pytest.approx(mean, abs=0.1)
 
 
 # --------------------------------------------------------------------------- class contents
