@@ -167,6 +167,17 @@ def make_traffic(n: int, seed: int, tokenizer: Any, max_model_len: int, max_toke
     return reqs
 
 
+def bad_field_requests(start: int, prompt: str, max_tokens: int) -> list[Req]:
+    """One request per entry of :data:`BAD_FIELDS` (indices from ``start``), alternating api and streaming."""
+    reqs = []
+    for j, (name, fields) in enumerate(BAD_FIELDS):
+        api = "chat" if j % 2 else "completions"
+        reqs.append(Req(start + j, api, prompt, max_tokens, stream=j % 4 >= 2, greedy=True, long=False,
+                        lookahead_off=False, disconnect_after=None, bad_field=name,
+                        extra={"temperature": 0.0, **json.loads(json.dumps(fields))}))
+    return reqs
+
+
 def request_body(req: Req, model: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "stream": req.stream}
     if req.api == "chat":

@@ -39,6 +39,8 @@ TP_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
+    # Workers forked from the engine process inherit _trace_drafts_in_workers' wrapper.
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
 }
 
 
@@ -128,10 +130,9 @@ def run_engine(model: str, tp: int, method: str, shape: str | None, out: Path, t
 
 
 def _engine_main(spec: dict) -> None:
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.datasets import load_prompts
+    from lookahead_vllm.datasets import load_humaneval, load_mtbench
     from lookahead_vllm.vllm.offline import engine_kwargs
 
     lookahead = {"draft_shape": spec["shape"]} if spec["method"] == "lookahead" else None
@@ -139,13 +140,41 @@ def _engine_main(spec: dict) -> None:
                            tensor_parallel_size=spec["tp"])
     if spec["tp"] > 1:
         kwargs["distributed_executor_backend"] = "mp"
-    tok = AutoTokenizer.from_pretrained(spec["model"])
-    prompts = (load_prompts("humaneval", tok, NUM_PROMPTS // 2) + load_prompts("mtbench", tok, NUM_PROMPTS // 2))
+    prompts = load_humaneval(NUM_PROMPTS // 2) + load_mtbench(NUM_PROMPTS // 2)
+    if spec["method"] == "lookahead" and os.environ.get(draft_trace.TRACE_DIR_ENV):
+        _trace_drafts_in_workers()
     llm = LLM(model=spec["model"], **kwargs)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    accepted = sum((getattr(o, "metrics", None) and 0) or 0 for o in outs)
-    Path(spec["out"]).write_text(json.dumps({"token_ids": ids, "accepted": accepted}))
+    Path(spec["out"]).write_text(json.dumps({"token_ids": ids, "spec": _spec_counters(llm)}))
+
+
+def _trace_drafts_in_workers() -> None:
+    """Until ``LookaheadProposer.propose`` calls ``draft_trace.record`` itself, wrap it
+    (in this process, before the engine forks its workers) so that it does."""
+    import inspect
+
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    original = LookaheadProposer.propose
+    if "draft_trace.record" in inspect.getsource(original):
+        return
+
+    def propose(self, *args, **kwargs):
+        drafts = original(self, *args, **kwargs)
+        draft_trace.record(self.metrics.steps, self._input_batch.req_ids, drafts)
+        return drafts
+
+    LookaheadProposer.propose = propose
+
+
+def _spec_counters(llm) -> dict[str, float]:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
 
 
 if __name__ == "__main__":
