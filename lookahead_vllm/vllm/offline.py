@@ -25,6 +25,10 @@ CPU_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "2",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
+    # Only our plugin: arctic-inference (installed for the "suffix" baseline,
+    # which imports arctic_inference.suffix_decoding directly) registers a
+    # vllm.general_plugins entry point that must not load in our engines.
+    "VLLM_PLUGINS": "lookahead",
 }
 
 
