@@ -52,11 +52,12 @@ from lookahead_vllm.core.budget import (
     forward_cost,
     opens_path,
 )
-from lookahead_vllm.core.calibration import ConfidenceCalibrator, node_kinds
+import numpy as np
+
+from lookahead_vllm.core.calibration import ConfidenceCalibrator
 from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.context_match import ContextIndex, with_context
+from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.step_plan import accepted_path
-from lookahead_vllm.core.trie import TokenTrie
 
 DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
 
@@ -66,49 +67,45 @@ def log(message: str) -> None:
 
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
-             warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1) -> dict[str, float]:
-    """Replay the trie over (prompt, greedy output) pairs; see the module docstring.
+             warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1,
+             native: bool | None = None) -> dict[str, float]:
+    """Replay the drafter over (prompt, greedy output) pairs; see the module docstring.
     ``paths``: (setup, per path) of tree attention's extra paths, for the
     proposer's decisions and the timing (default: the CPU path rounds').
     ``batch``: requests run in waves of this many, stepping together until
     the wave's last one finishes (as ``generate`` with that many prompts):
     each step shares the forward-cost model's budget across the wave's
     running requests, and plain decoding is timed over the same waves."""
-    trie = TokenTrie(config)
+    drafter = Drafter(config, native)
     for ids in warm:
-        trie.insert_output(ids)
+        drafter.warm(ids)
     cost, timing = batch1_cost(config, paths), batch1_cost(LookaheadConfig(), paths)
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
-    audit = ConfidenceCalibrator()  # the trie's raw confidences vs acceptance, every retrieved node
-    steps = emitted = nodes = off_chain = 0
+    audit = ConfidenceCalibrator()  # raw confidences vs acceptance, every drafted node
+    steps = emitted = nodes = off_chain = drafted = accepted_total = 0
     forwards = plain_forwards = 0.0
+    per_step: list[tuple[int, int]] = []
+    tree_mode = config.draft_shape != "one"
     for first in range(0, len(prompts), batch):
         wave = range(first, min(first + batch, len(prompts)))
-        seqs, indexes, pos = {}, {}, {}
-        for r in wave:
-            prompt, out = prompts[r], outputs[r]
-            trie.add_request(r, prompt)
-            seqs[r] = list(prompt) + out[:1]
-            trie.extend(r, out[:1])
-            indexes[r] = ContextIndex(config.context_match, seqs[r]) if config.context_match else None
-            pos[r] = 1
+        seqs = {r: list(prompts[r]) + outputs[r][:1] for r in wave}
+        pos = {r: 1 for r in wave}
         # Plain decoding: one token per running request per step.
         lengths = [len(outputs[r]) - 1 for r in wave]
         plain_forwards += sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
         running = [r for r in wave if pos[r] < len(outputs[r])]
         while running:
             floor = confidence_floor(config, len(running))
-            trees, kinds = [], []
             for r in running:
-                out, index = outputs[r], indexes[r]
-                tree = trie.retrieve(seqs[r][-config.max_match_length:], req_id=r, min_confidence=floor)
-                chain = index.draft(config.decoding_length, floor) if index is not None else tree.empty()
-                tree = with_context(chain, tree, config.decoding_length)
-                k = node_kinds(tree, context=len(chain))
-                if config.draft_shape == "one":  # what the proposer drafts in chain mode
+                drafter.sync([r], [0], np.asarray([seqs[r]], np.int64), [len(seqs[r])], [len(prompts[r])])
+            contexts = [seqs[r][-config.max_match_length:] for r in running]
+            drafts = drafter.draft(running, contexts, [config.decoding_length] * len(running), floor, tree_mode)
+            trees, kinds = [], []
+            for r, (tree, k) in zip(running, drafts):
+                if not tree_mode and not tree.is_chain():  # what the proposer drafts in chain mode
                     k = [k[j] for j in tree.best_path()]
                     tree = tree.best_path_tree()
-                audit.observe(tree, k, accepted_path(tree, out[pos[r]:]))
+                audit.observe(tree, k, accepted_path(tree, outputs[r][pos[r]:]))
                 trees.append(tree)
                 kinds.append(k)
             opens = [opens_path(t.parents) for t in trees]
@@ -130,21 +127,23 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
                     calibrator.observe(tree, k, accepted)
                 off = bool(accepted) and accepted[-1] not in tree.best_path()
                 n = min(len(accepted) + 1, len(out) - i)  # + bonus token
-                trie.extend(r, out[i:i + n])
                 seqs[r].extend(out[i:i + n])
-                if indexes[r] is not None:
-                    indexes[r].extend(out[i:i + n])
                 pos[r] = i + n
                 steps += 1
                 emitted += n
                 nodes += len(tree)
+                drafted += len(tree)
+                accepted_total += len(accepted)
                 off_chain += off
+                per_step.append((len(tree), len(accepted)))
             for r in running:
                 if pos[r] >= len(outputs[r]):
-                    trie.finish_request(r)
+                    drafter.finish(r)
             running = [r for r in running if pos[r] < len(outputs[r])]
     return {"mal": emitted / max(steps, 1), "speed": plain_forwards / max(forwards, 1e-9), "steps": steps,
             "tokens": emitted, "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
+            "draft_tokens": drafted, "accepted_tokens": accepted_total,
+            "acceptance_per_drafted_token": accepted_total / max(drafted, 1),
             "raw_calibration": audit.summary()}
 
 
@@ -157,9 +156,11 @@ def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = Non
     return forward_cost(config, paths or (CPU_PATH_SETUP, CPU_PATH_COST), "cpu")
 
 
-def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path) -> tuple[list, list]:
-    """(prompt ids, plain vLLM greedy output ids) for the first ``count`` prompts, cached."""
-    path = cache / f"{dataset}_{count}_{max_tokens}_{model.name}.json"
+def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path,
+                   split: str = "dev") -> tuple[list, list]:
+    """(prompt ids, plain vLLM greedy output ids) for the first ``count``
+    prompts of ``split``, cached."""
+    path = cache / f"{dataset}_{split}_{count}_{max_tokens}_{model.name}.json"
     if path.exists():
         data = json.loads(path.read_text())
         return data["prompts"], data["outputs"]
@@ -169,11 +170,11 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.datasets import load_prompts
+    from lookahead_vllm.datasets import load_split
     from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    texts = load_prompts(dataset, tokenizer, limit=count)
+    texts = load_split(dataset, split, tokenizer, limit=count)
     start = time.perf_counter()
     llm = LLM(model=str(model), **engine_kwargs("plain"))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -189,6 +190,9 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--split", choices=("dev", "test"), default="dev", help="prompt split (tune on dev)")
+    p.add_argument("--suffix", action="store_true",
+                   help="also replay vLLM's suffix decoding (arctic_inference) on the same outputs")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--warm-prompts", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=192)
@@ -219,14 +223,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
     for dataset in args.datasets:
         total = args.num_prompts + args.warm_prompts
-        prompts, outputs = greedy_outputs(dataset, total, args.max_tokens, args.model, args.cache)
+        prompts, outputs = greedy_outputs(dataset, total, args.max_tokens, args.model, args.cache, args.split)
         test = slice(0, args.num_prompts)
         warm = outputs[args.num_prompts:total]
         for name, config in variants.items():
             r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost), args.batch)
             results["cells"].append({"dataset": dataset, "variant": name, **r})
             print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
-                  f"off-chain steps {r['off_chain_steps']}", flush=True)
+                  f"acc/drafted {r['acceptance_per_drafted_token']:.3f}  off-chain steps {r['off_chain_steps']}", flush=True)
+        if args.suffix:
+            from suffix_replay import replay_suffix
+
+            r = replay_suffix(prompts[test], outputs[test], batch=args.batch)
+            results["cells"].append({"dataset": dataset, "variant": "suffix", **r})
+            print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  acc/drafted "
+                  f"{r['acceptance_per_drafted_token']:.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results

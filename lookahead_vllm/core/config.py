@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 DRAFT_SHAPES = ("hier", "par", "one")
-SOURCES = ("trie", "jacobi", "both")
+# Draft sources (see ``source`` below): "+"-joined names; "both" = "trie+jacobi".
+SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 
 
@@ -92,12 +93,26 @@ class LookaheadConfig:
     insert_output: bool = True
     # Insert prompt windows on admission.
     insert_prompt: bool = True
-    # Where verify branches come from: the trie, the Jacobi n-gram pool, or
-    # both merged into one tree (core/jacobi.py). "jacobi" and "both" add the
-    # 2D lookahead window (jacobi_window * (jacobi_ngram - 1) - 1 nodes) to
-    # every step on top of decoding_length verify nodes; they need tree
-    # verification and greedy-compatible sampling (any per-row sampling works).
-    source: str = "trie"
+    # Where verify branches come from: "index" (core/draft_index.py: the
+    # continuations of the longest earlier matches in the request's own text
+    # and in every request's output; native, batched), "trie" (the n-gram
+    # trie of core/trie.py with the context chain of core/context_match.py),
+    # the Jacobi n-gram pool (core/jacobi.py), or several merged into one tree
+    # in that order ("index+trie", "index+jacobi"; "both" = trie and Jacobi).
+    # Sources with "jacobi" add the 2D lookahead window (jacobi_window *
+    # (jacobi_ngram - 1) - 1 nodes) to every step on top of decoding_length
+    # verify nodes; they need tree verification and greedy-compatible
+    # sampling (any per-row sampling works).
+    source: str = "index"
+    # Draft index (source "index"): key length, how far matches are measured
+    # backwards, candidates merged per draft, occurrences kept per key, and
+    # finished output tokens kept for cross-request matches (memory cap:
+    # about 24 bytes per token natively).
+    index_ngram: int = 3
+    index_max_match: int = 64
+    index_candidates: int = 8
+    index_occurrences: int = 16
+    index_corpus_tokens: int = 1 << 20
     # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
     # most pool n-grams verified per step / kept per first token G.
     jacobi_window: int = 4
@@ -125,6 +140,11 @@ class LookaheadConfig:
         _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r}: must be one of {SOURCES}")
+        _check_int("index_ngram", self.index_ngram, 1, 4)
+        _check_int("index_max_match", self.index_max_match, self.index_ngram, 1 << 16)
+        _check_int("index_candidates", self.index_candidates, 1, 1024)
+        _check_int("index_occurrences", self.index_occurrences, 1, 1024)
+        _check_int("index_corpus_tokens", self.index_corpus_tokens, 0, 1 << 34)
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
         _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
@@ -152,8 +172,28 @@ class LookaheadConfig:
         return cls(**values)
 
     @property
+    def sources(self) -> tuple[str, ...]:
+        """The draft sources, in merge order."""
+        return ("trie", "jacobi") if self.source == "both" else tuple(self.source.split("+"))
+
+    @property
+    def uses_index(self) -> bool:
+        return "index" in self.sources
+
+    @property
+    def uses_trie(self) -> bool:
+        return "trie" in self.sources
+
+    @property
     def uses_jacobi(self) -> bool:
-        return self.source != "trie"
+        return "jacobi" in self.sources
+
+    def index_config(self) -> "DraftIndexConfig":
+        """The draft index's settings."""
+        from lookahead_vllm.core.draft_index import DraftIndexConfig
+
+        return DraftIndexConfig(self.index_ngram, self.index_max_match, self.index_occurrences,
+                                self.index_candidates, self.index_corpus_tokens)
 
     @property
     def lookahead_nodes(self) -> int:

@@ -186,6 +186,14 @@ class DraftIndex:
         """Finished output tokens held in the corpus."""
         return self._finished_tokens
 
+    def memory_bytes(self) -> int:
+        """Estimate of the native layout's size: 4 bytes per stored token
+        (own texts and outputs) and 16 per index entry."""
+        tokens = sum(len(s.tokens) for s in self._live.values()) + sum(map(len, self._outputs.values()))
+        entries = sum(len(v) for s in self._live.values() for v in s.own.values())
+        entries += sum(len(v) for v in self._corpus.values())
+        return 4 * tokens + 16 * entries
+
     def length(self, sid: int) -> int:
         """Tokens of running sequence ``sid`` (-1 if unknown)."""
         seq = self._live.get(sid)

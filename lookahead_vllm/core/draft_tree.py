@@ -91,6 +91,10 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def is_chain(self) -> bool:
+        """Every node's parent is the node before it."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def node_confidence(self, i: int) -> float:
         return self.confidence[i] if self.confidence else 1.0
 

@@ -1,18 +1,21 @@
 """``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
 
-Per step, for every request row of the persistent batch that just sampled:
+Per step, for the request rows of the persistent batch that just sampled:
 
-1. admit the request on first sight (its prompt windows go into the trie),
-2. insert every committed token not yet inserted (on-the-fly output insertion;
-   robust to steps in which vLLM skipped drafting) into the trie and the
-   request's context index,
-3. draft a tree: the context chain (core/context_match.py) first, the trie's
-   tree for the trailing context merged after it, and hand vLLM its best
-   chain (``draft_shape="one"``), or the whole tree flattened parent-first
-   (``hier``/``par``), keeping its :class:`StepPlan` for ``tree_verify``.
+1. one ``Drafter.sync`` over the runner's token table admits new requests,
+   appends every committed token not yet seen (robust to steps in which vLLM
+   skipped drafting) and re-indexes rewound ones (core/drafter.py),
+2. one ``Drafter.draft`` returns every drafting row's tree (the draft index,
+   natively, by default), the Jacobi pool's n-grams are merged in where that
+   source is on, and the forward-cost model cuts the batch's drafts,
+3. vLLM gets each row's best chain (``draft_shape="one"``) or its whole tree
+   flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
+   ``tree_verify`` reads back.
 
-Finished and aborted requests are eliminated from the trie when the runner
-reports them (see ``patches.runner_request_ids``).
+A request's drafting state is one :class:`RequestState`: created when the
+runner admits it (its per-request options), dropped in one place when it
+finishes or aborts (``finish``); a rewind (preemption) re-indexes its tokens
+and keeps its options.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import allocate_step_budget, confidence_floor, forward_cost, opens_path
-from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator, node_kinds
-from lookahead_vllm.core.context_match import ContextIndex, with_context
+from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
+from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.core.trie import TokenTrie
 from lookahead_vllm.vllm import metrics, patches
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
@@ -103,8 +105,33 @@ class ProposerStats:
         }
 
 
+@dataclass(slots=True)
+class RequestState:
+    """Everything the proposer keeps for one running request."""
+
+    # The request's id in the Drafter (its index slot).
+    slot: int
+    # Per-request draft cap from extra_args (None = none; 0 = off). Kept
+    # across rewinds: it is the request's option, not drafting state.
+    cap: int | None = None
+    # Committed tokens the Drafter has seen (a smaller count = a rewind).
+    length: int = 0
+    # Jacobi window and n-gram pool (sources with "jacobi", tree-verifiable
+    # sampling only).
+    jacobi: JacobiRequest | None = None
+    # The draft handed out last step with its nodes' calibration kinds
+    # (booked against what verification accepted next step).
+    offered: tuple[DraftTree, list[int]] | None = None
+    # Draft tokens of it the scheduler put into the current step.
+    scheduled: int = 0
+    # Its tree plan for tree_verify (tree mode only; None = a chain).
+    plan: StepPlan | None = None
+    # How many of this step's draft nodes are draft-index or context nodes.
+    context_nodes: int = 0
+
+
 class LookaheadProposer:
-    """Drafts chains from the engine-wide :class:`TokenTrie`."""
+    """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         if not patches.apply("runner_request_ids"):
@@ -113,39 +140,26 @@ class LookaheadProposer:
         self.k = spec.num_speculative_tokens
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.trie = TokenTrie(self.config)
+        self.drafter = Drafter(self.config)
         self._input_batch: Any = None
-        # request id -> number of its tokens already inserted into the trie.
-        self._inserted: dict[str, int] = {}
-        # request id -> its per-request draft cap (extra_args; 0 = off).
-        self._caps: dict[str, int] = {}
+        # request id -> its drafting state (the only per-request store).
+        self._states: dict[str, RequestState] = {}
+        self._next_slot = 0
         # Prometheus lookahead_* series and the periodic log line (metrics.py).
         self.metrics = metrics.StepStats()
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
-        # request id -> the tree it was handed last step (tree mode only).
-        self.plans: dict[str, StepPlan] = {}
         # The runner's request states (sampling params); set by tree_verify.
         self.requests: dict[str, Any] = {}
-        # request id -> Jacobi window and n-gram pool (source "jacobi"/"both").
-        self.jacobi: dict[str, JacobiRequest] = {}
-        # request id -> its tokens indexed for context matching, and how many
-        # nodes of this step's draft are its context chain.
-        self.contexts: dict[str, ContextIndex] = {}
-        self._context_nodes: dict[str, int] = {}
         # What the Jacobi window last yielded (pool tokens per window step)
         # and the probe interval it had reached: new requests start there, so
         # a workload where the window does not pay stops probing it anew for
         # every request.
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         # Draft confidences calibrated from what verification accepted
-        # (core/calibration.py): request id -> (the draft it was handed last
-        # step with its nodes' kinds), and how many of its draft tokens the
-        # scheduler put into the current step.
+        # (core/calibration.py).
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
-        self._offered: dict[str, tuple[DraftTree, list[int]]] = {}
-        self._scheduled_drafts: dict[str, int] = {}
         self.tree_mode = self.config.draft_shape != "one" or self.config.uses_jacobi
         platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
@@ -157,53 +171,80 @@ class LookaheadProposer:
 
             platform_paths = path_cost()
         self.cost = forward_cost(self.config, platform_paths, _platform())
-        logger.info("lookahead proposer ready: %s", self.config)
+        logger.info("lookahead proposer ready (%s draft index): %s",
+                    "native" if self.drafter.native else "pure-Python", self.config)
 
     def load_model(self, *args, **kwargs) -> None:
-        """No draft model: drafts come from the trie."""
+        """No draft model: drafts come from the Drafter."""
 
+    # ------------------------------------------------------------ lifecycle
     # Called by the runner patch at the start of every step.
     def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
                 scheduled_drafts: dict[str, list[int]] | None = None) -> None:
         self._input_batch = input_batch
-        self._scheduled_drafts = {r: len(d) for r, d in (scheduled_drafts or {}).items()}
         for req_id in finished_req_ids:
             self.finish(req_id)
+        for st in self._states.values():
+            st.scheduled = 0
+        for req_id, draft in (scheduled_drafts or {}).items():
+            st = self._states.get(req_id)
+            if st is not None:
+                st.scheduled = len(draft)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
-        """Record per-request caps from ``extra_args`` (validated when the request was made)."""
+        """Create the states of newly admitted requests with their options
+        (``extra_args``, validated when the request was made)."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
-            cap = draft_cap(params.extra_args) if params is not None else None
-            if cap is not None:
-                self._caps[req.req_id] = cap
+            st = self._state(req.req_id)
+            st.cap = draft_cap(params.extra_args) if params is not None else None
+
+    def _state(self, req_id: str) -> RequestState:
+        st = self._states.get(req_id)
+        if st is None:
+            st = self._states[req_id] = RequestState(self._next_slot)
+            self._next_slot += 1
+        return st
+
+    def request_ids(self) -> list[str]:
+        """Requests holding state, in admission order."""
+        return list(self._states)
+
+    def request_state(self, req_id: str) -> RequestState | None:
+        """A running request's state (read-only use: tests, tools)."""
+        return self._states.get(req_id)
+
+    @property
+    def plans(self) -> dict[str, StepPlan]:
+        """This step's tree plans by request id (read by tree_verify)."""
+        return {r: st.plan for r, st in self._states.items() if st.plan is not None}
+
+    @property
+    def trie(self) -> Any:
+        """The Drafter's trie (sources with "trie"), else None."""
+        return self.drafter.trie
+
+    def num_request_states(self) -> int:
+        """Requests the proposer holds state for (0 once the engine drained)."""
+        return len(self._states)
 
     def reset(self) -> None:
-        """Forget everything: a fresh, empty trie, calibration and window
-        policy (benchmarks' cold start)."""
-        self.trie = TokenTrie(self.config)
-        self._inserted.clear()
-        self.plans.clear()
-        self.jacobi.clear()
-        self.contexts.clear()
-        self._offered.clear()
+        """Forget everything learned: a fresh Drafter, calibration and window
+        policy (benchmarks' cold start). Running requests keep their options
+        and are indexed anew on their next step."""
+        self.drafter = Drafter(self.config)
+        for st in self._states.values():
+            st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
 
-    def num_request_states(self) -> int:
-        """Requests the drafter holds state for (0 once the engine drained)."""
-        return len(self._inserted)
-
     def finish(self, req_id: str) -> None:
-        """Eliminate a finished or aborted request's prompt counts."""
-        self._caps.pop(req_id, None)
-        self.plans.pop(req_id, None)
-        self.jacobi.pop(req_id, None)
-        self.contexts.pop(req_id, None)
-        self._offered.pop(req_id, None)
-        if self._inserted.pop(req_id, None) is not None:
-            self.trie.finish_request(req_id)
+        """The request finished or was aborted: drop its state (one removal)."""
+        st = self._states.pop(req_id, None)
+        if st is not None:
+            self.drafter.finish(st.slot)
 
+    # ------------------------------------------------------------- drafting
     def propose(
         self,
         sampled_token_ids: list[list[int]],
@@ -215,94 +256,134 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
-        for jac in self.jacobi.values():
-            jac.x0 = -1  # set again by _draft for the rows that draft this step
-        self._context_nodes.clear()
         rows = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
         ]
+        num_tokens = num_tokens_no_spec[rows]
+        states = [self._state(batch.req_ids[i]) for i in rows]
+        for i, st, n in zip(rows, states, num_tokens):
+            self._learn_acceptance(st, sampled_token_ids[i])
+            st.plan, st.context_nodes = None, 0
+        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens,
+                          batch.num_prompt_tokens[rows])
+        for i, st, n in zip(rows, states, num_tokens):
+            if self.config.uses_jacobi and (st.length == 0 or n < st.length):  # admitted or rewound
+                self._start_window(batch.req_ids[i], st, token_ids_cpu[i], int(batch.num_prompt_tokens[i]), int(n))
+            elif st.jacobi is not None:
+                st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
+            st.length = int(n)
         # Load adaptation (core/load.py) and per-request caps shrink each row's budget.
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
-        budgets = {}
-        for i in rows:
-            num_tokens = int(num_tokens_no_spec[i])
-            req_id = batch.req_ids[i]
-            self._learn_acceptance(req_id, sampled_token_ids[i])
-            self._sync_request(req_id, i, num_tokens, token_ids_cpu, batch)
-            cap = self._caps.get(req_id, load_budget)
-            budgets[i] = min(load_budget, cap, self.max_model_len - num_tokens - 1)
-        drafting = [i for i in rows if budgets[i] > 0]
+        budgets = [min(load_budget, load_budget if st.cap is None else st.cap, self.max_model_len - int(n) - 1)
+                   for st, n in zip(states, num_tokens)]
+        drafting = [j for j, b in enumerate(budgets) if b > 0]
         floor = confidence_floor(self.config, len(drafting))
         trees = [DraftTree.empty()] * len(sampled_token_ids)
-        for i in drafting:
-            num_tokens = int(num_tokens_no_spec[i])
-            trees[i] = self._draft(batch.req_ids[i], token_ids_cpu[i], num_tokens, budgets[i], floor)
+        kinds: list[list[int]] = [[] for _ in sampled_token_ids]
+        contexts = None
+        if self.drafter.trie is not None:
+            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - self.config.max_match_length):
+                                      int(num_tokens[j])].tolist() for j in drafting]
+        results = self.drafter.draft([states[j].slot for j in drafting], contexts,
+                                     [budgets[j] for j in drafting], floor, self.tree_mode)
+        for j, (tree, k) in zip(drafting, results):
+            st = states[j]
+            st.context_nodes = sum(1 for x in k if x == KIND_CONTEXT)
+            self.stats.context_drafts += st.context_nodes > 0
+            if st.jacobi is not None:
+                tree, k = self._with_pool(st, tree, k, budgets[j], int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1]))
+            trees[rows[j]], kinds[rows[j]] = tree, k
+        row_states: list[RequestState | None] = [None] * len(sampled_token_ids)
+        for i, st in zip(rows, states):
+            row_states[i] = st
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
-        drafts = self._drafts_within_step_budget(trees, req_ids, len(rows))
-        self._record_metrics(drafts, sampled_token_ids, rows, load_budget, start)
+        drafts = self._drafts_within_step_budget(trees, kinds, row_states, req_ids, len(rows))
+        self._record_metrics(drafts, sampled_token_ids, states, load_budget, start)
         return drafts
 
-    def _record_metrics(self, drafts, sampled_token_ids, rows, load_budget: int, start_ns: int) -> None:
+    def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:
+        """Open the Jacobi window of a request (on admission or after a rewind)."""
+        st.jacobi = None
+        if self.config.uses_jacobi and self._tree_verifiable(req_id):
+            c = self.config
+            st.jacobi = JacobiRequest.from_prompt(
+                tokens[:min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses,
+                *self._window_prior)
+
+    def _with_pool(self, st: RequestState, tree: DraftTree, kinds: list[int], budget: int, last: int
+                   ) -> tuple[DraftTree, list[int]]:
+        """Merge the Jacobi pool's n-grams keyed by the last token after the tree."""
+        jac = st.jacobi
+        # The window rides along only with the full budget (no load shrink,
+        # no per-request cap); x0 = -1 marks rows without it this step.
+        jac.x0 = last if budget == self.config.decoding_length else -1
+        jac.pool_from = len(tree)
+        branches = jac.pool.get(last, self.config.jacobi_guesses)
+        self.stats.pool_branches += len(branches)
+        merged = merge_branches(tree, branches, budget)
+        return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
+
+    def _record_metrics(self, drafts, sampled_token_ids, states, load_budget: int, start_ns: int) -> None:
         skipped = {"request": 0, "load": 0}
-        for i in rows:
+        for st in states:
             if load_budget == 0:
                 skipped["load"] += 1
-            elif self._caps.get(self._input_batch.req_ids[i]) == 0:
+            elif st.cap == 0:
                 skipped["request"] += 1
         accepted = sum(len(s) - 1 for s in sampled_token_ids if s)
         step_tokens = sum(len(d) for d in drafts)
-        self.stats.request_steps += len(rows)
+        self.stats.request_steps += len(states)
         self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
         m = self.metrics
-        m.trie_nodes, m.trie_bytes, m.load_budget = self.trie.num_nodes, self.trie.num_bytes, load_budget
+        trie = self.drafter.trie
+        m.trie_nodes = trie.num_nodes if trie is not None else 0
+        m.trie_bytes, m.load_budget = self.drafter.memory_bytes(), load_budget
         m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 
     def _drafts_within_step_budget(
-        self, trees: list[DraftTree], req_ids: list[str | None], num_rows: int
+        self, trees: list[DraftTree], kinds: list[list[int]], states: list[RequestState | None],
+        req_ids: list[str | None], num_rows: int
     ) -> list[list[int]]:
         """Per request its tree (tree mode, verifiable sampling) or best chain,
         cut to the prefix the forward-cost model and step_draft_budget allow
         (judged by calibrated confidences); requests with a Jacobi window get
         its lookahead nodes appended."""
-        offers = [self._offer(tree, req_id) for tree, req_id in zip(trees, req_ids)]
-        confs = [self._confidences(t, kinds) for t, kinds, _ in offers]
+        offers = [self._offer(t, k, req_id) for t, k, req_id in zip(trees, kinds, req_ids)]
+        confs = [self._confidences(t, k) for t, k, _ in offers]
         opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
         keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost, opens)
         kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
-        for req_id, t, (_, kinds, _), n in zip(req_ids, kept, offers, keep):
-            if req_id is not None and n > 0:
-                self._offered[req_id] = (t, kinds[:n])
+        for st, t, (_, k, _), n in zip(states, kept, offers, keep):
+            if st is not None and n > 0:
+                st.offered = (t, k[:n])
         drafts = [list(t.tokens) for t in kept]
         if not self.tree_mode:
             return drafts
         rounds = max((sum(o[:n]) for o, n in zip(opens, keep)), default=0)
-        windows = self._windows_that_pay(offers, keep, confs, req_ids, num_rows, rounds)
-        for row, (t, (_, _, is_tree), req_id) in enumerate(zip(kept, offers, req_ids)):
-            if req_id is None:
+        windows = self._windows_that_pay(offers, keep, confs, states, num_rows, rounds)
+        for row, (t, (_, _, is_tree), st) in enumerate(zip(kept, offers, states)):
+            if st is None:
                 continue
-            self.plans.pop(req_id, None)
-            if req_id in windows:
-                jac = self.jacobi[req_id]
-                plan = StepPlan(*with_lookahead(t, jac.window))
-                self.plans[req_id] = plan
-                drafts[row] = list(plan.tree.tokens)
+            if row in windows:
+                jac = st.jacobi
+                st.plan = StepPlan(*with_lookahead(t, jac.window))
+                drafts[row] = list(st.plan.tree.tokens)
                 self.stats.jacobi_steps += 1
                 self.stats.jacobi_nodes += jac.window.num_nodes
-            elif len(t) and is_tree and not StepPlan(t).is_chain():
-                self.plans[req_id] = StepPlan(t)
+            elif len(t) and is_tree and not t.is_chain():
+                st.plan = StepPlan(t)
         return drafts
 
-    def _offer(self, tree: DraftTree, req_id: str | None) -> tuple[DraftTree, list[int], bool]:
+    def _offer(self, tree: DraftTree, kinds: list[int], req_id: str | None) -> tuple[DraftTree, list[int], bool]:
         """What a request may draft: its whole tree (tree mode, verifiable
         sampling) or the tree's best path as a chain; its nodes' calibration
         kinds; whether it is the tree."""
-        jac = self.jacobi.get(req_id) if req_id is not None else None
-        context = self._context_nodes.get(req_id, 0) if req_id is not None else 0
-        kinds = node_kinds(tree, jac.pool_from if jac is not None else None, context)
         if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
             return tree, kinds, True
+        if tree.is_chain():
+            return tree, kinds, False
         return tree.best_path_tree(), [kinds[i] for i in tree.best_path()], False
 
     def _confidences(self, tree: DraftTree, kinds: list[int]) -> list[float]:
@@ -310,16 +391,15 @@ class LookaheadProposer:
             return [tree.node_confidence(i) for i in range(len(tree))]
         return self.calibrator.calibrate(tree, kinds)
 
-    def _learn_acceptance(self, req_id: str, sampled: list[int]) -> None:
+    def _learn_acceptance(self, st: RequestState, sampled: list[int]) -> None:
         """Book the draft handed to this request last step, cut to what the
         scheduler verified of it (``sampled``: accepted tokens, then the
-        bonus): pool tokens accepted, and the calibrator's evidence."""
-        offered = self._offered.pop(req_id, None)
-        verified = self._scheduled_drafts.get(req_id, 0)
-        if offered is None or not verified:
+        bonus): pool and context tokens accepted, and the calibrator's evidence."""
+        offered, st.offered = st.offered, None
+        if offered is None or not st.scheduled:
             return
         tree, kinds = offered
-        verified = min(verified, len(tree))
+        verified = min(st.scheduled, len(tree))
         tree, kinds = tree.truncate(verified), kinds[:verified]
         accepted = accepted_path(tree, sampled)
         self.stats.pool_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_POOL)
@@ -327,8 +407,8 @@ class LookaheadProposer:
         if self.calibrator is not None:
             self.calibrator.observe(tree, kinds, accepted)
 
-    def _windows_that_pay(self, offers, keep, confs, req_ids, num_rows: int, rounds: int) -> set[str]:
-        """Requests whose Jacobi window goes out this step.
+    def _windows_that_pay(self, offers, keep, confs, states, num_rows: int, rounds: int) -> set[int]:
+        """Rows whose Jacobi window goes out this step.
 
         The step scores ``tokens`` tokens and is expected to emit ``gain``; a
         window of ``w`` nodes must be expected to add more accepted tokens than
@@ -340,16 +420,16 @@ class LookaheadProposer:
         tokens, extra = num_rows + sum(keep), rounds
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
-        for (_, _, is_tree), req_id in zip(offers, req_ids):
-            jac = self.jacobi.get(req_id) if req_id is not None else None
+        for row, ((_, _, is_tree), st) in enumerate(zip(offers, states)):
+            jac = st.jacobi if st is not None else None
             if jac is not None and jac.x0 >= 0 and is_tree:
-                candidates.append((req_id, jac))
+                candidates.append((row, jac))
         chosen = set()
-        for req_id, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
+        for row, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
             w, cols = jac.window.num_nodes, jac.window.window
             need = gain * (self.cost(tokens + w, extra + cols) / self.cost(tokens, extra) - 1.0)
             if jac.wants_window(need):
-                chosen.add(req_id)
+                chosen.add(row)
                 tokens, extra = tokens + w, extra + cols
                 gain += jac.yield_est
         return chosen
@@ -358,7 +438,8 @@ class LookaheadProposer:
         """The window's new tokens for a request (from tree_verify): slide it,
         fill its pool, and book what the window step got from the pool (the
         window's yield, which new requests start from)."""
-        jac = self.jacobi.get(req_id)
+        st = self._states.get(req_id)
+        jac = st.jacobi if st is not None else None
         if jac is None:
             return
         self.stats.pool_ngrams_added += jac.update(new_tokens)
@@ -368,56 +449,6 @@ class LookaheadProposer:
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)
         return state is not None and tree_verifiable(state.sampling_params)
-
-    def _sync_request(self, req_id: str, row: int, num_tokens: int, token_ids: np.ndarray, batch: Any) -> None:
-        done = self._inserted.get(req_id)
-        if done is not None and num_tokens < done:  # the runner rewound tokens: start over
-            self.finish(req_id)
-            done = None
-        if done is None:
-            num_prompt = int(batch.num_prompt_tokens[row])
-            prompt = token_ids[row, :num_prompt].tolist()
-            self.trie.add_request(req_id, prompt)
-            if self.config.context_match and self.config.source != "jacobi":
-                self.contexts[req_id] = ContextIndex(self.config.context_match, prompt)
-            if self.config.uses_jacobi and self._tree_verifiable(req_id):
-                c = self.config
-                self.jacobi[req_id] = JacobiRequest.from_prompt(
-                    prompt, c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses, *self._window_prior
-                )
-            done = num_prompt
-        if num_tokens > done:
-            new = token_ids[row, done:num_tokens].tolist()
-            self.trie.extend(req_id, new)
-            if req_id in self.contexts:
-                self.contexts[req_id].extend(new)
-        self._inserted[req_id] = max(done, num_tokens)
-
-    def _draft(self, req_id: str, tokens: np.ndarray, num_tokens: int, budget: int, floor: float) -> DraftTree:
-        if budget <= 0:
-            return DraftTree.empty()
-        lo = max(0, num_tokens - self.config.max_match_length)
-        context = tokens[lo:num_tokens].tolist()
-        tree = DraftTree.empty()
-        if self.config.source != "jacobi":
-            tree = self.trie.retrieve(context, budget=budget, req_id=req_id, min_confidence=floor)
-        index = self.contexts.get(req_id)
-        if index is not None:
-            chain = index.draft(budget, floor)
-            if len(chain):
-                self._context_nodes[req_id] = len(chain)
-                self.stats.context_drafts += 1
-                tree = with_context(chain, tree, budget)
-        jac = self.jacobi.get(req_id)
-        if jac is not None:
-            # The window rides along only with the full budget (no load shrink,
-            # no per-request cap); x0 = -1 marks rows without it this step.
-            jac.x0 = context[-1] if budget == self.config.decoding_length else -1
-            jac.pool_from = len(tree)
-            branches = jac.pool.get(context[-1], self.config.jacobi_guesses)
-            self.stats.pool_branches += len(branches)
-            tree = merge_branches(tree, branches, budget)
-        return tree
 
 
 def _platform() -> str:

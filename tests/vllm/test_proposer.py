@@ -58,15 +58,15 @@ def test_rows_without_sample_or_at_max_len_get_no_draft():
     full = (A * 5)[:MAX_LEN]
     drafts = step(p, {"a": A + [1], "b": full}, {"a": len(A), "b": 8}, sampled=[[], [full[-1]]])
     assert drafts == [[], []]
-    assert p.trie.active_requests == []  # neither row was admitted
+    assert p.drafter.num_requests() == 0  # neither row was admitted
 
 
 def test_finish_eliminates_and_same_id_can_return():
     p = make_proposer()
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.trie.active_requests == ["a"]
+    assert p.num_request_states() == 1 and p.drafter.num_requests() == 1
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert p.trie.active_requests == ["b"]
+    assert p.num_request_states() == 1 and p.drafter.num_requests() == 1
     drafts = step(p, {"a": B + [7]}, {"a": len(B)})  # a new request reusing the id
     assert drafts == [[8, 9, 7, 8]]
 
@@ -77,7 +77,7 @@ def test_reset_forgets_requests_and_counts():
     step(p, {"a": A + [1, 2, 9]}, {"a": len(A)}, sampled=[[2, 9]], scheduled={"a": [2, 3]})
     assert p.calibrator.nodes.sum() == 2
     p.reset()
-    assert p.trie.num_nodes == 0 and p.trie.active_requests == []
+    assert p.drafter.num_requests() == 0
     assert p.calibrator.nodes.sum() == 0
     assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]  # re-admitted from scratch
 
@@ -87,7 +87,7 @@ def test_rewound_request_is_readmitted():
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
     drafts = step(p, {"a": A + [1]}, {"a": len(A)})  # runner dropped two tokens
     assert drafts == [[2, 3, 4, 5]]
-    assert p.trie.active_requests == ["a"]
+    assert p.drafter.num_requests() == 1
 
 
 def test_step_budget_and_stats():
@@ -111,10 +111,10 @@ def test_per_request_cap_and_off():
     ])
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
     assert drafts == [[], [8, 9]]
-    assert p.trie.active_requests == ["a", "b"]  # an opted-out request still feeds the trie
+    assert p.drafter.num_requests() == 2  # an opted-out request still feeds the index
     assert p.metrics.skipped_request_steps == {"request": 1, "load": 0}
     step(p, {"c": B + [7]}, {"c": len(B)}, finished=["a", "b"])
-    assert p._caps == {}  # caps are forgotten with their requests
+    assert p.num_request_states() == 1  # states (and their caps) go with their requests
 
 
 def test_load_adaptation_shrinks_then_stops_drafting():
@@ -130,7 +130,7 @@ def test_load_adaptation_shrinks_then_stops_drafting():
     stop = make_proposer(k=4, load_shrink_above=4, load_stop_at=6)
     assert step(stop, rows6, {r: len(B) for r in rows6}) == [[]] * 6
     assert stop.metrics.skipped_request_steps["load"] == 6 and stop.metrics.load_budget == 0
-    assert len(stop.trie.active_requests) == 6  # tokens still inserted while not drafting
+    assert stop.drafter.num_requests() == 6  # tokens still indexed while not drafting
 
 
 def test_forward_cost_model_trims_batch_drafts():
@@ -167,7 +167,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert set(window_tokens) <= set(A)  # initialised from the prompt
     # The step's new tokens (one per column): three n-grams keyed 1 (x0), then level 0.
     p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[0, 1])
-    jac = p.jacobi["a"]
+    jac = p.request_state("a").jacobi
     assert p.stats.pool_ngrams_added == 3 and len(jac.pool.get(1)) == 1
     key, cont = 1, jac.pool.get(1)[0]
     assert cont[-1] == 40
@@ -184,7 +184,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert p.stats.pool_accepted_tokens == before + 2
     # A finished request drops its window and pool.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert "a" not in p.jacobi
+    assert p.request_state("a") is None
 
 
 def test_jacobi_state_rebuilt_identically_after_a_rewind():
@@ -193,13 +193,13 @@ def test_jacobi_state_rebuilt_identically_after_a_rewind():
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2, cost_free_tokens=0)
     p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
-    first = [list(r) for r in p.jacobi["a"].window.rows]
+    first = [list(r) for r in p.request_state("a").jacobi.window.rows]
     p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
-    assert p.jacobi["a"].window.rows != first and len(p.jacobi["a"].pool) == 3
+    assert p.request_state("a").jacobi.window.rows != first and len(p.request_state("a").jacobi.pool) == 3
     # vLLM recomputes the request (preemption): the runner rewinds its tokens.
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.jacobi["a"].window.rows == first and len(p.jacobi["a"].pool) == 0
+    assert p.request_state("a").jacobi.window.rows == first and len(p.request_state("a").jacobi.pool) == 0
 
 
 def test_jacobi_window_is_priced_by_the_cost_model():
@@ -221,7 +221,7 @@ def test_jacobi_window_is_priced_by_the_cost_model():
     assert p.plans["a"].has_lookahead and p.stats.jacobi_steps == 1
     # The pool never pays: the estimate decays below 0.40 and the window stays home.
     for _ in range(8):
-        p.jacobi["a"].credit(0)
+        p.request_state("a").jacobi.credit(0)
     step(p, {"a": A + [1, 2]}, {"a": len(A)})
     assert "a" not in p.plans and p.stats.jacobi_steps == 1
 
@@ -235,7 +235,7 @@ def test_jacobi_budget_checked_against_num_speculative_tokens():
         make_proposer(k=16, source="both", decoding_length=12)
     with pytest.raises(ValueError, match=r"num_speculative_tokens=191: vLLM's rejection sampler verifies at most 128"):
         make_proposer(k=191, source="jacobi", jacobi_window=16, jacobi_ngram=7, jacobi_guesses=16)
-    with pytest.raises(ValueError, match=r"source='jac': must be one of \('trie', 'jacobi', 'both'\)"):
+    with pytest.raises(ValueError, match=r"source='jac': must be one of \('index', 'trie', 'jacobi', 'both'"):
         make_proposer(k=16, source="jac")
 
 
@@ -246,7 +246,7 @@ def test_tree_side_branches_priced_per_path():
 
     def draft(per_path: float) -> list[int]:
         p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
-                          cost_free_tokens=8, cost_per_path=per_path)  # tokens free: only paths priced
+                          cost_free_tokens=8, cost_per_path=per_path, source="trie")  # tokens free: only paths priced
         p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
         return step(p, {"a": prompt + [1]}, {"a": len(prompt)})[0]
 
@@ -257,7 +257,7 @@ def test_tree_side_branches_priced_per_path():
 
 
 def test_calibration_learns_what_the_scheduler_verified_of_last_steps_draft():
-    p = make_proposer(k=4, min_draft_confidence=0.0)
+    p = make_proposer(k=4, min_draft_confidence=0.0, source="trie")
     assert step(p, {"a": A + [1]}, {"a": len(A)}) == [[2, 3, 4, 5]]
     cal = p.calibrator
     # The scheduler verified only [2, 3]; both were accepted, 7 is the bonus.
@@ -283,7 +283,7 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     # Four tokens free, then 20 per forward: the runner-up "4" (raw confidence
     # 0.22) pays for its twentieth of a forward.
     p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
-                      cost_free_tokens=4, cost_marginal_tokens=20, cost_per_path=0.0)
+                      cost_free_tokens=4, cost_marginal_tokens=20, cost_per_path=0.0, source="trie")
     p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     rows, lens = {"a": prompt + [1]}, {"a": len(prompt)}
     assert step(p, rows, lens)[0] == [2, 3, 9, 4]
@@ -305,10 +305,10 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     assert p.plans["a"].has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
     for _ in range(8):
         p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])  # the window brings nothing
-    learned = p.jacobi["a"].yield_est
+    learned = p.request_state("a").jacobi.yield_est
     assert learned < 0.4
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert p.jacobi["b"].yield_est == learned
+    assert p.request_state("b").jacobi.yield_est == learned
     assert "b" not in p.plans  # no fresh optimism: the new request keeps the window home
 
 
@@ -316,11 +316,12 @@ def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
     # Branch length 4: the trie drafts at most 3 tokens below a match.
     run = list(range(20, 40))  # 20 distinct tokens, generated once, then started again
     rows, lens = {"a": [1, 2, 3] + run + [9] + run[:3]}, {"a": 3}
-    p = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0)
+    p = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0, source="trie")
     assert step(p, rows, lens) == [run[3:11]]
     assert p.stats.context_drafts == 1
-    off = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0, context_match=0)
-    assert step(off, rows, lens) == [run[3:6]] and off.contexts == {}
+    off = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0, context_match=0,
+                        source="trie")
+    assert step(off, rows, lens) == [run[3:6]] and off.drafter.num_context_indexes() == 0
     # The target accepts five context tokens (then 99, the bonus): booked as context tokens.
     grown = rows["a"] + run[3:8] + [99]
     step(p, {"a": grown}, lens, sampled=[run[3:8] + [99]], scheduled={"a": run[3:11]})
@@ -328,12 +329,12 @@ def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
     from lookahead_vllm.core.calibration import KIND_CONTEXT
 
     assert p.calibrator.nodes[KIND_CONTEXT].sum() == 8 and p.calibrator.accepted[KIND_CONTEXT].sum() == 5
-    assert len(p.contexts["a"]) == len(grown)
+    assert len(p.drafter.context_index(p.request_state("a").slot)) == len(grown)
     # Finished requests drop their index; reset drops all.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert list(p.contexts) == ["b"]
+    assert p.drafter.num_context_indexes() == 1
     p.reset()
-    assert p.contexts == {}
+    assert p.drafter.num_context_indexes() == 0
 
 
 def test_context_chain_is_not_used_by_source_jacobi():
@@ -342,4 +343,29 @@ def test_context_chain_is_not_used_by_source_jacobi():
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2)
     p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.contexts == {} and p.stats.context_drafts == 0
+    assert p.drafter.num_context_indexes() == 0 and p.stats.context_drafts == 0
+
+
+def test_index_tree_offers_the_branches_of_diverging_matches():
+    from vllm import SamplingParams
+
+    # "1 2 3" was followed by 4 twice and by 5 once: the index drafts 4 first
+    # and keeps 5 as a side branch in tree mode.
+    prompt = [1, 2, 3, 4, 8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8]
+    p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, cost_free_tokens=8, cost_per_path=0.0)
+    p.requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    draft = step(p, {"a": prompt + [1, 2, 3]}, {"a": len(prompt)})[0]
+    assert draft[:2] == [5, 8] or draft[0] == 4
+    assert {4, 5} <= set(draft) and p.plans["a"].tree.parents.count(-1) == 2
+
+
+def test_rewind_keeps_the_requests_options():
+    """A request sent with lookahead off drafts nothing before and after the
+    runner rewinds its tokens (preemption/recompute)."""
+    p = make_proposer()
+    p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(
+        extra_args={"lookahead_enabled": False}))])
+    assert step(p, {"a": A + [1, 2, 3]}, {"a": len(A)}) == [[]]
+    assert step(p, {"a": A + [1]}, {"a": len(A)}) == [[]]  # rewound by two tokens
+    assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[]]
+    assert p.request_state("a").cap == 0

@@ -1,0 +1,186 @@
+"""``Drafter``: the engine-wide drafting state behind one batch call per step.
+
+It owns the sources that draft from text (``config.sources``):
+
+  index  core/draft_index.py (native when built): the continuations of the
+         longest earlier matches in the request's own text and in every
+         request's output; one ``sync`` and one ``draft_batch`` per step.
+  trie   core/trie.py with the context chain of core/context_match.py (pure
+         Python, per request; the engine's older source).
+
+Requests are named by integer *slots* the caller assigns (the proposer maps
+vLLM's request ids to slots). Per step the caller hands the runner's token
+table once (``sync``) and asks for every drafting row's tree (``draft``);
+finished requests are dropped with ``finish``. The Jacobi pool, which needs
+the forward's lookahead outputs, stays with the proposer.
+
+Index nodes lead a merged tree; their ranking weight is
+``INDEX_WEIGHT * confidence`` so a chain cut from the tree follows them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
+from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.context_match import ContextIndex, with_context
+from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.trie import TokenTrie
+
+# Ranking weight scale of index nodes (above any trie count).
+INDEX_WEIGHT = 1e18
+
+
+def make_index(config: LookaheadConfig, native: bool | None = None) -> Any:
+    """The draft index for ``config``: native when built (``native=None``),
+    required (True) or the pure-Python reference (False)."""
+    try:
+        from lookahead_vllm.core.native import make_draft_index
+    except ImportError:  # the loader is not there: the reference
+        from lookahead_vllm.core.draft_index import DraftIndex
+
+        if native:
+            raise
+        return DraftIndex(config.index_config())
+    return make_draft_index(config.index_config(), native)
+
+
+class Drafter:
+    """See the module docstring."""
+
+    def __init__(self, config: LookaheadConfig, native: bool | None = None) -> None:
+        self.config = config
+        self.index = make_index(config, native) if config.uses_index else None
+        self.trie = TokenTrie(config) if config.uses_trie else None
+        # Trie source only: slot -> tokens inserted so far, and its context index.
+        self._inserted: dict[int, int] = {}
+        self._contexts: dict[int, ContextIndex] = {}
+        # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
+        self._warm_slots = 0
+
+    @property
+    def native(self) -> bool:
+        return bool(getattr(self.index, "native", False))
+
+    def num_requests(self) -> int:
+        """Running requests holding drafting state."""
+        if self.index is not None:
+            return self.index.num_live()
+        return len(self._inserted)
+
+    def num_context_indexes(self) -> int:
+        """Context indexes held (trie source)."""
+        return len(self._contexts)
+
+    def context_index(self, slot: int) -> ContextIndex | None:
+        return self._contexts.get(slot)
+
+    def memory_bytes(self) -> int:
+        total = self.index.memory_bytes() if self.index is not None and hasattr(self.index, "memory_bytes") else 0
+        return total + (self.trie.num_bytes if self.trie is not None else 0)
+
+    # ------------------------------------------------------------ lifecycle
+    def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
+             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> None:
+        """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s
+        committed tokens (its first ``prompt_lens[i]`` the prompt): admit new
+        requests, extend or rewind known ones."""
+        if self.index is not None:
+            self.index.sync(np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
+                            np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
+        if self.trie is not None:
+            for slot, row, n, plen in zip(slots, rows, num_tokens, prompt_lens):
+                self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
+
+    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int) -> None:
+        done = self._inserted.get(slot)
+        if done is not None and n < done:  # the runner rewound tokens: start over
+            self._finish_trie(slot)
+            done = None
+        if done is None:
+            prompt = tokens[:min(prompt_len, n)].tolist()
+            self.trie.add_request(slot, prompt)
+            if self.config.context_match:
+                self._contexts[slot] = ContextIndex(self.config.context_match, prompt)
+            done = len(prompt)
+        if n > done:
+            new = tokens[done:n].tolist()
+            self.trie.extend(slot, new)
+            if slot in self._contexts:
+                self._contexts[slot].extend(new)
+        self._inserted[slot] = max(done, n)
+
+    def finish(self, slot: int) -> None:
+        """The request finished or was aborted (unknown slots are ignored)."""
+        if self.index is not None:
+            self.index.finish(slot)
+        if self.trie is not None:
+            self._finish_trie(slot)
+
+    def _finish_trie(self, slot: int) -> None:
+        self._contexts.pop(slot, None)
+        if self._inserted.pop(slot, None) is not None:
+            self.trie.finish_request(slot)
+
+    def warm(self, tokens: Sequence[int]) -> None:
+        """Learn a past response (warm start): into the index's corpus as a
+        finished output, and into the trie as output counts."""
+        if self.index is not None:
+            self._warm_slots -= 1
+            self.index.add(self._warm_slots, list(tokens), 0)
+            self.index.finish(self._warm_slots)
+        if self.trie is not None:
+            self.trie.insert_output(tokens)
+
+    # ------------------------------------------------------------- drafting
+    def draft(self, slots: Sequence[int], contexts: Sequence[Sequence[int]] | None,
+              budgets: Sequence[int], floor: float, tree: bool) -> list[tuple[DraftTree, list[int]]]:
+        """Per request: its draft tree (at most ``budgets[i]`` nodes, none below
+        ``floor``; a chain unless ``tree``) and its nodes' calibration kinds.
+        ``contexts[i]``: the request's last ``max_match_length`` tokens (trie
+        source only; None otherwise)."""
+        out = []
+        if self.index is not None:
+            tok, par, conf, lens = self.index.draft_batch(
+                np.asarray(slots, np.int64), np.asarray(budgets, np.int64), float(floor), bool(tree))
+        for i, slot in enumerate(slots):
+            t = DraftTree.empty()
+            if self.index is not None and lens[i]:
+                t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
+            n_index = len(t)
+            context = 0
+            if self.trie is not None and budgets[i] > 0:
+                t, context = self._draft_trie(int(slot), contexts[i], int(budgets[i]), floor, t)
+            kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
+            out.append((t, kinds))
+        return out
+
+    def _draft_trie(self, slot: int, context: Sequence[int], budget: int, floor: float,
+                    lead: DraftTree) -> tuple[DraftTree, int]:
+        trie_tree = self.trie.retrieve(list(context), budget=budget, req_id=slot, min_confidence=floor)
+        if len(lead):
+            return lead.merged(trie_tree, budget), 0
+        index = self._contexts.get(slot)
+        chain = index.draft(budget, floor) if index is not None else DraftTree.empty()
+        return with_context(chain, trie_tree, budget), len(chain)
+
+
+def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:
+    """A draft index row as a :class:`DraftTree`."""
+    confs = tuple(float(c) for c in conf)
+    return DraftTree(tuple(int(t) for t in tokens), tuple(int(p) for p in parents),
+                     tuple(INDEX_WEIGHT * c for c in confs), confs)
+
+
+def index_kinds(tree: DraftTree, n_index: int) -> list[int]:
+    """Calibration kinds: index nodes are KIND_CONTEXT on the leading chain and
+    KIND_BRANCH off it; nodes merged after them (trie) follow node_kinds."""
+    kinds = node_kinds(tree)
+    chain = True
+    for i in range(n_index):
+        chain = chain and tree.parents[i] == i - 1
+        kinds[i] = KIND_CONTEXT if chain else KIND_BRANCH
+    return kinds

@@ -1,0 +1,139 @@
+"""DraftIndex (pure-Python reference) and the Drafter around it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+from lookahead_vllm.core.drafter import Drafter
+
+A, B, C, D, X = 1, 2, 3, 4, 9
+
+
+def test_worked_example_of_the_docstring():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, [A, B, C, D, X, A, B], 7)
+    tokens, parents, conf = ix.draft(0, 3)
+    assert tokens == [C, D, X] and parents == [-1, 0, 1]
+    assert conf == pytest.approx([2 / 3, (2 / 3) ** 2, (2 / 3) ** 3])
+
+
+def test_own_continuation_repeats_its_period_at_the_texts_end():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, [5, A, B, A, B, A], 6)
+    assert ix.draft(0, 5)[0] == [B, A, B, A, B]
+
+
+def test_longest_match_wins_and_floor_cuts():
+    ix = DraftIndex(DraftIndexConfig(ngram=2, max_candidates=1))
+    # "x a b" -> c (match 3) beats the more recent "y a b" -> d (match 2).
+    ix.add(0, [X, A, B, C, 7, 8, A, B, D, 6, X, A, B], 13)
+    tokens, _, conf = ix.draft(0, 4)
+    assert tokens[0] == C
+    floor = conf[1] + 1e-9
+    assert ix.draft(0, 4, floor=floor)[0] == tokens[:1]
+
+
+def test_agreeing_candidates_weigh_more_and_trees_keep_the_runner_up():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, [A, B, C, 8, A, B, C, 8, A, B, D, 8, A, B], 14)
+    chain, _, conf = ix.draft(0, 2)
+    assert chain == [C, 8] and conf[0] < 1.0  # two of three matches agree on c
+    tokens, parents, tconf = ix.draft(0, 4, tree=True)
+    assert tokens[0] == C and D in tokens and parents.count(-1) == 2
+    assert all(parents[i] < i for i in range(len(parents)))
+
+
+def test_corpus_serves_other_requests_outputs_and_evicts_oldest():
+    cfg = DraftIndexConfig(ngram=2, corpus_tokens=10)
+    ix = DraftIndex(cfg)
+    answer = [20, 21, 22, 23, 24, 25]
+    ix.add(0, [7, 7] + answer, 2)  # prompt 7 7, output = answer
+    ix.add(1, [6, 6, 20, 21], 2)
+    assert ix.draft(1, 4)[0] == [22, 23, 24, 25]  # a running request's output is visible
+    ix.finish(0)
+    assert ix.num_live() == 1 and ix.corpus_tokens() == 6
+    assert ix.draft(1, 4)[0] == [22, 23, 24, 25]  # and stays after it finished
+    ix.finish(1)  # 2 more output tokens: 8 <= 10
+    ix.add(2, [5, 5] + list(range(40, 46)), 2)
+    ix.finish(2)  # 14 > 10: request 0's output is evicted
+    assert ix.corpus_tokens() == 8 and ix.num_sequences() == 2
+    ix.add(3, [1, 1, 20, 21], 2)
+    assert ix.draft(3, 4)[0] == []
+
+
+def test_rewind_equals_a_fresh_index_of_the_prefix():
+    text = [A, B, C, D, A, B, C, X, A, B, C]
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, text, 4)
+    ix.rewind(0, 7)
+    fresh = DraftIndex(DraftIndexConfig(ngram=2))
+    fresh.add(0, text[:7], 4)
+    assert ix.length(0) == 7
+    assert ix.draft(0, 6, tree=True) == fresh.draft(0, 6, tree=True)
+    assert ix.memory_bytes() == fresh.memory_bytes()
+
+
+def test_finish_leaves_no_running_state_and_ids_are_checked():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, [A, B, C], 3)
+    with pytest.raises(KeyError):
+        ix.add(0, [A], 1)
+    ix.finish(0)
+    ix.finish(0)  # idempotent
+    assert ix.num_live() == 0 and ix.draft(0, 4) == ([], [], [])
+    with pytest.raises(ValueError, match="prompt_len=5"):
+        ix.add(1, [A, B], 5)
+
+
+@pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_candidates", 0), ("corpus_tokens", -1)])
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        DraftIndexConfig(**{field: value})
+
+
+def test_sync_admits_extends_and_rewinds_from_the_token_table():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    table = np.zeros((3, 16), np.int32)
+    table[2, :8] = [A, B, C, D, A, B, C, D]
+    ix.sync([7], [2], table, [6], [4])
+    assert ix.length(7) == 6
+    ix.sync([7], [2], table, [8], [4])
+    assert ix.length(7) == 8 and ix.draft(7, 2)[0] == [A, B]
+    ix.sync([7], [2], table, [5], [4])
+    assert ix.length(7) == 5
+
+
+def test_draft_batch_rows_equal_single_drafts():
+    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix.add(0, [A, B, C, D, A, B], 6)
+    ix.add(1, [5, 6, 7, 5, 6], 5)
+    tokens, parents, conf, lengths = ix.draft_batch([1, 0, 9], [3, 2, 4])
+    assert tokens.shape == (3, 4) and list(lengths) == [3, 2, 0]
+    assert tokens[0, :3].tolist() == ix.draft(1, 3)[0] and tokens[1, :2].tolist() == [C, D]
+    assert conf[1, :2].tolist() == ix.draft(0, 2)[2]
+
+
+def test_drafter_index_and_trie_sources():
+    table = np.zeros((1, 32), np.int64)
+    text = [A, B, C, D, X, A, B, C]
+    table[0, :len(text)] = text
+    for source in ("index", "trie", "index+trie"):
+        drafter = Drafter(LookaheadConfig(source=source, min_draft_confidence=0.0), native=False)
+        drafter.sync([0], [0], table, [len(text)], [len(text)])
+        ((tree, kinds),) = drafter.draft([0], [text[-6:]], [3], 0.0, tree=False)
+        assert list(tree.tokens[:2]) == [D, X], source
+        assert len(kinds) == len(tree)
+        drafter.finish(0)
+        assert drafter.num_requests() == 0
+
+
+def test_drafter_warm_start_drafts_past_answers():
+    drafter = Drafter(LookaheadConfig(), native=False)
+    drafter.warm([30, 31, 32, 33, 34, 35])
+    table = np.array([[8, 8, 30, 31, 32]], np.int64)
+    drafter.sync([0], [0], table, [5], [5])
+    ((tree, _),) = drafter.draft([0], None, [3], 0.0, tree=False)
+    assert list(tree.tokens) == [33, 34, 35]
