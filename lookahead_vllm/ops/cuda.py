@@ -4,9 +4,20 @@
 :func:`~lookahead_vllm.ops.tree_attention.paged_tree_attention_ref` and
 :func:`~lookahead_vllm.ops.tree_attention.compact_kv_ref`. CUDA tensors use the
 compiled kernels when the extension loads; everything else (CPU tensors, a
-failed build, ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``) runs the reference. The
-extension is built/loaded on the first call with CUDA tensors, never at import;
-a load failure is logged once and the reference is used from then on.
+failed build, ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``) runs the reference.
+
+Where the kernels are built, never inside an engine step:
+
+1. image/install time: ``lookahead-vllm-build-kernels`` (the GPU Dockerfile
+   runs it) builds into ``LOOKAHEAD_VLLM_KERNEL_DIR``;
+2. engine start: :func:`prepare_kernels` (called by ``guards.check_engine_start``
+   when the proposer is built on a CUDA platform in tree mode) loads that
+   build, or builds it there if absent, and logs the outcome: kernels ready,
+   or *the* fallback to the torch reference, with the reason.
+
+Nothing is built at import. If a step reaches the kernels unprepared (a caller
+outside the engine), they are loaded then, with a warning saying so; a load
+failure is logged once and the reference is used from then on.
 """
 
 from __future__ import annotations
@@ -25,9 +36,32 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "LOOKAHEAD_VLLM_DISABLE_KERNELS"
 
 
+# Whether prepare_kernels() ran in this process (engine start).
+_prepared = False
+
+
+def prepare_kernels() -> bool:
+    """Load (building if needed) the kernels now, at engine start, and log the outcome.
+
+    Returns whether tree attention and KV compaction will use the CUDA
+    kernels; False means every tree step runs the torch reference.
+    """
+    global _prepared
+    _prepared = True
+    if kernels_available():
+        logger.info("lookahead_vllm CUDA kernels ready (tree attention, KV compaction)")
+        return True
+    logger.warning("lookahead_vllm: tree attention and KV compaction will run the torch reference "
+                   "(ops/tree_attention.py) in every tree step; prebuild with lookahead-vllm-build-kernels")
+    return False
+
+
 @functools.cache
 def kernels_available() -> bool:
     """Build/load the extension once; False (logged) if that fails or is disabled."""
+    if not _prepared:
+        logger.warning("lookahead_vllm CUDA kernels loaded on first use, not at engine start "
+                       "(call ops.cuda.prepare_kernels() there); a missing build compiles now")
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         logger.info("%s is set: using the torch reference for tree attention and KV compaction", DISABLE_ENV)
         return False
@@ -38,7 +72,8 @@ def kernels_available() -> bool:
         torch.ops.lookahead_vllm.tree_attention  # noqa: B018  (raises if the ops are not registered)
         torch.ops.lookahead_vllm.compact_kv  # noqa: B018
     except Exception as exc:  # noqa: BLE001 - any build/load failure means: fall back
-        logger.warning("lookahead_vllm CUDA kernels unavailable, using the torch reference: %s", exc)
+        logger.warning("lookahead_vllm CUDA kernels unavailable, falling back to the torch reference "
+                       "for tree attention and KV compaction: %s", exc)
         return False
     return True
 

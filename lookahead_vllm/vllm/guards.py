@@ -124,6 +124,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
+    method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
+    if method != "standard":  # 'synthetic', 0.33's lossy 'fly': chain rows would not match the tree walk
+        problems.append(f"speculative_config.rejection_sample_method={method!r} (use 'standard')")
     problems += backend_problems(_requested_backends(vllm_config))
     if problems:
         raise ValueError(
@@ -134,8 +137,8 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
 
 def _requested_backends(vllm_config: Any) -> list[str]:
     attention = getattr(vllm_config, "attention_config", None)
-    chosen = [getattr(attention, "backend", None), *getattr(attention, "backend_per_kind", {}).values()]
-    return [b.name for b in chosen if b is not None]
+    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    return [getattr(b, "name", str(b)) for b in chosen if b is not None]
 
 
 def backend_problems(names: Iterable[str]) -> list[str]:
