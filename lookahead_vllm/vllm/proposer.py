@@ -238,6 +238,12 @@ class LookaheadProposer:
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
 
+    def warm_start(self, texts: Iterable[list[int]]) -> None:
+        """Learn past responses (token ids) before serving: they join the
+        draft index's corpus (and the trie's output counts)."""
+        for tokens in texts:
+            self.drafter.warm(tokens)
+
     def finish(self, req_id: str) -> None:
         """The request finished or was aborted: drop its state (one removal)."""
         st = self._states.pop(req_id, None)
