@@ -1,0 +1,379 @@
+// DraftIndex core (see draft_index.h and the reference's module docstring).
+#include "draft_index.h"
+
+#include <algorithm>
+
+namespace lookahead {
+
+namespace {
+
+constexpr int kOwn = 0;
+constexpr int kCorpus = 1;
+
+std::string sid_str(int64_t sid) { return std::to_string(sid); }
+
+}  // namespace
+
+DraftIndex::DraftIndex(const DraftIndexConfig& config) : cfg_(config) {}
+
+// ------------------------------------------------------------------ lifecycle
+DraftIndex::Sequence* DraftIndex::live_seq(int64_t sid) {
+  auto it = by_sid_.find(sid);
+  if (it == by_sid_.end() || !seqs_[it->second]->live) {
+    throw SequenceKeyError("sequence " + sid_str(sid) + " is not running");
+  }
+  return seqs_[it->second].get();
+}
+
+uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len) {
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(seqs_.size());
+    seqs_.emplace_back();
+  }
+  seqs_[slot] = std::make_unique<Sequence>();
+  seqs_[slot]->sid = sid;
+  seqs_[slot]->live = true;
+  seqs_[slot]->prompt_len = prompt_len;
+  by_sid_[sid] = slot;
+  ++num_live_;
+  return slot;
+}
+
+void DraftIndex::release(uint32_t slot) {
+  by_sid_.erase(seqs_[slot]->sid);
+  seqs_[slot].reset();
+  free_slots_.push_back(slot);
+}
+
+void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len) {
+  if (by_sid_.count(sid)) throw SequenceKeyError("sequence " + sid_str(sid) + " is already in the index");
+  if (prompt_len < 0 || static_cast<uint64_t>(prompt_len) > n) {
+    throw std::invalid_argument("prompt_len=" + std::to_string(prompt_len) + ": must be in [0, " +
+                                std::to_string(n) + "]");
+  }
+  if (n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
+  const uint32_t slot = new_slot(sid, static_cast<uint32_t>(prompt_len));
+  Sequence& s = *seqs_[slot];
+  s.tokens.reserve(n);
+  s.own_prev.reserve(n);
+  s.own.reserve(n);
+  s.out_entry.reserve(n - prompt_len);
+  append(slot, tokens, n);
+}
+
+void DraftIndex::extend(int64_t sid, const int32_t* tokens, size_t n) {
+  Sequence* s = live_seq(sid);
+  if (s->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
+  append(by_sid_[sid], tokens, n);
+}
+
+void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
+  Sequence& s = *seqs_[slot];
+  const int ng = cfg_.ngram;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t p = static_cast<uint32_t>(s.tokens.size());  // follows tokens[p-ng:p]
+    s.tokens.push_back(tokens[i]);
+    s.own_prev.push_back(kNone);
+    if (p >= static_cast<uint32_t>(ng)) {
+      uint32_t& last = s.own.find_or_insert(make_key(&s.tokens[p - ng], ng), kNone);
+      s.own_prev[p] = last;
+      last = p;
+    }
+    if (p >= s.prompt_len) {
+      const uint32_t q = p - s.prompt_len;
+      s.out_entry.push_back(kNone);
+      if (q >= static_cast<uint32_t>(ng)) push_corpus(slot, q);
+    }
+  }
+}
+
+void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
+  uint32_t e;
+  if (!free_entries_.empty()) {
+    e = free_entries_.back();
+    free_entries_.pop_back();
+  } else {
+    if (entries_.size() >= kNone) throw std::length_error("corpus holds 2**32 - 1 entries");
+    e = static_cast<uint32_t>(entries_.size());
+    entries_.emplace_back();
+  }
+  Sequence& s = *seqs_[slot];
+  CorpusList& list = corpus_.find_or_insert(make_key(s.out() + q - cfg_.ngram, cfg_.ngram), CorpusList{});
+  entries_[e] = Entry{slot, q, list.tail, kNone};
+  if (list.tail != kNone) {
+    entries_[list.tail].next = e;
+  } else {
+    list.head = e;
+  }
+  list.tail = e;
+  ++list.size;
+  s.out_entry[q] = e;
+  if (list.size > static_cast<uint32_t>(cfg_.max_occurrences)) {  // drop the oldest
+    const uint32_t h = list.head;
+    const Entry old = entries_[h];
+    list.head = old.next;
+    entries_[old.next].prev = kNone;
+    seqs_[old.seq]->out_entry[old.pos] = kNone;
+    free_entries_.push_back(h);
+    --list.size;
+  }
+}
+
+void DraftIndex::evict_corpus(uint32_t slot) {
+  Sequence& s = *seqs_[slot];
+  const int ng = cfg_.ngram;
+  const int32_t* out = s.out();
+  for (size_t q = ng; q < s.out_len(); ++q) {
+    const uint32_t e = s.out_entry[q];
+    if (e == kNone) continue;
+    const NgramKey key = make_key(out + q - ng, ng);
+    CorpusList* list = corpus_.find(key);
+    const Entry en = entries_[e];
+    if (en.prev != kNone) {
+      entries_[en.prev].next = en.next;
+    } else {
+      list->head = en.next;
+    }
+    if (en.next != kNone) {
+      entries_[en.next].prev = en.prev;
+    } else {
+      list->tail = en.prev;
+    }
+    if (--list->size == 0) corpus_.erase(key);
+    free_entries_.push_back(e);
+  }
+  std::vector<uint32_t>().swap(s.out_entry);
+}
+
+void DraftIndex::finish(int64_t sid) {
+  auto it = by_sid_.find(sid);
+  if (it == by_sid_.end() || !seqs_[it->second]->live) return;
+  const uint32_t slot = it->second;
+  Sequence& s = *seqs_[slot];
+  s.live = false;
+  --num_live_;
+  s.own.clear();
+  std::vector<uint32_t>().swap(s.own_prev);
+  s.tokens.erase(s.tokens.begin(), s.tokens.begin() + s.prompt_len);  // keep the output only
+  s.prompt_len = 0;
+  s.tokens.shrink_to_fit();
+  finished_.push_back(slot);
+  finished_tokens_ += static_cast<int64_t>(s.out_len());
+  while (!finished_.empty() && finished_tokens_ > cfg_.corpus_tokens) {
+    const uint32_t old = finished_.front();
+    finished_.pop_front();
+    finished_tokens_ -= static_cast<int64_t>(seqs_[old]->out_len());
+    evict_corpus(old);
+    release(old);
+  }
+}
+
+void DraftIndex::rewind(int64_t sid, int64_t length) {
+  Sequence* s = live_seq(sid);
+  if (length < 0) throw std::invalid_argument("length=" + std::to_string(length) + ": must be >= 0");
+  const size_t keep = std::min(static_cast<size_t>(length), s->tokens.size());
+  std::vector<int32_t> kept(s->tokens.begin(), s->tokens.begin() + keep);
+  const uint32_t slot = by_sid_[sid];
+  evict_corpus(slot);
+  s->prompt_len = static_cast<uint32_t>(std::min<int64_t>(s->prompt_len, length));
+  s->tokens.clear();
+  s->own_prev.clear();
+  s->own.clear();
+  s->own.reserve(keep);
+  s->out_entry.reserve(keep - s->prompt_len);
+  append(slot, kept.data(), keep);
+}
+
+// ---------------------------------------------------------------------- stats
+int64_t DraftIndex::length(int64_t sid) const {
+  auto it = by_sid_.find(sid);
+  if (it == by_sid_.end() || !seqs_[it->second]->live) return -1;
+  return static_cast<int64_t>(seqs_[it->second]->tokens.size());
+}
+
+size_t DraftIndex::memory_bytes() const {
+  size_t bytes = sizeof(*this) + seqs_.capacity() * sizeof(seqs_[0]) + free_slots_.capacity() * 4;
+  // unordered_map: bucket array plus one heap node (next pointer, key, value, cached hash) per id.
+  bytes += by_sid_.bucket_count() * sizeof(void*) + by_sid_.size() * 32;
+  for (const auto& s : seqs_) {
+    if (!s) continue;
+    bytes += sizeof(Sequence) + s->tokens.capacity() * 4 + s->own_prev.capacity() * 4 + s->own.memory_bytes() +
+             s->out_entry.capacity() * 4;
+  }
+  bytes += finished_.size() * sizeof(uint32_t) + corpus_.memory_bytes() + entries_.capacity() * sizeof(Entry) +
+           free_entries_.capacity() * 4;
+  bytes += cands_.capacity() * sizeof(Candidate) + nodes_.capacity() * sizeof(Node) + conf_.capacity() * 8 +
+           heap_.capacity() * 4 + kids_.capacity() * 4 + stack_.capacity() * 8 + picked_.capacity();
+  return bytes;
+}
+
+// ------------------------------------------------------------------- drafting
+int DraftIndex::match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const {
+  // How many tokens before src[pos] agree with those before text[end]; the
+  // first ngram do (the key matched). Stops at either text's start.
+  int m = cfg_.ngram;
+  while (m < cfg_.max_match && pos - m - 1 >= 0 && end - m - 1 >= 0 && src[pos - m - 1] == text[end - m - 1]) ++m;
+  return m;
+}
+
+void DraftIndex::collect_candidates(uint32_t slot) {
+  cands_.clear();
+  const Sequence& s = *seqs_[slot];
+  const int ng = cfg_.ngram;
+  const int64_t end = static_cast<int64_t>(s.tokens.size());
+  if (end < ng) return;
+  const NgramKey key = make_key(s.tokens.data() + end - ng, ng);
+  if (const uint32_t* last = s.own.find(key)) {  // most recent first
+    uint32_t p = *last;
+    for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = s.own_prev[p]) {
+      cands_.push_back(Candidate{match(s.tokens.data(), p, s.tokens.data(), end), kOwn, slot, p});
+    }
+  }
+  if (const CorpusList* list = corpus_.find(key)) {
+    for (uint32_t e = list->tail; e != kNone; e = entries_[e].prev) {
+      const Entry& en = entries_[e];
+      if (en.seq == slot) continue;
+      const int m = match(seqs_[en.seq]->out(), en.pos, s.tokens.data(), end);
+      cands_.push_back(Candidate{m, kCorpus, en.seq, en.pos});
+    }
+  }
+  std::stable_sort(cands_.begin(), cands_.end(), [](const Candidate& a, const Candidate& b) {
+    return a.m != b.m ? a.m > b.m : a.scope < b.scope;
+  });
+  if (cands_.size() > static_cast<size_t>(cfg_.max_candidates)) cands_.resize(cfg_.max_candidates);
+}
+
+void DraftIndex::merge(uint32_t slot, int budget) {
+  nodes_.clear();
+  nodes_.push_back(Node{-1, -1, 0, 0, 0});
+  const Sequence& s = *seqs_[slot];
+  const int64_t end = static_cast<int64_t>(s.tokens.size());
+  for (const Candidate& c : cands_) {
+    nodes_[0].weight += c.m;
+    const int32_t* src;
+    int64_t len;
+    if (c.scope == kCorpus) {
+      src = seqs_[c.seq]->out();
+      len = std::min<int64_t>(budget, static_cast<int64_t>(seqs_[c.seq]->out_len()) - c.pos);
+    } else {
+      src = s.tokens.data();
+      len = budget;
+    }
+    int32_t at = 0;
+    int64_t k = c.pos;  // own text repeats its period end - pos past the end
+    for (int64_t j = 0; j < len; ++j, ++k) {
+      if (c.scope == kOwn && k == end) k = c.pos;
+      const int32_t t = src[k];
+      int32_t child = nodes_[at].first_child;
+      while (child >= 0 && nodes_[child].token != t) child = nodes_[child].next_sibling;
+      if (child < 0) {
+        child = static_cast<int32_t>(nodes_.size());
+        nodes_.push_back(Node{t, at, 0, 0, nodes_[at].depth + 1});
+        if (nodes_[at].last_child >= 0) {
+          nodes_[nodes_[at].last_child].next_sibling = child;
+        } else {
+          nodes_[at].first_child = child;
+        }
+        nodes_[at].last_child = child;
+      }
+      nodes_[child].weight += c.m;
+      nodes_[child].max_m = std::max(nodes_[child].max_m, c.m);
+      at = child;
+    }
+  }
+}
+
+double DraftIndex::confidence(int32_t i) const {
+  // (W / W_root) * q(M) ** depth, the power as repeated products (as the reference).
+  const Node& n = nodes_[i];
+  const double q = n.max_m / (n.max_m + 1.0);
+  double c = static_cast<double>(n.weight) / static_cast<double>(nodes_[0].weight);
+  for (int d = 0; d < n.depth; ++d) c *= q;
+  return c;
+}
+
+int DraftIndex::select_chain(int budget, double floor, DraftRow out) {
+  int count = 0;
+  for (int32_t at = 0; nodes_[at].first_child >= 0 && count < budget;) {
+    int32_t best = nodes_[at].first_child;  // ties keep the earlier (better-ranked) child
+    for (int32_t c = nodes_[best].next_sibling; c >= 0; c = nodes_[c].next_sibling) {
+      if (nodes_[c].weight > nodes_[best].weight) best = c;
+    }
+    const double conf = confidence(best);
+    if (conf < floor) break;
+    out.tokens[count] = nodes_[best].token;
+    out.parents[count] = count - 1;
+    out.confidence[count] = conf;
+    ++count;
+    at = best;
+  }
+  return count;
+}
+
+void DraftIndex::sorted_picked_children(int32_t node) {
+  // Picked children of `node`, least confident first (ties: later created first).
+  kids_.clear();
+  for (int32_t c = nodes_[node].first_child; c >= 0; c = nodes_[c].next_sibling) {
+    if (picked_[c]) kids_.push_back(c);
+  }
+  std::sort(kids_.begin(), kids_.end(),
+            [this](int32_t a, int32_t b) { return conf_[a] != conf_[b] ? conf_[a] < conf_[b] : a > b; });
+}
+
+int DraftIndex::select_tree(int budget, double floor, DraftRow out) {
+  conf_.assign(nodes_.size(), 0.0);
+  picked_.assign(nodes_.size(), 0);
+  // Max-heap on (confidence, -index): the most confident frontier node, ties the earliest created.
+  auto less = [this](int32_t a, int32_t b) { return conf_[a] != conf_[b] ? conf_[a] < conf_[b] : a > b; };
+  heap_.clear();
+  auto push_children = [&](int32_t node) {
+    for (int32_t c = nodes_[node].first_child; c >= 0; c = nodes_[c].next_sibling) {
+      conf_[c] = confidence(c);
+      heap_.push_back(c);
+      std::push_heap(heap_.begin(), heap_.end(), less);
+    }
+  };
+  push_children(0);
+  int num_picked = 0;
+  while (!heap_.empty() && num_picked < budget) {
+    const int32_t best = heap_.front();
+    if (conf_[best] < floor) break;
+    std::pop_heap(heap_.begin(), heap_.end(), less);
+    heap_.pop_back();
+    picked_[best] = 1;
+    ++num_picked;
+    push_children(best);
+  }
+  // Depth-first, most confident child first: every parent precedes its children.
+  stack_.clear();
+  sorted_picked_children(0);
+  for (int32_t c : kids_) stack_.emplace_back(c, -1);
+  int count = 0;
+  while (!stack_.empty()) {
+    const auto [node, parent] = stack_.back();
+    stack_.pop_back();
+    out.tokens[count] = nodes_[node].token;
+    out.parents[count] = parent;
+    out.confidence[count] = conf_[node];
+    sorted_picked_children(node);
+    for (int32_t c : kids_) stack_.emplace_back(c, count);
+    ++count;
+  }
+  return count;
+}
+
+int DraftIndex::draft(int64_t sid, int budget, double floor, bool tree, DraftRow out) {
+  if (budget <= 0) return 0;
+  auto it = by_sid_.find(sid);
+  if (it == by_sid_.end() || !seqs_[it->second]->live) return 0;
+  collect_candidates(it->second);
+  if (cands_.empty()) return 0;
+  merge(it->second, budget);
+  return tree ? select_tree(budget, floor, out) : select_chain(budget, floor, out);
+}
+
+}  // namespace lookahead

@@ -1,0 +1,154 @@
+// DraftIndex: the drafting core, natively. No Python here (bindings.cpp).
+//
+// Semantics are those of the pure-Python reference
+// lookahead_vllm/core/draft_index.py (its module docstring defines sequence,
+// key, candidate, continuation, draft and confidence); tests hold the two to
+// identical drafts. Layout:
+//
+//   Sequence  one per sequence id, in `seqs_` (slots reused). `tokens` is the
+//             whole text while it runs and only its output once finished
+//             (`prompt_len` is then 0); the output is always
+//             tokens[prompt_len:].
+//   own       per running sequence: a KeyMap key -> latest position that
+//             followed the key, and `own_prev[p]`, the previous position with
+//             the same key. The occurrence list of a key is that chain, cut
+//             after max_occurrences links (the most recent ones).
+//   corpus    one KeyMap key -> doubly linked list (oldest .. newest) of
+//             entries in `entries_`, an entry being (sequence slot, output
+//             position); `out_entry[q]` finds a sequence's entry again on
+//             eviction. A list never holds more than max_occurrences entries:
+//             a push past that drops the oldest.
+//
+// Not thread-safe: callers serialize (the bindings hold a mutex).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "key_map.h"
+
+namespace lookahead {
+
+constexpr uint32_t kNone = 0xFFFFFFFFu;
+
+// A duplicate or unknown sequence id (KeyError in Python).
+class SequenceKeyError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct DraftIndexConfig {
+  int ngram = 3;
+  int max_match = 64;
+  int max_occurrences = 16;
+  int max_candidates = 8;
+  int64_t corpus_tokens = int64_t{1} << 20;
+};
+
+// One draft written into caller-owned rows of at least `budget` elements.
+struct DraftRow {
+  int32_t* tokens;
+  int32_t* parents;
+  double* confidence;
+};
+
+class DraftIndex {
+ public:
+  explicit DraftIndex(const DraftIndexConfig& config);
+
+  void add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len);
+  void extend(int64_t sid, const int32_t* tokens, size_t n);
+  void finish(int64_t sid);
+  void rewind(int64_t sid, int64_t length);
+
+  size_t num_live() const { return num_live_; }
+  size_t num_sequences() const { return by_sid_.size(); }
+  int64_t corpus_tokens() const { return finished_tokens_; }
+  int64_t length(int64_t sid) const;  // -1 if not running
+  size_t memory_bytes() const;
+
+  // Writes sequence `sid`'s draft (at most `budget` nodes) into `out`; returns its length.
+  int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);
+
+  const DraftIndexConfig& config() const { return cfg_; }
+
+ private:
+  struct Sequence {
+    int64_t sid = 0;
+    bool live = false;
+    uint32_t prompt_len = 0;
+    std::vector<int32_t> tokens;
+    std::vector<uint32_t> own_prev;
+    KeyMap<uint32_t> own;
+    std::vector<uint32_t> out_entry;
+    size_t out_len() const { return tokens.size() - prompt_len; }
+    const int32_t* out() const { return tokens.data() + prompt_len; }
+  };
+  struct CorpusList {
+    uint32_t head = kNone;  // oldest entry
+    uint32_t tail = kNone;  // newest entry
+    uint32_t size = 0;
+  };
+  struct Entry {
+    uint32_t seq;   // sequence slot
+    uint32_t pos;   // position in its output
+    uint32_t prev;  // older entry of the same key
+    uint32_t next;  // newer entry of the same key
+  };
+  struct Candidate {
+    int m;
+    int scope;  // 0 own, 1 corpus
+    uint32_t seq;
+    uint32_t pos;
+  };
+  struct Node {
+    int32_t token;
+    int32_t parent;
+    int64_t weight;  // W: sum of m over the candidates through the node
+    int32_t max_m;   // M
+    int32_t depth;
+    int32_t first_child = -1;
+    int32_t last_child = -1;
+    int32_t next_sibling = -1;
+  };
+
+  Sequence* live_seq(int64_t sid);
+  uint32_t new_slot(int64_t sid, uint32_t prompt_len);
+  void append(uint32_t slot, const int32_t* tokens, size_t n);
+  void push_corpus(uint32_t slot, uint32_t q);
+  void evict_corpus(uint32_t slot);
+  void release(uint32_t slot);
+  int match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const;
+  void collect_candidates(uint32_t slot);
+  void merge(uint32_t slot, int budget);
+  double confidence(int32_t i) const;
+  int select_chain(int budget, double floor, DraftRow out);
+  int select_tree(int budget, double floor, DraftRow out);
+  void sorted_picked_children(int32_t node);
+
+  DraftIndexConfig cfg_;
+  std::vector<std::unique_ptr<Sequence>> seqs_;  // slot -> sequence (nullptr: free)
+  std::vector<uint32_t> free_slots_;
+  std::unordered_map<int64_t, uint32_t> by_sid_;  // running and finished-in-corpus ids
+  size_t num_live_ = 0;
+  std::deque<uint32_t> finished_;            // finished slots, oldest first
+  int64_t finished_tokens_ = 0;
+  KeyMap<CorpusList> corpus_;
+  std::vector<Entry> entries_;
+  std::vector<uint32_t> free_entries_;
+  // Scratch reused by every draft.
+  std::vector<Candidate> cands_;
+  std::vector<Node> nodes_;
+  std::vector<double> conf_;
+  std::vector<int32_t> heap_;
+  std::vector<int32_t> kids_;
+  std::vector<std::pair<int32_t, int32_t>> stack_;
+  std::vector<char> picked_;
+};
+
+}  // namespace lookahead

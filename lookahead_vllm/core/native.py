@@ -1,0 +1,55 @@
+"""Native drafting core: loads ``lookahead_vllm._draft_index`` (C++,
+``csrc/draft_index``, compiled by ``pip install -e .``) and picks it or the
+pure-Python reference ``DraftIndex``; both give identical drafts.
+
+Never compiles anything: a missing extension means the reference is used
+(or, when the native core is required, an ImportError that says how to build it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+
+logger = logging.getLogger(__name__)
+
+BUILD_HINT = ("build it with `pip install -e .` (or `python setup.py build_ext --inplace`) "
+              "from the repository root; it needs a C++17 compiler and pybind11")
+
+
+@functools.cache
+def load_draft_index() -> type | None:
+    """The native ``DraftIndex`` class, or None if the extension is not built."""
+    try:
+        from lookahead_vllm._draft_index import DraftIndex as NativeDraftIndex
+    except ImportError as exc:
+        logger.debug("native draft index unavailable: %s", exc)
+        return None
+    return NativeDraftIndex
+
+
+@functools.cache
+def _log_choice(native: bool) -> None:
+    if native:
+        logger.info("draft index: native (lookahead_vllm._draft_index)")
+    else:
+        logger.info("draft index: pure-Python reference (native extension not built; %s)", BUILD_HINT)
+
+
+def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool | None = None):
+    """A draft index for ``config``: native when available (``native=None``),
+    required (``True``: ImportError if not built) or the reference (``False``).
+    Either object has ``.config`` and ``.native``."""
+    cls = load_draft_index() if native is not False else None
+    if cls is None:
+        if native:
+            raise ImportError(f"lookahead_vllm._draft_index is not built: {BUILD_HINT}")
+        _log_choice(False)
+        return DraftIndex(config)
+    index = cls(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
+                config.corpus_tokens)
+    index.config = config
+    _log_choice(True)
+    return index

@@ -1,0 +1,267 @@
+"""The native DraftIndex (lookahead_vllm._draft_index) against the pure-Python
+reference: the same operation sequences give identical drafts (tokens,
+parents, confidences bit for bit) and counts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lookahead_vllm.core import draft_index, native
+from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+
+NativeDraftIndex = native.load_draft_index()
+if NativeDraftIndex is None and not os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIVE"):
+    pytest.skip("native extension lookahead_vllm._draft_index is not built (pip install -e .)",
+                allow_module_level=True)
+
+SIDS = range(6)
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _match_bounded(src, pos, text, end, cfg):
+    """The reference's _match, stopping at the current text's start too."""
+    m = cfg.ngram
+    while m < cfg.max_match and pos - m - 1 >= 0 and end - m - 1 >= 0 and src[pos - m - 1] == text[end - m - 1]:
+        m += 1
+    return m
+
+
+def _reference_wraps() -> bool:
+    """Whether the reference's _match reads text[-1] (wrapping to the text's
+    end) when a corpus occurrence lies deeper in its output than the text is
+    long; see test_match_stops_at_the_text_start."""
+    ref = DraftIndex(DraftIndexConfig(ngram=1, max_match=8))
+    ref.add(1, [7, 5, 7, 8], 0)
+    ref.finish(1)
+    ref.add(2, [5, 7], 2)
+    return ref.draft(2, 1)[2] != [4 / 9]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_reference_match():
+    """Holds native to the bounded match until the reference's _match stops
+    at the text's start (then this patch is a no-op and skipped)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _reference_wraps():
+            mp.setattr(draft_index, "_match", _match_bounded)
+        yield
+
+
+def _pair(cfg: DraftIndexConfig):
+    return DraftIndex(cfg), native.make_draft_index(cfg, native=True)
+
+
+def _same_outcome(ref, nat, method: str, *args, **kwargs):
+    """Calls `method` on both; they must return equal results or raise the same type."""
+    outcomes = []
+    for index in (ref, nat):
+        try:
+            outcomes.append(("ok", getattr(index, method)(*args, **kwargs)))
+        except (KeyError, ValueError) as exc:
+            outcomes.append(("raise", type(exc)))
+    (kind_r, out_r), (kind_n, out_n) = outcomes
+    assert kind_r == kind_n and (kind_r == "ok" or out_r is out_n), (method, args, outcomes)
+    return out_r, out_n
+
+
+def _assert_same_state(ref, nat, sids=SIDS):
+    assert nat.num_live() == ref.num_live()
+    assert nat.num_sequences() == ref.num_sequences()
+    assert nat.corpus_tokens() == ref.corpus_tokens()
+    assert [nat.length(s) for s in sids] == [ref.length(s) for s in sids]
+
+
+def _assert_same_batch(out_r, out_n):
+    for a, b, dtype in zip(out_r, out_n, (np.int32, np.int32, np.float64, np.int32)):
+        assert b.dtype == dtype and b.shape == a.shape
+        assert np.array_equal(a, b), (a, b)
+
+
+configs = st.builds(
+    lambda n, extra, occ, cands, corpus: DraftIndexConfig(n, n + extra, occ, cands, corpus),
+    st.integers(1, 4), st.integers(0, 6), st.integers(1, 4), st.integers(1, 5), st.integers(0, 40))
+
+
+def _tokens(data, vocab, lo=0, hi=10):
+    return data.draw(st.lists(st.integers(0, vocab - 1), min_size=lo, max_size=hi))
+
+
+def _sync_table(data, ref, vocab):
+    """A runner token table for some sequences: known ones rewound and/or
+    extended, unknown ones admitted."""
+    sids = data.draw(st.lists(st.sampled_from(SIDS), min_size=1, max_size=4, unique=True))
+    texts, prompt_lens = [], []
+    for sid in sids:
+        seq = ref._live.get(sid)
+        have = list(seq.tokens) if seq is not None else []
+        keep = data.draw(st.integers(max(0, len(have) - 3), len(have)))
+        texts.append(have[:keep] + _tokens(data, vocab, 0, 4))
+        prompt_lens.append(data.draw(st.integers(0, len(texts[-1]) + 1)))
+    width = max(len(t) for t in texts) + data.draw(st.integers(0, 2))
+    dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+    order = data.draw(st.sampled_from(["C", "F"]))
+    rows = data.draw(st.permutations(range(len(sids) + 1)))[:len(sids)]
+    table = np.full((len(sids) + 1, width), 99, dtype=dtype, order=order)
+    for row, text in zip(rows, texts):
+        table[row, :len(text)] = text
+    return sids, rows, table, [len(t) for t in texts], prompt_lens
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, vocab=st.integers(2, 4), data=st.data())
+def test_random_operations_match_reference(cfg, vocab, data):
+    ref, nat = _pair(cfg)
+    sid = st.sampled_from(SIDS)
+    for _ in range(data.draw(st.integers(5, 40))):
+        op = data.draw(st.sampled_from(["add", "add", "extend", "extend", "finish", "rewind", "draft", "batch",
+                                        "sync"]))
+        if op == "add":
+            tokens = _tokens(data, vocab, 0, 14)
+            _same_outcome(ref, nat, "add", data.draw(sid), tokens, data.draw(st.integers(0, len(tokens) + 1)))
+        elif op == "extend":
+            _same_outcome(ref, nat, "extend", data.draw(sid), _tokens(data, vocab, 0, 5))
+        elif op == "finish":
+            _same_outcome(ref, nat, "finish", data.draw(sid))
+        elif op == "rewind":
+            _same_outcome(ref, nat, "rewind", data.draw(sid), data.draw(st.integers(0, 16)))
+        elif op == "draft":
+            args = (data.draw(sid), data.draw(st.integers(-1, 10)), data.draw(st.sampled_from([0.0, 0.05, 0.3])),
+                    data.draw(st.booleans()))
+            out_r, out_n = _same_outcome(ref, nat, "draft", *args)
+            assert out_n == out_r, args
+        elif op == "batch":
+            sids = data.draw(st.lists(sid, max_size=5))
+            budgets = data.draw(st.lists(st.integers(0, 10), min_size=len(sids), max_size=len(sids)))
+            floor, tree = data.draw(st.sampled_from([0.0, 0.1])), data.draw(st.booleans())
+            _assert_same_batch(ref.draft_batch(sids, budgets, floor, tree), nat.draft_batch(sids, budgets, floor, tree))
+        else:
+            _same_outcome(ref, nat, "sync", *_sync_table(data, ref, vocab))
+        _assert_same_state(ref, nat)
+    for s in SIDS:  # every live sequence's draft at the end, both shapes
+        for tree in (False, True):
+            assert nat.draft(s, 12, 0.0, tree) == ref.draft(s, 12, 0.0, tree)
+
+
+def test_real_text_stream_matches_reference():
+    """Requests over README bytes: prompts admitted and outputs committed 1-3
+    tokens a step through sync, drafted each step with draft_batch."""
+    text = np.frombuffer(README.read_bytes(), dtype=np.uint8).astype(np.int32)
+    cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=1500)
+    ref, nat = _pair(cfg)
+    rng = np.random.default_rng(0)
+    table = np.zeros((8, 1024), np.int32)
+    running: dict[int, list[int]] = {}  # sid -> [row, start, prompt_len, length]
+    next_sid, free_rows = 0, list(range(8))
+    for step in range(250):
+        while free_rows and len(running) < 6:  # admit
+            start, plen = int(rng.integers(0, len(text) - 1024)), int(rng.integers(16, 300))
+            row = free_rows.pop()
+            table[row] = text[start:start + 1024]
+            running[next_sid] = [row, start, plen, plen]
+            next_sid += 1
+        for state in running.values():
+            state[3] += int(rng.integers(1, 4))
+        sids = list(running)
+        rows, lengths, plens = ([running[s][i] for s in sids] for i in (0, 3, 2))
+        ref.sync(sids, rows, table, lengths, plens)
+        nat.sync(np.array(sids), np.array(rows), table, np.array(lengths), np.array(plens))
+        budgets = [int(b) for b in rng.integers(1, 9, len(sids))]
+        tree = step % 2 == 1
+        _assert_same_batch(ref.draft_batch(sids, budgets, 0.02, tree), nat.draft_batch(sids, budgets, 0.02, tree))
+        for s in sids:
+            if running[s][3] - running[s][2] > 60 or rng.random() < 0.02:
+                free_rows.append(running.pop(s)[0])
+                ref.finish(s)
+                nat.finish(s)
+        _assert_same_state(ref, nat, range(next_sid))
+    assert ref.corpus_tokens() > 0 and ref.num_sequences() < next_sid  # eviction happened
+
+
+def test_worked_example():
+    nat = native.make_draft_index(DraftIndexConfig(ngram=2), native=True)
+    nat.add(0, [1, 2, 3, 4, 9, 1, 2], 7)
+    assert nat.draft(0, 3) == ([3, 4, 9], [-1, 0, 1], [2 / 3, (2 / 3) ** 2, (2 / 3) ** 2 * (2 / 3)])
+
+
+def test_match_stops_at_the_text_start():
+    """A corpus occurrence at output position 3 of ``7 5 7 8`` against the
+    two-token text ``5 7``: the match is 2 (the text has no token before
+    ``5``), not 3 from comparing ``7`` with text[-1]."""
+    nat = native.make_draft_index(DraftIndexConfig(ngram=1, max_match=8), native=True)
+    nat.add(1, [7, 5, 7, 8], 0)
+    nat.finish(1)
+    nat.add(2, [5, 7], 2)
+    # candidates: (m=2, corpus pos 3) then (m=1, corpus pos 1); W_root = 3
+    assert nat.draft(2, 1) == ([8], [-1], [(2 / 3) * (2 / 3)])
+
+
+@pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_match", 0), ("max_occurrences", 2000),
+                                         ("max_candidates", 0), ("corpus_tokens", -1), ("ngram", True),
+                                         ("max_match", 2.0), ("corpus_tokens", 1 << 40)])
+def test_bad_config_raises_like_the_reference(field, value):
+    args = {"ngram": 3, "max_match": 64, "max_occurrences": 16, "max_candidates": 8, "corpus_tokens": 100}
+    args[field] = value
+    with pytest.raises(ValueError) as want:
+        DraftIndexConfig(**args)
+    with pytest.raises(ValueError) as got:
+        NativeDraftIndex(**args)
+    assert str(got.value) == str(want.value)
+
+
+def test_max_match_below_ngram():
+    with pytest.raises(ValueError, match=r"max_match=2: must be >= ngram \(3\)"):
+        NativeDraftIndex(3, 2, 16, 8, 100)
+
+
+def test_lifecycle_errors():
+    nat = native.make_draft_index(DraftIndexConfig(), native=True)
+    nat.add(1, [1, 2, 3], 1)
+    with pytest.raises(KeyError):
+        nat.add(1, [1], 0)
+    with pytest.raises(ValueError, match="prompt_len=4"):
+        nat.add(2, [1, 2, 3], 4)
+    with pytest.raises(KeyError):
+        nat.extend(2, [1])
+    with pytest.raises(KeyError):
+        nat.rewind(2, 0)
+    nat.finish(2)  # unknown: ignored
+    nat.finish(1)
+    with pytest.raises(KeyError):  # finished, its output still in the corpus
+        nat.add(1, [1], 0)
+    with pytest.raises(KeyError):
+        nat.extend(1, [1])
+    assert nat.draft(1, 4) == ([], [], [])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        nat.sync([3], [0], np.zeros((1, 4), np.float32), [2], [1])
+    with pytest.raises(IndexError):
+        nat.sync([3], [1], np.zeros((1, 4), np.int32), [2], [1])
+    with pytest.raises(ValueError, match="num_tokens"):
+        nat.sync([3], [0], np.zeros((1, 4), np.int32), [5], [1])
+    with pytest.raises(ValueError, match="outside int32"):
+        nat.add(4, [1 << 40], 0)
+
+
+def test_memory_bytes_follows_the_held_tokens():
+    nat = native.make_draft_index(DraftIndexConfig(corpus_tokens=0), native=True)
+    empty = nat.memory_bytes()
+    nat.add(0, list(range(4096)), 2048)
+    held = nat.memory_bytes()
+    assert held > empty + 4096 * 8
+    nat.finish(0)  # corpus_tokens=0: its output is evicted at once
+    assert nat.num_sequences() == 0 and nat.memory_bytes() < held
+
+
+def test_make_draft_index_choice(monkeypatch):
+    cfg = DraftIndexConfig(ngram=2)
+    assert native.make_draft_index(cfg).native and native.make_draft_index(cfg).config == cfg
+    assert not native.make_draft_index(cfg, native=False).native
+    monkeypatch.setattr(native, "load_draft_index", lambda: None)
+    assert not native.make_draft_index(cfg).native
+    with pytest.raises(ImportError, match="pip install -e"):
+        native.make_draft_index(cfg, native=True)
