@@ -1,0 +1,85 @@
+"""scripts/demo.sh: progress and the results table on stdout, vLLM's logs in a file,
+no WARNING line on stdout, non-zero exit status on a mismatch or a failed benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "scripts" / "demo.sh"
+MAX_STDOUT_LINES = 40
+
+
+def _import_summary():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import demo_summary
+    finally:
+        sys.path.pop(0)
+    return demo_summary
+
+
+def _report(mismatches: dict[str, int]) -> dict:
+    rows = [{"method": m, "mismatches": n, "speedup": 1.0 + i / 10} for i, (m, n) in enumerate(mismatches.items())]
+    return {"cells": [{"dataset": "humaneval", "batch_size": 1, "methods": rows}]}
+
+
+@pytest.mark.parametrize(
+    "mismatches, status, expected",
+    [
+        ({"plain": 0, "lookahead": 0}, 0, "0 mismatches"),
+        ({"plain": 0, "lookahead": 2}, 1, "MISMATCH: humaneval bs=1 lookahead: 2 prompt(s)"),
+        ({"plain": 0, "ngram8": 0, "lookahead": 1}, 1, "MISMATCH"),
+    ],
+)
+def test_summary_exit_status_follows_mismatches(tmp_path, capsys, mismatches, status, expected):
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps(_report(mismatches)))
+    assert _import_summary().main([str(path)]) == status
+    assert expected in capsys.readouterr().out
+
+
+def test_summary_without_cells_is_a_failure(tmp_path):
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"cells": [], "partial": True}))
+    assert _import_summary().main([str(path)]) == 1
+
+
+def _run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LOOKAHEAD_SKIP_SETUP": "1", "LOOKAHEAD_DEMO_DIR": str(tmp_path / "run")}
+    return subprocess.run(["bash", str(DEMO), *args], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=tmp_path)
+
+
+def test_failed_benchmark_fails_the_demo(tmp_path):
+    proc = _run_demo(tmp_path, "--methods", "lookahead")  # no "plain": bench_offline refuses
+    assert proc.returncode != 0
+    assert "benchmark failed" in proc.stderr and "must include 'plain'" in proc.stderr
+    assert "WARNING" not in proc.stdout
+
+
+@pytest.mark.vllm
+def test_demo_prints_progress_and_the_table_and_keeps_warnings_in_its_log(tiny_llama_dir, tmp_path):
+    # About 35 CPU seconds (two engines of the tiny model, 2 prompts x 8 tokens).
+    proc = _run_demo(tmp_path, "--model", tiny_llama_dir, "--num-prompts", "2", "--max-tokens", "8",
+                     "--methods", "plain", "lookahead")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) < MAX_STDOUT_LINES, proc.stdout
+    assert not [line for line in lines if "WARNING" in line], proc.stdout
+    steps = [next(i for i, line in enumerate(lines) if line.startswith(f"[{n}/3]")) for n in (1, 2, 3)]
+    assert steps == sorted(steps), proc.stdout
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dataset", "bs", "method"])
+    rows = {line.split()[2] for line in lines[header + 2:header + 4]}
+    assert rows == {"plain", "lookahead"}, proc.stdout
+    assert "0 mismatches" in lines[-1]
+    log = Path(re.search(r"logs: (\S+)", lines[0]).group(1))
+    assert log.is_file() and "WARNING" in log.read_text(), "vLLM's warnings belong in the log"
+    assert json.loads((tmp_path / "run" / "demo.json").read_text())["cells"]
