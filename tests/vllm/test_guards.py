@@ -181,3 +181,34 @@ def test_tested_versions_accepted():
     guards.check_vllm_version("0.33.0+cu130")
     with pytest.raises(ValueError, match="vLLM 0.34.0 is not a tested release"):
         guards.check_vllm_version("0.34.0")
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def test_kernels_prepared_at_engine_start_and_fallback_logged(monkeypatch):
+    """prepare_kernels() (engine start) tries the build there and logs the torch-reference fallback;
+    a later use in a step neither rebuilds nor warns."""
+    from lookahead_vllm.ops import _build
+    from lookahead_vllm.ops import cuda as ops_cuda
+
+    builds, warnings = [], []
+
+    def no_build(verbose=False):
+        builds.append(1)
+        raise RuntimeError("torch is a CPU build")
+
+    monkeypatch.setattr(_build, "load_extension", no_build)
+    monkeypatch.setattr(ops_cuda, "_prepared", False)
+    monkeypatch.setattr(ops_cuda.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    monkeypatch.delenv(ops_cuda.DISABLE_ENV, raising=False)
+    ops_cuda.kernels_available.cache_clear()
+    try:
+        assert ops_cuda.prepare_kernels() is False
+        assert ops_cuda.kernels_available() is False
+    finally:
+        ops_cuda.kernels_available.cache_clear()
+    assert builds == [1]
+    assert any("falling back to the torch reference" in w and "CPU build" in w for w in warnings)
+    assert any("will run the torch reference" in w for w in warnings)
+    assert not any("first use" in w for w in warnings)
