@@ -83,3 +83,24 @@ def test_demo_prints_progress_and_the_table_and_keeps_warnings_in_its_log(tiny_l
     log = Path(re.search(r"logs: (\S+)", lines[0]).group(1))
     assert log.is_file() and "WARNING" in log.read_text(), "vLLM's warnings belong in the log"
     assert json.loads((tmp_path / "run" / "demo.json").read_text())["cells"]
+
+
+# ---------------------------------------------------------------- scripts/cpu_env.sh
+def _cpu_env(tmp_path: Path, *args: str, opt_in: bool) -> subprocess.CompletedProcess:
+    (tmp_path / "lib").mkdir(exist_ok=True)
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")  # found, never loaded (printenv only reads it)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LOOKAHEAD_CPU_PRELOAD")}
+    env.update(VIRTUAL_ENV=str(tmp_path), **({"LOOKAHEAD_CPU_PRELOAD": "1"} if opt_in else {}))
+    return subprocess.run(["bash", str(REPO / "scripts" / "cpu_env.sh"), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_cpu_env_prints_the_preload_it_would_set(tmp_path):
+    proc = _cpu_env(tmp_path, opt_in=False)
+    assert proc.returncode == 0 and f"{tmp_path}/lib/libiomp5.so" in proc.stdout.strip().split(":")
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_cpu_env_preloads_only_when_asked(tmp_path, opt_in):
+    proc = _cpu_env(tmp_path, "printenv", "LD_PRELOAD", opt_in=opt_in)
+    assert (f"{tmp_path}/lib/libiomp5.so" in proc.stdout) == opt_in, proc.stdout + proc.stderr
