@@ -79,9 +79,14 @@ void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
     s.tokens.push_back(tokens[i]);
     s.own_prev.push_back(kNone);
     if (p >= static_cast<uint32_t>(ng)) {
-      uint32_t& last = s.own.find_or_insert(make_key(&s.tokens[p - ng], ng), kNone);
-      s.own_prev[p] = last;
-      last = p;
+      const int32_t* text = s.tokens.data();
+      const int32_t* key = text + p - ng;
+      const size_t i = s.own.find_or_insert(ngram_tag(key, ng), [&](const OwnLast& v) {
+        return std::equal(key, key + ng, text + v.pos - ng);
+      });
+      OwnLast& last = s.own.value(i);
+      s.own_prev[p] = last.pos;
+      last.pos = p;
     }
     if (p >= s.prompt_len) {
       const uint32_t q = p - s.prompt_len;
@@ -102,7 +107,13 @@ void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
     entries_.emplace_back();
   }
   Sequence& s = *seqs_[slot];
-  CorpusList& list = corpus_.find_or_insert(make_key(s.out() + q - cfg_.ngram, cfg_.ngram), CorpusList{});
+  const int ng = cfg_.ngram;
+  const int32_t* key = s.out() + q - ng;
+  const size_t i = corpus_.find_or_insert(ngram_tag(key, ng), [&](const CorpusList& l) {
+    const Entry& newest = entries_[l.tail];
+    return std::equal(key, key + ng, seqs_[newest.seq]->out() + newest.pos - ng);
+  });
+  CorpusList& list = corpus_.value(i);
   entries_[e] = Entry{slot, q, list.tail, kNone};
   if (list.tail != kNone) {
     entries_[list.tail].next = e;
@@ -130,8 +141,8 @@ void DraftIndex::evict_corpus(uint32_t slot) {
   for (size_t q = ng; q < s.out_len(); ++q) {
     const uint32_t e = s.out_entry[q];
     if (e == kNone) continue;
-    const NgramKey key = make_key(out + q - ng, ng);
-    CorpusList* list = corpus_.find(key);
+    const size_t i = find_corpus(out + q - ng, ngram_tag(out + q - ng, ng));
+    CorpusList* list = &corpus_.value(i);
     const Entry en = entries_[e];
     if (en.prev != kNone) {
       entries_[en.prev].next = en.next;
@@ -143,10 +154,18 @@ void DraftIndex::evict_corpus(uint32_t slot) {
     } else {
       list->tail = en.prev;
     }
-    if (--list->size == 0) corpus_.erase(key);
+    if (--list->size == 0) corpus_.erase(i);
     free_entries_.push_back(e);
   }
   std::vector<uint32_t>().swap(s.out_entry);
+}
+
+size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag) const {
+  const int ng = cfg_.ngram;
+  return corpus_.find(tag, [&](const CorpusList& l) {
+    const Entry& newest = entries_[l.tail];
+    return std::equal(key, key + ng, seqs_[newest.seq]->out() + newest.pos - ng);
+  });
 }
 
 void DraftIndex::finish(int64_t sid) {
@@ -226,18 +245,22 @@ void DraftIndex::collect_candidates(uint32_t slot) {
   const int ng = cfg_.ngram;
   const int64_t end = static_cast<int64_t>(s.tokens.size());
   if (end < ng) return;
-  const NgramKey key = make_key(s.tokens.data() + end - ng, ng);
-  if (const uint32_t* last = s.own.find(key)) {  // most recent first
-    uint32_t p = *last;
+  const int32_t* text = s.tokens.data();
+  const int32_t* key = text + end - ng;
+  const uint32_t tag = ngram_tag(key, ng);
+  const size_t own = s.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
+  if (own != s.own.npos) {  // most recent first
+    uint32_t p = s.own.value(own).pos;
     for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = s.own_prev[p]) {
-      cands_.push_back(Candidate{match(s.tokens.data(), p, s.tokens.data(), end), kOwn, slot, p});
+      cands_.push_back(Candidate{match(text, p, text, end), kOwn, slot, p});
     }
   }
-  if (const CorpusList* list = corpus_.find(key)) {
-    for (uint32_t e = list->tail; e != kNone; e = entries_[e].prev) {
+  const size_t list = find_corpus(key, tag);
+  if (list != corpus_.npos) {
+    for (uint32_t e = corpus_.value(list).tail; e != kNone; e = entries_[e].prev) {
       const Entry& en = entries_[e];
       if (en.seq == slot) continue;
-      const int m = match(seqs_[en.seq]->out(), en.pos, s.tokens.data(), end);
+      const int m = match(seqs_[en.seq]->out(), en.pos, text, end);
       cands_.push_back(Candidate{m, kCorpus, en.seq, en.pos});
     }
   }

@@ -9,11 +9,11 @@
 //             whole text while it runs and only its output once finished
 //             (`prompt_len` is then 0); the output is always
 //             tokens[prompt_len:].
-//   own       per running sequence: a KeyMap key -> latest position that
+//   own       per running sequence: an NgramMap key -> latest position that
 //             followed the key, and `own_prev[p]`, the previous position with
 //             the same key. The occurrence list of a key is that chain, cut
 //             after max_occurrences links (the most recent ones).
-//   corpus    one KeyMap key -> doubly linked list (oldest .. newest) of
+//   corpus    one NgramMap key -> doubly linked list (oldest .. newest) of
 //             entries in `entries_`, an entry being (sequence slot, output
 //             position); `out_entry[q]` finds a sequence's entry again on
 //             eviction. A list never holds more than max_occurrences entries:
@@ -30,11 +30,25 @@
 #include <unordered_map>
 #include <vector>
 
-#include "key_map.h"
+#include "ngram_map.h"
 
 namespace lookahead {
 
 constexpr uint32_t kNone = 0xFFFFFFFFu;
+
+// Own index value: the latest position that followed the n-gram.
+struct OwnLast {
+  uint32_t pos = kNone;
+  bool empty() const { return pos == kNone; }
+};
+
+// Corpus index value: the n-gram's entries, oldest to newest.
+struct CorpusList {
+  uint32_t head = kNone;  // oldest entry
+  uint32_t tail = kNone;  // newest entry
+  uint32_t size = 0;
+  bool empty() const { return head == kNone; }
+};
 
 // A duplicate or unknown sequence id (KeyError in Python).
 class SequenceKeyError : public std::runtime_error {
@@ -84,15 +98,10 @@ class DraftIndex {
     uint32_t prompt_len = 0;
     std::vector<int32_t> tokens;
     std::vector<uint32_t> own_prev;
-    KeyMap<uint32_t> own;
+    NgramMap<OwnLast> own;
     std::vector<uint32_t> out_entry;
     size_t out_len() const { return tokens.size() - prompt_len; }
     const int32_t* out() const { return tokens.data() + prompt_len; }
-  };
-  struct CorpusList {
-    uint32_t head = kNone;  // oldest entry
-    uint32_t tail = kNone;  // newest entry
-    uint32_t size = 0;
   };
   struct Entry {
     uint32_t seq;   // sequence slot
@@ -122,6 +131,8 @@ class DraftIndex {
   void append(uint32_t slot, const int32_t* tokens, size_t n);
   void push_corpus(uint32_t slot, uint32_t q);
   void evict_corpus(uint32_t slot);
+  // The corpus slot of the n-gram tokens[0:ngram] (NgramMap::npos if absent).
+  size_t find_corpus(const int32_t* tokens, uint32_t tag) const;
   void release(uint32_t slot);
   int match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const;
   void collect_candidates(uint32_t slot);
@@ -138,7 +149,7 @@ class DraftIndex {
   size_t num_live_ = 0;
   std::deque<uint32_t> finished_;            // finished slots, oldest first
   int64_t finished_tokens_ = 0;
-  KeyMap<CorpusList> corpus_;
+  NgramMap<CorpusList> corpus_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_entries_;
   // Scratch reused by every draft.

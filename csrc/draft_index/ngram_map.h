@@ -1,10 +1,14 @@
-// KeyMap: open-addressing hash map from an exact n-gram key to a small value.
+// NgramMap: open-addressing hash map from an exact n-gram to a small value,
+// storing no keys.
 //
-// A key packs up to four 32-bit tokens into two uint64 words (token i in
-// bits 32*(i%2) of word i/2), so two different n-grams never share a key: the
-// hash only picks the home slot, equality compares the whole key. Linear
-// probing over a power-of-two table kept at most half full; erase shifts the
-// following entries back (no tombstones), so the table never degrades.
+// A slot holds the n-gram's 32-bit hash (its tag) and the value; the value
+// points at a place where the n-gram is written in a token text (the last
+// position that followed it, or the newest corpus entry), so every lookup
+// confirms a tag match by comparing the n tokens themselves (the caller's
+// `same` predicate): two n-grams never share a slot, even when their tags
+// collide. Linear probing over a power-of-two table kept at most half full;
+// erase shifts the following entries back (no tombstones). A value type V
+// tells an empty slot by `V::empty()`; a default-constructed V is empty.
 #pragma once
 
 #include <cstddef>
@@ -12,22 +16,6 @@
 #include <vector>
 
 namespace lookahead {
-
-struct NgramKey {
-  uint64_t lo = 0;  // tokens 0 and 1
-  uint64_t hi = 0;  // tokens 2 and 3
-  bool operator==(const NgramKey& o) const { return lo == o.lo && hi == o.hi; }
-};
-
-// The key of tokens[0:n] (n <= 4).
-inline NgramKey make_key(const int32_t* tokens, int n) {
-  NgramKey k;
-  for (int i = 0; i < n; ++i) {
-    const uint64_t word = static_cast<uint32_t>(tokens[i]);
-    (i < 2 ? k.lo : k.hi) |= word << (32 * (i & 1));
-  }
-  return k;
-}
 
 inline uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   x ^= x >> 30;
@@ -38,60 +26,68 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   return x;
 }
 
-inline uint64_t hash_key(const NgramKey& k) { return mix64(k.lo ^ mix64(k.hi + 0x9e3779b97f4a7c15ULL)); }
+// Hash tag of tokens[0:n] (n <= 4): the tokens packed exactly into two words, mixed.
+inline uint32_t ngram_tag(const int32_t* tokens, int n) {
+  uint64_t lo = 0, hi = 0;
+  for (int i = 0; i < n; ++i) {
+    const uint64_t word = static_cast<uint32_t>(tokens[i]);
+    (i < 2 ? lo : hi) |= word << (32 * (i & 1));
+  }
+  return static_cast<uint32_t>(mix64(lo ^ mix64(hi + 0x9e3779b97f4a7c15ULL)));
+}
 
 template <class V>
-class KeyMap {
+class NgramMap {
  public:
+  static constexpr size_t npos = SIZE_MAX;
   struct Slot {
-    NgramKey key;
-    uint32_t used = 0;
+    uint32_t tag = 0;
     V value{};
   };
 
-  // The value of `key`, or nullptr.
-  const V* find(const NgramKey& key) const {
-    if (size_ == 0) return nullptr;
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
+  // The slot of the n-gram with `tag` that `same(value)` confirms, or npos.
+  template <class Same>
+  size_t find(uint32_t tag, Same same) const {
+    if (size_ == 0) return npos;
+    for (size_t i = tag & mask_;; i = (i + 1) & mask_) {
       const Slot& s = slots_[i];
-      if (!s.used) return nullptr;
-      if (s.key == key) return &s.value;
+      if (s.value.empty()) return npos;
+      if (s.tag == tag && same(s.value)) return i;
     }
   }
-  V* find(const NgramKey& key) { return const_cast<V*>(static_cast<const KeyMap*>(this)->find(key)); }
 
-  // The value of `key`, inserted as `fresh` if absent. Valid until the next insert.
-  V& find_or_insert(const NgramKey& key, const V& fresh) {
+  // As find, but an absent n-gram gets a slot whose value is still empty:
+  // the caller fills it in before any other call. Valid until the next insert.
+  template <class Same>
+  size_t find_or_insert(uint32_t tag, Same same) {
     if (2 * (size_ + 1) > slots_.size()) grow(slots_.empty() ? 16 : 2 * slots_.size());
-    size_t i = home(key);
-    for (; slots_[i].used; i = (i + 1) & mask_) {
-      if (slots_[i].key == key) return slots_[i].value;
+    size_t i = tag & mask_;
+    for (; !slots_[i].value.empty(); i = (i + 1) & mask_) {
+      if (slots_[i].tag == tag && same(slots_[i].value)) return i;
     }
-    slots_[i].used = 1;
-    slots_[i].key = key;
-    slots_[i].value = fresh;
+    slots_[i].tag = tag;
     ++size_;
-    return slots_[i].value;
+    return i;
   }
 
-  // Removes `key` (which must be present).
-  void erase(const NgramKey& key) {
-    size_t i = home(key);
-    while (!(slots_[i].key == key) || !slots_[i].used) i = (i + 1) & mask_;
+  V& value(size_t slot) { return slots_[slot].value; }
+  const V& value(size_t slot) const { return slots_[slot].value; }
+
+  void erase(size_t i) {
     for (size_t j = i;;) {  // backward shift: pull later entries of the run into the hole
       j = (j + 1) & mask_;
-      if (!slots_[j].used) break;
-      const size_t h = home(slots_[j].key);
-      if (((j - h) & mask_) >= ((j - i) & mask_)) {
+      if (slots_[j].value.empty()) break;
+      const size_t home = slots_[j].tag & mask_;
+      if (((j - home) & mask_) >= ((j - i) & mask_)) {
         slots_[i] = slots_[j];
         i = j;
       }
     }
-    slots_[i].used = 0;
+    slots_[i] = Slot{};
     --size_;
   }
 
-  // Room for `n` keys without rehashing.
+  // Room for `n` n-grams without rehashing.
   void reserve(size_t n) {
     size_t cap = 16;
     while (cap < 2 * n) cap *= 2;
@@ -108,15 +104,15 @@ class KeyMap {
   size_t memory_bytes() const { return slots_.capacity() * sizeof(Slot); }
 
  private:
-  size_t home(const NgramKey& key) const { return static_cast<size_t>(hash_key(key)) & mask_; }
-
   void grow(size_t cap) {
     std::vector<Slot> old(cap);
     old.swap(slots_);
     mask_ = cap - 1;
-    size_ = 0;
     for (const Slot& s : old) {
-      if (s.used) find_or_insert(s.key, s.value);
+      if (s.value.empty()) continue;
+      size_t i = s.tag & mask_;
+      while (!slots_[i].value.empty()) i = (i + 1) & mask_;
+      slots_[i] = s;
     }
   }
 

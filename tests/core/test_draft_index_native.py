@@ -201,6 +201,22 @@ def test_match_stops_at_the_text_start():
     assert nat.draft(2, 1) == ([8], [-1], [(2 / 3) * (2 / 3)])
 
 
+def test_bigrams_with_the_same_hash_tag_stay_apart():
+    """(734, 197) and (584, 421) share the native index's 32-bit hash tag;
+    lookups compare the tokens themselves, so each keeps its own occurrences."""
+    text = [734, 197, 1, 584, 421, 2, 9, 9, 584, 421, 3, 734, 197, 4]
+    ref, nat = _pair(DraftIndexConfig(ngram=2, max_match=8))
+    for index in (ref, nat):
+        index.add(0, text, 0)
+        index.finish(0)  # corpus entries
+        index.add(1, text + [5, 734, 197], 3)  # own entries, then the corpus
+        index.add(2, [584, 421], 0)
+    for sid in (1, 2):
+        for tree in (False, True):
+            assert nat.draft(sid, 6, 0.0, tree) == ref.draft(sid, 6, 0.0, tree)
+    assert nat.draft(1, 1)[0] == [4] and nat.draft(2, 1)[0] in ([2], [3])
+
+
 @pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_match", 0), ("max_occurrences", 2000),
                                          ("max_candidates", 0), ("corpus_tokens", -1), ("ngram", True),
                                          ("max_match", 2.0), ("corpus_tokens", 1 << 40)])
