@@ -1,4 +1,17 @@
-"""Offline speed benchmark: plain vLLM vs vLLM ngram vs lookahead, one process, one run.
+"""Offline speed benchmark: plain vLLM vs vLLM ngram/suffix vs lookahead, one process, one run.
+
+Methods (``--methods``):
+  plain              no speculation: the reference for speedups and mismatches.
+  ngram<k>           vLLM's n-gram prompt lookup, k draft tokens, vLLM's default
+                     lookup window (prompt_lookup_min = max = 5).
+  ngram<k>-w<a>-<b>  the same with prompt_lookup_min a, prompt_lookup_max b
+                     (``ngram8-w2-4``: the window tuned on this machine).
+  suffix             vLLM's suffix decoding (arctic_inference) with vLLM's
+                     defaults: tree depth 24, k = depth, min token prob 0.1.
+  suffix-d<N>        the same with suffix_decoding_max_tree_depth N (k = N).
+  lookahead...       this project: ``lookahead``, ``lookahead-warm`` and
+                     ``lookahead:NAME`` variants (``--variant``).
+  ``--preset baselines`` runs every vLLM baseline above beside plain and lookahead.
 
 Terms:
   cell       one (dataset, batch size) pair; every method generates the same
@@ -7,14 +20,17 @@ Terms:
              at bs=8. For each chunk every method runs once, in an order rotated
              per chunk, so that noise (another process taking a core) hits all
              methods alike.
-  cold       ``lookahead``: a fresh engine per cell whose trie is emptied after
-             the untimed warm-up; it then learns from the cell's own prompts and
-             outputs, chunk after chunk (that is the method).
+  cold       ``lookahead`` and ``suffix...``: a fresh engine per cell whose trie
+             (suffix: global tree of past responses) is emptied after the untimed
+             warm-up; it then learns from the cell's own prompts and outputs,
+             chunk after chunk (that is the method). ``ngram`` keeps no state:
+             its engines are built once and shared by every cell.
   warm       ``lookahead-warm`` (and any ``lookahead:NAME-warm`` variant): the
              same engine config, fresh per cell, whose
              trie is preloaded before timing with plain vLLM's greedy outputs
-             for the *dev split*: the ``--warm-prompts`` prompts that follow the
-             test prompts in the same dataset (generated untimed).
+             for the *dev split*: the first ``--warm-prompts`` prompts of the
+             dataset's other split (``--split test``, the default, reports the
+             test split and warms on dev; generated untimed).
   speedup    method tok/s / plain tok/s in the same cell (all tokens / all timed
              seconds); ``speedup_median`` is the ratio of per-chunk medians and
              ``speedup_paired`` the median of per-chunk ratios.
@@ -37,6 +53,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -48,18 +65,28 @@ from typing import Any  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "lookahead", "lookahead-warm"]
-# Methods whose engine is built fresh for every cell (their trie learns).
-# Any method named "lookahead..." ("lookahead", "lookahead-warm", or a
-# "lookahead:NAME" variant from --variant) is per-cell.
+DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "suffix", "lookahead", "lookahead-warm"]
+# vLLM's own speculative methods as benchmark names (see the module docstring).
+NGRAM = re.compile(r"ngram(\d+)(?:-w(\d+)-(\d+))?")
+SUFFIX = re.compile(r"suffix(?:-d(\d+))?")
+# The lookup window tuned on this machine for ngram (prompt_lookup_min 2, max 4).
+TUNED_WINDOW = "-w2-4"
+BASELINES = [f"ngram{k}{w}" for w in ("", TUNED_WINDOW) for k in (4, 8, 16)] + [
+    "suffix", "suffix-d16", "suffix-d32", "suffix-d64"]
+# Methods whose engine is built fresh for every cell (their drafter learns):
+# any method named "lookahead..." ("lookahead", "lookahead-warm", or a
+# "lookahead:NAME" variant from --variant) or "suffix..." (its global tree
+# caches every response it has seen).
 PER_CELL = "lookahead"
+PER_CELL_BASELINE = "suffix"
 # Per-cell methods whose name ends so get their trie preloaded (the dev split).
 WARM_SUFFIX = "-warm"
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "datasets": ["humaneval"], "num_prompts": 8, "max_tokens": 128,
-        "batch_sizes": [1], "methods": ["plain", "ngram8", "lookahead"],
+        "batch_sizes": [1], "methods": ["plain", "ngram8", "suffix", "lookahead"],
     },
+    "baselines": {"methods": ["plain", *BASELINES, "lookahead"], "batch_sizes": [1]},
 }
 # Host memory an engine holds beyond its weights and CPU KV cache (measured:
 # 5 engines of the bundled model, 0.54 GB weights and 1 GiB KV each, held 10.7 GB).
@@ -90,13 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="named settings (flags given too override them)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--num-prompts", type=int, default=20, help="test prompts per dataset")
+    p.add_argument("--split", default="test", help="reported split: test (default) or dev")
+    p.add_argument("--num-prompts", type=int, default=20, help="prompts per dataset from --split")
     p.add_argument("--warm-prompts", type=int, default=None,
-                   help="dev-split prompts that preload lookahead-warm (default: --num-prompts)")
+                   help="other-split prompts that preload lookahead-warm (default: --num-prompts)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                   help="plain, ngram<k>, suffix, lookahead, lookahead-warm (plain is required)")
+                   help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
+                        "lookahead-warm (plain is required; see the module docstring)")
     p.add_argument("--k", type=int, default=8, help="lookahead num_speculative_tokens")
     p.add_argument("--lookahead-config", type=json.loads, default={},
                    help='JSON for additional_config["lookahead"], e.g. \'{"draft_shape": "one"}\'')
@@ -115,6 +144,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--methods must include 'plain' (the reference for speedups and mismatches)")
     if len(set(args.methods)) != len(args.methods):
         parser.error("--methods has duplicates")
+    for method in args.methods:
+        check_method(parser, method)
+    check_datasets(parser, args)
     args.variants = {}
     for spec in args.variant:
         name, _, config = spec.partition("=")
@@ -130,6 +162,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--batch-sizes, --num-prompts and --max-tokens must be >= 1")
     if args.warm_prompts is None:
         args.warm_prompts = args.num_prompts if any(map(is_warm, args.methods)) else 0
+    if args.warm_prompts < 0:
+        parser.error(f"--warm-prompts {args.warm_prompts}: must be >= 0")
     stamp = time.strftime("%Y%m%d_%H%M%S")
     # Runs that write inside benchmarks/results/ also refresh offline_latest.*;
     # runs writing elsewhere (tests, scratch) leave the committed results alone.
@@ -138,7 +172,75 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     args.plot = args.plot or args.out.with_suffix(".png")
 
 
+def check_method(parser: argparse.ArgumentParser, method: str) -> None:
+    """A known method name whose numbers vLLM accepts (and whose drafter is installed)."""
+    if method == "plain" or method.startswith(PER_CELL):
+        return
+    try:
+        config = baseline_config(method)
+    except ValueError as exc:
+        parser.error(f"--methods {method!r}: {exc}")
+    if config is None:
+        parser.error(f"--methods {method!r}: expected plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, "
+                     "suffix-d<depth>, lookahead, lookahead-warm or lookahead:NAME")
+    if config["method"] == "suffix" and not has_suffix_decoding():
+        parser.error(f"--methods {method!r}: needs arctic_inference.suffix_decoding; "
+                     "install it with scripts/setup.sh (arctic-inference==0.3.0)")
+
+
+def has_suffix_decoding() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from lookahead_vllm.datasets import DATASETS
+
+    for name in args.datasets:
+        if name not in DATASETS:
+            parser.error(f"--datasets {name!r}: expected one of {', '.join(DATASETS)}")
+    if args.split not in SPLITS:
+        parser.error(f"--split {args.split!r}: expected one of {', '.join(SPLITS)}")
+
+
 # -------------------------------------------------------------------- engines
+SPLITS = ("test", "dev")
+
+
+def baseline_config(method: str) -> dict[str, Any] | None:
+    """``speculative_config`` of a vLLM baseline method name (None: not one).
+
+    ``ngram8-w2-4`` -> ngram, k=8, prompt_lookup_min 2, max 4; ``suffix-d32`` ->
+    suffix with tree depth 32 (vLLM then sets k = 32). Raises ``ValueError`` on
+    numbers vLLM would reject.
+    """
+    if match := NGRAM.fullmatch(method):
+        k, low, high = (int(g) if g else None for g in match.groups())
+        if k < 1 or (low is not None and not 1 <= low <= high):
+            raise ValueError("needs k >= 1 and 1 <= min <= max")
+        config = {"method": "ngram", "num_speculative_tokens": k}
+        if low is not None:
+            config.update(prompt_lookup_min=low, prompt_lookup_max=high)
+        return config
+    if match := SUFFIX.fullmatch(method):
+        config = {"method": "suffix"}  # vLLM's defaults: k = tree depth
+        if match.group(1):
+            if int(match.group(1)) < 1:
+                raise ValueError("needs a tree depth >= 1")
+            config["suffix_decoding_max_tree_depth"] = int(match.group(1))
+        return config
+    return None
+
+
+def is_per_cell(method: str) -> bool:
+    """Built fresh for every cell: its drafter learns from what it generates."""
+    return method.startswith((PER_CELL, PER_CELL_BASELINE))
+
+
 def is_warm(method: str) -> bool:
     """``lookahead-warm`` or a ``lookahead:NAME-warm`` variant: trie preloaded."""
     return method.startswith(PER_CELL) and method.endswith(WARM_SUFFIX)
@@ -146,7 +248,10 @@ def is_warm(method: str) -> bool:
 
 def engine_method(method: str) -> str:
     """The ``engine_kwargs`` method behind a benchmark method name."""
-    return "lookahead" if method.startswith(PER_CELL) else method
+    if method.startswith(PER_CELL):
+        return "lookahead"
+    config = baseline_config(method)
+    return config["method"] if config else method
 
 
 def lookahead_config(method: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -170,9 +275,12 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
         window = LookaheadConfig.from_dict({**config, "decoding_length": 1}).lookahead_nodes
         k = config.get("decoding_length", args.k) + window
     kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config)
+    if baseline_config(method):
+        kwargs["speculative_config"] = baseline_config(method)
     llm = LLM(model=str(args.model), **kwargs)
+    time_vllm_drafter(llm)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
-    reset_tries(llm)  # "cold" means cold: forget the warm-up text
+    reset_drafters(llm)  # "cold" means cold: forget the warm-up text
     log(f"built {method} engine in {time.perf_counter() - start:.1f} s")
     return llm
 
@@ -197,9 +305,47 @@ def proposers(llm: Any) -> list[Any]:
     return find_proposers(llm)
 
 
-def reset_tries(llm: Any) -> None:
+def vllm_drafter(llm: Any) -> Any:
+    """The model runner's ``drafter`` of an in-process ``LLM`` (None: plain)."""
+    stack, seen = [llm], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if getattr(obj, "drafter", None) is not None:
+            return obj.drafter
+        stack += [getattr(obj, n, None) for n in ("llm_engine", "engine_core", "model_executor",
+                                                  "driver_worker", "worker", "model_runner")]
+    return None
+
+
+def time_vllm_drafter(llm: Any) -> None:
+    """Time vLLM's own drafter (ngram, suffix): its ``propose`` adds to
+    ``drafter.bench_counters`` the ``ProposerStats`` names drafter_summary reads."""
+    drafter = vllm_drafter(llm)
+    if drafter is None or proposers(llm):  # plain, or lookahead (which counts itself)
+        return
+    counters: Counter = Counter()
+    propose = drafter.propose
+
+    def timed_propose(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        drafts = propose(*args, **kwargs)
+        counters.update(propose_ns=time.perf_counter_ns() - start, steps=1, request_steps=len(drafts))
+        return drafts
+
+    drafter.propose = timed_propose
+    drafter.bench_counters = counters
+
+
+def reset_drafters(llm: Any) -> None:
+    """Forget everything drafted from so far: lookahead's tries, suffix's global tree."""
     for proposer in proposers(llm):
         proposer.reset()
+    cache = getattr(vllm_drafter(llm), "suffix_cache", None)
+    for req_id in list(cache.cached_requests if cache is not None else ()):
+        cache.evict_cached_response(req_id)
 
 
 def preload_trie(llm: Any, outputs: list[list[int]]) -> None:
@@ -221,8 +367,9 @@ def calibration(llm: Any) -> dict | None:
 
 
 def drafter_counters(llm: Any) -> Counter:
-    """Raw ``ProposerStats`` counters summed over the engine's proposers."""
-    total: Counter = Counter()
+    """Raw ``ProposerStats`` counters summed over the engine's proposers
+    (vLLM's own drafters: steps and time from ``time_vllm_drafter``)."""
+    total: Counter = Counter(getattr(vllm_drafter(llm), "bench_counters", {}))
     for proposer in proposers(llm):
         total.update(proposer.stats.counters())
     return total
@@ -400,7 +547,23 @@ def tokenizer_for(model: Path) -> Any:
 
 
 def dataset_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
-    """(test prompts, dev prompts): the first ``num_prompts`` and the next ``warm_prompts``."""
+    """(reported prompts, warm-up prompts): the first ``--num-prompts`` of
+    ``--split`` and the first ``--warm-prompts`` of the other split."""
+    import lookahead_vllm.datasets as datasets
+
+    if not hasattr(datasets, "load_split"):  # the loader before splits existed
+        return legacy_split(dataset, args, tokenizer)
+    other = SPLITS[1 - SPLITS.index(args.split)]
+    test = datasets.load_split(dataset, args.split, tokenizer, limit=args.num_prompts)
+    dev = datasets.load_split(dataset, other, tokenizer, limit=args.warm_prompts) if args.warm_prompts else []
+    if len(test) < args.num_prompts or len(dev) < args.warm_prompts:
+        raise SystemExit(f"{dataset}: --num-prompts {args.num_prompts} / --warm-prompts {args.warm_prompts} "
+                         f"but its {args.split} / {other} splits give {len(test)} / {len(dev)} prompts")
+    return test, dev
+
+
+def legacy_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """Without ``load_split``: the first ``--num-prompts`` and the next ``--warm-prompts``."""
     from lookahead_vllm.datasets import load_prompts
 
     wanted = args.num_prompts + args.warm_prompts
@@ -435,7 +598,7 @@ def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]],
     engines = cell_engines(shared, args, dev_ids)
     meter = CpuMeter()
     runs = run_cell(f"{dataset} bs={bs}", engines, test, bs, params, meter)
-    for method in [m for m in engines if m.startswith(PER_CELL)]:
+    for method in [m for m in engines if is_per_cell(m)]:
         free_engine(engines.pop(method))
     plain = runs["plain"]
     rows = [summarize(runs[m], plain) for m in args.methods]
@@ -476,7 +639,7 @@ def run_benchmark(args: argparse.Namespace, on_cell: Any = None) -> dict[str, An
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=False)
     tokenizer = tokenizer_for(args.model)
-    shared = {m: build_engine(m, args) for m in args.methods if not m.startswith(PER_CELL)}
+    shared = {m: build_engine(m, args) for m in args.methods if not is_per_cell(m)}
     # Everything that uses the shared engines outside a cell happens here, first:
     # shutting a per-cell engine down tears down vLLM's process-global parallel
     # groups, which only the next engine build re-creates (see free_engine).
@@ -521,6 +684,14 @@ def _proc_field(path: str, key: str) -> str | None:
     return None
 
 
+def loaded_plugins() -> list[str]:
+    """vLLM general plugins this process imported (in-process engines load them
+    here): ``lookahead`` only, with ``VLLM_PLUGINS=lookahead`` from CPU_ENV."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group="vllm.general_plugins") if ep.module in sys.modules)
+
+
 def versions() -> dict[str, str]:
     import torch
     import vllm
@@ -563,7 +734,7 @@ def other_load(seconds: float = 1.0) -> float:
 
 # ------------------------------------------------------------------- output
 COLUMNS = ["dataset", "bs", "method", "tok/s", "med tok/s", "speedup", "med", "paired", "MAL",
-           "tok/step", "drafter ms", "trie nodes", "mismatch"]
+           "acc/draft", "tok/step", "drafter ms", "trie nodes", "mismatch"]
 LEFT = {"dataset", "method"}
 
 
@@ -574,7 +745,7 @@ def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
     return [cell["dataset"], str(cell["batch_size"]), row["method"], f"{row['tok_s']:.1f}",
             f"{row['median_chunk_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['speedup_median']:.2f}x",
             f"{row['speedup_paired']:.2f}x", opt(row["mean_acceptance_length"], "{:.2f}"),
-            f"{row['tokens_per_step']:.2f}",
+            opt(row["draft_acceptance_rate"], "{:.2f}"), f"{row['tokens_per_step']:.2f}",
             opt(row["drafter_ms_per_step"], "{:.3f}"), opt(row["trie_nodes"], "{}"), str(row["mismatches"])]
 
 
@@ -671,6 +842,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps({**report, "partial": True, "cells": cells}, indent=1) + "\n")
 
     report.update(run_benchmark(args, on_cell=save_partial))
+    report["vllm_plugins_loaded"] = loaded_plugins()
     report["total_wall_s"] = round(time.perf_counter() - start, 1)
     print(format_table(report))
     print(f"total wall time {report['total_wall_s']:.1f} s; other processes "
