@@ -20,8 +20,10 @@ field answered 400 is correct), greedy texts identical to plain (lookahead
 only), 400s for bad fields, latency p50/p99 (good, whole requests), server
 alive after, resident memory of the server's process tree (/proc, summed RSS)
 before / after the first half / after the second half, and for lookahead the
-trie size against ``trie_capacity`` and the request states the drafter still
-holds after the drain (``lookahead_request_states`` on /metrics).
+drafter's size against its caps (trie nodes vs ``trie_capacity`` where the
+trie is a source, drafter bytes, ``index_corpus_tokens``) and the request
+states the proposer still holds after the drain (``lookahead_request_states``
+on /metrics).
 
 The run is bounded: ``--requests`` and ``--max-seconds`` (no new request after
 that); servers are stopped on exit, Ctrl-C or SIGTERM.
@@ -384,10 +386,12 @@ def drained_metrics(url: str, timeout_s: float = 15.0) -> dict[str, float]:
 
 
 class RssSampler:
-    """Background thread: (seconds since start, server, tree RSS bytes) every ``interval_s``."""
+    """Background thread, every ``interval_s``: (seconds since start, server, tree RSS bytes), and
+    for the lookahead server (seconds, request states, drafter bytes) from /metrics."""
 
     def __init__(self, servers: list[Server], interval_s: float = 2.0) -> None:
         self.samples: list[tuple[float, str, int]] = []
+        self.lookahead: list[tuple[float, float, float]] = []
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._loop, args=(servers, interval_s), daemon=True)
@@ -395,8 +399,16 @@ class RssSampler:
 
     def _loop(self, servers: list[Server], interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            t = time.monotonic() - self._t0
             for s in servers:
-                self.samples.append((time.monotonic() - self._t0, s.name, tree_rss_bytes(s.proc.pid)))
+                self.samples.append((t, s.name, tree_rss_bytes(s.proc.pid)))
+                if s.name == "lookahead":
+                    try:
+                        m = scrape(s.url)
+                    except OSError:
+                        continue
+                    self.lookahead.append((t, m.get("lookahead_request_states", 0.0),
+                                           m.get("lookahead_trie_bytes", 0.0)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -461,12 +473,15 @@ def rss_report(before: int, mid: int, after: int) -> dict[str, float]:
     }
 
 
-def lookahead_state(m: dict[str, float], trie_capacity: int) -> dict[str, Any]:
+def lookahead_state(m: dict[str, float], config: Any) -> dict[str, Any]:
+    """What the lookahead server holds after the drain, against the configured caps."""
     return {
         "request_states_after_drain": m.get("lookahead_request_states"),
+        "source": config.source,
         "trie_nodes": m.get("lookahead_trie_nodes"),
-        "trie_capacity": trie_capacity,
-        "trie_bytes": m.get("lookahead_trie_bytes"),
+        "trie_capacity": config.trie_capacity if config.uses_trie else None,
+        "drafter_bytes": m.get("lookahead_trie_bytes"),  # draft index + trie (metrics.py: lookahead_trie_bytes)
+        "index_corpus_tokens_cap": config.index_corpus_tokens if config.uses_index else None,
         "draft_tokens": m.get("lookahead_draft_tokens_total"),
         "accepted_tokens": m.get("lookahead_accepted_tokens_total"),
         "steps": m.get("lookahead_steps_total"),
@@ -490,9 +505,11 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"[{name}]   error {e}")
     la = result.get("lookahead_state")
     if la:
-        print(f"[lookahead] request states after drain {la['request_states_after_drain']}, "
-              f"trie {la['trie_nodes']} / {la['trie_capacity']} nodes, drafted {la['draft_tokens']} tokens, "
-              f"accepted {la['accepted_tokens']}, load-skipped request-steps {la['skipped_request_steps_load']}")
+        print(f"[lookahead] request states after drain {la['request_states_after_drain']:.0f}, source "
+              f"{la['source']}: trie {la['trie_nodes']:.0f} nodes (cap {la['trie_capacity']}), drafter memory "
+              f"{(la['drafter_bytes'] or 0) / 2**20:.1f} MiB (index corpus cap {la['index_corpus_tokens_cap']} "
+              f"tokens); drafted {la['draft_tokens']:.0f} tokens, accepted {la['accepted_tokens']:.0f}, "
+              f"request-steps skipped for load {la['skipped_request_steps_load']:.0f}")
     print(f"targets met: {result['targets_met']}")
 
 
@@ -531,7 +548,7 @@ def plot(result: dict[str, Any], samples: list[tuple[float, str, int]], path: Pa
 # ---------------------------------------------------------------- main
 
 
-def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], trie_capacity: int) -> dict[str, Any]:
+def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config: Any) -> dict[str, Any]:
     deadline = time.monotonic() + args.max_seconds
     segments = [reqs[i::args.segments] for i in range(args.segments)]
     segments = [sorted(s, key=lambda r: r.index) for s in segments]
@@ -566,7 +583,10 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], trie_c
         summary[s.name]["running_after_drain"] = metrics[s.name].get("vllm:num_requests_running")
     result: dict[str, Any] = {"servers": summary, "wall_s": time.monotonic() - t0, "rss_samples": sampler.samples}
     if "lookahead" in metrics:
-        result["lookahead_state"] = lookahead_state(metrics["lookahead"], trie_capacity)
+        result["lookahead_state"] = lookahead_state(metrics["lookahead"], config)
+        result["lookahead_state"]["request_states_max_during_run"] = max(
+            (x[1] for x in sampler.lookahead), default=None)
+        result["lookahead_samples"] = sampler.lookahead
     la, st = summary.get("lookahead", {}), result.get("lookahead_state", {})
     result["targets_met"] = bool(
         all(s["errors"] == 0 and s["alive_after"] and s["not_sent"] == 0 for s in summary.values())
@@ -603,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     from lookahead_vllm.models import prepare_smollm2
 
     fields = json.loads(args.lookahead_config)
-    trie_capacity = LookaheadConfig(**fields).trie_capacity
+    config = LookaheadConfig(**fields)
     model = args.model or str(prepare_smollm2())
     reqs = make_traffic(args.requests, args.seed, AutoTokenizer.from_pretrained(model), args.max_model_len,
                         args.max_tokens)
@@ -621,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(servers)
         print(f"servers up after {time.time() - started:.0f} s; {len(reqs)} requests, concurrency "
               f"{args.concurrency}", file=sys.stderr, flush=True)
-        result = run(args, servers, reqs, trie_capacity)
+        result = run(args, servers, reqs, config)
     finally:
         stop_servers(servers)
     samples = result.pop("rss_samples")

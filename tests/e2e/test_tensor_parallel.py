@@ -39,8 +39,6 @@ TP_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
-    # Workers forked from the engine process inherit _trace_drafts_in_workers' wrapper.
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
 }
 
 
@@ -129,6 +127,56 @@ def run_engine(model: str, tp: int, method: str, shape: str | None, out: Path, t
     return json.loads(out.read_text())
 
 
+# (name, tp, method, draft shape, traced)
+RUNS = [
+    ("plain-tp1", 1, "plain", None, False),
+    ("plain-tp2", 2, "plain", None, False),
+    ("one-tp2", 2, "lookahead", "one", True),
+    ("hier-tp2", 2, "lookahead", "hier", True),
+]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_llama_dir, tmp_path_factory) -> dict[str, dict]:
+    """Every run of :data:`RUNS`, one engine at a time; traced runs keep their trace directory."""
+    out = {}
+    for name, tp, method, shape, traced in RUNS:
+        d = tmp_path_factory.mktemp(name)
+        trace_dir = d / "traces" if traced else None
+        out[name] = {**run_engine(tiny_llama_dir, tp, method, shape, d / "out.json", trace_dir),
+                     "trace_dir": trace_dir}
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_plain_tp2_matches_tp1(tp_runs):
+    assert tp_runs["plain-tp2"]["token_ids"] == tp_runs["plain-tp1"]["token_ids"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["one", "hier"])
+def test_lookahead_tp2_greedy_identical(tp_runs, shape):
+    run = tp_runs[f"{shape}-tp2"]
+    assert run["token_ids"] == tp_runs["plain-tp2"]["token_ids"]
+    assert run["token_ids"] == tp_runs["plain-tp1"]["token_ids"]
+    # It really drafted, and verification accepted drafts (the second pass repeats the first).
+    assert run["spec"]["vllm:spec_decode_num_accepted_tokens"] > NUM_PROMPTS * MAX_TOKENS // 4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["one", "hier"])
+def test_every_rank_drafts_the_same(tp_runs, shape):
+    trace_dir = tp_runs[f"{shape}-tp2"]["trace_dir"]
+    cmp = draft_trace.compare_traces(trace_dir)
+    assert sorted(f.split("-")[0] for f in cmp.files) == ["rank0", "rank1"]
+    assert cmp.identical, f"ranks drafted differently: {cmp.divergence}"
+    drafted = sum(int(line.split()[3]) for line in (trace_dir / cmp.files[0]).read_text().splitlines())
+    assert drafted > 0
+
+
 def _engine_main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
@@ -141,17 +189,20 @@ def _engine_main(spec: dict) -> None:
     if spec["tp"] > 1:
         kwargs["distributed_executor_backend"] = "mp"
     prompts = load_humaneval(NUM_PROMPTS // 2) + load_mtbench(NUM_PROMPTS // 2)
-    if spec["method"] == "lookahead" and os.environ.get(draft_trace.TRACE_DIR_ENV):
-        _trace_drafts_in_workers()
     llm = LLM(model=spec["model"], **kwargs)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    # A random model's text never repeats itself, so the first pass drafts little; the second
+    # pass (same prompts, reversed) drafts whole earlier answers from the index's corpus.
+    ids = []
+    for batch in (prompts, prompts[::-1]):
+        ids += [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
     Path(spec["out"]).write_text(json.dumps({"token_ids": ids, "spec": _spec_counters(llm)}))
 
 
 def _trace_drafts_in_workers() -> None:
-    """Until ``LookaheadProposer.propose`` calls ``draft_trace.record`` itself, wrap it
-    (in this process, before the engine forks its workers) so that it does."""
+    """Until ``LookaheadProposer.propose`` calls ``draft_trace.record`` itself, wrap it so that it
+    does. Runs in each worker: vLLM spawns them, and a spawned process imports this script (the
+    parent's ``__main__``) as ``__mp_main__`` first."""
     import inspect
 
     from lookahead_vllm.vllm.proposer import LookaheadProposer
@@ -177,5 +228,7 @@ def _spec_counters(llm) -> dict[str, float]:
     return out
 
 
+if __name__ == "__mp_main__" and os.environ.get(draft_trace.TRACE_DIR_ENV):
+    _trace_drafts_in_workers()
 if __name__ == "__main__":
     _engine_main(json.loads(sys.argv[1]))
