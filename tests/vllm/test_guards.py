@@ -212,3 +212,15 @@ def test_kernels_prepared_at_engine_start_and_fallback_logged(monkeypatch):
     assert any("falling back to the torch reference" in w and "CPU build" in w for w in warnings)
     assert any("will run the torch reference" in w for w in warnings)
     assert not any("first use" in w for w in warnings)
+
+
+def test_engine_refuses_picked_backend_it_does_not_wrap(tiny_llama_dir, monkeypatch):
+    """The backend guard runs at engine start (initialize_attn_backend), before any request."""
+    from vllm import LLM
+
+    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    monkeypatch.setattr(guards, "_wrapped_impls", lambda: ())  # as if CPU_ATTN's forward were not wrapped
+    with pytest.raises(Exception, match=r"attention backend CPU_ATTN with an implementation tree_verify does not wrap"):
+        LLM(model=tiny_llama_dir, **engine_kwargs("lookahead", lookahead=TREE, max_model_len=256))
