@@ -235,3 +235,127 @@ def test_jacobi_ceiling_compares_both_with_the_trie_at_the_same_budget(tiny_llam
         # The window rode along on every step: (W + G)(N - 1) tokens scored.
         assert row["tokens_per_step_scored"] == (row["window"] + row["guesses"]) * 2
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+# ---------------------------------------------------------- vLLM baselines (suffix, ngram windows)
+def _suffix_replay():
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference not installed (scripts/setup.sh)")
+    return _import_bench("suffix_replay")
+
+
+def test_suffix_replay_counts_every_step_and_mal_is_at_least_one():
+    replay = _suffix_replay()
+    prompts = [[(7 * i + j) % 50 for j in range(40)] for i in range(3)]
+    outputs = [[(11 * i + 3 * j) % 50 for j in range(30)] for i in range(3)]
+    r = replay.replay_suffix(prompts, outputs)
+    assert r["tokens"] == sum(len(o) - 1 for o in outputs)  # the prefill's token is not a step's
+    assert r["steps"] == len(r["draft_lengths"]) == len(r["accepted"])
+    assert r["mal"] == pytest.approx(r["tokens"] / r["steps"]) and r["mal"] >= 1
+    assert r["mean_acceptance_length"] >= 1
+    assert r["draft_tokens"] == sum(r["draft_lengths"]) and r["accepted_tokens"] == sum(r["accepted"])
+    assert all(0 <= a <= d for a, d in zip(r["accepted"], r["draft_lengths"]))
+
+
+def test_suffix_replay_drafts_a_repeated_prompt_whole_and_is_deterministic():
+    replay = _suffix_replay()
+    prompt = list(range(100, 180))
+    r = replay.replay_suffix([prompt], [prompt[:60]])
+    # Each match lengthens the next draft (max_spec_factor 1) until match + draft
+    # fill the tree depth (24: 12 + 12); every draft is accepted whole.
+    assert max(r["accepted"]) == 12 and r["mal"] > 5
+    assert r["accepted"] == r["draft_lengths"][:-1] + r["accepted"][-1:]
+    again = replay.replay_suffix([prompt], [prompt[:60]])
+    drop = ("drafter_ms_per_call",)
+    assert {k: v for k, v in r.items() if k not in drop} == {k: v for k, v in again.items() if k not in drop}
+    # A shallower tree caps every draft at its depth.
+    assert max(replay.replay_suffix([prompt], [prompt[:60]], max_tree_depth=8)["draft_lengths"]) <= 8
+
+
+def test_suffix_replay_later_requests_draft_from_earlier_responses():
+    """vLLM's global tree: a finished request's response is drafted for later
+    requests; requests of one wave step together, so none is ahead of another."""
+    replay = _suffix_replay()
+    answer = [(13 * j) % 97 + 200 for j in range(50)]  # in no prompt, no repeats
+    prompts, outputs = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]], [answer] * 3
+    alone = replay.replay_suffix(prompts[:1], outputs[:1])
+    assert alone["steps"] == 49 and alone["accepted_tokens"] == 0
+    both = replay.replay_suffix(prompts[:2], outputs[:2])
+    assert both["steps"] - 49 < 10 and max(both["accepted"][49:]) == 12
+    waved = replay.replay_suffix(prompts, outputs, batch=2)
+    assert sum(waved["accepted"][:98]) == 0 and max(waved["accepted"][98:]) == 12
+    assert waved["batch_steps"] == 49 + (waved["steps"] - 98)
+    with pytest.raises(ValueError, match="batch=0"):
+        replay.replay_suffix(prompts, outputs, batch=0)
+    with pytest.raises(ValueError, match="min_token_prob=2"):
+        replay.replay_suffix(prompts, outputs, min_token_prob=2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch 0: must be >= 1"),
+    (["--depth", "8", "0"], "--depth 0: must be >= 1"),
+    (["--min-token-prob", "1.5"], "--min-token-prob 1.5: must be in [0, 1]"),
+])
+def test_suffix_replay_rejects_bad_arguments(argv, message, capsys):
+    replay = _import_bench("suffix_replay")
+    with pytest.raises(SystemExit):
+        replay.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_suffix_replay_defaults_are_the_installed_vllm_defaults():
+    from vllm.config import SpeculativeConfig
+
+    replay = _import_bench("suffix_replay")
+    fields = SpeculativeConfig.__dataclass_fields__
+    assert fields["suffix_decoding_max_tree_depth"].default == replay.MAX_TREE_DEPTH
+    assert fields["suffix_decoding_max_spec_factor"].default == replay.MAX_SPEC_FACTOR
+    assert fields["suffix_decoding_min_token_prob"].default == replay.MIN_TOKEN_PROB
+    assert fields["suffix_decoding_max_cached_requests"].default == replay.MAX_CACHED_REQUESTS
+
+
+def test_bench_offline_names_the_vllm_baselines():
+    bench_offline = _import_bench("bench_offline")
+    config = bench_offline.baseline_config
+    assert config("ngram8") == {"method": "ngram", "num_speculative_tokens": 8}
+    assert config("ngram16-w2-4") == {"method": "ngram", "num_speculative_tokens": 16,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert config("suffix") == {"method": "suffix"}  # vLLM's defaults, k = tree depth
+    assert config("suffix-d32") == {"method": "suffix", "suffix_decoding_max_tree_depth": 32}
+    assert config("plain") is None and config("lookahead") is None and config("ngram") is None
+    assert bench_offline.is_per_cell("suffix-d16") and not bench_offline.is_per_cell("ngram8-w2-4")
+    assert set(bench_offline.BASELINES) >= {"ngram4", "ngram8-w2-4", "ngram16-w2-4", "suffix", "suffix-d64"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "plain", "ngram8-w4-2"], "--methods 'ngram8-w4-2': needs k >= 1 and 1 <= min <= max"),
+    (["--methods", "plain", "suffix-x"], "--methods 'suffix-x': expected plain"),
+    (["--split", "train"], "--split 'train': expected one of test, dev"),
+    (["--datasets", "nosuch"], "--datasets 'nosuch': expected one of"),
+])
+def test_bench_offline_rejects_bad_methods_and_splits(argv, message, capsys):
+    bench_offline = _import_bench("bench_offline")
+    with pytest.raises(SystemExit):
+        bench_offline.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir, tmp_path):
+    """suffix runs from arctic_inference.suffix_decoding alone: the harness's
+    engines load no plugin but ours (VLLM_PLUGINS from CPU_ENV)."""
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="arctic-inference not installed (scripts/setup.sh)")
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_PLUGINS"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_offline.py"), "--model", tiny_llama_dir,
+           "--datasets", "humaneval", "--num-prompts", "2", "--max-tokens", "8", "--batch-sizes", "2",
+           "--methods", "plain", "ngram4-w2-4", "suffix-d8", "--out", str(out), "--plot", str(tmp_path / "b.png")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["vllm_plugins_loaded"] == ["lookahead"]
+    assert "Arctic Inference plugin" not in proc.stderr
+    rows = {row["method"]: row for row in report["cells"][0]["methods"]}
+    assert list(rows) == ["plain", "ngram4-w2-4", "suffix-d8"]
+    for method in ("ngram4-w2-4", "suffix-d8"):
+        assert rows[method]["mismatches"] == 0 and rows[method]["drafter_ms_per_step"] is not None
