@@ -50,6 +50,8 @@ SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
 
 # Attention backends whose ``forward`` tree_verify wraps (patch tree_verification).
 TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
+# The custom op through which compiled models call the attention backend's forward.
+ATTENTION_OP = "vllm::unified_attention_with_output"
 CHAIN_FIX = "or use draft_shape='one' and source='trie' (chain drafts)"
 
 
@@ -181,7 +183,9 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
 
     Piecewise graphs leave attention outside the graphs (vLLM's splitting ops),
     so the wrapped ``forward`` runs every step. Without ``-cc.mode
-    VLLM_COMPILE`` there are no piecewise graphs, so the engine runs eager.
+    VLLM_COMPILE``, or with attention not among the splitting ops (attention
+    fusion, ``splitting_ops=[]``), a piecewise graph would hold attention too:
+    then no graphs (eager).
     """
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
@@ -190,7 +194,8 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
     if old is None or not old.has_full_cudagraphs():
         return
     _refuse_full_graph_features(vllm_config, what, old)
-    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE
+    attention_split = ATTENTION_OP in (compilation.splitting_ops or ())
+    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE and attention_split
     compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
     if not piecewise:
         compilation.max_cudagraph_capture_size = 0

@@ -67,9 +67,25 @@ def test_full_and_piecewise_becomes_piecewise_when_compiled(tiny_llama_dir):
 
     cfg = _config(tiny_llama_dir, TREE)
     cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    cfg.compilation_config.splitting_ops = [guards.ATTENTION_OP]
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_full_graph_with_attention_inside_becomes_eager(tiny_llama_dir):
+    """No attention among the splitting ops: a piecewise graph would capture attention too."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    cfg.compilation_config.splitting_ops = []
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert cfg.compilation_config.cudagraph_capture_sizes == []
 
 
 def test_full_graph_feature_refused(tiny_llama_dir):
