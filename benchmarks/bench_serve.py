@@ -1,4 +1,4 @@
-"""Serving benchmark: plain vs vLLM ngram vs lookahead, through real OpenAI-compatible servers.
+"""Serving benchmark: plain vs vLLM ngram/suffix vs lookahead, through real OpenAI-compatible servers.
 
 One server per method (``lookahead-vllm-serve``, same flags apart from the
 speculation), all started before timing and kept for the whole run. For each
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -41,6 +42,8 @@ RESULTS = REPO / "benchmarks" / "results"
 METHODS = {
     "plain": [],
     "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8}'],
+    # vLLM's suffix decoding with its defaults (needs arctic_inference.suffix_decoding).
+    "suffix": ["--speculative-config", '{"method": "suffix"}'],
     "lookahead": ["--speculative-model", "lookahead"],
 }
 
@@ -80,6 +83,8 @@ def start_servers(model: str, methods: list[str], args: argparse.Namespace, log_
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
     env.setdefault("OMP_NUM_THREADS", str(args.omp_threads))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # Only our plugin: arctic-inference's (installed for suffix) stays out of every server.
+    env.setdefault("VLLM_PLUGINS", "lookahead")
     servers = []
     for name in methods:
         port = free_port()
@@ -294,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if "plain" not in args.methods:
         parser.error("--methods must include plain (the reference)")
+    if "suffix" in args.methods and importlib.util.find_spec("arctic_inference") is None:
+        parser.error("--methods 'suffix': needs arctic_inference.suffix_decoding; install it with scripts/setup.sh")
     counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
 
     from transformers import AutoTokenizer
