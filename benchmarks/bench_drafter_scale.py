@@ -2,7 +2,9 @@
 pure-Python reference.
 
 Each scenario runs B sequences with P-token prompts (windows of real text:
-this repository's Markdown and Python, as whitespace-split words or bytes),
+the Python reference documentation shipped with the interpreter,
+``pydoc_data.topics``, as whitespace-split words or bytes; fixed per Python
+version),
 after a warm corpus of finished outputs. Admission: one ``sync`` per new
 prompt. Then every step each sequence commits 2 tokens (the text's own
 continuation) and one ``sync`` + ``draft_batch`` call covers the batch, as the
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -33,9 +37,10 @@ WARM_SEQUENCES, WARM_OUTPUT = 64, 512
 
 
 def text_tokens(kind: str) -> np.ndarray:
-    """The repository's Markdown and Python as token ids (words: ids in order of first appearance)."""
-    files = sorted(REPO.glob("*.md")) + sorted(REPO.glob("benchmarks/*.md")) + sorted(REPO.glob("lookahead_vllm/**/*.py"))
-    raw = b"\n".join(f.read_bytes() for f in files)
+    """Python's reference documentation as token ids (words: ids in order of first appearance)."""
+    from pydoc_data.topics import topics
+
+    raw = "\n".join(topics[k] for k in sorted(topics)).encode()
     if kind == "bytes":
         return np.frombuffer(raw, np.uint8).astype(np.int32)
     vocab: dict[bytes, int] = {}
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"  drafted {r['drafted_per_seq_step']:.2f}/seq-step", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-            "commit_per_step": COMMIT_PER_STEP, "warm_corpus": [WARM_SEQUENCES, WARM_OUTPUT]}
+            "commit_per_step": COMMIT_PER_STEP, "warm_corpus": [WARM_SEQUENCES, WARM_OUTPUT],
+            "python": platform.python_version(), "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
     args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

@@ -6,7 +6,8 @@
 // position that followed it, or the newest corpus entry), so every lookup
 // confirms a tag match by comparing the n tokens themselves (the caller's
 // `same` predicate): two n-grams never share a slot, even when their tags
-// collide. Linear probing over a power-of-two table kept at most half full;
+// collide. Linear probing over a power-of-two table kept at most 3/4 full
+// (8-byte own slots: a probe run stays within a cache line or two);
 // erase shifts the following entries back (no tombstones). A value type V
 // tells an empty slot by `V::empty()`; a default-constructed V is empty.
 #pragma once
@@ -60,7 +61,7 @@ class NgramMap {
   // the caller fills it in before any other call. Valid until the next insert.
   template <class Same>
   size_t find_or_insert(uint32_t tag, Same same) {
-    if (2 * (size_ + 1) > slots_.size()) grow(slots_.empty() ? 16 : 2 * slots_.size());
+    if (4 * (size_ + 1) > 3 * slots_.size()) grow(slots_.empty() ? 16 : 2 * slots_.size());
     size_t i = tag & mask_;
     for (; !slots_[i].value.empty(); i = (i + 1) & mask_) {
       if (slots_[i].tag == tag && same(slots_[i].value)) return i;
@@ -90,7 +91,7 @@ class NgramMap {
   // Room for `n` n-grams without rehashing.
   void reserve(size_t n) {
     size_t cap = 16;
-    while (cap < 2 * n) cap *= 2;
+    while (3 * cap < 4 * n) cap *= 2;
     if (cap > slots_.size()) grow(cap);
   }
 
