@@ -168,6 +168,18 @@ def check_attention_backends(backends: Iterable[type], what: str) -> None:
         raise ValueError(f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; {CHAIN_FIX}")
 
 
+def check_attention_layers(impls: Iterable[Any], what: str) -> None:
+    """Attention features tree verification does not implement (sliding window,
+    ALiBi, soft-cap, sinks), refused at engine start instead of the first tree step."""
+    from lookahead_vllm.vllm.tree_verify import check_supported
+
+    for impl in impls:
+        try:
+            check_supported(impl)
+        except NotImplementedError as exc:
+            raise ValueError(f"lookahead {what}: {exc} (found in this model's attention layers)") from None
+
+
 def _wrapped_impls() -> Iterable[type]:
     from lookahead_vllm.vllm import patches
 

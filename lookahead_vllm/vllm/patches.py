@@ -212,8 +212,12 @@ def patch_tree_verification() -> bool:
             if getattr(drafter, "tree_mode", False):
                 from lookahead_vllm.vllm import guards
 
-                backends = [group.backend for groups in self.attn_groups for group in groups]
-                guards.check_attention_backends(backends, guards.tree_mode_label(drafter.config))
+                what = guards.tree_mode_label(drafter.config)
+                groups = [group for groups in self.attn_groups for group in groups]
+                guards.check_attention_backends([group.backend for group in groups], what)
+                layers = self.vllm_config.compilation_config.static_forward_context
+                names = [name for group in groups for name in group.layer_names]
+                guards.check_attention_layers([getattr(layers.get(n), "impl", None) for n in names], what)
             return out
 
         return initialize_attn_backend

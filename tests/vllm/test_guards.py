@@ -240,3 +240,28 @@ def test_engine_refuses_picked_backend_it_does_not_wrap(tiny_llama_dir, monkeypa
     monkeypatch.setattr(guards, "_wrapped_impls", lambda: ())  # as if CPU_ATTN's forward were not wrapped
     with pytest.raises(Exception, match=r"attention backend CPU_ATTN with an implementation tree_verify does not wrap"):
         LLM(model=tiny_llama_dir, **engine_kwargs("lookahead", lookahead=TREE, max_model_len=256))
+
+
+def test_unsupported_attention_features_refused_at_engine_start(tiny_llama_dir, monkeypatch):
+    """Sliding window / ALiBi / soft-cap / sinks: refused when the KV cache is set up, not at the first tree step."""
+    from types import SimpleNamespace
+
+    from vllm import LLM
+
+    from lookahead_vllm.vllm import guards, tree_verify
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    plain = SimpleNamespace(sliding_window=-1, alibi_slopes=None, logits_soft_cap=0, sinks=None)
+    windowed = SimpleNamespace(sliding_window=(4095, 0), alibi_slopes=None, logits_soft_cap=0, sinks=None)
+    guards.check_attention_layers([plain, None], "draft_shape='hier'")
+    with pytest.raises(ValueError, match=r"draft_shape='hier': .*does not support sliding window; use draft_shape='one'"):
+        guards.check_attention_layers([plain, windowed], "draft_shape='hier'")
+
+    check_supported = tree_verify.check_supported
+
+    def windowed_model(impl):
+        check_supported(windowed)
+
+    monkeypatch.setattr(tree_verify, "check_supported", windowed_model)
+    with pytest.raises(Exception, match=r"does not support sliding window; use draft_shape='one' \(found in this model's attention layers"):
+        LLM(model=tiny_llama_dir, **engine_kwargs("lookahead", lookahead=TREE, max_model_len=256))
