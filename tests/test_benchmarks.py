@@ -353,6 +353,10 @@ def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    from importlib.metadata import entry_points
+
+    # arctic registers a general plugin, so only the filter keeps it out.
+    assert "arctic_inference" in {ep.name for ep in entry_points(group="vllm.general_plugins")}
     assert report["vllm_plugins_loaded"] == ["lookahead"]
     assert "Arctic Inference plugin" not in proc.stderr
     rows = {row["method"]: row for row in report["cells"][0]["methods"]}
