@@ -353,15 +353,19 @@ def reset_drafters(llm: Any) -> None:
         cache.evict_cached_response(req_id)
 
 
-def preload_trie(llm: Any, outputs: list[list[int]]) -> None:
-    trie = proposers(llm)[0].trie
-    for ids in outputs:
-        trie.insert_output(ids)
+def preload_drafter(llm: Any, outputs: list[list[int]]) -> None:
+    """Teach the first proposer past responses (``-warm`` methods)."""
+    proposers(llm)[0].warm_start(outputs)
 
 
-def trie_nodes(llm: Any) -> int | None:
+def drafter_size(llm: Any) -> int | None:
+    """What the lookahead drafters learned: trie nodes plus draft-index corpus
+    tokens (None: no lookahead proposer)."""
     found = proposers(llm)
-    return sum(p.trie.num_nodes for p in found) if found else None
+    if not found:
+        return None
+    index = [p.drafter.index for p in found if getattr(p.drafter, "index", None) is not None]
+    return sum(p.trie.num_nodes for p in found if p.trie is not None) + sum(i.corpus_tokens() for i in index)
 
 
 def calibration(llm: Any) -> dict | None:
@@ -432,8 +436,9 @@ class MethodRun:
     drafter: Counter = field(default_factory=Counter)
     # Other processes' CPU seconds during each of this method's timed calls.
     noise: CpuMeter = field(default_factory=CpuMeter)
-    trie_nodes_start: int | None = None
-    trie_nodes_end: int | None = None
+    # drafter_size() when the cell starts and ends.
+    drafter_size_start: int | None = None
+    drafter_size_end: int | None = None
     # The engine's confidence calibration after the cell (cumulative over its cells).
     calibration: dict | None = None
 
@@ -471,7 +476,7 @@ def rotated(methods: list[str], i: int) -> list[str]:
 def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, params: Any,
              meter: CpuMeter) -> dict[str, MethodRun]:
     """Interleave all methods chunk by chunk over ``prompts``."""
-    runs = {m: MethodRun(m, trie_nodes_start=trie_nodes(llm)) for m, llm in engines.items()}
+    runs = {m: MethodRun(m, drafter_size_start=drafter_size(llm)) for m, llm in engines.items()}
     chunks = [prompts[lo:lo + bs] for lo in range(0, len(prompts), bs)]
     for i, chunk in enumerate(chunks):
         meter.start()
@@ -480,7 +485,7 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
         shown = ", ".join(f"{m} {speeds[m]:.1f}" for m in engines)
         log(f"[{tag}] chunk {i + 1}/{len(chunks)} tok/s: {shown} | other CPU {other:.1f} s")
     for m, llm in engines.items():
-        runs[m].trie_nodes_end = trie_nodes(llm)
+        runs[m].drafter_size_end = drafter_size(llm)
         runs[m].calibration = calibration(llm)
     return runs
 
@@ -509,8 +514,8 @@ def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
         "num_accepted": run.num_accepted,
         "num_draft_tokens": run.num_draft_tokens,
         **drafter_summary(run.drafter),
-        "trie_nodes_start": run.trie_nodes_start,
-        "trie_nodes": run.trie_nodes_end,
+        "drafter_size_start": run.drafter_size_start,
+        "drafter_size": run.drafter_size_end,
         "calibration": run.calibration,
         "mismatches": count_mismatches(plain.token_ids, run.token_ids),
         "mismatched_prompts": mismatched,
@@ -594,7 +599,7 @@ def cell_engines(shared: dict[str, Any], args: argparse.Namespace, dev_ids: list
     for method in args.methods:
         engines[method] = shared[method] if method in shared else build_engine(method, args)
     for method in filter(is_warm, engines):
-        preload_trie(engines[method], dev_ids)
+        preload_drafter(engines[method], dev_ids)
     return engines
 
 
@@ -739,7 +744,7 @@ def other_load(seconds: float = 1.0) -> float:
 
 # ------------------------------------------------------------------- output
 COLUMNS = ["dataset", "bs", "method", "tok/s", "med tok/s", "speedup", "med", "paired", "MAL",
-           "acc/draft", "tok/step", "drafter ms", "trie nodes", "mismatch"]
+           "acc/draft", "tok/step", "drafter ms", "drafter size", "mismatch"]
 LEFT = {"dataset", "method"}
 
 
@@ -751,7 +756,7 @@ def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
             f"{row['median_chunk_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['speedup_median']:.2f}x",
             f"{row['speedup_paired']:.2f}x", opt(row["mean_acceptance_length"], "{:.2f}"),
             opt(row["draft_acceptance_rate"], "{:.2f}"), f"{row['tokens_per_step']:.2f}",
-            opt(row["drafter_ms_per_step"], "{:.3f}"), opt(row["trie_nodes"], "{}"), str(row["mismatches"])]
+            opt(row["drafter_ms_per_step"], "{:.3f}"), opt(row["drafter_size"], "{}"), str(row["mismatches"])]
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -39,8 +39,8 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
         assert set(rows) == {"plain", "lookahead", "lookahead-warm", "lookahead:nofloor-warm"}
         assert all(row["mismatches"] == 0 and row["tokens"] > 0 for row in rows.values())
         # "-warm" variants are preloaded with the dev split too; cold starts empty.
-        assert rows["lookahead-warm"]["trie_nodes_start"] > 0 and rows["lookahead:nofloor-warm"]["trie_nodes_start"] > 0
-        assert rows["lookahead"]["trie_nodes_start"] == 0
+        assert rows["lookahead-warm"]["drafter_size_start"] > 0 and rows["lookahead:nofloor-warm"]["drafter_size_start"] > 0
+        assert rows["lookahead"]["drafter_size_start"] == 0
         # The lookahead engines report what their calibrators learned.
         assert rows["plain"]["calibration"] is None
         assert set(rows["lookahead"]["calibration"]) == {"chain", "branch", "pool", "context"}
