@@ -107,8 +107,11 @@ class LookaheadConfig:
     # Draft index (source "index"): key length, how far matches are measured
     # backwards, candidates merged per draft, occurrences kept per key, and
     # finished output tokens kept for cross-request matches (memory cap:
-    # about 24 bytes per token natively).
+    # 15-35 bytes per token natively on real text, ~90 on all-distinct words).
     index_ngram: int = 3
+    # Back-off key length: where the index finds no match of index_ngram
+    # tokens, a second index keyed by this many tokens drafts (0 = none).
+    index_backoff: int = 0
     index_max_match: int = 64
     index_candidates: int = 8
     index_occurrences: int = 16
@@ -141,6 +144,7 @@ class LookaheadConfig:
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r}: must be one of {SOURCES}")
         _check_int("index_ngram", self.index_ngram, 1, 4)
+        _check_int("index_backoff", self.index_backoff, 0, max(0, self.index_ngram - 1))
         _check_int("index_max_match", self.index_max_match, self.index_ngram, 1 << 16)
         _check_int("index_candidates", self.index_candidates, 1, 1024)
         _check_int("index_occurrences", self.index_occurrences, 1, 1024)
@@ -188,11 +192,11 @@ class LookaheadConfig:
     def uses_jacobi(self) -> bool:
         return "jacobi" in self.sources
 
-    def index_config(self) -> "DraftIndexConfig":
-        """The draft index's settings."""
+    def index_config(self, ngram: int | None = None) -> "DraftIndexConfig":
+        """The draft index's settings (keyed by ``ngram`` tokens, default index_ngram)."""
         from lookahead_vllm.core.draft_index import DraftIndexConfig
 
-        return DraftIndexConfig(self.index_ngram, self.index_max_match, self.index_occurrences,
+        return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
                                 self.index_candidates, self.index_corpus_tokens)
 
     @property

@@ -155,6 +155,8 @@ class DraftIndex:
         """The runner dropped committed tokens past ``length`` (preemption):
         the sequence is indexed anew from its first ``length`` tokens."""
         seq = self._live[sid]
+        if length < 0:
+            raise ValueError(f"length={length}: must be >= 0")
         tokens, prompt_len = seq.tokens[:length], min(seq.prompt_len, length)
         del self._live[sid]
         self._evict(sid)
@@ -187,12 +189,15 @@ class DraftIndex:
         return self._finished_tokens
 
     def memory_bytes(self) -> int:
-        """Estimate of the native layout's size: 4 bytes per stored token
-        (own texts and outputs) and 16 per index entry."""
-        tokens = sum(len(s.tokens) for s in self._live.values()) + sum(map(len, self._outputs.values()))
-        entries = sum(len(v) for s in self._live.values() for v in s.own.values())
-        entries += sum(len(v) for v in self._corpus.values())
-        return 4 * tokens + 16 * entries
+        """Estimate of the native layout's size: 8 bytes per running token
+        (text and previous-occurrence chain), 4 per output token, 16 per
+        corpus entry, and hash-table slots (8 per distinct own n-gram, 16 per
+        distinct corpus n-gram, tables at most 3/4 full)."""
+        running = sum(len(s.tokens) for s in self._live.values())
+        outputs = sum(map(len, self._outputs.values()))
+        entries = sum(len(v) for v in self._corpus.values())
+        own_keys = sum(len(s.own) for s in self._live.values())
+        return 8 * running + 4 * outputs + 16 * entries + int((8 * own_keys + 16 * len(self._corpus)) * 4 / 3)
 
     def length(self, sid: int) -> int:
         """Tokens of running sequence ``sid`` (-1 if unknown)."""
@@ -303,7 +308,8 @@ def _match(src: list[int], pos: int, text: list[int], end: int, cfg: DraftIndexC
     """How many tokens before ``src[pos]`` agree with the tokens before
     ``text[end]`` (at least ngram: the key matched), at most max_match."""
     m = cfg.ngram
-    while m < cfg.max_match and pos - m - 1 >= 0 and src[pos - m - 1] == text[end - m - 1]:
+    while (m < cfg.max_match and pos - m - 1 >= 0 and end - m - 1 >= 0
+           and src[pos - m - 1] == text[end - m - 1]):
         m += 1
     return m
 

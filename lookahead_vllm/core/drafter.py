@@ -34,18 +34,13 @@ from lookahead_vllm.core.trie import TokenTrie
 INDEX_WEIGHT = 1e18
 
 
-def make_index(config: LookaheadConfig, native: bool | None = None) -> Any:
-    """The draft index for ``config``: native when built (``native=None``),
-    required (True) or the pure-Python reference (False)."""
-    try:
-        from lookahead_vllm.core.native import make_draft_index
-    except ImportError:  # the loader is not there: the reference
-        from lookahead_vllm.core.draft_index import DraftIndex
+def make_index(config: LookaheadConfig, native: bool | None = None, ngram: int | None = None) -> Any:
+    """The draft index for ``config`` (keyed by ``ngram`` tokens, default
+    ``index_ngram``): native when built (``native=None``), required (True)
+    or the pure-Python reference (False)."""
+    from lookahead_vllm.core.native import make_draft_index
 
-        if native:
-            raise
-        return DraftIndex(config.index_config())
-    return make_draft_index(config.index_config(), native)
+    return make_draft_index(config.index_config(ngram), native)
 
 
 class Drafter:
@@ -54,6 +49,10 @@ class Drafter:
     def __init__(self, config: LookaheadConfig, native: bool | None = None) -> None:
         self.config = config
         self.index = make_index(config, native) if config.uses_index else None
+        # Back-off index (shorter key): drafts where the main index has no match.
+        self.backoff = None
+        if config.uses_index and config.index_backoff:
+            self.backoff = make_index(config, native, config.index_backoff)
         self.trie = TokenTrie(config) if config.uses_trie else None
         # Trie source only: slot -> tokens inserted so far, and its context index.
         self._inserted: dict[int, int] = {}
@@ -88,9 +87,9 @@ class Drafter:
         """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s
         committed tokens (its first ``prompt_lens[i]`` the prompt): admit new
         requests, extend or rewind known ones."""
-        if self.index is not None:
-            self.index.sync(np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
-                            np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
+        for index in self._indexes():
+            index.sync(np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
+                       np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
         if self.trie is not None:
             for slot, row, n, plen in zip(slots, rows, num_tokens, prompt_lens):
                 self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
@@ -113,10 +112,13 @@ class Drafter:
                 self._contexts[slot].extend(new)
         self._inserted[slot] = max(done, n)
 
+    def _indexes(self) -> list[Any]:
+        return [ix for ix in (self.index, self.backoff) if ix is not None]
+
     def finish(self, slot: int) -> None:
         """The request finished or was aborted (unknown slots are ignored)."""
-        if self.index is not None:
-            self.index.finish(slot)
+        for index in self._indexes():
+            index.finish(slot)
         if self.trie is not None:
             self._finish_trie(slot)
 
@@ -128,10 +130,10 @@ class Drafter:
     def warm(self, tokens: Sequence[int]) -> None:
         """Learn a past response (warm start): into the index's corpus as a
         finished output, and into the trie as output counts."""
-        if self.index is not None:
-            self._warm_slots -= 1
-            self.index.add(self._warm_slots, list(tokens), 0)
-            self.index.finish(self._warm_slots)
+        self._warm_slots -= 1
+        for index in self._indexes():
+            index.add(self._warm_slots, list(tokens), 0)
+            index.finish(self._warm_slots)
         if self.trie is not None:
             self.trie.insert_output(tokens)
 
@@ -144,8 +146,15 @@ class Drafter:
         source only; None otherwise)."""
         out = []
         if self.index is not None:
-            tok, par, conf, lens = self.index.draft_batch(
-                np.asarray(slots, np.int64), np.asarray(budgets, np.int64), float(floor), bool(tree))
+            s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
+            tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree))
+            if self.backoff is not None and not lens.all():
+                miss = np.flatnonzero(lens == 0)
+                btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree))
+                width = max(tok.shape[1], btok.shape[1])
+                tok, par, conf = (_widen(a, width) for a in (tok, par, conf))
+                tok[miss, :btok.shape[1]], par[miss, :btok.shape[1]] = btok, bpar
+                conf[miss, :btok.shape[1]], lens[miss] = bconf, blens
         for i, slot in enumerate(slots):
             t = DraftTree.empty()
             if self.index is not None and lens[i]:
@@ -166,6 +175,12 @@ class Drafter:
         index = self._contexts.get(slot)
         chain = index.draft(budget, floor) if index is not None else DraftTree.empty()
         return with_context(chain, trie_tree, budget), len(chain)
+
+
+def _widen(a: np.ndarray, width: int) -> np.ndarray:
+    if a.shape[1] >= width:
+        return a
+    return np.concatenate([a, np.zeros((a.shape[0], width - a.shape[1]), a.dtype)], axis=1)
 
 
 def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lookahead_vllm.core import draft_index, native
+from lookahead_vllm.core import native
 from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
 
 NativeDraftIndex = native.load_draft_index()
@@ -22,35 +22,6 @@ if NativeDraftIndex is None and not os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIV
 
 SIDS = range(6)
 README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _match_bounded(src, pos, text, end, cfg):
-    """The reference's _match, stopping at the current text's start too."""
-    m = cfg.ngram
-    while m < cfg.max_match and pos - m - 1 >= 0 and end - m - 1 >= 0 and src[pos - m - 1] == text[end - m - 1]:
-        m += 1
-    return m
-
-
-def _reference_wraps() -> bool:
-    """Whether the reference's _match reads text[-1] (wrapping to the text's
-    end) when a corpus occurrence lies deeper in its output than the text is
-    long; see test_match_stops_at_the_text_start."""
-    ref = DraftIndex(DraftIndexConfig(ngram=1, max_match=8))
-    ref.add(1, [7, 5, 7, 8], 0)
-    ref.finish(1)
-    ref.add(2, [5, 7], 2)
-    return ref.draft(2, 1)[2] != [4 / 9]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def bounded_reference_match():
-    """Holds native to the bounded match until the reference's _match stops
-    at the text's start (then this patch is a no-op and skipped)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if _reference_wraps():
-            mp.setattr(draft_index, "_match", _match_bounded)
-        yield
 
 
 def _pair(cfg: DraftIndexConfig):
