@@ -52,7 +52,7 @@ SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
 TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
 # The custom op through which compiled models call the attention backend's forward.
 ATTENTION_OP = "vllm::unified_attention_with_output"
-CHAIN_FIX = "or use draft_shape='one' and source='trie' (chain drafts)"
+CHAIN_FIX = "or use draft_shape='one' with a source without 'jacobi', e.g. source='index' (chain drafts)"
 
 
 def is_tree_mode(config: LookaheadConfig) -> bool:

@@ -36,7 +36,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.vllm import metrics, patches
+from lookahead_vllm.vllm import guards, metrics
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -52,6 +52,8 @@ class ProposerStats:
     step: metrics.StepStats = field(default_factory=metrics.StepStats, repr=False)
     # Request-steps that were given a (possibly empty) draft.
     request_steps: int = 0
+    # Request-steps whose committed tokens the runner had rewound (preemption).
+    rewinds: int = 0
     # Largest number of draft tokens handed out in one step (whole batch).
     max_step_draft_tokens: int = 0
     # Tree verification: request-steps verified as trees, their draft nodes,
@@ -134,11 +136,12 @@ class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        if not patches.apply("runner_request_ids"):
-            raise RuntimeError("lookahead needs the runner_request_ids patch, which failed (see log)")
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
+        # Version, patches (applied, or the engine refuses naming them), tree
+        # settings, CUDA graphs, kernels: all checked here, before any step.
+        guards.check_engine_start(vllm_config, self.config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.drafter = Drafter(self.config)
         self._input_batch: Any = None
@@ -150,7 +153,8 @@ class LookaheadProposer:
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
-        # The runner's request states (sampling params); set by tree_verify.
+        # The runner's request states (sampling params), as tree_verify last
+        # handed them (tree_plans).
         self.requests: dict[str, Any] = {}
         # What the Jacobi window last yielded (pool tokens per window step)
         # and the probe interval it had reached: new requests start there, so
@@ -160,13 +164,9 @@ class LookaheadProposer:
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py).
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
-        self.tree_mode = self.config.draft_shape != "one" or self.config.uses_jacobi
+        self.tree_mode = guards.is_tree_mode(self.config)
         platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
-            what = f"source={self.config.source!r}" if self.config.uses_jacobi else f"draft_shape={self.config.draft_shape!r}"
-            _check_tree_support(vllm_config, what)
-            if not patches.apply("tree_verification"):
-                raise RuntimeError(f"lookahead {what} needs the tree_verification patch, which failed (see log)")
             from lookahead_vllm.vllm.tree_verify import path_cost
 
             platform_paths = path_cost()
@@ -271,6 +271,7 @@ class LookaheadProposer:
         for i, st, n in zip(rows, states, num_tokens):
             self._learn_acceptance(st, sampled_token_ids[i])
             st.plan, st.context_nodes = None, 0
+            self.stats.rewinds += int(n) < st.length
         self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens,
                           batch.num_prompt_tokens[rows])
         for i, st, n in zip(rows, states, num_tokens):
@@ -440,6 +441,29 @@ class LookaheadProposer:
                 gain += jac.yield_est
         return chosen
 
+    # ------------------------------------------- contract with tree_verify
+    def tree_plans(self, runner_requests: dict[str, Any]) -> dict[str, StepPlan]:
+        """This step's tree plans; ``runner_requests`` (the runner's request
+        states) tell later steps which requests can verify trees."""
+        self.requests = runner_requests
+        return self.plans
+
+    def on_tree_truncated(self, count: int) -> None:
+        """``count`` trees of this step were cut by the scheduler's token budget."""
+        self.stats.tree_truncated += count
+
+    def on_tree_results(self, results: Iterable[Any]) -> None:
+        """Book what verification did with this step's trees
+        (``tree_verify.TreeResult``), and feed Jacobi windows their new tokens."""
+        s = self.stats
+        for r in results:
+            s.tree_request_steps += 1
+            s.tree_nodes += r.num_nodes
+            s.tree_tokens += len(r.tokens)
+            s.tree_off_chain_accepts += sum(1 for j, n in enumerate(r.nodes) if n != j)
+            if r.window_tokens is not None:
+                self.on_lookahead_outputs(r.req_id, r.window_tokens, r.nodes)
+
     def on_lookahead_outputs(self, req_id: str, new_tokens: list[int], accepted_nodes: list[int]) -> None:
         """The window's new tokens for a request (from tree_verify): slide it,
         fill its pool, and book what the window step got from the pool (the
@@ -468,22 +492,6 @@ def _log_interval_s() -> float:
     import vllm.envs as envs
 
     return float(envs.VLLM_LOG_STATS_INTERVAL)
-
-
-def _check_tree_support(vllm_config: VllmConfig, what: str) -> None:
-    """Configurations tree verification cannot serve: a clear error at startup."""
-    problems = []
-    if vllm_config.scheduler_config.async_scheduling:
-        problems.append("async scheduling (pass --no-async-scheduling)")
-    if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
-        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}")
-    if vllm_config.model_config.uses_mrope:
-        problems.append("M-RoPE models")
-    if problems:
-        raise ValueError(
-            f"lookahead {what} (tree verification) does not support {', '.join(problems)}; "
-            "use draft_shape='one' and source='trie'"
-        )
 
 
 def find_proposers(llm: Any) -> list[LookaheadProposer]:

@@ -126,6 +126,22 @@ class TreeStep:
     kernel_args: dict | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TreeResult:
+    """What verification did with one request's tree in one step: the
+    contract back to the proposer (``LookaheadProposer.on_tree_results``)."""
+
+    req_id: str
+    # Plan nodes verified, accepted node indices (root to leaf), emitted
+    # tokens (accepted + bonus).
+    num_nodes: int
+    nodes: list[int]
+    tokens: list[int]
+    # The Jacobi window's new tokens (its last level's argmax), or None when
+    # the plan had no window or the scheduler cut it.
+    window_tokens: list[int] | None = None
+
+
 # The step being executed in this process (one model runner per worker process).
 _current: TreeStep | None = None
 
@@ -168,19 +184,17 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
     global _current
     _current = None
     drafter = runner.drafter
-    drafter.requests = runner.requests
-    plans: dict[str, StepPlan] = drafter.plans
+    plans: dict[str, StepPlan] = drafter.tree_plans(runner.requests)
     if not plans or not scheduler_output.scheduled_spec_decode_tokens:
         return
     starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
     disabled = drafter.config.debug_disable
-    requests = []
+    requests, truncated = [], 0
     for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
         plan = plans.get(req_id)
         if plan is None or not draft:
             continue
-        if len(draft) < plan.num_nodes:
-            drafter.stats.tree_truncated += 1  # the scheduler's token budget cut the tree
+        truncated += len(draft) < plan.num_nodes  # the scheduler's token budget cut the tree
         plan = plan.truncate(len(draft))
         if plan.is_chain():
             continue
@@ -202,6 +216,8 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
             offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
             rows = slice(start, start + plan.num_nodes + 1)
             runner.positions[rows] = runner.positions[start] + offsets
+    if truncated:
+        drafter.on_tree_truncated(truncated)
     if requests:
         _current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
         _current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
@@ -451,6 +467,7 @@ def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_o
     cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
     sampled = sampler_output.sampled_token_ids
     moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
+    results = []
     for req in step.requests:
         first = cu_sampled[req.row] - req.num_rows
         if req.walk:
@@ -461,9 +478,11 @@ def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_o
         row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
         sampled[req.row] = row.to(sampled.device)
         moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-        _count(runner.drafter.stats, req, nodes, tokens)
+        window = None
         if req.plan.has_lookahead:
-            _window_outputs(runner.drafter, req, logits[first : first + req.num_rows], nodes)
+            window = _window_outputs(runner.drafter.config, req, logits[first : first + req.num_rows])
+        results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
+    runner.drafter.on_tree_results(results)
     if moves and "compaction" not in step.disabled:
         _compact(step, moves)
     if recorder is not None:
@@ -481,13 +500,6 @@ def _record(step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled
         entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
 
-def _count(stats: Any, req: TreeRequest, nodes: list[int], tokens: list[int]) -> None:
-    stats.tree_request_steps += 1
-    stats.tree_nodes += req.plan.num_nodes
-    stats.tree_tokens += len(tokens)
-    stats.tree_off_chain_accepts += sum(1 for j, n in enumerate(nodes) if n != j)
-
-
 def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
     sp = req.sampling_params
     if sp.temperature < GREEDY_EPS:
@@ -497,14 +509,15 @@ def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: 
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
-def _window_outputs(drafter: Any, req: TreeRequest, logits: torch.Tensor, accepted: list[int]) -> None:
-    """Hand the Jacobi window's new tokens (argmax at its last level) to the proposer."""
-    cfg, plan = drafter.config, req.plan
+def _window_outputs(cfg: Any, req: TreeRequest, logits: torch.Tensor) -> list[int] | None:
+    """The Jacobi window's new tokens (argmax at its last level); None when
+    the scheduler cut the window (it then stays as it is)."""
+    plan = req.plan
     base = plan.lookahead.index(True)
     if plan.num_nodes - base != cfg.lookahead_nodes:
-        return  # the scheduler cut the window: keep it as it is
+        return None
     rows = [0 if n < 0 else 1 + base + n for n in output_nodes(cfg.jacobi_window, cfg.jacobi_ngram)]
-    drafter.on_lookahead_outputs(req.req_id, logits[rows].argmax(dim=-1).tolist(), accepted)
+    return logits[rows].argmax(dim=-1).tolist()
 
 
 def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:
