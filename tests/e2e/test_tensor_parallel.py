@@ -6,7 +6,8 @@ draft identically. Each engine runs in its own subprocess (this file run as
 a script: one ``LLM`` per process, its own environment), SmolLM2-135M fp32:
 
 * greedy token ids of lookahead TP=2 == plain TP=2 == plain TP=1, for chains
-  (``draft_shape="one"``) and trees (``"hier"``);
+  (``draft_shape="one"``) and trees (``"hier"``, trie as a second source so
+  that drafts branch);
 * the per-rank draft traces (:mod:`lookahead_vllm.vllm.draft_trace`) of a
   TP=2 run are identical step by step;
 * the comparer catches a rank whose drafts differ (unit tests, no vLLM).
@@ -28,8 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 48
 NUM_PROMPTS = 6
 RUN_TIMEOUT_S = 600
-# What makes TP=2 run on a 2-core CPU box: the multiprocess executor, one
-# OpenMP thread per rank, each rank bound to its own core.
+# What runs TP=2 on a 2-core CPU box: the engine in-process, vLLM's
+# multiprocess executor (it spawns one worker per rank, gloo between them),
+# one OpenMP thread per rank and no thread binding.
 TP_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -163,6 +165,8 @@ def test_lookahead_tp2_greedy_identical(tp_runs, shape):
     assert run["token_ids"] == tp_runs["plain-tp1"]["token_ids"]
     # It really drafted, and verification accepted drafts (the second pass repeats the first).
     assert run["spec"]["vllm:spec_decode_num_accepted_tokens"] > NUM_PROMPTS * MAX_TOKENS // 4
+    if shape == "hier":  # trees: some nodes were rejected, and output stayed identical
+        assert run["spec"]["vllm:spec_decode_num_draft_tokens"] > run["spec"]["vllm:spec_decode_num_accepted_tokens"]
 
 
 @pytest.mark.vllm
@@ -183,7 +187,10 @@ def _engine_main(spec: dict) -> None:
     from lookahead_vllm.datasets import load_humaneval, load_mtbench
     from lookahead_vllm.vllm.offline import engine_kwargs
 
-    lookahead = {"draft_shape": spec["shape"]} if spec["method"] == "lookahead" else None
+    lookahead = None
+    if spec["method"] == "lookahead":
+        # Trees: the trie as a second source, so drafts branch (the index alone gives one path here).
+        lookahead = {"draft_shape": spec["shape"], **({"source": "index+trie"} if spec["shape"] != "one" else {})}
     kwargs = engine_kwargs(spec["method"], k=8, lookahead=lookahead, max_model_len=1024,
                            tensor_parallel_size=spec["tp"])
     if spec["tp"] > 1:
