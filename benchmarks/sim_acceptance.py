@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warm-prompts", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=1, help="requests stepping together (waves, as generate())")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="send the prompts this many times (later rounds repeat earlier requests, "
+                        "as agent and templated traffic does)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="a lookahead config to replay (repeatable); default: chain and hier at decoding_length 8")
     p.add_argument("--path-cost", nargs=2, type=float, default=None, metavar=("SETUP", "PER_PATH"),
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be >= 1")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be >= 1")
     if args.model is None:
         from lookahead_vllm.models import prepare_smollm2
 
@@ -224,8 +229,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dataset in args.datasets:
         total = args.num_prompts + args.warm_prompts
         prompts, outputs = greedy_outputs(dataset, total, args.max_tokens, args.model, args.cache, args.split)
-        test = slice(0, args.num_prompts)
         warm = outputs[args.num_prompts:total]
+        prompts, outputs = prompts[:args.num_prompts] * args.rounds, outputs[:args.num_prompts] * args.rounds
+        test = slice(0, len(prompts))
         for name, config in variants.items():
             r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost), args.batch)
             results["cells"].append({"dataset": dataset, "variant": name, **r})

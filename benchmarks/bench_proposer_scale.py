@@ -1,0 +1,179 @@
+"""Drafter cost at serving scale, through the proposer's own interface.
+
+Drives ``LookaheadProposer`` the way vLLM's model runner does (the runner
+hook ``on_step``, then ``propose()`` every step over the persistent batch's
+token table), with no model forward: ``B`` running requests whose prompts are
+real text (the docqa documents, tokenized with the bundled tokenizer), each
+committing 2 tokens per step (its own text's next tokens, so drafts are
+found). Settings as on a GPU server: load adaptation raised so every row
+drafts, tokens priced as on a GPU. Reports per source (``index``: native
+draft index; ``index+trie``: plus the pure-Python trie) the milliseconds per
+engine step (median, p99, max), the milliseconds to admit one more prompt
+into the running batch, and the drafter's memory estimate and process RSS.
+
+Example::
+
+    python benchmarks/bench_proposer_scale.py --batch 64 256 --prompt-tokens 512 2048 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_proposer(source: str, k: int, max_len: int) -> Any:
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        additional_config={"lookahead": {"source": source, "load_shrink_above": 4096, "load_stop_at": 8192,
+                                         "cost_free_tokens": 64, "cost_marginal_tokens": 64.0}},
+        model_config=SimpleNamespace(max_model_len=max_len, uses_mrope=False),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+        attention_config=None,
+    )
+    return LookaheadProposer(config)
+
+
+def corpus_tokens(count: int) -> np.ndarray:
+    """``count`` token ids of real text (docqa documents, bundled tokenizer), repeated as needed."""
+    from transformers import AutoTokenizer
+
+    from lookahead_vllm.datasets import load_split
+    from lookahead_vllm.models import prepare_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepare_smollm2()))
+    ids: list[int] = []
+    for text in load_split("docqa", "dev", None) + load_split("docqa", "test", None):
+        ids += tokenizer(text).input_ids
+        if len(ids) >= count:
+            break
+    reps = -(-count // len(ids))
+    return np.array((ids * reps)[:count], np.int32)
+
+
+class Batch:
+    """The runner's persistent batch: request ids, prompt lengths, token table."""
+
+    def __init__(self, texts: list[np.ndarray], prompt_tokens: int, max_len: int) -> None:
+        self.req_ids = [f"r{i}" for i in range(len(texts))]
+        self.num_prompt_tokens = np.full(len(texts), prompt_tokens, np.int64)
+        self.token_ids = np.zeros((len(texts), max_len), np.int32)
+        for i, t in enumerate(texts):
+            self.token_ids[i, :len(t)] = t
+        self.num_tokens = np.full(len(texts), prompt_tokens + 1, np.int64)
+
+    def step(self, proposer: Any, new: list[Any] = ()) -> float:
+        proposer.on_step(self, [], {})
+        if new:
+            proposer.on_new_requests(new)
+        sampled = [[int(self.token_ids[i, n - 1])] for i, n in enumerate(self.num_tokens)]
+        start = time.perf_counter()
+        proposer.propose(sampled, self.num_tokens, self.token_ids)
+        seconds = time.perf_counter() - start
+        self.num_tokens += 2
+        return seconds
+
+
+def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray) -> dict[str, Any]:
+    max_len = prompt_tokens + 2 * steps + 16
+    span = prompt_tokens + 2 * steps + 8
+    rng = np.random.default_rng(0)
+    texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + 1)]
+    proposer = make_proposer(source, k, max_len)
+    runner = Batch(texts[:batch], prompt_tokens, max_len)
+    admit_all = runner.step(proposer)  # the whole batch admitted at once
+    times = [runner.step(proposer) for _ in range(steps)]
+    # One more prompt joins the running batch: that step's extra time is its admission.
+    grown = Batch(texts, prompt_tokens, max_len)
+    grown.num_tokens[:batch] = runner.num_tokens
+    proposer.on_step(grown, [], {})
+    steady = statistics.median(times)
+    admit_step = grown.step(proposer)
+    times_sorted = sorted(times)
+    return {
+        "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k,
+        "native": proposer.drafter.native,
+        "step_ms_median": 1e3 * steady,
+        "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
+        "step_ms_max": 1e3 * times_sorted[-1],
+        "admit_ms_per_prompt_batch_start": 1e3 * admit_all / batch,
+        "admit_ms_one_more_prompt": 1e3 * max(0.0, admit_step - steady),
+        "drafter_bytes": proposer.drafter.memory_bytes(),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for source in sorted({c["source"] for c in cells}):
+        rows = [c for c in cells if c["source"] == source]
+        labels = [f"{c['batch']}x{c['prompt_tokens']}" for c in rows]
+        ax.plot(labels, [c["step_ms_median"] for c in rows], "o-", label=f"{source} median")
+        ax.plot(labels, [c["step_ms_max"] for c in rows], "x--", label=f"{source} max")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_yscale("log")
+    ax.set_ylabel("proposer ms per engine step")
+    ax.set_xlabel("running requests x prompt tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--prompt-tokens", nargs="+", type=int, default=[512, 2048])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--sources", nargs="+", default=["index", "index+trie"])
+    p.add_argument("--out", type=Path, default=RESULTS / "proposer_scale.json")
+    args = p.parse_args(argv)
+    for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            p.error(f"{flag} {bad[0]}: must be >= 1")
+    from lookahead_vllm.vllm.offline import apply_cpu_env
+
+    apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
+    text = corpus_tokens(max(args.prompt_tokens) + 2 * args.steps + 64)
+    cells = []
+    for source in args.sources:
+        for batch in args.batch:
+            for tokens in args.prompt_tokens:
+                cell = run_cell(source, batch, tokens, args.steps, args.k, text)
+                cells.append(cell)
+                log(f"{source:11s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
+                    f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
+                    f"{cell['admit_ms_one_more_prompt']:.2f} ms; drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
+                report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
+                args.out.write_text(json.dumps(report, indent=1))
+                plot(cells, args.out.with_suffix(".png"))
+    return report
+
+
+if __name__ == "__main__":
+    main()
