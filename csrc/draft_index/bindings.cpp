@@ -268,6 +268,11 @@ PYBIND11_MODULE(_draft_index, m) {
              std::lock_guard<std::mutex> lock(b.mu);
              return b.core.memory_bytes();
            })
+      .def("corpus_sequences",
+           [](BoundIndex& b) {
+             std::lock_guard<std::mutex> lock(b.mu);
+             return b.core.corpus_sequences();
+           })
       .def("draft", &draft_one, py::arg("sid"), py::arg("budget"), py::arg("floor") = 0.0, py::arg("tree") = false)
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
            py::arg("prompt_lens"))

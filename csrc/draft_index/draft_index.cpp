@@ -230,6 +230,13 @@ size_t DraftIndex::memory_bytes() const {
   return bytes;
 }
 
+std::vector<std::vector<int32_t>> DraftIndex::corpus_sequences() const {
+  std::vector<std::vector<int32_t>> out;
+  out.reserve(finished_.size());
+  for (const uint32_t slot : finished_) out.emplace_back(seqs_[slot]->out(), seqs_[slot]->out() + seqs_[slot]->out_len());
+  return out;
+}
+
 // ------------------------------------------------------------------- drafting
 int DraftIndex::match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const {
   // How many tokens before src[pos] agree with those before text[end]; the

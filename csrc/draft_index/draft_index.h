@@ -85,6 +85,8 @@ class DraftIndex {
   int64_t corpus_tokens() const { return finished_tokens_; }
   int64_t length(int64_t sid) const;  // -1 if not running
   size_t memory_bytes() const;
+  // Finished outputs held in the corpus, oldest first (what a snapshot stores).
+  std::vector<std::vector<int32_t>> corpus_sequences() const;
 
   // Writes sequence `sid`'s draft (at most `budget` nodes) into `out`; returns its length.
   int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);

@@ -121,6 +121,17 @@ class LookaheadConfig:
     jacobi_window: int = 4
     jacobi_ngram: int = 3
     jacobi_guesses: int = 4
+    # Warm start: a file of past responses or a corpus, tokenized with the
+    # model's tokenizer at engine start into the drafter's corpus (.jsonl: one
+    # object a line with a "text", "response", "output" or "completion"
+    # string; any other file: plain text, paragraphs split on blank lines).
+    # "" = none.
+    warm_start: str = ""
+    # Snapshot (core/snapshot.py) of what the drafter learned: loaded on
+    # start when the file exists, written on shutdown (atomically). A
+    # corrupt or foreign file is refused with a warning; the engine starts
+    # cold. "" = none.
+    snapshot_path: str = ""
     # Debug only: switch off pieces of tree verification ("positions", "mask",
     # "compaction") to prove each is needed; output is then NOT lossless.
     debug_disable: tuple[str, ...] = ()
@@ -159,6 +170,9 @@ class LookaheadConfig:
         bad = [x for x in self.debug_disable if x not in DEBUG_SWITCHES] if isinstance(self.debug_disable, tuple) else [1]
         if bad:
             raise ValueError(f"debug_disable={self.debug_disable!r}: must be a list drawn from {DEBUG_SWITCHES}")
+        for name in ("warm_start", "snapshot_path"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a file path (a string; \"\" = none)")
         for name in ("insert_output", "insert_prompt", "calibrate_confidence"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")

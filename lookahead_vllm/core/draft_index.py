@@ -188,6 +188,11 @@ class DraftIndex:
         """Finished output tokens held in the corpus."""
         return self._finished_tokens
 
+    def corpus_sequences(self) -> list[list[int]]:
+        """Finished outputs held in the corpus, oldest first: adding and
+        finishing them in this order into an empty index rebuilds its corpus."""
+        return [list(self._outputs[sid]) for sid in self._finished]
+
     def memory_bytes(self) -> int:
         """Estimate of the native layout's size: 8 bytes per running token
         (text and previous-occurrence chain), 4 per output token, 16 per

@@ -176,6 +176,50 @@ class Drafter:
         chain = index.draft(budget, floor) if index is not None else DraftTree.empty()
         return with_context(chain, trie_tree, budget), len(chain)
 
+    # ------------------------------------------------------------ snapshots
+    def snapshot(self, identity: dict, info: dict | None = None) -> "Snapshot":
+        """What the drafter learned (core/snapshot.py): the index's corpus and
+        the trie's output counts."""
+        from lookahead_vllm.core.snapshot import Snapshot, TrieTable, settings_of
+
+        sequences = self.index.corpus_sequences() if self.index is not None else []
+        table = None
+        if self.trie is not None:
+            parents, tokens, counts = self.trie.output_counts()
+            table = TrieTable(np.asarray(parents, np.int32), np.asarray(tokens, np.int32),
+                              np.asarray(counts, np.float64))
+        return Snapshot(dict(identity), settings_of(self.config), dict(info or {}), sequences, table)
+
+    def save_snapshot(self, path: str, identity: dict, info: dict | None = None) -> "Snapshot":
+        """Write :meth:`snapshot` to ``path`` atomically; returns it."""
+        from lookahead_vllm.core.snapshot import write_snapshot
+
+        snap = self.snapshot(identity, info)
+        write_snapshot(path, snap)
+        return snap
+
+    def load_snapshot(self, path: str, identity: dict) -> "Snapshot":
+        """Read a snapshot written for ``identity`` and learn it: its corpus
+        (oldest first) into the index as finished outputs, its output counts
+        into the trie (or, without a trie table, its corpus as warm texts).
+        Raises SnapshotError, before changing anything, if it is refused."""
+        from lookahead_vllm.core.snapshot import read_snapshot, settings_of
+
+        snap = read_snapshot(path, identity, settings_of(self.config))
+        for tokens in snap.sequences:
+            self._warm_slots -= 1
+            for index in self._indexes():
+                index.add(self._warm_slots, tokens, 0)
+                index.finish(self._warm_slots)
+        if self.trie is not None:
+            if snap.trie is not None:
+                self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
+                                             snap.trie.counts.tolist())
+            else:
+                for tokens in snap.sequences:
+                    self.trie.insert_output(tokens)
+        return snap
+
 
 def _widen(a: np.ndarray, width: int) -> np.ndarray:
     if a.shape[1] >= width:

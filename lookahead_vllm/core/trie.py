@@ -239,6 +239,43 @@ class TokenTrie:
             push(node, depth_of[node] + 1)
         return picked, confidence
 
+    # ------------------------------------------------------------ snapshots
+    def output_counts(self) -> tuple[list[int], list[int], list[float]]:
+        """The output counts as a node table in pre-order (children in
+        insertion order): ``parents`` (earlier rows, -1 = the root),
+        ``tokens``, ``counts``. Subtrees holding no output count are left out
+        (prompt counts belong to running requests)."""
+        parents: list[int] = []
+        tokens: list[int] = []
+        counts: list[float] = []
+
+        def visit(node: _Node, parent: int) -> bool:
+            row = len(tokens)
+            parents.append(parent)
+            tokens.append(node.token)
+            counts.append(node.out)
+            kept = False
+            for child in node.children.values():
+                kept = visit(child, row) or kept
+            if kept or node.out > 0:
+                return True
+            del parents[row:], tokens[row:], counts[row:]
+            return False
+
+        for child in self.root.children.values():
+            visit(child, -1)
+        return parents, tokens, counts
+
+    def load_output_counts(self, parents: Sequence[int], tokens: Sequence[int], counts: Sequence[float]) -> None:
+        """Add a node table written by :meth:`output_counts` (into an empty
+        trie: the same output counts, the same children order)."""
+        rows: list[_Node] = []
+        for parent, token, count in zip(parents, tokens, counts):
+            node = self._child(self.root if parent < 0 else rows[parent], int(token))
+            node.out += float(count)
+            rows.append(node)
+        self._maybe_prune()
+
     # -------------------------------------------------------------- internals
     def _child(self, node: _Node, token: int) -> _Node:
         child = node.children.get(token)

@@ -45,6 +45,7 @@ def _assert_same_state(ref, nat, sids=SIDS):
     assert nat.num_live() == ref.num_live()
     assert nat.num_sequences() == ref.num_sequences()
     assert nat.corpus_tokens() == ref.corpus_tokens()
+    assert nat.corpus_sequences() == ref.corpus_sequences()
     assert [nat.length(s) for s in sids] == [ref.length(s) for s in sids]
 
 

@@ -1,0 +1,227 @@
+"""Drafter snapshots: what the engine learned, written on shutdown and read
+back on start, so a restarted server does not start cold.
+
+Terms:
+
+  corpus     the draft index's finished outputs, oldest first
+             (``DraftIndex.corpus_sequences``). Adding and finishing them in
+             that order into an empty index rebuilds its corpus exactly, under
+             whatever index settings the new engine runs (they are raw tokens).
+  trie table the trie's output counts as a node table in pre-order
+             (``TokenTrie.output_counts``): ``parents[i]`` indexes an earlier
+             row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its
+             output count. Prompt counts belong to running requests and are
+             not stored.
+  identity   what the token ids mean: the model (tokenizer) name and its
+             vocabulary size. A snapshot of another identity is refused.
+
+File layout (little-endian)::
+
+    magic     8 bytes  b"LKAHSNAP"
+    version   uint32   FORMAT_VERSION
+    header    uint32 length + JSON: identity, settings, info, counts
+    lengths   int32[num_sequences]
+    tokens    int32[sum(lengths)]
+    trie      int32[n] parents, int32[n] tokens, float64[n] counts
+    crc32     uint32 of every byte before it
+
+``settings`` records the config fields that shape drafts; only those that
+change what is stored are checked (``branch_length``, the trie table's
+depth, when the snapshot has a trie table). Writes are atomic: a temporary
+file in the same folder, fsync, ``os.replace``; a crash leaves the old
+snapshot or the new one, never a part.
+
+Worked example: an engine served two requests whose outputs were ``5 6 7``
+then ``8 9``; its snapshot holds lengths ``[3, 2]`` and tokens
+``5 6 7 8 9``. A new engine adds ``5 6 7`` then ``8 9`` as finished outputs
+and drafts exactly as the old one did from its corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+MAGIC = b"LKAHSNAP"
+FORMAT_VERSION = 1
+# Config fields written to the header (those that shape drafts).
+DRAFT_SETTINGS = ("source", "branch_length", "insert_output", "index_ngram", "index_backoff",
+                  "index_max_match", "index_candidates", "index_occurrences", "index_corpus_tokens")
+# Of those, the ones a snapshot's trie table must match (its windows' depth).
+TRIE_SETTINGS = ("branch_length",)
+_PREFIX = struct.Struct("<8sII")  # magic, version, header length
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be used; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrieTable:
+    parents: np.ndarray  # [n] int32, each < its own row
+    tokens: np.ndarray  # [n] int32
+    counts: np.ndarray  # [n] float64
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    # Model name and vocabulary size the token ids belong to.
+    identity: dict[str, Any]
+    # DRAFT_SETTINGS of the engine that wrote it.
+    settings: dict[str, Any]
+    # Free-form facts (e.g. the warm_start file's digest).
+    info: dict[str, Any] = field(default_factory=dict)
+    # Finished outputs, oldest first.
+    sequences: list[list[int]] = field(default_factory=list)
+    # The trie's output counts (None: no trie source).
+    trie: TrieTable | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.sequences))
+
+
+def identity_of(model: str, vocab_size: int) -> dict[str, Any]:
+    """The identity of token ids: the model's folder or hub name (not its
+    full path, so a moved checkout still matches) and the vocabulary size."""
+    return {"model": Path(str(model).rstrip("/")).name, "vocab_size": int(vocab_size)}
+
+
+def settings_of(config: Any) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in DRAFT_SETTINGS}
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (names a warm_start file's contents)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------- write
+def encode(snap: Snapshot) -> bytes:
+    lengths = np.asarray([len(s) for s in snap.sequences], "<i4")
+    tokens = np.concatenate([np.asarray(s, "<i4") for s in snap.sequences]) if snap.sequences else np.zeros(0, "<i4")
+    trie = snap.trie or TrieTable(np.zeros(0, "<i4"), np.zeros(0, "<i4"), np.zeros(0, "<f8"))
+    header = json.dumps({
+        "identity": snap.identity, "settings": snap.settings, "info": snap.info,
+        "num_sequences": len(lengths), "num_tokens": int(lengths.sum()),
+        "trie_nodes": len(trie.tokens), "has_trie": snap.trie is not None,
+    }, sort_keys=True).encode()
+    buf = io.BytesIO()
+    buf.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
+    buf.write(header)
+    for arr, dtype in ((lengths, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
+                       (trie.counts, "<f8")):
+        buf.write(np.ascontiguousarray(arr, dtype).tobytes())
+    body = buf.getvalue()
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> int:
+    """Write ``snap`` atomically (temp file, fsync, ``os.replace``); returns bytes written."""
+    path = Path(path)
+    data = encode(snap)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return len(data)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- read
+def decode(data: bytes) -> Snapshot:
+    """Parse and check a snapshot's bytes; SnapshotError says what is wrong."""
+    if len(data) < _PREFIX.size + 4:
+        raise SnapshotError(f"truncated: {len(data)} bytes is shorter than the header")
+    magic, version, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise SnapshotError(f"not a lookahead snapshot (magic {magic!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"format version {version}, this build reads version {FORMAT_VERSION}")
+    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
+    if zlib.crc32(data[:-4]) != crc:
+        raise SnapshotError("checksum mismatch (truncated or corrupt file)")
+    try:
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen])
+        ns, nt, nn = int(header["num_sequences"]), int(header["num_tokens"]), int(header["trie_nodes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"unreadable header ({exc})") from None
+    sizes = ((ns, "<i4"), (nt, "<i4"), (nn, "<i4"), (nn, "<i4"), (nn, "<f8"))
+    at, arrays = _PREFIX.size + hlen, []
+    if at + sum(n * np.dtype(d).itemsize for n, d in sizes) != len(data) - 4:
+        raise SnapshotError("payload size does not match the header (truncated or corrupt file)")
+    for n, dtype in sizes:
+        arrays.append(np.frombuffer(data, dtype, n, at))
+        at += n * np.dtype(dtype).itemsize
+    lengths, tokens, parents, ttokens, counts = arrays
+    if (lengths < 0).any() or int(lengths.sum()) != nt:
+        raise SnapshotError("sequence lengths do not add up to the token count")
+    if nn and ((parents < -1) | (parents >= np.arange(nn))).any():
+        raise SnapshotError("trie table has a parent that is not an earlier row")
+    bounds = np.cumsum(lengths)[:-1] if ns else []
+    sequences = [s.tolist() for s in np.split(tokens, bounds)] if ns else []
+    trie = TrieTable(parents.astype(np.int32), ttokens.astype(np.int32), counts.astype(np.float64)) \
+        if header.get("has_trie") else None
+    return Snapshot(header["identity"], header.get("settings", {}), header.get("info", {}), sequences, trie)
+
+
+def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],
+                  settings: Mapping[str, Any] | None = None) -> Snapshot:
+    """Read a snapshot written for ``identity``; SnapshotError (naming the file
+    and the reason) when it is unreadable, corrupt or someone else's."""
+    try:
+        data = Path(path).read_bytes()
+        snap = decode(data)
+        check_compatible(snap, identity, settings)
+    except OSError as exc:
+        raise SnapshotError(f"snapshot {path}: cannot be read ({exc.strerror or exc})") from None
+    except SnapshotError as exc:
+        raise SnapshotError(f"snapshot {path}: {exc}") from None
+    return snap
+
+
+def check_compatible(snap: Snapshot, identity: Mapping[str, Any], settings: Mapping[str, Any] | None) -> None:
+    for key, want in identity.items():
+        have = snap.identity.get(key)
+        if have != want:
+            raise SnapshotError(f"written for {key}={have!r}, this engine has {key}={want!r}")
+    if settings is not None and snap.trie is not None and len(snap.trie.tokens):
+        for key in TRIE_SETTINGS:
+            if key in settings and snap.settings.get(key) != settings[key]:
+                raise SnapshotError(f"trie written with {key}={snap.settings.get(key)!r}, "
+                                    f"this engine has {key}={settings[key]!r}")
