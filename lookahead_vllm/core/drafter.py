@@ -205,7 +205,7 @@ class Drafter:
         Raises SnapshotError, before changing anything, if it is refused."""
         from lookahead_vllm.core.snapshot import read_snapshot, settings_of
 
-        snap = read_snapshot(path, identity, settings_of(self.config))
+        snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)
         for tokens in snap.sequences:
             self._warm_slots -= 1
             for index in self._indexes():

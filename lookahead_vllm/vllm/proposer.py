@@ -36,7 +36,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.vllm import guards, metrics
+from lookahead_vllm.vllm import guards, metrics, persistence
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -173,6 +173,12 @@ class LookaheadProposer:
         self.cost = forward_cost(self.config, platform_paths, _platform())
         logger.info("lookahead proposer ready (%s draft index): %s",
                     "native" if self.drafter.native else "pure-Python", self.config)
+        # Warm start and snapshot (config warm_start, snapshot_path): learned
+        # now; the snapshot is written again on shutdown (close()).
+        self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
+        self._persistence.start(self.drafter)
+        if self.config.snapshot_path:
+            persistence.close_at_exit(self)
 
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the Drafter."""
@@ -243,6 +249,20 @@ class LookaheadProposer:
         draft index's corpus (and the trie's output counts)."""
         for tokens in texts:
             self.drafter.warm(tokens)
+
+    def save_snapshot(self) -> None:
+        """Write the snapshot (``snapshot_path``) now, e.g. periodically."""
+        if self.config.snapshot_path:
+            self._persistence.save(self.drafter)
+
+    def close(self) -> None:
+        """Engine shutdown: write the snapshot (``snapshot_path``) once."""
+        keeper = getattr(self, "_persistence", None)
+        if keeper is not None:
+            keeper.close(self.drafter)
+
+    def __del__(self) -> None:
+        self.close()
 
     def finish(self, req_id: str) -> None:
         """The request finished or was aborted: drop its state (one removal)."""

@@ -1,0 +1,166 @@
+"""Warm start and snapshots at engine start and shutdown.
+
+``Persistence`` does, for one proposer, what the config's ``warm_start`` and
+``snapshot_path`` ask for:
+
+  start   load the snapshot (core/snapshot.py) if its file exists; a corrupt,
+          truncated or foreign one is refused with a warning naming the file
+          and the reason, and drafting starts cold. Then tokenize the
+          ``warm_start`` file (core/warm_start.py) with the model's tokenizer
+          and learn its texts, unless the loaded snapshot was written with
+          the same file (it already holds them).
+  close   write the snapshot (atomically) once: on engine shutdown, from the
+          proposer's ``close()``, its finalizer or ``atexit``.
+
+The tokenizer (``model_config.tokenizer``, via transformers) is loaded only
+when one of the two is set: it also names the snapshot's identity (model
+folder name and vocabulary size).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import weakref
+from typing import Any
+
+from vllm.logger import init_logger
+
+from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, file_digest, identity_of
+from lookahead_vllm.core.warm_start import read_warm_texts
+
+logger = init_logger(__name__)
+
+# Texts tokenized per batch (progress is logged per batch on big files).
+TOKENIZE_BATCH = 1024
+
+
+class Persistence:
+    """See the module docstring."""
+
+    def __init__(self, config: LookaheadConfig, model_config: Any) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.enabled = bool(config.warm_start or config.snapshot_path)
+        self._tokenizer: Any = None
+        self._identity: dict | None = None
+        self._warm_digest = ""
+        self.closed = False
+
+    # ---------------------------------------------------------------- start
+    def start(self, drafter: Any) -> None:
+        """Learn the snapshot, then the warm-start texts (see the module docstring)."""
+        if not self.enabled:
+            return
+        if self.config.warm_start and os.path.isfile(self.config.warm_start):
+            self._warm_digest = file_digest(self.config.warm_start)
+        snap = self._load_snapshot(drafter)
+        if not self.config.warm_start:
+            return
+        if snap is not None and self._warm_digest and snap.info.get("warm_start") == self._warm_digest:
+            logger.info("lookahead warm_start %s: already in the snapshot, not read again", self.config.warm_start)
+            return
+        try:
+            self._warm(drafter)
+        except Exception as exc:  # noqa: BLE001 - a warm start never stops the engine
+            logger.warning("lookahead warm_start %s: not learned (%r)", self.config.warm_start, exc)
+
+    def _load_snapshot(self, drafter: Any) -> Snapshot | None:
+        path = self.config.snapshot_path
+        if not path:
+            return None
+        if not os.path.exists(path):
+            logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown)", path)
+            return None
+        start = time.perf_counter()
+        try:
+            snap = drafter.load_snapshot(path, self.identity())
+        except SnapshotError as exc:
+            logger.warning("lookahead %s; refused, drafting starts cold", exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
+            logger.warning("lookahead snapshot %s: could not be loaded (%r); drafting starts cold", path, exc)
+            return None
+        logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
+                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
+                    time.perf_counter() - start)
+        return snap
+
+    def _warm(self, drafter: Any) -> None:
+        path = self.config.warm_start
+        start = time.perf_counter()
+        try:
+            found = read_warm_texts(path)
+        except OSError as exc:
+            logger.warning("lookahead warm_start %s: cannot be read (%s); drafting starts cold", path,
+                           exc.strerror or exc)
+            return
+        if found.skipped_lines:
+            logger.warning("lookahead warm_start %s: skipped %d line(s) without a text field (first: line %d)",
+                           path, len(found.skipped_lines), found.skipped_lines[0])
+        tokens = 0
+        texts = found.texts
+        for at in range(0, len(texts), TOKENIZE_BATCH):
+            for ids in self.tokenizer()(texts[at:at + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]:
+                drafter.warm(ids)
+                tokens += len(ids)
+            if len(texts) > TOKENIZE_BATCH:
+                logger.info("lookahead warm_start %s: %d/%d texts", path, min(at + TOKENIZE_BATCH, len(texts)),
+                            len(texts))
+        logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, len(texts), tokens,
+                    time.perf_counter() - start)
+
+    # ------------------------------------------------------------- shutdown
+    def close(self, drafter: Any) -> None:
+        """Write the snapshot (once; later calls do nothing). Never raises."""
+        if self.closed or not self.config.snapshot_path:
+            self.closed = True
+            return
+        self.closed = True
+        self.save(drafter)
+
+    def save(self, drafter: Any) -> Snapshot | None:
+        """Write the snapshot now (a failure is logged, not raised)."""
+        path = self.config.snapshot_path
+        try:
+            info = {"warm_start": self._warm_digest, "written_at": time.time()}
+            snap = drafter.save_snapshot(path, self.identity(), info)
+        except Exception as exc:  # noqa: BLE001 - shutdown must not fail over a snapshot
+            logger.warning("lookahead snapshot %s: not written (%s)", path, exc)
+            return None
+        logger.info("lookahead snapshot %s written: %d outputs, %d tokens, %d trie nodes", path,
+                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens))
+        return snap
+
+    # ------------------------------------------------------------ tokenizer
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            mc = self.model_config
+            name = getattr(mc, "tokenizer", None) or mc.model
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                name, revision=getattr(mc, "tokenizer_revision", None),
+                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+        return self._tokenizer
+
+    def identity(self) -> dict:
+        """The snapshot identity: tokenizer folder name and vocabulary size."""
+        if self._identity is None:
+            mc = self.model_config
+            self._identity = identity_of(getattr(mc, "tokenizer", None) or mc.model, len(self.tokenizer()))
+        return self._identity
+
+
+def close_at_exit(proposer: Any) -> None:
+    """Close ``proposer`` (writing its snapshot) at interpreter exit if it is
+    still alive then; holds no strong reference to it."""
+    atexit.register(_close_if_alive, weakref.ref(proposer))
+
+
+def _close_if_alive(ref: weakref.ref) -> None:
+    proposer = ref()
+    if proposer is not None:
+        proposer.close()

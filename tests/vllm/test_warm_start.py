@@ -1,0 +1,163 @@
+"""Warm start and snapshots through LookaheadProposer: warm_start files
+(JSONL and plain text) are tokenized and learned at start; a proposer loading
+a snapshot drafts as the one that wrote it; a bad snapshot starts cold."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lookahead_vllm.core.warm_start import read_warm_texts
+
+pytestmark = pytest.mark.vllm
+
+MAX_LEN = 256
+TEXTS = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i * i)",
+         "The quick brown fox jumps over the lazy dog."]
+
+
+def make_proposer(tokenizer_dir: str, **lookahead):
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    lookahead.setdefault("cost_free_tokens", 0)
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=8),
+        additional_config={"lookahead": lookahead},
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, uses_mrope=False, model=tokenizer_dir,
+                                     tokenizer=tokenizer_dir),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+        attention_config=None,
+    )
+    return LookaheadProposer(config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=()):
+    ids = list(rows)
+    batch = SimpleNamespace(req_ids=ids, num_prompt_tokens=np.array([prompt_lens[r] for r in ids]))
+    proposer.on_step(batch, finished, None)
+    tokens = np.zeros((len(ids), MAX_LEN), dtype=np.int64)
+    for i, r in enumerate(ids):
+        tokens[i, :len(rows[r])] = rows[r]
+    return proposer.propose([[rows[r][-1]] for r in ids], np.array([len(rows[r]) for r in ids]), tokens)
+
+
+def _probe(proposer, tokenizer, text: str, req: str = "probe") -> list[int]:
+    """Draft after the first half of ``text`` as a fresh request's output."""
+    ids = tokenizer("Write:", add_special_tokens=False)["input_ids"]
+    out = tokenizer(text, add_special_tokens=False)["input_ids"]
+    row = ids + out[:len(out) // 2]
+    draft = step(proposer, {req: row}, {req: len(ids)})[0]
+    step(proposer, {}, {}, finished=[req])
+    return draft
+
+
+def test_warm_texts_formats(tmp_path):
+    jsonl = tmp_path / "past.jsonl"
+    jsonl.write_text("\n".join([json.dumps({"text": "a"}), "", json.dumps({"response": "b", "id": 1}),
+                                json.dumps({"output": 3, "completion": "c"}), "not json", json.dumps(["x"])]))
+    found = read_warm_texts(jsonl)
+    assert found.texts == ["a", "b", "c"] and found.skipped_lines == [5, 6]
+    plain = tmp_path / "corpus.txt"
+    plain.write_text("first para\nline two\n\n  \nsecond\n\n\nthird  \n")
+    assert read_warm_texts(plain).texts == ["first para\nline two", "second", "third"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_warm_start_file_is_learned(tmp_path, smollm2_dir, tokenizer, kind):
+    path = tmp_path / f"past.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"completion": t}) + "\n" for t in TEXTS))
+    else:
+        path.write_text("\n\n".join(TEXTS) + "\n")
+    cold = make_proposer(smollm2_dir)
+    warm = make_proposer(smollm2_dir, warm_start=str(path))
+    assert warm.drafter.index.corpus_sequences() == [
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    assert cold.drafter.index.corpus_sequences() == []
+    want = tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"]
+    draft = _probe(warm, tokenizer, TEXTS[0])
+    assert draft and want[len(want) // 2:][:len(draft)] == draft  # drafts the rest of the past response
+    assert _probe(cold, tokenizer, TEXTS[0]) == []
+
+
+@pytest.mark.parametrize("source", ["index", "index+trie"])
+def test_snapshot_round_trip_through_proposers(tmp_path, smollm2_dir, tokenizer, source):
+    snap = tmp_path / "snap" / "learned.bin"
+    first = make_proposer(smollm2_dir, source=source, snapshot_path=str(snap))
+    assert not snap.exists()
+    prompt = tokenizer("Write:", add_special_tokens=False)["input_ids"]
+    for i, text in enumerate(TEXTS):  # serve: the outputs are learned
+        out = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for n in (1, len(out) // 2, len(out)):
+            step(first, {f"r{i}": prompt + out[:n]}, {f"r{i}": len(prompt)})
+        step(first, {}, {}, finished=[f"r{i}"])
+    first.close()  # engine shutdown
+    assert snap.exists()
+    second = make_proposer(smollm2_dir, source=source, snapshot_path=str(snap))
+    assert second.drafter.index.corpus_sequences() == first.drafter.index.corpus_sequences()
+    for j, text in enumerate(TEXTS):
+        d1, d2 = _probe(first, tokenizer, text, f"p{j}"), _probe(second, tokenizer, text, f"p{j}")
+        assert d1 and d2 == d1
+
+
+def test_snapshot_written_when_the_proposer_is_collected(tmp_path, smollm2_dir, tokenizer):
+    snap = tmp_path / "learned.bin"
+    p = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    p.warm_start([[5, 6, 7, 8]])
+    del p
+    gc.collect()
+    assert make_proposer(smollm2_dir, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+
+
+def test_bad_snapshot_starts_cold_with_a_warning(tmp_path, smollm2_dir, caplog):
+    snap = tmp_path / "learned.bin"
+    snap.write_bytes(b"LKAHSNAP\x01\x00\x00\x00garbage")
+    with caplog.at_level(logging.WARNING):
+        p = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert p.drafter.index.corpus_sequences() == []
+    assert any(str(snap) in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+
+
+def test_snapshot_of_another_model_is_refused(tmp_path, smollm2_dir, tiny_llama_dir, caplog):
+    snap = tmp_path / "learned.bin"
+    p = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    p.warm_start([[5, 6, 7, 8]])
+    p.close()
+    with caplog.at_level(logging.WARNING):
+        other = make_proposer(tiny_llama_dir, snapshot_path=str(snap))
+    assert other.drafter.index.corpus_sequences() == []
+    assert any("vocab_size" in r.getMessage() or "model=" in r.getMessage() for r in caplog.records)
+
+
+def test_warm_start_not_repeated_when_the_snapshot_holds_it(tmp_path, smollm2_dir):
+    past = tmp_path / "past.txt"
+    past.write_text("\n\n".join(TEXTS))
+    snap = tmp_path / "learned.bin"
+    first = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    first.close()
+    second = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    assert second.drafter.index.corpus_sequences() == first.drafter.index.corpus_sequences()
+    past.write_text("another text entirely")  # a new file is learned on top
+    third = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    assert len(third.drafter.index.corpus_sequences()) == len(TEXTS) + 1
+
+
+def test_missing_warm_start_file_starts_cold(tmp_path, smollm2_dir, caplog):
+    with caplog.at_level(logging.WARNING):
+        p = make_proposer(smollm2_dir, warm_start=str(tmp_path / "absent.jsonl"))
+    assert p.drafter.index.corpus_sequences() == []
+    assert any("absent.jsonl" in r.getMessage() for r in caplog.records)
