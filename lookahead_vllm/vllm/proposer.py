@@ -36,7 +36,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.vllm import guards, metrics, persistence
+from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -231,8 +231,9 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests the proposer holds state for (0 once the engine drained)."""
-        return len(self._states)
+        """Requests holding drafting state, in the proposer or its Drafter
+        (0 once the engine drained; the two agree unless state leaked)."""
+        return max(len(self._states), self.drafter.num_requests())
 
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
@@ -327,6 +328,7 @@ class LookaheadProposer:
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
         drafts = self._drafts_within_step_budget(trees, kinds, row_states, req_ids, len(rows))
         self._record_metrics(drafts, sampled_token_ids, states, load_budget, start)
+        draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
         return drafts
 
     def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:

@@ -37,7 +37,7 @@ def test_method_routes_to_proposer(tiny_llama_dir, spec):
     cfg = _engine_config(tiny_llama_dir, speculative_config=dict(spec))
     assert cfg.speculative_config.method == "custom_class"
     assert cfg.speculative_config.model == PROPOSER_PATH
-    assert cfg.speculative_config.num_speculative_tokens == 8
+    assert cfg.speculative_config.num_speculative_tokens == 16  # LookaheadConfig().decoding_length
 
 
 def test_plain_config_untouched(tiny_llama_dir):
