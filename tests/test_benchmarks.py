@@ -114,15 +114,15 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     # first output token comes from prefill and is not counted.
     assert chain["tokens"] == len(out) - 1 and chain["mal"] > 3
     # Chains open no paths: a step costs at most the token model's price of
-    # 1 + 8 tokens, and drafts past the free region cost something.
+    # 1 + decoding_length tokens, and drafts past the free region cost something.
     cost = sim_acceptance.batch1_cost(LookaheadConfig())
     free_paths = sim_acceptance.batch1_cost(LookaheadConfig(), (0.0, 0.0))  # --path-cost 0 0
     assert free_paths(9, 3) == cost(9, 0) < cost(9, 3)
-    assert chain["mal"] / cost(1 + 8, 0) <= chain["speed"] < chain["mal"]
+    assert chain["mal"] / cost(1 + LookaheadConfig().decoding_length, 0) <= chain["speed"] < chain["mal"]
     # Two continuations after "1 2": a tree can take either; paths cost time.
     prompt2 = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9] * 2
     out2 = [1, 2, 4, 9, 1, 2, 3, 9] * 3
-    trie_only = dict(context_match=0)  # the trie's trees alone (the context chain is checked below)
+    trie_only = dict(context_match=0, source="trie")  # the trie's trees alone (the context chain is checked below)
     hier = sim_acceptance.simulate(LookaheadConfig(draft_shape="hier", cost_per_path=0, **trie_only), [prompt2], [out2], [])
     one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one", **trie_only), [prompt2], [out2], [])
     assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
@@ -137,7 +137,7 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     # A long repeat of the prompt: the context chain drafts it past the trie's branch length.
     text = list(range(100, 140))
     short = dict(draft_shape="one", branch_length=4, max_match_length=2, cost_free_tokens=0)
-    ctx = sim_acceptance.simulate(LookaheadConfig(**short), [text], [text], [])
+    ctx = sim_acceptance.simulate(LookaheadConfig(**short, source="trie"), [text], [text], [])
     no_ctx = sim_acceptance.simulate(LookaheadConfig(**short, **trie_only), [text], [text], [])
     assert ctx["mal"] > no_ctx["mal"] + 1 and no_ctx["mal"] <= 4
     assert sum(r["nodes"] for r in ctx["raw_calibration"]["context"]) > 0
@@ -363,3 +363,37 @@ def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir,
     assert list(rows) == ["plain", "ngram4-w2-4", "suffix-d8"]
     for method in ("ngram4-w2-4", "suffix-d8"):
         assert rows[method]["mismatches"] == 0 and rows[method]["drafter_ms_per_step"] is not None
+
+
+def test_sim_acceptance_index_drafts_a_repeated_answer_across_rounds():
+    sim_acceptance = _import_bench("sim_acceptance")
+    from lookahead_vllm.core import LookaheadConfig
+
+    prompts = [[7, 8, 9, i] for i in range(4)]
+    outputs = [list(range(100 * (i + 1), 100 * (i + 1) + 60)) for i in range(4)]
+    cfg = LookaheadConfig(cost_free_tokens=0)
+    once = sim_acceptance.simulate(cfg, prompts, outputs, [])
+    twice = sim_acceptance.simulate(cfg, prompts * 2, outputs * 2, [])
+    # Nothing repeats within a round; the second round copies the first's answers.
+    assert once["mal"] < 1.5 and twice["mal"] > 1.6
+    assert twice["acceptance_per_drafted_token"] > 0.5
+
+
+@pytest.mark.vllm
+def test_bench_proposer_scale_reports_every_cell(tmp_path):
+    bench = _import_bench("bench_proposer_scale")
+    out = tmp_path / "scale.json"
+    report = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "3", "--out", str(out)])
+    cells = report["cells"]
+    assert [c["source"] for c in cells] == ["index", "index+trie"]
+    assert all(c["step_ms_median"] > 0 and c["step_ms_max"] >= c["step_ms_median"] for c in cells)
+    assert cells[0]["drafter_bytes"] > 0 and out.exists() and out.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("argv,message", [(["--batch", "0"], "--batch 0: must be >= 1"),
+                                          (["--steps", "0"], "--steps 0: must be >= 1")])
+def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
+    bench = _import_bench("bench_proposer_scale")
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
