@@ -131,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
                         "lookahead-warm (plain is required; see the module docstring)")
-    p.add_argument("--k", type=int, default=8, help="lookahead num_speculative_tokens")
+    p.add_argument("--k", type=int, default=None,
+                   help="lookahead num_speculative_tokens (default: LookaheadConfig's decoding_length)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="engines' max_model_len (default 2048; docqa needs 4096)")
     p.add_argument("--lookahead-config", type=json.loads, default={},
                    help='JSON for additional_config["lookahead"], e.g. \'{"draft_shape": "one"}\'')
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
@@ -278,8 +281,13 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
         from lookahead_vllm.core.config import LookaheadConfig
 
         window = LookaheadConfig.from_dict({**config, "decoding_length": 1}).lookahead_nodes
-        k = config.get("decoding_length", args.k) + window
-    kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config)
+        k = config.get("decoding_length", args.k or LookaheadConfig().decoding_length) + window
+    if k is None:
+        from lookahead_vllm.core.config import LookaheadConfig
+
+        k = LookaheadConfig().decoding_length
+    overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config, **overrides)
     if baseline_config(method):
         kwargs["speculative_config"] = baseline_config(method)
     llm = LLM(model=str(args.model), **kwargs)

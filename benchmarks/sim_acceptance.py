@@ -176,7 +176,7 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     texts = load_split(dataset, split, tokenizer, limit=count)
     start = time.perf_counter()
-    llm = LLM(model=str(model), **engine_kwargs("plain"))
+    llm = LLM(model=str(model), **engine_kwargs("plain", max_model_len=4096))  # docqa prompts reach 2.6k tokens
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs = generate(llm, texts, params, batch_size=8).token_ids
     shutdown_engine(llm)
