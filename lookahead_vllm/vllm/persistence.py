@@ -20,6 +20,7 @@ folder name and vocabulary size).
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import os
 import time
 import weakref
@@ -155,9 +156,14 @@ class Persistence:
 
 
 def close_at_exit(proposer: Any) -> None:
-    """Close ``proposer`` (writing its snapshot) at interpreter exit if it is
-    still alive then; holds no strong reference to it."""
-    atexit.register(_close_if_alive, weakref.ref(proposer))
+    """Close ``proposer`` (writing its snapshot) at process exit if it is
+    still alive then; holds no strong reference to it. ``atexit`` covers the
+    main process and spawned engine processes; a forked engine process ends
+    with ``os._exit`` after running multiprocessing's exit finalizers, hence
+    the second registration (closing twice writes once)."""
+    ref = weakref.ref(proposer)
+    atexit.register(_close_if_alive, ref)
+    multiprocessing.util.Finalize(None, _close_if_alive, args=(ref,), exitpriority=100)
 
 
 def _close_if_alive(ref: weakref.ref) -> None:
