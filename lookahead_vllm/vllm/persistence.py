@@ -12,6 +12,10 @@
   close   write the snapshot (atomically) once: on engine shutdown, from the
           proposer's ``close()``, its finalizer or ``atexit``.
 
+Tensor-parallel ranks hold identical drafters and write the same bytes to
+the same path (each through its own temporary file, so the file stays whole);
+separate engines given one path leave the last writer's snapshot.
+
 The tokenizer (``model_config.tokenizer``, via transformers) is loaded only
 when one of the two is set: it also names the snapshot's identity (model
 folder name and vocabulary size).
