@@ -55,6 +55,43 @@ def test_every_config_field_in_the_configuration_table():
     assert not missing, f"README configuration table lacks {missing}"
 
 
+def _default_cell(text: str):
+    """A configuration table default as a Python value: `one` -> "one", 2^20 -> 1048576, true -> True."""
+    value = re.sub(r"\s*\((off|none)\)", "", text).strip().strip("`")
+    if value in ("true", "false"):
+        return value == "true"
+    if value in ('""', "[]"):
+        return {'""': "", "[]": ()}[value]
+    if power := re.fullmatch(r"(\d+)\^(\d+)", value):
+        return int(power.group(1)) ** int(power.group(2))
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def test_configuration_table_defaults_are_the_code_defaults():
+    cells = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", README, flags=re.M))
+    wrong = {}
+    for f in dataclasses.fields(LookaheadConfig):
+        if f.name == "decoding_length":  # documented as num_speculative_tokens, which defaults to it
+            continue
+        documented, actual = _default_cell(cells[f.name]), f.default
+        if isinstance(actual, (int, float)) and not isinstance(actual, bool):
+            actual = float(actual)
+        if documented != actual:
+            wrong[f.name] = (cells[f.name].strip(), f.default)
+    assert not wrong, f"README defaults differ from LookaheadConfig (README, code): {wrong}"
+    k = re.search(r"`num_speculative_tokens` \(default (\d+)\)", README)
+    assert k and int(k.group(1)) == LookaheadConfig().decoding_length
+
+
+def test_default_cell_parsing():
+    assert _default_cell("`one`") == "one" and _default_cell("2^20") == 1 << 20
+    assert _default_cell("0 (off)") == 0.0 and _default_cell('`""` (none)') == ""
+    assert _default_cell("1e4") == 1e4 and _default_cell("true") is True and _default_cell("`[]`") == ()
+
+
 def test_every_per_request_key_documented():
     assert set(KEYS) <= _table_keys()
 
