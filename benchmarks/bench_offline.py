@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lookahead-warm (plain is required; see the module docstring)")
     p.add_argument("--k", type=int, default=None,
                    help="lookahead num_speculative_tokens (default: LookaheadConfig's decoding_length)")
+    p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
+                   help="vLLM prefix caching in every engine (default off: engines shared across cells, "
+                        "plain and ngram, would otherwise reuse the prefill of prompts an earlier cell "
+                        "sent, while per-cell engines, lookahead and suffix, prefill them anew)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="engines' max_model_len (default 2048; docqa needs 4096)")
     p.add_argument("--lookahead-config", type=json.loads, default={},
@@ -287,6 +291,7 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
 
         k = LookaheadConfig().decoding_length
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    overrides["enable_prefix_caching"] = args.prefix_caching == "on"
     kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config, **overrides)
     if baseline_config(method):
         kwargs["speculative_config"] = baseline_config(method)
