@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,19 +37,10 @@ def log(message: str) -> None:
 
 
 def make_proposer(source: str, k: int, max_len: int) -> Any:
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
+    from lookahead_vllm.vllm.standalone import standalone_proposer
 
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        additional_config={"lookahead": {"source": source, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                         "cost_free_tokens": 64, "cost_marginal_tokens": 64.0}},
-        model_config=SimpleNamespace(max_model_len=max_len, uses_mrope=False),
-        scheduler_config=SimpleNamespace(async_scheduling=False),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        compilation_config=SimpleNamespace(cudagraph_mode=None),
-        attention_config=None,
-    )
-    return LookaheadProposer(config)
+    return standalone_proposer(k, max_len, {"source": source, "load_shrink_above": 4096, "load_stop_at": 8192,
+                                            "cost_free_tokens": 64, "cost_marginal_tokens": 64.0})
 
 
 def corpus_tokens(count: int) -> np.ndarray:

@@ -20,7 +20,7 @@ Index nodes lead a merged tree; their ranking weight is
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.trie import TokenTrie
+
+if TYPE_CHECKING:
+    from lookahead_vllm.core.snapshot import Snapshot
 
 # Ranking weight scale of index nodes (above any trie count).
 INDEX_WEIGHT = 1e18

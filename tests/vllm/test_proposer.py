@@ -15,21 +15,12 @@ B = [7, 8, 9] * 4  # "b" repeats 7..9
 
 
 def make_proposer(k: int = 4, **lookahead):
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
+    from lookahead_vllm.vllm.standalone import standalone_proposer
 
     # Row bookkeeping tests want every draft token: the forward-cost model is
     # off unless a test prices tokens itself.
     lookahead.setdefault("cost_free_tokens", 0)
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        additional_config={"lookahead": lookahead},
-        model_config=SimpleNamespace(max_model_len=MAX_LEN, uses_mrope=False),
-        scheduler_config=SimpleNamespace(async_scheduling=False),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        compilation_config=SimpleNamespace(cudagraph_mode=None),
-        attention_config=None,
-    )
-    return LookaheadProposer(config)
+    return standalone_proposer(k, MAX_LEN, lookahead)
 
 
 def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=(), sampled=None,
@@ -171,7 +162,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[0, 1])
     jac = p.request_state("a").jacobi
     assert p.stats.pool_ngrams_added == 3 and len(jac.pool.get(1)) == 1
-    key, cont = 1, jac.pool.get(1)[0]
+    cont = jac.pool.get(1)[0]
     assert cont[-1] == 40
     # Next time x0 is 1 the pool branch is merged into the verify tree.
     drafts = step(p, {"a": A + [1, 2, 3, 4, 5, 1]}, {"a": len(A)})

@@ -23,18 +23,10 @@ TEXTS = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i *
 
 def make_proposer(tokenizer_dir: str, **lookahead):
     from lookahead_vllm.vllm.proposer import LookaheadProposer
+    from lookahead_vllm.vllm.standalone import engine_free_config
 
     lookahead.setdefault("cost_free_tokens", 0)
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=8),
-        additional_config={"lookahead": lookahead},
-        model_config=SimpleNamespace(max_model_len=MAX_LEN, uses_mrope=False, model=tokenizer_dir,
-                                     tokenizer=tokenizer_dir),
-        scheduler_config=SimpleNamespace(async_scheduling=False),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        compilation_config=SimpleNamespace(cudagraph_mode=None),
-        attention_config=None,
-    )
+    config = engine_free_config(8, MAX_LEN, lookahead, model=tokenizer_dir, tokenizer=tokenizer_dir)
     return LookaheadProposer(config)
 
 
