@@ -52,7 +52,7 @@ class Engines:
             shutdown_engine(self._llms.pop(oldest))
         from vllm import LLM
 
-        method = "lookahead" if name.startswith("lookahead") else name
+        method = "lookahead" if name.startswith("lookahead") else "plain" if name.startswith("plain") else name
         # Building right after a shutdown also re-creates vLLM's global
         # parallel groups, which an in-process shutdown destroys.
         self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
