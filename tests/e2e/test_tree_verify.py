@@ -37,6 +37,10 @@ def _plain(engines, prompts, dataset, bs, mixed):
 
 
 def _tree_engine(engines, shape: str, **extra):
+    # The trie's trees: wide (many side branches, leading chain of kind
+    # "chain"), so every piece of tree verification and calibration is hit.
+    # Tree verification itself does not depend on the draft source.
+    extra.setdefault("source", "trie")
     name = f"lookahead-tree-{shape}-" + "-".join(f"{k}{v}" for k, v in sorted(extra.items()))
     return engines.get(name, lookahead={"draft_shape": shape, **extra})
 
@@ -97,7 +101,7 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
     llm = engines.get(
         "lookahead-tree-hier-small-budget",
         # Full trees (the forward-cost model off) so the token budget must cut some.
-        lookahead={"draft_shape": "hier", "cost_free_tokens": 0},
+        lookahead={"draft_shape": "hier", "cost_free_tokens": 0, "source": "trie"},
         max_num_batched_tokens=32,
         enable_chunked_prefill=True,
         enable_prefix_caching=True,

@@ -43,7 +43,7 @@ def _spec_config(tiny_llama_dir: str, argv: list[str]):
 @pytest.mark.parametrize(
     "argv, k",
     [
-        (["--speculative-model", "lookahead"], 8),
+        (["--speculative-model", "lookahead"], 16),  # LookaheadConfig().decoding_length
         (["--speculative-model", "lookahead", "--num-speculative-tokens", "5"], 5),
         (["--speculative-config", '{"num_speculative_tokens": 4}', "--speculative-model", "lookahead"], 4),
         (["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 3}'], 3),
