@@ -123,6 +123,7 @@ def stop_servers(servers: list[Server]) -> None:
             s.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait(timeout=30)
 
 
 async def one_request(client: Any, server: Server, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:

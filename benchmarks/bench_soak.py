@@ -53,6 +53,8 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench_serve import stop_servers  # benchmarks/ is the script's directory
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -325,18 +327,6 @@ def healthy(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def stop_servers(servers: list[Server]) -> None:
-    for s in servers:
-        if s.proc.poll() is None:
-            os.killpg(s.proc.pid, signal.SIGINT)
-    for s in servers:
-        try:
-            s.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(s.proc.pid, signal.SIGKILL)
-            s.proc.wait(timeout=30)
 
 
 def tree_rss_bytes(root_pid: int) -> int:
