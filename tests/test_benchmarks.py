@@ -26,7 +26,8 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "bench_offline.py"), "--model", tiny_llama_dir,
         "--datasets", "humaneval", "mtbench", "--num-prompts", "2", "--max-tokens", "8", "--batch-sizes", "1",
-        "--methods", "plain", "lookahead", "lookahead-warm", "--variant", "nofloor-warm={\"min_draft_confidence\": 0}",
+        # Three engines: the CI host also holds the end-to-end tests' engines until they shut down.
+        "--methods", "plain", "lookahead-warm", "--variant", "nofloor={\"min_draft_confidence\": 0}",
         "--out", str(out), "--plot", str(tmp_path / "bench.png"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -36,16 +37,16 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
     assert [cell["dataset"] for cell in report["cells"]] == ["humaneval", "mtbench"]
     for cell in report["cells"]:
         rows = {row["method"]: row for row in cell["methods"]}
-        assert set(rows) == {"plain", "lookahead", "lookahead-warm", "lookahead:nofloor-warm"}
+        assert set(rows) == {"plain", "lookahead-warm", "lookahead:nofloor"}
         assert all(row["mismatches"] == 0 and row["tokens"] > 0 for row in rows.values())
-        # "-warm" variants are preloaded with the dev split too; cold starts empty.
-        assert rows["lookahead-warm"]["drafter_size_start"] > 0 and rows["lookahead:nofloor-warm"]["drafter_size_start"] > 0
-        assert rows["lookahead"]["drafter_size_start"] == 0
+        # "-warm" methods are preloaded with the dev split; the others start empty.
+        assert rows["lookahead-warm"]["drafter_size_start"] > 0
+        assert rows["lookahead:nofloor"]["drafter_size_start"] == 0
         # The lookahead engines report what their calibrators learned.
         assert rows["plain"]["calibration"] is None
-        assert set(rows["lookahead"]["calibration"]) == {"chain", "branch", "pool", "context"}
+        assert set(rows["lookahead:nofloor"]["calibration"]) == {"chain", "branch", "pool", "context"}
     assert (tmp_path / "bench.png").stat().st_size > 0
-    assert "lookahead:nofloor-warm" in proc.stdout
+    assert "lookahead:nofloor" in proc.stdout
 
 
 def test_trie_replay_measures_every_step():

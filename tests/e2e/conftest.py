@@ -59,11 +59,14 @@ class Engines:
         return self._llms[name]
 
     def close(self) -> None:
-        self._llms.clear()
+        while self._llms:
+            shutdown_engine(self._llms.popitem()[1])
         gc.collect()
 
 
-@pytest.fixture(scope="session")
+# Package scope: the engines' memory (KV cache included) is freed before the
+# tests that start engines in other processes (servers, benchmarks) run.
+@pytest.fixture(scope="package")
 def engines(smollm2_dir):
     pool = Engines(smollm2_dir)
     yield pool
