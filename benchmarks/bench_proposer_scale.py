@@ -4,8 +4,8 @@ Drives ``LookaheadProposer`` the way vLLM's model runner does (the runner
 hook ``on_step``, then ``propose()`` every step over the persistent batch's
 token table), with no model forward: ``B`` running requests whose prompts are
 real text (the docqa documents, tokenized with the bundled tokenizer), each
-committing 2 tokens per step (its own text's next tokens, so drafts are
-found). Settings as on a GPU server: load adaptation raised so every row
+committing per step the tokens of its last draft that match its text, then
+one more (as verification would: drafts are booked, the calibrator learns). Settings as on a GPU server: load adaptation raised so every row
 drafts, tokens priced as on a GPU. Reports per source (``index``: native
 draft index; ``index+trie``: plus the pure-Python trie) the milliseconds per
 engine step (median, p99, max), the milliseconds to admit one more prompt
@@ -36,11 +36,19 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+# A source named with this suffix runs the proposer's per-request path (the
+# array path's comparison: LookaheadProposer.batch_chains off).
+PER_REQUEST = ":per-request"
+
+
 def make_proposer(source: str, k: int, max_len: int) -> Any:
     from lookahead_vllm.vllm.standalone import standalone_proposer
 
-    return standalone_proposer(k, max_len, {"source": source, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                            "cost_free_tokens": 64, "cost_marginal_tokens": 64.0})
+    name = source.removesuffix(PER_REQUEST)
+    proposer = standalone_proposer(k, max_len, {"source": name, "load_shrink_above": 4096, "load_stop_at": 8192,
+                                                "cost_free_tokens": 64, "cost_marginal_tokens": 64.0})
+    proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
+    return proposer
 
 
 def corpus_tokens(count: int) -> np.ndarray:
@@ -69,23 +77,40 @@ class Batch:
         self.token_ids = np.zeros((len(texts), max_len), np.int32)
         for i, t in enumerate(texts):
             self.token_ids[i, :len(t)] = t
-        self.num_tokens = np.full(len(texts), prompt_tokens + 1, np.int64)
+        self.num_tokens = np.full(len(texts), prompt_tokens, np.int64)
+        # Last step's drafts by request id (none before the first step).
+        self.drafts: dict[str, list[int]] = {}
+        self.accepted = 0  # draft tokens accepted in all
 
     def step(self, proposer: Any, new: list[Any] = ()) -> float:
-        proposer.on_step(self, [], {})
+        """Verify last step's drafts against the text, then time one engine
+        step's proposer work (runner hook and propose), in seconds."""
+        sampled, scheduled = [], {}
+        for i, req_id in enumerate(self.req_ids):
+            draft, n = self.drafts.get(req_id, []), int(self.num_tokens[i])
+            truth = self.token_ids[i, n:n + len(draft) + 1].tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            sampled.append(truth[:accepted + 1])
+            if draft:
+                scheduled[req_id] = draft
+        self.num_tokens += [len(s) for s in sampled]
+        start = time.perf_counter()
+        proposer.on_step(self, [], scheduled)
         if new:
             proposer.on_new_requests(new)
-        sampled = [[int(self.token_ids[i, n - 1])] for i, n in enumerate(self.num_tokens)]
-        start = time.perf_counter()
-        proposer.propose(sampled, self.num_tokens, self.token_ids)
+        drafts = proposer.propose(sampled, self.num_tokens, self.token_ids)
         seconds = time.perf_counter() - start
-        self.num_tokens += 2
+        self.drafts = dict(zip(self.req_ids, drafts))
+        self.accepted += sum(map(len, sampled)) - len(sampled)
         return seconds
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray) -> dict[str, Any]:
-    max_len = prompt_tokens + 2 * steps + 16
-    span = prompt_tokens + 2 * steps + 8
+    # Room for every step to accept a whole draft (k tokens) and its bonus.
+    max_len = prompt_tokens + (k + 1) * (steps + 2) + 16
+    span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + 1)]
     proposer = make_proposer(source, k, max_len)
@@ -95,13 +120,14 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     # One more prompt joins the running batch: that step's extra time is its admission.
     grown = Batch(texts, prompt_tokens, max_len)
     grown.num_tokens[:batch] = runner.num_tokens
-    proposer.on_step(grown, [], {})
+    grown.drafts = runner.drafts
     steady = statistics.median(times)
     admit_step = grown.step(proposer)
     times_sorted = sorted(times)
     return {
         "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k,
-        "native": proposer.drafter.native,
+        "native": proposer.drafter.native, "array_path": proposer.batch_chains,
+        "accepted_per_request_step": runner.accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * steady,
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
         "step_ms_max": 1e3 * times_sorted[-1],
@@ -138,25 +164,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", nargs="+", type=int, default=[64, 256])
     p.add_argument("--prompt-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--k", type=int, default=8)
-    p.add_argument("--sources", nargs="+", default=["index", "index+trie"])
+    p.add_argument("--k", type=int, default=16, help="draft slots (num_speculative_tokens); default as `vllm serve`")
+    p.add_argument("--sources", nargs="+", default=["index", "index" + PER_REQUEST, "index+trie"],
+                   help=f"draft sources (config `source`); with {PER_REQUEST!r}: the proposer's per-request path")
     p.add_argument("--out", type=Path, default=RESULTS / "proposer_scale.json")
     args = p.parse_args(argv)
     for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps])):
         bad = [v for v in values if v < 1]
         if bad:
             p.error(f"{flag} {bad[0]}: must be >= 1")
+    from lookahead_vllm.core.config import SOURCES
+
+    for source in args.sources:
+        if source.removesuffix(PER_REQUEST) not in SOURCES:
+            p.error(f"--sources {source!r}: must be one of {list(SOURCES)}, optionally with {PER_REQUEST!r}")
     from lookahead_vllm.vllm.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
-    text = corpus_tokens(max(args.prompt_tokens) + 2 * args.steps + 64)
+    text = corpus_tokens(max(args.prompt_tokens) + (args.k + 1) * (args.steps + 2) + 64)
     cells = []
     for source in args.sources:
         for batch in args.batch:
             for tokens in args.prompt_tokens:
                 cell = run_cell(source, batch, tokens, args.steps, args.k, text)
                 cells.append(cell)
-                log(f"{source:11s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
+                log(f"{source:19s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
                     f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
                     f"{cell['admit_ms_one_more_prompt']:.2f} ms; drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
                 report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}

@@ -384,15 +384,20 @@ def test_sim_acceptance_index_drafts_a_repeated_answer_across_rounds():
 def test_bench_proposer_scale_reports_every_cell(tmp_path):
     bench = _import_bench("bench_proposer_scale")
     out = tmp_path / "scale.json"
-    report = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "3", "--out", str(out)])
+    report = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--out", str(out)])
     cells = report["cells"]
-    assert [c["source"] for c in cells] == ["index", "index+trie"]
+    assert [c["source"] for c in cells] == ["index", "index:per-request", "index+trie"]
+    assert [c["array_path"] for c in cells] == [True, False, False]
     assert all(c["step_ms_median"] > 0 and c["step_ms_max"] >= c["step_ms_median"] for c in cells)
+    # Drafts are verified against the text: some get accepted, the same on both paths.
+    assert cells[0]["accepted_per_request_step"] > 0
+    assert cells[0]["accepted_per_request_step"] == cells[1]["accepted_per_request_step"]
     assert cells[0]["drafter_bytes"] > 0 and out.exists() and out.with_suffix(".png").exists()
 
 
 @pytest.mark.parametrize("argv,message", [(["--batch", "0"], "--batch 0: must be >= 1"),
-                                          (["--steps", "0"], "--steps 0: must be >= 1")])
+                                          (["--steps", "0"], "--steps 0: must be >= 1"),
+                                          (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
 def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     bench = _import_bench("bench_proposer_scale")
     with pytest.raises(SystemExit):

@@ -110,7 +110,7 @@ struct TokenTable {
   int64_t rows, cols, row_stride, col_stride;
 };
 
-void sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
+int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
           py::handle num_tokens_obj, py::handle prompt_lens_obj) {
   const TokenTable table(token_ids);
   const IntArray sids = int_array(sids_obj, "sids"), rows = int_array(rows_obj, "rows");
@@ -134,6 +134,7 @@ void sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> lock(b.mu);
   std::vector<int32_t> buf;
+  int64_t rewound = 0;
   for (int64_t i = 0; i < batch; ++i) {
     int64_t have = b.core.length(sid[i]);
     if (have < 0) {
@@ -144,12 +145,14 @@ void sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py
     if (num[i] < have) {
       b.core.rewind(sid[i], num[i]);
       have = num[i];
+      ++rewound;
     }
     if (num[i] > have) {
       table.read(row[i], have, num[i], buf);
       b.core.extend(sid[i], buf.data(), buf.size());
     }
   }
+  return rewound;
 }
 
 py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj, double floor, bool tree) {

@@ -41,6 +41,8 @@ import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 if TYPE_CHECKING:
     from lookahead_vllm.core.config import LookaheadConfig
 
@@ -149,6 +151,35 @@ def allocate_step_budget(
     for _, req in order[:take]:
         keep[req] += 1
     return keep
+
+
+def allocate_chain_budget(
+    confidences: np.ndarray, lengths: np.ndarray, budget: int | None = None, num_rows: int | None = None,
+    cost: ForwardCost | None = None,
+) -> np.ndarray:
+    """:func:`allocate_step_budget` for chains, as arrays: ``confidences [R, W]``
+    (row ``r``'s first ``lengths[r]`` cells, never growing along the row, as
+    calibrated confidences are) -> prefix length to keep per row.
+
+    With confidences that never grow along a row, the most-confident-first
+    merge of the rows is a sort of all nodes by (-confidence, row, position),
+    and the best prefix of it is the first maximum of the expected throughput.
+    """
+    rows_n, width = confidences.shape
+    valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+    row, pos = np.nonzero(valid)
+    conf = confidences[row, pos]
+    order = np.lexsort((pos, row, -conf))
+    limit = len(order) if budget is None else min(budget, len(order))
+    take = limit
+    if cost is not None and cost.free_tokens and limit:
+        rows = rows_n if num_rows is None else num_rows
+        gained = np.cumsum(conf[order[:limit]])
+        tokens = rows + np.arange(1, limit + 1)
+        rate = (rows + gained) / (1.0 + np.maximum(0, tokens - cost.free_tokens) / cost.marginal_tokens)
+        best = int(np.argmax(rate))
+        take = best + 1 if rate[best] > rows / cost(rows) else 0
+    return np.bincount(row[order[:take]], minlength=rows_n)
 
 
 def opens_path(parents: Sequence[int]) -> list[bool]:

@@ -26,6 +26,8 @@ is 1 (raw confidences); ``prior`` (in accepted tokens) says how much evidence
 overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
 nodes, so the correction follows a changing workload. Calibrated confidences
 never grow along a path (a node is accepted only with its parent).
+The proposer books one step's verified nodes at once (``observe_nodes``), so
+halving and the new factors apply per step.
 """
 
 from __future__ import annotations
@@ -85,24 +87,36 @@ class ConfidenceCalibrator:
             out.append(c if p < 0 else min(c, out[p]))
         return out
 
+    def calibrate_chains(self, raw: np.ndarray, kind: int) -> np.ndarray:
+        """:meth:`calibrate` for many chains at once: ``raw [R, W]`` holds each
+        row's node confidences (a chain's node ``j`` is the parent of ``j + 1``;
+        cells past a row's length are ignored by callers), all of ``kind``."""
+        factors = self._factor[kind][np.searchsorted(BIN_EDGES, raw, side="left")]
+        return np.minimum.accumulate(np.minimum(1.0, raw * factors), axis=1)
+
     def observe(self, tree: DraftTree, kinds: Sequence[int], accepted: Sequence[int]) -> None:
         """Learn from one verified draft and the nodes of it that were accepted
         (``step_plan.accepted_path``)."""
         hit = set(accepted)
-        touched = set()
-        for i, kind in enumerate(kinds):
-            raw = tree.node_confidence(i)
-            b = self._bin(raw)
-            self.predicted[kind, b] += raw
-            self.accepted[kind, b] += i in hit
-            self.nodes[kind, b] += 1
-            touched.add((kind, b))
-        for kind, b in touched:
-            if self.nodes[kind, b] >= HALF_LIFE_NODES:
-                self.predicted[kind, b] /= 2
-                self.accepted[kind, b] /= 2
-                self.nodes[kind, b] /= 2
-            self._factor[kind, b] = (self.accepted[kind, b] + self.prior) / (self.predicted[kind, b] + self.prior)
+        raw = [tree.node_confidence(i) for i in range(len(kinds))]
+        self.observe_nodes(np.asarray(kinds, np.int64), np.asarray(raw, np.float64),
+                           np.fromiter((i in hit for i in range(len(kinds))), bool, len(kinds)))
+
+    def observe_nodes(self, kinds: np.ndarray, raw: np.ndarray, accepted: np.ndarray) -> None:
+        """Learn from verified nodes, in order: their kinds, raw confidences
+        and whether each was accepted (one step's drafts at once, or one draft)."""
+        if not len(kinds):
+            return
+        bins = np.searchsorted(BIN_EDGES, raw, side="left")
+        np.add.at(self.predicted, (kinds, bins), raw)
+        np.add.at(self.accepted, (kinds, bins), accepted.astype(np.float64))
+        np.add.at(self.nodes, (kinds, bins), 1.0)
+        touched = np.unique(kinds * self.nodes.shape[1] + bins)
+        k, b = np.divmod(touched, self.nodes.shape[1])
+        full = self.nodes[k, b] >= HALF_LIFE_NODES
+        for arr in (self.predicted, self.accepted, self.nodes):
+            arr[k[full], b[full]] /= 2
+        self._factor[k, b] = (self.accepted[k, b] + self.prior) / (self.predicted[k, b] + self.prior)
 
     def summary(self) -> dict[str, list[dict[str, float]]]:
         """Per kind, the bins that saw nodes: range, nodes, mean raw confidence, acceptance rate, factor."""

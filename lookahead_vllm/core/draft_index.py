@@ -239,12 +239,13 @@ class DraftIndex:
         return tokens, parents, conf, lengths
 
     def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> None:
+             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> int:
         """Bring many sequences up to date with the runner's token table:
         ``token_ids[rows[i], :num_tokens[i]]`` (``[max_rows, max_len]``) are
         sequence ``sids[i]``'s committed tokens. Unknown ids are admitted
         (``prompt_lens[i]`` prompt tokens), shorter ones rewound, longer ones
-        extended."""
+        extended. Returns how many were rewound."""
+        rewound = 0
         for i, sid in enumerate(sids):
             sid, row, n = int(sid), int(rows[i]), int(num_tokens[i])
             have = self.length(sid)
@@ -254,8 +255,10 @@ class DraftIndex:
             if n < have:
                 self.rewind(sid, n)
                 have = n
+                rewound += 1
             if n > have:
                 self.extend(sid, token_ids[row, have:n].tolist())
+        return rewound
 
     def _candidates(self, sid: int) -> list[tuple[int, int, int, int]]:
         """Ranked ``(m, scope, sequence id, position)``, at most max_candidates."""

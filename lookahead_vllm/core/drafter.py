@@ -86,20 +86,24 @@ class Drafter:
 
     # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> None:
+             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> int:
         """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s
         committed tokens (its first ``prompt_lens[i]`` the prompt): admit new
-        requests, extend or rewind known ones."""
+        requests, extend or rewind known ones. Returns how many were rewound."""
+        rewound = []
+        args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
+                np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
         for index in self._indexes():
-            index.sync(np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
-                       np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
+            rewound.append(index.sync(*args))
         if self.trie is not None:
-            for slot, row, n, plen in zip(slots, rows, num_tokens, prompt_lens):
-                self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
+            rewound.append(sum(self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
+                               for slot, row, n, plen in zip(*args[:2], *args[3:])))
+        return int(rewound[0]) if rewound else 0
 
-    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int) -> None:
+    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int) -> bool:
         done = self._inserted.get(slot)
-        if done is not None and n < done:  # the runner rewound tokens: start over
+        rewound = done is not None and n < done
+        if rewound:  # the runner rewound tokens: start over
             self._finish_trie(slot)
             done = None
         if done is None:
@@ -114,6 +118,7 @@ class Drafter:
             if slot in self._contexts:
                 self._contexts[slot].extend(new)
         self._inserted[slot] = max(done, n)
+        return rewound
 
     def _indexes(self) -> list[Any]:
         return [ix for ix in (self.index, self.backoff) if ix is not None]
@@ -149,15 +154,7 @@ class Drafter:
         source only; None otherwise)."""
         out = []
         if self.index is not None:
-            s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
-            tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree))
-            if self.backoff is not None and not lens.all():
-                miss = np.flatnonzero(lens == 0)
-                btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree))
-                width = max(tok.shape[1], btok.shape[1])
-                tok, par, conf = (_widen(a, width) for a in (tok, par, conf))
-                tok[miss, :btok.shape[1]], par[miss, :btok.shape[1]] = btok, bpar
-                conf[miss, :btok.shape[1]], lens[miss] = bconf, blens
+            tok, par, conf, lens = self._index_rows(slots, budgets, floor, tree)
         for i, slot in enumerate(slots):
             t = DraftTree.empty()
             if self.index is not None and lens[i]:
@@ -169,6 +166,28 @@ class Drafter:
             kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
             out.append((t, kinds))
         return out
+
+    def draft_chains(self, slots: np.ndarray, budgets: np.ndarray, floor: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The index's chains for many requests as arrays (the proposer's batch
+        path; index source only): ``tokens [R, W]``, ``confidence [R, W]``,
+        ``lengths [R]``, row ``i`` holding ``lengths[i]`` nodes (the back-off
+        index's where the main one has none)."""
+        tok, _, conf, lens = self._index_rows(slots, budgets, floor, False)
+        return tok, conf, lens
+
+    def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
+        tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree))
+        if self.backoff is not None and not lens.all():
+            miss = np.flatnonzero(lens == 0)
+            btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree))
+            width = max(tok.shape[1], btok.shape[1])
+            tok, par, conf = (_widen(a, width) for a in (tok, par, conf))
+            tok[miss, :btok.shape[1]], par[miss, :btok.shape[1]] = btok, bpar
+            conf[miss, :btok.shape[1]], lens[miss] = bconf, blens
+        return tok, par, conf, lens
 
     def _draft_trie(self, slot: int, context: Sequence[int], budget: int, floor: float,
                     lead: DraftTree) -> tuple[DraftTree, int]:

@@ -12,6 +12,12 @@ Per step, for the request rows of the persistent batch that just sampled:
    flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
    ``tree_verify`` reads back.
 
+With the default settings (the draft index alone, chains, calibration on)
+steps 2-3 run as array operations over the batch (``_propose_chains``: no
+per-request Python objects; the drafts handed out are one
+:class:`ChainOffers`); other settings go request by request
+(``_propose_trees``). Tests hold the two paths to each other.
+
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
 finishes or aborts (``finish``); a rewind (preemption) re-indexes its tokens
@@ -22,13 +28,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable
+from itertools import chain
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import allocate_step_budget, confidence_floor, forward_cost, opens_path
+from lookahead_vllm.core.budget import (
+    allocate_chain_budget,
+    allocate_step_budget,
+    confidence_floor,
+    forward_cost,
+    opens_path,
+)
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
@@ -122,14 +135,36 @@ class RequestState:
     # sampling only).
     jacobi: JacobiRequest | None = None
     # The draft handed out last step with its nodes' calibration kinds
-    # (booked against what verification accepted next step).
+    # (booked against what verification accepted next step; per-request path
+    # only: the chain path's are one ChainOffers for the batch).
     offered: tuple[DraftTree, list[int]] | None = None
-    # Draft tokens of it the scheduler put into the current step.
-    scheduled: int = 0
     # Its tree plan for tree_verify (tree mode only; None = a chain).
     plan: StepPlan | None = None
     # How many of this step's draft nodes are draft-index or context nodes.
     context_nodes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChainOffers:
+    """The chains the array path handed out in one step (rows with a draft),
+    sorted by request slot: booked against what verification accepted in the
+    next step, then replaced."""
+
+    slots: np.ndarray  # [D] int64, ascending
+    tokens: np.ndarray  # [D, W] draft tokens
+    confidence: np.ndarray  # [D, W] raw (uncalibrated) node confidences
+    lengths: np.ndarray  # [D] tokens handed out
+
+    @classmethod
+    def none(cls) -> "ChainOffers":
+        return cls(np.zeros(0, np.int64), np.zeros((0, 0), np.int32), np.zeros((0, 0)), np.zeros(0, np.int64))
+
+    def find(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per slot: its row here (clipped) and whether it has one."""
+        if not len(self.slots):
+            return np.zeros(len(slots), np.int64), np.zeros(len(slots), bool)
+        at = np.minimum(np.searchsorted(self.slots, slots), len(self.slots) - 1)
+        return at, self.slots[at] == slots
 
 
 class LookaheadProposer:
@@ -171,6 +206,13 @@ class LookaheadProposer:
 
             platform_paths = path_cost()
         self.cost = forward_cost(self.config, platform_paths, _platform())
+        # The array path (module docstring) where the settings allow it; tests
+        # set it False before the first step to run the per-request path.
+        self.batch_chains = (not self.tree_mode and self.config.sources == ("index",)
+                             and self.calibrator is not None)
+        self._offers = ChainOffers.none()
+        # Draft tokens vLLM scheduled per request this step (on_step).
+        self._scheduled: dict[str, list[int]] = {}
         logger.info("lookahead proposer ready (%s draft index): %s",
                     "native" if self.drafter.native else "pure-Python", self.config)
         # Warm start and snapshot (config warm_start, snapshot_path): learned
@@ -190,12 +232,7 @@ class LookaheadProposer:
         self._input_batch = input_batch
         for req_id in finished_req_ids:
             self.finish(req_id)
-        for st in self._states.values():
-            st.scheduled = 0
-        for req_id, draft in (scheduled_drafts or {}).items():
-            st = self._states.get(req_id)
-            if st is not None:
-                st.scheduled = len(draft)
+        self._scheduled = scheduled_drafts or {}
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
         """Create the states of newly admitted requests with their options
@@ -244,6 +281,7 @@ class LookaheadProposer:
             st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
         self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
+        self._offers = ChainOffers.none()
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -283,28 +321,106 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
+        propose = self._propose_chains if self.batch_chains else self._propose_trees
+        drafts, num_rows, skipped, load_budget = propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
+        self._record_metrics(drafts, sampled_token_ids, num_rows, skipped, load_budget, start)
+        draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
+        return drafts
+
+    def _budgets(self, num_tokens: np.ndarray, caps: Sequence[int | None], batch: Any
+                 ) -> tuple[np.ndarray, dict[str, int], int]:
+        """Per row its draft budget: load adaptation (core/load.py), the
+        request's cap, the room left before max_model_len; and the rows skipped
+        (by load, by their request's cap)."""
+        load_budget = load_scaled_budget(self.config, len(batch.req_ids))
+        budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
+        capped = 0
+        for j, cap in enumerate(caps):
+            if cap is not None:
+                budgets[j] = min(budgets[j], cap)
+                capped += cap == 0
+        skipped = {"load": len(caps) if load_budget == 0 else 0, "request": 0 if load_budget == 0 else capped}
+        return budgets, skipped, load_budget
+
+    def _propose_chains(self, sampled: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                        batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
+        """The array path: the batch's chains from the draft index, calibrated,
+        cut by the forward-cost model, without per-request Python objects."""
+        num_out = len(sampled)
+        sampled_lens = np.fromiter(map(len, sampled), np.int64, num_out)
+        rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
+        req_ids = [batch.req_ids[i] for i in rows.tolist()]
+        states = [self._states.get(r) or self._state(r) for r in req_ids]
+        slots = np.fromiter((st.slot for st in states), np.int64, len(states))
+        num_tokens = num_tokens_no_spec[rows]
+        self._book_chains(slots, req_ids, [sampled[i] for i in rows.tolist()])
+        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
+        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
+        drafting = np.flatnonzero(budgets > 0)
+        floor = confidence_floor(self.config, len(drafting))
+        tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
+        self.stats.context_drafts += int(np.count_nonzero(lens))
+        confs = self.calibrator.calibrate_chains(raw, KIND_CONTEXT)
+        keep = allocate_chain_budget(confs, lens, self.config.step_draft_budget or None, len(rows), self.cost)
+        kept = np.flatnonzero(keep)
+        order = kept[np.argsort(slots[drafting[kept]], kind="stable")]
+        self._offers = ChainOffers(slots[drafting[order]], tok[order], raw[order], keep[order].astype(np.int64))
+        drafts: list[list[int]] = [[] for _ in range(num_out)]
+        out_rows, tokens = rows[drafting[kept]].tolist(), tok[kept].tolist()
+        for row, toks, n in zip(out_rows, tokens, keep[kept].tolist()):
+            drafts[row] = toks[:n]
+        return drafts, len(rows), skipped, load_budget
+
+    def _book_chains(self, slots: np.ndarray, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Book last step's chains (``ChainOffers``) against what this step's
+        rows emitted (``sampled``: accepted tokens, then the bonus), cut to
+        what the scheduler verified of them: accepted tokens and the
+        calibrator's evidence."""
+        offers = self._offers
+        at, found = offers.find(slots)
+        if not found.any():
+            return
+        scheduled = self._scheduled
+        verified = np.fromiter((len(scheduled.get(r, ())) for r in req_ids), np.int64, len(req_ids))
+        verified = np.where(found, np.minimum(verified, offers.lengths[at]), 0)
+        booked = np.flatnonzero(verified)
+        if not len(booked):
+            return
+        width = offers.tokens.shape[1]
+        emitted = _padded([sampled[j] for j in booked.tolist()], width)
+        cols = np.arange(width)[None, :]
+        verified = verified[booked][:, None]
+        hit = (offers.tokens[at[booked]] == emitted) & (cols < verified)
+        accepted = np.logical_and.accumulate(hit, axis=1)
+        self.stats.context_accepted_tokens += int(accepted.sum())
+        nodes = cols < verified
+        self.calibrator.observe_nodes(np.full(int(nodes.sum()), KIND_CONTEXT, np.int64),
+                                      offers.confidence[at[booked]][nodes], accepted[nodes])
+
+    def _propose_trees(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                       token_ids_cpu: np.ndarray, batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
+        """The per-request path: any source, trees, the Jacobi window."""
         rows = [
             i for i, sampled in enumerate(sampled_token_ids)
             if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
         ]
         num_tokens = num_tokens_no_spec[rows]
         states = [self._state(batch.req_ids[i]) for i in rows]
-        for i, st, n in zip(rows, states, num_tokens):
-            self._learn_acceptance(st, sampled_token_ids[i])
+        verified = []
+        for i, st in zip(rows, states):
+            verified.append(self._verified_offer(st, sampled_token_ids[i], len(self._scheduled.get(batch.req_ids[i], ()))))
             st.plan, st.context_nodes = None, 0
-            self.stats.rewinds += int(n) < st.length
-        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens,
-                          batch.num_prompt_tokens[rows])
+        self._book_offers(verified)
+        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
         for i, st, n in zip(rows, states, num_tokens):
+            self.stats.rewinds += int(n) < st.length
             if self.config.uses_jacobi and (st.length == 0 or n < st.length):  # admitted or rewound
                 self._start_window(batch.req_ids[i], st, token_ids_cpu[i], int(batch.num_prompt_tokens[i]), int(n))
             elif st.jacobi is not None:
                 st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
             st.length = int(n)
-        # Load adaptation (core/load.py) and per-request caps shrink each row's budget.
-        load_budget = load_scaled_budget(self.config, len(batch.req_ids))
-        budgets = [min(load_budget, load_budget if st.cap is None else st.cap, self.max_model_len - int(n) - 1)
-                   for st, n in zip(states, num_tokens)]
+        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
+        budgets = budgets.tolist()
         drafting = [j for j, b in enumerate(budgets) if b > 0]
         floor = confidence_floor(self.config, len(drafting))
         trees = [DraftTree.empty()] * len(sampled_token_ids)
@@ -327,9 +443,7 @@ class LookaheadProposer:
             row_states[i] = st
         req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
         drafts = self._drafts_within_step_budget(trees, kinds, row_states, req_ids, len(rows))
-        self._record_metrics(drafts, sampled_token_ids, states, load_budget, start)
-        draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
-        return drafts
+        return drafts, len(rows), skipped, load_budget
 
     def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:
         """Open the Jacobi window of a request (on admission or after a rewind)."""
@@ -353,16 +467,11 @@ class LookaheadProposer:
         merged = merge_branches(tree, branches, budget)
         return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
 
-    def _record_metrics(self, drafts, sampled_token_ids, states, load_budget: int, start_ns: int) -> None:
-        skipped = {"request": 0, "load": 0}
-        for st in states:
-            if load_budget == 0:
-                skipped["load"] += 1
-            elif st.cap == 0:
-                skipped["request"] += 1
+    def _record_metrics(self, drafts, sampled_token_ids, num_rows: int, skipped: dict[str, int], load_budget: int,
+                        start_ns: int) -> None:
         accepted = sum(len(s) - 1 for s in sampled_token_ids if s)
-        step_tokens = sum(len(d) for d in drafts)
-        self.stats.request_steps += len(states)
+        step_tokens = sum(map(len, drafts))
+        self.stats.request_steps += num_rows
         self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
         m = self.metrics
         trie = self.drafter.trie
@@ -420,21 +529,38 @@ class LookaheadProposer:
             return [tree.node_confidence(i) for i in range(len(tree))]
         return self.calibrator.calibrate(tree, kinds)
 
-    def _learn_acceptance(self, st: RequestState, sampled: list[int]) -> None:
-        """Book the draft handed to this request last step, cut to what the
-        scheduler verified of it (``sampled``: accepted tokens, then the
-        bonus): pool and context tokens accepted, and the calibrator's evidence."""
+    def _verified_offer(self, st: RequestState, sampled: list[int], scheduled: int
+                        ) -> tuple[DraftTree, list[int], list[int]] | None:
+        """The draft handed to this request last step, cut to what the
+        scheduler verified of it (``scheduled`` tokens), its nodes' kinds and
+        the nodes accepted (``sampled``: accepted tokens, then the bonus)."""
         offered, st.offered = st.offered, None
-        if offered is None or not st.scheduled:
-            return
+        if offered is None or not scheduled:
+            return None
         tree, kinds = offered
-        verified = min(st.scheduled, len(tree))
+        verified = min(scheduled, len(tree))
         tree, kinds = tree.truncate(verified), kinds[:verified]
-        accepted = accepted_path(tree, sampled)
-        self.stats.pool_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_POOL)
-        self.stats.context_accepted_tokens += sum(1 for n in accepted if kinds[n] == KIND_CONTEXT)
+        return tree, kinds, accepted_path(tree, sampled)
+
+    def _book_offers(self, verified: list[tuple[DraftTree, list[int], list[int]] | None]) -> None:
+        """Book the step's verified drafts (``_verified_offer``): pool and
+        context tokens accepted, and the calibrator's evidence, in one batch."""
+        kinds: list[int] = []
+        raw: list[float] = []
+        hits: list[bool] = []
+        for item in verified:
+            if item is None:
+                continue
+            tree, k, accepted = item
+            self.stats.pool_accepted_tokens += sum(1 for n in accepted if k[n] == KIND_POOL)
+            self.stats.context_accepted_tokens += sum(1 for n in accepted if k[n] == KIND_CONTEXT)
+            hit = set(accepted)
+            kinds += k
+            raw += [tree.node_confidence(i) for i in range(len(k))]
+            hits += [i in hit for i in range(len(k))]
         if self.calibrator is not None:
-            self.calibrator.observe(tree, kinds, accepted)
+            self.calibrator.observe_nodes(np.asarray(kinds, np.int64), np.asarray(raw, np.float64),
+                                          np.asarray(hits, bool))
 
     def _windows_that_pay(self, offers, keep, confs, states, num_rows: int, rounds: int) -> set[int]:
         """Rows whose Jacobi window goes out this step.
@@ -501,6 +627,18 @@ class LookaheadProposer:
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)
         return state is not None and tree_verifiable(state.sampling_params)
+
+
+def _padded(lists: list[list[int]], width: int) -> np.ndarray:
+    """``lists`` as a ``[len(lists), width]`` array, cut to ``width``, padded with -1."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    flat = np.fromiter(chain.from_iterable(lists), np.int64, int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths
+    cols = np.arange(width)[None, :]
+    inside = cols < lengths[:, None]
+    out = np.full((len(lists), width), -1, np.int64)
+    out[inside] = flat[(starts[:, None] + cols)[inside]]
+    return out
 
 
 def _platform() -> str:

@@ -98,11 +98,11 @@ def test_sync_admits_extends_and_rewinds_from_the_token_table():
     ix = DraftIndex(DraftIndexConfig(ngram=2))
     table = np.zeros((3, 16), np.int32)
     table[2, :8] = [A, B, C, D, A, B, C, D]
-    ix.sync([7], [2], table, [6], [4])
+    assert ix.sync([7], [2], table, [6], [4]) == 0  # admitted
     assert ix.length(7) == 6
-    ix.sync([7], [2], table, [8], [4])
+    assert ix.sync([7], [2], table, [8], [4]) == 0  # extended
     assert ix.length(7) == 8 and ix.draft(7, 2)[0] == [A, B]
-    ix.sync([7], [2], table, [5], [4])
+    assert ix.sync([7], [2], table, [5], [4]) == 1  # rewound (counted)
     assert ix.length(7) == 5
 
 

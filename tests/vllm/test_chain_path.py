@@ -1,0 +1,136 @@
+"""The proposer's array path for chains equals its per-request path.
+
+Two proposers with the same settings, one on the array path (the default for
+the index source with chains) and one forced onto the per-request path, are
+driven the way the model runner drives them through a simulated workload:
+requests over real text (the README) whose outputs accept the drafts that
+match the text; admissions and finishes mid-run, per-request caps and
+opt-outs, the scheduler cutting drafts, a preemption that rewinds a request,
+requests that hit ``max_model_len``, load adaptation. Every step's drafts,
+the calibrator's state and the counters must be equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MAX_LEN = 320
+
+
+def _pair(**lookahead):
+    from lookahead_vllm.vllm.standalone import standalone_proposer
+
+    fast, slow = (standalone_proposer(16, MAX_LEN, dict(lookahead)) for _ in range(2))
+    assert fast.batch_chains and fast.drafter.native == slow.drafter.native
+    slow.batch_chains = False
+    return fast, slow
+
+
+class Workload:
+    """Running requests over README text: each commits the tokens of its text
+    that its draft got right, then one more (the bonus)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.text = np.frombuffer(README.read_bytes(), np.uint8).astype(np.int64)
+        self.running: dict[str, list] = {}  # id -> [text start, prompt len, committed len, extra_args]
+        self.next_id = 0
+        self.drafts: dict[str, list[int]] = {}
+
+    def admit(self) -> list[SimpleNamespace]:
+        new = []
+        most = int(self.rng.integers(4, 15))  # the batch grows and shrinks
+        while len(self.running) < most and self.rng.random() < 0.7:
+            rid = f"r{self.next_id}"
+            self.next_id += 1
+            plen = int(self.rng.integers(8, 200))
+            # A few near max_model_len, some with a cap or drafting off.
+            if self.rng.random() < 0.1:
+                plen = MAX_LEN - int(self.rng.integers(2, 6))
+            # A quarter of the requests start at a line seen before (repeats).
+            start = int(self.rng.integers(0, len(self.text) - MAX_LEN))
+            args = [None, {"lookahead_max_draft_tokens": 3}, {"lookahead_enabled": False}][
+                int(self.rng.choice(3, p=[0.8, 0.1, 0.1]))]
+            self.running[rid] = [start, plen, plen + 1, args]
+            new.append(SimpleNamespace(req_id=rid, sampling_params=SimpleNamespace(extra_args=args)))
+        return new
+
+    def step_inputs(self):
+        finished = [r for r, (_, plen, n, _) in self.running.items()
+                    if n >= MAX_LEN or n - plen > 150 or self.rng.random() < 0.02]
+        for r in finished:
+            del self.running[r]
+            self.drafts.pop(r, None)
+        new = self.admit()
+        ids = list(self.running)
+        self.rng.shuffle(ids)  # the persistent batch reorders rows
+        scheduled, sampled = {}, []
+        for r in ids:
+            start, plen, n, _ = self.running[r]
+            draft = self.drafts.get(r, [])
+            if draft and self.rng.random() < 0.2:  # the scheduler cut the draft
+                draft = draft[:int(self.rng.integers(0, len(draft)))]
+            if draft:
+                scheduled[r] = draft
+            truth = self.text[start + n: start + n + len(draft) + 1].tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == truth[accepted]:
+                accepted += 1
+            emitted = truth[:accepted + 1]
+            n = min(n + len(emitted), MAX_LEN)
+            if self.rng.random() < 0.01:  # preempted and recomputed: the runner rewinds
+                n, emitted = plen + 1, [int(self.text[start + plen])]
+            self.running[r][2] = n
+            sampled.append(emitted if self.rng.random() > 0.03 else [])  # a row that sampled nothing
+        table = np.zeros((len(ids) + 2, MAX_LEN), np.int32)
+        for i, r in enumerate(ids):
+            start, _, n, _ = self.running[r]
+            table[i, :n] = self.text[start:start + n]
+        num_tokens = np.zeros(len(ids) + 2, np.int64)
+        num_tokens[:len(ids)] = [self.running[r][2] for r in ids]
+        batch = SimpleNamespace(req_ids=ids, num_prompt_tokens=np.array([self.running[r][1] for r in ids] + [0, 0]))
+        return batch, finished, new, scheduled, sampled, num_tokens, table
+
+
+@pytest.mark.parametrize("seed,settings", [
+    (0, {}),
+    (1, {"load_shrink_above": 4, "load_stop_at": 12}),  # load adaptation shrinks budgets
+    (2, {"step_draft_budget": 24, "cost_free_tokens": 16, "cost_marginal_tokens": 8.0}),
+    (3, {"cost_free_tokens": 0, "min_draft_confidence": 0.0}),  # every drafted token kept
+])
+def test_array_path_equals_per_request_path(seed, settings):
+    fast, slow = _pair(**settings)
+    work = Workload(seed)
+    handed = 0
+    for _ in range(200):
+        batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
+        outs = []
+        for p in (fast, slow):
+            p.on_step(batch, finished, scheduled)
+            p.on_new_requests(new)
+            outs.append(p.propose(sampled, num_tokens, table))
+        assert outs[0] == outs[1]
+        work.drafts = {r: d for r, d in zip(batch.req_ids, outs[0])}
+        handed += sum(map(len, outs[0]))
+        for name in ("predicted", "accepted", "nodes"):
+            np.testing.assert_array_equal(getattr(fast.calibrator, name), getattr(slow.calibrator, name))
+    counters = fast.stats.counters(), slow.stats.counters()
+    for key in ("request_steps", "rewinds", "context_drafts", "context_accepted_tokens", "draft_tokens",
+                "max_step_draft_tokens"):
+        assert counters[0][key] == counters[1][key], key
+    assert fast.metrics.skipped_request_steps == slow.metrics.skipped_request_steps
+    # The workload exercised what it claims: drafts handed out and accepted,
+    # calibration evidence, rewinds, and the states follow the requests.
+    assert handed > 300 and counters[0]["context_accepted_tokens"] > 100
+    assert fast.calibrator.nodes.sum() > 200 and counters[0]["rewinds"] > 0
+    assert set(fast.request_ids()) == set(slow.request_ids())
+    if settings.get("load_stop_at"):
+        assert fast.metrics.skipped_request_steps["load"] > 0
+    assert fast.metrics.skipped_request_steps["request"] > 0
