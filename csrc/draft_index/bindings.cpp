@@ -155,7 +155,9 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
   return rewound;
 }
 
-py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj, double floor, bool tree) {
+py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj, double floor, bool tree,
+                      int threads) {
+  if (threads < 1 || threads > 256) throw py::value_error("threads=" + std::to_string(threads) + ": must be in [1, 256]");
   const IntArray sids = int_array(sids_obj, "sids"), budgets = int_array(budgets_obj, "budgets");
   const int64_t batch = sids.shape(0);
   if (budgets.shape(0) != batch) throw py::value_error("sids and budgets must have the same length");
@@ -177,10 +179,7 @@ py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj
     std::fill(par, par + batch * width, -1);
     std::fill(cf, cf + batch * width, 0.0);
     std::lock_guard<std::mutex> lock(b.mu);
-    for (int64_t i = 0; i < batch; ++i) {
-      const DraftRow out{tok + i * width, par + i * width, cf + i * width};
-      len[i] = b.core.draft(sid[i], static_cast<int>(std::max<int64_t>(budget[i], 0)), floor, tree, out);
-    }
+    b.core.draft_rows(sid, budget, batch, width, floor, tree, DraftRow{tok, par, cf}, len, threads);
   }
   return py::make_tuple(tokens, parents, conf, lengths);
 }
@@ -280,5 +279,5 @@ PYBIND11_MODULE(_draft_index, m) {
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
            py::arg("prompt_lens"))
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
-           py::arg("tree") = false);
+           py::arg("tree") = false, py::arg("threads") = 1);
 }

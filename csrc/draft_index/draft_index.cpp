@@ -1,6 +1,8 @@
 // DraftIndex core (see draft_index.h and the reference's module docstring).
 #include "draft_index.h"
 
+#include <thread>
+
 #include <algorithm>
 
 namespace lookahead {
@@ -225,8 +227,8 @@ size_t DraftIndex::memory_bytes() const {
   }
   bytes += finished_.size() * sizeof(uint32_t) + corpus_.memory_bytes() + entries_.capacity() * sizeof(Entry) +
            free_entries_.capacity() * 4;
-  bytes += cands_.capacity() * sizeof(Candidate) + nodes_.capacity() * sizeof(Node) + conf_.capacity() * 8 +
-           heap_.capacity() * 4 + kids_.capacity() * 4 + stack_.capacity() * 8 + picked_.capacity();
+  bytes += scratch_.memory_bytes();
+  for (const Scratch& s : pool_scratch_) bytes += s.memory_bytes();
   return bytes;
 }
 
@@ -246,20 +248,20 @@ int DraftIndex::match(const int32_t* src, int64_t pos, const int32_t* text, int6
   return m;
 }
 
-void DraftIndex::collect_candidates(uint32_t slot) {
-  cands_.clear();
-  const Sequence& s = *seqs_[slot];
+void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
+  s.cands.clear();
+  const Sequence& seq = *seqs_[slot];
   const int ng = cfg_.ngram;
-  const int64_t end = static_cast<int64_t>(s.tokens.size());
+  const int64_t end = static_cast<int64_t>(seq.tokens.size());
   if (end < ng) return;
-  const int32_t* text = s.tokens.data();
+  const int32_t* text = seq.tokens.data();
   const int32_t* key = text + end - ng;
   const uint32_t tag = ngram_tag(key, ng);
-  const size_t own = s.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
-  if (own != s.own.npos) {  // most recent first
-    uint32_t p = s.own.value(own).pos;
-    for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = s.own_prev[p]) {
-      cands_.push_back(Candidate{match(text, p, text, end), kOwn, slot, p});
+  const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
+  if (own != seq.own.npos) {  // most recent first
+    uint32_t p = seq.own.value(own).pos;
+    for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = seq.own_prev[p]) {
+      s.cands.push_back(Candidate{match(text, p, text, end), kOwn, slot, p});
     }
   }
   const size_t list = find_corpus(key, tag);
@@ -268,29 +270,29 @@ void DraftIndex::collect_candidates(uint32_t slot) {
       const Entry& en = entries_[e];
       if (en.seq == slot) continue;
       const int m = match(seqs_[en.seq]->out(), en.pos, text, end);
-      cands_.push_back(Candidate{m, kCorpus, en.seq, en.pos});
+      s.cands.push_back(Candidate{m, kCorpus, en.seq, en.pos});
     }
   }
-  std::stable_sort(cands_.begin(), cands_.end(), [](const Candidate& a, const Candidate& b) {
+  std::stable_sort(s.cands.begin(), s.cands.end(), [](const Candidate& a, const Candidate& b) {
     return a.m != b.m ? a.m > b.m : a.scope < b.scope;
   });
-  if (cands_.size() > static_cast<size_t>(cfg_.max_candidates)) cands_.resize(cfg_.max_candidates);
+  if (s.cands.size() > static_cast<size_t>(cfg_.max_candidates)) s.cands.resize(cfg_.max_candidates);
 }
 
-void DraftIndex::merge(uint32_t slot, int budget) {
-  nodes_.clear();
-  nodes_.push_back(Node{-1, -1, 0, 0, 0});
-  const Sequence& s = *seqs_[slot];
-  const int64_t end = static_cast<int64_t>(s.tokens.size());
-  for (const Candidate& c : cands_) {
-    nodes_[0].weight += c.m;
+void DraftIndex::merge(Scratch& s, uint32_t slot, int budget) const {
+  s.nodes.clear();
+  s.nodes.push_back(Node{-1, -1, 0, 0, 0});
+  const Sequence& seq = *seqs_[slot];
+  const int64_t end = static_cast<int64_t>(seq.tokens.size());
+  for (const Candidate& c : s.cands) {
+    s.nodes[0].weight += c.m;
     const int32_t* src;
     int64_t len;
     if (c.scope == kCorpus) {
       src = seqs_[c.seq]->out();
       len = std::min<int64_t>(budget, static_cast<int64_t>(seqs_[c.seq]->out_len()) - c.pos);
     } else {
-      src = s.tokens.data();
+      src = seq.tokens.data();
       len = budget;
     }
     int32_t at = 0;
@@ -298,44 +300,44 @@ void DraftIndex::merge(uint32_t slot, int budget) {
     for (int64_t j = 0; j < len; ++j, ++k) {
       if (c.scope == kOwn && k == end) k = c.pos;
       const int32_t t = src[k];
-      int32_t child = nodes_[at].first_child;
-      while (child >= 0 && nodes_[child].token != t) child = nodes_[child].next_sibling;
+      int32_t child = s.nodes[at].first_child;
+      while (child >= 0 && s.nodes[child].token != t) child = s.nodes[child].next_sibling;
       if (child < 0) {
-        child = static_cast<int32_t>(nodes_.size());
-        nodes_.push_back(Node{t, at, 0, 0, nodes_[at].depth + 1});
-        if (nodes_[at].last_child >= 0) {
-          nodes_[nodes_[at].last_child].next_sibling = child;
+        child = static_cast<int32_t>(s.nodes.size());
+        s.nodes.push_back(Node{t, at, 0, 0, s.nodes[at].depth + 1});
+        if (s.nodes[at].last_child >= 0) {
+          s.nodes[s.nodes[at].last_child].next_sibling = child;
         } else {
-          nodes_[at].first_child = child;
+          s.nodes[at].first_child = child;
         }
-        nodes_[at].last_child = child;
+        s.nodes[at].last_child = child;
       }
-      nodes_[child].weight += c.m;
-      nodes_[child].max_m = std::max(nodes_[child].max_m, c.m);
+      s.nodes[child].weight += c.m;
+      s.nodes[child].max_m = std::max(s.nodes[child].max_m, c.m);
       at = child;
     }
   }
 }
 
-double DraftIndex::confidence(int32_t i) const {
+double DraftIndex::confidence(const Scratch& s, int32_t i) const {
   // (W / W_root) * q(M) ** depth, the power as repeated products (as the reference).
-  const Node& n = nodes_[i];
+  const Node& n = s.nodes[i];
   const double q = n.max_m / (n.max_m + 1.0);
-  double c = static_cast<double>(n.weight) / static_cast<double>(nodes_[0].weight);
+  double c = static_cast<double>(n.weight) / static_cast<double>(s.nodes[0].weight);
   for (int d = 0; d < n.depth; ++d) c *= q;
   return c;
 }
 
-int DraftIndex::select_chain(int budget, double floor, DraftRow out) {
+int DraftIndex::select_chain(Scratch& s, int budget, double floor, DraftRow out) const {
   int count = 0;
-  for (int32_t at = 0; nodes_[at].first_child >= 0 && count < budget;) {
-    int32_t best = nodes_[at].first_child;  // ties keep the earlier (better-ranked) child
-    for (int32_t c = nodes_[best].next_sibling; c >= 0; c = nodes_[c].next_sibling) {
-      if (nodes_[c].weight > nodes_[best].weight) best = c;
+  for (int32_t at = 0; s.nodes[at].first_child >= 0 && count < budget;) {
+    int32_t best = s.nodes[at].first_child;  // ties keep the earlier (better-ranked) child
+    for (int32_t c = s.nodes[best].next_sibling; c >= 0; c = s.nodes[c].next_sibling) {
+      if (s.nodes[c].weight > s.nodes[best].weight) best = c;
     }
-    const double conf = confidence(best);
+    const double conf = confidence(s, best);
     if (conf < floor) break;
-    out.tokens[count] = nodes_[best].token;
+    out.tokens[count] = s.nodes[best].token;
     out.parents[count] = count - 1;
     out.confidence[count] = conf;
     ++count;
@@ -344,66 +346,90 @@ int DraftIndex::select_chain(int budget, double floor, DraftRow out) {
   return count;
 }
 
-void DraftIndex::sorted_picked_children(int32_t node) {
+void DraftIndex::sorted_picked_children(Scratch& s, int32_t node) const {
   // Picked children of `node`, least confident first (ties: later created first).
-  kids_.clear();
-  for (int32_t c = nodes_[node].first_child; c >= 0; c = nodes_[c].next_sibling) {
-    if (picked_[c]) kids_.push_back(c);
+  s.kids.clear();
+  for (int32_t c = s.nodes[node].first_child; c >= 0; c = s.nodes[c].next_sibling) {
+    if (s.picked[c]) s.kids.push_back(c);
   }
-  std::sort(kids_.begin(), kids_.end(),
-            [this](int32_t a, int32_t b) { return conf_[a] != conf_[b] ? conf_[a] < conf_[b] : a > b; });
+  std::sort(s.kids.begin(), s.kids.end(),
+            [&s](int32_t a, int32_t b) { return s.conf[a] != s.conf[b] ? s.conf[a] < s.conf[b] : a > b; });
 }
 
-int DraftIndex::select_tree(int budget, double floor, DraftRow out) {
-  conf_.assign(nodes_.size(), 0.0);
-  picked_.assign(nodes_.size(), 0);
+int DraftIndex::select_tree(Scratch& s, int budget, double floor, DraftRow out) const {
+  s.conf.assign(s.nodes.size(), 0.0);
+  s.picked.assign(s.nodes.size(), 0);
   // Max-heap on (confidence, -index): the most confident frontier node, ties the earliest created.
-  auto less = [this](int32_t a, int32_t b) { return conf_[a] != conf_[b] ? conf_[a] < conf_[b] : a > b; };
-  heap_.clear();
+  auto less = [&s](int32_t a, int32_t b) { return s.conf[a] != s.conf[b] ? s.conf[a] < s.conf[b] : a > b; };
+  s.heap.clear();
   auto push_children = [&](int32_t node) {
-    for (int32_t c = nodes_[node].first_child; c >= 0; c = nodes_[c].next_sibling) {
-      conf_[c] = confidence(c);
-      heap_.push_back(c);
-      std::push_heap(heap_.begin(), heap_.end(), less);
+    for (int32_t c = s.nodes[node].first_child; c >= 0; c = s.nodes[c].next_sibling) {
+      s.conf[c] = confidence(s, c);
+      s.heap.push_back(c);
+      std::push_heap(s.heap.begin(), s.heap.end(), less);
     }
   };
   push_children(0);
   int num_picked = 0;
-  while (!heap_.empty() && num_picked < budget) {
-    const int32_t best = heap_.front();
-    if (conf_[best] < floor) break;
-    std::pop_heap(heap_.begin(), heap_.end(), less);
-    heap_.pop_back();
-    picked_[best] = 1;
+  while (!s.heap.empty() && num_picked < budget) {
+    const int32_t best = s.heap.front();
+    if (s.conf[best] < floor) break;
+    std::pop_heap(s.heap.begin(), s.heap.end(), less);
+    s.heap.pop_back();
+    s.picked[best] = 1;
     ++num_picked;
     push_children(best);
   }
   // Depth-first, most confident child first: every parent precedes its children.
-  stack_.clear();
-  sorted_picked_children(0);
-  for (int32_t c : kids_) stack_.emplace_back(c, -1);
+  s.stack.clear();
+  sorted_picked_children(s, 0);
+  for (int32_t c : s.kids) s.stack.emplace_back(c, -1);
   int count = 0;
-  while (!stack_.empty()) {
-    const auto [node, parent] = stack_.back();
-    stack_.pop_back();
-    out.tokens[count] = nodes_[node].token;
+  while (!s.stack.empty()) {
+    const auto [node, parent] = s.stack.back();
+    s.stack.pop_back();
+    out.tokens[count] = s.nodes[node].token;
     out.parents[count] = parent;
-    out.confidence[count] = conf_[node];
-    sorted_picked_children(node);
-    for (int32_t c : kids_) stack_.emplace_back(c, count);
+    out.confidence[count] = s.conf[node];
+    sorted_picked_children(s, node);
+    for (int32_t c : s.kids) s.stack.emplace_back(c, count);
     ++count;
   }
   return count;
 }
 
 int DraftIndex::draft(int64_t sid, int budget, double floor, bool tree, DraftRow out) {
+  return draft(scratch_, sid, budget, floor, tree, out);
+}
+
+int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out) const {
   if (budget <= 0) return 0;
   auto it = by_sid_.find(sid);
   if (it == by_sid_.end() || !seqs_[it->second]->live) return 0;
-  collect_candidates(it->second);
-  if (cands_.empty()) return 0;
-  merge(it->second, budget);
-  return tree ? select_tree(budget, floor, out) : select_chain(budget, floor, out);
+  collect_candidates(s, it->second);
+  if (s.cands.empty()) return 0;
+  merge(s, it->second, budget);
+  return tree ? select_tree(s, budget, floor, out) : select_chain(s, budget, floor, out);
+}
+
+void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor,
+                            bool tree, DraftRow base, int32_t* lengths, int threads) {
+  // Rows are independent and drafting only reads the index: `threads` workers
+  // (each with its own scratch) take contiguous row ranges.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kRowsPerThread));
+  if (static_cast<int64_t>(pool_scratch_.size()) < workers) pool_scratch_.resize(workers);
+  auto run = [&](int64_t w) {
+    const int64_t lo = rows * w / workers, hi = rows * (w + 1) / workers;
+    for (int64_t i = lo; i < hi; ++i) {
+      const DraftRow out{base.tokens + i * width, base.parents + i * width, base.confidence + i * width};
+      lengths[i] = draft(pool_scratch_[w], sids[i], static_cast<int>(std::max<int64_t>(budgets[i], 0)), floor, tree,
+                         out);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
+  run(0);
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace lookahead

@@ -19,7 +19,9 @@
 //             eviction. A list never holds more than max_occurrences entries:
 //             a push past that drops the oldest.
 //
-// Not thread-safe: callers serialize (the bindings hold a mutex).
+// Not thread-safe: callers serialize (the bindings hold a mutex). Drafting
+// only reads the index, so draft_rows spreads one call's rows over threads,
+// each with its own scratch; the drafts do not depend on the thread count.
 #pragma once
 
 #include <cstdint>
@@ -90,6 +92,10 @@ class DraftIndex {
 
   // Writes sequence `sid`'s draft (at most `budget` nodes) into `out`; returns its length.
   int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);
+  // Drafts of `rows` sequences into row i of `base` (rows of `width`
+  // elements), their lengths into `lengths`, on up to `threads` threads.
+  void draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor, bool tree,
+                  DraftRow base, int32_t* lengths, int threads);
 
   const DraftIndexConfig& config() const { return cfg_; }
 
@@ -137,12 +143,29 @@ class DraftIndex {
   size_t find_corpus(const int32_t* tokens, uint32_t tag) const;
   void release(uint32_t slot);
   int match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const;
-  void collect_candidates(uint32_t slot);
-  void merge(uint32_t slot, int budget);
-  double confidence(int32_t i) const;
-  int select_chain(int budget, double floor, DraftRow out);
-  int select_tree(int budget, double floor, DraftRow out);
-  void sorted_picked_children(int32_t node);
+  // Working memory of one draft (one per thread in draft_rows).
+  struct Scratch {
+    std::vector<Candidate> cands;
+    std::vector<Node> nodes;
+    std::vector<double> conf;
+    std::vector<int32_t> heap;
+    std::vector<int32_t> kids;
+    std::vector<std::pair<int32_t, int32_t>> stack;
+    std::vector<char> picked;
+    size_t memory_bytes() const {
+      return cands.capacity() * sizeof(Candidate) + nodes.capacity() * sizeof(Node) + conf.capacity() * 8 +
+             heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity();
+    }
+  };
+  // Fewer rows than this per thread are not worth a thread.
+  static constexpr int64_t kRowsPerThread = 32;
+  int draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out) const;
+  void collect_candidates(Scratch& s, uint32_t slot) const;
+  void merge(Scratch& s, uint32_t slot, int budget) const;
+  double confidence(const Scratch& s, int32_t i) const;
+  int select_chain(Scratch& s, int budget, double floor, DraftRow out) const;
+  int select_tree(Scratch& s, int budget, double floor, DraftRow out) const;
+  void sorted_picked_children(Scratch& s, int32_t node) const;
 
   DraftIndexConfig cfg_;
   std::vector<std::unique_ptr<Sequence>> seqs_;  // slot -> sequence (nullptr: free)
@@ -154,14 +177,9 @@ class DraftIndex {
   NgramMap<CorpusList> corpus_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_entries_;
-  // Scratch reused by every draft.
-  std::vector<Candidate> cands_;
-  std::vector<Node> nodes_;
-  std::vector<double> conf_;
-  std::vector<int32_t> heap_;
-  std::vector<int32_t> kids_;
-  std::vector<std::pair<int32_t, int32_t>> stack_;
-  std::vector<char> picked_;
+  // Scratch of single drafts, and of draft_rows' threads.
+  Scratch scratch_;
+  std::vector<Scratch> pool_scratch_;
 };
 
 }  // namespace lookahead

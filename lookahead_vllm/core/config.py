@@ -118,6 +118,9 @@ class LookaheadConfig:
     index_candidates: int = 16
     index_occurrences: int = 32
     index_corpus_tokens: int = 1 << 20
+    # Threads the native index drafts a step's rows on (the drafts do not
+    # depend on it; at least 32 rows a thread): 0 = min(4, usable cores).
+    index_threads: int = 0
     # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
     # most pool n-grams verified per step / kept per first token G.
     jacobi_window: int = 4
@@ -162,6 +165,7 @@ class LookaheadConfig:
         _check_int("index_candidates", self.index_candidates, 1, 1024)
         _check_int("index_occurrences", self.index_occurrences, 1, 1024)
         _check_int("index_corpus_tokens", self.index_corpus_tokens, 0, 1 << 34)
+        _check_int("index_threads", self.index_threads, 0, 256)
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
         _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
@@ -214,6 +218,15 @@ class LookaheadConfig:
 
         return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
                                 self.index_candidates, self.index_corpus_tokens)
+
+    @property
+    def draft_threads(self) -> int:
+        """``index_threads``, with 0 resolved to min(4, the cores this process may use)."""
+        if self.index_threads:
+            return self.index_threads
+        import os
+
+        return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
     @property
     def lookahead_nodes(self) -> int:

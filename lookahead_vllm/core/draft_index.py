@@ -222,11 +222,15 @@ class DraftIndex:
         nodes = self._merge(sid, cands, budget)
         return _select_chain(nodes, budget, floor) if not tree else _select_tree(nodes, budget, floor)
 
-    def draft_batch(self, sids: Sequence[int], budgets: Sequence[int], floor: float = 0.0, tree: bool = False
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def draft_batch(self, sids: Sequence[int], budgets: Sequence[int], floor: float = 0.0, tree: bool = False,
+                    threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Drafts of many sequences: ``tokens [B, K]`` int32, ``parents [B, K]``
         int32, ``confidence [B, K]`` float64, ``lengths [B]`` int32 with
-        ``K = max(budgets)``; row ``i`` holds ``lengths[i]`` nodes."""
+        ``K = max(budgets)``; row ``i`` holds ``lengths[i]`` nodes. The native
+        index spreads the rows over up to ``threads`` threads (the drafts do
+        not depend on it; here it is only checked)."""
+        if not 1 <= threads <= 256:
+            raise ValueError(f"threads={threads}: must be in [1, 256]")
         width = max((int(b) for b in budgets), default=0)
         tokens = np.zeros((len(sids), width), np.int32)
         parents = np.full((len(sids), width), -1, np.int32)

@@ -57,6 +57,7 @@ class Drafter:
         if config.uses_index and config.index_backoff:
             self.backoff = make_index(config, native, config.index_backoff)
         self.trie = TokenTrie(config) if config.uses_trie else None
+        self.threads = config.draft_threads
         # Trie source only: slot -> tokens inserted so far, and its context index.
         self._inserted: dict[int, int] = {}
         self._contexts: dict[int, ContextIndex] = {}
@@ -179,10 +180,11 @@ class Drafter:
     def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
-        tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree))
+        tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree), self.threads)
         if self.backoff is not None and not lens.all():
             miss = np.flatnonzero(lens == 0)
-            btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree))
+            btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree),
+                                                                self.threads)
             width = max(tok.shape[1], btok.shape[1])
             tok, par, conf = (_widen(a, width) for a in (tok, par, conf))
             tok[miss, :btok.shape[1]], par[miss, :btok.shape[1]] = btok, bpar

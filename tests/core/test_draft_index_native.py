@@ -254,3 +254,30 @@ def test_make_draft_index_choice(monkeypatch):
     assert not native.make_draft_index(cfg).native
     with pytest.raises(ImportError, match="pip install -e"):
         native.make_draft_index(cfg, native=True)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_threaded_batch_equals_one_thread_and_the_reference(tree):
+    """A batch large enough for several threads (32+ rows each) drafts the
+    same rows whatever the thread count, equal to the reference."""
+    text = np.frombuffer(README.read_bytes(), dtype=np.uint8).astype(np.int32)
+    cfg = DraftIndexConfig(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=4000)
+    ref, nat = _pair(cfg)
+    rng = np.random.default_rng(1)
+    for sid in range(40):  # finished outputs in the corpus
+        start = int(rng.integers(0, len(text) - 200))
+        for index in (ref, nat):
+            index.add(1000 + sid, text[start:start + 200].tolist(), 100)
+            index.finish(1000 + sid)
+    sids = list(range(150))
+    for sid in sids:
+        start, length = int(rng.integers(0, len(text) - 300)), int(rng.integers(20, 300))
+        for index in (ref, nat):
+            index.add(sid, text[start:start + length].tolist(), 10)
+    budgets = [int(b) for b in rng.integers(0, 12, len(sids))]
+    want = ref.draft_batch(sids, budgets, 0.01, tree)
+    assert (want[3] > 0).sum() > 100  # most rows draft
+    for threads in (1, 2, 3, 8):
+        _assert_same_batch(want, nat.draft_batch(np.array(sids), np.array(budgets), 0.01, tree, threads))
+    with pytest.raises(ValueError, match="threads=0"):
+        nat.draft_batch(np.array(sids), np.array(budgets), 0.01, tree, 0)

@@ -43,7 +43,8 @@ def _greedy(n: int, max_tokens: int = MAX_TOKENS):
         # Slow (~50 s): "both" at bs 8 covers the window in a batch in the default suite.
         pytest.param("jacobi", "humaneval", 8, marks=pytest.mark.slow),
         ("both", "humaneval", 8),
-        ("trie", "mtbench", 8),
+        # Slow (~30 s): the trie's trees at bs 8 are in test_tree_verify's default cases.
+        pytest.param("trie", "mtbench", 8, marks=pytest.mark.slow),
     ],
 )
 def test_jacobi_greedy_identical_to_plain(engines, prompts, source, dataset, bs):

@@ -128,8 +128,8 @@ def test_array_path_equals_per_request_path(seed, settings):
     assert fast.metrics.skipped_request_steps == slow.metrics.skipped_request_steps
     # The workload exercised what it claims: drafts handed out and accepted,
     # calibration evidence, rewinds, and the states follow the requests.
-    assert handed > 300 and counters[0]["context_accepted_tokens"] > 100
-    assert fast.calibrator.nodes.sum() > 200 and counters[0]["rewinds"] > 0
+    assert handed > 150 and counters[0]["context_accepted_tokens"] > 50
+    assert fast.calibrator.nodes.sum() > 100 and counters[0]["rewinds"] > 0
     assert set(fast.request_ids()) == set(slow.request_ids())
     if settings.get("load_stop_at"):
         assert fast.metrics.skipped_request_steps["load"] > 0
