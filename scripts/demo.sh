@@ -9,7 +9,7 @@
 #
 # Env: LOOKAHEAD_DEMO_DIR (where the log, JSON and plot go; default a new
 # folder under $TMPDIR or /tmp), LOOKAHEAD_SKIP_SETUP=1 (skip scripts/setup.sh),
-# LOOKAHEAD_CPU_PRELOAD=1 (preload tcmalloc and Intel OpenMP, see scripts/cpu_env.sh).
+# LOOKAHEAD_CPU_PRELOAD=0 (no tcmalloc / Intel OpenMP preload, see scripts/cpu_env.sh).
 set -euo pipefail
 case "${1:-}" in -h | --help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ else
 fi
 
 # shellcheck source=scripts/cpu_env.sh
-source scripts/cpu_env.sh  # sets LD_PRELOAD only with LOOKAHEAD_CPU_PRELOAD=1
+source scripts/cpu_env.sh  # sets LD_PRELOAD unless LOOKAHEAD_CPU_PRELOAD=0
 [ -n "${LD_PRELOAD:-}" ] && echo "      LD_PRELOAD=$LD_PRELOAD"
 
 methods=(plain ngram8)

