@@ -9,7 +9,10 @@ requests in flight. The traffic is drawn once from ``--seed``:
                about a long document)
   stream       streamed (SSE) or not; some streams are cut off by the client
                after a few chunks (the server must abort the request)
-  sampling     greedy, or sampled (temperature 0.8, top_p 0.95, a seed)
+  sampling     greedy, or sampled (temperature 0.8, top_p 0.95, a seed; no
+               seed on vllm-cpu: vLLM 0.32's runner rewinds a seeded request's
+               generator with ``set_offset`` when its prefill is chunked, which
+               a CPU generator refuses, killing the engine, plain or not)
   lookahead    off for some requests (``vllm_xargs: {lookahead_enabled: false}``)
   long         prompts within 16 tokens of ``max_model_len - max_tokens``
   bad field    an out-of-range per-request field: must be answered 400 with
@@ -131,8 +134,9 @@ def long_text(tokenizer: Any, sources: list[str], num_tokens: int, rng: random.R
 
 
 def make_traffic(n: int, seed: int, tokenizer: Any, max_model_len: int, max_tokens: int,
-                 mix: Mix | None = None) -> list[Req]:
-    """``n`` requests drawn from ``seed``: the same list for both servers."""
+                 mix: Mix | None = None, seeded: bool = True) -> list[Req]:
+    """``n`` requests drawn from ``seed``: the same list for both servers
+    (sampled ones with a per-request seed if ``seeded``)."""
     from lookahead_vllm.datasets import load_humaneval, load_mtbench
 
     mix = mix or Mix()
@@ -158,7 +162,8 @@ def make_traffic(n: int, seed: int, tokenizer: Any, max_model_len: int, max_toke
             prompt = rng.choice(code)
         extra: dict[str, Any] = {"temperature": 0.0}
         if not greedy:
-            extra = {**SAMPLING, "seed": rng.randrange(1 << 30)}
+            request_seed = rng.randrange(1 << 30)  # drawn either way: the same traffic otherwise
+            extra = {**SAMPLING, "seed": request_seed} if seeded else dict(SAMPLING)
         if off:
             extra["vllm_xargs"] = {"lookahead_enabled": False}
         req = Req(i, api, prompt, rng.randint(max_tokens // 2, max_tokens), stream, greedy, long, off,
@@ -615,8 +620,13 @@ def main(argv: list[str] | None = None) -> int:
     fields = json.loads(args.lookahead_config)
     config = LookaheadConfig(**fields)
     model = args.model or str(prepare_smollm2())
+    from lookahead_vllm.serve import is_cpu_install
+
+    seeded = not is_cpu_install()
+    if not seeded:
+        log("sampled requests carry no seed on vllm-cpu (vLLM 0.32 crashes rewinding a CPU generator; module docstring)")
     reqs = make_traffic(args.requests, args.seed, AutoTokenizer.from_pretrained(model), args.max_model_len,
-                        args.max_tokens)
+                        args.max_tokens, seeded=seeded)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     print(f"server logs: {log_dir}", file=sys.stderr)

@@ -51,8 +51,10 @@ def traffic(smollm2_dir):
     from transformers import AutoTokenizer
 
     mix = bench.Mix(stream=0.5, disconnect=0.3, sampled=0.3, lookahead_off=0.15, long=0.12, bad=0.0)
+    from lookahead_vllm.serve import is_cpu_install
+
     reqs = bench.make_traffic(NUM_REQUESTS, SEED, AutoTokenizer.from_pretrained(smollm2_dir), MAX_MODEL_LEN,
-                              MAX_TOKENS, mix)
+                              MAX_TOKENS, mix, seeded=not is_cpu_install())
     reqs += bench.bad_field_requests(len(reqs), "def fib(n):", 4)
     # The seed covers every kind of request (else the assertions below prove less).
     assert any(r.long for r in reqs) and any(r.disconnect_after for r in reqs)
