@@ -408,7 +408,8 @@ class LookaheadProposer:
         states = [self._state(batch.req_ids[i]) for i in rows]
         verified = []
         for i, st in zip(rows, states):
-            verified.append(self._verified_offer(st, sampled_token_ids[i], len(self._scheduled.get(batch.req_ids[i], ()))))
+            scheduled = len(self._scheduled.get(batch.req_ids[i], ()))
+            verified.append(self._verified_offer(st, sampled_token_ids[i], scheduled))
             st.plan, st.context_nodes = None, 0
         self._book_offers(verified)
         self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
