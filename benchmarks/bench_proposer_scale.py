@@ -5,8 +5,11 @@ hook ``on_step``, then ``propose()`` every step over the persistent batch's
 token table), with no model forward: ``B`` running requests whose prompts are
 real text (the docqa documents, tokenized with the bundled tokenizer), each
 committing per step the tokens of its last draft that match its text, then
-one more (as verification would: drafts are booked, the calibrator learns). Settings as on a GPU server: load adaptation raised so every row
-drafts, tokens priced as on a GPU. Reports per source (``index``: native
+one more (as verification would: drafts are booked, the calibrator learns).
+Load adaptation is raised and the forward-cost model is off, so every row
+drafts and every draft is handed out and booked: the most work the proposer
+does per step (with GPU token prices, 64 free tokens, no draft pays at 64+
+rows and none would be handed out). Reports per source (``index``: native
 draft index; ``index+trie``: plus the pure-Python trie) the milliseconds per
 engine step (median, p99, max), the milliseconds to admit one more prompt
 into the running batch, and the drafter's memory estimate and process RSS.
@@ -46,7 +49,7 @@ def make_proposer(source: str, k: int, max_len: int) -> Any:
 
     name = source.removesuffix(PER_REQUEST)
     proposer = standalone_proposer(k, max_len, {"source": name, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                                "cost_free_tokens": 64, "cost_marginal_tokens": 64.0})
+                                                "cost_free_tokens": 0})
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
     return proposer
 
