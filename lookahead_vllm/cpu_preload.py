@@ -46,13 +46,25 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return value == "1"
 
 
+# What vLLM's CPU platform looks for in LD_PRELOAD: an OpenMP runtime (it
+# preloads PyTorch's libgomp itself when none is there, and refuses Intel's
+# and GNU's together) and tcmalloc.
+OPENMP_NAMES = ("libiomp", "libomp", "libgomp")
+
+
 def preloaded_env(environ: Mapping[str, str] = os.environ) -> dict[str, str] | None:
     """``environ`` with the libraries put in front of ``LD_PRELOAD``, or None
-    when there is nothing to add (off, none found, or already there)."""
+    when there is nothing to add (off, none found, or already there). An
+    OpenMP runtime or tcmalloc already preloaded (e.g. by vLLM into a parent
+    process's environment) is kept and not doubled."""
     if not enabled(environ):
         return None
-    have = [p for p in environ.get("LD_PRELOAD", "").split(":") if p]
-    new = [p for p in preload_libs(environ) if p not in have]
+    preload = environ.get("LD_PRELOAD", "")
+    have = [p for p in preload.split(":") if p]
+    has_openmp = any(name in preload for name in OPENMP_NAMES)
+    has_tcmalloc = "libtcmalloc" in preload
+    new = [p for p in preload_libs(environ)
+           if p not in have and not ("libiomp" in p and has_openmp) and not ("tcmalloc" in p and has_tcmalloc)]
     if not new:
         return None
     return {**environ, "LD_PRELOAD": ":".join(new + have)}

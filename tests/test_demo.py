@@ -130,6 +130,13 @@ def test_serve_reexecutes_itself_with_the_preload(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_CPU_PRELOAD", "0")
     serve.reexec_with_cpu_preload(["bundled"])
     assert len(calls) == 1
+    # vLLM preloads PyTorch's libgomp into its own environment when no OpenMP
+    # runtime is there, and refuses libgomp and libiomp together: a server
+    # started from such a process adds no libiomp.
+    monkeypatch.setenv("LOOKAHEAD_CPU_PRELOAD", "1")
+    monkeypatch.setenv("LD_PRELOAD", "/torch/lib/libgomp-a34b3233.so.1")
+    serve.reexec_with_cpu_preload(["bundled"])
+    assert all("libiomp" not in c[1]["LD_PRELOAD"] for c in calls[1:])
     monkeypatch.setenv("LOOKAHEAD_CPU_PRELOAD", "yes")
     with pytest.raises(SystemExit, match="LOOKAHEAD_CPU_PRELOAD='yes': must be 0"):
         serve.reexec_with_cpu_preload(["bundled"])
