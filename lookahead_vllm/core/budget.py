@@ -76,6 +76,11 @@ class ForwardCost:
         extra = self.path_setup + paths * self.per_path if paths else 0.0
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
+    def token_costs(self, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`__call__` for many token counts at once, no extra paths
+        (``free_tokens > 0``)."""
+        return 1.0 + np.maximum(0, tokens - self.free_tokens) / self.marginal_tokens
+
 
 def forward_cost(
     config: "LookaheadConfig", platform_paths: tuple[float, float] = (0.0, 0.0), platform: str = "cpu"
@@ -176,7 +181,7 @@ def allocate_chain_budget(
         rows = rows_n if num_rows is None else num_rows
         gained = np.cumsum(conf[order[:limit]])
         tokens = rows + np.arange(1, limit + 1)
-        rate = (rows + gained) / (1.0 + np.maximum(0, tokens - cost.free_tokens) / cost.marginal_tokens)
+        rate = (rows + gained) / cost.token_costs(tokens)
         best = int(np.argmax(rate))
         take = best + 1 if rate[best] > rows / cost(rows) else 0
     return np.bincount(row[order[:take]], minlength=rows_n)
