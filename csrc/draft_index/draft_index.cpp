@@ -60,10 +60,13 @@ void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t promp
   if (n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
   const uint32_t slot = new_slot(sid, static_cast<uint32_t>(prompt_len));
   Sequence& s = *seqs_[slot];
-  s.tokens.reserve(n);
-  s.own_prev.reserve(n);
+  // Room for the output too: a batch admitted together would otherwise
+  // reallocate every sequence's text in the same step (the first one).
+  const size_t room = n + n / 2 + 64;
+  s.tokens.reserve(room);
+  s.own_prev.reserve(room);
   s.own.reserve(n);
-  s.out_entry.reserve(n - prompt_len);
+  s.out_entry.reserve(room - prompt_len);
   append(slot, tokens, n);
 }
 
@@ -182,6 +185,7 @@ void DraftIndex::finish(int64_t sid) {
   s.tokens.erase(s.tokens.begin(), s.tokens.begin() + s.prompt_len);  // keep the output only
   s.prompt_len = 0;
   s.tokens.shrink_to_fit();
+  s.out_entry.shrink_to_fit();
   finished_.push_back(slot);
   finished_tokens_ += static_cast<int64_t>(s.out_len());
   while (!finished_.empty() && finished_tokens_ > cfg_.corpus_tokens) {

@@ -107,12 +107,13 @@ class ConfidenceCalibrator:
         and whether each was accepted (one step's drafts at once, or one draft)."""
         if not len(kinds):
             return
-        bins = np.searchsorted(BIN_EDGES, raw, side="left")
-        np.add.at(self.predicted, (kinds, bins), raw)
-        np.add.at(self.accepted, (kinds, bins), accepted.astype(np.float64))
-        np.add.at(self.nodes, (kinds, bins), 1.0)
-        touched = np.unique(kinds * self.nodes.shape[1] + bins)
-        k, b = np.divmod(touched, self.nodes.shape[1])
+        width = self.nodes.shape[1]
+        cell = np.asarray(kinds, np.int64) * width + np.searchsorted(BIN_EDGES, raw, side="left")
+        size = self.nodes.size
+        self.predicted += np.bincount(cell, raw, size).reshape(self.predicted.shape)
+        self.accepted += np.bincount(cell, accepted, size).reshape(self.accepted.shape)
+        self.nodes += np.bincount(cell, None, size).reshape(self.nodes.shape)
+        k, b = np.divmod(np.unique(cell), width)
         full = self.nodes[k, b] >= HALF_LIFE_NODES
         for arr in (self.predicted, self.accepted, self.nodes):
             arr[k[full], b[full]] /= 2

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from itertools import chain
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -353,7 +352,7 @@ class LookaheadProposer:
         states = [self._states.get(r) or self._state(r) for r in req_ids]
         slots = np.fromiter((st.slot for st in states), np.int64, len(states))
         num_tokens = num_tokens_no_spec[rows]
-        self._book_chains(slots, req_ids, [sampled[i] for i in rows.tolist()])
+        self._book_chains(slots, req_ids, token_ids_cpu, rows, num_tokens, sampled_lens[rows])
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
         budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
         drafting = np.flatnonzero(budgets > 0)
@@ -371,10 +370,12 @@ class LookaheadProposer:
             drafts[row] = toks[:n]
         return drafts, len(rows), skipped, load_budget
 
-    def _book_chains(self, slots: np.ndarray, req_ids: list[str], sampled: list[list[int]]) -> None:
+    def _book_chains(self, slots: np.ndarray, req_ids: list[str], token_ids: np.ndarray, rows: np.ndarray,
+                     num_tokens: np.ndarray, emitted_lens: np.ndarray) -> None:
         """Book last step's chains (``ChainOffers``) against what this step's
-        rows emitted (``sampled``: accepted tokens, then the bonus), cut to
-        what the scheduler verified of them: accepted tokens and the
+        rows emitted (accepted tokens, then the bonus: the last
+        ``emitted_lens[i]`` of ``token_ids[rows[i], :num_tokens[i]]``), cut
+        to what the scheduler verified of them: accepted tokens and the
         calibrator's evidence."""
         offers = self._offers
         at, found = offers.find(slots)
@@ -387,8 +388,11 @@ class LookaheadProposer:
         if not len(booked):
             return
         width = offers.tokens.shape[1]
-        emitted = _padded([sampled[j] for j in booked.tolist()], width)
         cols = np.arange(width)[None, :]
+        lens = emitted_lens[booked][:, None]
+        # The emitted tokens, read from the runner's token table (-1 past them).
+        where = np.clip(num_tokens[booked][:, None] - lens + cols, 0, token_ids.shape[1] - 1)
+        emitted = np.where(cols < lens, token_ids[rows[booked][:, None], where], -1)
         verified = verified[booked][:, None]
         hit = (offers.tokens[at[booked]] == emitted) & (cols < verified)
         accepted = np.logical_and.accumulate(hit, axis=1)
@@ -628,18 +632,6 @@ class LookaheadProposer:
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)
         return state is not None and tree_verifiable(state.sampling_params)
-
-
-def _padded(lists: list[list[int]], width: int) -> np.ndarray:
-    """``lists`` as a ``[len(lists), width]`` array, cut to ``width``, padded with -1."""
-    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
-    flat = np.fromiter(chain.from_iterable(lists), np.int64, int(lengths.sum()))
-    starts = np.cumsum(lengths) - lengths
-    cols = np.arange(width)[None, :]
-    inside = cols < lengths[:, None]
-    out = np.full((len(lists), width), -1, np.int64)
-    out[inside] = flat[(starts[:, None] + cols)[inside]]
-    return out
 
 
 def _platform() -> str:
