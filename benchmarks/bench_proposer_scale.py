@@ -44,12 +44,19 @@ def log(message: str) -> None:
 PER_REQUEST = ":per-request"
 
 
-def make_proposer(source: str, k: int, max_len: int) -> Any:
+def make_proposer(source: str, k: int, max_len: int, prices: str = "off") -> Any:
+    """The proposer for one cell; ``prices``: "off" (the cost model off: every
+    draft handed out) or a platform whose token prices it uses ("gpu")."""
+    from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS
     from lookahead_vllm.vllm.standalone import standalone_proposer
 
     name = source.removesuffix(PER_REQUEST)
+    costs = {"cost_free_tokens": 0}
+    if prices != "off":
+        free, marginal = PLATFORM_TOKEN_COSTS[prices]
+        costs = {"cost_free_tokens": free, "cost_marginal_tokens": marginal}
     proposer = standalone_proposer(k, max_len, {"source": name, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                                "cost_free_tokens": 0})
+                                                **costs})
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
     return proposer
 
@@ -84,6 +91,7 @@ class Batch:
         # Last step's drafts by request id (none before the first step).
         self.drafts: dict[str, list[int]] = {}
         self.accepted = 0  # draft tokens accepted in all
+        self.drafted = 0  # draft tokens handed out in all
 
     def step(self, proposer: Any, new: list[Any] = ()) -> float:
         """Verify last step's drafts against the text, then time one engine
@@ -106,17 +114,19 @@ class Batch:
         drafts = proposer.propose(sampled, self.num_tokens, self.token_ids)
         seconds = time.perf_counter() - start
         self.drafts = dict(zip(self.req_ids, drafts))
+        self.drafted += sum(map(len, drafts))
         self.accepted += sum(map(len, sampled)) - len(sampled)
         return seconds
 
 
-def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray) -> dict[str, Any]:
+def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
+             prices: str = "off") -> dict[str, Any]:
     # Room for every step to accept a whole draft (k tokens) and its bonus.
     max_len = prompt_tokens + (k + 1) * (steps + 2) + 16
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + 1)]
-    proposer = make_proposer(source, k, max_len)
+    proposer = make_proposer(source, k, max_len, prices)
     runner = Batch(texts[:batch], prompt_tokens, max_len)
     admit_all = runner.step(proposer)  # the whole batch admitted at once
     times = [runner.step(proposer) for _ in range(steps)]
@@ -128,7 +138,8 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     admit_step = grown.step(proposer)
     times_sorted = sorted(times)
     return {
-        "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k,
+        "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
+        "draft_tokens_per_step": runner.drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
         "accepted_per_request_step": runner.accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * steady,
@@ -170,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--k", type=int, default=16, help="draft slots (num_speculative_tokens); default as `vllm serve`")
     p.add_argument("--sources", nargs="+", default=["index", "index" + PER_REQUEST, "index+trie"],
                    help=f"draft sources (config `source`); with {PER_REQUEST!r}: the proposer's per-request path")
+    p.add_argument("--prices", choices=["off", "gpu"], default="off",
+                   help="off: the cost model off, every draft handed out and booked (the most work); gpu: "
+                        "GPU token prices (few drafts pay at 64+ rows)")
     p.add_argument("--out", type=Path, default=RESULTS / "proposer_scale.json")
     args = p.parse_args(argv)
     for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps])):
@@ -189,11 +203,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for source in args.sources:
         for batch in args.batch:
             for tokens in args.prompt_tokens:
-                cell = run_cell(source, batch, tokens, args.steps, args.k, text)
+                cell = run_cell(source, batch, tokens, args.steps, args.k, text, args.prices)
                 cells.append(cell)
                 log(f"{source:19s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
                     f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
-                    f"{cell['admit_ms_one_more_prompt']:.2f} ms; drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
+                    f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
                 report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
                 args.out.write_text(json.dumps(report, indent=1))
                 plot(cells, args.out.with_suffix(".png"))
