@@ -76,6 +76,16 @@ class ForwardCost:
         extra = self.path_setup + paths * self.per_path if paths else 0.0
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
+    def draft_pays(self, rows: int) -> bool:
+        """Whether any draft token can raise the expected throughput of a step
+        of ``rows`` rows (each scoring one token). Not once the step is past
+        the free tokens and further tokens cost at least their share of them
+        (``marginal_tokens <= free_tokens``): then ``t / cost(t)`` no longer
+        grows with ``t``, so ``m`` tokens gaining at most ``m`` (confidences
+        are at most 1) never beat ``rows / cost(rows)``. Extra paths only add
+        cost. The allocators keep no token then; callers skip drafting."""
+        return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
+
     def token_costs(self, tokens: np.ndarray) -> np.ndarray:
         """:meth:`__call__` for many token counts at once, no extra paths
         (``free_tokens > 0``)."""

@@ -28,7 +28,9 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_draft_tokens_total                    draft nodes handed to vLLM
   lookahead_accepted_tokens_total                 draft tokens the target accepted
   lookahead_skipped_request_steps_total{reason}   request-steps not drafted: "request"
-                                                  (per-request off/cap 0) or "load"
+                                                  (per-request off/cap 0), "load" (load
+                                                  adaptation) or "cost" (at this batch size
+                                                  no draft token can pay, by the cost model)
   lookahead_drafter_seconds                       histogram: drafter wall time per step
   lookahead_draft_tokens_per_step                 histogram: draft nodes per step (whole batch)
   lookahead_accepted_tokens_per_step              histogram: accepted draft tokens per step
@@ -55,7 +57,7 @@ STATS_DIR_ENV = "LOOKAHEAD_VLLM_STATS_DIR"
 PUBLISH_INTERVAL_S = 0.5
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-SKIP_REASONS = ("request", "load")
+SKIP_REASONS = ("request", "load", "cost")
 
 _counter = itertools.count()
 _setup_done = False

@@ -329,16 +329,19 @@ class LookaheadProposer:
     def _budgets(self, num_tokens: np.ndarray, caps: Sequence[int | None], batch: Any
                  ) -> tuple[np.ndarray, dict[str, int], int]:
         """Per row its draft budget: load adaptation (core/load.py), the
-        request's cap, the room left before max_model_len; and the rows skipped
-        (by load, by their request's cap)."""
+        cost model (no draft can pay at this many rows: ForwardCost.draft_pays),
+        the request's cap, the room left before max_model_len; and the rows
+        skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
+        skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
+        if load_budget == 0 or not self.cost.draft_pays(len(num_tokens)):
+            skipped["load" if load_budget == 0 else "cost"] = len(caps)
+            return np.zeros(len(caps), np.int64), skipped, load_budget
         budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
-        capped = 0
         for j, cap in enumerate(caps):
             if cap is not None:
                 budgets[j] = min(budgets[j], cap)
-                capped += cap == 0
-        skipped = {"load": len(caps) if load_budget == 0 else 0, "request": 0 if load_budget == 0 else capped}
+                skipped["request"] += cap == 0
         return budgets, skipped, load_budget
 
     def _propose_chains(self, sampled: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,

@@ -59,3 +59,31 @@ def test_chain_calibration_equals_per_tree_calibration(history, probe):
     for i, r in enumerate(rows):
         tree = DraftTree(tuple(range(len(r))), tuple(range(-1, len(r) - 1)), (1.0,) * len(r), tuple(r))
         np.testing.assert_allclose(got[i, :len(r)], batch.calibrate(tree, [KIND_CONTEXT] * len(r)), rtol=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chains(), st.integers(0, 300), st.integers(1, 128), st.floats(1.0, 256.0))
+def test_where_no_draft_pays_the_allocators_keep_none(rows_arr, extra_rows, free, marginal):
+    """ForwardCost.draft_pays False (the proposer then skips drafting) means
+    neither allocator would keep a token, whatever the confidences (< 1 here:
+    at exactly 1 the rate only ties the baseline, up to rounding)."""
+    rows, arr = rows_arr
+    arr = np.minimum(arr, 0.999)
+    rows = [[min(c, 0.999) for c in r] for r in rows]
+    cost = ForwardCost(free, marginal)
+    num_rows = len(rows) + extra_rows
+    if cost.draft_pays(num_rows):
+        return
+    lengths = np.array([len(r) for r in rows])
+    assert not allocate_chain_budget(arr, lengths, None, num_rows, cost).any()
+    assert not any(allocate_step_budget(rows, None, num_rows, cost))
+
+
+def test_draft_pays_at_the_platform_prices():
+    gpu, cpu = ForwardCost(64, 64.0), ForwardCost(5, 20.0)
+    assert gpu.draft_pays(63) and not gpu.draft_pays(64) and not gpu.draft_pays(256)
+    assert cpu.draft_pays(1) and cpu.draft_pays(256)  # each 20 tokens past 5 cost one forward: certain tokens pay
+    assert ForwardCost(0, 1.0).draft_pays(10_000)  # no cost model
+    # Where it says a draft may pay, a certain one is kept.
+    for cost, rows in ((gpu, 63), (cpu, 256)):
+        assert allocate_chain_budget(np.ones((rows, 4)), np.full(rows, 4), None, rows, cost).sum() > 0

@@ -105,7 +105,7 @@ def test_per_request_cap_and_off():
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
     assert drafts == [[], [8, 9]]
     assert p.drafter.num_requests() == 2  # an opted-out request still feeds the index
-    assert p.metrics.skipped_request_steps == {"request": 1, "load": 0}
+    assert p.metrics.skipped_request_steps == {"request": 1, "load": 0, "cost": 0}
     step(p, {"c": B + [7]}, {"c": len(B)}, finished=["a", "b"])
     assert p.num_request_states() == 1  # states (and their caps) go with their requests
 
@@ -124,6 +124,20 @@ def test_load_adaptation_shrinks_then_stops_drafting():
     assert step(stop, rows6, {r: len(B) for r in rows6}) == [[]] * 6
     assert stop.metrics.skipped_request_steps["load"] == 6 and stop.metrics.load_budget == 0
     assert stop.drafter.num_requests() == 6  # tokens still indexed while not drafting
+
+
+def test_no_drafting_where_the_cost_model_says_no_draft_pays():
+    # 4 tokens per forward for free, each 4 more cost one more forward: from 4
+    # rows on, no draft token can raise the step's throughput.
+    lens = {f"r{i}": len(B) for i in range(4)}
+    priced = dict(k=4, min_draft_confidence=0.0, cost_free_tokens=4, cost_marginal_tokens=4.0)
+    p = make_proposer(**priced)
+    assert step(p, {r: B + [7] for r in lens}, lens) == [[]] * 4
+    assert p.metrics.skipped_request_steps == {"request": 0, "load": 0, "cost": 4}
+    assert p.drafter.num_requests() == 4  # still indexed
+    three = make_proposer(**priced)  # 3 rows: one token still rides free
+    assert sum(map(len, step(three, {r: B + [7] for r in list(lens)[:3]}, lens))) > 0
+    assert three.metrics.skipped_request_steps["cost"] == 0
 
 
 def test_forward_cost_model_trims_batch_drafts():
