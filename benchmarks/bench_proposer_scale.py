@@ -8,11 +8,12 @@ committing per step the tokens of its last draft that match its text, then
 one more (as verification would: drafts are booked, the calibrator learns).
 Load adaptation is raised and the forward-cost model is off, so every row
 drafts and every draft is handed out and booked: the most work the proposer
-does per step (with GPU token prices, 64 free tokens, no draft pays at 64+
-rows and none would be handed out). Reports per source (``index``: native
-draft index; ``index+trie``: plus the pure-Python trie) the milliseconds per
-engine step (median, p99, max), the milliseconds to admit one more prompt
-into the running batch, and the drafter's memory estimate and process RSS.
+does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
+tokens: from 64 rows on no draft pays, and the proposer only indexes).
+Reports per source (``index``: native draft index; ``index+trie``: plus the
+pure-Python trie) the milliseconds per engine step (median, p99, max), the
+milliseconds to admit one more prompt into the running batch (median and max
+of 5), and the drafter's memory estimate and process RSS.
 
 Example::
 
@@ -42,6 +43,8 @@ def log(message: str) -> None:
 # A source named with this suffix runs the proposer's per-request path (the
 # array path's comparison: LookaheadProposer.batch_chains off).
 PER_REQUEST = ":per-request"
+# Prompts admitted one at a time into the running batch after the timed steps.
+ADMISSIONS = 5
 
 
 def make_proposer(source: str, k: int, max_len: int, prices: str = "off") -> Any:
@@ -122,31 +125,39 @@ class Batch:
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
              prices: str = "off") -> dict[str, Any]:
     # Room for every step to accept a whole draft (k tokens) and its bonus.
-    max_len = prompt_tokens + (k + 1) * (steps + 2) + 16
+    max_len = prompt_tokens + (k + 1) * (steps + 2 + 3 * ADMISSIONS) + 16
     span = max_len
     rng = np.random.default_rng(0)
-    texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + 1)]
+    texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
     proposer = make_proposer(source, k, max_len, prices)
     runner = Batch(texts[:batch], prompt_tokens, max_len)
     admit_all = runner.step(proposer)  # the whole batch admitted at once
     times = [runner.step(proposer) for _ in range(steps)]
-    # One more prompt joins the running batch: that step's extra time is its admission.
-    grown = Batch(texts, prompt_tokens, max_len)
-    grown.num_tokens[:batch] = runner.num_tokens
-    grown.drafts = runner.drafts
-    steady = statistics.median(times)
-    admit_step = grown.step(proposer)
+    # One more prompt joins the running batch, ADMISSIONS times, each in a
+    # step between two plain ones: an admission's cost is its step's time
+    # less the mean of those two.
+    admits, grown = [], runner
+    for _ in range(ADMISSIONS):
+        before = grown.step(proposer)
+        n = len(grown.req_ids)
+        bigger = Batch(texts[:n + 1], prompt_tokens, max_len)
+        bigger.num_tokens[:n], bigger.drafts = grown.num_tokens, grown.drafts
+        admit = bigger.step(proposer)
+        after = bigger.step(proposer)
+        admits.append(admit - statistics.median([before, after]))
+        grown = bigger
     times_sorted = sorted(times)
     return {
         "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
         "draft_tokens_per_step": runner.drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
         "accepted_per_request_step": runner.accepted / (batch * (steps + 1)),
-        "step_ms_median": 1e3 * steady,
+        "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
         "step_ms_max": 1e3 * times_sorted[-1],
         "admit_ms_per_prompt_batch_start": 1e3 * admit_all / batch,
-        "admit_ms_one_more_prompt": 1e3 * max(0.0, admit_step - steady),
+        "admit_ms_one_more_prompt": 1e3 * max(0.0, statistics.median(admits)),
+        "admit_ms_one_more_prompt_max": 1e3 * max(0.0, max(admits)),
         "drafter_bytes": proposer.drafter.memory_bytes(),
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lookahead_vllm.vllm.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
-    text = corpus_tokens(max(args.prompt_tokens) + (args.k + 1) * (args.steps + 2) + 64)
+    text = corpus_tokens(max(args.prompt_tokens) + (args.k + 1) * (args.steps + 2 + 3 * ADMISSIONS) + 64)
     cells = []
     for source in args.sources:
         for batch in args.batch:
