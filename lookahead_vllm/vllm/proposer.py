@@ -48,7 +48,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
+from lookahead_vllm.vllm import draft_trace, guards, metrics, patches, persistence
 from lookahead_vllm.vllm.config import resolve_lookahead_config
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -219,6 +219,8 @@ class LookaheadProposer:
         self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
         self._persistence.start(self.drafter)
         if self.config.snapshot_path:
+            # Written when the engine shuts down (runner_shutdown), else at exit.
+            patches.apply("runner_shutdown")
             persistence.close_at_exit(self)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -294,10 +296,16 @@ class LookaheadProposer:
             self._persistence.save(self.drafter)
 
     def close(self) -> None:
-        """Engine shutdown: write the snapshot (``snapshot_path``) once."""
+        """Engine shutdown: write the snapshot (``snapshot_path``) once. The
+        requests still held finish first (the last step's finished ids reach
+        the proposer only with the next step), so their outputs are in it."""
         keeper = getattr(self, "_persistence", None)
-        if keeper is not None:
-            keeper.close(self.drafter)
+        if keeper is None or keeper.closed:
+            return
+        if self.config.snapshot_path:
+            for req_id in list(self._states):
+                self.finish(req_id)
+        keeper.close(self.drafter)
 
     def __del__(self) -> None:
         self.close()

@@ -58,6 +58,10 @@ class Engines:
         self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
         return self._llms[name]
 
+    def shutdown(self, name: str) -> None:
+        """Shut engine ``name`` down now (as the engine's owner would)."""
+        shutdown_engine(self._llms.pop(name))
+
     def close(self) -> None:
         while self._llms:
             shutdown_engine(self._llms.popitem()[1])
