@@ -1,6 +1,6 @@
 """Greedy lossless: lookahead's token ids equal plain vLLM's, on a real trained model.
 
-SmolLM2-135M-Instruct (fp32), 20 HumanEval + 10 MT-Bench prompts, batch 1 and
+SmolLM2-135M-Instruct (fp32), 20 HumanEval (the first 10 at batch 1) + 10 MT-Bench prompts, batch 1 and
 batch 8, plus a floor on mean acceptance length so the drafts are really used.
 """
 
@@ -38,17 +38,26 @@ def _plain(engines, prompts, dataset, bs):
     return plain_run(engines, prompts[dataset], _greedy(), bs, (dataset, "greedy"))
 
 
+# Batch 1 runs the first prompts only (a batch-1 step per token is the slow
+# part of the default suite); batch 8 runs them all.
+NUM_BS1 = 10
+
+
 # MT-Bench at batch 1 (~50 s) runs with -m slow; the default suite keeps it at
 # batch 8, HumanEval at both, and test_suite_identity every class at batch 8.
 @pytest.mark.parametrize("dataset,bs", [
     ("humaneval", 1), ("humaneval", 8), pytest.param("mtbench", 1, marks=pytest.mark.slow), ("mtbench", 8)])
 def test_lookahead_greedy_identical_to_plain(engines, prompts, dataset, bs):
+    if bs == 1:
+        name = f"{dataset}[:{NUM_BS1}]"
+        prompts = {name: prompts[dataset][:NUM_BS1]}
+        dataset = name
     plain = _plain(engines, prompts, dataset, bs)
     ours = generate(engines.get("lookahead"), prompts[dataset], _greedy(), bs)
     assert len(ours.token_ids) == len(prompts[dataset])
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert ours.num_drafts > 0
-    assert ours.mean_acceptance_length >= MAL_FLOOR[dataset], ours.mean_acceptance_length
+    assert ours.mean_acceptance_length >= MAL_FLOOR[dataset.split("[")[0]], ours.mean_acceptance_length
 
 
 def test_step_draft_budget_honoured_and_lossless(engines, prompts):
