@@ -1,4 +1,6 @@
-"""Per-request state through preemption, aborts and the drain (SmolLM2, CPU).
+"""Per-request state through preemption and the drain (SmolLM2, CPU). Aborts
+(clients that disconnect mid-stream) are in tests/serve/test_soak.py, which
+asserts the server holds no request state once it drained.
 
 A KV cache of a few blocks makes vLLM queue and preempt requests. A request
 sent with lookahead off must draft nothing throughout, every output must be
