@@ -122,10 +122,16 @@ class Batch:
         return seconds
 
 
+def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
+    """Tokens a request's text needs: its prompt, then room for every step
+    (timed, batch start and the admissions' three each) to accept a whole
+    draft (k tokens) and its bonus."""
+    return prompt_tokens + (k + 1) * (steps + 2 + 3 * ADMISSIONS) + 16
+
+
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
              prices: str = "off") -> dict[str, Any]:
-    # Room for every step to accept a whole draft (k tokens) and its bonus.
-    max_len = prompt_tokens + (k + 1) * (steps + 2 + 3 * ADMISSIONS) + 16
+    max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
@@ -133,6 +139,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     runner = Batch(texts[:batch], prompt_tokens, max_len)
     admit_all = runner.step(proposer)  # the whole batch admitted at once
     times = [runner.step(proposer) for _ in range(steps)]
+    drafted, accepted = runner.drafted, runner.accepted  # the admissions below step this batch too
     # One more prompt joins the running batch, ADMISSIONS times, each in a
     # step between two plain ones: an admission's cost is its step's time
     # less the mean of those two.
@@ -149,9 +156,9 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     times_sorted = sorted(times)
     return {
         "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
-        "draft_tokens_per_step": runner.drafted / (steps + 1),
+        "draft_tokens_per_step": drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
-        "accepted_per_request_step": runner.accepted / (batch * (steps + 1)),
+        "accepted_per_request_step": accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
         "step_ms_max": 1e3 * times_sorted[-1],
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lookahead_vllm.vllm.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
-    text = corpus_tokens(max(args.prompt_tokens) + (args.k + 1) * (args.steps + 2 + 3 * ADMISSIONS) + 64)
+    text = corpus_tokens(text_tokens(max(args.prompt_tokens), args.k, args.steps) + 48)
     cells = []
     for source in args.sources:
         for batch in args.batch:
