@@ -240,9 +240,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.suffix:
             from suffix_replay import replay_suffix
 
-            r = replay_suffix(prompts[test], outputs[test], batch=args.batch)
+            r = replay_suffix(prompts[test], outputs[test], batch=args.batch,
+                              timing=batch1_cost(LookaheadConfig(), args.path_cost and tuple(args.path_cost)))
             results["cells"].append({"dataset": dataset, "variant": "suffix", **r})
-            print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  acc/drafted "
+            print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step "
+                  f"{r['draft_tokens'] / max(r['steps'], 1):5.2f}  acc/drafted "
                   f"{r['acceptance_per_drafted_token']:.3f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,6 +106,10 @@ class ReplayStats:
     batch_steps: int = 0
     propose_calls: int = 0
     propose_s: float = 0.0
+    # Modeled forward time (in single-token forwards, the timing model given
+    # to replay_suffix) of the replay and of plain decoding over the same waves.
+    forwards: float = 0.0
+    plain_forwards: float = 0.0
     draft_lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
@@ -126,6 +130,7 @@ class ReplayStats:
             "drafts": self.drafts, "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_per_drafted_token": self.accepted_tokens / max(self.draft_tokens, 1),
+            "speed": self.plain_forwards / self.forwards if self.forwards else 0.0,
             "drafter_ms_per_call": 1e3 * self.propose_s / max(self.propose_calls, 1),
             "draft_lengths": self.draft_lengths, "accepted": self.accepted,
         }
@@ -203,8 +208,13 @@ def verify(r: ReplayRequest, draft: list[int], stats: ReplayStats) -> None:
     stats.add(len(draft), accepted, emitted)
 
 
-def run_wave(cache: Any, wave: list[ReplayRequest], params: SuffixParams, stats: ReplayStats) -> None:
-    """Step a wave together from its prefills until its last request finishes."""
+def run_wave(cache: Any, wave: list[ReplayRequest], params: SuffixParams, stats: ReplayStats,
+             timing: Callable[[int], float] | None = None) -> None:
+    """Step a wave together from its prefills until its last request finishes.
+    ``timing(tokens)``: a forward's modeled cost, booked into ``stats``."""
+    if timing is not None:
+        lengths = [len(r.output) - r.pos for r in wave]
+        stats.plain_forwards += sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
     rows = wave
     while rows:
         start = time.perf_counter()
@@ -213,6 +223,8 @@ def run_wave(cache: Any, wave: list[ReplayRequest], params: SuffixParams, stats:
         stats.propose_calls += 1
         live = [(r, d) for r, d in zip(rows, drafts) if not r.done]
         stats.batch_steps += bool(live)
+        if timing is not None and live:
+            stats.forwards += timing(sum(1 + len(d) for _, d in live))
         for r, draft in live:
             verify(r, draft, stats)
         rows = [r for r, _ in live]
@@ -220,9 +232,12 @@ def run_wave(cache: Any, wave: list[ReplayRequest], params: SuffixParams, stats:
 
 def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], max_tree_depth: int = MAX_TREE_DEPTH,
                   max_spec_factor: float = MAX_SPEC_FACTOR, min_token_prob: float = MIN_TOKEN_PROB,
-                  batch: int = 1, **extra: Any) -> dict[str, Any]:
+                  batch: int = 1, timing: Callable[[int], float] | None = None, **extra: Any) -> dict[str, Any]:
     """Replay vLLM's suffix decoding over (prompt ids, greedy output ids) pairs.
 
+    ``timing(tokens)``: a forward's cost in single-token forwards (e.g. the
+    simulator's :class:`ForwardCost`); with it, ``speed`` is the modeled
+    speedup over plain decoding of the same waves (else 0).
     ``extra``: the other :class:`SuffixParams` fields (``max_cached_requests``,
     ``num_speculative_tokens``, ``max_model_len``). Returns the
     :meth:`ReplayStats.as_dict` figures; see the module docstring.
@@ -240,7 +255,7 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], max_tree_d
     for first in range(0, len(prompts), batch):
         wave = [ReplayRequest.after_prefill(f"req-{i}", prompts[i], outputs[i])
                 for i in range(first, min(first + batch, len(prompts))) if outputs[i]]
-        run_wave(cache, wave, params, stats)
+        run_wave(cache, wave, params, stats, timing)
     return stats.as_dict()
 
 

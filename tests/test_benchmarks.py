@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -289,6 +290,53 @@ def test_suffix_replay_later_requests_draft_from_earlier_responses():
         replay.replay_suffix(prompts, outputs, batch=0)
     with pytest.raises(ValueError, match="min_token_prob=2"):
         replay.replay_suffix(prompts, outputs, min_token_prob=2)
+
+
+def test_suffix_replay_models_speed_with_the_simulators_timing():
+    """With a timing model, speed = plain forwards / the replay's forwards,
+    each forward priced at 1 + the draft tokens of its rows."""
+    replay = _suffix_replay()
+    from lookahead_vllm.core.budget import ForwardCost
+
+    prompt = list(range(100, 180))
+    free = replay.replay_suffix([prompt], [prompt[:60]], timing=lambda tokens: 1.0)
+    assert free["speed"] == pytest.approx(59 / free["steps"])  # every forward costs one plain forward
+    cost = ForwardCost(2, 4.0)
+    priced = replay.replay_suffix([prompt], [prompt[:60]], timing=cost)
+    assert priced["speed"] == pytest.approx(59 / sum(cost(1 + d) for d in priced["draft_lengths"]))
+    assert priced["speed"] < free["speed"]
+    assert replay.replay_suffix([prompt], [prompt[:60]])["speed"] == 0.0  # no timing model, no speed
+
+
+def test_copy_ceiling_worked_example_and_bounds_the_drafters():
+    ceiling = _import_bench("copy_ceiling")
+    from lookahead_vllm.core.budget import ForwardCost
+
+    # The module docstring's rule: prompt 1 2 3 4, output 1 2 3 4 5. After the
+    # prefill's 1 the last token 1 was followed by 2 3 4 (then its period
+    # repeats: 1), so 2 3 4 are accepted and 5 is the bonus: 1 step, MAL 4.
+    r = ceiling.ceiling([[1, 2, 3, 4]], [[1, 2, 3, 4, 5]], 16, ForwardCost(2, 4.0))
+    assert (r["steps"], r["tokens"], r["accepted_tokens"]) == (1, 4, 3)
+    assert r["speed"] == pytest.approx(4 / ForwardCost(2, 4.0)(4))
+    # k caps the copy; an output seen before is copied from the corpus.
+    assert ceiling.ceiling([[1, 2, 3, 4]], [[1, 2, 3, 4, 5]], 1, lambda t: 1.0)["steps"] == 2
+    answer = [(13 * j) % 97 + 200 for j in range(40)]
+    two = ceiling.ceiling([[1], [2]], [answer, answer], 16, lambda t: 1.0)
+    assert two["steps"] == 39 + 3  # the second copies the first's 39 tokens in 16 + 16 + 7
+    # No drafter that copies earlier text accepts more (synthetic text with repeats).
+    rng = np.random.default_rng(0)
+    phrases = [list(rng.integers(0, 40, 6)) for _ in range(8)]
+    prompts = [sum((phrases[j] for j in rng.integers(0, 8, 10)), []) for _ in range(6)]
+    outputs = [sum((phrases[j] for j in rng.integers(0, 8, 8)), []) for _ in range(6)]
+    top = ceiling.ceiling(prompts, outputs, 16, lambda t: 1.0)
+    sim = _import_bench("sim_acceptance")
+    from lookahead_vllm.core.config import LookaheadConfig
+
+    for cfg in (LookaheadConfig(), LookaheadConfig.from_dict({"cost_free_tokens": 0})):
+        ours = sim.simulate(cfg, prompts, outputs, [])
+        assert ours["steps"] >= top["steps"] and ours["mal"] <= top["mal"] + 1e-9
+    with pytest.raises(ValueError, match="k=0"):
+        ceiling.ceiling(prompts, outputs, 0, lambda t: 1.0)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -156,8 +156,9 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
 }
 
 py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj, double floor, bool tree,
-                      int threads) {
+                      int threads, BoundIndex* backoff) {
   if (threads < 1 || threads > 256) throw py::value_error("threads=" + std::to_string(threads) + ": must be in [1, 256]");
+  if (backoff == &b) throw py::value_error("backoff: must be another index");
   const IntArray sids = int_array(sids_obj, "sids"), budgets = int_array(budgets_obj, "budgets");
   const int64_t batch = sids.shape(0);
   if (budgets.shape(0) != batch) throw py::value_error("sids and budgets must have the same length");
@@ -178,8 +179,15 @@ py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj
     std::fill(tok, tok + batch * width, 0);
     std::fill(par, par + batch * width, -1);
     std::fill(cf, cf + batch * width, 0.0);
-    std::lock_guard<std::mutex> lock(b.mu);
-    b.core.draft_rows(sid, budget, batch, width, floor, tree, DraftRow{tok, par, cf}, len, threads);
+    std::unique_lock<std::mutex> lock(b.mu, std::defer_lock), lock_backoff;
+    if (backoff != nullptr) {
+      lock_backoff = std::unique_lock<std::mutex>(backoff->mu, std::defer_lock);
+      std::lock(lock, lock_backoff);
+    } else {
+      lock.lock();
+    }
+    b.core.draft_rows(sid, budget, batch, width, floor, tree, DraftRow{tok, par, cf}, len, threads,
+                      backoff != nullptr ? &backoff->core : nullptr);
   }
   return py::make_tuple(tokens, parents, conf, lengths);
 }
@@ -279,5 +287,5 @@ PYBIND11_MODULE(_draft_index, m) {
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
            py::arg("prompt_lens"))
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
-           py::arg("tree") = false, py::arg("threads") = 1);
+           py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
 }

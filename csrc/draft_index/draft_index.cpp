@@ -261,20 +261,27 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
   const int32_t* text = seq.tokens.data();
   const int32_t* key = text + end - ng;
   const uint32_t tag = ngram_tag(key, ng);
+  // Occurrences are visited in the ranking's tie order (own before corpus,
+  // most recent first), so once max_candidates of them match the most a
+  // match can (max_match), no later one can rank above them: stop there.
+  int full = 0;
+  auto add = [&](int m, int scope, uint32_t from, uint32_t pos) {
+    s.cands.push_back(Candidate{m, scope, from, pos});
+    return (full += m == cfg_.max_match) < cfg_.max_candidates;
+  };
   const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
   if (own != seq.own.npos) {  // most recent first
     uint32_t p = seq.own.value(own).pos;
     for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = seq.own_prev[p]) {
-      s.cands.push_back(Candidate{match(text, p, text, end), kOwn, slot, p});
+      if (!add(match(text, p, text, end), kOwn, slot, p)) break;
     }
   }
-  const size_t list = find_corpus(key, tag);
+  const size_t list = full < cfg_.max_candidates ? find_corpus(key, tag) : corpus_.npos;
   if (list != corpus_.npos) {
     for (uint32_t e = corpus_.value(list).tail; e != kNone; e = entries_[e].prev) {
       const Entry& en = entries_[e];
       if (en.seq == slot) continue;
-      const int m = match(seqs_[en.seq]->out(), en.pos, text, end);
-      s.cands.push_back(Candidate{m, kCorpus, en.seq, en.pos});
+      if (!add(match(seqs_[en.seq]->out(), en.pos, text, end), kCorpus, en.seq, en.pos)) break;
     }
   }
   std::stable_sort(s.cands.begin(), s.cands.end(), [](const Candidate& a, const Candidate& b) {
@@ -403,31 +410,38 @@ int DraftIndex::select_tree(Scratch& s, int budget, double floor, DraftRow out) 
 }
 
 int DraftIndex::draft(int64_t sid, int budget, double floor, bool tree, DraftRow out) {
-  return draft(scratch_, sid, budget, floor, tree, out);
+  bool found;
+  return draft(scratch_, sid, budget, floor, tree, out, found);
 }
 
-int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out) const {
+int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out,
+                      bool& found) const {
+  found = false;
   if (budget <= 0) return 0;
   auto it = by_sid_.find(sid);
   if (it == by_sid_.end() || !seqs_[it->second]->live) return 0;
   collect_candidates(s, it->second);
   if (s.cands.empty()) return 0;
+  found = true;
   merge(s, it->second, budget);
   return tree ? select_tree(s, budget, floor, out) : select_chain(s, budget, floor, out);
 }
 
 void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor,
-                            bool tree, DraftRow base, int32_t* lengths, int threads) {
-  // Rows are independent and drafting only reads the index: `threads` workers
-  // (each with its own scratch) take contiguous row ranges.
+                            bool tree, DraftRow base, int32_t* lengths, int threads, const DraftIndex* backoff) {
+  // Rows are independent and drafting only reads the indexes: `threads`
+  // workers (each with its own scratch, used by both) take contiguous row ranges.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kRowsPerThread));
   if (static_cast<int64_t>(pool_scratch_.size()) < workers) pool_scratch_.resize(workers);
   auto run = [&](int64_t w) {
     const int64_t lo = rows * w / workers, hi = rows * (w + 1) / workers;
+    Scratch& scratch = pool_scratch_[w];
     for (int64_t i = lo; i < hi; ++i) {
       const DraftRow out{base.tokens + i * width, base.parents + i * width, base.confidence + i * width};
-      lengths[i] = draft(pool_scratch_[w], sids[i], static_cast<int>(std::max<int64_t>(budgets[i], 0)), floor, tree,
-                         out);
+      const int budget = static_cast<int>(std::max<int64_t>(budgets[i], 0));
+      bool found;
+      lengths[i] = draft(scratch, sids[i], budget, floor, tree, out, found);
+      if (!found && backoff != nullptr) lengths[i] = backoff->draft(scratch, sids[i], budget, floor, tree, out, found);
     }
   };
   std::vector<std::thread> pool;

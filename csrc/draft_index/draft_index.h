@@ -94,8 +94,10 @@ class DraftIndex {
   int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);
   // Drafts of `rows` sequences into row i of `base` (rows of `width`
   // elements), their lengths into `lengths`, on up to `threads` threads.
+  // `backoff` (another index, usually keyed by fewer tokens; may be null)
+  // drafts the rows for which this index finds no candidate at all.
   void draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor, bool tree,
-                  DraftRow base, int32_t* lengths, int threads);
+                  DraftRow base, int32_t* lengths, int threads, const DraftIndex* backoff = nullptr);
 
   const DraftIndexConfig& config() const { return cfg_; }
 
@@ -159,7 +161,9 @@ class DraftIndex {
   };
   // Fewer rows than this per thread are not worth a thread.
   static constexpr int64_t kRowsPerThread = 32;
-  int draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out) const;
+  // Sets `found` to whether the sequence had any candidate (false: no
+  // draft, and a back-off index may try).
+  int draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out, bool& found) const;
   void collect_candidates(Scratch& s, uint32_t slot) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;

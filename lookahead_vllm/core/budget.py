@@ -181,6 +181,8 @@ def allocate_chain_budget(
     and the best prefix of it is the first maximum of the expected throughput.
     """
     rows_n, width = confidences.shape
+    if budget is None and (cost is None or not cost.free_tokens):  # every node is free: keep them all
+        return np.asarray(lengths, np.int64).copy()
     valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
     row, pos = np.nonzero(valid)
     conf = confidences[row, pos]

@@ -214,30 +214,44 @@ class DraftIndex:
               ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, confidences) of one sequence's draft; see the
         module docstring. Parents index earlier nodes, -1 = the root."""
+        return self._draft(sid, budget, floor, tree) or ([], [], [])
+
+    def _draft(self, sid: int, budget: int, floor: float, tree: bool
+               ) -> tuple[list[int], list[int], list[float]] | None:
+        """:meth:`draft`, or None where the sequence has no candidate at all."""
         if budget <= 0 or sid not in self._live:
-            return [], [], []
+            return None
         cands = self._candidates(sid)
         if not cands:
-            return [], [], []
+            return None
         nodes = self._merge(sid, cands, budget)
         return _select_chain(nodes, budget, floor) if not tree else _select_tree(nodes, budget, floor)
 
     def draft_batch(self, sids: Sequence[int], budgets: Sequence[int], floor: float = 0.0, tree: bool = False,
-                    threads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    threads: int = 1, backoff: "DraftIndex | None" = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Drafts of many sequences: ``tokens [B, K]`` int32, ``parents [B, K]``
         int32, ``confidence [B, K]`` float64, ``lengths [B]`` int32 with
-        ``K = max(budgets)``; row ``i`` holds ``lengths[i]`` nodes. The native
-        index spreads the rows over up to ``threads`` threads (the drafts do
-        not depend on it; here it is only checked)."""
+        ``K = max(budgets)``; row ``i`` holds ``lengths[i]`` nodes. ``backoff``
+        (another index, usually keyed by fewer tokens) drafts the rows for
+        which this one finds no candidate at all (a row whose candidates the
+        floor cuts keeps its empty draft). The native index spreads the rows
+        over up to ``threads`` threads (the drafts do not depend on it; here
+        it is only checked)."""
         if not 1 <= threads <= 256:
             raise ValueError(f"threads={threads}: must be in [1, 256]")
+        if backoff is self:
+            raise ValueError("backoff: must be another index")
         width = max((int(b) for b in budgets), default=0)
         tokens = np.zeros((len(sids), width), np.int32)
         parents = np.full((len(sids), width), -1, np.int32)
         conf = np.zeros((len(sids), width), np.float64)
         lengths = np.zeros(len(sids), np.int32)
         for i, (sid, budget) in enumerate(zip(sids, budgets)):
-            t, p, c = self.draft(int(sid), int(budget), floor, tree)
+            row = self._draft(int(sid), int(budget), floor, tree)
+            if row is None and backoff is not None:
+                row = backoff._draft(int(sid), int(budget), floor, tree)
+            t, p, c = row or ([], [], [])
             lengths[i] = len(t)
             tokens[i, :len(t)], parents[i, :len(t)], conf[i, :len(t)] = t, p, c
         return tokens, parents, conf, lengths

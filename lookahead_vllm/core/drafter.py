@@ -173,23 +173,14 @@ class Drafter:
         """The index's chains for many requests as arrays (the proposer's batch
         path; index source only): ``tokens [R, W]``, ``confidence [R, W]``,
         ``lengths [R]``, row ``i`` holding ``lengths[i]`` nodes (the back-off
-        index's where the main one has none)."""
+        index's where the main one finds no candidate)."""
         tok, _, conf, lens = self._index_rows(slots, budgets, floor, False)
         return tok, conf, lens
 
     def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
-        tok, par, conf, lens = self.index.draft_batch(s, b, float(floor), bool(tree), self.threads)
-        if self.backoff is not None and not lens.all():
-            miss = np.flatnonzero(lens == 0)
-            btok, bpar, bconf, blens = self.backoff.draft_batch(s[miss], b[miss], float(floor), bool(tree),
-                                                                self.threads)
-            width = max(tok.shape[1], btok.shape[1])
-            tok, par, conf = (_widen(a, width) for a in (tok, par, conf))
-            tok[miss, :btok.shape[1]], par[miss, :btok.shape[1]] = btok, bpar
-            conf[miss, :btok.shape[1]], lens[miss] = bconf, blens
-        return tok, par, conf, lens
+        return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
     def _draft_trie(self, slot: int, context: Sequence[int], budget: int, floor: float,
                     lead: DraftTree) -> tuple[DraftTree, int]:
@@ -243,12 +234,6 @@ class Drafter:
                 for tokens in snap.sequences:
                     self.trie.insert_output(tokens)
         return snap
-
-
-def _widen(a: np.ndarray, width: int) -> np.ndarray:
-    if a.shape[1] >= width:
-        return a
-    return np.concatenate([a, np.zeros((a.shape[0], width - a.shape[1]), a.dtype)], axis=1)
 
 
 def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:

@@ -64,10 +64,10 @@ def _tokens(data, vocab, lo=0, hi=10):
     return data.draw(st.lists(st.integers(0, vocab - 1), min_size=lo, max_size=hi))
 
 
-def _sync_table(data, ref, vocab):
-    """A runner token table for some sequences: known ones rewound and/or
-    extended, unknown ones admitted."""
-    sids = data.draw(st.lists(st.sampled_from(SIDS), min_size=1, max_size=4, unique=True))
+def _sync_table(data, ref, vocab, pool=SIDS):
+    """A runner token table for some sequences of ``pool``: known ones
+    rewound and/or extended, unknown ones admitted."""
+    sids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4, unique=True))
     texts, prompt_lens = [], []
     for sid in sids:
         seq = ref._live.get(sid)
@@ -119,6 +119,58 @@ def test_random_operations_match_reference(cfg, vocab, data):
     for s in SIDS:  # every live sequence's draft at the end, both shapes
         for tree in (False, True):
             assert nat.draft(s, 12, 0.0, tree) == ref.draft(s, 12, 0.0, tree)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, vocab=st.integers(2, 5), data=st.data())
+def test_batch_with_backoff_matches_reference(cfg, vocab, data):
+    """draft_batch with a back-off index (one key length shorter, as the
+    Drafter pairs them) drafts, for rows the main index has no candidate for,
+    exactly what the reference does, natively in the same call."""
+    if cfg.ngram == 1:
+        cfg = DraftIndexConfig(2, max(cfg.max_match, 2), cfg.max_occurrences, cfg.max_candidates, cfg.corpus_tokens)
+    short = DraftIndexConfig(cfg.ngram - 1, cfg.max_match, cfg.max_occurrences, cfg.max_candidates, cfg.corpus_tokens)
+    (ref, nat), (ref_b, nat_b) = _pair(cfg), _pair(short)
+    backed, running = 0, list(SIDS)
+    for _ in range(data.draw(st.integers(3, 25))):
+        if len(running) > 1 and data.draw(st.booleans()):  # a finished id is never synced again
+            done = data.draw(st.sampled_from(running))
+            running.remove(done)
+            for index in (ref, nat, ref_b, nat_b):
+                index.finish(done)
+        table = _sync_table(data, ref, vocab, running)
+        for index in (ref, nat, ref_b, nat_b):
+            index.sync(*table)
+        sids = data.draw(st.lists(st.sampled_from(SIDS), max_size=5))
+        budgets = data.draw(st.lists(st.integers(0, 8), min_size=len(sids), max_size=len(sids)))
+        floor, tree = data.draw(st.sampled_from([0.0, 0.2, 0.6])), data.draw(st.booleans())
+        want = ref.draft_batch(sids, budgets, floor, tree, backoff=ref_b)
+        _assert_same_batch(want, nat.draft_batch(sids, budgets, floor, tree, backoff=nat_b))
+        alone = ref.draft_batch(sids, budgets, floor, tree)
+        backed += int(np.count_nonzero(want[3] != alone[3]))
+        for i, (sid, budget) in enumerate(zip(sids, budgets)):
+            if ref._draft(sid, budget, floor, tree) is None:  # no candidate: the back-off's draft
+                assert want[3][i] == len(ref_b.draft(sid, budget, floor, tree)[0])
+            else:
+                assert want[3][i] == alone[3][i]
+    with pytest.raises(ValueError, match="backoff"):
+        nat.draft_batch([0], [4], backoff=nat)
+
+
+def test_backoff_drafts_only_where_the_main_index_has_no_candidate():
+    """A row whose candidates the floor cuts keeps its empty draft; a row
+    with none takes the back-off index's (reference and native alike)."""
+    for make in (DraftIndex, lambda c: native.make_draft_index(c, native=True)):
+        main, back = make(DraftIndexConfig(ngram=2)), make(DraftIndexConfig(ngram=1))
+        for index in (main, back):
+            index.add(0, [1, 2, 3, 9, 5, 1, 2, 4, 7, 1, 2], 0)  # key (1, 2): two continuations, 3 and 4
+            index.add(1, [5, 6, 7, 8, 6], 0)  # key (8, 6) unseen; key (6,) continues 7 8 6
+        tok, _, conf, lens = main.draft_batch([0, 1], [4, 4], 0.0, backoff=back)
+        assert lens[1] == 4 and tok[1].tolist() == [7, 8, 6, 7]  # the period 7 8 6 repeats
+        assert lens[0] > 0
+        high = float(conf[0, 0]) + 1e-9  # above the main index's first node
+        _, _, _, cut = main.draft_batch([0, 1], [4, 4], high, backoff=back)
+        assert cut[0] == 0
 
 
 def test_real_text_stream_matches_reference():

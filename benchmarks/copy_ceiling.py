@@ -1,0 +1,131 @@
+"""Copy ceiling: the most any drafter that copies earlier text could accept.
+
+Every drafter compared here (lookahead's draft index, vLLM's ``ngram`` and
+``suffix``) drafts by copying what followed an earlier occurrence of the
+request's last tokens, in its own text or in earlier outputs. This script
+bounds them all from above on the same cached greedy outputs the acceptance
+simulator replays: at every step an *oracle* that knows the target's next
+tokens looks at every earlier position whose preceding token equals the
+request's last token (a match of length >= 1), in the request's own prompt
+and output so far (a copy that runs into the text's end repeats its period,
+as the draft index's does) and in every output finished before it, and
+drafts the copy that the target accepts furthest, at most ``k`` tokens. It
+sends exactly the tokens that will be accepted, so its steps cost the least
+any draft of that length can.
+
+  mal    emitted tokens / steps (accepted + the bonus token), as the simulator.
+  speed  modeled speedup over plain decoding under the simulator's CPU
+         forward-cost model: a step scoring ``1 + accepted`` tokens costs
+         ``ForwardCost(1 + accepted)`` single-token forwards.
+
+No drafter that copies can beat ``mal`` at batch 1 with a chain; a drafter's
+``speed`` over this ceiling's says how much of the copyable gain it gets.
+Requests run one after another (batch 1), earlier outputs joining the corpus
+as the simulator's cold cells do.
+
+Example (outputs cached by ``sim_acceptance.py``)::
+
+    python benchmarks/copy_ceiling.py --datasets humaneval mtbench --num-prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+def _accepted_from(source: np.ndarray, starts: np.ndarray, target: np.ndarray, period_end: int | None) -> int:
+    """Longest prefix of ``target`` that a copy of ``source`` from any of
+    ``starts`` spells. ``period_end``: copies wrap back to their start there
+    (own text: the continuation repeats its period); None: they stop at
+    ``source``'s end (or a -1 separator)."""
+    if not len(starts) or not len(target):
+        return 0
+    cols = np.arange(len(target))
+    if period_end is None:
+        idx = starts[:, None] + cols[None, :]
+        valid = idx < len(source)
+        got = np.where(valid, source[np.minimum(idx, len(source) - 1)], -1)
+    else:
+        period = period_end - starts
+        got = source[starts[:, None] + cols[None, :] % period[:, None]]
+    run = np.logical_and.accumulate(got == target[None, :], axis=1)
+    return int(run.sum(axis=1).max())
+
+
+def ceiling(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], k: int,
+            timing: Callable[[int], float], warm: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+    """The oracle copy drafter over (prompt, greedy output) pairs at batch 1;
+    see the module docstring. ``timing(tokens)``: a forward's modeled cost."""
+    if k < 1:
+        raise ValueError(f"k={k}: must be >= 1")
+    corpus_parts = [np.asarray(list(w) + [-1], np.int64) for w in warm]
+    steps = emitted = accepted_total = 0
+    forwards = plain_forwards = 0.0
+    for prompt, output in zip(prompts, outputs):
+        text = np.asarray(list(prompt) + list(output), np.int64)
+        corpus = np.concatenate(corpus_parts) if corpus_parts else np.zeros(0, np.int64)
+        plain_forwards += timing(1) * max(len(output) - 1, 0)
+        i = 1  # the prefill emitted output[0]
+        while i < len(output):
+            end = len(prompt) + i  # context = text[:end]
+            last = text[end - 1]
+            target = text[end:end + min(k, len(output) - i)]
+            own = np.flatnonzero(text[:end - 1] == last) + 1
+            best = _accepted_from(text, own, target, end)
+            if len(corpus):
+                found = np.flatnonzero(corpus[:-1] == last) + 1
+                best = max(best, _accepted_from(corpus, found, target, None))
+            n = min(best + 1, len(output) - i)
+            forwards += timing(1 + best)
+            steps += 1
+            emitted += n
+            accepted_total += best
+            i += n
+        corpus_parts.append(np.asarray(list(output) + [-1], np.int64))
+    return {"mal": emitted / max(steps, 1), "speed": plain_forwards / max(forwards, 1e-9), "steps": steps,
+            "tokens": emitted, "accepted_tokens": accepted_total}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
+    p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
+    p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("--k", args.k)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be >= 1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sim_acceptance import DEFAULT_CACHE, batch1_cost, greedy_outputs
+
+    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.models import prepare_smollm2
+
+    model = args.model or prepare_smollm2()
+    timing = batch1_cost(LookaheadConfig())
+    rows = []
+    for ds in args.datasets:
+        prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
+                                          args.cache or DEFAULT_CACHE, args.split)
+        r = ceiling(prompts, outputs, args.k, timing)
+        rows.append({"dataset": ds, "split": args.split, "k": args.k, **r})
+        print(f"{ds:10s} copy ceiling k={args.k}: MAL {r['mal']:.3f}  speed {r['speed']:.3f}", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
