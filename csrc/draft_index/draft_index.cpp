@@ -339,20 +339,69 @@ double DraftIndex::confidence(const Scratch& s, int32_t i) const {
   return c;
 }
 
-int DraftIndex::select_chain(Scratch& s, int budget, double floor, DraftRow out) const {
+int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor, DraftRow out) const {
+  // At depth d the chain's node is shared by the `alive` candidates (those
+  // whose continuations spelled the chain so far); its children group them
+  // by their next token, in rank order of first appearance, which is the
+  // merged tree's creation order. The heaviest child continues the chain
+  // (ties: the earliest), exactly as select_chain walks the merged tree.
+  const Sequence& seq = *seqs_[slot];
+  const int64_t end = static_cast<int64_t>(seq.tokens.size());
+  int64_t root_weight = 0;
+  s.alive.clear();
+  for (size_t c = 0; c < s.cands.size(); ++c) {
+    root_weight += s.cands[c].m;
+    s.alive.push_back(static_cast<int32_t>(c));
+  }
   int count = 0;
-  for (int32_t at = 0; s.nodes[at].first_child >= 0 && count < budget;) {
-    int32_t best = s.nodes[at].first_child;  // ties keep the earlier (better-ranked) child
-    for (int32_t c = s.nodes[best].next_sibling; c >= 0; c = s.nodes[c].next_sibling) {
-      if (s.nodes[c].weight > s.nodes[best].weight) best = c;
+  for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
+    s.children.clear();
+    s.next_alive.clear();
+    for (const int32_t c : s.alive) {
+      const Candidate& cand = s.cands[c];
+      int32_t token;
+      if (cand.scope == kCorpus) {
+        const Sequence& src = *seqs_[cand.seq];
+        if (cand.pos + d >= static_cast<int64_t>(src.out_len())) continue;  // its output ends here
+        token = src.out()[cand.pos + d];
+      } else {  // own text repeats its period end - pos past the end
+        token = seq.tokens[cand.pos + d % (end - cand.pos)];
+      }
+      auto child = std::find_if(s.children.begin(), s.children.end(),
+                                [token](const Scratch::Child& k) { return k.token == token; });
+      if (child == s.children.end()) {
+        s.children.push_back(Scratch::Child{token, 0, 0});
+        child = s.children.end() - 1;
+      }
+      child->weight += cand.m;
+      child->max_m = std::max(child->max_m, cand.m);
     }
-    const double conf = confidence(s, best);
+    if (s.children.empty()) break;
+    const Scratch::Child* best = &s.children[0];
+    for (const Scratch::Child& k : s.children) {
+      if (k.weight > best->weight) best = &k;
+    }
+    // (W / W_root) * q(M) ** depth, as confidence() computes it.
+    const double q = best->max_m / (best->max_m + 1.0);
+    double conf = static_cast<double>(best->weight) / static_cast<double>(root_weight);
+    for (int64_t k = 0; k <= d; ++k) conf *= q;
     if (conf < floor) break;
-    out.tokens[count] = s.nodes[best].token;
+    out.tokens[count] = best->token;
     out.parents[count] = count - 1;
     out.confidence[count] = conf;
     ++count;
-    at = best;
+    for (const int32_t c : s.alive) {  // the candidates through the chosen child
+      const Candidate& cand = s.cands[c];
+      if (cand.scope == kCorpus) {
+        const Sequence& src = *seqs_[cand.seq];
+        if (cand.pos + d < static_cast<int64_t>(src.out_len()) && src.out()[cand.pos + d] == best->token) {
+          s.next_alive.push_back(c);
+        }
+      } else if (seq.tokens[cand.pos + d % (end - cand.pos)] == best->token) {
+        s.next_alive.push_back(c);
+      }
+    }
+    s.alive.swap(s.next_alive);
   }
   return count;
 }
@@ -423,8 +472,9 @@ int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tr
   collect_candidates(s, it->second);
   if (s.cands.empty()) return 0;
   found = true;
+  if (!tree) return draft_chain(s, it->second, budget, floor, out);
   merge(s, it->second, budget);
-  return tree ? select_tree(s, budget, floor, out) : select_chain(s, budget, floor, out);
+  return select_tree(s, budget, floor, out);
 }
 
 void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor,

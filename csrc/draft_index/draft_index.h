@@ -154,9 +154,18 @@ class DraftIndex {
     std::vector<int32_t> kids;
     std::vector<std::pair<int32_t, int32_t>> stack;
     std::vector<char> picked;
+    // Chains: the candidates through the current node, and its children.
+    std::vector<int32_t> alive, next_alive;
+    struct Child {
+      int32_t token;
+      int64_t weight;
+      int32_t max_m;
+    };
+    std::vector<Child> children;
     size_t memory_bytes() const {
       return cands.capacity() * sizeof(Candidate) + nodes.capacity() * sizeof(Node) + conf.capacity() * 8 +
-             heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity();
+             heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity() +
+             (alive.capacity() + next_alive.capacity()) * 4 + children.capacity() * sizeof(Child);
     }
   };
   // Fewer rows than this per thread are not worth a thread.
@@ -167,7 +176,10 @@ class DraftIndex {
   void collect_candidates(Scratch& s, uint32_t slot) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
-  int select_chain(Scratch& s, int budget, double floor, DraftRow out) const;
+  // The chain of the merged tree's heaviest children, walked over the
+  // candidates directly (no tree is built): the same nodes as merge +
+  // select_chain, at the cost of the candidates that stay on the chain.
+  int draft_chain(Scratch& s, uint32_t slot, int budget, double floor, DraftRow out) const;
   int select_tree(Scratch& s, int budget, double floor, DraftRow out) const;
   void sorted_picked_children(Scratch& s, int32_t node) const;
 
