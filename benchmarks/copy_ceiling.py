@@ -23,9 +23,14 @@ No drafter that copies can beat ``mal`` at batch 1 with a chain; a drafter's
 Requests run one after another (batch 1), earlier outputs joining the corpus
 as the simulator's cold cells do.
 
+With ``--drafters`` the same run replays lookahead's defaults
+(``sim_acceptance.simulate``) and vLLM's ``suffix`` defaults
+(``suffix_replay.replay_suffix``) on the same outputs and timing model, and
+plots the three side by side (JSON + PNG).
+
 Example (outputs cached by ``sim_acceptance.py``)::
 
-    python benchmarks/copy_ceiling.py --datasets humaneval mtbench --num-prompts 16
+    python benchmarks/copy_ceiling.py --datasets humaneval mtbench --num-prompts 16 --drafters
 """
 
 from __future__ import annotations
@@ -92,6 +97,30 @@ def ceiling(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], 
             "tokens": emitted, "accepted_tokens": accepted_total}
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Modeled speed and MAL per dataset: suffix, lookahead, the copy ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    methods = [m for m in ("suffix", "lookahead", "copy ceiling") if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(methods)
+    for ax, key, label in ((axes[0], "speed", "modeled speedup over plain"), (axes[1], "mal", "tokens per step (MAL)")):
+        for j, method in enumerate(methods):
+            values = [next((r[key] for r in rows if r["dataset"] == ds and r["method"] == method), 0.0)
+                      for ds in datasets]
+            ax.bar([i + j * width for i in range(len(datasets))], values, width, label=method)
+        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(datasets))], datasets, fontsize=8)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("batch 1, CPU forward-cost model: what copying can reach", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
@@ -101,7 +130,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
-    p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    p.add_argument("--drafters", action="store_true",
+                   help="also replay lookahead's and vLLM suffix's defaults on the same outputs and plot them")
+    p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (and a PNG beside it)")
     args = p.parse_args(argv)
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("--k", args.k)):
         if value < 1:
@@ -118,12 +149,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for ds in args.datasets:
         prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
                                           args.cache or DEFAULT_CACHE, args.split)
-        r = ceiling(prompts, outputs, args.k, timing)
-        rows.append({"dataset": ds, "split": args.split, "k": args.k, **r})
-        print(f"{ds:10s} copy ceiling k={args.k}: MAL {r['mal']:.3f}  speed {r['speed']:.3f}", flush=True)
+        found = {"copy ceiling": ceiling(prompts, outputs, args.k, timing)}
+        if args.drafters:
+            from sim_acceptance import simulate
+            from suffix_replay import replay_suffix
+
+            found["lookahead"] = simulate(LookaheadConfig(), prompts, outputs, [])
+            found["suffix"] = replay_suffix(prompts, outputs, timing=timing)
+        for method, r in found.items():
+            keep = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
+            rows.append({"dataset": ds, "split": args.split, "method": method, "k": args.k, **keep})
+            print(f"{ds:10s} {method:12s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}) + "\n")
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                       indent=1) + "\n")
+        plot(rows, args.out.with_suffix(".png"))
     return rows
 
 
