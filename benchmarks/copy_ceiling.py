@@ -14,9 +14,10 @@ sends exactly the tokens that will be accepted, so its steps cost the least
 any draft of that length can.
 
   mal    emitted tokens / steps (accepted + the bonus token), as the simulator.
-  speed  modeled speedup over plain decoding under the simulator's CPU
-         forward-cost model: a step scoring ``1 + accepted`` tokens costs
-         ``ForwardCost(1 + accepted)`` single-token forwards.
+  speed  modeled speedup over plain decoding under the simulator's
+         forward-cost model (this CPU's, or ``--platform gpu``'s): a step
+         scoring ``1 + accepted`` tokens costs ``ForwardCost(1 + accepted)``
+         single-token forwards.
 
 No drafter that copies can beat ``mal`` at batch 1 with a chain; a drafter's
 ``speed`` over this ceiling's says how much of the copyable gain it gets.
@@ -116,7 +117,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(datasets))], datasets, fontsize=8)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    fig.suptitle("batch 1, CPU forward-cost model: what copying can reach", fontsize=10)
+    platform = rows[0].get("platform", "cpu").upper() if rows else "CPU"
+    fig.suptitle(f"batch 1, {platform} forward-cost model: what copying can reach", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                   help="token prices of the timing model (sim_acceptance.py --platform)")
     p.add_argument("--drafters", action="store_true",
                    help="also replay lookahead's and vLLM suffix's defaults on the same outputs and plot them")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (and a PNG beside it)")
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or prepare_smollm2()
-    timing = batch1_cost(LookaheadConfig())
+    timing = batch1_cost(LookaheadConfig(), platform=args.platform)
     rows = []
     for ds in args.datasets:
         prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
@@ -154,11 +158,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             from sim_acceptance import simulate
             from suffix_replay import replay_suffix
 
-            found["lookahead"] = simulate(LookaheadConfig(), prompts, outputs, [])
+            found["lookahead"] = simulate(LookaheadConfig(), prompts, outputs, [], platform=args.platform)
             found["suffix"] = replay_suffix(prompts, outputs, timing=timing)
         for method, r in found.items():
             keep = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
-            rows.append({"dataset": ds, "split": args.split, "method": method, "k": args.k, **keep})
+            rows.append({"dataset": ds, "split": args.split, "platform": args.platform, "method": method,
+                         "k": args.k, **keep})
             print(f"{ds:10s} {method:12s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,18 +68,21 @@ def log(message: str) -> None:
 
 def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
              warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1,
-             native: bool | None = None) -> dict[str, float]:
+             native: bool | None = None, platform: str = "cpu") -> dict[str, float]:
     """Replay the drafter over (prompt, greedy output) pairs; see the module docstring.
     ``paths``: (setup, per path) of tree attention's extra paths, for the
     proposer's decisions and the timing (default: the CPU path rounds').
     ``batch``: requests run in waves of this many, stepping together until
     the wave's last one finishes (as ``generate`` with that many prompts):
     each step shares the forward-cost model's budget across the wave's
-    running requests, and plain decoding is timed over the same waves."""
+    running requests, and plain decoding is timed over the same waves.
+    ``platform``: whose token prices the proposer decides with and the
+    steps are timed at ("cpu": this machine's; "gpu": the GPU defaults, paths
+    free, as with the CUDA kernel)."""
     drafter = Drafter(config, native)
     for ids in warm:
         drafter.warm(ids)
-    cost, timing = batch1_cost(config, paths), batch1_cost(LookaheadConfig(), paths)
+    cost, timing = batch1_cost(config, paths, platform), batch1_cost(LookaheadConfig(), paths, platform)
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
     audit = ConfidenceCalibrator()  # raw confidences vs acceptance, every drafted node
     steps = emitted = nodes = off_chain = drafted = accepted_total = 0
@@ -147,13 +150,16 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             "raw_calibration": audit.summary()}
 
 
-def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = None) -> ForwardCost:
-    """The proposer's cost model for ``config`` with the CPU path rounds (the
-    tree attention the engine runs here; chains open no paths), or with
-    ``paths`` = (setup, per path) instead."""
+def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = None,
+                platform: str = "cpu") -> ForwardCost:
+    """The proposer's cost model for ``config`` on ``platform``: with the CPU
+    path rounds (the tree attention the engine runs here; chains open no
+    paths) on "cpu", free paths (the CUDA kernel) on "gpu", or with ``paths``
+    = (setup, per path) instead."""
     from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
 
-    return forward_cost(config, paths or (CPU_PATH_SETUP, CPU_PATH_COST), "cpu")
+    default = (CPU_PATH_SETUP, CPU_PATH_COST) if platform == "cpu" else (0.0, 0.0)
+    return forward_cost(config, paths or default, platform)
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path,
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--path-cost", nargs=2, type=float, default=None, metavar=("SETUP", "PER_PATH"),
                    help="price of tree attention's extra paths, in forwards (default: the CPU path rounds'; "
                         "0 0: one kernel launch for all paths, as on a GPU)")
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                   help="token prices the drafts are cut with and the steps timed at: this CPU's measured ones, "
+                        "or the GPU defaults (64 tokens about free; tree paths free, as with the CUDA kernel)")
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prompts, outputs = prompts[:args.num_prompts] * args.rounds, outputs[:args.num_prompts] * args.rounds
         test = slice(0, len(prompts))
         for name, config in variants.items():
-            r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost), args.batch)
+            r = simulate(config, prompts[test], outputs[test], warm, args.path_cost and tuple(args.path_cost), args.batch,
+                         platform=args.platform)
             results["cells"].append({"dataset": dataset, "variant": name, **r})
             print(f"{dataset:10s} {name:16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step {r['nodes_per_step']:5.2f}  "
                   f"acc/drafted {r['acceptance_per_drafted_token']:.3f}  off-chain steps {r['off_chain_steps']}", flush=True)
@@ -241,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from suffix_replay import replay_suffix
 
             r = replay_suffix(prompts[test], outputs[test], batch=args.batch,
-                              timing=batch1_cost(LookaheadConfig(), args.path_cost and tuple(args.path_cost)))
+                              timing=batch1_cost(LookaheadConfig(), args.path_cost and tuple(args.path_cost),
+                                                 args.platform))
             results["cells"].append({"dataset": dataset, "variant": "suffix", **r})
             print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step "
                   f"{r['draft_tokens'] / max(r['steps'], 1):5.2f}  acc/drafted "

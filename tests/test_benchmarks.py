@@ -308,6 +308,28 @@ def test_suffix_replay_models_speed_with_the_simulators_timing():
     assert replay.replay_suffix([prompt], [prompt[:60]])["speed"] == 0.0  # no timing model, no speed
 
 
+def test_gpu_prices_make_batch1_steps_free_in_the_replays():
+    """Under the GPU token prices (64 tokens about free, tree paths free) a
+    batch-1 step of at most 17 scored tokens costs one forward, so the
+    modeled speedup equals tokens per step, for lookahead's replay (chains
+    and trees) and the copy ceiling alike; the CPU prices charge for them."""
+    sim, ceiling = _import_bench("sim_acceptance"), _import_bench("copy_ceiling")
+    from lookahead_vllm.core.config import LookaheadConfig
+
+    rng = np.random.default_rng(1)
+    phrases = [list(rng.integers(0, 30, 5)) for _ in range(6)]
+    prompts = [sum((phrases[j] for j in rng.integers(0, 6, 8)), []) for _ in range(4)]
+    outputs = [sum((phrases[j] for j in rng.integers(0, 6, 6)), []) for _ in range(4)]
+    for shape in ("one", "hier"):
+        cfg = LookaheadConfig.from_dict({"draft_shape": shape})
+        gpu = sim.simulate(cfg, prompts, outputs, [], platform="gpu")
+        assert gpu["speed"] == pytest.approx(gpu["mal"])
+        cpu = sim.simulate(cfg, prompts, outputs, [], platform="cpu")
+        assert cpu["speed"] < cpu["mal"]
+    top = ceiling.ceiling(prompts, outputs, 16, sim.batch1_cost(LookaheadConfig(), platform="gpu"))
+    assert top["speed"] == pytest.approx(top["mal"]) and top["mal"] > 1
+
+
 def test_copy_ceiling_worked_example_and_bounds_the_drafters():
     ceiling = _import_bench("copy_ceiling")
     from lookahead_vllm.core.budget import ForwardCost

@@ -54,10 +54,12 @@ class LookaheadConfig:
     trie_capacity: int = 1 << 16
     # Multiplier of the requesting request's own prompt counts vs output counts.
     prompt_weight: float = 1e4
-    # Stop a branch once the product of smoothed P(child | parent) along it
-    # falls below this floor times the number of requests drafting in the step,
-    # capped at 0.5 (a draft token's worth shrinks with the batch, its cost
-    # does not). 0 drafts the full budget whenever the trie matches.
+    # Stop a branch once its path confidence falls below this floor. With the
+    # forward-cost model off (cost_free_tokens=0) the floor is multiplied by
+    # the number of requests drafting in the step, capped at 0.5 (a draft
+    # token's worth shrinks with the batch, its cost does not); with it on,
+    # the model prices each node against the step's load instead
+    # (budget.confidence_floor). 0 drafts the full budget whenever a source matches.
     min_draft_confidence: float = 0.025
     # Draft tokens per engine step across the whole batch, given to the most
     # confident positions first (0 = no cap: decoding_length per request).

@@ -218,3 +218,15 @@ def test_cost_model_picks_the_best_prefix_of_the_merged_order():
         for _, req in order[:sum(keep)]:
             counts[req] += 1
         assert counts == keep
+
+
+def test_confidence_floor_scales_with_the_batch_only_without_the_cost_model():
+    from lookahead_vllm.core.budget import MAX_CONFIDENCE_FLOOR, confidence_floor
+
+    priced = LookaheadConfig(min_draft_confidence=0.03)  # platform token prices: the model weighs the load
+    assert [confidence_floor(priced, n) for n in (1, 8, 256)] == [0.03, 0.03, 0.03]
+    assert confidence_floor(LookaheadConfig(min_draft_confidence=0.03, cost_free_tokens=8), 8) == 0.03
+    free = LookaheadConfig(min_draft_confidence=0.03, cost_free_tokens=0)  # no cost model: the floor does
+    assert confidence_floor(free, 1) == 0.03
+    assert confidence_floor(free, 8) == pytest.approx(0.24)
+    assert confidence_floor(free, 256) == MAX_CONFIDENCE_FLOOR
