@@ -344,9 +344,16 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   // whose continuations spelled the chain so far); its children group them
   // by their next token, in rank order of first appearance, which is the
   // merged tree's creation order. The heaviest child continues the chain
-  // (ties: the earliest), exactly as select_chain walks the merged tree.
+  // (ties: the earliest), as the reference's _select_chain walks the merged tree.
   const Sequence& seq = *seqs_[slot];
   const int64_t end = static_cast<int64_t>(seq.tokens.size());
+  // Token d of a candidate's continuation; -1 past a corpus output's end
+  // (own text repeats its period end - pos past the end).
+  auto token_at = [&](const Candidate& c, int64_t d) -> int64_t {
+    if (c.scope == kOwn) return seq.tokens[c.pos + d % (end - c.pos)];
+    const Sequence& src = *seqs_[c.seq];
+    return c.pos + d < static_cast<int64_t>(src.out_len()) ? src.out()[c.pos + d] : -1;
+  };
   int64_t root_weight = 0;
   s.alive.clear();
   for (size_t c = 0; c < s.cands.size(); ++c) {
@@ -356,25 +363,17 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   int count = 0;
   for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
     s.children.clear();
-    s.next_alive.clear();
     for (const int32_t c : s.alive) {
-      const Candidate& cand = s.cands[c];
-      int32_t token;
-      if (cand.scope == kCorpus) {
-        const Sequence& src = *seqs_[cand.seq];
-        if (cand.pos + d >= static_cast<int64_t>(src.out_len())) continue;  // its output ends here
-        token = src.out()[cand.pos + d];
-      } else {  // own text repeats its period end - pos past the end
-        token = seq.tokens[cand.pos + d % (end - cand.pos)];
-      }
+      const int64_t token = token_at(s.cands[c], d);
+      if (token < 0) continue;
       auto child = std::find_if(s.children.begin(), s.children.end(),
                                 [token](const Scratch::Child& k) { return k.token == token; });
       if (child == s.children.end()) {
-        s.children.push_back(Scratch::Child{token, 0, 0});
+        s.children.push_back(Scratch::Child{static_cast<int32_t>(token), 0, 0});
         child = s.children.end() - 1;
       }
-      child->weight += cand.m;
-      child->max_m = std::max(child->max_m, cand.m);
+      child->weight += s.cands[c].m;
+      child->max_m = std::max(child->max_m, s.cands[c].m);
     }
     if (s.children.empty()) break;
     const Scratch::Child* best = &s.children[0];
@@ -390,16 +389,9 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     out.parents[count] = count - 1;
     out.confidence[count] = conf;
     ++count;
-    for (const int32_t c : s.alive) {  // the candidates through the chosen child
-      const Candidate& cand = s.cands[c];
-      if (cand.scope == kCorpus) {
-        const Sequence& src = *seqs_[cand.seq];
-        if (cand.pos + d < static_cast<int64_t>(src.out_len()) && src.out()[cand.pos + d] == best->token) {
-          s.next_alive.push_back(c);
-        }
-      } else if (seq.tokens[cand.pos + d % (end - cand.pos)] == best->token) {
-        s.next_alive.push_back(c);
-      }
+    s.next_alive.clear();  // the candidates through the chosen child
+    for (const int32_t c : s.alive) {
+      if (token_at(s.cands[c], d) == best->token) s.next_alive.push_back(c);
     }
     s.alive.swap(s.next_alive);
   }

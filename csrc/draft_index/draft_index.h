@@ -177,8 +177,9 @@ class DraftIndex {
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
   // The chain of the merged tree's heaviest children, walked over the
-  // candidates directly (no tree is built): the same nodes as merge +
-  // select_chain, at the cost of the candidates that stay on the chain.
+  // candidates directly (no tree is built): the same nodes as the
+  // reference's _merge + _select_chain, at the cost of the candidates that
+  // stay on the chain.
   int draft_chain(Scratch& s, uint32_t slot, int budget, double floor, DraftRow out) const;
   int select_tree(Scratch& s, int budget, double floor, DraftRow out) const;
   void sorted_picked_children(Scratch& s, int32_t node) const;
