@@ -123,7 +123,7 @@ def confidence_floor(config: "LookaheadConfig", drafting: int) -> float:
     in the step (a draft token's worth shrinks with the batch, its cost does
     not), at most :data:`MAX_CONFIDENCE_FLOOR`. Replayed on the dev splits at
     batch 8, the flat floor gave the same modeled speed at this CPU's prices
-    (1.00-1.01x) and 1.04-1.11x at the GPU's, where a batch of 8 still
+    (1.00-1.01x) and 1.03-1.11x at the GPU's, where a batch of 8 still
     verifies ~64 tokens for the price of one and the scaled floor (0.2) cut
     free drafts."""
     if config.cost_free_tokens != 0:
