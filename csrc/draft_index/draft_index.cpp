@@ -14,6 +14,15 @@ constexpr int kCorpus = 1;
 
 std::string sid_str(int64_t sid) { return std::to_string(sid); }
 
+// A node's confidence (W / W_root) * q(M) ** depth, q(m) = m / (m + 1), the
+// power as repeated products (as the reference computes it).
+double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t root_weight) {
+  const double q = max_m / (max_m + 1.0);
+  double c = static_cast<double>(weight) / static_cast<double>(root_weight);
+  for (int64_t d = 0; d < depth; ++d) c *= q;
+  return c;
+}
+
 }  // namespace
 
 DraftIndex::DraftIndex(const DraftIndexConfig& config) : cfg_(config) {}
@@ -294,23 +303,13 @@ void DraftIndex::merge(Scratch& s, uint32_t slot, int budget) const {
   s.nodes.clear();
   s.nodes.push_back(Node{-1, -1, 0, 0, 0});
   const Sequence& seq = *seqs_[slot];
-  const int64_t end = static_cast<int64_t>(seq.tokens.size());
   for (const Candidate& c : s.cands) {
     s.nodes[0].weight += c.m;
-    const int32_t* src;
-    int64_t len;
-    if (c.scope == kCorpus) {
-      src = seqs_[c.seq]->out();
-      len = std::min<int64_t>(budget, static_cast<int64_t>(seqs_[c.seq]->out_len()) - c.pos);
-    } else {
-      src = seq.tokens.data();
-      len = budget;
-    }
     int32_t at = 0;
-    int64_t k = c.pos;  // own text repeats its period end - pos past the end
-    for (int64_t j = 0; j < len; ++j, ++k) {
-      if (c.scope == kOwn && k == end) k = c.pos;
-      const int32_t t = src[k];
+    for (int64_t j = 0; j < budget; ++j) {
+      const int64_t token = continuation_token(seq, c, j);
+      if (token < 0) break;
+      const int32_t t = static_cast<int32_t>(token);
       int32_t child = s.nodes[at].first_child;
       while (child >= 0 && s.nodes[child].token != t) child = s.nodes[child].next_sibling;
       if (child < 0) {
@@ -331,12 +330,14 @@ void DraftIndex::merge(Scratch& s, uint32_t slot, int budget) const {
 }
 
 double DraftIndex::confidence(const Scratch& s, int32_t i) const {
-  // (W / W_root) * q(M) ** depth, the power as repeated products (as the reference).
   const Node& n = s.nodes[i];
-  const double q = n.max_m / (n.max_m + 1.0);
-  double c = static_cast<double>(n.weight) / static_cast<double>(s.nodes[0].weight);
-  for (int d = 0; d < n.depth; ++d) c *= q;
-  return c;
+  return path_confidence(n.weight, n.max_m, n.depth, s.nodes[0].weight);
+}
+
+int64_t DraftIndex::continuation_token(const Sequence& seq, const Candidate& c, int64_t d) const {
+  if (c.scope == kOwn) return seq.tokens[c.pos + d % (static_cast<int64_t>(seq.tokens.size()) - c.pos)];
+  const Sequence& src = *seqs_[c.seq];
+  return c.pos + d < static_cast<int64_t>(src.out_len()) ? src.out()[c.pos + d] : -1;
 }
 
 int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor, DraftRow out) const {
@@ -346,14 +347,6 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   // merged tree's creation order. The heaviest child continues the chain
   // (ties: the earliest), as the reference's _select_chain walks the merged tree.
   const Sequence& seq = *seqs_[slot];
-  const int64_t end = static_cast<int64_t>(seq.tokens.size());
-  // Token d of a candidate's continuation; -1 past a corpus output's end
-  // (own text repeats its period end - pos past the end).
-  auto token_at = [&](const Candidate& c, int64_t d) -> int64_t {
-    if (c.scope == kOwn) return seq.tokens[c.pos + d % (end - c.pos)];
-    const Sequence& src = *seqs_[c.seq];
-    return c.pos + d < static_cast<int64_t>(src.out_len()) ? src.out()[c.pos + d] : -1;
-  };
   int64_t root_weight = 0;
   s.alive.clear();
   for (size_t c = 0; c < s.cands.size(); ++c) {
@@ -364,7 +357,7 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
     s.children.clear();
     for (const int32_t c : s.alive) {
-      const int64_t token = token_at(s.cands[c], d);
+      const int64_t token = continuation_token(seq, s.cands[c], d);
       if (token < 0) continue;
       auto child = std::find_if(s.children.begin(), s.children.end(),
                                 [token](const Scratch::Child& k) { return k.token == token; });
@@ -380,10 +373,7 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     for (const Scratch::Child& k : s.children) {
       if (k.weight > best->weight) best = &k;
     }
-    // (W / W_root) * q(M) ** depth, as confidence() computes it.
-    const double q = best->max_m / (best->max_m + 1.0);
-    double conf = static_cast<double>(best->weight) / static_cast<double>(root_weight);
-    for (int64_t k = 0; k <= d; ++k) conf *= q;
+    const double conf = path_confidence(best->weight, best->max_m, d + 1, root_weight);
     if (conf < floor) break;
     out.tokens[count] = best->token;
     out.parents[count] = count - 1;
@@ -391,7 +381,7 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     ++count;
     s.next_alive.clear();  // the candidates through the chosen child
     for (const int32_t c : s.alive) {
-      if (token_at(s.cands[c], d) == best->token) s.next_alive.push_back(c);
+      if (continuation_token(seq, s.cands[c], d) == best->token) s.next_alive.push_back(c);
     }
     s.alive.swap(s.next_alive);
   }

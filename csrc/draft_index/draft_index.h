@@ -176,6 +176,10 @@ class DraftIndex {
   void collect_candidates(Scratch& s, uint32_t slot) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
+  // Token d of candidate c's continuation in sequence `seq`'s draft: own
+  // text repeats its period (end - pos) past its end; -1 past a corpus
+  // output's end.
+  int64_t continuation_token(const Sequence& seq, const Candidate& c, int64_t d) const;
   // The chain of the merged tree's heaviest children, walked over the
   // candidates directly (no tree is built): the same nodes as the
   // reference's _merge + _select_chain, at the cost of the candidates that
