@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from sim_acceptance import plain_wave_forwards
 
 
 def _accepted_from(source: np.ndarray, starts: np.ndarray, target: np.ndarray, period_end: int | None) -> int:
@@ -76,7 +77,7 @@ def ceiling(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], 
     for prompt, output in zip(prompts, outputs):
         text = np.asarray(list(prompt) + list(output), np.int64)
         corpus = np.concatenate(corpus_parts) if corpus_parts else np.zeros(0, np.int64)
-        plain_forwards += timing(1) * max(len(output) - 1, 0)
+        plain_forwards += plain_wave_forwards([len(output) - 1], timing)
         i = 1  # the prefill emitted output[0]
         while i < len(output):
             end = len(prompt) + i  # context = text[:end]

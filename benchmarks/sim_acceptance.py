@@ -43,7 +43,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lookahead_vllm.core.budget import (
     ForwardCost,
@@ -95,7 +95,7 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
         pos = {r: 1 for r in wave}
         # Plain decoding: one token per running request per step.
         lengths = [len(outputs[r]) - 1 for r in wave]
-        plain_forwards += sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
+        plain_forwards += plain_wave_forwards(lengths, timing)
         running = [r for r in wave if pos[r] < len(outputs[r])]
         while running:
             floor = confidence_floor(config, len(running))
@@ -148,6 +148,13 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             "draft_tokens": drafted, "accepted_tokens": accepted_total,
             "acceptance_per_drafted_token": accepted_total / max(drafted, 1),
             "raw_calibration": audit.summary()}
+
+
+def plain_wave_forwards(lengths: list[int], timing: Callable[[int], float]) -> float:
+    """Modeled time of plain decoding for a wave of requests that still
+    decode ``lengths`` tokens each: one forward per step over the requests
+    still running (``timing(rows)`` single-token forwards)."""
+    return sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
 
 
 def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = None,

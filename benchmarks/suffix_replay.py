@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from sim_acceptance import plain_wave_forwards
 
 # vLLM 0.32.0's SpeculativeConfig defaults for method "suffix"
 # (suffix_decoding_*; a test holds them to the installed vLLM).
@@ -213,8 +214,7 @@ def run_wave(cache: Any, wave: list[ReplayRequest], params: SuffixParams, stats:
     """Step a wave together from its prefills until its last request finishes.
     ``timing(tokens)``: a forward's modeled cost, booked into ``stats``."""
     if timing is not None:
-        lengths = [len(r.output) - r.pos for r in wave]
-        stats.plain_forwards += sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
+        stats.plain_forwards += plain_wave_forwards([len(r.output) - r.pos for r in wave], timing)
     rows = wave
     while rows:
         start = time.perf_counter()
