@@ -6,7 +6,8 @@ token table), with no model forward: ``B`` running requests whose prompts are
 real text (the docqa documents, tokenized with the bundled tokenizer), each
 committing per step the tokens of its last draft that match its text, then
 one more (as verification would: drafts are booked, the calibrator learns).
-Load adaptation is raised and the forward-cost model is off, so every row
+The heap is frozen before the steps, as vLLM's engine core freezes it once
+started. Load adaptation is raised and the forward-cost model is off, so every row
 drafts and every draft is handed out and booked: the most work the proposer
 does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
 tokens: from 64 rows on no draft pays, and the proposer only indexes).
@@ -23,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import statistics
@@ -137,6 +139,12 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
     proposer = make_proposer(source, k, max_len, prices)
     runner = Batch(texts[:batch], prompt_tokens, max_len)
+    # As vLLM's engine core does once started (freeze_gc_heap): the heap so
+    # far (tokenizer, texts, proposer) is static, so the collector's oldest
+    # generation does not walk it during the steps.
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
     admit_all = runner.step(proposer)  # the whole batch admitted at once
     times = [runner.step(proposer) for _ in range(steps)]
     drafted, accepted = runner.drafted, runner.accepted  # the admissions below step this batch too
@@ -153,6 +161,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         after = bigger.step(proposer)
         admits.append(admit - statistics.median([before, after]))
         grown = bigger
+    gc.unfreeze()
     times_sorted = sorted(times)
     return {
         "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,

@@ -110,8 +110,34 @@ struct TokenTable {
   int64_t rows, cols, row_stride, col_stride;
 };
 
+// Brings `core` up to date with the token table's rows (sync's loop).
+int64_t sync_core(DraftIndex& core, const TokenTable& table, const int64_t* sid, const int64_t* row,
+                  const int64_t* num, const int64_t* plen, int64_t batch) {
+  std::vector<int32_t> buf;
+  int64_t rewound = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    int64_t have = core.length(sid[i]);
+    if (have < 0) {
+      table.read(row[i], 0, num[i], buf);
+      core.add(sid[i], buf.data(), buf.size(), std::min(plen[i], num[i]));
+      continue;
+    }
+    if (num[i] < have) {
+      core.rewind(sid[i], num[i]);
+      have = num[i];
+      ++rewound;
+    }
+    if (num[i] > have) {
+      table.read(row[i], have, num[i], buf);
+      core.extend(sid[i], buf.data(), buf.size());
+    }
+  }
+  return rewound;
+}
+
 int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
-          py::handle num_tokens_obj, py::handle prompt_lens_obj) {
+                  py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff) {
+  if (backoff == &b) throw py::value_error("backoff: must be another index");
   const TokenTable table(token_ids);
   const IntArray sids = int_array(sids_obj, "sids"), rows = int_array(rows_obj, "rows");
   const IntArray num_tokens = int_array(num_tokens_obj, "num_tokens");
@@ -132,26 +158,17 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
     }
   }
   py::gil_scoped_release nogil;
-  std::lock_guard<std::mutex> lock(b.mu);
-  std::vector<int32_t> buf;
-  int64_t rewound = 0;
-  for (int64_t i = 0; i < batch; ++i) {
-    int64_t have = b.core.length(sid[i]);
-    if (have < 0) {
-      table.read(row[i], 0, num[i], buf);
-      b.core.add(sid[i], buf.data(), buf.size(), std::min(plen[i], num[i]));
-      continue;
-    }
-    if (num[i] < have) {
-      b.core.rewind(sid[i], num[i]);
-      have = num[i];
-      ++rewound;
-    }
-    if (num[i] > have) {
-      table.read(row[i], have, num[i], buf);
-      b.core.extend(sid[i], buf.data(), buf.size());
-    }
+  std::unique_lock<std::mutex> lock(b.mu, std::defer_lock), lock_backoff;
+  if (backoff == nullptr) {
+    lock.lock();
+    return sync_core(b.core, table, sid, row, num, plen, batch);
   }
+  lock_backoff = std::unique_lock<std::mutex>(backoff->mu, std::defer_lock);
+  std::lock(lock, lock_backoff);
+  // One thread: a second one costs more to start (~40 us here) than the
+  // back-off's sync takes.
+  const int64_t rewound = sync_core(b.core, table, sid, row, num, plen, batch);
+  sync_core(backoff->core, table, sid, row, num, plen, batch);
   return rewound;
 }
 
@@ -285,7 +302,7 @@ PYBIND11_MODULE(_draft_index, m) {
            })
       .def("draft", &draft_one, py::arg("sid"), py::arg("budget"), py::arg("floor") = 0.0, py::arg("tree") = false)
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
-           py::arg("prompt_lens"))
+           py::arg("prompt_lens"), py::arg("backoff") = py::none())
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
 }

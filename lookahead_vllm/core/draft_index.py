@@ -257,12 +257,17 @@ class DraftIndex:
         return tokens, parents, conf, lengths
 
     def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> int:
+             num_tokens: Sequence[int], prompt_lens: Sequence[int], backoff: "DraftIndex | None" = None) -> int:
         """Bring many sequences up to date with the runner's token table:
         ``token_ids[rows[i], :num_tokens[i]]`` (``[max_rows, max_len]``) are
         sequence ``sids[i]``'s committed tokens. Unknown ids are admitted
         (``prompt_lens[i]`` prompt tokens), shorter ones rewound, longer ones
-        extended. Returns how many were rewound."""
+        extended. ``backoff`` (another index) is synced the same way in the
+        same call. Returns how many were rewound (of this index)."""
+        if backoff is self:
+            raise ValueError("backoff: must be another index")
+        if backoff is not None:
+            backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens)
         rewound = 0
         for i, sid in enumerate(sids):
             sid, row, n = int(sid), int(rows[i]), int(num_tokens[i])

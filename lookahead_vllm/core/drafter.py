@@ -94,8 +94,8 @@ class Drafter:
         rewound = []
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
-        for index in self._indexes():
-            rewound.append(index.sync(*args))
+        if self.index is not None:  # and its back-off, in one call
+            rewound.append(self.index.sync(*args, backoff=self.backoff))
         if self.trie is not None:
             rewound.append(sum(self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
                                for slot, row, n, plen in zip(*args[:2], *args[3:])))

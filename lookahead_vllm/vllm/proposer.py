@@ -27,6 +27,7 @@ and keeps its options.
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
@@ -328,9 +329,13 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
-        propose = self._propose_chains if self.batch_chains else self._propose_trees
-        drafts, num_rows, skipped, load_budget = propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
-        self._record_metrics(drafts, sampled_token_ids, num_rows, skipped, load_budget, start)
+        sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
+        if self.batch_chains:
+            out = self._propose_chains(sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
+        else:
+            out = self._propose_trees(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
+        drafts, num_rows, skipped, load_budget = out
+        self._record_metrics(drafts, sampled_lens, num_rows, skipped, load_budget, start)
         draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
         return drafts
 
@@ -352,18 +357,18 @@ class LookaheadProposer:
                 skipped["request"] += cap == 0
         return budgets, skipped, load_budget
 
-    def _propose_chains(self, sampled: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+    def _propose_chains(self, sampled_lens: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                         batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
         """The array path: the batch's chains from the draft index, calibrated,
-        cut by the forward-cost model, without per-request Python objects."""
-        num_out = len(sampled)
-        sampled_lens = np.fromiter(map(len, sampled), np.int64, num_out)
+        cut by the forward-cost model, without per-request Python objects
+        (``sampled_lens``: the tokens each row emitted this step)."""
+        num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         req_ids = [batch.req_ids[i] for i in rows.tolist()]
         states = [self._states.get(r) or self._state(r) for r in req_ids]
         slots = np.fromiter((st.slot for st in states), np.int64, len(states))
         num_tokens = num_tokens_no_spec[rows]
-        self._book_chains(slots, req_ids, token_ids_cpu, rows, num_tokens, sampled_lens[rows])
+        self._book_chains(slots, req_ids, sampled_lens[rows])
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
         budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
         drafting = np.flatnonzero(budgets > 0)
@@ -381,36 +386,31 @@ class LookaheadProposer:
             drafts[row] = toks[:n]
         return drafts, len(rows), skipped, load_budget
 
-    def _book_chains(self, slots: np.ndarray, req_ids: list[str], token_ids: np.ndarray, rows: np.ndarray,
-                     num_tokens: np.ndarray, emitted_lens: np.ndarray) -> None:
+    def _book_chains(self, slots: np.ndarray, req_ids: list[str], emitted_lens: np.ndarray) -> None:
         """Book last step's chains (``ChainOffers``) against what this step's
-        rows emitted (accepted tokens, then the bonus: the last
-        ``emitted_lens[i]`` of ``token_ids[rows[i], :num_tokens[i]]``), cut
-        to what the scheduler verified of them: accepted tokens and the
-        calibrator's evidence."""
+        rows emitted (``emitted_lens[i]`` tokens: the accepted ones, then the
+        bonus), cut to what the scheduler verified of them: accepted tokens
+        and the calibrator's evidence. Verification accepts a prefix of the
+        verified draft and emits one token more, so a row's accepted nodes
+        are its first ``emitted_lens[i] - 1`` (the per-request path, which
+        also verifies trees, matches tokens: ``accepted_path``)."""
         offers = self._offers
         at, found = offers.find(slots)
         if not found.any():
             return
-        scheduled = self._scheduled
-        verified = np.fromiter((len(scheduled.get(r, ())) for r in req_ids), np.int64, len(req_ids))
+        scheduled = self._scheduled.get
+        verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
         verified = np.where(found, np.minimum(verified, offers.lengths[at]), 0)
         booked = np.flatnonzero(verified)
         if not len(booked):
             return
-        width = offers.tokens.shape[1]
-        cols = np.arange(width)[None, :]
-        lens = emitted_lens[booked][:, None]
-        # The emitted tokens, read from the runner's token table (-1 past them).
-        where = np.clip(num_tokens[booked][:, None] - lens + cols, 0, token_ids.shape[1] - 1)
-        emitted = np.where(cols < lens, token_ids[rows[booked][:, None], where], -1)
-        verified = verified[booked][:, None]
-        hit = (offers.tokens[at[booked]] == emitted) & (cols < verified)
-        accepted = np.logical_and.accumulate(hit, axis=1)
+        verified = verified[booked]
+        accepted = np.minimum(emitted_lens[booked] - 1, verified)
         self.stats.context_accepted_tokens += int(accepted.sum())
-        nodes = cols < verified
-        self.calibrator.observe_nodes(np.full(int(nodes.sum()), KIND_CONTEXT, np.int64),
-                                      offers.confidence[at[booked]][nodes], accepted[nodes])
+        cols = np.arange(offers.tokens.shape[1])
+        nodes = cols < verified[:, None]
+        self.calibrator.observe_nodes(np.full(int(verified.sum()), KIND_CONTEXT, np.int64),
+                                      offers.confidence[at[booked]][nodes], (cols < accepted[:, None])[nodes])
 
     def _propose_trees(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                        token_ids_cpu: np.ndarray, batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
@@ -483,9 +483,9 @@ class LookaheadProposer:
         merged = merge_branches(tree, branches, budget)
         return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
 
-    def _record_metrics(self, drafts, sampled_token_ids, num_rows: int, skipped: dict[str, int], load_budget: int,
-                        start_ns: int) -> None:
-        accepted = sum(len(s) - 1 for s in sampled_token_ids if s)
+    def _record_metrics(self, drafts, sampled_lens: np.ndarray, num_rows: int, skipped: dict[str, int],
+                        load_budget: int, start_ns: int) -> None:
+        accepted = int(sampled_lens.sum()) - int(np.count_nonzero(sampled_lens))  # the bonus tokens are not
         step_tokens = sum(map(len, drafts))
         self.stats.request_steps += num_rows
         self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)

@@ -139,8 +139,12 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
             for index in (ref, nat, ref_b, nat_b):
                 index.finish(done)
         table = _sync_table(data, ref, vocab, running)
-        for index in (ref, nat, ref_b, nat_b):
-            index.sync(*table)
+        # The reference's two indexes one by one, the native pair in one call.
+        rewound = ref.sync(*table)
+        ref_b.sync(*table)
+        assert nat.sync(*table, backoff=nat_b) == rewound
+        for sid in SIDS:
+            assert (nat.length(sid), nat_b.length(sid)) == (ref.length(sid), ref_b.length(sid))
         sids = data.draw(st.lists(st.sampled_from(SIDS), max_size=5))
         budgets = data.draw(st.lists(st.integers(0, 8), min_size=len(sids), max_size=len(sids)))
         floor, tree = data.draw(st.sampled_from([0.0, 0.2, 0.6])), data.draw(st.booleans())
@@ -154,6 +158,9 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
                 assert want[3][i] == alone[3][i]
     with pytest.raises(ValueError, match="backoff"):
         nat.draft_batch([0], [4], backoff=nat)
+    for index in (ref, nat):
+        with pytest.raises(ValueError, match="backoff"):
+            index.sync(*table, backoff=index)
 
 
 def test_backoff_drafts_only_where_the_main_index_has_no_candidate():

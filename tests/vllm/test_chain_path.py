@@ -87,6 +87,7 @@ class Workload:
             n = min(n + len(emitted), MAX_LEN)
             if self.rng.random() < 0.01:  # preempted and recomputed: the runner rewinds
                 n, emitted = plen + 1, [int(self.text[start + plen])]
+                scheduled.pop(r, None)  # a recomputed request verifies no draft
             self.running[r][2] = n
             sampled.append(emitted if self.rng.random() > 0.03 else [])  # a row that sampled nothing
         table = np.zeros((len(ids) + 2, MAX_LEN), np.int32)
