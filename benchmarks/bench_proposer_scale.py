@@ -179,6 +179,22 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     }
 
 
+def repeated(run: Any, repeats: int) -> dict[str, Any]:
+    """``run()`` ``repeats`` times: the first run's cell with the step and
+    admission figures replaced by the median over the runs (the max: the
+    largest), and every run's figures under ``runs``."""
+    runs = [run() for _ in range(repeats)]
+    cell = dict(runs[0])
+    for key in ("step_ms_median", "step_ms_p99", "admit_ms_one_more_prompt", "admit_ms_per_prompt_batch_start"):
+        cell[key] = statistics.median(r[key] for r in runs)
+    for key in ("step_ms_max", "admit_ms_one_more_prompt_max", "max_rss_mib"):
+        cell[key] = max(r[key] for r in runs)
+    cell["repeats"] = repeats
+    cell["runs"] = [{key: r[key] for key in ("step_ms_median", "step_ms_p99", "step_ms_max", "admit_ms_one_more_prompt")}
+                    for r in runs]
+    return cell
+
+
 def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -211,9 +227,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prices", choices=["off", "gpu"], default="off",
                    help="off: the cost model off, every draft handed out and booked (the most work); gpu: "
                         "GPU token prices (few drafts pay at 64+ rows)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each cell this many times, each with a fresh proposer (this machine's timings vary "
+                        "by ~25%% from run to run): the cell reports the median of the runs' medians and p99s and "
+                        "the largest max, with every run's figures")
     p.add_argument("--out", type=Path, default=RESULTS / "proposer_scale.json")
     args = p.parse_args(argv)
-    for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps])):
+    for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps]),
+                         ("--repeats", [args.repeats])):
         bad = [v for v in values if v < 1]
         if bad:
             p.error(f"{flag} {bad[0]}: must be >= 1")
@@ -230,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for source in args.sources:
         for batch in args.batch:
             for tokens in args.prompt_tokens:
-                cell = run_cell(source, batch, tokens, args.steps, args.k, text, args.prices)
+                cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices),
+                                args.repeats)
                 cells.append(cell)
                 log(f"{source:19s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
                     f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "

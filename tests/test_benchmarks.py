@@ -465,8 +465,25 @@ def test_bench_proposer_scale_reports_every_cell(tmp_path):
     assert cells[0]["drafter_bytes"] > 0 and out.exists() and out.with_suffix(".png").exists()
 
 
+def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
+    bench = _import_bench("bench_proposer_scale")
+    figures = iter([(1.0, 2.0, 9.0), (3.0, 4.0, 5.0), (2.0, 3.0, 4.0)])
+
+    def run():
+        median, p99, most = next(figures)
+        return {"source": "index", "step_ms_median": median, "step_ms_p99": p99, "step_ms_max": most,
+                "admit_ms_one_more_prompt": median / 10, "admit_ms_per_prompt_batch_start": 0.5,
+                "admit_ms_one_more_prompt_max": most / 10, "max_rss_mib": median * 100}
+
+    cell = bench.repeated(run, 3)
+    assert (cell["step_ms_median"], cell["step_ms_p99"], cell["step_ms_max"]) == (2.0, 3.0, 9.0)
+    assert cell["admit_ms_one_more_prompt"] == pytest.approx(0.2) and cell["max_rss_mib"] == 300.0
+    assert cell["repeats"] == 3 and [r["step_ms_median"] for r in cell["runs"]] == [1.0, 3.0, 2.0]
+
+
 @pytest.mark.parametrize("argv,message", [(["--batch", "0"], "--batch 0: must be >= 1"),
                                           (["--steps", "0"], "--steps 0: must be >= 1"),
+                                          (["--repeats", "0"], "--repeats 0: must be >= 1"),
                                           (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
 def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     bench = _import_bench("bench_proposer_scale")
