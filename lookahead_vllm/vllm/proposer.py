@@ -27,8 +27,8 @@ and keeps its options.
 from __future__ import annotations
 
 import time
-from itertools import repeat
 from dataclasses import dataclass, field, fields
+from itertools import repeat
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -151,13 +151,12 @@ class ChainOffers:
     next step, then replaced."""
 
     slots: np.ndarray  # [D] int64, ascending
-    tokens: np.ndarray  # [D, W] draft tokens
     confidence: np.ndarray  # [D, W] raw (uncalibrated) node confidences
     lengths: np.ndarray  # [D] tokens handed out
 
     @classmethod
     def none(cls) -> "ChainOffers":
-        return cls(np.zeros(0, np.int64), np.zeros((0, 0), np.int32), np.zeros((0, 0)), np.zeros(0, np.int64))
+        return cls(np.zeros(0, np.int64), np.zeros((0, 0)), np.zeros(0, np.int64))
 
     def find(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per slot: its row here (clipped) and whether it has one."""
@@ -379,7 +378,7 @@ class LookaheadProposer:
         keep = allocate_chain_budget(confs, lens, self.config.step_draft_budget or None, len(rows), self.cost)
         kept = np.flatnonzero(keep)
         order = kept[np.argsort(slots[drafting[kept]], kind="stable")]
-        self._offers = ChainOffers(slots[drafting[order]], tok[order], raw[order], keep[order].astype(np.int64))
+        self._offers = ChainOffers(slots[drafting[order]], raw[order], keep[order].astype(np.int64))
         drafts: list[list[int]] = [[] for _ in range(num_out)]
         out_rows, tokens = rows[drafting[kept]].tolist(), tok[kept].tolist()
         for row, toks, n in zip(out_rows, tokens, keep[kept].tolist()):
@@ -407,7 +406,7 @@ class LookaheadProposer:
         verified = verified[booked]
         accepted = np.minimum(emitted_lens[booked] - 1, verified)
         self.stats.context_accepted_tokens += int(accepted.sum())
-        cols = np.arange(offers.tokens.shape[1])
+        cols = np.arange(offers.confidence.shape[1])
         nodes = cols < verified[:, None]
         self.calibrator.observe_nodes(np.full(int(verified.sum()), KIND_CONTEXT, np.int64),
                                       offers.confidence[at[booked]][nodes], (cols < accepted[:, None])[nodes])
