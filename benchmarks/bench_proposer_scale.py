@@ -7,7 +7,9 @@ real text (the docqa documents, tokenized with the bundled tokenizer), each
 committing per step the tokens of its last draft that match its text, then
 one more (as verification would: drafts are booked, the calibrator learns).
 The heap is frozen before the steps, as vLLM's engine core freezes it once
-started. Load adaptation is raised and the forward-cost model is off, so every row
+started. ``--flush-mib`` streams that much memory through the caches before
+every step, as the model's forward does between two engine steps: the
+proposer then runs with cold caches, as it does in an engine. Load adaptation is raised and the forward-cost model is off, so every row
 drafts and every draft is handed out and booked: the most work the proposer
 does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
 tokens: from 64 rows on no draft pays, and the proposer only indexes).
@@ -86,7 +88,8 @@ def corpus_tokens(count: int) -> np.ndarray:
 class Batch:
     """The runner's persistent batch: request ids, prompt lengths, token table."""
 
-    def __init__(self, texts: list[np.ndarray], prompt_tokens: int, max_len: int) -> None:
+    def __init__(self, texts: list[np.ndarray], prompt_tokens: int, max_len: int,
+                 flush: np.ndarray | None = None) -> None:
         self.req_ids = [f"r{i}" for i in range(len(texts))]
         self.num_prompt_tokens = np.full(len(texts), prompt_tokens, np.int64)
         self.token_ids = np.zeros((len(texts), max_len), np.int32)
@@ -97,6 +100,9 @@ class Batch:
         self.drafts: dict[str, list[int]] = {}
         self.accepted = 0  # draft tokens accepted in all
         self.drafted = 0  # draft tokens handed out in all
+        # Streamed through the caches before each step, as the forward
+        # between two steps does (None: the proposer runs with warm caches).
+        self.flush = flush
 
     def step(self, proposer: Any, new: list[Any] = ()) -> float:
         """Verify last step's drafts against the text, then time one engine
@@ -112,6 +118,8 @@ class Batch:
             if draft:
                 scheduled[req_id] = draft
         self.num_tokens += [len(s) for s in sampled]
+        if self.flush is not None:
+            self.flush += 1.0
         start = time.perf_counter()
         proposer.on_step(self, [], scheduled)
         if new:
@@ -132,13 +140,14 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
-             prices: str = "off") -> dict[str, Any]:
+             prices: str = "off", flush_mib: int = 0) -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
     proposer = make_proposer(source, k, max_len, prices)
-    runner = Batch(texts[:batch], prompt_tokens, max_len)
+    flush = np.zeros(flush_mib << 17) if flush_mib else None  # float64: 2**17 per MiB
+    runner = Batch(texts[:batch], prompt_tokens, max_len, flush)
     # As vLLM's engine core does once started (freeze_gc_heap): the heap so
     # far (tokenizer, texts, proposer) is static, so the collector's oldest
     # generation does not walk it during the steps.
@@ -155,7 +164,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     for _ in range(ADMISSIONS):
         before = grown.step(proposer)
         n = len(grown.req_ids)
-        bigger = Batch(texts[:n + 1], prompt_tokens, max_len)
+        bigger = Batch(texts[:n + 1], prompt_tokens, max_len, flush)
         bigger.num_tokens[:n], bigger.drafts = grown.num_tokens, grown.drafts
         admit = bigger.step(proposer)
         after = bigger.step(proposer)
@@ -165,6 +174,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     times_sorted = sorted(times)
     return {
         "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
+        "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
         "accepted_per_request_step": accepted / (batch * (steps + 1)),
@@ -227,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prices", choices=["off", "gpu"], default="off",
                    help="off: the cost model off, every draft handed out and booked (the most work); gpu: "
                         "GPU token prices (few drafts pay at 64+ rows)")
+    p.add_argument("--flush-mib", type=int, default=0,
+                   help="stream this many MiB through the caches before each step, as a forward does between "
+                        "two engine steps (0: warm caches, the proposer's own cost)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run each cell this many times, each with a fresh proposer (this machine's timings vary "
                         "by ~25%% from run to run): the cell reports the median of the runs' medians and p99s and "
@@ -238,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bad = [v for v in values if v < 1]
         if bad:
             p.error(f"{flag} {bad[0]}: must be >= 1")
+    if args.flush_mib < 0:
+        p.error(f"--flush-mib {args.flush_mib}: must be >= 0")
     from lookahead_vllm.core.config import SOURCES
 
     for source in args.sources:
@@ -251,8 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for source in args.sources:
         for batch in args.batch:
             for tokens in args.prompt_tokens:
-                cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices),
-                                args.repeats)
+                cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
+                                                 args.flush_mib), args.repeats)
                 cells.append(cell)
                 log(f"{source:19s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
                     f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "

@@ -463,6 +463,11 @@ def test_bench_proposer_scale_reports_every_cell(tmp_path):
     assert cells[0]["accepted_per_request_step"] > 0
     assert cells[0]["accepted_per_request_step"] == cells[1]["accepted_per_request_step"]
     assert cells[0]["drafter_bytes"] > 0 and out.exists() and out.with_suffix(".png").exists()
+    # With the caches flushed before each step: the same drafts, still timed.
+    cold = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--sources", "index",
+                       "--flush-mib", "1", "--out", str(tmp_path / "cold.json")])["cells"][0]
+    assert cold["flush_mib"] == 1 and cold["step_ms_median"] > 0
+    assert cold["accepted_per_request_step"] == cells[0]["accepted_per_request_step"]
 
 
 def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
@@ -484,6 +489,7 @@ def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
 @pytest.mark.parametrize("argv,message", [(["--batch", "0"], "--batch 0: must be >= 1"),
                                           (["--steps", "0"], "--steps 0: must be >= 1"),
                                           (["--repeats", "0"], "--repeats 0: must be >= 1"),
+                                          (["--flush-mib", "-1"], "--flush-mib -1: must be >= 0"),
                                           (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
 def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     bench = _import_bench("bench_proposer_scale")

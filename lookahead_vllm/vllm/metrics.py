@@ -19,7 +19,7 @@ scheduler stats; ours take a simpler road that works for any process layout:
 
 Exposed series (all cumulative since the engine started, except gauges):
 
-  lookahead_trie_nodes, lookahead_trie_bytes      gauges: trie size now
+  lookahead_trie_nodes, lookahead_trie_bytes      gauges: drafter size (every 16 steps)
   lookahead_load_budget                           gauge: per-request node budget after load adaptation
   lookahead_request_states                        gauge: requests the drafter holds state for now
                                                   (the proposer's ``num_request_states()``; 0 once

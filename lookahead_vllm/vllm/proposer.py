@@ -144,6 +144,12 @@ class RequestState:
     context_nodes: int = 0
 
 
+# The drafter's memory gauges are refreshed every this many steps (and on
+# the first): the native estimate visits every sequence the index holds, up
+# to thousands with a full corpus, which a step need not pay for.
+MEMORY_GAUGE_EVERY = 16
+
+
 @dataclass(frozen=True, slots=True)
 class ChainOffers:
     """The chains the array path handed out in one step (rows with a draft),
@@ -489,9 +495,11 @@ class LookaheadProposer:
         self.stats.request_steps += num_rows
         self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
         m = self.metrics
-        trie = self.drafter.trie
-        m.trie_nodes = trie.num_nodes if trie is not None else 0
-        m.trie_bytes, m.load_budget = self.drafter.memory_bytes(), load_budget
+        m.load_budget = load_budget
+        if m.steps % MEMORY_GAUGE_EVERY == 0:  # the estimate walks every held sequence
+            trie = self.drafter.trie
+            m.trie_nodes = trie.num_nodes if trie is not None else 0
+            m.trie_bytes = self.drafter.memory_bytes()
         m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 
