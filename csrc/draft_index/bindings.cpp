@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "draft_index.h"
@@ -110,6 +111,20 @@ struct TokenTable {
   int64_t rows, cols, row_stride, col_stride;
 };
 
+// Locks `b` and, when given, `backoff` (together, deadlock-free): what a
+// call that uses both indexes holds while it runs.
+std::pair<std::unique_lock<std::mutex>, std::unique_lock<std::mutex>> lock_with_backoff(BoundIndex& b,
+                                                                                      BoundIndex* backoff) {
+  std::unique_lock<std::mutex> lock(b.mu, std::defer_lock), lock_backoff;
+  if (backoff == nullptr) {
+    lock.lock();
+  } else {
+    lock_backoff = std::unique_lock<std::mutex>(backoff->mu, std::defer_lock);
+    std::lock(lock, lock_backoff);
+  }
+  return {std::move(lock), std::move(lock_backoff)};
+}
+
 // Brings `core` up to date with the token table's rows (sync's loop).
 int64_t sync_core(DraftIndex& core, const TokenTable& table, const int64_t* sid, const int64_t* row,
                   const int64_t* num, const int64_t* plen, int64_t batch) {
@@ -158,17 +173,11 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
     }
   }
   py::gil_scoped_release nogil;
-  std::unique_lock<std::mutex> lock(b.mu, std::defer_lock), lock_backoff;
-  if (backoff == nullptr) {
-    lock.lock();
-    return sync_core(b.core, table, sid, row, num, plen, batch);
-  }
-  lock_backoff = std::unique_lock<std::mutex>(backoff->mu, std::defer_lock);
-  std::lock(lock, lock_backoff);
+  const auto locks = lock_with_backoff(b, backoff);
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
   const int64_t rewound = sync_core(b.core, table, sid, row, num, plen, batch);
-  sync_core(backoff->core, table, sid, row, num, plen, batch);
+  if (backoff != nullptr) sync_core(backoff->core, table, sid, row, num, plen, batch);
   return rewound;
 }
 
@@ -196,13 +205,7 @@ py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj
     std::fill(tok, tok + batch * width, 0);
     std::fill(par, par + batch * width, -1);
     std::fill(cf, cf + batch * width, 0.0);
-    std::unique_lock<std::mutex> lock(b.mu, std::defer_lock), lock_backoff;
-    if (backoff != nullptr) {
-      lock_backoff = std::unique_lock<std::mutex>(backoff->mu, std::defer_lock);
-      std::lock(lock, lock_backoff);
-    } else {
-      lock.lock();
-    }
+    const auto locks = lock_with_backoff(b, backoff);
     b.core.draft_rows(sid, budget, batch, width, floor, tree, DraftRow{tok, par, cf}, len, threads,
                       backoff != nullptr ? &backoff->core : nullptr);
   }
