@@ -1,8 +1,10 @@
-// lookahead_vllm._draft_index: Python bindings of the native DraftIndex.
+// lookahead_vllm._draft_index: Python bindings of the native DraftIndex and
+// of the chain kernels (chains.h).
 //
 // Checks arguments, converts them, and calls the core; sync and draft_batch
 // run without the GIL. A mutex per index serializes calls (the GIL no longer
-// does while sync/draft_batch run).
+// does while sync/draft_batch run). The chain kernels keep the GIL: they run
+// for microseconds and write into arrays their Python caller owns.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "chains.h"
 #include "draft_index.h"
 
 namespace py = pybind11;
@@ -226,6 +229,133 @@ std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>> draf
   return {std::move(tokens), std::move(parents), std::move(conf)};
 }
 
+// ------------------------------------------------------------ chain kernels
+using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+void check_same_length(const char* what, int64_t a, int64_t b) {
+  if (a != b) throw py::value_error(std::string(what) + " must have the same length");
+}
+
+py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+py::tuple match_offers_py(py::handle offer_slots_obj, py::handle offer_lens_obj, py::handle slots_obj,
+                          py::handle scheduled_obj, py::handle emitted_obj) {
+  const IntArray offer_slots = int_array(offer_slots_obj, "offer_slots");
+  const IntArray offer_lens = int_array(offer_lens_obj, "offer_lens");
+  const IntArray slots = int_array(slots_obj, "slots"), scheduled = int_array(scheduled_obj, "scheduled");
+  const IntArray emitted = int_array(emitted_obj, "emitted");
+  check_same_length("offer_slots and offer_lens", offer_slots.shape(0), offer_lens.shape(0));
+  const int64_t rows = slots.shape(0);
+  check_same_length("slots, scheduled and emitted", rows, scheduled.shape(0));
+  check_same_length("slots, scheduled and emitted", rows, emitted.shape(0));
+  std::vector<int64_t> at, verified, accepted;
+  lookahead::match_offers(offer_slots.data(), offer_lens.data(), offer_slots.shape(0), slots.data(),
+                          scheduled.data(), emitted.data(), rows, at, verified, accepted);
+  return py::make_tuple(to_array(at), to_array(verified), to_array(accepted));
+}
+
+// A float64 C-contiguous writeable [kinds, bins] table, updated in place.
+double* table(py::array a, const char* name, int64_t kinds, int64_t bins) {
+  if (!a.dtype().is(py::dtype::of<double>()) || !(a.flags() & py::array::c_style) || !a.writeable() || a.ndim() != 2 || a.shape(0) != kinds ||
+      a.shape(1) != bins) {
+    throw py::type_error(std::string(name) + " must be a writeable C-contiguous float64 array [" +
+                         std::to_string(kinds) + ", " + std::to_string(bins) + "]");
+  }
+  return static_cast<double*>(a.mutable_data());
+}
+
+void observe_chains_py(py::array predicted, py::array accepted_table, py::array nodes, py::array factor, py::handle edges_obj, int64_t kind, py::handle raw_obj,
+                       py::handle at_obj, py::handle verified_obj, py::handle accepted_obj, double prior,
+                       double half_life) {
+  const DoubleArray edges = DoubleArray::ensure(edges_obj), raw = DoubleArray::ensure(raw_obj);
+  if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
+  if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [offers, width]");
+  const int64_t kinds = predicted.ndim() == 2 ? predicted.shape(0) : 0, bins = edges.shape(0) + 1;
+  lookahead::CalibrationTables t{table(predicted, "predicted", kinds, bins),
+                                 table(accepted_table, "accepted", kinds, bins),
+                                 table(nodes, "nodes", kinds, bins),
+                                 table(factor, "factor", kinds, bins),
+                                 kinds,
+                                 bins,
+                                 edges.data()};
+  if (kind < 0 || kind >= kinds) {
+    throw py::value_error("kind=" + std::to_string(kind) + ": must be in [0, " + std::to_string(kinds) + ")");
+  }
+  const IntArray at = int_array(at_obj, "at"), verified = int_array(verified_obj, "verified");
+  const IntArray accepted = int_array(accepted_obj, "accepted");
+  const int64_t n = at.shape(0), width = raw.shape(1);
+  check_same_length("at, verified and accepted", n, verified.shape(0));
+  check_same_length("at, verified and accepted", n, accepted.shape(0));
+  for (int64_t i = 0; i < n; ++i) {
+    if (at.data()[i] < 0 || at.data()[i] >= raw.shape(0) || verified.data()[i] < 0 || verified.data()[i] > width) {
+      throw py::index_error("at[" + std::to_string(i) + "]=" + std::to_string(at.data()[i]) + ", verified=" +
+                            std::to_string(verified.data()[i]) + ": outside raw [" + std::to_string(raw.shape(0)) +
+                            ", " + std::to_string(width) + "]");
+    }
+  }
+  lookahead::observe_chains(t, kind, raw.data(), width, at.data(), verified.data(), accepted.data(), n, prior,
+                            half_life);
+}
+
+py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle lens_obj, py::handle edges_obj,
+                         py::handle factors_obj, int64_t budget, int64_t num_rows, int64_t free_tokens,
+                         double marginal_tokens, py::handle out_rows_obj, int64_t num_out) {
+  const Int32Array tokens = Int32Array::ensure(tokens_obj), lens = Int32Array::ensure(lens_obj);
+  const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
+  const DoubleArray factors = DoubleArray::ensure(factors_obj);
+  if (!tokens || !raw || tokens.ndim() != 2 || raw.ndim() != 2 || tokens.shape(0) != raw.shape(0) ||
+      tokens.shape(1) != raw.shape(1)) {
+    throw py::type_error("tokens and raw must be 2-D arrays of one shape [rows, width]");
+  }
+  if (!edges || !factors || edges.ndim() != 1 || factors.ndim() != 1 || factors.shape(0) != edges.shape(0) + 1) {
+    throw py::type_error("edges and factors must be 1-D float arrays, factors one longer than edges");
+  }
+  const int64_t rows = raw.shape(0), width = raw.shape(1);
+  if (!lens || lens.ndim() != 1) throw py::type_error("lens must be a 1-D sequence of ints");
+  check_same_length("raw's rows and lens", rows, lens.shape(0));
+  const IntArray out_rows = int_array(out_rows_obj, "out_rows");
+  check_same_length("raw's rows and out_rows", rows, out_rows.shape(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (lens.data()[r] < 0 || lens.data()[r] > width) {
+      throw py::value_error("lens[" + std::to_string(r) + "]=" + std::to_string(lens.data()[r]) +
+                            ": must be in [0, " + std::to_string(width) + "]");
+    }
+    if (out_rows.data()[r] < 0 || out_rows.data()[r] >= num_out) {
+      throw py::index_error("out_rows[" + std::to_string(r) + "]=" + std::to_string(out_rows.data()[r]) +
+                            ": must be in [0, " + std::to_string(num_out) + ")");
+    }
+  }
+  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
+    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
+  }
+  py::array_t<int64_t> keep(rows);
+  py::array_t<double> calibrated({rows, width});
+  std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
+  lookahead::plan_chains(raw.data(), lens.data(), rows, width, edges.data(), edges.shape(0), factors.data(), budget,
+                         num_rows, lookahead::ChainCost{free_tokens, marginal_tokens}, calibrated.mutable_data(),
+                         keep.mutable_data());
+  py::list drafts(num_out);
+  std::vector<bool> filled(num_out, false);
+  const int64_t* k = keep.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = out_rows.data()[r];
+    if (filled[row]) throw py::value_error("out_rows[" + std::to_string(r) + "]: a batch row given twice");
+    filled[row] = true;
+    py::list draft(k[r]);
+    for (int64_t j = 0; j < k[r]; ++j) draft[j] = py::int_(tokens.data()[r * width + j]);
+    drafts[row] = std::move(draft);
+  }
+  for (int64_t row = 0; row < num_out; ++row) {
+    if (!filled[row]) drafts[row] = py::list();
+  }
+  return py::make_tuple(keep, calibrated, drafts);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_draft_index, m) {
@@ -308,4 +438,12 @@ PYBIND11_MODULE(_draft_index, m) {
            py::arg("prompt_lens"), py::arg("backoff") = py::none())
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
+  m.def("match_offers", &match_offers_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("slots"),
+        py::arg("scheduled"), py::arg("emitted"));
+  m.def("observe_chains", &observe_chains_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
+        py::arg("factor"), py::arg("edges"), py::arg("kind"), py::arg("raw"), py::arg("at"), py::arg("verified"),
+        py::arg("accepted"), py::arg("prior"), py::arg("half_life"));
+  m.def("plan_chains", &plan_chains_py, py::arg("tokens"), py::arg("raw"), py::arg("lens"), py::arg("edges"),
+        py::arg("factors"), py::arg("budget"), py::arg("num_rows"), py::arg("free_tokens"),
+        py::arg("marginal_tokens"), py::arg("out_rows"), py::arg("num_out"));
 }

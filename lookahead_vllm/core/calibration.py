@@ -26,8 +26,9 @@ is 1 (raw confidences); ``prior`` (in accepted tokens) says how much evidence
 overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
 nodes, so the correction follows a changing workload. Calibrated confidences
 never grow along a path (a node is accepted only with its parent).
-The proposer books one step's verified nodes at once (``observe_nodes``), so
-halving and the new factors apply per step.
+The proposer books one step's verified nodes at once (``observe_nodes``, or
+``observe_chains`` for the array path's chains), so halving and the new
+factors apply per step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.native import load_kernels
 
 KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_CONTEXT = 0, 1, 2, 3
 KIND_NAMES = ("chain", "branch", "pool", "context")
@@ -64,10 +66,17 @@ def node_kinds(tree: DraftTree, pool_from: int | None = None, context: int = 0) 
 class ConfidenceCalibrator:
     """Per (kind, raw-confidence bin): predicted and accepted totals; see the module docstring."""
 
-    def __init__(self, prior: float = 8.0) -> None:
+    # BIN_EDGES as an array, for the native kernels.
+    bin_edges = np.asarray(BIN_EDGES, np.float64)
+
+    def __init__(self, prior: float = 8.0, native: bool = False) -> None:
         if prior <= 0:
             raise ValueError(f"prior={prior!r}: must be > 0")
+        if native and load_kernels() is None:
+            raise ImportError("native=True: lookahead_vllm._draft_index is not built (pip install -e .)")
         self.prior = prior
+        # observe_chains through the native kernel (core/chain_plan.py).
+        self.native = native
         shape = (len(KIND_NAMES), len(BIN_EDGES) + 1)
         self.predicted = np.zeros(shape)
         self.accepted = np.zeros(shape)
@@ -94,6 +103,12 @@ class ConfidenceCalibrator:
         factors = self._factor[kind][np.searchsorted(BIN_EDGES, raw, side="left")]
         return np.minimum.accumulate(np.minimum(1.0, raw * factors), axis=1)
 
+    def factors(self, kind: int) -> np.ndarray:
+        """The current correction factor of each raw-confidence bin of ``kind`` (read-only)."""
+        view = self._factor[kind]
+        view.flags.writeable = False
+        return view
+
     def observe(self, tree: DraftTree, kinds: Sequence[int], accepted: Sequence[int]) -> None:
         """Learn from one verified draft and the nodes of it that were accepted
         (``step_plan.accepted_path``)."""
@@ -118,6 +133,20 @@ class ConfidenceCalibrator:
         for arr in (self.predicted, self.accepted, self.nodes):
             arr[k[full], b[full]] /= 2
         self._factor[k, b] = (self.accepted[k, b] + self.prior) / (self.predicted[k, b] + self.prior)
+
+    def observe_chains(self, raw: np.ndarray, at: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
+                       kind: int) -> None:
+        """:meth:`observe_nodes` for chains: row ``at[i]`` of ``raw [D, W]``
+        had its first ``verified[i]`` nodes verified and the first
+        ``accepted[i]`` of them accepted, all of ``kind``."""
+        if self.native:
+            load_kernels().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
+                                          kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
+            return
+        cols = np.arange(raw.shape[1])
+        nodes = cols < verified[:, None]
+        self.observe_nodes(np.full(int(verified.sum()), kind, np.int64), raw[at][nodes],
+                           (cols < accepted[:, None])[nodes])
 
     def summary(self) -> dict[str, list[dict[str, float]]]:
         """Per kind, the bins that saw nodes: range, nodes, mean raw confidence, acceptance rate, factor."""

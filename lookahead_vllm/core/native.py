@@ -1,6 +1,7 @@
 """Native drafting core: loads ``lookahead_vllm._draft_index`` (C++,
 ``csrc/draft_index``, compiled by ``pip install -e .``) and picks it or the
-pure-Python reference ``DraftIndex``; both give identical drafts.
+pure-Python reference ``DraftIndex``; both give identical drafts. The same
+extension holds the chain kernels (core/chain_plan.py).
 
 Never compiles anything: a missing extension means the reference is used
 (or, when the native core is required, an ImportError that says how to build it).
@@ -28,6 +29,18 @@ def load_draft_index() -> type | None:
         logger.debug("native draft index unavailable: %s", exc)
         return None
     return NativeDraftIndex
+
+
+@functools.cache
+def load_kernels():
+    """The extension module (its chain kernels: ``match_offers``,
+    ``observe_chains``, ``plan_chains``), or None if it is not built."""
+    try:
+        from lookahead_vllm import _draft_index
+    except ImportError as exc:
+        logger.debug("native chain kernels unavailable: %s", exc)
+        return None
+    return _draft_index
 
 
 @functools.cache

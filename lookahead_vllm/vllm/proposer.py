@@ -36,13 +36,13 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import (
-    allocate_chain_budget,
     allocate_step_budget,
     confidence_floor,
     forward_cost,
     opens_path,
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
+from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
@@ -150,28 +150,6 @@ class RequestState:
 MEMORY_GAUGE_EVERY = 16
 
 
-@dataclass(frozen=True, slots=True)
-class ChainOffers:
-    """The chains the array path handed out in one step (rows with a draft),
-    sorted by request slot: booked against what verification accepted in the
-    next step, then replaced."""
-
-    slots: np.ndarray  # [D] int64, ascending
-    confidence: np.ndarray  # [D, W] raw (uncalibrated) node confidences
-    lengths: np.ndarray  # [D] tokens handed out
-
-    @classmethod
-    def none(cls) -> "ChainOffers":
-        return cls(np.zeros(0, np.int64), np.zeros((0, 0)), np.zeros(0, np.int64))
-
-    def find(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per slot: its row here (clipped) and whether it has one."""
-        if not len(self.slots):
-            return np.zeros(len(slots), np.int64), np.zeros(len(slots), bool)
-        at = np.minimum(np.searchsorted(self.slots, slots), len(self.slots) - 1)
-        return at, self.slots[at] == slots
-
-
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
@@ -203,7 +181,8 @@ class LookaheadProposer:
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py).
-        self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
+        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
+                           if self.config.calibrate_confidence else None)
         self.tree_mode = guards.is_tree_mode(self.config)
         platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
@@ -286,7 +265,8 @@ class LookaheadProposer:
         self.drafter = Drafter(self.config)
         for st in self._states.values():
             st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
-        self.calibrator = ConfidenceCalibrator() if self.config.calibrate_confidence else None
+        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
+                           if self.config.calibrate_confidence else None)
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
         self._offers = ChainOffers.none()
 
@@ -380,42 +360,27 @@ class LookaheadProposer:
         floor = confidence_floor(self.config, len(drafting))
         tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
         self.stats.context_drafts += int(np.count_nonzero(lens))
-        confs = self.calibrator.calibrate_chains(raw, KIND_CONTEXT)
-        keep = allocate_chain_budget(confs, lens, self.config.step_draft_budget or None, len(rows), self.cost)
-        kept = np.flatnonzero(keep)
-        order = kept[np.argsort(slots[drafting[kept]], kind="stable")]
-        self._offers = ChainOffers(slots[drafting[order]], raw[order], keep[order].astype(np.int64))
-        drafts: list[list[int]] = [[] for _ in range(num_out)]
-        out_rows, tokens = rows[drafting[kept]].tolist(), tok[kept].tolist()
-        for row, toks, n in zip(out_rows, tokens, keep[kept].tolist()):
-            drafts[row] = toks[:n]
+        keep, _, drafts = plan_chains(tok, raw, lens, self.calibrator, KIND_CONTEXT,
+                                      self.config.step_draft_budget or None, len(rows), self.cost, rows[drafting],
+                                      num_out, self.drafter.native)
+        self._offers = ChainOffers(slots[drafting], raw, keep)
         return drafts, len(rows), skipped, load_budget
 
     def _book_chains(self, slots: np.ndarray, req_ids: list[str], emitted_lens: np.ndarray) -> None:
         """Book last step's chains (``ChainOffers``) against what this step's
         rows emitted (``emitted_lens[i]`` tokens: the accepted ones, then the
         bonus), cut to what the scheduler verified of them: accepted tokens
-        and the calibrator's evidence. Verification accepts a prefix of the
-        verified draft and emits one token more, so a row's accepted nodes
-        are its first ``emitted_lens[i] - 1`` (the per-request path, which
-        also verifies trees, matches tokens: ``accepted_path``)."""
+        and the calibrator's evidence (core/chain_plan.py; the per-request
+        path, which also verifies trees, matches tokens: ``accepted_path``)."""
         offers = self._offers
-        at, found = offers.find(slots)
-        if not found.any():
+        if not len(offers.slots):
             return
         scheduled = self._scheduled.get
         verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
-        verified = np.where(found, np.minimum(verified, offers.lengths[at]), 0)
-        booked = np.flatnonzero(verified)
-        if not len(booked):
-            return
-        verified = verified[booked]
-        accepted = np.minimum(emitted_lens[booked] - 1, verified)
-        self.stats.context_accepted_tokens += int(accepted.sum())
-        cols = np.arange(offers.confidence.shape[1])
-        nodes = cols < verified[:, None]
-        self.calibrator.observe_nodes(np.full(int(verified.sum()), KIND_CONTEXT, np.int64),
-                                      offers.confidence[at[booked]][nodes], (cols < accepted[:, None])[nodes])
+        at, verified, accepted = offers.match(slots, verified, emitted_lens, self.drafter.native)
+        if len(at):
+            self.stats.context_accepted_tokens += int(accepted.sum())
+            self.calibrator.observe_chains(offers.confidence, at, verified, accepted, KIND_CONTEXT)
 
     def _propose_trees(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                        token_ids_cpu: np.ndarray, batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
