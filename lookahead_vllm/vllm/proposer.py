@@ -13,10 +13,11 @@ Per step, for the request rows of the persistent batch that just sampled:
    ``tree_verify`` reads back.
 
 With the default settings (the draft index alone, chains, calibration on)
-steps 2-3 run as array operations over the batch (``_propose_chains``: no
-per-request Python objects; the drafts handed out are one
-:class:`ChainOffers`); other settings go request by request
-(``_propose_trees``). Tests hold the two paths to each other.
+steps 2-3 run as a few batch calls into the native extension
+(``_propose_chains``: no per-request Python objects; booking and planning
+in core/chain_plan.py; the drafts handed out are one :class:`ChainOffers`);
+other settings go request by request (``_propose_trees``). Tests hold the
+two paths to each other.
 
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
