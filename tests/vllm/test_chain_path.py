@@ -135,3 +135,34 @@ def test_array_path_equals_per_request_path(seed, settings):
     if settings.get("load_stop_at"):
         assert fast.metrics.skipped_request_steps["load"] > 0
     assert fast.metrics.skipped_request_steps["request"] > 0
+
+
+def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
+    """Where the extension is not built, the array path runs the reference
+    index and the reference chain kernels (core/chain_plan.py): the same
+    drafts, calibrator tables and counters as the native path."""
+    from lookahead_vllm.core import native
+    from lookahead_vllm.vllm.standalone import standalone_proposer
+
+    fast = standalone_proposer(16, MAX_LEN, {})
+    monkeypatch.setattr(native, "load_draft_index", lambda: None)
+    ref = standalone_proposer(16, MAX_LEN, {})
+    assert fast.drafter.native and not ref.drafter.native and ref.batch_chains and not ref.calibrator.native
+    work = Workload(4)
+    handed = 0
+    for _ in range(150):
+        batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
+        outs = []
+        for p in (fast, ref):
+            p.on_step(batch, finished, scheduled)
+            p.on_new_requests(new)
+            outs.append(p.propose(sampled, num_tokens, table))
+        assert outs[0] == outs[1]
+        work.drafts = dict(zip(batch.req_ids, outs[0]))
+        handed += sum(map(len, outs[0]))
+        for name in ("predicted", "accepted", "nodes", "_factor"):
+            np.testing.assert_array_equal(getattr(fast.calibrator, name), getattr(ref.calibrator, name))
+    counters = fast.stats.counters(), ref.stats.counters()
+    assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
+        k: v for k, v in counters[1].items() if k != "propose_ns"}
+    assert handed > 100 and fast.stats.context_accepted_tokens > 30
