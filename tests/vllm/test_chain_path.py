@@ -100,6 +100,26 @@ class Workload:
         return batch, finished, new, scheduled, sampled, num_tokens, table
 
 
+def drive_pair(a, b, work: Workload, steps: int, tables=("predicted", "accepted", "nodes")) -> int:
+    """Steps both proposers through ``work`` as the runner does, asserting
+    equal drafts and calibrator ``tables`` after every step; returns the
+    draft tokens handed out."""
+    handed = 0
+    for _ in range(steps):
+        batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
+        outs = []
+        for p in (a, b):
+            p.on_step(batch, finished, scheduled)
+            p.on_new_requests(new)
+            outs.append(p.propose(sampled, num_tokens, table))
+        assert outs[0] == outs[1]
+        work.drafts = dict(zip(batch.req_ids, outs[0]))
+        handed += sum(map(len, outs[0]))
+        for name in tables:
+            np.testing.assert_array_equal(getattr(a.calibrator, name), getattr(b.calibrator, name))
+    return handed
+
+
 @pytest.mark.parametrize("seed,settings", [
     (0, {}),
     (1, {"load_shrink_above": 4, "load_stop_at": 12}),  # load adaptation shrinks budgets
@@ -108,20 +128,7 @@ class Workload:
 ])
 def test_array_path_equals_per_request_path(seed, settings):
     fast, slow = _pair(**settings)
-    work = Workload(seed)
-    handed = 0
-    for _ in range(200):
-        batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
-        outs = []
-        for p in (fast, slow):
-            p.on_step(batch, finished, scheduled)
-            p.on_new_requests(new)
-            outs.append(p.propose(sampled, num_tokens, table))
-        assert outs[0] == outs[1]
-        work.drafts = {r: d for r, d in zip(batch.req_ids, outs[0])}
-        handed += sum(map(len, outs[0]))
-        for name in ("predicted", "accepted", "nodes"):
-            np.testing.assert_array_equal(getattr(fast.calibrator, name), getattr(slow.calibrator, name))
+    handed = drive_pair(fast, slow, Workload(seed), 200)
     counters = fast.stats.counters(), slow.stats.counters()
     for key in ("request_steps", "rewinds", "context_drafts", "context_accepted_tokens", "draft_tokens",
                 "max_step_draft_tokens"):
@@ -148,20 +155,7 @@ def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
     ref = standalone_proposer(16, MAX_LEN, {})
     assert fast.drafter.native and not ref.drafter.native and ref.batch_chains and not ref.calibrator.native
-    work = Workload(4)
-    handed = 0
-    for _ in range(150):
-        batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
-        outs = []
-        for p in (fast, ref):
-            p.on_step(batch, finished, scheduled)
-            p.on_new_requests(new)
-            outs.append(p.propose(sampled, num_tokens, table))
-        assert outs[0] == outs[1]
-        work.drafts = dict(zip(batch.req_ids, outs[0]))
-        handed += sum(map(len, outs[0]))
-        for name in ("predicted", "accepted", "nodes", "_factor"):
-            np.testing.assert_array_equal(getattr(fast.calibrator, name), getattr(ref.calibrator, name))
+    handed = drive_pair(fast, ref, Workload(4), 150, ("predicted", "accepted", "nodes", "_factor"))
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
         k: v for k, v in counters[1].items() if k != "propose_ns"}
