@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.native import load_kernels
+from lookahead_vllm.core.native import load_extension
 
 KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_CONTEXT = 0, 1, 2, 3
 KIND_NAMES = ("chain", "branch", "pool", "context")
@@ -72,7 +72,7 @@ class ConfidenceCalibrator:
     def __init__(self, prior: float = 8.0, native: bool = False) -> None:
         if prior <= 0:
             raise ValueError(f"prior={prior!r}: must be > 0")
-        if native and load_kernels() is None:
+        if native and load_extension() is None:
             raise ImportError("native=True: lookahead_vllm._draft_index is not built (pip install -e .)")
         self.prior = prior
         # observe_chains through the native kernel (core/chain_plan.py).
@@ -140,7 +140,7 @@ class ConfidenceCalibrator:
         had its first ``verified[i]`` nodes verified and the first
         ``accepted[i]`` of them accepted, all of ``kind``."""
         if self.native:
-            load_kernels().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
+            load_extension().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                           kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
             return
         cols = np.arange(raw.shape[1])

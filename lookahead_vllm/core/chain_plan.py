@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost, allocate_chain_budget
-from lookahead_vllm.core.native import load_kernels
+from lookahead_vllm.core.native import load_extension
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
@@ -59,7 +59,7 @@ class ChainOffers:
         offer's index, the nodes verified (at most the offer's length) and
         the nodes accepted."""
         if native:
-            return load_kernels().match_offers(self.slots, self.lengths, slots, scheduled, emitted)
+            return load_extension().match_offers(self.slots, self.lengths, slots, scheduled, emitted)
         where = {s: d for d, (s, n) in enumerate(zip(self.slots.tolist(), self.lengths.tolist())) if n > 0}
         at, verified, accepted = [], [], []
         for slot, sched, emit in zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist(),
@@ -86,7 +86,7 @@ def plan_chains(
     past a row's length are unspecified) and the ``num_out`` batch rows'
     drafts (``[]`` where none)."""
     if native:
-        return load_kernels().plan_chains(
+        return load_extension().plan_chains(
             tokens, raw, lengths, calibrator.bin_edges, calibrator.factors(kind), -1 if budget is None else budget,
             num_rows, cost.free_tokens, float(cost.marginal_tokens), out_rows, num_out)
     calibrated = calibrator.calibrate_chains(raw, kind)

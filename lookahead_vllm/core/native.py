@@ -21,26 +21,22 @@ BUILD_HINT = ("build it with `pip install -e .` (or `python setup.py build_ext -
 
 
 @functools.cache
-def load_draft_index() -> type | None:
-    """The native ``DraftIndex`` class, or None if the extension is not built."""
-    try:
-        from lookahead_vllm._draft_index import DraftIndex as NativeDraftIndex
-    except ImportError as exc:
-        logger.debug("native draft index unavailable: %s", exc)
-        return None
-    return NativeDraftIndex
-
-
-@functools.cache
-def load_kernels():
-    """The extension module (its chain kernels: ``match_offers``,
-    ``observe_chains``, ``plan_chains``), or None if it is not built."""
+def load_extension():
+    """The extension module (``DraftIndex`` and the chain kernels
+    ``match_offers``, ``observe_chains``, ``plan_chains``), or None if it is
+    not built."""
     try:
         from lookahead_vllm import _draft_index
     except ImportError as exc:
-        logger.debug("native chain kernels unavailable: %s", exc)
+        logger.debug("native extension unavailable: %s", exc)
         return None
     return _draft_index
+
+
+def load_draft_index() -> type | None:
+    """The native ``DraftIndex`` class, or None if the extension is not built."""
+    module = load_extension()
+    return None if module is None else module.DraftIndex
 
 
 @functools.cache

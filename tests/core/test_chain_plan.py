@@ -16,9 +16,9 @@ from lookahead_vllm.core import calibration
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import KIND_CHAIN, KIND_CONTEXT, ConfidenceCalibrator
 from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
-from lookahead_vllm.core.native import load_kernels
+from lookahead_vllm.core.native import load_extension
 
-pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native extension not built (pip install -e .)")
+pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extension not built (pip install -e .)")
 
 # Confidences with ties and bin edges among them.
 confidence = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.02, 0.1, 0.5, 0.9, 1.0]))
@@ -146,7 +146,7 @@ def test_plan_chains_worked_example():
 
 
 def test_kernels_refuse_bad_arguments():
-    k = load_kernels()
+    k = load_extension()
     cal = ConfidenceCalibrator(native=True)
     raw, tokens = np.zeros((2, 3)), np.zeros((2, 3), np.int32)
     with pytest.raises(TypeError, match="predicted must be a writeable C-contiguous float64"):
@@ -182,6 +182,6 @@ def test_factors_are_read_only_and_native_needs_the_extension(monkeypatch):
         cal.factors(KIND_CONTEXT)[0] = 2.0
     cal.observe_chains(np.array([[0.5]]), np.array([0]), np.array([1]), np.array([1]), KIND_CONTEXT)
     assert cal.factors(KIND_CONTEXT)[6] > 1  # the calibrator itself still learns (bin of 0.5)
-    monkeypatch.setattr(calibration, "load_kernels", lambda: None)
+    monkeypatch.setattr(calibration, "load_extension", lambda: None)
     with pytest.raises(ImportError, match="not built"):
         ConfidenceCalibrator(native=True)
