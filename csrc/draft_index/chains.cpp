@@ -14,27 +14,16 @@ void match_offers(const int64_t* offer_slots, const int64_t* offer_lens, int64_t
                   const int64_t* scheduled, const int64_t* emitted, int64_t rows, std::vector<int64_t>& at,
                   std::vector<int64_t>& verified, std::vector<int64_t>& accepted) {
   if (num_offers == 0) return;
-  // Small batches: a scan beats building a map.
-  std::unordered_map<int64_t, int64_t> where;
-  const bool scan = num_offers * rows <= 256;
-  if (!scan) {
-    where.reserve(static_cast<size_t>(num_offers) * 2);
-    for (int64_t d = 0; d < num_offers; ++d) {
-      if (offer_lens[d] > 0) where.emplace(offer_slots[d], d);
-    }
+  std::unordered_map<int64_t, int64_t> where;  // slot -> its offer with a draft
+  where.reserve(static_cast<size_t>(num_offers) * 2);
+  for (int64_t d = 0; d < num_offers; ++d) {
+    if (offer_lens[d] > 0) where.emplace(offer_slots[d], d);
   }
   for (int64_t i = 0; i < rows; ++i) {
     if (scheduled[i] <= 0) continue;
-    int64_t d = -1;
-    if (scan) {
-      for (int64_t j = 0; j < num_offers && d < 0; ++j) {
-        if (offer_slots[j] == slots[i] && offer_lens[j] > 0) d = j;
-      }
-    } else {
-      const auto it = where.find(slots[i]);
-      if (it != where.end()) d = it->second;
-    }
-    if (d < 0) continue;
+    const auto it = where.find(slots[i]);
+    if (it == where.end()) continue;
+    const int64_t d = it->second;
     const int64_t v = std::min(scheduled[i], offer_lens[d]);
     at.push_back(d);
     verified.push_back(v);
