@@ -14,7 +14,10 @@ drafts and every draft is handed out and booked: the most work the proposer
 does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
 tokens: from 64 rows on no draft pays, and the proposer only indexes).
 Reports per source (``index``: native draft index; ``index+trie``: plus the
-pure-Python trie) the milliseconds per engine step (median, p99, max), the
+pure-Python trie) and index upkeep (``--upkeep``: ``inline`` at the end of
+the batch call, the CPU platform's default; ``thread``: on the index's own
+thread while the forward, here the flush and the batch's bookkeeping, runs,
+the GPU default) the milliseconds per engine step (median, p99, max), the
 milliseconds to admit one more prompt into the running batch (median and max
 of 5), and the drafter's memory estimate and process RSS.
 
@@ -51,9 +54,10 @@ PER_REQUEST = ":per-request"
 ADMISSIONS = 5
 
 
-def make_proposer(source: str, k: int, max_len: int, prices: str = "off") -> Any:
+def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline") -> Any:
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
-    draft handed out) or a platform whose token prices it uses ("gpu")."""
+    draft handed out) or a platform whose token prices it uses ("gpu");
+    ``upkeep``: the config's ``index_upkeep``."""
     from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS
     from lookahead_vllm.vllm.standalone import standalone_proposer
 
@@ -63,7 +67,7 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off") -> Any
         free, marginal = PLATFORM_TOKEN_COSTS[prices]
         costs = {"cost_free_tokens": free, "cost_marginal_tokens": marginal}
     proposer = standalone_proposer(k, max_len, {"source": name, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                                **costs})
+                                                "index_upkeep": upkeep, **costs})
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
     return proposer
 
@@ -140,12 +144,12 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
-             prices: str = "off", flush_mib: int = 0) -> dict[str, Any]:
+             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline") -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
-    proposer = make_proposer(source, k, max_len, prices)
+    proposer = make_proposer(source, k, max_len, prices, upkeep)
     flush = np.zeros(flush_mib << 17) if flush_mib else None  # float64: 2**17 per MiB
     runner = Batch(texts[:batch], prompt_tokens, max_len, flush)
     # As vLLM's engine core does once started (freeze_gc_heap): the heap so
@@ -173,7 +177,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     gc.unfreeze()
     times_sorted = sorted(times)
     return {
-        "source": source, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
+        "source": source, "upkeep": upkeep, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
@@ -212,11 +216,11 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for source in sorted({c["source"] for c in cells}):
-        rows = [c for c in cells if c["source"] == source]
+    for source, upkeep in sorted({(c["source"], c.get("upkeep", "inline")) for c in cells}):
+        rows = [c for c in cells if c["source"] == source and c.get("upkeep", "inline") == upkeep]
         labels = [f"{c['batch']}x{c['prompt_tokens']}" for c in rows]
-        ax.plot(labels, [c["step_ms_median"] for c in rows], "o-", label=f"{source} median")
-        ax.plot(labels, [c["step_ms_max"] for c in rows], "x--", label=f"{source} max")
+        ax.plot(labels, [c["step_ms_median"] for c in rows], "o-", label=f"{source} ({upkeep}) median")
+        ax.plot(labels, [c["step_ms_max"] for c in rows], "x--", label=f"{source} ({upkeep}) max")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_yscale("log")
     ax.set_ylabel("proposer ms per engine step")
@@ -237,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prices", choices=["off", "gpu"], default="off",
                    help="off: the cost model off, every draft handed out and booked (the most work); gpu: "
                         "GPU token prices (few drafts pay at 64+ rows)")
+    p.add_argument("--upkeep", nargs="+", choices=["inline", "thread"], default=["inline", "thread"],
+                   help="where the index's upkeep runs (config index_upkeep): each one a cell")
     p.add_argument("--flush-mib", type=int, default=0,
                    help="stream this many MiB through the caches before each step, as a forward does between "
                         "two engine steps (0: warm caches, the proposer's own cost)")
@@ -263,18 +269,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
     text = corpus_tokens(text_tokens(max(args.prompt_tokens), args.k, args.steps) + 48)
     cells = []
-    for source in args.sources:
-        for batch in args.batch:
-            for tokens in args.prompt_tokens:
-                cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
-                                                 args.flush_mib), args.repeats)
-                cells.append(cell)
-                log(f"{source:19s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
-                    f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
-                    f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
-                report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
-                args.out.write_text(json.dumps(report, indent=1))
-                plot(cells, args.out.with_suffix(".png"))
+    grid = [(s, u, b, t) for s in args.sources for u in args.upkeep for b in args.batch for t in args.prompt_tokens]
+    for source, upkeep, batch, tokens in grid:
+        cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
+                                         args.flush_mib, upkeep), args.repeats)
+        cells.append(cell)
+        log(f"{source:19s} {upkeep:6s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
+            f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
+            f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
+            f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
+        report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
+        args.out.write_text(json.dumps(report, indent=1))
+        plot(cells, args.out.with_suffix(".png"))
     return report
 
 

@@ -454,7 +454,8 @@ def test_sim_acceptance_index_drafts_a_repeated_answer_across_rounds():
 def test_bench_proposer_scale_reports_every_cell(tmp_path):
     bench = _import_bench("bench_proposer_scale")
     out = tmp_path / "scale.json"
-    report = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--out", str(out)])
+    report = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--upkeep", "inline",
+                         "--out", str(out)])
     cells = report["cells"]
     assert [c["source"] for c in cells] == ["index", "index:per-request", "index+trie"]
     assert [c["array_path"] for c in cells] == [True, False, False]
@@ -463,11 +464,15 @@ def test_bench_proposer_scale_reports_every_cell(tmp_path):
     assert cells[0]["accepted_per_request_step"] > 0
     assert cells[0]["accepted_per_request_step"] == cells[1]["accepted_per_request_step"]
     assert cells[0]["drafter_bytes"] > 0 and out.exists() and out.with_suffix(".png").exists()
-    # With the caches flushed before each step: the same drafts, still timed.
+    # With the caches flushed before each step, upkeep inline and on its
+    # thread: the same drafts, still timed.
     cold = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--sources", "index",
-                       "--flush-mib", "1", "--out", str(tmp_path / "cold.json")])["cells"][0]
-    assert cold["flush_mib"] == 1 and cold["step_ms_median"] > 0
-    assert cold["accepted_per_request_step"] == cells[0]["accepted_per_request_step"]
+                       "--flush-mib", "1", "--out", str(tmp_path / "cold.json")])["cells"]
+    assert [c["upkeep"] for c in cold] == ["inline", "thread"]
+    for cell in cold:
+        assert cell["flush_mib"] == 1 and cell["step_ms_median"] > 0
+        assert cell["accepted_per_request_step"] == cells[0]["accepted_per_request_step"]
+        assert cell["draft_tokens_per_step"] == cells[0]["draft_tokens_per_step"]
 
 
 def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
@@ -490,6 +495,7 @@ def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
                                           (["--steps", "0"], "--steps 0: must be >= 1"),
                                           (["--repeats", "0"], "--repeats 0: must be >= 1"),
                                           (["--flush-mib", "-1"], "--flush-mib -1: must be >= 0"),
+                                          (["--upkeep", "later"], "--upkeep: invalid choice: 'later'"),
                                           (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
 def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     bench = _import_bench("bench_proposer_scale")

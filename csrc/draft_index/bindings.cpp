@@ -1,8 +1,9 @@
 // lookahead_vllm._draft_index: Python bindings of the native DraftIndex and
 // of the chain kernels (chains.h).
 //
-// Checks arguments, converts them, and calls the core; sync and draft_batch
-// run without the GIL. A mutex per index serializes calls (the GIL no longer
+// Checks arguments, converts them, and calls the core; sync, draft_batch and
+// settle run without the GIL. The methods the reference settles in settle
+// the core first (see its `upkeep`). A mutex per index serializes calls (the GIL no longer
 // does while sync/draft_batch run). The chain kernels keep the GIL: they run
 // for microseconds and write into arrays their Python caller owns.
 #include <pybind11/numpy.h>
@@ -30,7 +31,7 @@ namespace {
 using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 struct BoundIndex {
-  explicit BoundIndex(const DraftIndexConfig& config) : core(config) {}
+  BoundIndex(const DraftIndexConfig& config, bool upkeep_thread) : core(config, upkeep_thread) {}
   DraftIndex core;
   std::mutex mu;
 };
@@ -52,7 +53,7 @@ int64_t config_int(const char* name, py::handle value, int64_t lo, int64_t hi) {
 }
 
 std::unique_ptr<BoundIndex> make_index(py::handle ngram, py::handle max_match, py::handle max_occurrences,
-                                       py::handle max_candidates, py::handle corpus_tokens) {
+                                       py::handle max_candidates, py::handle corpus_tokens, bool upkeep_thread) {
   DraftIndexConfig c;
   c.ngram = static_cast<int>(config_int("ngram", ngram, 1, 4));
   c.max_match = static_cast<int>(config_int("max_match", max_match, 1, 1 << 16));
@@ -63,7 +64,7 @@ std::unique_ptr<BoundIndex> make_index(py::handle ngram, py::handle max_match, p
     throw py::value_error("max_match=" + std::to_string(c.max_match) + ": must be >= ngram (" +
                           std::to_string(c.ngram) + ")");
   }
-  return std::make_unique<BoundIndex>(c);
+  return std::make_unique<BoundIndex>(c, upkeep_thread);
 }
 
 int32_t checked_token(int64_t t) {
@@ -177,6 +178,8 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
   }
   py::gil_scoped_release nogil;
   const auto locks = lock_with_backoff(b, backoff);
+  b.core.settle();
+  if (backoff != nullptr) backoff->core.settle();
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
   const int64_t rewound = sync_core(b.core, table, sid, row, num, plen, batch);
@@ -222,6 +225,7 @@ std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>> draf
   std::vector<int32_t> tokens(width), parents(width);
   std::vector<double> conf(width);
   std::lock_guard<std::mutex> lock(b.mu);
+  b.core.settle();
   const int n = b.core.draft(sid, width, floor, tree, DraftRow{tokens.data(), parents.data(), conf.data()});
   tokens.resize(n);
   parents.resize(n);
@@ -370,12 +374,20 @@ PYBIND11_MODULE(_draft_index, m) {
   py::class_<BoundIndex> cls(m, "DraftIndex", py::dynamic_attr());
   cls.attr("native") = true;
   cls.def(py::init(&make_index), py::arg("ngram"), py::arg("max_match"), py::arg("max_occurrences"),
-          py::arg("max_candidates"), py::arg("corpus_tokens"))
+          py::arg("max_candidates"), py::arg("corpus_tokens"), py::arg("upkeep_thread") = false)
+      .def(
+          "settle",
+          [](BoundIndex& b) {
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.settle();
+          })
       .def(
           "add",
           [](BoundIndex& b, int64_t sid, py::handle tokens, int64_t prompt_len) {
             const std::vector<int32_t> t = token_vector(tokens);
             std::lock_guard<std::mutex> lock(b.mu);
+            b.core.settle();
             b.core.add(sid, t.data(), t.size(), prompt_len);
           },
           py::arg("sid"), py::arg("tokens"), py::arg("prompt_len"))
@@ -384,6 +396,7 @@ PYBIND11_MODULE(_draft_index, m) {
           [](BoundIndex& b, int64_t sid, py::handle tokens) {
             const std::vector<int32_t> t = token_vector(tokens);
             std::lock_guard<std::mutex> lock(b.mu);
+            b.core.settle();
             b.core.extend(sid, t.data(), t.size());
           },
           py::arg("sid"), py::arg("tokens"))
@@ -409,11 +422,13 @@ PYBIND11_MODULE(_draft_index, m) {
       .def("num_sequences",
            [](BoundIndex& b) {
              std::lock_guard<std::mutex> lock(b.mu);
+             b.core.settle();
              return b.core.num_sequences();
            })
       .def("corpus_tokens",
            [](BoundIndex& b) {
              std::lock_guard<std::mutex> lock(b.mu);
+             b.core.settle();
              return b.core.corpus_tokens();
            })
       .def(
@@ -426,11 +441,13 @@ PYBIND11_MODULE(_draft_index, m) {
       .def("memory_bytes",
            [](BoundIndex& b) {
              std::lock_guard<std::mutex> lock(b.mu);
+             b.core.settle();
              return b.core.memory_bytes();
            })
       .def("corpus_sequences",
            [](BoundIndex& b) {
              std::lock_guard<std::mutex> lock(b.mu);
+             b.core.settle();
              return b.core.corpus_sequences();
            })
       .def("draft", &draft_one, py::arg("sid"), py::arg("budget"), py::arg("floor") = 0.0, py::arg("tree") = false)

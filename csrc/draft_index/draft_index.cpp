@@ -25,7 +25,76 @@ double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t roo
 
 }  // namespace
 
-DraftIndex::DraftIndex(const DraftIndexConfig& config) : cfg_(config) {}
+DraftIndex::DraftIndex(const DraftIndexConfig& config, bool upkeep_thread)
+    : cfg_(config), upkeep_thread_(upkeep_thread) {}
+
+DraftIndex::~DraftIndex() {
+  if (!worker_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    worker_stop_ = true;
+  }
+  worker_cv_.notify_all();
+  worker_.join();
+}
+
+// --------------------------------------------------------------------- upkeep
+void DraftIndex::upkeep() {
+  for (const auto& [slot, q] : pending_) push_corpus(slot, q);
+  pending_.clear();
+  while (!finished_.empty() && finished_tokens_ > cfg_.corpus_tokens) {
+    const uint32_t old = finished_.front();
+    finished_.pop_front();
+    finished_tokens_ -= static_cast<int64_t>(seqs_[old]->out_len());
+    evict_corpus(old);
+    release(old);
+  }
+}
+
+void DraftIndex::settle() {
+  wait_upkeep();
+  upkeep();
+}
+
+void DraftIndex::start_upkeep() {
+  if (!upkeep_due()) return;
+  if (!upkeep_thread_) {
+    upkeep();
+    return;
+  }
+  if (!worker_.joinable()) worker_ = std::thread(&DraftIndex::upkeep_loop, this);
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    worker_busy_ = true;
+  }
+  worker_cv_.notify_all();
+}
+
+void DraftIndex::wait_upkeep() {
+  if (!worker_.joinable()) return;
+  std::unique_lock<std::mutex> lock(worker_mu_);
+  worker_cv_.wait(lock, [this] { return !worker_busy_; });
+  if (worker_error_) std::rethrow_exception(std::exchange(worker_error_, nullptr));
+}
+
+void DraftIndex::upkeep_loop() {
+  std::unique_lock<std::mutex> lock(worker_mu_);
+  for (;;) {
+    worker_cv_.wait(lock, [this] { return worker_busy_ || worker_stop_; });
+    if (worker_stop_) return;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      upkeep();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    worker_error_ = error;
+    worker_busy_ = false;
+    worker_cv_.notify_all();
+  }
+}
 
 // ------------------------------------------------------------------ lifecycle
 DraftIndex::Sequence* DraftIndex::live_seq(int64_t sid) {
@@ -61,6 +130,7 @@ void DraftIndex::release(uint32_t slot) {
 }
 
 void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len) {
+  wait_upkeep();
   if (by_sid_.count(sid)) throw SequenceKeyError("sequence " + sid_str(sid) + " is already in the index");
   if (prompt_len < 0 || static_cast<uint64_t>(prompt_len) > n) {
     throw std::invalid_argument("prompt_len=" + std::to_string(prompt_len) + ": must be in [0, " +
@@ -80,6 +150,7 @@ void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t promp
 }
 
 void DraftIndex::extend(int64_t sid, const int32_t* tokens, size_t n) {
+  wait_upkeep();
   Sequence* s = live_seq(sid);
   if (s->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
   append(by_sid_[sid], tokens, n);
@@ -105,7 +176,7 @@ void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
     if (p >= s.prompt_len) {
       const uint32_t q = p - s.prompt_len;
       s.out_entry.push_back(kNone);
-      if (q >= static_cast<uint32_t>(ng)) push_corpus(slot, q);
+      if (q >= static_cast<uint32_t>(ng)) pending_.emplace_back(slot, q);
     }
   }
 }
@@ -183,6 +254,7 @@ size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag) const {
 }
 
 void DraftIndex::finish(int64_t sid) {
+  wait_upkeep();
   auto it = by_sid_.find(sid);
   if (it == by_sid_.end() || !seqs_[it->second]->live) return;
   const uint32_t slot = it->second;
@@ -196,17 +268,11 @@ void DraftIndex::finish(int64_t sid) {
   s.tokens.shrink_to_fit();
   s.out_entry.shrink_to_fit();
   finished_.push_back(slot);
-  finished_tokens_ += static_cast<int64_t>(s.out_len());
-  while (!finished_.empty() && finished_tokens_ > cfg_.corpus_tokens) {
-    const uint32_t old = finished_.front();
-    finished_.pop_front();
-    finished_tokens_ -= static_cast<int64_t>(seqs_[old]->out_len());
-    evict_corpus(old);
-    release(old);
-  }
+  finished_tokens_ += static_cast<int64_t>(s.out_len());  // evictions over the cap: upkeep
 }
 
 void DraftIndex::rewind(int64_t sid, int64_t length) {
+  settle();
   Sequence* s = live_seq(sid);
   if (length < 0) throw std::invalid_argument("length=" + std::to_string(length) + ": must be >= 0");
   const size_t keep = std::min(static_cast<size_t>(length), s->tokens.size());
@@ -223,13 +289,30 @@ void DraftIndex::rewind(int64_t sid, int64_t length) {
 }
 
 // ---------------------------------------------------------------------- stats
-int64_t DraftIndex::length(int64_t sid) const {
+size_t DraftIndex::num_live() {
+  wait_upkeep();
+  return num_live_;
+}
+
+size_t DraftIndex::num_sequences() {
+  wait_upkeep();
+  return by_sid_.size();
+}
+
+int64_t DraftIndex::corpus_tokens() {
+  wait_upkeep();
+  return finished_tokens_;
+}
+
+int64_t DraftIndex::length(int64_t sid) {
+  wait_upkeep();
   auto it = by_sid_.find(sid);
   if (it == by_sid_.end() || !seqs_[it->second]->live) return -1;
   return static_cast<int64_t>(seqs_[it->second]->tokens.size());
 }
 
-size_t DraftIndex::memory_bytes() const {
+size_t DraftIndex::memory_bytes() {
+  wait_upkeep();
   size_t bytes = sizeof(*this) + seqs_.capacity() * sizeof(seqs_[0]) + free_slots_.capacity() * 4;
   // unordered_map: bucket array plus one heap node (next pointer, key, value, cached hash) per id.
   bytes += by_sid_.bucket_count() * sizeof(void*) + by_sid_.size() * 32;
@@ -239,13 +322,14 @@ size_t DraftIndex::memory_bytes() const {
              s->out_entry.capacity() * 4;
   }
   bytes += finished_.size() * sizeof(uint32_t) + corpus_.memory_bytes() + entries_.capacity() * sizeof(Entry) +
-           free_entries_.capacity() * 4;
+           free_entries_.capacity() * 4 + pending_.capacity() * 8;
   bytes += scratch_.memory_bytes();
   for (const Scratch& s : pool_scratch_) bytes += s.memory_bytes();
   return bytes;
 }
 
-std::vector<std::vector<int32_t>> DraftIndex::corpus_sequences() const {
+std::vector<std::vector<int32_t>> DraftIndex::corpus_sequences() {
+  wait_upkeep();
   std::vector<std::vector<int32_t>> out;
   out.reserve(finished_.size());
   for (const uint32_t slot : finished_) out.emplace_back(seqs_[slot]->out(), seqs_[slot]->out() + seqs_[slot]->out_len());
@@ -441,6 +525,7 @@ int DraftIndex::select_tree(Scratch& s, int budget, double floor, DraftRow out) 
 }
 
 int DraftIndex::draft(int64_t sid, int budget, double floor, bool tree, DraftRow out) {
+  wait_upkeep();
   bool found;
   return draft(scratch_, sid, budget, floor, tree, out, found);
 }
@@ -460,7 +545,9 @@ int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tr
 }
 
 void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor,
-                            bool tree, DraftRow base, int32_t* lengths, int threads, const DraftIndex* backoff) {
+                            bool tree, DraftRow base, int32_t* lengths, int threads, DraftIndex* backoff) {
+  wait_upkeep();
+  if (backoff != nullptr) backoff->wait_upkeep();
   // Rows are independent and drafting only reads the indexes: `threads`
   // workers (each with its own scratch, used by both) take contiguous row ranges.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kRowsPerThread));
@@ -480,6 +567,8 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
   for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w);
   run(0);
   for (auto& t : pool) t.join();
+  start_upkeep();
+  if (backoff != nullptr) backoff->start_upkeep();
 }
 
 }  // namespace lookahead

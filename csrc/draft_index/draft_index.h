@@ -18,18 +18,30 @@
 //             position); `out_entry[q]` finds a sequence's entry again on
 //             eviction. A list never holds more than max_occurrences entries:
 //             a push past that drops the oldest.
+//   upkeep    the corpus work a step can do after its drafts: the pushes of
+//             the output n-grams appended since (`pending_`, in order), then
+//             the eviction of the oldest finished outputs over the cap.
+//             draft_rows drafts first and then runs it, on the upkeep thread
+//             when there is one (while the forward runs); settle() runs what
+//             is pending at once. Where it runs never changes a result:
+//             every public method first waits for the thread.
 //
 // Not thread-safe: callers serialize (the bindings hold a mutex). Drafting
 // only reads the index, so draft_rows spreads one call's rows over threads,
 // each with its own scratch; the drafts do not depend on the thread count.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ngram_map.h"
@@ -75,29 +87,39 @@ struct DraftRow {
 
 class DraftIndex {
  public:
-  explicit DraftIndex(const DraftIndexConfig& config);
+  // `upkeep_thread`: run draft_rows' upkeep on a thread of its own (the
+  // results are the same either way).
+  explicit DraftIndex(const DraftIndexConfig& config, bool upkeep_thread = false);
+  ~DraftIndex();
+  DraftIndex(const DraftIndex&) = delete;
+  DraftIndex& operator=(const DraftIndex&) = delete;
 
+  // add, extend and finish leave the upkeep they cause pending; rewind
+  // settles first. The reference's methods that settle call settle() first.
   void add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len);
   void extend(int64_t sid, const int32_t* tokens, size_t n);
   void finish(int64_t sid);
   void rewind(int64_t sid, int64_t length);
+  // Waits for the upkeep thread, then runs the pending upkeep.
+  void settle();
 
-  size_t num_live() const { return num_live_; }
-  size_t num_sequences() const { return by_sid_.size(); }
-  int64_t corpus_tokens() const { return finished_tokens_; }
-  int64_t length(int64_t sid) const;  // -1 if not running
-  size_t memory_bytes() const;
+  size_t num_live();
+  size_t num_sequences();
+  int64_t corpus_tokens();
+  int64_t length(int64_t sid);  // -1 if not running
+  size_t memory_bytes();
   // Finished outputs held in the corpus, oldest first (what a snapshot stores).
-  std::vector<std::vector<int32_t>> corpus_sequences() const;
+  std::vector<std::vector<int32_t>> corpus_sequences();
 
   // Writes sequence `sid`'s draft (at most `budget` nodes) into `out`; returns its length.
   int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);
   // Drafts of `rows` sequences into row i of `base` (rows of `width`
   // elements), their lengths into `lengths`, on up to `threads` threads.
   // `backoff` (another index, usually keyed by fewer tokens; may be null)
-  // drafts the rows for which this index finds no candidate at all.
+  // drafts the rows for which this index finds no candidate at all. Then
+  // both indexes' upkeep runs (the drafts do not see it).
   void draft_rows(const int64_t* sids, const int64_t* budgets, int64_t rows, int64_t width, double floor, bool tree,
-                  DraftRow base, int32_t* lengths, int threads, const DraftIndex* backoff = nullptr);
+                  DraftRow base, int32_t* lengths, int threads, DraftIndex* backoff = nullptr);
 
   const DraftIndexConfig& config() const { return cfg_; }
 
@@ -144,6 +166,14 @@ class DraftIndex {
   // The corpus slot of the n-gram tokens[0:ngram] (NgramMap::npos if absent).
   size_t find_corpus(const int32_t* tokens, uint32_t tag) const;
   void release(uint32_t slot);
+  // Upkeep (see the layout): the pending pushes, then the evictions.
+  void upkeep();
+  bool upkeep_due() const { return !pending_.empty() || finished_tokens_ > cfg_.corpus_tokens; }
+  // Starts the upkeep on the thread, or runs it here without one.
+  void start_upkeep();
+  // Waits until the upkeep thread is idle; rethrows what it threw.
+  void wait_upkeep();
+  void upkeep_loop();
   int match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const;
   // Working memory of one draft (one per thread in draft_rows).
   struct Scratch {
@@ -198,6 +228,16 @@ class DraftIndex {
   NgramMap<CorpusList> corpus_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_entries_;
+  // Output n-grams waiting to join the corpus: (sequence slot, output position).
+  std::vector<std::pair<uint32_t, uint32_t>> pending_;
+  // The upkeep thread (started on first use) and its hand-off.
+  bool upkeep_thread_;
+  std::thread worker_;
+  std::mutex worker_mu_;
+  std::condition_variable worker_cv_;
+  bool worker_busy_ = false;
+  bool worker_stop_ = false;
+  std::exception_ptr worker_error_;
   // Scratch of single drafts, and of draft_rows' threads.
   Scratch scratch_;
   std::vector<Scratch> pool_scratch_;

@@ -27,6 +27,7 @@ DRAFT_SHAPES = ("hier", "par", "one")
 # Draft sources (see ``source`` below): "+"-joined names; "both" = "trie+jacobi".
 SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
+INDEX_UPKEEPS = ("auto", "thread", "inline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,14 @@ class LookaheadConfig:
     # 1 by default: on this project's 2-core host 2 threads made a 256-request
     # step slower (2.3-2.5 ms median vs 1.5-1.6, bench_proposer_scale).
     index_threads: int = 1
+    # Where the native index runs its upkeep (core/draft_index.py: the
+    # corpus pushes of the step's new output n-grams and the evictions of
+    # finished outputs, done once the step's drafts are out): "thread" on a
+    # thread of its own, while the forward runs; "inline" at the end of the
+    # batch call; "auto" = "thread" on GPUs (the CPU waits out the forward
+    # there), "inline" on the CPU platform (the forward keeps every core
+    # busy). The drafts are the same either way.
+    index_upkeep: str = "auto"
     # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
     # most pool n-grams verified per step / kept per first token G.
     jacobi_window: int = 4
@@ -173,6 +182,8 @@ class LookaheadConfig:
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
         _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
+        if self.index_upkeep not in INDEX_UPKEEPS:
+            raise ValueError(f"index_upkeep={self.index_upkeep!r}: must be one of {INDEX_UPKEEPS}")
         if self.draft_shape not in DRAFT_SHAPES:
             raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
         if isinstance(self.debug_disable, (list, tuple)):
@@ -222,6 +233,11 @@ class LookaheadConfig:
 
         return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
                                 self.index_candidates, self.index_corpus_tokens)
+
+    def upkeep_thread(self, platform: str) -> bool:
+        """Whether the native index runs its upkeep on a thread on
+        ``platform`` ("cpu" or "gpu"; see ``index_upkeep``)."""
+        return self.index_upkeep == "thread" or (self.index_upkeep == "auto" and platform != "cpu")
 
     @property
     def draft_threads(self) -> int:

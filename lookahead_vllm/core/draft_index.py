@@ -48,8 +48,18 @@ Worked example (``ngram=2``): own text ``a b c d x a b`` ends with key
 Its continuation for a budget of 3 is ``c d x``, confidences
 ``(2/3), (2/3)^2, (2/3)^3``.
 
+Upkeep: the corpus work a step can leave until its drafts are out, namely
+the pushes of the output n-grams appended since (in order), then the
+eviction of the oldest finished outputs over the cap. ``draft_batch`` drafts
+from the index as it stands and then runs the pending upkeep (the native
+index can run it on a thread of its own, while the forward runs); every
+other method that reads the corpus (``add``, ``extend``, ``draft``, ``sync``,
+the corpus counts, ``rewind``) first settles it. So a request's draft in
+the step's batch call does not yet see the n-grams other requests' outputs
+gained in the same step, nor does a finish evict before the next upkeep.
+
 Every operation is deterministic, so every tensor-parallel rank drafts the
-same tokens from the same inputs.
+same tokens from the same inputs (where the upkeep runs never changes them).
 """
 
 from __future__ import annotations
@@ -109,21 +119,31 @@ class DraftIndex:
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._finished_tokens = 0
         self._corpus: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        # Upkeep: output n-grams waiting to join the corpus, (sequence id, position).
+        self._pending: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------ lifecycle
     def add(self, sid: int, tokens: Sequence[int], prompt_len: int) -> None:
         """Admit sequence ``sid`` with its first ``tokens`` (the prompt, and
         any output already generated: ``tokens[prompt_len:]``)."""
+        self.settle()
+        self._add(sid, tokens, prompt_len)
+
+    def _add(self, sid: int, tokens: Sequence[int], prompt_len: int) -> None:
         if sid in self._live or sid in self._outputs:
             raise KeyError(f"sequence {sid} is already in the index")
         if not 0 <= prompt_len <= len(tokens):
             raise ValueError(f"prompt_len={prompt_len}: must be in [0, {len(tokens)}]")
         self._live[sid] = _Sequence(prompt_len)
         self._outputs[sid] = []
-        self.extend(sid, tokens)
+        self._extend(sid, tokens)
 
     def extend(self, sid: int, tokens: Sequence[int]) -> None:
         """Append committed tokens of a running sequence."""
+        self.settle()
+        self._extend(sid, tokens)
+
+    def _extend(self, sid: int, tokens: Sequence[int]) -> None:
         seq = self._live[sid]
         n, cap = self.config.ngram, self.config.max_occurrences
         out = self._outputs[sid]
@@ -136,16 +156,24 @@ class DraftIndex:
                 out.append(int(t))
                 q = len(out) - 1
                 if q >= n:
-                    _push(self._corpus.setdefault(tuple(out[q - n:q]), []), (sid, q), cap)
+                    self._pending.append((sid, q))
 
     def finish(self, sid: int) -> None:
         """The sequence finished or was aborted: its own index goes, its
-        output stays in the corpus (evicting the oldest outputs over the cap).
-        Unknown ids are ignored."""
+        output stays in the corpus (the next upkeep evicts the oldest outputs
+        over the cap). Unknown ids are ignored."""
         if self._live.pop(sid, None) is None:
             return
         self._finished[sid] = None
         self._finished_tokens += len(self._outputs[sid])
+
+    def settle(self) -> None:
+        """Run the pending upkeep (module docstring) now."""
+        n, cap = self.config.ngram, self.config.max_occurrences
+        for sid, q in self._pending:
+            out = self._outputs[sid]
+            _push(self._corpus.setdefault(tuple(out[q - n:q]), []), (sid, q), cap)
+        self._pending.clear()
         while self._finished and self._finished_tokens > self.config.corpus_tokens:
             old, _ = self._finished.popitem(last=False)
             self._finished_tokens -= len(self._outputs[old])
@@ -154,13 +182,14 @@ class DraftIndex:
     def rewind(self, sid: int, length: int) -> None:
         """The runner dropped committed tokens past ``length`` (preemption):
         the sequence is indexed anew from its first ``length`` tokens."""
+        self.settle()
         seq = self._live[sid]
         if length < 0:
             raise ValueError(f"length={length}: must be >= 0")
         tokens, prompt_len = seq.tokens[:length], min(seq.prompt_len, length)
         del self._live[sid]
         self._evict(sid)
-        self.add(sid, tokens, prompt_len)
+        self._add(sid, tokens, prompt_len)
 
     def _evict(self, sid: int) -> None:
         """Drop a sequence's output and its corpus entries (a finished
@@ -182,15 +211,18 @@ class DraftIndex:
 
     def num_sequences(self) -> int:
         """Sequences held: running ones and finished outputs in the corpus."""
+        self.settle()
         return len(self._outputs)
 
     def corpus_tokens(self) -> int:
         """Finished output tokens held in the corpus."""
+        self.settle()
         return self._finished_tokens
 
     def corpus_sequences(self) -> list[list[int]]:
         """Finished outputs held in the corpus, oldest first: adding and
         finishing them in this order into an empty index rebuilds its corpus."""
+        self.settle()
         return [list(self._outputs[sid]) for sid in self._finished]
 
     def memory_bytes(self) -> int:
@@ -198,6 +230,7 @@ class DraftIndex:
         (text and previous-occurrence chain), 4 per output token, 16 per
         corpus entry, and hash-table slots (8 per distinct own n-gram, 16 per
         distinct corpus n-gram, tables at most 3/4 full)."""
+        self.settle()
         running = sum(len(s.tokens) for s in self._live.values())
         outputs = sum(map(len, self._outputs.values()))
         entries = sum(len(v) for v in self._corpus.values())
@@ -214,6 +247,7 @@ class DraftIndex:
               ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, confidences) of one sequence's draft; see the
         module docstring. Parents index earlier nodes, -1 = the root."""
+        self.settle()
         return self._draft(sid, budget, floor, tree) or ([], [], [])
 
     def _draft(self, sid: int, budget: int, floor: float, tree: bool
@@ -237,7 +271,7 @@ class DraftIndex:
         which this one finds no candidate at all (a row whose candidates the
         floor cuts keeps its empty draft). The native index spreads the rows
         over up to ``threads`` threads (the drafts do not depend on it; here
-        it is only checked)."""
+        it is only checked). Then both indexes run their pending upkeep."""
         if not 1 <= threads <= 256:
             raise ValueError(f"threads={threads}: must be in [1, 256]")
         if backoff is self:
@@ -254,6 +288,9 @@ class DraftIndex:
             t, p, c = row or ([], [], [])
             lengths[i] = len(t)
             tokens[i, :len(t)], parents[i, :len(t)], conf[i, :len(t)] = t, p, c
+        self.settle()
+        if backoff is not None:
+            backoff.settle()
         return tokens, parents, conf, lengths
 
     def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
@@ -268,19 +305,20 @@ class DraftIndex:
             raise ValueError("backoff: must be another index")
         if backoff is not None:
             backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens)
+        self.settle()
         rewound = 0
         for i, sid in enumerate(sids):
             sid, row, n = int(sid), int(rows[i]), int(num_tokens[i])
             have = self.length(sid)
             if have < 0:
-                self.add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n))
+                self._add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n))
                 continue
             if n < have:
                 self.rewind(sid, n)
                 have = n
                 rewound += 1
             if n > have:
-                self.extend(sid, token_ids[row, have:n].tolist())
+                self._extend(sid, token_ids[row, have:n].tolist())
         return rewound
 
     def _candidates(self, sid: int) -> list[tuple[int, int, int, int]]:

@@ -37,25 +37,29 @@ if TYPE_CHECKING:
 INDEX_WEIGHT = 1e18
 
 
-def make_index(config: LookaheadConfig, native: bool | None = None, ngram: int | None = None) -> Any:
+def make_index(config: LookaheadConfig, native: bool | None = None, ngram: int | None = None,
+               upkeep_thread: bool = False) -> Any:
     """The draft index for ``config`` (keyed by ``ngram`` tokens, default
     ``index_ngram``): native when built (``native=None``), required (True)
-    or the pure-Python reference (False)."""
+    or the pure-Python reference (False); ``upkeep_thread``: the native
+    index's upkeep runs on a thread of its own."""
     from lookahead_vllm.core.native import make_draft_index
 
-    return make_draft_index(config.index_config(ngram), native)
+    return make_draft_index(config.index_config(ngram), native, upkeep_thread)
 
 
 class Drafter:
-    """See the module docstring."""
+    """See the module docstring. ``upkeep_thread``: the native indexes run
+    their upkeep (core/draft_index.py) on threads of their own
+    (``LookaheadConfig.upkeep_thread`` says where it pays)."""
 
-    def __init__(self, config: LookaheadConfig, native: bool | None = None) -> None:
+    def __init__(self, config: LookaheadConfig, native: bool | None = None, upkeep_thread: bool = False) -> None:
         self.config = config
-        self.index = make_index(config, native) if config.uses_index else None
+        self.index = make_index(config, native, upkeep_thread=upkeep_thread) if config.uses_index else None
         # Back-off index (shorter key): drafts where the main index has no match.
         self.backoff = None
         if config.uses_index and config.index_backoff:
-            self.backoff = make_index(config, native, config.index_backoff)
+            self.backoff = make_index(config, native, config.index_backoff, upkeep_thread)
         self.trie = TokenTrie(config) if config.uses_trie else None
         self.threads = config.draft_threads
         # Trie source only: slot -> tokens inserted so far, and its context index.

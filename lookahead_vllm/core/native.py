@@ -47,10 +47,13 @@ def _log_choice(native: bool) -> None:
         logger.info("draft index: pure-Python reference (native extension not built; %s)", BUILD_HINT)
 
 
-def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool | None = None):
+def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool | None = None,
+                     upkeep_thread: bool = False):
     """A draft index for ``config``: native when available (``native=None``),
     required (``True``: ImportError if not built) or the reference (``False``).
-    Either object has ``.config`` and ``.native``."""
+    Either object has ``.config`` and ``.native``. ``upkeep_thread``: the
+    native index runs its upkeep (core/draft_index.py) on a thread of its
+    own; the results are the same."""
     cls = load_draft_index() if native is not False else None
     if cls is None:
         if native:
@@ -58,7 +61,7 @@ def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool
         _log_choice(False)
         return DraftIndex(config)
     index = cls(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
-                config.corpus_tokens)
+                config.corpus_tokens, upkeep_thread=upkeep_thread)
     index.config = config
     _log_choice(True)
     return index

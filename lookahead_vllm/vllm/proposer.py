@@ -162,7 +162,8 @@ class LookaheadProposer:
         # settings, CUDA graphs, kernels: all checked here, before any step.
         guards.check_engine_start(vllm_config, self.config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.drafter = Drafter(self.config)
+        self.platform = _platform()
+        self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
         self._states: dict[str, RequestState] = {}
@@ -180,17 +181,13 @@ class LookaheadProposer:
         # a workload where the window does not pay stops probing it anew for
         # every request.
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
-        # Draft confidences calibrated from what verification accepted
-        # (core/calibration.py).
-        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
-                           if self.config.calibrate_confidence else None)
         self.tree_mode = guards.is_tree_mode(self.config)
         platform_paths = (0.0, 0.0)  # chains open no extra attention paths
         if self.tree_mode:
             from lookahead_vllm.vllm.tree_verify import path_cost
 
             platform_paths = path_cost()
-        self.cost = forward_cost(self.config, platform_paths, _platform())
+        self.cost = forward_cost(self.config, platform_paths, self.platform)
         # The array path (module docstring) where the settings allow it; tests
         # set it False before the first step to run the per-request path.
         self.batch_chains = (not self.tree_mode and self.config.sources == ("index",)
@@ -259,15 +256,21 @@ class LookaheadProposer:
         (0 once the engine drained; the two agree unless state leaked)."""
         return max(len(self._states), self.drafter.num_requests())
 
+    def _new_drafter(self) -> None:
+        """A fresh Drafter and the confidence calibrator that goes with it."""
+        self.drafter = Drafter(self.config, upkeep_thread=self.config.upkeep_thread(self.platform))
+        # Draft confidences calibrated from what verification accepted
+        # (core/calibration.py).
+        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
+                           if self.config.calibrate_confidence else None)
+
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
         policy (benchmarks' cold start). Running requests keep their options
         and are indexed anew on their next step."""
-        self.drafter = Drafter(self.config)
+        self._new_drafter()
         for st in self._states.values():
             st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
-        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
-                           if self.config.calibrate_confidence else None)
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
         self._offers = ChainOffers.none()
 
@@ -315,6 +318,8 @@ class LookaheadProposer:
         start = time.perf_counter_ns()
         batch = self._input_batch
         assert batch is not None, "runner patch runner_request_ids was not applied"
+        if self.metrics.steps % MEMORY_GAUGE_EVERY == 0:
+            self._read_memory_gauges()
         sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
         if self.batch_chains:
             out = self._propose_chains(sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
@@ -454,6 +459,14 @@ class LookaheadProposer:
         merged = merge_branches(tree, branches, budget)
         return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
 
+    def _read_memory_gauges(self) -> None:
+        """The drafter's size (the estimate walks every held sequence). Read
+        before the step's drafting: by then the last step's upkeep is done,
+        so this does not wait for it."""
+        trie = self.drafter.trie
+        self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
+        self.metrics.trie_bytes = self.drafter.memory_bytes()
+
     def _record_metrics(self, drafts, sampled_lens: np.ndarray, num_rows: int, skipped: dict[str, int],
                         load_budget: int, start_ns: int) -> None:
         accepted = int(sampled_lens.sum()) - int(np.count_nonzero(sampled_lens))  # the bonus tokens are not
@@ -462,10 +475,6 @@ class LookaheadProposer:
         self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
         m = self.metrics
         m.load_budget = load_budget
-        if m.steps % MEMORY_GAUGE_EVERY == 0:  # the estimate walks every held sequence
-            trie = self.drafter.trie
-            m.trie_nodes = trie.num_nodes if trie is not None else 0
-            m.trie_bytes = self.drafter.memory_bytes()
         m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
 

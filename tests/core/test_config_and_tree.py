@@ -22,6 +22,7 @@ from lookahead_vllm.core import DraftTree, LookaheadConfig
         ("prompt_weight", -1.0, r"prompt_weight=-1.0: must be in \[0, 1e\+09\]"),
         ("min_draft_confidence", 1.5, r"min_draft_confidence=1.5: must be in \[0, 1\]"),
         ("draft_shape", "tree", r"draft_shape='tree': must be one of \('hier', 'par', 'one'\)"),
+        ("index_upkeep", "later", r"index_upkeep='later': must be one of \('auto', 'thread', 'inline'\)"),
         ("insert_output", "yes", r"insert_output='yes': must be true or false"),
         ("min_retrieved_nodes", True, r"min_retrieved_nodes=True: must be an integer"),
         ("context_match", -1, r"context_match=-1: must be in \[0, 64\]"),
@@ -35,6 +36,12 @@ from lookahead_vllm.core import DraftTree, LookaheadConfig
 def test_invalid_fields_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         LookaheadConfig(**{field: value})
+
+
+def test_index_upkeep_runs_on_a_thread_on_gpus_by_default():
+    assert [LookaheadConfig().upkeep_thread(p) for p in ("cpu", "gpu")] == [False, True]
+    assert [LookaheadConfig(index_upkeep="thread").upkeep_thread(p) for p in ("cpu", "gpu")] == [True, True]
+    assert [LookaheadConfig(index_upkeep="inline").upkeep_thread(p) for p in ("cpu", "gpu")] == [False, False]
 
 
 def test_unknown_keys_rejected_by_name():

@@ -64,6 +64,24 @@ def test_corpus_serves_other_requests_outputs_and_evicts_oldest():
     assert ix.draft(3, 4)[0] == []
 
 
+def test_upkeep_runs_after_the_batch_drafts():
+    """draft_batch drafts before the pending upkeep: another request's new
+    output n-grams join the corpus, and a finished output over the cap
+    leaves it, only after the batch call that follows them."""
+    ix = DraftIndex(DraftIndexConfig(ngram=2, corpus_tokens=0))
+    table = np.array([[7, 5, 6, 1, 2, 9], [3, 1, 2, 0, 0, 0]], np.int32)
+    ix.sync([0, 1], [0, 1], table, [6, 3], [1, 3])  # output 5 6 1 2 9 follows 1 2 with 9
+    assert ix.draft_batch([1], [4])[3].tolist() == [0]  # not yet in the corpus
+    assert ix.draft_batch([1], [4])[0].tolist() == [[9, 0, 0, 0]]  # the upkeep after the first call
+    ix.finish(0)  # over the cap of 0: evicted by the next upkeep, not now
+    assert ix.draft_batch([1], [4])[0][0, 0] == 9
+    assert ix.draft_batch([1], [4])[3].tolist() == [0]
+    assert ix.corpus_tokens() == 0 and ix.num_sequences() == 1
+    single = DraftIndex(DraftIndexConfig(ngram=2))
+    single.sync([0, 1], [0, 1], table, [6, 3], [1, 3])
+    assert single.draft(1, 4)[0] == [9]  # one draft (like add, extend, sync, the counts) settles first
+
+
 def test_rewind_equals_a_fresh_index_of_the_prefix():
     text = [A, B, C, D, A, B, C, X, A, B, C]
     ix = DraftIndex(DraftIndexConfig(ngram=2))

@@ -24,8 +24,8 @@ SIDS = range(6)
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def _pair(cfg: DraftIndexConfig):
-    return DraftIndex(cfg), native.make_draft_index(cfg, native=True)
+def _pair(cfg: DraftIndexConfig, upkeep_thread: bool = False):
+    return DraftIndex(cfg), native.make_draft_index(cfg, native=True, upkeep_thread=upkeep_thread)
 
 
 def _same_outcome(ref, nat, method: str, *args, **kwargs):
@@ -41,12 +41,15 @@ def _same_outcome(ref, nat, method: str, *args, **kwargs):
     return out_r, out_n
 
 
-def _assert_same_state(ref, nat, sids=SIDS):
+def _assert_same_state(ref, nat, sids=SIDS, settle=True):
+    """Equal counts and lengths; with ``settle``, also the corpus counts
+    (which settle the pending upkeep first)."""
     assert nat.num_live() == ref.num_live()
-    assert nat.num_sequences() == ref.num_sequences()
-    assert nat.corpus_tokens() == ref.corpus_tokens()
-    assert nat.corpus_sequences() == ref.corpus_sequences()
     assert [nat.length(s) for s in sids] == [ref.length(s) for s in sids]
+    if settle:
+        assert nat.num_sequences() == ref.num_sequences()
+        assert nat.corpus_tokens() == ref.corpus_tokens()
+        assert nat.corpus_sequences() == ref.corpus_sequences()
 
 
 def _assert_same_batch(out_r, out_n):
@@ -86,13 +89,15 @@ def _sync_table(data, ref, vocab, pool=SIDS):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs, vocab=st.integers(2, 4), data=st.data())
-def test_random_operations_match_reference(cfg, vocab, data):
-    ref, nat = _pair(cfg)
+@given(cfg=configs, vocab=st.integers(2, 4), upkeep_thread=st.booleans(), data=st.data())
+def test_random_operations_match_reference(cfg, vocab, upkeep_thread, data):
+    """Also with the upkeep on its thread, and with sync + draft_batch steps
+    whose upkeep is left pending across finishes and further steps."""
+    ref, nat = _pair(cfg, upkeep_thread)
     sid = st.sampled_from(SIDS)
     for _ in range(data.draw(st.integers(5, 40))):
         op = data.draw(st.sampled_from(["add", "add", "extend", "extend", "finish", "rewind", "draft", "batch",
-                                        "sync"]))
+                                        "sync", "step", "step"]))
         if op == "add":
             tokens = _tokens(data, vocab, 0, 14)
             _same_outcome(ref, nat, "add", data.draw(sid), tokens, data.draw(st.integers(0, len(tokens) + 1)))
@@ -107,7 +112,10 @@ def test_random_operations_match_reference(cfg, vocab, data):
                     data.draw(st.booleans()))
             out_r, out_n = _same_outcome(ref, nat, "draft", *args)
             assert out_n == out_r, args
-        elif op == "batch":
+        elif op in ("batch", "step"):
+            if op == "step":  # the engine's step: sync, then the batch's drafts
+                out_r, out_n = _same_outcome(ref, nat, "sync", *_sync_table(data, ref, vocab))
+                assert out_n == out_r
             sids = data.draw(st.lists(sid, max_size=5))
             budgets = data.draw(st.lists(st.integers(0, 10), min_size=len(sids), max_size=len(sids)))
             floor, tree = data.draw(st.sampled_from([0.0, 0.1])), data.draw(st.booleans())
@@ -115,7 +123,7 @@ def test_random_operations_match_reference(cfg, vocab, data):
         else:  # both count the sequences the table rewound
             out_r, out_n = _same_outcome(ref, nat, "sync", *_sync_table(data, ref, vocab))
             assert out_n == out_r
-        _assert_same_state(ref, nat)
+        _assert_same_state(ref, nat, settle=data.draw(st.booleans()))
     for s in SIDS:  # every live sequence's draft at the end, both shapes
         for tree in (False, True):
             assert nat.draft(s, 12, 0.0, tree) == ref.draft(s, 12, 0.0, tree)
@@ -148,14 +156,16 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
         sids = data.draw(st.lists(st.sampled_from(SIDS), max_size=5))
         budgets = data.draw(st.lists(st.integers(0, 8), min_size=len(sids), max_size=len(sids)))
         floor, tree = data.draw(st.sampled_from([0.0, 0.2, 0.6])), data.draw(st.booleans())
+        # Before the batch call (which runs the upkeep): each row's own draft,
+        # or the back-off's where the main index has no candidate.
+        expect = []
+        for sid, budget in zip(sids, budgets):
+            row = ref._draft(sid, budget, floor, tree)
+            row = ref_b._draft(sid, budget, floor, tree) if row is None else row
+            expect.append(len(row[0]) if row else 0)
         want = ref.draft_batch(sids, budgets, floor, tree, backoff=ref_b)
+        assert want[3].tolist() == expect
         _assert_same_batch(want, nat.draft_batch(sids, budgets, floor, tree, backoff=nat_b))
-        alone = ref.draft_batch(sids, budgets, floor, tree)
-        for i, (sid, budget) in enumerate(zip(sids, budgets)):
-            if ref._draft(sid, budget, floor, tree) is None:  # no candidate: the back-off's draft
-                assert want[3][i] == len(ref_b.draft(sid, budget, floor, tree)[0])
-            else:
-                assert want[3][i] == alone[3][i]
     with pytest.raises(ValueError, match="backoff"):
         nat.draft_batch([0], [4], backoff=nat)
     for index in (ref, nat):
@@ -179,12 +189,31 @@ def test_backoff_drafts_only_where_the_main_index_has_no_candidate():
         assert cut[0] == 0
 
 
-def test_real_text_stream_matches_reference():
+@pytest.mark.parametrize("make", ["reference", "native", "native-thread"])
+def test_upkeep_pushes_before_it_evicts(make):
+    """The upkeep's order: a finished output's pending push drops the
+    oldest entry of a full key (one occurrence kept) before the eviction
+    removes that output, so the key ends up empty."""
+    cfg = DraftIndexConfig(ngram=2, max_occurrences=1, corpus_tokens=2)
+    ix = DraftIndex(cfg) if make == "reference" else native.make_draft_index(cfg, True, make == "native-thread")
+    ix.add(0, [7, 1, 2, 5], 1)  # running; its output 1 2 5 follows 1 2 with 5
+    ix.add(1, [3, 1, 2], 3)  # drafts from the corpus
+    ix.add(2, [8], 1)
+    ix.extend(2, [1, 2, 6])  # pending: 1 2 -> 6
+    ix.finish(2)  # pending: its eviction (3 output tokens > 2)
+    assert ix.draft_batch([1], [2])[0].tolist() == [[5, 0]]
+    assert ix.draft_batch([1], [2])[3].tolist() == [0]
+    assert ix.corpus_tokens() == 0 and ix.num_sequences() == 2
+
+
+@pytest.mark.parametrize("upkeep_thread", [False, True])
+def test_real_text_stream_matches_reference(upkeep_thread):
     """Requests over README bytes: prompts admitted and outputs committed 1-3
-    tokens a step through sync, drafted each step with draft_batch."""
+    tokens a step through sync, drafted each step with draft_batch, finished
+    requests evicted by the upkeep (on its thread, or inline)."""
     text = np.frombuffer(README.read_bytes(), dtype=np.uint8).astype(np.int32)
     cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=1500)
-    ref, nat = _pair(cfg)
+    ref, nat = _pair(cfg, upkeep_thread)
     rng = np.random.default_rng(0)
     table = np.zeros((8, 1024), np.int32)
     running: dict[int, list[int]] = {}  # sid -> [row, start, prompt_len, length]
@@ -210,7 +239,7 @@ def test_real_text_stream_matches_reference():
                 free_rows.append(running.pop(s)[0])
                 ref.finish(s)
                 nat.finish(s)
-        _assert_same_state(ref, nat, range(next_sid))
+        _assert_same_state(ref, nat, range(next_sid), settle=step % 25 == 0)
     assert ref.corpus_tokens() > 0 and ref.num_sequences() < next_sid  # eviction happened
 
 
@@ -332,6 +361,8 @@ def test_threaded_batch_equals_one_thread_and_the_reference(tree):
         start, length = int(rng.integers(0, len(text) - 300)), int(rng.integers(20, 300))
         for index in (ref, nat):
             index.add(sid, text[start:start + length].tolist(), 10)
+    for index in (ref, nat):  # nothing pending: every batch below drafts from the same index
+        index.settle()
     budgets = [int(b) for b in rng.integers(0, 12, len(sids))]
     want = ref.draft_batch(sids, budgets, 0.01, tree)
     assert (want[3] > 0).sum() > 100  # most rows draft

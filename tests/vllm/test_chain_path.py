@@ -160,3 +160,21 @@ def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
         k: v for k, v in counters[1].items() if k != "propose_ns"}
     assert handed > 100 and fast.stats.context_accepted_tokens > 30
+
+
+def test_upkeep_on_its_thread_equals_inline():
+    """The native index's upkeep on its own thread (the GPU default) drafts
+    what it drafts inline, with finished outputs evicted over a small corpus
+    cap along the way."""
+    from lookahead_vllm.vllm.standalone import standalone_proposer
+
+    settings = {"index_corpus_tokens": 400}
+    threaded = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "thread"})
+    inline = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "inline"})
+    assert threaded.drafter.native and threaded.drafter.index.config.corpus_tokens == 400
+    work = Workload(5)
+    handed = drive_pair(threaded, inline, work, 150)
+    assert threaded.stats.counters()["draft_tokens"] == inline.stats.counters()["draft_tokens"]
+    index = threaded.drafter.index
+    assert handed > 100 and 0 < index.corpus_tokens() <= 400
+    assert index.num_sequences() < work.next_id  # finished outputs were evicted

@@ -380,17 +380,19 @@ def test_rewind_keeps_the_requests_options():
 
 def test_memory_gauge_is_refreshed_every_few_steps():
     """The drafter's memory gauge (its estimate visits every held sequence)
-    is taken on the first step and then every MEMORY_GAUGE_EVERY steps."""
+    is taken at the start of the first step (before the step's drafting, so
+    it never waits for an upkeep) and then every MEMORY_GAUGE_EVERY steps."""
     from lookahead_vllm.vllm.proposer import MEMORY_GAUGE_EVERY
 
     p = make_proposer()
+    first = p.drafter.memory_bytes()
     step(p, {"a": A + [1]}, {"a": len(A)})
-    first = p.metrics.trie_bytes
-    assert first == p.drafter.memory_bytes() > 0
+    assert p.metrics.trie_bytes == first > 0
     rows = {"a": A + [1]}
     for i in range(1, MEMORY_GAUGE_EVERY):
         rows[f"r{i}"] = B + [7] * i  # more requests: the drafter grows
         step(p, rows, {r: len(A) if r == "a" else len(B) for r in rows})
         assert p.metrics.trie_bytes == first  # not refreshed yet
+    before = p.drafter.memory_bytes()
     step(p, rows, {r: len(A) if r == "a" else len(B) for r in rows})
-    assert p.metrics.trie_bytes == p.drafter.memory_bytes() > first
+    assert p.metrics.trie_bytes == before > first
