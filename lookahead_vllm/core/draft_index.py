@@ -109,6 +109,8 @@ class DraftIndex:
     """Pure-Python reference of the drafting core (see the module docstring)."""
 
     native = False
+    # The upkeep runs where it is due, never on a thread of its own.
+    upkeep_thread = False
 
     def __init__(self, config: DraftIndexConfig = DraftIndexConfig()) -> None:
         self.config = config

@@ -51,9 +51,9 @@ def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool
                      upkeep_thread: bool = False):
     """A draft index for ``config``: native when available (``native=None``),
     required (``True``: ImportError if not built) or the reference (``False``).
-    Either object has ``.config`` and ``.native``. ``upkeep_thread``: the
-    native index runs its upkeep (core/draft_index.py) on a thread of its
-    own; the results are the same."""
+    Either object has ``.config``, ``.native`` and ``.upkeep_thread``:
+    whether the native index runs its upkeep (core/draft_index.py) on a
+    thread of its own (the results are the same; the reference never does)."""
     cls = load_draft_index() if native is not False else None
     if cls is None:
         if native:
@@ -62,6 +62,6 @@ def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool
         return DraftIndex(config)
     index = cls(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
                 config.corpus_tokens, upkeep_thread=upkeep_thread)
-    index.config = config
+    index.config, index.upkeep_thread = config, upkeep_thread
     _log_choice(True)
     return index

@@ -75,6 +75,23 @@ def test_reset_forgets_requests_and_counts():
     assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]  # re-admitted from scratch
 
 
+@pytest.mark.parametrize("platform,upkeep,thread", [("cpu", "auto", False), ("gpu", "auto", True),
+                                                    ("gpu", "inline", False), ("cpu", "thread", True)])
+def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep, thread):
+    """index_upkeep="auto": the native indexes' upkeep on threads on GPUs,
+    inline on the CPU; after a reset too. The drafts are the same."""
+    from lookahead_vllm.vllm import proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "_platform", lambda: platform)
+    p = make_proposer(index_upkeep=upkeep)
+    if not p.drafter.native:
+        pytest.skip("native extension not built: the reference has no upkeep thread")
+    assert p.drafter.index.upkeep_thread is thread and p.drafter.backoff.upkeep_thread is thread
+    assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]
+    p.reset()
+    assert p.drafter.index.upkeep_thread is thread
+
+
 def test_rewound_request_is_readmitted():
     p = make_proposer()
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
