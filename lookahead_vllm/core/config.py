@@ -131,8 +131,9 @@ class LookaheadConfig:
     # finished outputs, done once the step's drafts are out): "thread" on a
     # thread of its own, while the forward runs; "inline" at the end of the
     # batch call; "auto" = "thread" on GPUs (the CPU waits out the forward
-    # there), "inline" on the CPU platform (the forward keeps every core
-    # busy). The drafts are the same either way.
+    # there), "inline" on the CPU platform (where the forward keeps the cores
+    # busy: on the dev splits at batch 8 a thread gained nothing end to end
+    # and its steps waited longer for it). The drafts are the same either way.
     index_upkeep: str = "auto"
     # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
     # most pool n-grams verified per step / kept per first token G.
