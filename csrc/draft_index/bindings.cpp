@@ -135,20 +135,20 @@ int64_t sync_core(DraftIndex& core, const TokenTable& table, const int64_t* sid,
   std::vector<int32_t> buf;
   int64_t rewound = 0;
   for (int64_t i = 0; i < batch; ++i) {
-    int64_t have = core.length(sid[i]);
+    auto [slot, have] = core.running(sid[i]);
     if (have < 0) {
       table.read(row[i], 0, num[i], buf);
       core.add(sid[i], buf.data(), buf.size(), std::min(plen[i], num[i]));
       continue;
     }
-    if (num[i] < have) {
+    if (num[i] < have) {  // rewind keeps the sequence's slot
       core.rewind(sid[i], num[i]);
       have = num[i];
       ++rewound;
     }
     if (num[i] > have) {
       table.read(row[i], have, num[i], buf);
-      core.extend(sid[i], buf.data(), buf.size());
+      core.extend_slot(slot, buf.data(), buf.size());
     }
   }
   return rewound;

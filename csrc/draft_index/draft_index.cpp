@@ -151,9 +151,21 @@ void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t promp
 
 void DraftIndex::extend(int64_t sid, const int32_t* tokens, size_t n) {
   wait_upkeep();
-  Sequence* s = live_seq(sid);
-  if (s->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
-  append(by_sid_[sid], tokens, n);
+  live_seq(sid);
+  extend_slot(by_sid_[sid], tokens, n);
+}
+
+void DraftIndex::extend_slot(uint32_t slot, const int32_t* tokens, size_t n) {
+  wait_upkeep();
+  if (seqs_[slot]->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
+  append(slot, tokens, n);
+}
+
+std::pair<uint32_t, int64_t> DraftIndex::running(int64_t sid) {
+  wait_upkeep();
+  auto it = by_sid_.find(sid);
+  if (it == by_sid_.end() || !seqs_[it->second]->live) return {kNone, -1};
+  return {it->second, static_cast<int64_t>(seqs_[it->second]->tokens.size())};
 }
 
 void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {

@@ -107,6 +107,10 @@ class DraftIndex {
   size_t num_sequences();
   int64_t corpus_tokens();
   int64_t length(int64_t sid);  // -1 if not running
+  // A running sequence's slot (kNone if `sid` is not running) and length:
+  // one lookup for a caller that then extends it (extend_slot).
+  std::pair<uint32_t, int64_t> running(int64_t sid);
+  void extend_slot(uint32_t slot, const int32_t* tokens, size_t n);
   size_t memory_bytes();
   // Finished outputs held in the corpus, oldest first (what a snapshot stores).
   std::vector<std::vector<int32_t>> corpus_sequences();

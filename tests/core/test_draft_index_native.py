@@ -21,7 +21,8 @@ if NativeDraftIndex is None and not os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIV
                 allow_module_level=True)
 
 SIDS = range(6)
-README = Path(__file__).resolve().parents[2] / "README.md"
+# Real text that stays put (a past README of this project), unlike the README itself.
+TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
 
 
 def _pair(cfg: DraftIndexConfig, upkeep_thread: bool = False):
@@ -208,10 +209,10 @@ def test_upkeep_pushes_before_it_evicts(make):
 
 @pytest.mark.parametrize("upkeep_thread", [False, True])
 def test_real_text_stream_matches_reference(upkeep_thread):
-    """Requests over README bytes: prompts admitted and outputs committed 1-3
+    """Requests over real text bytes: prompts admitted and outputs committed 1-3
     tokens a step through sync, drafted each step with draft_batch, finished
     requests evicted by the upkeep (on its thread, or inline)."""
-    text = np.frombuffer(README.read_bytes(), dtype=np.uint8).astype(np.int32)
+    text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
     cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=1500)
     ref, nat = _pair(cfg, upkeep_thread)
     rng = np.random.default_rng(0)
@@ -347,7 +348,7 @@ def test_make_draft_index_choice(monkeypatch):
 def test_threaded_batch_equals_one_thread_and_the_reference(tree):
     """A batch large enough for several threads (32+ rows each) drafts the
     same rows whatever the thread count, equal to the reference."""
-    text = np.frombuffer(README.read_bytes(), dtype=np.uint8).astype(np.int32)
+    text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
     cfg = DraftIndexConfig(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=4000)
     ref, nat = _pair(cfg)
     rng = np.random.default_rng(1)

@@ -3,7 +3,7 @@
 Two proposers with the same settings, one on the array path (the default for
 the index source with chains) and one forced onto the per-request path, are
 driven the way the model runner drives them through a simulated workload:
-requests over real text (the README) whose outputs accept the drafts that
+requests over real text (tests/data/real_text.md) whose outputs accept the drafts that
 match the text; admissions and finishes mid-run, per-request caps and
 opt-outs, the scheduler cutting drafts, a preemption that rewinds a request,
 requests that hit ``max_model_len``, load adaptation. Every step's drafts,
@@ -20,7 +20,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# Real text that stays put (a past README of this project), unlike the README itself.
+TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
 MAX_LEN = 320
 
 
@@ -34,12 +35,12 @@ def _pair(**lookahead):
 
 
 class Workload:
-    """Running requests over README text: each commits the tokens of its text
+    """Running requests over real text: each commits the tokens of its text
     that its draft got right, then one more (the bonus)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
-        self.text = np.frombuffer(README.read_bytes(), np.uint8).astype(np.int64)
+        self.text = np.frombuffer(TEXT.read_bytes(), np.uint8).astype(np.int64)
         self.running: dict[str, list] = {}  # id -> [text start, prompt len, committed len, extra_args]
         self.next_id = 0
         self.drafts: dict[str, list[int]] = {}

@@ -18,7 +18,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# Real text that stays put (a past README of this project), unlike the README itself.
+TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
 PROMPT, OUTPUT, BATCH, CAP = 3000, 120, 16, 6000
 
 
@@ -32,7 +33,7 @@ def test_long_prompt_flood_stays_under_the_cap_and_leaves_no_state():
 
     proposer = standalone_proposer(8, PROMPT + OUTPUT + 8, {"index_corpus_tokens": CAP})
     rng = np.random.default_rng(0)
-    text = np.frombuffer(README.read_bytes() * 2, np.uint8).astype(np.int64)
+    text = np.frombuffer(TEXT.read_bytes() * 2, np.uint8).astype(np.int64)
     held_after_wave = []
     for wave in range(12):  # 12 waves of 16 requests with 3000-token prompts
         ids = [f"w{wave}r{i}" for i in range(BATCH)]
