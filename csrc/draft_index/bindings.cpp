@@ -2,10 +2,11 @@
 // of the chain kernels (chains.h).
 //
 // Checks arguments, converts them, and calls the core; sync, draft_batch and
-// settle run without the GIL. The methods the reference settles in settle
-// the core first (see its `upkeep`). A mutex per index serializes calls (the GIL no longer
-// does while sync/draft_batch run). The chain kernels keep the GIL: they run
-// for microseconds and write into arrays their Python caller owns.
+// settle run without the GIL. The methods that settle in the reference
+// settle the core first (see its `upkeep`). A mutex per index serializes
+// calls (the GIL no longer does while sync/draft_batch run). The chain
+// kernels keep the GIL: they run for microseconds and write into arrays
+// their Python caller owns.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
