@@ -376,6 +376,7 @@ PYBIND11_MODULE(_draft_index, m) {
   cls.attr("native") = true;
   cls.def(py::init(&make_index), py::arg("ngram"), py::arg("max_match"), py::arg("max_occurrences"),
           py::arg("max_candidates"), py::arg("corpus_tokens"), py::arg("upkeep_thread") = false)
+      .def_property_readonly("upkeep_thread", [](BoundIndex& b) { return b.core.upkeep_thread(); })
       .def(
           "settle",
           [](BoundIndex& b) {

@@ -316,12 +316,7 @@ int64_t DraftIndex::corpus_tokens() {
   return finished_tokens_;
 }
 
-int64_t DraftIndex::length(int64_t sid) {
-  wait_upkeep();
-  auto it = by_sid_.find(sid);
-  if (it == by_sid_.end() || !seqs_[it->second]->live) return -1;
-  return static_cast<int64_t>(seqs_[it->second]->tokens.size());
-}
+int64_t DraftIndex::length(int64_t sid) { return running(sid).second; }
 
 size_t DraftIndex::memory_bytes() {
   wait_upkeep();

@@ -102,6 +102,7 @@ class DraftIndex {
   void rewind(int64_t sid, int64_t length);
   // Waits for the upkeep thread, then runs the pending upkeep.
   void settle();
+  bool upkeep_thread() const { return upkeep_thread_; }
 
   size_t num_live();
   size_t num_sequences();

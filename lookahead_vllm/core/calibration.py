@@ -141,7 +141,7 @@ class ConfidenceCalibrator:
         ``accepted[i]`` of them accepted, all of ``kind``."""
         if self.native:
             load_extension().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
-                                          kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
+                                            kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
             return
         cols = np.arange(raw.shape[1])
         nodes = cols < verified[:, None]

@@ -62,6 +62,6 @@ def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool
         return DraftIndex(config)
     index = cls(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
                 config.corpus_tokens, upkeep_thread=upkeep_thread)
-    index.config, index.upkeep_thread = config, upkeep_thread
+    index.config = config
     _log_choice(True)
     return index
