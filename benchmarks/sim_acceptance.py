@@ -24,6 +24,13 @@ proposer's trie on them for any number of config variants in seconds:
            own forward-cost model exactly as the proposer does at batch 1,
            with confidences calibrated online from the steps so far
            (``calibrate_confidence``, core/calibration.py).
+  whole_draft_steps, predraft_hit_steps
+           (chains from the draft index) steps that accepted their whole
+           draft (an empty one included), and of those the steps whose bonus
+           token was the index's next token after the draft: the steps for
+           which a draft prepared during the forward, for the predicted
+           outcome "all accepted, then the index's next token" (the
+           pre-drafting of branch prediction), would have been the right one.
 
 Requests run one after another through one trie, like the benchmark's cold
 ``lookahead`` cell at bs=1 (``--batch B``: in waves of B that share each
@@ -86,6 +93,11 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
     audit = ConfidenceCalibrator()  # raw confidences vs acceptance, every drafted node
     steps = emitted = nodes = off_chain = drafted = accepted_total = 0
+    # Pre-drafting's outlook (chains from the draft index only): steps whose
+    # whole draft was accepted, and of those the ones whose bonus token the
+    # index predicted (see predraft_hit_steps below).
+    predicts = config.draft_shape == "one" and config.source == "index"
+    whole = hits = 0
     forwards = plain_forwards = 0.0
     per_step: list[tuple[int, int]] = []
     tree_mode = config.draft_shape != "one"
@@ -128,6 +140,9 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
                 accepted = accepted_path(tree, out[i:])
                 if calibrator is not None:
                     calibrator.observe(tree, k, accepted)
+                if predicts and len(accepted) == len(tree) and i + len(tree) < len(out):
+                    whole += 1
+                    hits += _predicted_bonus(drafter, r, len(tree)) == out[i + len(tree)]
                 off = bool(accepted) and accepted[-1] not in tree.best_path()
                 n = min(len(accepted) + 1, len(out) - i)  # + bonus token
                 seqs[r].extend(out[i:i + n])
@@ -147,7 +162,19 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             "tokens": emitted, "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
             "draft_tokens": drafted, "accepted_tokens": accepted_total,
             "acceptance_per_drafted_token": accepted_total / max(drafted, 1),
+            "whole_draft_steps": whole if predicts else None,
+            "predraft_hit_steps": hits if predicts else None,
             "raw_calibration": audit.summary()}
+
+
+def _predicted_bonus(drafter: Drafter, slot: int, n: int) -> int:
+    """The token the draft index expects after a request's first ``n`` draft
+    tokens: its chain one token longer, no confidence floor (-1: none). A
+    drafter that prepared the next step's draft while the forward runs, for
+    the outcome "the whole draft accepted, then this token", would have had
+    it right exactly when this is the bonus token."""
+    tokens, _, lengths = drafter.draft_chains(np.asarray([slot]), np.asarray([n + 1]), 0.0)
+    return int(tokens[0, n]) if lengths[0] > n else -1
 
 
 def plain_wave_forwards(lengths: list[int], timing: Callable[[int], float]) -> float:

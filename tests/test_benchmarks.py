@@ -361,6 +361,33 @@ def test_copy_ceiling_worked_example_and_bounds_the_drafters():
         ceiling.ceiling(prompts, outputs, 0, lambda t: 1.0)
 
 
+def test_predraft_outlook_counts_the_steps_a_predraft_would_serve(tmp_path):
+    """A copy of the prompt: the one step that accepts its whole draft has the
+    prompt's next token as its bonus, which the index expects (a hit). New
+    tokens: every draft is empty and accepted whole, but the index expects
+    nothing (no hit). Trees are not measured. The script writes JSON + PNG."""
+    sim, outlook = _import_bench("sim_acceptance"), _import_bench("predraft_outlook")
+    from lookahead_vllm.core.config import LookaheadConfig
+
+    prompt = list(range(100, 140))
+    copy = sim.simulate(LookaheadConfig(), [prompt], [prompt[:30]], [], platform="gpu")
+    # Prefill emits 100. The 1-token match drafts 101..105 (the floor cuts it), all accepted, bonus 106
+    # (hit); the 7-token match drafts 107..122, bonus 123 (hit); then 124..129 of a 16-token draft.
+    assert (copy["steps"], copy["whole_draft_steps"], copy["predraft_hit_steps"]) == (3, 2, 2)
+    fresh = sim.simulate(LookaheadConfig(), [prompt], [list(range(500, 530))], [], platform="gpu")
+    assert fresh["whole_draft_steps"] == fresh["steps"] == 29 and fresh["predraft_hit_steps"] == 0
+    assert outlook.outlook(copy) == {"whole": 2 / 3, "hit": 2 / 3}
+    tree = sim.simulate(LookaheadConfig.from_dict({"draft_shape": "hier"}), [prompt], [prompt[:30]], [])
+    assert tree["whole_draft_steps"] is None and tree["predraft_hit_steps"] is None
+    model = tmp_path / "m"
+    (tmp_path / "humaneval_dev_1_30_m.json").write_text(json.dumps({"prompts": [prompt], "outputs": [prompt[:30]]}))
+    out = tmp_path / "outlook.json"
+    rows = outlook.main(["--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "30", "--model", str(model),
+                         "--cache", str(tmp_path), "--platforms", "gpu", "--batch", "1", "--out", str(out)])
+    assert [(r["platform"], r["batch"], r["hit"]) for r in rows] == [("gpu", 1, 2 / 3)]
+    assert json.loads(out.read_text())["rows"] == rows and out.with_suffix(".png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch 0: must be >= 1"),
     (["--depth", "8", "0"], "--depth 0: must be >= 1"),
