@@ -1,0 +1,167 @@
+// Stress driver for the native draft index under sanitizers (no Python).
+//
+// Runs the same random operations (admissions, extensions, finishes, rewinds,
+// batch drafts with a back-off index, settles, counts) on two index pairs:
+// one with the upkeep on its own thread and one inline, with a small corpus
+// cap so evictions happen, and batches big enough that draft_rows spreads its
+// rows over threads. Exits 1 on the first difference between the two; built
+// with -fsanitize=thread, ThreadSanitizer reports any data race between the
+// caller, the upkeep thread and the drafting threads; with
+// -fsanitize=address,undefined, any memory error. Usage: upkeep_stress SEED STEPS
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "draft_index.h"
+
+using lookahead::DraftIndex;
+using lookahead::DraftIndexConfig;
+using lookahead::DraftRow;
+
+namespace {
+
+struct Pair {
+  DraftIndex main, backoff;
+  Pair(const DraftIndexConfig& m, const DraftIndexConfig& b, bool thread) : main(m, thread), backoff(b, thread) {}
+};
+
+struct Drafts {
+  std::vector<int32_t> tokens, parents, lengths;
+  std::vector<double> confidence;
+};
+
+Drafts draft(Pair& p, const std::vector<int64_t>& sids, const std::vector<int64_t>& budgets, double floor, bool tree,
+             int threads) {
+  const int64_t rows = static_cast<int64_t>(sids.size());
+  int64_t width = 1;
+  for (int64_t b : budgets) width = std::max(width, b);
+  Drafts d;
+  d.tokens.assign(rows * width, 0);
+  d.parents.assign(rows * width, -1);
+  d.confidence.assign(rows * width, 0.0);
+  d.lengths.assign(rows, 0);
+  p.main.draft_rows(sids.data(), budgets.data(), rows, width, floor, tree,
+                    DraftRow{d.tokens.data(), d.parents.data(), d.confidence.data()}, d.lengths.data(), threads,
+                    &p.backoff);
+  return d;
+}
+
+int fail(const char* what, int step) {
+  std::fprintf(stderr, "mismatch at step %d: %s\n", step, what);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s SEED STEPS\n", argv[0]);
+    return 2;
+  }
+  const unsigned seed = static_cast<unsigned>(std::atoi(argv[1]));
+  const int steps = std::atoi(argv[2]);
+  DraftIndexConfig main_cfg;
+  main_cfg.ngram = 2;
+  main_cfg.max_occurrences = 8;
+  main_cfg.corpus_tokens = 3000;
+  DraftIndexConfig back_cfg = main_cfg;
+  back_cfg.ngram = 1;
+  Pair threaded(main_cfg, back_cfg, true), inline_(main_cfg, back_cfg, false);
+
+  std::mt19937 rng(seed);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  // Text from a few phrases, so that keys recur within and across sequences.
+  std::vector<std::vector<int32_t>> phrases(12);
+  for (auto& ph : phrases) {
+    ph.resize(uniform(2, 8));
+    for (auto& t : ph) t = uniform(0, 40);
+  }
+  auto text = [&](int n) {
+    std::vector<int32_t> out;
+    while (static_cast<int>(out.size()) < n) {
+      const auto& ph = phrases[uniform(0, 11)];
+      out.insert(out.end(), ph.begin(), ph.end());
+      if (uniform(0, 4) == 0) out.push_back(uniform(0, 60));
+    }
+    out.resize(n);
+    return out;
+  };
+
+  std::vector<int64_t> running;
+  std::vector<int64_t> lengths;  // per running sequence
+  int64_t next_sid = 0;
+  for (int step = 0; step < steps; ++step) {
+    const int op = uniform(0, 99);
+    if (running.size() < 4 || (op < 12 && running.size() < 160)) {
+      const int n = uniform(1, 300);
+      const auto t = text(n);
+      const int64_t prompt = uniform(0, n);
+      for (Pair* p : {&threaded, &inline_}) {
+        p->main.add(next_sid, t.data(), t.size(), prompt);
+        p->backoff.add(next_sid, t.data(), t.size(), prompt);
+      }
+      running.push_back(next_sid++);
+      lengths.push_back(n);
+    } else if (op < 20) {
+      const int i = uniform(0, static_cast<int>(running.size()) - 1);
+      for (Pair* p : {&threaded, &inline_}) {
+        p->main.finish(running[i]);
+        p->backoff.finish(running[i]);
+      }
+      running.erase(running.begin() + i);
+      lengths.erase(lengths.begin() + i);
+    } else if (op < 22) {
+      const int i = uniform(0, static_cast<int>(running.size()) - 1);
+      const int64_t keep = uniform(0, static_cast<int>(lengths[i]));
+      for (Pair* p : {&threaded, &inline_}) {
+        p->main.rewind(running[i], keep);
+        p->backoff.rewind(running[i], keep);
+      }
+      lengths[i] = keep;
+    } else if (op < 24) {
+      for (Pair* p : {&threaded, &inline_}) {
+        p->main.settle();
+        p->backoff.settle();
+      }
+    } else if (op < 27) {
+      if (threaded.main.corpus_tokens() != inline_.main.corpus_tokens()) return fail("corpus_tokens", step);
+      if (threaded.main.num_sequences() != inline_.main.num_sequences()) return fail("num_sequences", step);
+      if (threaded.main.num_live() != inline_.main.num_live()) return fail("num_live", step);
+      (void)threaded.main.memory_bytes();
+    } else {
+      // An engine step: every running sequence gains 1-4 tokens, then the batch drafts.
+      for (size_t i = 0; i < running.size(); ++i) {
+        const auto t = text(uniform(1, 4));
+        for (Pair* p : {&threaded, &inline_}) {
+          p->main.extend(running[i], t.data(), t.size());
+          p->backoff.extend(running[i], t.data(), t.size());
+        }
+        lengths[i] += static_cast<int64_t>(t.size());
+      }
+      std::vector<int64_t> budgets(running.size());
+      for (auto& b : budgets) b = uniform(0, 12);
+      const double floor = uniform(0, 3) == 0 ? 0.0 : 0.02 * uniform(1, 5);
+      const bool tree = uniform(0, 3) == 0;
+      const int threads = uniform(1, 4);
+      const Drafts a = draft(threaded, running, budgets, floor, tree, threads);
+      const Drafts b = draft(inline_, running, budgets, floor, tree, 1);
+      if (a.lengths != b.lengths || a.tokens != b.tokens || a.parents != b.parents) return fail("drafts", step);
+      if (std::memcmp(a.confidence.data(), b.confidence.data(), a.confidence.size() * sizeof(double)) != 0) {
+        return fail("confidences", step);
+      }
+      if (uniform(0, 3) == 0) {
+        // The same batch again, right away: it drafts while nothing but the
+        // upkeep the first call started has happened in between.
+        const Drafts again = draft(threaded, running, budgets, floor, tree, threads);
+        const Drafts expect = draft(inline_, running, budgets, floor, tree, 1);
+        if (again.lengths != expect.lengths || again.tokens != expect.tokens) return fail("drafts again", step);
+      }
+    }
+  }
+  if (threaded.main.corpus_tokens() != inline_.main.corpus_tokens()) return fail("final corpus_tokens", steps);
+  std::printf("ok: %d steps, %lld sequences, %zu running\n", steps, static_cast<long long>(next_sid),
+              running.size());
+  return 0;
+}
