@@ -2,7 +2,9 @@
 
 ``tests/native/upkeep_stress.cpp`` runs the same random operations on an
 index pair whose upkeep runs on its own thread and on one that runs it
-inline, and exits non-zero on the first difference. Built with
+inline, passes every step's chains through the chain kernels (plan, match,
+book: their results checked against their bounds), and exits non-zero on
+the first difference or violation. Built with
 ThreadSanitizer it also fails on any data race between the caller, the
 upkeep thread and draft_rows' drafting threads (a draft_rows that did not
 wait for the upkeep is reported: checked by hand); built with
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = [REPO / "tests" / "native" / "upkeep_stress.cpp", REPO / "csrc" / "draft_index" / "draft_index.cpp"]
+SOURCES = [REPO / "tests" / "native" / "upkeep_stress.cpp", REPO / "csrc" / "draft_index" / "draft_index.cpp",
+           REPO / "csrc" / "draft_index" / "chains.cpp"]
 SANITIZERS = {"thread": ["-fsanitize=thread"],
               "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
 

@@ -4,7 +4,10 @@
 // batch drafts with a back-off index, settles, counts) on two index pairs:
 // one with the upkeep on its own thread and one inline, with a small corpus
 // cap so evictions happen, and batches big enough that draft_rows spreads its
-// rows over threads. Exits 1 on the first difference between the two; built
+// rows over threads; every step's chains then go through the chain kernels
+// (plan, match against random outcomes, book into calibration tables) as
+// the proposer's array path does. Exits 1 on the first difference between
+// the two indexes or a kernel result out of its bounds; built
 // with -fsanitize=thread, ThreadSanitizer reports any data race between the
 // caller, the upkeep thread and the drafting threads; with
 // -fsanitize=address,undefined, any memory error. Usage: upkeep_stress SEED STEPS
@@ -14,6 +17,7 @@
 #include <random>
 #include <vector>
 
+#include "chains.h"
 #include "draft_index.h"
 
 using lookahead::DraftIndex;
@@ -48,8 +52,60 @@ Drafts draft(Pair& p, const std::vector<int64_t>& sids, const std::vector<int64_
   return d;
 }
 
+// The chain kernels on one step's chains (`d`, rows of `width`): plan with a
+// random cost model and budget, then book random outcomes of the kept
+// drafts. Returns what is wrong, or nullptr.
+const char* chain_kernels(const Drafts& d, int64_t width, std::mt19937& rng, std::vector<double>& tables) {
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const int64_t rows = static_cast<int64_t>(d.lengths.size());
+  const std::vector<double> edges = {0.05, 0.1, 0.2, 0.4, 0.7};
+  const int64_t bins = static_cast<int64_t>(edges.size()) + 1;
+  std::vector<double> factors(bins);
+  for (auto& f : factors) f = 0.25 * uniform(1, 6);
+  const int64_t budget = uniform(0, 2) == 0 ? -1 : uniform(0, 40);
+  const lookahead::ChainCost cost{uniform(0, 1) * uniform(1, 64), 0.5 * uniform(1, 40)};
+  std::vector<double> calibrated(d.confidence.size(), 0.0);
+  std::vector<int64_t> keep(rows, -1);
+  lookahead::plan_chains(d.confidence.data(), d.lengths.data(), rows, width, edges.data(),
+                         static_cast<int64_t>(edges.size()), factors.data(), budget, rows, cost, calibrated.data(),
+                         keep.data());
+  int64_t kept = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (keep[r] < 0 || keep[r] > d.lengths[r]) return "plan_chains: a row keeps more than it drafted";
+    kept += keep[r];
+  }
+  if (budget >= 0 && kept > budget) return "plan_chains: more nodes kept than the budget";
+  // Offers: row r's kept chain; outcomes: some rows gone, the rest verified and accepted at random.
+  std::vector<int64_t> offer_slots(rows), slots, scheduled, emitted;
+  for (int64_t r = 0; r < rows; ++r) {
+    offer_slots[r] = r;
+    if (uniform(0, 4) == 0) continue;
+    slots.push_back(r);
+    scheduled.push_back(uniform(0, static_cast<int>(keep[r]) + 1));
+    emitted.push_back(uniform(1, static_cast<int>(scheduled.back()) + 1));
+  }
+  std::vector<int64_t> at, verified, accepted;
+  lookahead::match_offers(offer_slots.data(), keep.data(), rows, slots.data(), scheduled.data(), emitted.data(),
+                          static_cast<int64_t>(slots.size()), at, verified, accepted);
+  for (size_t i = 0; i < at.size(); ++i) {
+    if (at[i] < 0 || at[i] >= rows || verified[i] > keep[at[i]] || accepted[i] > verified[i] || accepted[i] < 0) {
+      return "match_offers: a booking out of its offer";
+    }
+  }
+  const int64_t kinds = 2;
+  tables.resize(3 * kinds * bins + kinds * bins, 0.0);
+  lookahead::CalibrationTables t{tables.data(), tables.data() + kinds * bins, tables.data() + 2 * kinds * bins,
+                                 tables.data() + 3 * kinds * bins, kinds, bins, edges.data()};
+  lookahead::observe_chains(t, uniform(0, 1), d.confidence.data(), width, at.data(), verified.data(), accepted.data(),
+                            static_cast<int64_t>(at.size()), 1.0, 64.0);
+  for (int64_t c = 0; c < kinds * bins; ++c) {
+    if (t.accepted[c] > t.nodes[c] + 1e-9 || t.nodes[c] < 0) return "observe_chains: more accepted than booked";
+  }
+  return nullptr;
+}
+
 int fail(const char* what, int step) {
-  std::fprintf(stderr, "mismatch at step %d: %s\n", step, what);
+  std::fprintf(stderr, "failed at step %d: %s\n", step, what);
   return 1;
 }
 
@@ -89,6 +145,7 @@ int main(int argc, char** argv) {
     return out;
   };
 
+  std::vector<double> tables;  // the chain kernels' calibration tables, across steps
   std::vector<int64_t> running;
   std::vector<int64_t> lengths;  // per running sequence
   int64_t next_sid = 0;
@@ -150,6 +207,11 @@ int main(int argc, char** argv) {
       if (a.lengths != b.lengths || a.tokens != b.tokens || a.parents != b.parents) return fail("drafts", step);
       if (std::memcmp(a.confidence.data(), b.confidence.data(), a.confidence.size() * sizeof(double)) != 0) {
         return fail("confidences", step);
+      }
+      int64_t width = 1;
+      for (int64_t b : budgets) width = std::max(width, b);
+      if (!tree) {
+        if (const char* wrong = chain_kernels(a, width, rng, tables)) return fail(wrong, step);
       }
       if (uniform(0, 3) == 0) {
         // The same batch again, right away: it drafts while nothing but the
