@@ -125,35 +125,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sim_acceptance import add_workload_args, batch1_cost, check_positive, workloads
+
+    from lookahead_vllm.core.config import LookaheadConfig
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=192)
+    add_workload_args(p)
     p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
-    p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                    help="token prices of the timing model (sim_acceptance.py --platform)")
     p.add_argument("--drafters", action="store_true",
                    help="also replay lookahead's and vLLM suffix's defaults on the same outputs and plot them")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (and a PNG beside it)")
     args = p.parse_args(argv)
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("--k", args.k)):
-        if value < 1:
-            p.error(f"{flag} {value}: must be >= 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import DEFAULT_CACHE, batch1_cost, greedy_outputs
-
-    from lookahead_vllm.core.config import LookaheadConfig
-    from lookahead_vllm.models import prepare_smollm2
-
-    model = args.model or prepare_smollm2()
+    check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=args.k)
     timing = batch1_cost(LookaheadConfig(), platform=args.platform)
     rows = []
-    for ds in args.datasets:
-        prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
-                                          args.cache or DEFAULT_CACHE, args.split)
+    for ds, prompts, outputs in workloads(args):
         found = {"copy ceiling": ceiling(prompts, outputs, args.k, timing)}
         if args.drafters:
             from sim_acceptance import simulate

@@ -68,34 +68,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sim_acceptance import add_workload_args, check_positive, simulate, workloads
+
+    from lookahead_vllm.core.config import LookaheadConfig
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=192)
+    add_workload_args(p)
     p.add_argument("--platforms", nargs="+", choices=("cpu", "gpu"), default=["cpu", "gpu"],
                    help="token prices the drafts are cut with (sim_acceptance.py --platform)")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8], help="requests stepping together")
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
-    p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (and a PNG beside it)")
     args = p.parse_args(argv)
-    for flag, values in (("--num-prompts", [args.num_prompts]), ("--max-tokens", [args.max_tokens]),
-                         ("--batch", args.batch)):
-        for value in values:
-            if value < 1:
-                p.error(f"{flag} {value}: must be >= 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import DEFAULT_CACHE, greedy_outputs, simulate
-
-    from lookahead_vllm.core.config import LookaheadConfig
-    from lookahead_vllm.models import prepare_smollm2
-
-    model = args.model or prepare_smollm2()
+    check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch=args.batch)
     rows = []
-    for ds in args.datasets:
-        prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
-                                          args.cache or DEFAULT_CACHE, args.split)
+    for ds, prompts, outputs in workloads(args):
         for platform in args.platforms:
             for batch in args.batch:
                 r = simulate(LookaheadConfig(), prompts, outputs, [], batch=batch, platform=platform)

@@ -227,15 +227,45 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     return prompts, outputs
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of every replay over cached greedy outputs: which
+    workloads, how many prompts and tokens, the model and the cache."""
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
     p.add_argument("--split", choices=("dev", "test"), default="dev", help="prompt split (tune on dev)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="greedy outputs cache")
+
+
+def check_positive(p: argparse.ArgumentParser, **values: int | list[int]) -> None:
+    """``p.error`` for the first flag (``num_prompts`` is ``--num-prompts``) with a value below 1."""
+    for name, value in values.items():
+        for v in value if isinstance(value, list) else [value]:
+            if v < 1:
+                p.error(f"--{name.replace('_', '-')} {v}: must be >= 1")
+
+
+def workloads(args: argparse.Namespace, count: int | None = None
+              ) -> list[tuple[str, list[list[int]], list[list[int]]]]:
+    """``(dataset, prompts, outputs)`` per ``--datasets``: the first ``count``
+    (default ``--num-prompts``) prompts of ``--split`` and their greedy
+    outputs, from the cache (generated with plain vLLM on a miss). Sets
+    ``args.model`` to the bundled model where it was not given."""
+    if args.model is None:
+        from lookahead_vllm.models import prepare_smollm2
+
+        args.model = prepare_smollm2()
+    return [(dataset, *greedy_outputs(dataset, count or args.num_prompts, args.max_tokens, args.model, args.cache,
+                                      args.split)) for dataset in args.datasets]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p)
     p.add_argument("--suffix", action="store_true",
                    help="also replay vLLM's suffix decoding (arctic_inference) on the same outputs")
-    p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--warm-prompts", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=1, help="requests stepping together (waves, as generate())")
     p.add_argument("--rounds", type=int, default=1,
                    help="send the prompts this many times (later rounds repeat earlier requests, "
@@ -248,18 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                    help="token prices the drafts are cut with and the steps timed at: this CPU's measured ones, "
                         "or the GPU defaults (64 tokens about free; tree paths free, as with the CUDA kernel)")
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
-    if args.batch < 1:
-        p.error(f"--batch {args.batch}: must be >= 1")
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: must be >= 1")
-    if args.model is None:
-        from lookahead_vllm.models import prepare_smollm2
-
-        args.model = prepare_smollm2()
+    check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch=args.batch, rounds=args.rounds)
     specs = args.variant or ['chain={"draft_shape": "one"}', 'hier={"draft_shape": "hier"}']
     variants = {}
     for spec in specs:
@@ -268,11 +289,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             variants[name] = LookaheadConfig.from_dict(json.loads(raw or "{}"))
         except (json.JSONDecodeError, ValueError) as exc:
             p.error(f"--variant {spec!r}: {exc}")
+    loaded = workloads(args, args.num_prompts + args.warm_prompts)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
-    for dataset in args.datasets:
-        total = args.num_prompts + args.warm_prompts
-        prompts, outputs = greedy_outputs(dataset, total, args.max_tokens, args.model, args.cache, args.split)
-        warm = outputs[args.num_prompts:total]
+    for dataset, prompts, outputs in loaded:
+        warm = outputs[args.num_prompts:]
         prompts, outputs = prompts[:args.num_prompts] * args.rounds, outputs[:args.num_prompts] * args.rounds
         test = slice(0, len(prompts))
         for name, config in variants.items():

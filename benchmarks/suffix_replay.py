@@ -261,24 +261,19 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], max_tree_d
 
 # ------------------------------------------------------------------ CLI
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sim_acceptance import add_workload_args, check_positive
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=192)
+    add_workload_args(p)
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="wave sizes to replay")
     p.add_argument("--depth", nargs="+", type=int, default=[MAX_TREE_DEPTH],
                    help="suffix_decoding_max_tree_depth values to replay")
     p.add_argument("--max-spec-factor", type=float, default=MAX_SPEC_FACTOR)
     p.add_argument("--min-token-prob", type=float, default=MIN_TOKEN_PROB)
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: bundled SmolLM2)")
-    p.add_argument("--cache", type=Path, default=None, help="greedy outputs cache (default: sim_acceptance's)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: print only)")
     args = p.parse_args(argv)
-    for flag, values in (("--num-prompts", [args.num_prompts]), ("--max-tokens", [args.max_tokens]),
-                         ("--batch", args.batch), ("--depth", args.depth)):
-        if min(values) < 1:
-            p.error(f"{flag} {min(values)}: must be >= 1")
+    check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch=args.batch, depth=args.depth)
     if args.max_spec_factor < 0:
         p.error(f"--max-spec-factor {args.max_spec_factor}: must be >= 0")
     if not 0 <= args.min_token_prob <= 1:
@@ -288,16 +283,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import DEFAULT_CACHE, greedy_outputs
+    from sim_acceptance import workloads
 
-    from lookahead_vllm.models import prepare_smollm2
-
-    model = args.model or prepare_smollm2()
     rows = []
-    for ds in args.datasets:
-        prompts, outputs = greedy_outputs(ds, args.num_prompts, args.max_tokens, model,
-                                          args.cache or DEFAULT_CACHE, args.split)
+    for ds, prompts, outputs in workloads(args):
         for batch in args.batch:
             for depth in args.depth:
                 result = replay_suffix(prompts, outputs, depth, args.max_spec_factor, args.min_token_prob, batch)
