@@ -36,14 +36,12 @@ Example (outputs cached by ``sim_acceptance.py``)::
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sim_acceptance import plain_wave_forwards
+from sim_acceptance import (batch1_cost, check_positive, plain_wave_forwards, save_rows, workload_parser,
+                            workloads)
 
 
 def _accepted_from(source: np.ndarray, starts: np.ndarray, target: np.ndarray, period_end: int | None) -> int:
@@ -125,13 +123,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import add_workload_args, batch1_cost, check_positive, workloads
-
     from lookahead_vllm.core.config import LookaheadConfig
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p)
+    p = workload_parser(__doc__)
     p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                    help="token prices of the timing model (sim_acceptance.py --platform)")
@@ -155,11 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows.append({"dataset": ds, "split": args.split, "platform": args.platform, "method": method,
                          "k": args.k, **keep})
             print(f"{ds:10s} {method:12s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                       indent=1) + "\n")
-        plot(rows, args.out.with_suffix(".png"))
+    save_rows(args, rows, plot)
     return rows
 
 

@@ -30,11 +30,12 @@ Example (outputs cached by ``sim_acceptance.py``)::
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from sim_acceptance import check_positive, save_rows, simulate, workload_parser, workloads
+
+from lookahead_vllm.core.config import LookaheadConfig
 
 
 def outlook(result: dict[str, Any]) -> dict[str, float]:
@@ -68,13 +69,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import add_workload_args, check_positive, simulate, workloads
-
-    from lookahead_vllm.core.config import LookaheadConfig
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p)
+    p = workload_parser(__doc__)
     p.add_argument("--platforms", nargs="+", choices=("cpu", "gpu"), default=["cpu", "gpu"],
                    help="token prices the drafts are cut with (sim_acceptance.py --platform)")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8], help="requests stepping together")
@@ -92,11 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 rows.append(row)
                 print(f"{ds:10s} {platform} bs{batch:<3d} steps {r['steps']:5d}  whole {row['whole']:.2f}  "
                       f"hit {row['hit']:.2f}", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                       indent=1) + "\n")
-        plot(rows, args.out.with_suffix(".png"))
+    save_rows(args, rows, plot)
     return rows
 
 

@@ -227,15 +227,18 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     return prompts, outputs
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The arguments of every replay over cached greedy outputs: which
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """A replay script's parser (described by its docstring's first line)
+    with the arguments of every replay over cached greedy outputs: which
     workloads, how many prompts and tokens, the model and the cache."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
     p.add_argument("--split", choices=("dev", "test"), default="dev", help="prompt split (tune on dev)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="greedy outputs cache")
+    return p
 
 
 def check_positive(p: argparse.ArgumentParser, **values: int | list[int]) -> None:
@@ -260,9 +263,20 @@ def workloads(args: argparse.Namespace, count: int | None = None
                                       args.split)) for dataset in args.datasets]
 
 
+def save_rows(args: argparse.Namespace, rows: list[dict[str, Any]],
+              plot: Callable[[list[dict[str, Any]], Path], None] | None = None) -> None:
+    """Writes a replay's ``rows`` and arguments to ``args.out`` as JSON, and
+    ``plot``'s figure beside it as PNG (nothing without ``--out``)."""
+    if args.out is None:
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1) + "\n")
+    if plot is not None:
+        plot(rows, args.out.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p)
+    p = workload_parser(__doc__)
     p.add_argument("--suffix", action="store_true",
                    help="also replay vLLM's suffix decoding (arctic_inference) on the same outputs")
     p.add_argument("--warm-prompts", type=int, default=0)

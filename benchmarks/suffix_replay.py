@@ -47,15 +47,13 @@ Example (outputs cached by ``sim_acceptance.py``, the same ones it replays)::
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from sim_acceptance import plain_wave_forwards
+from sim_acceptance import check_positive, plain_wave_forwards, save_rows, workload_parser, workloads
 
 # vLLM 0.32.0's SpeculativeConfig defaults for method "suffix"
 # (suffix_decoding_*; a test holds them to the installed vLLM).
@@ -261,11 +259,7 @@ def replay_suffix(prompts: list[list[int]], outputs: list[list[int]], max_tree_d
 
 # ------------------------------------------------------------------ CLI
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sim_acceptance import add_workload_args, check_positive
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p)
+    p = workload_parser(__doc__)
     p.add_argument("--batch", nargs="+", type=int, default=[1], help="wave sizes to replay")
     p.add_argument("--depth", nargs="+", type=int, default=[MAX_TREE_DEPTH],
                    help="suffix_decoding_max_tree_depth values to replay")
@@ -283,8 +277,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    from sim_acceptance import workloads
-
     rows = []
     for ds, prompts, outputs in workloads(args):
         for batch in args.batch:
@@ -294,9 +286,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"{ds:10s} bs={batch:<3d} depth={depth:<3d} MAL {result['mal']:.2f} "
                       f"(vLLM MAL {result['mean_acceptance_length']:.2f}) acceptance/drafted "
                       f"{result['acceptance_per_drafted_token']:.3f} steps {result['steps']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}) + "\n")
+    save_rows(args, rows)
     return rows
 
 
