@@ -8,8 +8,8 @@ outputs once with plain vLLM (cached under ``--cache``), then replays the
 proposer's trie on them for any number of config variants in seconds:
 
   step     context = prompt + output[:i]; the context chain and the trie
-           draft a tree (budget, shape, confidence floor as the proposer
-           would at batch 1, core/context_match.py leading); the
+           draft a tree (budget after load adaptation, shape, confidence
+           floor as the proposer would, core/context_match.py leading); the
            step emits ``accepted + 1`` tokens (the bonus); the trie learns
            them; i advances.
   MAL      emitted tokens / steps (the first token, from prefill, excluded).
@@ -64,6 +64,7 @@ import numpy as np
 from lookahead_vllm.core.calibration import ConfidenceCalibrator
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.drafter import Drafter
+from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.step_plan import accepted_path
 
 DEFAULT_CACHE = Path.home() / ".cache" / "lookahead-vllm" / "greedy"
@@ -114,7 +115,8 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             for r in running:
                 drafter.sync([r], [0], np.asarray([seqs[r]], np.int64), [len(seqs[r])], [len(prompts[r])])
             contexts = [seqs[r][-config.max_match_length:] for r in running]
-            drafts = drafter.draft(running, contexts, [config.decoding_length] * len(running), floor, tree_mode)
+            budget = load_scaled_budget(config, len(running), platform)  # as the proposer: load adaptation
+            drafts = drafter.draft(running, contexts, [budget] * len(running), floor, tree_mode)
             trees, kinds = [], []
             for r, (tree, k) in zip(running, drafts):
                 if not tree_mode and not tree.is_chain():  # what the proposer drafts in chain mode

@@ -86,10 +86,11 @@ class LookaheadConfig:
     calibrate_confidence: bool = True
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at
-    # load_stop_at running requests or more nothing is drafted. Defaults
-    # suit a small CPU; GPUs verify many more tokens for free (raise both).
-    load_shrink_above: int = 8
-    load_stop_at: int = 16
+    # load_stop_at running requests or more nothing is drafted. -1: the
+    # platform's default (core/load.py PLATFORM_LOAD_LIMITS: 8 and 16 on the
+    # CPU, 32 and 128 on GPUs, which verify many more tokens for free).
+    load_shrink_above: int = -1
+    load_stop_at: int = -1
     # Draft shape: "one" drafts a chain; "hier" a token tree with shared
     # prefixes merged, "par" whole branches side by side; trees are verified
     # in one forward with tree attention (vllm/tree_verify.py).
@@ -169,8 +170,10 @@ class LookaheadConfig:
         _check_or_platform(_check_float, "cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
         _check_or_platform(_check_float, "cost_per_path", self.cost_per_path, 0.0, 100.0)
         _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
-        _check_int("load_shrink_above", self.load_shrink_above, 0, 1 << 16)
-        _check_int("load_stop_at", self.load_stop_at, self.load_shrink_above + 1, (1 << 16) + 1)
+        _check_or_platform(_check_int, "load_shrink_above", self.load_shrink_above, 0, 1 << 16)
+        _check_or_platform(_check_int, "load_stop_at", self.load_stop_at, 1, (1 << 16) + 1)
+        if self.load_shrink_above >= 0 and self.load_stop_at >= 0 and self.load_stop_at <= self.load_shrink_above:
+            raise ValueError(f"load_stop_at={self.load_stop_at}: must be > load_shrink_above ({self.load_shrink_above})")
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r}: must be one of {SOURCES}")
         _check_int("index_ngram", self.index_ngram, 1, 4)
@@ -234,6 +237,21 @@ class LookaheadConfig:
 
         return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
                                 self.index_candidates, self.index_corpus_tokens)
+
+    def load_limits(self, platform: str) -> tuple[int, int]:
+        """``(load_shrink_above, load_stop_at)`` on ``platform`` ("cpu" or
+        "gpu"): -1 takes the platform's default (core/load.py), moved where
+        needed to keep the stop above the shrink point of the value given."""
+        from lookahead_vllm.core.load import PLATFORM_LOAD_LIMITS
+
+        shrink, stop = PLATFORM_LOAD_LIMITS[platform]
+        if self.load_shrink_above >= 0:
+            shrink = self.load_shrink_above
+            stop = self.load_stop_at if self.load_stop_at >= 0 else max(stop, shrink + 1)
+        elif self.load_stop_at >= 0:
+            stop = self.load_stop_at
+            shrink = min(shrink, stop - 1)
+        return shrink, stop
 
     def upkeep_thread(self, platform: str) -> bool:
         """Whether the native index runs its upkeep on a thread on

@@ -5,9 +5,10 @@ many requests running, every draft token costs real compute and a busy
 server must never get slower because of lookahead. So the per-request node
 budget stays at ``decoding_length`` up to ``load_shrink_above`` running
 requests, shrinks linearly above it and reaches zero (no drafting) at
-``load_stop_at``.
+``load_stop_at``. The forward-cost model (core/budget.py) then prices every
+node that is left against the step's load.
 
-Example: decoding_length 8, shrink above 8, stop at 16 (the defaults):
+Example: decoding_length 8, shrink above 8, stop at 16 (the CPU's defaults):
 running 8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
 """
 
@@ -15,14 +16,24 @@ from __future__ import annotations
 
 from lookahead_vllm.core.config import LookaheadConfig
 
+# (load_shrink_above, load_stop_at) where the config leaves them at -1.
+# "cpu": this project's 2-core CPU, where a batch of 8 already scores past
+# the ~5 tokens a forward takes for the price of one. "gpu": a GPU scores
+# ~64 tokens for the price of one (budget.PLATFORM_TOKEN_COSTS), so drafting
+# pays up to ~64 running requests and the cost model, not a blanket stop,
+# decides what is kept; the budget shrinks from 32 requests on and stops at
+# 128 (the cost model keeps no draft from 64 rows on at its GPU prices).
+PLATFORM_LOAD_LIMITS: dict[str, tuple[int, int]] = {"cpu": (8, 16), "gpu": (32, 128)}
 
-def load_scaled_budget(config: LookaheadConfig, num_running: int) -> int:
-    """Draft nodes per request when ``num_running`` requests share the step."""
+
+def load_scaled_budget(config: LookaheadConfig, num_running: int, platform: str = "cpu") -> int:
+    """Draft nodes per request when ``num_running`` requests share the step on ``platform``."""
     full = config.decoding_length
-    if num_running <= config.load_shrink_above:
+    shrink_above, stop_at = config.load_limits(platform)
+    if num_running <= shrink_above:
         return full
-    if num_running >= config.load_stop_at:
+    if num_running >= stop_at:
         return 0
-    span = config.load_stop_at - config.load_shrink_above
-    left = config.load_stop_at - num_running
+    span = stop_at - shrink_above
+    left = stop_at - num_running
     return -(-full * left // span)  # ceil

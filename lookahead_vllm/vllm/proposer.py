@@ -336,7 +336,7 @@ class LookaheadProposer:
         cost model (no draft can pay at this many rows: ForwardCost.draft_pays),
         the request's cap, the room left before max_model_len; and the rows
         skipped (by load, by cost, by their request's cap)."""
-        load_budget = load_scaled_budget(self.config, len(batch.req_ids))
+        load_budget = load_scaled_budget(self.config, len(batch.req_ids), self.platform)
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
         if load_budget == 0 or not self.cost.draft_pays(len(num_tokens)):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)

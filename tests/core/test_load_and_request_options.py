@@ -19,11 +19,26 @@ def test_budget_full_then_linear_then_zero():
 
 
 def test_load_fields_validated():
-    with pytest.raises(ValueError, match=r"load_stop_at=4: must be in \[5, 65537\]"):
+    with pytest.raises(ValueError, match=r"load_stop_at=4: must be > load_shrink_above \(4\)"):
         LookaheadConfig(load_shrink_above=4, load_stop_at=4)
-    with pytest.raises(ValueError, match=r"load_shrink_above=-1: must be in \[0, 65536\]"):
-        LookaheadConfig(load_shrink_above=-1)
+    with pytest.raises(ValueError, match=r"load_shrink_above=-2: must be -1 \(platform default\) or in \[0, 65536\]"):
+        LookaheadConfig(load_shrink_above=-2)
+    with pytest.raises(ValueError, match=r"load_stop_at=0: must be -1 \(platform default\) or in \[1, 65537\]"):
+        LookaheadConfig(load_stop_at=0)
     assert load_scaled_budget(LookaheadConfig(load_shrink_above=0, load_stop_at=1), 1) == 0
+
+
+def test_load_limits_follow_the_platform():
+    """-1 takes the platform's limits (CPU 8/16, GPU 32/128); a value given
+    for one of the two keeps the other on the right side of it."""
+    config = LookaheadConfig(decoding_length=8)
+    assert config.load_limits("cpu") == (8, 16) and config.load_limits("gpu") == (32, 128)
+    assert [load_scaled_budget(config, n, "cpu") for n in (8, 12, 16)] == [8, 4, 0]
+    assert [load_scaled_budget(config, n, "gpu") for n in (16, 32, 80, 127, 128)] == [8, 8, 4, 1, 0]
+    assert LookaheadConfig(load_stop_at=20).load_limits("gpu") == (19, 20)
+    assert LookaheadConfig(load_stop_at=20).load_limits("cpu") == (8, 20)
+    assert LookaheadConfig(load_shrink_above=200).load_limits("gpu") == (200, 201)
+    assert LookaheadConfig(load_shrink_above=2).load_limits("cpu") == (2, 16)
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,19 @@ def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep,
     assert p.drafter.index.upkeep_thread is thread
 
 
+@pytest.mark.parametrize("platform, budget", [("cpu", 0), ("gpu", 4)])
+def test_load_adaptation_follows_the_platform(monkeypatch, platform, budget):
+    """With the default load limits, 16 running requests stop drafting on
+    the CPU (8 to 16) but keep the full budget on a GPU (32 to 128)."""
+    from lookahead_vllm.vllm import proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "_platform", lambda: platform)
+    p = make_proposer(k=4)
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(16)])
+    load_budget = p._budgets(np.full(16, 10), [None] * 16, batch)[2]
+    assert load_budget == budget
+
+
 def test_rewound_request_is_readmitted():
     p = make_proposer()
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
