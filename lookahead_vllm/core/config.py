@@ -87,7 +87,7 @@ class LookaheadConfig:
     # Load adaptation (see core/load.py): with more running requests than
     # load_shrink_above the per-request budget shrinks linearly; at
     # load_stop_at running requests or more nothing is drafted. -1: the
-    # platform's default (core/load.py PLATFORM_LOAD_LIMITS: 8 and 16 on the
+    # platform's default (core/load.py load_limits: 8 and 16 on the
     # CPU, 32 and 128 on GPUs, which verify many more tokens for free).
     load_shrink_above: int = -1
     load_stop_at: int = -1
@@ -237,21 +237,6 @@ class LookaheadConfig:
 
         return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
                                 self.index_candidates, self.index_corpus_tokens)
-
-    def load_limits(self, platform: str) -> tuple[int, int]:
-        """``(load_shrink_above, load_stop_at)`` on ``platform`` ("cpu" or
-        "gpu"): -1 takes the platform's default (core/load.py), moved where
-        needed to keep the stop above the shrink point of the value given."""
-        from lookahead_vllm.core.load import PLATFORM_LOAD_LIMITS
-
-        shrink, stop = PLATFORM_LOAD_LIMITS[platform]
-        if self.load_shrink_above >= 0:
-            shrink = self.load_shrink_above
-            stop = self.load_stop_at if self.load_stop_at >= 0 else max(stop, shrink + 1)
-        elif self.load_stop_at >= 0:
-            stop = self.load_stop_at
-            shrink = min(shrink, stop - 1)
-        return shrink, stop
 
     def upkeep_thread(self, platform: str) -> bool:
         """Whether the native index runs its upkeep on a thread on

@@ -26,10 +26,24 @@ from lookahead_vllm.core.config import LookaheadConfig
 PLATFORM_LOAD_LIMITS: dict[str, tuple[int, int]] = {"cpu": (8, 16), "gpu": (32, 128)}
 
 
+def load_limits(config: LookaheadConfig, platform: str) -> tuple[int, int]:
+    """``(load_shrink_above, load_stop_at)`` of ``config`` on ``platform``
+    ("cpu" or "gpu"): -1 takes :data:`PLATFORM_LOAD_LIMITS`, moved where
+    needed to stay on the right side of the one value given."""
+    shrink, stop = PLATFORM_LOAD_LIMITS[platform]
+    if config.load_shrink_above >= 0:
+        shrink = config.load_shrink_above
+        stop = config.load_stop_at if config.load_stop_at >= 0 else max(stop, shrink + 1)
+    elif config.load_stop_at >= 0:
+        stop = config.load_stop_at
+        shrink = min(shrink, stop - 1)
+    return shrink, stop
+
+
 def load_scaled_budget(config: LookaheadConfig, num_running: int, platform: str = "cpu") -> int:
     """Draft nodes per request when ``num_running`` requests share the step on ``platform``."""
     full = config.decoding_length
-    shrink_above, stop_at = config.load_limits(platform)
+    shrink_above, stop_at = load_limits(config, platform)
     if num_running <= shrink_above:
         return full
     if num_running >= stop_at:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.load import load_scaled_budget
+from lookahead_vllm.core.load import load_limits, load_scaled_budget
 from lookahead_vllm.core.request_options import draft_cap
 
 
@@ -32,13 +32,13 @@ def test_load_limits_follow_the_platform():
     """-1 takes the platform's limits (CPU 8/16, GPU 32/128); a value given
     for one of the two keeps the other on the right side of it."""
     config = LookaheadConfig(decoding_length=8)
-    assert config.load_limits("cpu") == (8, 16) and config.load_limits("gpu") == (32, 128)
+    assert load_limits(config, "cpu") == (8, 16) and load_limits(config, "gpu") == (32, 128)
     assert [load_scaled_budget(config, n, "cpu") for n in (8, 12, 16)] == [8, 4, 0]
     assert [load_scaled_budget(config, n, "gpu") for n in (16, 32, 80, 127, 128)] == [8, 8, 4, 1, 0]
-    assert LookaheadConfig(load_stop_at=20).load_limits("gpu") == (19, 20)
-    assert LookaheadConfig(load_stop_at=20).load_limits("cpu") == (8, 20)
-    assert LookaheadConfig(load_shrink_above=200).load_limits("gpu") == (200, 201)
-    assert LookaheadConfig(load_shrink_above=2).load_limits("cpu") == (2, 16)
+    assert load_limits(LookaheadConfig(load_stop_at=20), "gpu") == (19, 20)
+    assert load_limits(LookaheadConfig(load_stop_at=20), "cpu") == (8, 20)
+    assert load_limits(LookaheadConfig(load_shrink_above=200), "gpu") == (200, 201)
+    assert load_limits(LookaheadConfig(load_shrink_above=2), "cpu") == (2, 16)
 
 
 @pytest.mark.parametrize(
