@@ -32,6 +32,7 @@ struct Pair {
 };
 
 struct Drafts {
+  int64_t width = 1;  // row stride of tokens, parents and confidence
   std::vector<int32_t> tokens, parents, lengths;
   std::vector<double> confidence;
 };
@@ -39,9 +40,9 @@ struct Drafts {
 Drafts draft(Pair& p, const std::vector<int64_t>& sids, const std::vector<int64_t>& budgets, double floor, bool tree,
              int threads) {
   const int64_t rows = static_cast<int64_t>(sids.size());
-  int64_t width = 1;
-  for (int64_t b : budgets) width = std::max(width, b);
   Drafts d;
+  for (int64_t b : budgets) d.width = std::max(d.width, b);
+  const int64_t width = d.width;
   d.tokens.assign(rows * width, 0);
   d.parents.assign(rows * width, -1);
   d.confidence.assign(rows * width, 0.0);
@@ -52,10 +53,11 @@ Drafts draft(Pair& p, const std::vector<int64_t>& sids, const std::vector<int64_
   return d;
 }
 
-// The chain kernels on one step's chains (`d`, rows of `width`): plan with a
+// The chain kernels on one step's chains (`d`): plan with a
 // random cost model and budget, then book random outcomes of the kept
 // drafts. Returns what is wrong, or nullptr.
-const char* chain_kernels(const Drafts& d, int64_t width, std::mt19937& rng, std::vector<double>& tables) {
+const char* chain_kernels(const Drafts& d, std::mt19937& rng, std::vector<double>& tables) {
+  const int64_t width = d.width;
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   const int64_t rows = static_cast<int64_t>(d.lengths.size());
   const std::vector<double> edges = {0.05, 0.1, 0.2, 0.4, 0.7};
@@ -126,6 +128,11 @@ int main(int argc, char** argv) {
   back_cfg.ngram = 1;
   Pair threaded(main_cfg, back_cfg, true), inline_(main_cfg, back_cfg, false);
 
+  // The same operation on every index: both pairs' main and back-off.
+  auto each = [&](auto&& op) {
+    for (DraftIndex* index : {&threaded.main, &threaded.backoff, &inline_.main, &inline_.backoff}) op(*index);
+  };
+
   std::mt19937 rng(seed);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   // Text from a few phrases, so that keys recur within and across sequences.
@@ -155,33 +162,21 @@ int main(int argc, char** argv) {
       const int n = uniform(1, 300);
       const auto t = text(n);
       const int64_t prompt = uniform(0, n);
-      for (Pair* p : {&threaded, &inline_}) {
-        p->main.add(next_sid, t.data(), t.size(), prompt);
-        p->backoff.add(next_sid, t.data(), t.size(), prompt);
-      }
+      each([&](DraftIndex& d) { d.add(next_sid, t.data(), t.size(), prompt); });
       running.push_back(next_sid++);
       lengths.push_back(n);
     } else if (op < 20) {
       const int i = uniform(0, static_cast<int>(running.size()) - 1);
-      for (Pair* p : {&threaded, &inline_}) {
-        p->main.finish(running[i]);
-        p->backoff.finish(running[i]);
-      }
+      each([&](DraftIndex& d) { d.finish(running[i]); });
       running.erase(running.begin() + i);
       lengths.erase(lengths.begin() + i);
     } else if (op < 22) {
       const int i = uniform(0, static_cast<int>(running.size()) - 1);
       const int64_t keep = uniform(0, static_cast<int>(lengths[i]));
-      for (Pair* p : {&threaded, &inline_}) {
-        p->main.rewind(running[i], keep);
-        p->backoff.rewind(running[i], keep);
-      }
+      each([&](DraftIndex& d) { d.rewind(running[i], keep); });
       lengths[i] = keep;
     } else if (op < 24) {
-      for (Pair* p : {&threaded, &inline_}) {
-        p->main.settle();
-        p->backoff.settle();
-      }
+      each([&](DraftIndex& d) { d.settle(); });
     } else if (op < 27) {
       if (threaded.main.corpus_tokens() != inline_.main.corpus_tokens()) return fail("corpus_tokens", step);
       if (threaded.main.num_sequences() != inline_.main.num_sequences()) return fail("num_sequences", step);
@@ -191,10 +186,7 @@ int main(int argc, char** argv) {
       // An engine step: every running sequence gains 1-4 tokens, then the batch drafts.
       for (size_t i = 0; i < running.size(); ++i) {
         const auto t = text(uniform(1, 4));
-        for (Pair* p : {&threaded, &inline_}) {
-          p->main.extend(running[i], t.data(), t.size());
-          p->backoff.extend(running[i], t.data(), t.size());
-        }
+        each([&](DraftIndex& d) { d.extend(running[i], t.data(), t.size()); });
         lengths[i] += static_cast<int64_t>(t.size());
       }
       std::vector<int64_t> budgets(running.size());
@@ -208,10 +200,8 @@ int main(int argc, char** argv) {
       if (std::memcmp(a.confidence.data(), b.confidence.data(), a.confidence.size() * sizeof(double)) != 0) {
         return fail("confidences", step);
       }
-      int64_t width = 1;
-      for (int64_t b : budgets) width = std::max(width, b);
       if (!tree) {
-        if (const char* wrong = chain_kernels(a, width, rng, tables)) return fail(wrong, step);
+        if (const char* wrong = chain_kernels(a, rng, tables)) return fail(wrong, step);
       }
       if (uniform(0, 3) == 0) {
         // The same batch again, right away: it drafts while nothing but the
