@@ -24,7 +24,7 @@ only), 400s for bad fields, latency p50/p99 (good, whole requests), server
 alive after, resident memory of the server's process tree (/proc, summed RSS)
 before / after the first half / after the second half, and for lookahead the
 drafter's size against its caps (trie nodes vs ``trie_capacity`` where the
-trie is a source, drafter bytes, ``index_corpus_tokens``) and the request
+trie is a source, drafter bytes, ``index_corpus_bytes``) and the request
 states the proposer still holds after the drain (``lookahead_request_states``
 on /metrics).
 
@@ -476,7 +476,7 @@ def lookahead_state(m: dict[str, float], config: Any) -> dict[str, Any]:
         "trie_nodes": m.get("lookahead_trie_nodes"),
         "trie_capacity": config.trie_capacity if config.uses_trie else None,
         "drafter_bytes": m.get("lookahead_trie_bytes"),  # draft index + trie (metrics.py: lookahead_trie_bytes)
-        "index_corpus_tokens_cap": config.index_corpus_tokens if config.uses_index else None,
+        "index_corpus_bytes_cap": config.index_corpus_bytes if config.uses_index else None,
         "draft_tokens": m.get("lookahead_draft_tokens_total"),
         "accepted_tokens": m.get("lookahead_accepted_tokens_total"),
         "steps": m.get("lookahead_steps_total"),
@@ -502,8 +502,8 @@ def print_report(result: dict[str, Any]) -> None:
     if la:
         print(f"[lookahead] request states after drain {la['request_states_after_drain']:.0f}, source "
               f"{la['source']}: trie {la['trie_nodes']:.0f} nodes (cap {la['trie_capacity']}), drafter memory "
-              f"{(la['drafter_bytes'] or 0) / 2**20:.1f} MiB (index corpus cap {la['index_corpus_tokens_cap']} "
-              f"tokens); drafted {la['draft_tokens']:.0f} tokens, accepted {la['accepted_tokens']:.0f}, "
+              f"{(la['drafter_bytes'] or 0) / 2**20:.1f} MiB (index corpus cap "
+              f"{(la['index_corpus_bytes_cap'] or 0) / 2**20:.0f} MiB); drafted {la['draft_tokens']:.0f} tokens, accepted {la['accepted_tokens']:.0f}, "
               f"request-steps skipped for load {la['skipped_request_steps_load']:.0f}")
     print(f"targets met: {result['targets_met']}")
 

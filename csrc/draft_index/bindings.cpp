@@ -54,13 +54,13 @@ int64_t config_int(const char* name, py::handle value, int64_t lo, int64_t hi) {
 }
 
 std::unique_ptr<BoundIndex> make_index(py::handle ngram, py::handle max_match, py::handle max_occurrences,
-                                       py::handle max_candidates, py::handle corpus_tokens, bool upkeep_thread) {
+                                       py::handle max_candidates, py::handle corpus_bytes, bool upkeep_thread) {
   DraftIndexConfig c;
   c.ngram = static_cast<int>(config_int("ngram", ngram, 1, 4));
   c.max_match = static_cast<int>(config_int("max_match", max_match, 1, 1 << 16));
   c.max_occurrences = static_cast<int>(config_int("max_occurrences", max_occurrences, 1, 1024));
   c.max_candidates = static_cast<int>(config_int("max_candidates", max_candidates, 1, 1024));
-  c.corpus_tokens = config_int("corpus_tokens", corpus_tokens, 0, int64_t{1} << 34);
+  c.corpus_bytes = config_int("corpus_bytes", corpus_bytes, 0, int64_t{1} << 40);
   if (c.max_match < c.ngram) {
     throw py::value_error("max_match=" + std::to_string(c.max_match) + ": must be >= ngram (" +
                           std::to_string(c.ngram) + ")");
@@ -375,7 +375,7 @@ PYBIND11_MODULE(_draft_index, m) {
   py::class_<BoundIndex> cls(m, "DraftIndex", py::dynamic_attr());
   cls.attr("native") = true;
   cls.def(py::init(&make_index), py::arg("ngram"), py::arg("max_match"), py::arg("max_occurrences"),
-          py::arg("max_candidates"), py::arg("corpus_tokens"), py::arg("upkeep_thread") = false)
+          py::arg("max_candidates"), py::arg("corpus_bytes"), py::arg("upkeep_thread") = false)
       .def_property_readonly("upkeep_thread", [](BoundIndex& b) { return b.core.upkeep_thread(); })
       .def(
           "settle",
@@ -432,6 +432,12 @@ PYBIND11_MODULE(_draft_index, m) {
              std::lock_guard<std::mutex> lock(b.mu);
              b.core.settle();
              return b.core.corpus_tokens();
+           })
+      .def("corpus_bytes",
+           [](BoundIndex& b) {
+             std::lock_guard<std::mutex> lock(b.mu);
+             b.core.settle();
+             return b.core.corpus_bytes();
            })
       .def(
           "length",

@@ -14,6 +14,8 @@ constexpr int kCorpus = 1;
 
 std::string sid_str(int64_t sid) { return std::to_string(sid); }
 
+int64_t output_charge(size_t tokens) { return kSequenceCharge + kTokenCharge * static_cast<int64_t>(tokens); }
+
 // A node's confidence (W / W_root) * q(M) ** depth, q(m) = m / (m + 1), the
 // power as repeated products (as the reference computes it).
 double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t root_weight) {
@@ -26,7 +28,12 @@ double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t roo
 }  // namespace
 
 DraftIndex::DraftIndex(const DraftIndexConfig& config, bool upkeep_thread)
-    : cfg_(config), upkeep_thread_(upkeep_thread) {}
+    : cfg_(config), upkeep_thread_(upkeep_thread) {
+  // A finished output's fixed charge covers its record, its slot pointer,
+  // its id's hash node and bucket, its place in `finished_`, and the
+  // allocator's headers of the record and its two arrays.
+  static_assert(sizeof(Sequence) + 8 + 48 + 4 + 3 * 16 <= kSequenceCharge, "kSequenceCharge too small");
+}
 
 DraftIndex::~DraftIndex() {
   if (!worker_.joinable()) return;
@@ -42,10 +49,11 @@ DraftIndex::~DraftIndex() {
 void DraftIndex::upkeep() {
   for (const auto& [slot, q] : pending_) push_corpus(slot, q);
   pending_.clear();
-  while (!finished_.empty() && finished_tokens_ > cfg_.corpus_tokens) {
+  while (over_cap()) {
     const uint32_t old = finished_.front();
     finished_.pop_front();
     finished_tokens_ -= static_cast<int64_t>(seqs_[old]->out_len());
+    finished_charge_ -= output_charge(seqs_[old]->out_len());
     evict_corpus(old);
     release(old);
   }
@@ -280,7 +288,8 @@ void DraftIndex::finish(int64_t sid) {
   s.tokens.shrink_to_fit();
   s.out_entry.shrink_to_fit();
   finished_.push_back(slot);
-  finished_tokens_ += static_cast<int64_t>(s.out_len());  // evictions over the cap: upkeep
+  finished_tokens_ += static_cast<int64_t>(s.out_len());
+  finished_charge_ += output_charge(s.out_len());  // evictions over the cap: upkeep
 }
 
 void DraftIndex::rewind(int64_t sid, int64_t length) {
@@ -314,6 +323,11 @@ size_t DraftIndex::num_sequences() {
 int64_t DraftIndex::corpus_tokens() {
   wait_upkeep();
   return finished_tokens_;
+}
+
+int64_t DraftIndex::corpus_bytes() {
+  wait_upkeep();
+  return charge();
 }
 
 int64_t DraftIndex::length(int64_t sid) { return running(sid).second; }

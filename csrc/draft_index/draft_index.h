@@ -20,7 +20,8 @@
 //             a push past that drops the oldest.
 //   upkeep    the corpus work a step can do after its drafts: the pushes of
 //             the output n-grams appended since (`pending_`, in order), then
-//             the eviction of the oldest finished outputs over the cap.
+//             the eviction of the oldest finished outputs while the corpus's
+//             charge (corpus_bytes(), priced as below) is over the cap.
 //             draft_rows drafts first and then runs it, on the upkeep thread
 //             when there is one (while the forward runs); settle() runs what
 //             is pending at once. Where it runs never changes a result:
@@ -75,8 +76,21 @@ struct DraftIndexConfig {
   int max_match = 64;
   int max_occurrences = 16;
   int max_candidates = 8;
-  int64_t corpus_tokens = int64_t{1} << 20;
+  int64_t corpus_bytes = int64_t{32} << 20;
 };
+
+// The corpus's charge, what its cap bounds (the reference prices the same):
+// a finished output held, kSequenceCharge plus kTokenCharge per token (its
+// text and entry links, exactly, once finish() shrinks them); a corpus entry
+// (any output's n-gram occurrence, running or finished) kEntryCharge: 16
+// bytes and a 4-byte free-list slot, the arrays at most twice their live
+// count; a corpus key kKeyCharge: a 16-byte slot in a table at least 3/8
+// full. So the corpus's memory stays within its charge, short of the tables'
+// high-water capacity (they never shrink).
+constexpr int64_t kSequenceCharge = 256;
+constexpr int64_t kTokenCharge = 8;
+constexpr int64_t kEntryCharge = 40;
+constexpr int64_t kKeyCharge = 48;
 
 // One draft written into caller-owned rows of at least `budget` elements.
 struct DraftRow {
@@ -106,7 +120,8 @@ class DraftIndex {
 
   size_t num_live();
   size_t num_sequences();
-  int64_t corpus_tokens();
+  int64_t corpus_tokens();  // finished output tokens held
+  int64_t corpus_bytes();   // the corpus's charge (see kSequenceCharge)
   int64_t length(int64_t sid);  // -1 if not running
   // A running sequence's slot (kNone if `sid` is not running) and length:
   // one lookup for a caller that then extends it (extend_slot).
@@ -173,7 +188,12 @@ class DraftIndex {
   void release(uint32_t slot);
   // Upkeep (see the layout): the pending pushes, then the evictions.
   void upkeep();
-  bool upkeep_due() const { return !pending_.empty() || finished_tokens_ > cfg_.corpus_tokens; }
+  int64_t charge() const {
+    return finished_charge_ + kEntryCharge * static_cast<int64_t>(entries_.size() - free_entries_.size()) +
+           kKeyCharge * static_cast<int64_t>(corpus_.size());
+  }
+  bool over_cap() const { return !finished_.empty() && charge() > cfg_.corpus_bytes; }
+  bool upkeep_due() const { return !pending_.empty() || over_cap(); }
   // Starts the upkeep on the thread, or runs it here without one.
   void start_upkeep();
   // Waits until the upkeep thread is idle; rethrows what it threw.
@@ -230,6 +250,7 @@ class DraftIndex {
   size_t num_live_ = 0;
   std::deque<uint32_t> finished_;            // finished slots, oldest first
   int64_t finished_tokens_ = 0;
+  int64_t finished_charge_ = 0;  // kSequenceCharge + kTokenCharge * tokens, over finished_
   NgramMap<CorpusList> corpus_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_entries_;

@@ -28,6 +28,8 @@ DRAFT_SHAPES = ("hier", "par", "one")
 SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 INDEX_UPKEEPS = ("auto", "thread", "inline")
+# Settings that were renamed, and what to use instead.
+RENAMED = {"index_corpus_tokens": "index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +114,11 @@ class LookaheadConfig:
     source: str = "index"
     # Draft index (source "index"): key length, how far matches are measured
     # backwards, candidates merged per draft, occurrences kept per key, and
-    # finished output tokens kept for cross-request matches (memory cap:
-    # 15-35 bytes per token natively on real text, ~90 on all-distinct words).
+    # the memory cap of the outputs kept for cross-request matches: the
+    # corpus's charge in bytes (core/draft_index.py prices its texts,
+    # entries and keys at what the native layout takes at most), split
+    # evenly between the index and its back-off; the oldest finished outputs
+    # are evicted first.
     index_ngram: int = 2
     # Back-off key length: where the index finds no match of index_ngram
     # tokens, a second index keyed by this many tokens drafts (0 = none).
@@ -121,7 +126,7 @@ class LookaheadConfig:
     index_max_match: int = 64
     index_candidates: int = 16
     index_occurrences: int = 32
-    index_corpus_tokens: int = 1 << 20
+    index_corpus_bytes: int = 128 << 20
     # Threads the native index drafts a step's rows on (the drafts do not
     # depend on it; at least 32 rows a thread): 0 = min(4, usable cores).
     # 1 by default: on this project's 2-core host 2 threads made a 256-request
@@ -181,7 +186,7 @@ class LookaheadConfig:
         _check_int("index_max_match", self.index_max_match, self.index_ngram, 1 << 16)
         _check_int("index_candidates", self.index_candidates, 1, 1024)
         _check_int("index_occurrences", self.index_occurrences, 1, 1024)
-        _check_int("index_corpus_tokens", self.index_corpus_tokens, 0, 1 << 34)
+        _check_int("index_corpus_bytes", self.index_corpus_bytes, 0, 1 << 40)
         _check_int("index_threads", self.index_threads, 0, 256)
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
@@ -207,6 +212,9 @@ class LookaheadConfig:
         """Build from a user mapping; unknown keys are rejected by name."""
         values = dict(values or {})
         known = {f.name for f in dataclasses.fields(cls)}
+        for old, hint in RENAMED.items():
+            if old in values:
+                raise ValueError(f"{old}: renamed; use {hint}")
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(
@@ -235,8 +243,9 @@ class LookaheadConfig:
         """The draft index's settings (keyed by ``ngram`` tokens, default index_ngram)."""
         from lookahead_vllm.core.draft_index import DraftIndexConfig
 
+        shares = 2 if self.index_backoff else 1  # the corpus cap, split evenly
         return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
-                                self.index_candidates, self.index_corpus_tokens)
+                                self.index_candidates, self.index_corpus_bytes // shares)
 
     def upkeep_thread(self, platform: str) -> bool:
         """Whether the native index runs its upkeep on a thread on

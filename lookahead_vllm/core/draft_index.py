@@ -10,8 +10,8 @@ Terms:
 
   sequence  one request: ``own`` text (prompt + output tokens so far) while it
             runs; its output tokens also join the ``corpus``, and stay there
-            after it finishes (oldest finished outputs are evicted first once
-            the corpus holds more than ``corpus_tokens`` finished tokens).
+            after it finishes (oldest finished outputs are evicted first
+            while the corpus's charge is over ``corpus_bytes``; see below).
   key       the last ``ngram`` tokens. ``own`` index: per running sequence,
             key -> positions of the token that followed it (ascending, the
             ``max_occurrences`` most recent). ``corpus`` index: key ->
@@ -48,9 +48,16 @@ Worked example (``ngram=2``): own text ``a b c d x a b`` ends with key
 Its continuation for a budget of 3 is ``c d x``, confidences
 ``(2/3), (2/3)^2, (2/3)^3``.
 
+Charge: what the corpus's cap bounds, priced per item at what the native
+layout takes at most (csrc/draft_index/draft_index.h): each finished output
+held ``SEQUENCE_CHARGE`` + ``TOKEN_CHARGE`` per token, each corpus entry (an
+occurrence of any output's n-gram, running or finished) ``ENTRY_CHARGE``,
+each distinct corpus key ``KEY_CHARGE``. Only finished outputs are evicted;
+running ones are bounded by the engine's KV cache.
+
 Upkeep: the corpus work a step can leave until its drafts are out, namely
 the pushes of the output n-grams appended since (in order), then the
-eviction of the oldest finished outputs over the cap. ``draft_batch`` drafts
+eviction of the oldest finished outputs while the charge is over the cap. ``draft_batch`` drafts
 from the index as it stands and then runs the pending upkeep (the native
 index can run it on a thread of its own, while the forward runs); every
 other method that reads the corpus (``add``, ``extend``, ``draft``, ``sync``,
@@ -71,6 +78,8 @@ from typing import Sequence
 import numpy as np
 
 OWN, CORPUS = 0, 1
+# The corpus's charge, in bytes (module docstring; the native header's kSequenceCharge...).
+SEQUENCE_CHARGE, TOKEN_CHARGE, ENTRY_CHARGE, KEY_CHARGE = 256, 8, 40, 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +92,12 @@ class DraftIndexConfig:
     max_occurrences: int = 16
     # Candidates merged into one draft (best-ranked first).
     max_candidates: int = 8
-    # Finished output tokens kept in the corpus (oldest sequences evicted first).
-    corpus_tokens: int = 1 << 20
+    # The corpus's cap: its charge in bytes (oldest finished outputs evicted first).
+    corpus_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("ngram", 1, 4), ("max_match", 1, 1 << 16), ("max_occurrences", 1, 1024),
-                             ("max_candidates", 1, 1024), ("corpus_tokens", 0, 1 << 34)):
+                             ("max_candidates", 1, 1024), ("corpus_bytes", 0, 1 << 40)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"{name}={value!r}: must be an int in [{lo}, {hi}]")
@@ -121,6 +130,7 @@ class DraftIndex:
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._finished_tokens = 0
         self._corpus: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._entries = 0  # corpus entries, over all keys
         # Upkeep: output n-grams waiting to join the corpus, (sequence id, position).
         self._pending: list[tuple[int, int]] = []
 
@@ -174,9 +184,12 @@ class DraftIndex:
         n, cap = self.config.ngram, self.config.max_occurrences
         for sid, q in self._pending:
             out = self._outputs[sid]
-            _push(self._corpus.setdefault(tuple(out[q - n:q]), []), (sid, q), cap)
+            entries = self._corpus.setdefault(tuple(out[q - n:q]), [])
+            self._entries -= len(entries)
+            _push(entries, (sid, q), cap)
+            self._entries += len(entries)
         self._pending.clear()
-        while self._finished and self._finished_tokens > self.config.corpus_tokens:
+        while self._finished and self._charge() > self.config.corpus_bytes:
             old, _ = self._finished.popitem(last=False)
             self._finished_tokens -= len(self._outputs[old])
             self._evict(old)
@@ -203,7 +216,9 @@ class DraftIndex:
             entries = self._corpus.get(key)
             if entries is None:
                 continue
+            self._entries -= len(entries)
             entries[:] = [e for e in entries if e[0] != sid]
+            self._entries += len(entries)
             if not entries:
                 del self._corpus[key]
 
@@ -220,6 +235,15 @@ class DraftIndex:
         """Finished output tokens held in the corpus."""
         self.settle()
         return self._finished_tokens
+
+    def corpus_bytes(self) -> int:
+        """The corpus's charge (module docstring), what ``corpus_bytes`` caps."""
+        self.settle()
+        return self._charge()
+
+    def _charge(self) -> int:
+        return (SEQUENCE_CHARGE * len(self._finished) + TOKEN_CHARGE * self._finished_tokens
+                + ENTRY_CHARGE * self._entries + KEY_CHARGE * len(self._corpus))
 
     def corpus_sequences(self) -> list[list[int]]:
         """Finished outputs held in the corpus, oldest first: adding and

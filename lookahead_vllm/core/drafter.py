@@ -86,7 +86,7 @@ class Drafter:
         return self._contexts.get(slot)
 
     def memory_bytes(self) -> int:
-        total = self.index.memory_bytes() if self.index is not None and hasattr(self.index, "memory_bytes") else 0
+        total = sum(index.memory_bytes() for index in self._indexes())
         return total + (self.trie.num_bytes if self.trie is not None else 0)
 
     # ------------------------------------------------------------ lifecycle

@@ -61,7 +61,7 @@ def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool
         _log_choice(False)
         return DraftIndex(config)
     index = cls(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
-                config.corpus_tokens, upkeep_thread=upkeep_thread)
+                config.corpus_bytes, upkeep_thread=upkeep_thread)
     index.config = config
     _log_choice(True)
     return index

@@ -56,7 +56,7 @@ MAGIC = b"LKAHSNAP"
 FORMAT_VERSION = 1
 # Config fields written to the header (those that shape drafts).
 DRAFT_SETTINGS = ("source", "branch_length", "insert_output", "index_ngram", "index_backoff",
-                  "index_max_match", "index_candidates", "index_occurrences", "index_corpus_tokens")
+                  "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
 # Of those, the ones a snapshot's trie table must match (its windows' depth).
 TRIE_SETTINGS = ("branch_length",)
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length

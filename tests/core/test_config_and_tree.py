@@ -49,6 +49,19 @@ def test_unknown_keys_rejected_by_name():
         LookaheadConfig.from_dict({"decoding_len": 4})
 
 
+def test_renamed_key_names_its_successor():
+    with pytest.raises(ValueError, match=r"index_corpus_tokens: renamed; use index_corpus_bytes \(a cap in bytes"):
+        LookaheadConfig.from_dict({"index_corpus_tokens": 1 << 20})
+
+
+def test_corpus_cap_is_split_between_the_index_and_its_backoff():
+    cfg = LookaheadConfig(index_corpus_bytes=1000)
+    assert [cfg.index_config().corpus_bytes, cfg.index_config(1).corpus_bytes] == [500, 500]
+    assert LookaheadConfig(index_corpus_bytes=1000, index_backoff=0).index_config().corpus_bytes == 1000
+    with pytest.raises(ValueError, match=r"index_corpus_bytes=-1: must be"):
+        LookaheadConfig(index_corpus_bytes=-1)
+
+
 def test_from_dict_roundtrip():
     cfg = LookaheadConfig.from_dict({"decoding_length": 4, "draft_shape": "hier"})
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg

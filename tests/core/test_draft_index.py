@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex,
+                                             DraftIndexConfig)
 from lookahead_vllm.core.drafter import Drafter
 
 A, B, C, D, X = 1, 2, 3, 4, 9
@@ -47,28 +48,44 @@ def test_agreeing_candidates_weigh_more_and_trees_keep_the_runner_up():
 
 
 def test_corpus_serves_other_requests_outputs_and_evicts_oldest():
-    cfg = DraftIndexConfig(ngram=2, corpus_tokens=10)
+    # An output of 6 tokens has 4 n-grams of 2 after its first 2 tokens: 4 entries, here under 4 keys.
+    six = SEQUENCE_CHARGE + 6 * TOKEN_CHARGE + 4 * (ENTRY_CHARGE + KEY_CHARGE)
+    two = SEQUENCE_CHARGE + 2 * TOKEN_CHARGE
+    cfg = DraftIndexConfig(ngram=2, corpus_bytes=six + two + 72)
     ix = DraftIndex(cfg)
     answer = [20, 21, 22, 23, 24, 25]
     ix.add(0, [7, 7] + answer, 2)  # prompt 7 7, output = answer
     ix.add(1, [6, 6, 20, 21], 2)
     assert ix.draft(1, 4)[0] == [22, 23, 24, 25]  # a running request's output is visible
+    assert ix.corpus_bytes() == 4 * (ENTRY_CHARGE + KEY_CHARGE)  # its entries are charged while it runs
     ix.finish(0)
-    assert ix.num_live() == 1 and ix.corpus_tokens() == 6
+    assert ix.num_live() == 1 and ix.corpus_tokens() == 6 and ix.corpus_bytes() == six
     assert ix.draft(1, 4)[0] == [22, 23, 24, 25]  # and stays after it finished
-    ix.finish(1)  # 2 more output tokens: 8 <= 10
+    ix.finish(1)  # a 2-token output: six + two is within the cap
+    assert ix.corpus_bytes() == six + two
     ix.add(2, [5, 5] + list(range(40, 46)), 2)
-    ix.finish(2)  # 14 > 10: request 0's output is evicted
-    assert ix.corpus_tokens() == 8 and ix.num_sequences() == 2
+    ix.finish(2)  # two six-token outputs are over the cap: request 0's output, the oldest, is evicted
+    assert ix.corpus_tokens() == 8 and ix.num_sequences() == 2 and ix.corpus_bytes() == two + six
     ix.add(3, [1, 1, 20, 21], 2)
     assert ix.draft(3, 4)[0] == []
+
+
+def test_charge_prices_shared_keys_once_and_dropped_entries_not_at_all():
+    """Entries of one key share its charge; entries past max_occurrences leave
+    the corpus and their charge; a running output is never evicted."""
+    ix = DraftIndex(DraftIndexConfig(ngram=1, max_occurrences=2, corpus_bytes=0))
+    ix.add(0, [9] + [5] * 6, 1)  # output 5 5 5 5 5 5: entries at 1..5 under key (5,), the 2 newest kept
+    ix.settle()
+    assert ix.corpus_bytes() == 2 * ENTRY_CHARGE + KEY_CHARGE and ix.num_sequences() == 1
+    ix.finish(0)
+    assert ix.corpus_bytes() == 0 and ix.corpus_tokens() == 0 and ix.num_sequences() == 0
 
 
 def test_upkeep_runs_after_the_batch_drafts():
     """draft_batch drafts before the pending upkeep: another request's new
     output n-grams join the corpus, and a finished output over the cap
     leaves it, only after the batch call that follows them."""
-    ix = DraftIndex(DraftIndexConfig(ngram=2, corpus_tokens=0))
+    ix = DraftIndex(DraftIndexConfig(ngram=2, corpus_bytes=0))
     table = np.array([[7, 5, 6, 1, 2, 9], [3, 1, 2, 0, 0, 0]], np.int32)
     ix.sync([0, 1], [0, 1], table, [6, 3], [1, 3])  # output 5 6 1 2 9 follows 1 2 with 9
     assert ix.draft_batch([1], [4])[3].tolist() == [0]  # not yet in the corpus
@@ -106,7 +123,8 @@ def test_finish_leaves_no_running_state_and_ids_are_checked():
         ix.add(1, [A, B], 5)
 
 
-@pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_candidates", 0), ("corpus_tokens", -1)])
+@pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_candidates", 0), ("corpus_bytes", -1),
+                                         ("corpus_bytes", 1 << 41)])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}={value}"):
         DraftIndexConfig(**{field: value})

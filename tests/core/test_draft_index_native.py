@@ -50,6 +50,7 @@ def _assert_same_state(ref, nat, sids=SIDS, settle=True):
     if settle:
         assert nat.num_sequences() == ref.num_sequences()
         assert nat.corpus_tokens() == ref.corpus_tokens()
+        assert nat.corpus_bytes() == ref.corpus_bytes()
         assert nat.corpus_sequences() == ref.corpus_sequences()
 
 
@@ -61,7 +62,7 @@ def _assert_same_batch(out_r, out_n):
 
 configs = st.builds(
     lambda n, extra, occ, cands, corpus: DraftIndexConfig(n, n + extra, occ, cands, corpus),
-    st.integers(1, 4), st.integers(0, 6), st.integers(1, 4), st.integers(1, 5), st.integers(0, 40))
+    st.integers(1, 4), st.integers(0, 6), st.integers(1, 4), st.integers(1, 5), st.integers(0, 3000))
 
 
 def _tokens(data, vocab, lo=0, hi=10):
@@ -137,8 +138,8 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
     Drafter pairs them) drafts, for rows the main index has no candidate for,
     exactly what the reference does, natively in the same call."""
     if cfg.ngram == 1:
-        cfg = DraftIndexConfig(2, max(cfg.max_match, 2), cfg.max_occurrences, cfg.max_candidates, cfg.corpus_tokens)
-    short = DraftIndexConfig(cfg.ngram - 1, cfg.max_match, cfg.max_occurrences, cfg.max_candidates, cfg.corpus_tokens)
+        cfg = DraftIndexConfig(2, max(cfg.max_match, 2), cfg.max_occurrences, cfg.max_candidates, cfg.corpus_bytes)
+    short = DraftIndexConfig(cfg.ngram - 1, cfg.max_match, cfg.max_occurrences, cfg.max_candidates, cfg.corpus_bytes)
     (ref, nat), (ref_b, nat_b) = _pair(cfg), _pair(short)
     running = list(SIDS)
     for _ in range(data.draw(st.integers(3, 25))):
@@ -195,13 +196,13 @@ def test_upkeep_pushes_before_it_evicts(make):
     """The upkeep's order: a finished output's pending push drops the
     oldest entry of a full key (one occurrence kept) before the eviction
     removes that output, so the key ends up empty."""
-    cfg = DraftIndexConfig(ngram=2, max_occurrences=1, corpus_tokens=2)
+    cfg = DraftIndexConfig(ngram=2, max_occurrences=1, corpus_bytes=200)
     ix = DraftIndex(cfg) if make == "reference" else native.make_draft_index(cfg, True, make == "native-thread")
     ix.add(0, [7, 1, 2, 5], 1)  # running; its output 1 2 5 follows 1 2 with 5
     ix.add(1, [3, 1, 2], 3)  # drafts from the corpus
     ix.add(2, [8], 1)
     ix.extend(2, [1, 2, 6])  # pending: 1 2 -> 6
-    ix.finish(2)  # pending: its eviction (3 output tokens > 2)
+    ix.finish(2)  # pending: its eviction (a 3-token output is charged over 200 bytes)
     assert ix.draft_batch([1], [2])[0].tolist() == [[5, 0]]
     assert ix.draft_batch([1], [2])[3].tolist() == [0]
     assert ix.corpus_tokens() == 0 and ix.num_sequences() == 2
@@ -213,7 +214,7 @@ def test_real_text_stream_matches_reference(upkeep_thread):
     tokens a step through sync, drafted each step with draft_batch, finished
     requests evicted by the upkeep (on its thread, or inline)."""
     text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
-    cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=1500)
+    cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=90_000)
     ref, nat = _pair(cfg, upkeep_thread)
     rng = np.random.default_rng(0)
     table = np.zeros((8, 1024), np.int32)
@@ -279,10 +280,10 @@ def test_bigrams_with_the_same_hash_tag_stay_apart():
 
 
 @pytest.mark.parametrize("field,value", [("ngram", 0), ("ngram", 5), ("max_match", 0), ("max_occurrences", 2000),
-                                         ("max_candidates", 0), ("corpus_tokens", -1), ("ngram", True),
-                                         ("max_match", 2.0), ("corpus_tokens", 1 << 40)])
+                                         ("max_candidates", 0), ("corpus_bytes", -1), ("ngram", True),
+                                         ("max_match", 2.0), ("corpus_bytes", 1 << 41)])
 def test_bad_config_raises_like_the_reference(field, value):
-    args = {"ngram": 3, "max_match": 64, "max_occurrences": 16, "max_candidates": 8, "corpus_tokens": 100}
+    args = {"ngram": 3, "max_match": 64, "max_occurrences": 16, "max_candidates": 8, "corpus_bytes": 100}
     args[field] = value
     with pytest.raises(ValueError) as want:
         DraftIndexConfig(**args)
@@ -325,12 +326,12 @@ def test_lifecycle_errors():
 
 
 def test_memory_bytes_follows_the_held_tokens():
-    nat = native.make_draft_index(DraftIndexConfig(corpus_tokens=0), native=True)
+    nat = native.make_draft_index(DraftIndexConfig(corpus_bytes=0), native=True)
     empty = nat.memory_bytes()
     nat.add(0, list(range(4096)), 2048)
     held = nat.memory_bytes()
     assert held > empty + 4096 * 8
-    nat.finish(0)  # corpus_tokens=0: its output is evicted at once
+    nat.finish(0)  # corpus_bytes=0: its output is evicted at once
     assert nat.num_sequences() == 0 and nat.memory_bytes() < held
 
 
@@ -349,7 +350,7 @@ def test_threaded_batch_equals_one_thread_and_the_reference(tree):
     """A batch large enough for several threads (32+ rows each) drafts the
     same rows whatever the thread count, equal to the reference."""
     text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
-    cfg = DraftIndexConfig(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_tokens=4000)
+    cfg = DraftIndexConfig(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=240_000)
     ref, nat = _pair(cfg)
     rng = np.random.default_rng(1)
     for sid in range(40):  # finished outputs in the corpus

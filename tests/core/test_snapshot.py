@@ -89,7 +89,8 @@ def test_native_and_reference_snapshots_are_the_same_bytes(tmp_path):
 
 
 def test_corpus_sequences_are_the_kept_outputs_oldest_first():
-    index = DraftIndex(DraftIndexConfig(corpus_tokens=5))
+    # Charged 272, 280 and 272 bytes (256 each, and 8 per token; no 3-grams after an output's third token).
+    index = DraftIndex(DraftIndexConfig(corpus_bytes=600))
     for sid, (tokens, plen) in enumerate([([1, 2, 3], 1), ([4, 5, 6], 0), ([7, 8, 9, 10], 2)]):
         index.add(sid, tokens, plen)
         index.finish(sid)

@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
   DraftIndexConfig main_cfg;
   main_cfg.ngram = 2;
   main_cfg.max_occurrences = 8;
-  main_cfg.corpus_tokens = 3000;
+  main_cfg.corpus_bytes = 400000;  // some finished outputs held, most evicted
   DraftIndexConfig back_cfg = main_cfg;
   back_cfg.ngram = 1;
   Pair threaded(main_cfg, back_cfg, true), inline_(main_cfg, back_cfg, false);
@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
       each([&](DraftIndex& d) { d.settle(); });
     } else if (op < 27) {
       if (threaded.main.corpus_tokens() != inline_.main.corpus_tokens()) return fail("corpus_tokens", step);
+      if (threaded.main.corpus_bytes() != inline_.main.corpus_bytes()) return fail("corpus_bytes", step);
       if (threaded.main.num_sequences() != inline_.main.num_sequences()) return fail("num_sequences", step);
       if (threaded.main.num_live() != inline_.main.num_live()) return fail("num_live", step);
       (void)threaded.main.memory_bytes();
@@ -213,7 +214,8 @@ int main(int argc, char** argv) {
     }
   }
   if (threaded.main.corpus_tokens() != inline_.main.corpus_tokens()) return fail("final corpus_tokens", steps);
-  std::printf("ok: %d steps, %lld sequences, %zu running\n", steps, static_cast<long long>(next_sid),
-              running.size());
+  std::printf("ok: %d steps, %lld sequences, %zu running, %zu held, corpus charge %lld bytes\n", steps,
+              static_cast<long long>(next_sid), running.size(), threaded.main.num_sequences(),
+              static_cast<long long>(threaded.main.corpus_bytes()));
   return 0;
 }

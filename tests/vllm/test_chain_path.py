@@ -169,13 +169,13 @@ def test_upkeep_on_its_thread_equals_inline():
     cap along the way."""
     from lookahead_vllm.vllm.standalone import standalone_proposer
 
-    settings = {"index_corpus_tokens": 400}
+    settings = {"index_corpus_bytes": 48_000}  # 24,000 bytes for each of the index and its back-off
     threaded = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "thread"})
     inline = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "inline"})
-    assert threaded.drafter.native and threaded.drafter.index.config.corpus_tokens == 400
+    assert threaded.drafter.native and threaded.drafter.index.config.corpus_bytes == 24_000
     work = Workload(5)
     handed = drive_pair(threaded, inline, work, 150)
     assert threaded.stats.counters()["draft_tokens"] == inline.stats.counters()["draft_tokens"]
     index = threaded.drafter.index
-    assert handed > 100 and 0 < index.corpus_tokens() <= 400
+    assert handed > 100 and 0 < index.corpus_bytes() <= 24_000
     assert index.num_sequences() < work.next_id  # finished outputs were evicted

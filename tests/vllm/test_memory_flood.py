@@ -3,9 +3,10 @@ drafter's cap and nothing of a request is left after it finishes or aborts.
 
 The draft index keeps a running request's whole text (prompt and output) and,
 once it finishes, only its output, in a corpus capped at
-``index_corpus_tokens`` tokens (oldest evicted first). So with every request
-finished, the drafter holds at most the cap's worth of outputs however many
-long prompts went through; while requests run it holds their texts.
+``index_corpus_bytes`` (its charge, oldest outputs evicted first; split
+between the index and its back-off). So with every request finished, the
+drafter holds at most the cap however many long prompts went through; while
+requests run it holds their texts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.vllm
 
 # Real text that stays put (a past README of this project), unlike the README itself.
 TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
-PROMPT, OUTPUT, BATCH, CAP = 3000, 120, 16, 6000
+PROMPT, OUTPUT, BATCH, CAP = 3000, 120, 16, 400_000
 
 
 def _text(rng, text, n):
@@ -31,7 +32,8 @@ def _text(rng, text, n):
 def test_long_prompt_flood_stays_under_the_cap_and_leaves_no_state():
     from lookahead_vllm.vllm.standalone import standalone_proposer
 
-    proposer = standalone_proposer(8, PROMPT + OUTPUT + 8, {"index_corpus_tokens": CAP})
+    proposer = standalone_proposer(8, PROMPT + OUTPUT + 8, {"index_corpus_bytes": CAP})
+    empty = proposer.drafter.memory_bytes()
     rng = np.random.default_rng(0)
     text = np.frombuffer(TEXT.read_bytes() * 2, np.uint8).astype(np.int64)
     held_after_wave = []
@@ -51,11 +53,15 @@ def test_long_prompt_flood_stays_under_the_cap_and_leaves_no_state():
         # Half finish, half are aborted (vLLM reports both as finished ids).
         proposer.on_step(SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(0)), ids, {})
         assert proposer.num_request_states() == 0 and proposer.drafter.num_requests() == 0
-        assert proposer.drafter.index.corpus_tokens() <= CAP
+        indexes = (proposer.drafter.index, proposer.drafter.backoff)
+        assert sum(index.corpus_bytes() for index in indexes) <= CAP
         held_after_wave.append(proposer.drafter.memory_bytes())
+        # What the corpus holds is within its charge: the memory over an empty drafter's is under the cap.
+        assert held_after_wave[-1] - empty <= CAP, (wave, held_after_wave[-1] - empty)
+    assert proposer.drafter.index.corpus_tokens() < 12 * BATCH * OUTPUT  # the cap evicted outputs
     # What is held after a wave does not grow with the number of waves: the
-    # 12th wave leaves no more than the 4th (the corpus was full by then).
-    assert held_after_wave[-1] <= held_after_wave[3] * 1.05, held_after_wave
+    # 12th wave leaves no more than the 8th (both corpora were full by then).
+    assert held_after_wave[-1] <= held_after_wave[7] * 1.05, held_after_wave
     # And it is about the corpus's worth, not the prompts': well under the
     # ~8 bytes per token one wave's 48k running prompt tokens alone take.
     assert held_after_wave[-1] < 8 * BATCH * PROMPT, held_after_wave
