@@ -89,7 +89,7 @@ std::vector<int32_t> token_vector(py::handle obj) {
 }
 
 // token_ids [max_rows, max_len], int32 or int64, any strides: read in place.
-struct TokenTable {
+struct TokenTable final : lookahead::TokenSource {
   explicit TokenTable(const py::array& a) {
     const py::dtype dt = a.dtype();
     if (a.ndim() != 2 || dt.kind() != 'i' || (dt.itemsize() != 4 && dt.itemsize() != 8) ||
@@ -104,7 +104,8 @@ struct TokenTable {
     col_stride = a.strides(1);
   }
   // token_ids[row, begin:end] into `out`.
-  void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const {
+  const void* address(int64_t row, int64_t col) const override { return data + row * row_stride + col * col_stride; }
+  void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const override {
     out.resize(end - begin);
     const char* p = data + row * row_stride + begin * col_stride;
     for (int64_t j = 0; j < end - begin; ++j, p += col_stride) {
@@ -128,31 +129,6 @@ std::pair<std::unique_lock<std::mutex>, std::unique_lock<std::mutex>> lock_with_
     std::lock(lock, lock_backoff);
   }
   return {std::move(lock), std::move(lock_backoff)};
-}
-
-// Brings `core` up to date with the token table's rows (sync's loop).
-int64_t sync_core(DraftIndex& core, const TokenTable& table, const int64_t* sid, const int64_t* row,
-                  const int64_t* num, const int64_t* plen, int64_t batch) {
-  std::vector<int32_t> buf;
-  int64_t rewound = 0;
-  for (int64_t i = 0; i < batch; ++i) {
-    auto [slot, have] = core.running(sid[i]);
-    if (have < 0) {
-      table.read(row[i], 0, num[i], buf);
-      core.add(sid[i], buf.data(), buf.size(), std::min(plen[i], num[i]));
-      continue;
-    }
-    if (num[i] < have) {  // rewind keeps the sequence's slot
-      core.rewind(sid[i], num[i]);
-      have = num[i];
-      ++rewound;
-    }
-    if (num[i] > have) {
-      table.read(row[i], have, num[i], buf);
-      core.extend_slot(slot, buf.data(), buf.size());
-    }
-  }
-  return rewound;
 }
 
 int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
@@ -179,12 +155,10 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
   }
   py::gil_scoped_release nogil;
   const auto locks = lock_with_backoff(b, backoff);
-  b.core.settle();
-  if (backoff != nullptr) backoff->core.settle();
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
-  const int64_t rewound = sync_core(b.core, table, sid, row, num, plen, batch);
-  if (backoff != nullptr) sync_core(backoff->core, table, sid, row, num, plen, batch);
+  const int64_t rewound = b.core.sync(sid, row, num, plen, batch, table);
+  if (backoff != nullptr) backoff->core.sync(sid, row, num, plen, batch, table);
   return rewound;
 }
 

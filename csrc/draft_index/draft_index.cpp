@@ -159,26 +159,85 @@ void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t promp
 
 void DraftIndex::extend(int64_t sid, const int32_t* tokens, size_t n) {
   wait_upkeep();
-  live_seq(sid);
-  extend_slot(by_sid_[sid], tokens, n);
+  Sequence* s = live_seq(sid);
+  if (s->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
+  append(by_sid_[sid], tokens, n);
 }
 
-void DraftIndex::extend_slot(uint32_t slot, const int32_t* tokens, size_t n) {
-  wait_upkeep();
-  if (seqs_[slot]->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
-  append(slot, tokens, n);
+uint32_t DraftIndex::running_slot(int64_t sid) const {
+  const auto it = by_sid_.find(sid);
+  return it == by_sid_.end() || !seqs_[it->second]->live ? kNone : it->second;
 }
 
-std::pair<uint32_t, int64_t> DraftIndex::running(int64_t sid) {
-  wait_upkeep();
-  auto it = by_sid_.find(sid);
-  if (it == by_sid_.end() || !seqs_[it->second]->live) return {kNone, -1};
-  return {it->second, static_cast<int64_t>(seqs_[it->second]->tokens.size())};
+int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
+                         int64_t batch, const TokenSource& table) {
+  settle();
+  // Three passes start loading what the updates touch, each from what the
+  // previous one loaded: the sequences' records; the ends of their texts
+  // and the table's new tokens; the own-table slot of each text's last key.
+  // The lookups of a pass do not depend on each other, so their misses
+  // overlap. Then the updates, in row order (pending_ keeps that order).
+  std::vector<uint32_t>& slot = sync_slots_;
+  slot.resize(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    slot[i] = running_slot(sids[i]);
+    if (slot[i] != kNone) __builtin_prefetch(seqs_[slot[i]].get());
+  }
+  for (int64_t i = 0; i < batch; ++i) {
+    if (slot[i] == kNone) continue;
+    const Sequence& s = *seqs_[slot[i]];
+    const size_t n = s.tokens.size();
+    if (n > 0) __builtin_prefetch(s.tokens.data() + n - 1);
+    __builtin_prefetch(s.own_prev.data() + n);
+    __builtin_prefetch(s.out_entry.data() + (n - s.prompt_len));
+    if (num[i] > static_cast<int64_t>(n)) __builtin_prefetch(table.address(rows[i], static_cast<int64_t>(n)));
+  }
+  const int ng = cfg_.ngram;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (slot[i] == kNone) continue;
+    const Sequence& s = *seqs_[slot[i]];
+    const size_t n = s.tokens.size();
+    if (n >= static_cast<size_t>(ng) && num[i] > static_cast<int64_t>(n)) {
+      s.own.prefetch(ngram_tag(s.tokens.data() + n - ng, ng));
+    }
+  }
+  std::vector<int32_t> buf;
+  int64_t rewound = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    // A sequence added by an earlier row of this batch (its id repeated) is found anew.
+    const uint32_t at = slot[i] != kNone ? slot[i] : running_slot(sids[i]);
+    if (at == kNone) {
+      table.read(rows[i], 0, num[i], buf);
+      add(sids[i], buf.data(), buf.size(), std::min(prompt_lens[i], num[i]));
+      continue;
+    }
+    int64_t have = static_cast<int64_t>(seqs_[at]->tokens.size());
+    if (num[i] < have) {  // rewind keeps the sequence's slot
+      rewind(sids[i], num[i]);
+      have = num[i];
+      ++rewound;
+    }
+    if (num[i] > have) {
+      table.read(rows[i], have, num[i], buf);
+      if (static_cast<size_t>(have) + buf.size() >= kNone) {
+        throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
+      }
+      append(at, buf.data(), buf.size());
+    }
+  }
+  return rewound;
 }
 
 void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
   Sequence& s = *seqs_[slot];
   const int ng = cfg_.ngram;
+  if (n > 1 && n <= 64 && s.tokens.size() >= static_cast<size_t>(ng)) {
+    // Start loading the own-table slots of a few tokens' keys together (their misses overlap).
+    int32_t window[4 + 64];
+    std::copy(s.tokens.end() - ng, s.tokens.end(), window);
+    std::copy(tokens, tokens + n - 1, window + ng);
+    for (size_t i = 0; i < n; ++i) s.own.prefetch(ngram_tag(window + i, ng));
+  }
   for (size_t i = 0; i < n; ++i) {
     const uint32_t p = static_cast<uint32_t>(s.tokens.size());  // follows tokens[p-ng:p]
     s.tokens.push_back(tokens[i]);
@@ -330,7 +389,11 @@ int64_t DraftIndex::corpus_bytes() {
   return charge();
 }
 
-int64_t DraftIndex::length(int64_t sid) { return running(sid).second; }
+int64_t DraftIndex::length(int64_t sid) {
+  wait_upkeep();
+  const uint32_t slot = running_slot(sid);
+  return slot == kNone ? -1 : static_cast<int64_t>(seqs_[slot]->tokens.size());
+}
 
 size_t DraftIndex::memory_bytes() {
   wait_upkeep();
@@ -402,6 +465,34 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
     return a.m != b.m ? a.m > b.m : a.scope < b.scope;
   });
   if (s.cands.size() > static_cast<size_t>(cfg_.max_candidates)) s.cands.resize(cfg_.max_candidates);
+}
+
+void DraftIndex::prefetch_drafts(const int64_t* sids, int64_t rows) const {
+  const int ng = cfg_.ngram;
+  auto key_of = [&](int64_t i, const Sequence*& seq) -> const int32_t* {
+    const uint32_t slot = running_slot(sids[i]);
+    if (slot == kNone) return nullptr;
+    seq = seqs_[slot].get();
+    return seq->tokens.size() < static_cast<size_t>(ng) ? nullptr : seq->tokens.data() + seq->tokens.size() - ng;
+  };
+  const Sequence* seq = nullptr;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (const int32_t* key = key_of(i, seq)) {
+      const uint32_t tag = ngram_tag(key, ng);
+      seq->own.prefetch(tag);
+      corpus_.prefetch(tag);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int32_t* key = key_of(i, seq);
+    if (key == nullptr) continue;
+    const uint32_t tag = ngram_tag(key, ng);
+    if (const OwnLast* last = seq->own.home(tag)) {
+      __builtin_prefetch(seq->tokens.data() + last->pos - ng);
+      __builtin_prefetch(seq->own_prev.data() + last->pos);
+    }
+    if (const CorpusList* list = corpus_.home(tag)) __builtin_prefetch(&entries_[list->tail]);
+  }
 }
 
 void DraftIndex::merge(Scratch& s, uint32_t slot, int budget) const {
@@ -573,6 +664,7 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
   // workers (each with its own scratch, used by both) take contiguous row ranges.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kRowsPerThread));
   if (static_cast<int64_t>(pool_scratch_.size()) < workers) pool_scratch_.resize(workers);
+  prefetch_drafts(sids, rows);
   auto run = [&](int64_t w) {
     const int64_t lo = rows * w / workers, hi = rows * (w + 1) / workers;
     Scratch& scratch = pool_scratch_[w];

@@ -99,6 +99,16 @@ struct DraftRow {
   double* confidence;
 };
 
+// A batch's token table as sync reads it: rows of committed tokens.
+class TokenSource {
+ public:
+  virtual ~TokenSource() = default;
+  // Row `row`'s tokens [begin, end) into `out`.
+  virtual void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const = 0;
+  // Where row `row`'s token `col` lies (a prefetch hint only).
+  virtual const void* address(int64_t row, int64_t col) const = 0;
+};
+
 class DraftIndex {
  public:
   // `upkeep_thread`: run draft_rows' upkeep on a thread of its own (the
@@ -123,10 +133,15 @@ class DraftIndex {
   int64_t corpus_tokens();  // finished output tokens held
   int64_t corpus_bytes();   // the corpus's charge (see kSequenceCharge)
   int64_t length(int64_t sid);  // -1 if not running
-  // A running sequence's slot (kNone if `sid` is not running) and length:
-  // one lookup for a caller that then extends it (extend_slot).
-  std::pair<uint32_t, int64_t> running(int64_t sid);
-  void extend_slot(uint32_t slot, const int32_t* tokens, size_t n);
+  // Brings the index up to date with a step's rows, in row order: row i,
+  // sequence `sids[i]`, has committed table row `rows[i]`'s first `num[i]`
+  // tokens (the first `prompt_lens[i]` of them its prompt). An unknown
+  // sequence is added, a known one extended, or rewound if the row is
+  // shorter. Returns how many were rewound. Settles first. The sequences'
+  // memory is fetched for all rows ahead of the updates (one cache miss
+  // latency for the batch rather than a few per row).
+  int64_t sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
+               int64_t batch, const TokenSource& table);
   size_t memory_bytes();
   // Finished outputs held in the corpus, oldest first (what a snapshot stores).
   std::vector<std::vector<int32_t>> corpus_sequences();
@@ -179,6 +194,8 @@ class DraftIndex {
   };
 
   Sequence* live_seq(int64_t sid);
+  // The slot of running sequence `sid`, or kNone (no wait for the upkeep).
+  uint32_t running_slot(int64_t sid) const;
   uint32_t new_slot(int64_t sid, uint32_t prompt_len);
   void append(uint32_t slot, const int32_t* tokens, size_t n);
   void push_corpus(uint32_t slot, uint32_t q);
@@ -229,6 +246,10 @@ class DraftIndex {
   // draft, and a back-off index may try).
   int draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out, bool& found) const;
   void collect_candidates(Scratch& s, uint32_t slot) const;
+  // Starts loading what drafting rows [0, rows) reads first, for all of
+  // them ahead of drafting: each key's table slots, then the newest
+  // occurrence's text and the corpus list's newest entry (see sync).
+  void prefetch_drafts(const int64_t* sids, int64_t rows) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
   // Token d of candidate c's continuation in sequence `seq`'s draft: own
@@ -264,6 +285,8 @@ class DraftIndex {
   bool worker_busy_ = false;
   bool worker_stop_ = false;
   std::exception_ptr worker_error_;
+  // sync's per-row slots (kept to reuse their memory).
+  std::vector<uint32_t> sync_slots_;
   // Scratch of single drafts, and of draft_rows' threads.
   Scratch scratch_;
   std::vector<Scratch> pool_scratch_;

@@ -71,6 +71,19 @@ class NgramMap {
     return i;
   }
 
+  // Starts loading the slot where a lookup of `tag` begins (a hint only).
+  void prefetch(uint32_t tag) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[tag & mask_]);
+  }
+
+  // The value in the slot where a lookup of `tag` begins if that slot holds
+  // `tag` (most lookups end there), else null: a hint for prefetching only.
+  const V* home(uint32_t tag) const {
+    if (slots_.empty()) return nullptr;
+    const Slot& s = slots_[tag & mask_];
+    return !s.value.empty() && s.tag == tag ? &s.value : nullptr;
+  }
+
   V& value(size_t slot) { return slots_[slot].value; }
   const V& value(size_t slot) const { return slots_[slot].value; }
 

@@ -1,7 +1,7 @@
 // Stress driver for the native draft index under sanitizers (no Python).
 //
-// Runs the same random operations (admissions, extensions, finishes, rewinds,
-// batch drafts with a back-off index, settles, counts) on two index pairs:
+// Runs the same random operations (admissions, extensions, syncs from a
+// token table, finishes, rewinds, batch drafts with a back-off index, settles, counts) on two index pairs:
 // one with the upkeep on its own thread and one inline, with a small corpus
 // cap so evictions happen, and batches big enough that draft_rows spreads its
 // rows over threads; every step's chains then go through the chain kernels
@@ -29,6 +29,17 @@ namespace {
 struct Pair {
   DraftIndex main, backoff;
   Pair(const DraftIndexConfig& m, const DraftIndexConfig& b, bool thread) : main(m, thread), backoff(b, thread) {}
+};
+
+// A step's token table: row i holds sequence i's committed tokens (only
+// those a sync reads, past what the index has, are written).
+struct Table final : lookahead::TokenSource {
+  int64_t width = 0;
+  std::vector<int32_t> tokens;
+  void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const override {
+    out.assign(tokens.begin() + row * width + begin, tokens.begin() + row * width + end);
+  }
+  const void* address(int64_t row, int64_t col) const override { return tokens.data() + row * width + col; }
 };
 
 struct Drafts {
@@ -184,11 +195,34 @@ int main(int argc, char** argv) {
       if (threaded.main.num_live() != inline_.main.num_live()) return fail("num_live", step);
       (void)threaded.main.memory_bytes();
     } else {
-      // An engine step: every running sequence gains 1-4 tokens, then the batch drafts.
-      for (size_t i = 0; i < running.size(); ++i) {
-        const auto t = text(uniform(1, 4));
-        each([&](DraftIndex& d) { d.extend(running[i], t.data(), t.size()); });
-        lengths[i] += static_cast<int64_t>(t.size());
+      // An engine step: every running sequence gains 1-4 tokens, one at a
+      // time or all through one sync from a token table (which also rewinds
+      // a few by up to 3 tokens), then the batch drafts.
+      if (uniform(0, 1) == 0) {
+        for (size_t i = 0; i < running.size(); ++i) {
+          const auto t = text(uniform(1, 4));
+          each([&](DraftIndex& d) { d.extend(running[i], t.data(), t.size()); });
+          lengths[i] += static_cast<int64_t>(t.size());
+        }
+      } else {
+        Table table;
+        for (const int64_t n : lengths) table.width = std::max(table.width, n + 4);
+        table.tokens.assign(running.size() * table.width, -1);
+        std::vector<int64_t> rows(running.size()), num(running.size()), prompts(running.size(), 0);
+        for (size_t i = 0; i < running.size(); ++i) {
+          rows[i] = static_cast<int64_t>(running.size() - 1 - i);  // rows in another order than sequences
+          if (uniform(0, 19) == 0) {
+            num[i] = std::max<int64_t>(0, lengths[i] - uniform(0, 3));
+          } else {
+            const auto t = text(uniform(1, 4));
+            std::copy(t.begin(), t.end(), table.tokens.begin() + rows[i] * table.width + lengths[i]);
+            num[i] = lengths[i] + static_cast<int64_t>(t.size());
+          }
+          lengths[i] = num[i];
+        }
+        each([&](DraftIndex& d) {
+          d.sync(running.data(), rows.data(), num.data(), prompts.data(), static_cast<int64_t>(running.size()), table);
+        });
       }
       std::vector<int64_t> budgets(running.size());
       for (auto& b : budgets) b = uniform(0, 12);
