@@ -549,3 +549,29 @@ def test_bench_cpu_preload_pairs_runs_and_reports_ratios(tmp_path):
     assert result["median_on_over_off"] == pytest.approx(1.225) and out.with_suffix(".png").exists()
     with pytest.raises(SystemExit):
         bench.main(["--from-runs", str(runs[0]), "--out", str(out)])
+
+
+def test_bench_corpus_cap_keeps_the_charge_under_the_cap_while_outputs_stream_through(tmp_path, capsys):
+    """1 MiB cap, 300 finished 256-token outputs: evictions start, the charge
+    ends every report within the cap, and the held tokens stop growing."""
+    bench = _import_bench("bench_corpus_cap")
+    out = tmp_path / "cap.json"
+    report = bench.main(["--cap-mib", "1", "--requests", "300", "--batch", "8", "--prompt-tokens", "64",
+                         "--output-tokens", "256", "--report-every", "50", "--upkeep", "inline", "--out", str(out)])
+    rows = report["rows"]
+    assert not report["over_cap"] and len(rows) == 6 and out.with_suffix(".png").exists()
+    assert all(r["corpus_charge_bytes"] <= 1 << 20 for r in rows)
+    assert max(r["corpus_charge_bytes"] for r in rows) > 0.9 * (1 << 20)  # the cap was reached
+    held = [sum(r["corpus_tokens"]) for r in rows]
+    assert held[-1] < 300 * 256 and held[-1] <= 1.1 * held[2], held  # outputs were evicted
+    assert json.loads(out.read_text())["steps"] == report["steps"]
+
+
+@pytest.mark.parametrize("argv,message", [(["--cap-mib", "0"], "--cap-mib 0: must be >= 1"),
+                                          (["--tokens-per-step", "0"], "--tokens-per-step 0: must be >= 1"),
+                                          (["--upkeep", "later"], "--upkeep: invalid choice: 'later'")])
+def test_bench_corpus_cap_rejects_bad_arguments(argv, message, capsys):
+    bench = _import_bench("bench_corpus_cap")
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
