@@ -2,13 +2,12 @@
 
 Methods (``--methods``):
   plain              no speculation: the reference for speedups and mismatches.
-  ngram<k>           vLLM's n-gram prompt lookup, k draft tokens, vLLM's default
-                     lookup window (prompt_lookup_min = max = 5).
-  ngram<k>-w<a>-<b>  the same with prompt_lookup_min a, prompt_lookup_max b
-                     (``ngram8-w2-4``: the window tuned on this machine).
-  suffix             vLLM's suffix decoding (arctic_inference) with vLLM's
-                     defaults: tree depth 24, k = depth, min token prob 0.1.
-  suffix-d<N>        the same with suffix_decoding_max_tree_depth N (k = N).
+  ngram<k>, ngram<k>-w<a>-<b>, suffix, suffix-d<N>
+                     vLLM's own methods (``baselines.py``): n-gram prompt
+                     lookup with k draft tokens (vLLM's lookup window, or
+                     min a, max b; ``ngram8-w2-4``: the window tuned on this
+                     machine) and suffix decoding (vLLM's defaults, or tree
+                     depth N).
   lookahead...       this project: ``lookahead``, ``lookahead-warm`` and
                      ``lookahead:NAME`` variants (``--variant``).
   ``--preset baselines-ngram`` / ``baselines-suffix`` run every vLLM baseline
@@ -55,7 +54,6 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -65,17 +63,11 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from baselines import NGRAM_BASELINES, SUFFIX_BASELINES, baseline_config  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_METHODS = ["plain", "ngram4", "ngram8", "suffix", "lookahead", "lookahead-warm"]
-# vLLM's own speculative methods as benchmark names (see the module docstring).
-NGRAM = re.compile(r"ngram(\d+)(?:-w(\d+)-(\d+))?")
-SUFFIX = re.compile(r"suffix(?:-d(\d+))?")
-# The lookup window tuned on this machine for ngram (prompt_lookup_min 2, max 4).
-TUNED_WINDOW = "-w2-4"
-NGRAM_BASELINES = [f"ngram{k}{w}" for w in ("", TUNED_WINDOW) for k in (4, 8, 16)]
-SUFFIX_BASELINES = ["suffix", "suffix-d16", "suffix-d32", "suffix-d64"]
-BASELINES = NGRAM_BASELINES + SUFFIX_BASELINES
 # Methods whose engine is built fresh for every cell (their drafter learns):
 # any method named "lookahead..." ("lookahead", "lookahead-warm", or a
 # "lookahead:NAME" variant from --variant) or "suffix..." (its global tree
@@ -221,31 +213,6 @@ def check_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 # -------------------------------------------------------------------- engines
 SPLITS = ("test", "dev")
-
-
-def baseline_config(method: str) -> dict[str, Any] | None:
-    """``speculative_config`` of a vLLM baseline method name (None: not one).
-
-    ``ngram8-w2-4`` -> ngram, k=8, prompt_lookup_min 2, max 4; ``suffix-d32`` ->
-    suffix with tree depth 32 (vLLM then sets k = 32). Raises ``ValueError`` on
-    numbers vLLM would reject.
-    """
-    if match := NGRAM.fullmatch(method):
-        k, low, high = (int(g) if g else None for g in match.groups())
-        if k < 1 or (low is not None and not 1 <= low <= high):
-            raise ValueError("needs k >= 1 and 1 <= min <= max")
-        config = {"method": "ngram", "num_speculative_tokens": k}
-        if low is not None:
-            config.update(prompt_lookup_min=low, prompt_lookup_max=high)
-        return config
-    if match := SUFFIX.fullmatch(method):
-        config = {"method": "suffix"}  # vLLM's defaults: k = tree depth
-        if match.group(1):
-            if int(match.group(1)) < 1:
-                raise ValueError("needs a tree depth >= 1")
-            config["suffix_decoding_max_tree_depth"] = int(match.group(1))
-        return config
-    return None
 
 
 def is_per_cell(method: str) -> bool:

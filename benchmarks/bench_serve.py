@@ -1,19 +1,26 @@
 """Serving benchmark: plain vs vLLM ngram/suffix vs lookahead, through real OpenAI-compatible servers.
 
 One server per method (``lookahead-vllm-serve``, same flags apart from the
-speculation), all started before timing and kept for the whole run. For each
-concurrency ``c`` the prompts are cut into *waves* of ``c`` requests sent at
-once (streaming completions, greedy); for each wave every method runs once,
-in an order rotated wave by wave, so that noise hits all methods alike.
+speculation), all started before timing and kept for the whole run, so every
+drafter that learns across requests (``suffix``'s global tree, lookahead's
+corpus) sees the whole run's traffic. For each workload class (``--datasets``,
+the ``--split`` of ``lookahead_vllm.datasets``) and each concurrency ``c``, the
+cell's own prompts (the split's next ones: cells share no prompt) are cut
+into *waves* of ``c`` requests sent at once (streaming completions, greedy);
+for each wave every method runs once, in an order rotated wave by wave, so
+that noise hits all methods alike.
 
-Reported per (concurrency, method): request latency p50 / p99 (send to last
-token), time to first token p50, output tok/s (all tokens / all wave wall
-seconds), the speedup vs plain, and mismatches (requests whose text differs
-from plain's: must be 0). Other processes' CPU use is measured around every
-wave (machine busy jiffies minus the CPU time of this script's process tree).
+Reported per (class, concurrency, method): request latency p50 / p99 (send to
+last token), time to first token p50, output tok/s (all tokens / all wave
+wall seconds), the speedup vs plain, the mean acceptance length and the share
+of drafted tokens accepted (from the server's ``vllm:spec_decode_*`` counters),
+and mismatches (requests whose text differs from plain's: must be 0). Other
+processes' CPU use is measured around every wave (machine busy jiffies minus
+the CPU time of this script's process tree).
 
-    python benchmarks/bench_serve.py                      # c = 1, 4, 16 -> benchmarks/results/serve_latest.{json,png}
-    python benchmarks/bench_serve.py --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
+    python benchmarks/bench_serve.py                      # humaneval, c = 1, 4, 16 -> benchmarks/results/serve_latest.{json,png}
+    python benchmarks/bench_serve.py --datasets humaneval codeedit mtbench chat docqa agent --concurrency 1 8 --num-prompts 6 16
+    python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
 from __future__ import annotations
@@ -37,15 +44,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baselines import baseline_config
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-METHODS = {
-    "plain": [],
-    "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8}'],
-    # vLLM's suffix decoding with its defaults (needs arctic_inference.suffix_decoding).
-    "suffix": ["--speculative-config", '{"method": "suffix"}'],
-    "lookahead": ["--speculative-model", "lookahead"],
-}
+# Methods: "plain", "lookahead" (--speculative-model lookahead) and any vLLM
+# baseline name of baselines.py ("ngram8-w2-4", "suffix", "suffix-d32", ...).
+DEFAULT_METHODS = ["plain", "ngram8-w2-4", "suffix", "lookahead"]
+# vLLM's speculative-decoding counters (Prometheus names, "_total" dropped).
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def method_flags(method: str) -> list[str]:
+    """The server flags of a method name; ``ValueError`` naming what is allowed otherwise."""
+    if method == "plain":
+        return []
+    if method == "lookahead":
+        return ["--speculative-model", "lookahead"]
+    config = baseline_config(method)
+    if config is None:
+        raise ValueError("expected plain, lookahead, ngram<k>[-w<min>-<max>] or suffix[-d<depth>]")
+    return ["--speculative-config", json.dumps(config)]
 
 
 @dataclass
@@ -62,12 +82,14 @@ class Server:
 
 @dataclass
 class Cell:
-    # Per method: request latencies and TTFTs (s), wave tokens and wave seconds, texts by prompt index.
+    # Per method: request latencies and TTFTs (s), wave tokens and wave seconds, texts by prompt index,
+    # and the growth of the server's speculative-decoding counters over the cell.
     latency: dict[str, list[float]] = field(default_factory=dict)
     ttft: dict[str, list[float]] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
     texts: dict[str, dict[int, str]] = field(default_factory=dict)
+    spec: dict[str, dict[str, float]] = field(default_factory=dict)
     other_cpu_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -89,8 +111,8 @@ def start_servers(model: str, methods: list[str], args: argparse.Namespace, log_
     for name in methods:
         port = free_port()
         cmd = [sys.executable, "-m", "lookahead_vllm.serve", model, "--host", "127.0.0.1", "--port", str(port),
-               "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
-               "--max-num-seqs", str(max(args.concurrency)), *METHODS[name]]
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
+               "--max-num-seqs", str(max(args.concurrency)), *method_flags(name)]
         if name == "lookahead" and args.lookahead_config:
             cmd += ["--additional-config", json.dumps({"lookahead": json.loads(args.lookahead_config)})]
         log = open(log_dir / f"serve_{name}.log", "w")
@@ -154,6 +176,28 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int) -> tuple
     return wall, results
 
 
+def spec_counters(server: Server) -> dict[str, float]:
+    """The server's speculative-decoding counters (:data:`SPEC_COUNTERS`, summed over
+    their label sets; absent ones are left out, as on a server that does not speculate)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return parse_counters(text, SPEC_COUNTERS)
+
+
+def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sums of the Prometheus samples ``<name>_total{...} value`` in ``text`` per name."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        metric, _, value = line.rpartition(" ")
+        base = metric.split("{", 1)[0]
+        for name in names:
+            if base == f"{name}_total":
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
 def tree_cpu_seconds(root_pids: list[int]) -> float:
     """CPU seconds (user + system) of the live processes under ``root_pids`` (inclusive)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -186,6 +230,7 @@ def busy_seconds() -> float:
 def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int) -> Cell:
     cell = Cell()
     roots = [os.getpid()] + [s.proc.pid for s in servers]
+    spec_before = {s.name: spec_counters(s) for s in servers}
     start = time.perf_counter()
     for w, lo in enumerate(range(0, len(prompts), c)):
         wave = prompts[lo:lo + c]
@@ -204,6 +249,9 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int)
             f"{s.name} {cell.tokens[s.name][-1] / cell.seconds[s.name][-1]:.1f} tok/s" for s in servers
         ), file=sys.stderr, flush=True)
     cell.wall_s = time.perf_counter() - start
+    for s in servers:
+        after = spec_counters(s)
+        cell.spec[s.name] = {k: v - spec_before[s.name].get(k, 0.0) for k, v in after.items()}
     return cell
 
 
@@ -214,8 +262,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def summarize(cell: Cell, c: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"concurrency": c, "wall_s": cell.wall_s, "other_cpu_s": sum(cell.other_cpu_s),
+def acceptance(spec: dict[str, float]) -> dict[str, float | None]:
+    """Mean acceptance length (tokens per verified draft step, bonus included) and the
+    share of drafted tokens accepted, from the growth of :data:`SPEC_COUNTERS` (None
+    where nothing was drafted)."""
+    drafts = spec.get("vllm:spec_decode_num_drafts", 0.0)
+    drafted = spec.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    accepted = spec.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / drafted if drafted else None}
+
+
+def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "wall_s": cell.wall_s,
+                           "other_cpu_s": sum(cell.other_cpu_s),
                            "other_cores_busy": sum(cell.other_cpu_s) / cell.wall_s, "methods": {}}
     plain_tok_s = sum(cell.tokens["plain"]) / sum(cell.seconds["plain"])
     for name in cell.latency:
@@ -235,20 +296,23 @@ def summarize(cell: Cell, c: int) -> dict[str, Any]:
             "seconds": sum(cell.seconds[name]),
             "requests": len(cell.latency[name]),
             "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
+            **acceptance(cell.spec.get(name, {})),
         }
     return out
 
 
 def print_table(cells: list[dict[str, Any]]) -> None:
-    head = f"{'conc':>4}  {'method':<10} {'tok/s':>7} {'speedup':>8} {'paired':>7} {'p50 s':>7} {'p99 s':>7} " \
-           f"{'ttft p50':>8} {'mismatch':>8}"
+    head = f"{'dataset':<10} {'conc':>4}  {'method':<12} {'tok/s':>7} {'speedup':>8} {'paired':>7} {'p50 s':>7} " \
+           f"{'p99 s':>7} {'ttft p50':>8} {'MAL':>5} {'acc':>5} {'mismatch':>8}"
     print(head)
     print("-" * len(head))
     for cell in cells:
         for name, m in cell["methods"].items():
-            print(f"{cell['concurrency']:>4}  {name:<10} {m['output_tok_s']:>7.1f} {m['speedup']:>7.2f}x "
-                  f"{m['speedup_paired_median']:>6.2f}x {m['latency_p50_s']:>7.2f} {m['latency_p99_s']:>7.2f} "
-                  f"{m['ttft_p50_s']:>8.3f} {m['mismatches']:>8}")
+            mal, rate = m["mean_acceptance_length"], m["acceptance_rate"]
+            print(f"{cell['dataset']:<10} {cell['concurrency']:>4}  {name:<12} {m['output_tok_s']:>7.1f} "
+                  f"{m['speedup']:>7.2f}x {m['speedup_paired_median']:>6.2f}x {m['latency_p50_s']:>7.2f} "
+                  f"{m['latency_p99_s']:>7.2f} {m['ttft_p50_s']:>8.3f} {'-' if mal is None else f'{mal:.2f}':>5} "
+                  f"{'-' if rate is None else f'{rate:.2f}':>5} {m['mismatches']:>8}")
         print(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
               f"({cell['other_cores_busy']:.2f} cores busy)")
 
@@ -260,7 +324,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(cells[0]["methods"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11, 1.2 * len(cells) * 2), 4))
     x = range(len(cells))
     width = 0.8 / len(methods)
     for j, name in enumerate(methods):
@@ -273,7 +337,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
         axes[1].bar(xs, p50, width, label=f"{name} p50")
         axes[1].scatter(xs, p99, marker="_", s=200, color="black")
     for ax in axes:
-        ax.set_xticks(list(x), [f"c={c['concurrency']}" for c in cells])
+        ax.set_xticks(list(x), [f"{c['dataset']}\nc={c['concurrency']}" for c in cells], fontsize=7)
     axes[0].axhline(1.0, ls="--", color="gray")
     axes[0].set_ylabel("output tok/s vs plain")
     axes[0].set_title("throughput (higher is better)")
@@ -285,43 +349,99 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from lookahead_vllm.datasets import DATASETS, SPLITS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
+                        help="plain (required), lookahead, ngram<k>[-w<min>-<max>], suffix[-d<depth>]")
+    parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=DATASETS,
+                        help="workload classes, each run at every concurrency (lookahead_vllm.datasets)")
+    parser.add_argument("--split", default="test", choices=SPLITS, help="the classes' split the prompts come from")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[8, 8, 16],
                         help="prompts per concurrency (one value, or one per --concurrency)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"])
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
     parser.add_argument("--omp-threads", type=int, default=2)
     parser.add_argument("--lookahead-config", default=None, help="JSON of lookahead fields")
     parser.add_argument("--out", type=Path, default=RESULTS / f"serve_{time.strftime('%Y%m%d_%H%M%S')}.json")
     args = parser.parse_args(argv)
     if "plain" not in args.methods:
         parser.error("--methods must include plain (the reference)")
-    if "suffix" in args.methods and importlib.util.find_spec("arctic_inference") is None:
+    for method in args.methods:
+        try:
+            method_flags(method)
+        except ValueError as e:
+            parser.error(f"--methods {method!r}: {e}")
+    if len(set(args.methods)) != len(args.methods):
+        parser.error(f"--methods {args.methods}: each method once")
+    if any(m.startswith("suffix") for m in args.methods) and importlib.util.find_spec("arctic_inference") is None:
         parser.error("--methods 'suffix': needs arctic_inference.suffix_decoding; install it with scripts/setup.sh")
-    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    for name in ("concurrency", "num_prompts"):
+        if any(v < 1 for v in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: every value must be >= 1")
+    if len(args.num_prompts) not in (1, len(args.concurrency)):
+        parser.error(f"--num-prompts {args.num_prompts}: one value, or one per --concurrency ({len(args.concurrency)})")
+    for name, low in (("max_tokens", 1), ("max_model_len", 16), ("omp_threads", 1)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
+    if args.lookahead_config is not None:
+        try:
+            json.loads(args.lookahead_config)
+        except json.JSONDecodeError as e:
+            parser.error(f"--lookahead-config: not JSON ({e})")
+    args.counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    return args
+
+
+def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[str]]:
+    """Chat-formatted prompts of every dataset's split, as many as all its cells take (each
+    concurrency's cell gets the next ones: no request repeats an earlier cell's);
+    ``SystemExit`` naming the dataset where the split holds fewer or one is too long."""
+    from lookahead_vllm.datasets import load_split
+
+    need = sum(args.counts)
+    prompts = {}
+    for dataset in args.datasets:
+        prompts[dataset] = load_split(dataset, args.split, tokenizer, need)
+        if len(prompts[dataset]) < need:
+            raise SystemExit(f"--num-prompts {need}: {dataset}'s {args.split} split holds {len(prompts[dataset])}")
+        longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts[dataset])
+        if longest + args.max_tokens > args.max_model_len:
+            raise SystemExit(f"--max-model-len {args.max_model_len}: {dataset} has a {longest}-token prompt, "
+                             f"plus --max-tokens {args.max_tokens}")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.datasets import load_prompts
     from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
-    prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), max(counts))
+    prompts = workload_prompts(args, AutoTokenizer.from_pretrained(model))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     print(f"server logs: {log_dir}", file=sys.stderr)
     servers = start_servers(model, args.methods, args, log_dir)
     started = time.time()
+    cells = []
     try:
         # Untimed warm-up (one short request each; the lookahead trie learns nothing it reuses).
         for s in servers:
             asyncio.run(run_wave(s, ["Hello, my name is"], 8))
-        cells = [summarize(run_cell(servers, prompts[:n], c, args.max_tokens), c)
-                 for c, n in zip(args.concurrency, counts)]
+        for dataset in args.datasets:
+            first = 0
+            for c, n in zip(args.concurrency, args.counts):
+                print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
+                cell = run_cell(servers, prompts[dataset][first:first + n], c, args.max_tokens)
+                cells.append(summarize(cell, c, dataset))
+                first += n
     finally:
         stop_servers(servers)
     result = {

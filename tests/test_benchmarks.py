@@ -412,9 +412,10 @@ def test_suffix_replay_defaults_are_the_installed_vllm_defaults():
     assert fields["suffix_decoding_max_cached_requests"].default == replay.MAX_CACHED_REQUESTS
 
 
-def test_bench_offline_names_the_vllm_baselines():
+def test_benchmarks_name_the_vllm_baselines():
+    baselines = _import_bench("baselines")
     bench_offline = _import_bench("bench_offline")
-    config = bench_offline.baseline_config
+    config = baselines.baseline_config
     assert config("ngram8") == {"method": "ngram", "num_speculative_tokens": 8}
     assert config("ngram16-w2-4") == {"method": "ngram", "num_speculative_tokens": 16,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -422,7 +423,7 @@ def test_bench_offline_names_the_vllm_baselines():
     assert config("suffix-d32") == {"method": "suffix", "suffix_decoding_max_tree_depth": 32}
     assert config("plain") is None and config("lookahead") is None and config("ngram") is None
     assert bench_offline.is_per_cell("suffix-d16") and not bench_offline.is_per_cell("ngram8-w2-4")
-    assert set(bench_offline.BASELINES) >= {"ngram4", "ngram8-w2-4", "ngram16-w2-4", "suffix", "suffix-d64"}
+    assert set(baselines.BASELINES) >= {"ngram4", "ngram8-w2-4", "ngram16-w2-4", "suffix", "suffix-d64"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -575,3 +576,86 @@ def test_bench_corpus_cap_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ bench_serve
+def test_bench_serve_names_every_method_with_its_server_flags():
+    bench_serve = _import_bench("bench_serve")
+    flags = bench_serve.method_flags
+    assert flags("plain") == [] and flags("lookahead") == ["--speculative-model", "lookahead"]
+    assert flags("ngram8-w2-4") == ["--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+    assert flags("suffix-d32") == ["--speculative-config",
+                                   json.dumps({"method": "suffix", "suffix_decoding_max_tree_depth": 32})]
+    with pytest.raises(ValueError, match="expected plain, lookahead"):
+        flags("ngram")
+
+
+def test_bench_serve_counts_acceptance_from_the_servers_counters():
+    bench_serve = _import_bench("bench_serve")
+    metrics = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 6.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 64.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 24.0',
+        # the per-position counter shares the prefix and must not be summed in
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+    ])
+    counters = bench_serve.parse_counters(metrics, bench_serve.SPEC_COUNTERS)
+    assert counters == {"vllm:spec_decode_num_drafts": 16.0, "vllm:spec_decode_num_draft_tokens": 64.0,
+                        "vllm:spec_decode_num_accepted_tokens": 24.0}
+    stats = bench_serve.acceptance(counters)
+    assert stats["mean_acceptance_length"] == pytest.approx(1 + 24 / 16)
+    assert stats["acceptance_rate"] == pytest.approx(24 / 64)
+    # plain vLLM exports none of them: nothing drafted, no acceptance figures
+    assert bench_serve.acceptance(bench_serve.parse_counters("# nothing\n", bench_serve.SPEC_COUNTERS)) == {
+        "drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0,
+        "mean_acceptance_length": None, "acceptance_rate": None}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "lookahead"], "--methods must include plain"),
+    (["--methods", "plain", "ngram"], "--methods 'ngram': expected plain, lookahead"),
+    (["--methods", "plain", "ngram8-w4-2"], "--methods 'ngram8-w4-2': needs k >= 1 and 1 <= min <= max"),
+    (["--methods", "plain", "plain"], "each method once"),
+    (["--datasets", "nosuch"], "invalid choice: 'nosuch'"),
+    (["--split", "train"], "invalid choice: 'train'"),
+    (["--concurrency", "1", "0"], "--concurrency [1, 0]: every value must be >= 1"),
+    (["--concurrency", "1", "8", "--num-prompts", "1", "2", "3"], "one value, or one per --concurrency (2)"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
+    (["--lookahead-config", "{oops"], "--lookahead-config: not JSON"),
+])
+def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
+    bench_serve = _import_bench("bench_serve")
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args([*argv, "--methods", "plain"] if argv[0] != "--methods" else argv)
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serve_takes_each_class_split_and_checks_it_fits():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lookahead_vllm.datasets import load_split
+
+    bench_serve = _import_bench("bench_serve")
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    args = bench_serve.parse_args(["--methods", "plain", "lookahead", "--datasets", "codeedit", "agent",
+                                   "--split", "dev", "--concurrency", "1", "4", "--num-prompts", "2", "5"])
+    prompts = bench_serve.workload_prompts(args, tokenizer)
+    assert list(prompts) == ["codeedit", "agent"]
+    assert prompts["agent"] == load_split("agent", "dev", tokenizer, 7)  # 2 for c=1, the next 5 for c=4
+    assert prompts["codeedit"] != load_split("codeedit", "test", tokenizer, 5)
+    with pytest.raises(SystemExit, match="holds"):
+        bench_serve.workload_prompts(bench_serve.parse_args(["--methods", "plain", "--num-prompts", "100000"]),
+                                     tokenizer)
+    with pytest.raises(SystemExit, match="--max-model-len 64: docqa has a"):
+        bench_serve.workload_prompts(bench_serve.parse_args(["--methods", "plain", "--datasets", "docqa",
+                                                             "--max-model-len", "64", "--num-prompts", "1"]),
+                                     tokenizer)
