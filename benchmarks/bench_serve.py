@@ -56,15 +56,22 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 
 
-def method_flags(method: str) -> list[str]:
-    """The server flags of a method name; ``ValueError`` naming what is allowed otherwise."""
+def method_flags(method: str, variants: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """The server flags of a method name (``lookahead:NAME``: lookahead with the fields of
+    ``variants[NAME]``); ``ValueError`` naming what is allowed otherwise."""
     if method == "plain":
         return []
     if method == "lookahead":
         return ["--speculative-model", "lookahead"]
+    if method.startswith("lookahead:"):
+        name = method.split(":", 1)[1]
+        if name not in (variants or {}):
+            raise ValueError(f"no --variant {name}=JSON given")
+        return ["--speculative-model", "lookahead",
+                "--additional-config", json.dumps({"lookahead": variants[name]})]
     config = baseline_config(method)
     if config is None:
-        raise ValueError("expected plain, lookahead, ngram<k>[-w<min>-<max>] or suffix[-d<depth>]")
+        raise ValueError("expected plain, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>] or suffix[-d<depth>]")
     return ["--speculative-config", json.dumps(config)]
 
 
@@ -112,7 +119,7 @@ def start_servers(model: str, methods: list[str], args: argparse.Namespace, log_
         port = free_port()
         cmd = [sys.executable, "-m", "lookahead_vllm.serve", model, "--host", "127.0.0.1", "--port", str(port),
                "--enforce-eager", "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
-               "--max-num-seqs", str(max(args.concurrency)), *method_flags(name)]
+               "--max-num-seqs", str(max(args.concurrency)), *method_flags(name, args.variants)]
         if name == "lookahead" and args.lookahead_config:
             cmd += ["--additional-config", json.dumps({"lookahead": json.loads(args.lookahead_config)})]
         log = open(log_dir / f"serve_{name}.log", "w")
@@ -355,7 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                        help="plain (required), lookahead, ngram<k>[-w<min>-<max>], suffix[-d<depth>]")
+                        help="plain (required), lookahead, lookahead:NAME (--variant), ngram<k>[-w<min>-<max>], "
+                             "suffix[-d<depth>]")
     parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=DATASETS,
                         help="workload classes, each run at every concurrency (lookahead_vllm.datasets)")
     parser.add_argument("--split", default="test", choices=SPLITS, help="the classes' split the prompts come from")
@@ -367,13 +375,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
     parser.add_argument("--omp-threads", type=int, default=2)
     parser.add_argument("--lookahead-config", default=None, help="JSON of lookahead fields")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="lookahead fields of method lookahead:NAME (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS / f"serve_{time.strftime('%Y%m%d_%H%M%S')}.json")
     args = parser.parse_args(argv)
     if "plain" not in args.methods:
         parser.error("--methods must include plain (the reference)")
+    args.variants = {}
+    for spec in args.variant:
+        name, sep, fields = spec.partition("=")
+        try:
+            args.variants[name] = json.loads(fields) if sep and name else None
+        except json.JSONDecodeError as e:
+            parser.error(f"--variant {spec!r}: not JSON ({e})")
+        if not isinstance(args.variants[name], dict):
+            parser.error(f"--variant {spec!r}: expected NAME=JSON object")
     for method in args.methods:
         try:
-            method_flags(method)
+            method_flags(method, args.variants)
         except ValueError as e:
             parser.error(f"--methods {method!r}: {e}")
     if len(set(args.methods)) != len(args.methods):

@@ -589,6 +589,10 @@ def test_bench_serve_names_every_method_with_its_server_flags():
                                    json.dumps({"method": "suffix", "suffix_decoding_max_tree_depth": 32})]
     with pytest.raises(ValueError, match="expected plain, lookahead"):
         flags("ngram")
+    assert flags("lookahead:free16", {"free16": {"cost_free_tokens": 16}}) == [
+        "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"cost_free_tokens": 16}}']
+    with pytest.raises(ValueError, match="no --variant free16=JSON"):
+        flags("lookahead:free16", {})
 
 
 def test_bench_serve_counts_acceptance_from_the_servers_counters():
@@ -627,6 +631,9 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--concurrency", "1", "8", "--num-prompts", "1", "2", "3"], "one value, or one per --concurrency (2)"),
     (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
     (["--lookahead-config", "{oops"], "--lookahead-config: not JSON"),
+    (["--methods", "plain", "lookahead:x"], "--methods 'lookahead:x': no --variant x=JSON given"),
+    (["--variant", "x={oops"], "--variant 'x={oops': not JSON"),
+    (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
 ])
 def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     bench_serve = _import_bench("bench_serve")
@@ -659,3 +666,26 @@ def test_bench_serve_takes_each_class_split_and_checks_it_fits():
         bench_serve.workload_prompts(bench_serve.parse_args(["--methods", "plain", "--datasets", "docqa",
                                                              "--max-model-len", "64", "--num-prompts", "1"]),
                                      tokenizer)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_serve_runs_real_servers_and_reports_each_class(tiny_llama_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--model", tiny_llama_dir,
+           "--methods", "plain", "lookahead", "--datasets", "agent", "mtbench", "--concurrency", "1", "2",
+           "--num-prompts", "1", "2", "--max-tokens", "12", "--max-model-len", "2048", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(c["dataset"], c["concurrency"]) for c in report["cells"]] == [
+        ("agent", 1), ("agent", 2), ("mtbench", 1), ("mtbench", 2)]
+    for cell in report["cells"]:
+        plain, lookahead = cell["methods"]["plain"], cell["methods"]["lookahead"]
+        assert plain["requests"] == lookahead["requests"] == cell["concurrency"]
+        assert lookahead["mismatches"] == 0
+        assert plain["drafts"] == 0 and plain["mean_acceptance_length"] is None
+        assert lookahead["accepted_tokens"] <= lookahead["draft_tokens"]
+    # the servers' counters were read: lookahead drafted somewhere in the run
+    assert sum(c["methods"]["lookahead"]["drafts"] for c in report["cells"]) > 0
+    assert out.with_suffix(".png").stat().st_size > 0
