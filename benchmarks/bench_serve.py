@@ -331,7 +331,9 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(cells[0]["methods"])
-    fig, axes = plt.subplots(1, 2, figsize=(max(11, 1.2 * len(cells) * 2), 4))
+    wide = len(cells) > 4  # many cells: the two panels one above the other
+    fig, axes = plt.subplots(2 if wide else 1, 1 if wide else 2,
+                             figsize=(max(11, 1.1 * len(cells)), 8) if wide else (11, 4))
     x = range(len(cells))
     width = 0.8 / len(methods)
     for j, name in enumerate(methods):
