@@ -57,18 +57,18 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 
 
 def method_flags(method: str, variants: dict[str, dict[str, Any]] | None = None) -> list[str]:
-    """The server flags of a method name (``lookahead:NAME``: lookahead with the fields of
-    ``variants[NAME]``); ``ValueError`` naming what is allowed otherwise."""
+    """The server flags of a method name: ``lookahead`` with the fields of ``variants[""]``
+    (``--lookahead-config``) if any, ``lookahead:NAME`` with those of ``variants[NAME]``
+    (``--variant``); ``ValueError`` naming what is allowed otherwise."""
     if method == "plain":
         return []
-    if method == "lookahead":
-        return ["--speculative-model", "lookahead"]
-    if method.startswith("lookahead:"):
-        name = method.split(":", 1)[1]
-        if name not in (variants or {}):
+    if method == "lookahead" or method.startswith("lookahead:"):
+        name = method.partition(":")[2]
+        fields = (variants or {}).get(name)
+        if name and fields is None:
             raise ValueError(f"no --variant {name}=JSON given")
-        return ["--speculative-model", "lookahead",
-                "--additional-config", json.dumps({"lookahead": variants[name]})]
+        flags = ["--speculative-model", "lookahead"]
+        return [*flags, "--additional-config", json.dumps({"lookahead": fields})] if fields else flags
     config = baseline_config(method)
     if config is None:
         raise ValueError("expected plain, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>] or suffix[-d<depth>]")
@@ -120,8 +120,6 @@ def start_servers(model: str, methods: list[str], args: argparse.Namespace, log_
         cmd = [sys.executable, "-m", "lookahead_vllm.serve", model, "--host", "127.0.0.1", "--port", str(port),
                "--enforce-eager", "--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
                "--max-num-seqs", str(max(args.concurrency)), *method_flags(name, args.variants)]
-        if name == "lookahead" and args.lookahead_config:
-            cmd += ["--additional-config", json.dumps({"lookahead": json.loads(args.lookahead_config)})]
         log = open(log_dir / f"serve_{name}.log", "w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         servers.append(Server(name, proc, port, model))
@@ -383,7 +381,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if "plain" not in args.methods:
         parser.error("--methods must include plain (the reference)")
+    # Lookahead fields by variant name; "" is plain lookahead's (--lookahead-config).
     args.variants = {}
+    if args.lookahead_config is not None:
+        try:
+            args.variants[""] = json.loads(args.lookahead_config)
+        except json.JSONDecodeError as e:
+            parser.error(f"--lookahead-config: not JSON ({e})")
+        if not isinstance(args.variants[""], dict):
+            parser.error(f"--lookahead-config {args.lookahead_config!r}: expected a JSON object")
     for spec in args.variant:
         name, sep, fields = spec.partition("=")
         try:
@@ -409,11 +415,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in (("max_tokens", 1), ("max_model_len", 16), ("omp_threads", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
-    if args.lookahead_config is not None:
-        try:
-            json.loads(args.lookahead_config)
-        except json.JSONDecodeError as e:
-            parser.error(f"--lookahead-config: not JSON ({e})")
     args.counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
     return args
 

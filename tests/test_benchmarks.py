@@ -593,6 +593,9 @@ def test_bench_serve_names_every_method_with_its_server_flags():
         "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"cost_free_tokens": 16}}']
     with pytest.raises(ValueError, match="no --variant free16=JSON"):
         flags("lookahead:free16", {})
+    # --lookahead-config: plain lookahead's fields, under the name ""
+    assert flags("lookahead", {"": {"index_ngram": 3}}) == [
+        "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"index_ngram": 3}}']
 
 
 def test_bench_serve_counts_acceptance_from_the_servers_counters():
@@ -631,6 +634,7 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--concurrency", "1", "8", "--num-prompts", "1", "2", "3"], "one value, or one per --concurrency (2)"),
     (["--max-tokens", "0"], "--max-tokens 0: must be >= 1"),
     (["--lookahead-config", "{oops"], "--lookahead-config: not JSON"),
+    (["--lookahead-config", "[1]"], "--lookahead-config '[1]': expected a JSON object"),
     (["--methods", "plain", "lookahead:x"], "--methods 'lookahead:x': no --variant x=JSON given"),
     (["--variant", "x={oops"], "--variant 'x={oops': not JSON"),
     (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
