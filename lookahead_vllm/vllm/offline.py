@@ -49,9 +49,19 @@ CPU_DEFAULTS: dict[str, Any] = {
 SPEC_DEFAULTS: dict[str, Any] = {"per_request_spec_decode_metrics": "summary"}
 
 
+def default_dtype() -> str:
+    """float32 on CPUs (exact, and the CPU kernels' fast path); bfloat16 where CUDA is visible,
+    since FlashAttention (the GPU backend tree verification wraps) takes bf16/fp16 only."""
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def engine_kwargs(method: str, k: int = 8, lookahead: dict | None = None, **overrides: Any) -> dict[str, Any]:
-    """``LLM(...)`` keyword arguments for ``method`` with ``k`` draft tokens."""
+    """``LLM(...)`` keyword arguments for ``method`` with ``k`` draft tokens (``dtype``: :func:`default_dtype`)."""
     kwargs = dict(CPU_DEFAULTS)
+    if "dtype" not in overrides:
+        kwargs["dtype"] = default_dtype()
     kwargs.update(overrides)
     if method == "plain":
         return kwargs

@@ -31,10 +31,9 @@ def register() -> None:
         return
     from lookahead_vllm.vllm import guards, logs, metrics, patches
 
-    version = guards.vllm_version()
-    if version.split("+")[0] not in guards.TESTED_VLLM:
-        logger.warning("lookahead-vllm: vLLM %s is untested (tested: %s); lookahead will be refused unless %s=1",
-                       version, ", ".join(guards.TESTED_VLLM), guards.SKIP_VERSION_ENV)
+    problem = guards.stack_problem(guards.vllm_version(), guards.torch_version())
+    if problem is not None:
+        logger.warning("lookahead-vllm: %s; lookahead will be refused unless %s=1", problem, guards.SKIP_VERSION_ENV)
 
     logs.share_vllm_handlers()
     patches.apply_all()

