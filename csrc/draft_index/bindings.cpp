@@ -68,6 +68,15 @@ std::unique_ptr<BoundIndex> make_index(py::handle ngram, py::handle max_match, p
   return std::make_unique<BoundIndex>(c, upkeep_thread);
 }
 
+// The reference's check_partition (its message).
+int64_t check_partition(int64_t p) {
+  if (p < lookahead::kPrivate || p > lookahead::kMaxPartition) {
+    throw py::value_error("partition=" + std::to_string(p) + ": must be an int in [" +
+                          std::to_string(lookahead::kPrivate) + ", " + std::to_string(lookahead::kMaxPartition) + "]");
+  }
+  return p;
+}
+
 int32_t checked_token(int64_t t) {
   if (t < INT32_MIN || t > INT32_MAX) throw py::value_error("token " + std::to_string(t) + " is outside int32");
   return static_cast<int32_t>(t);
@@ -132,7 +141,7 @@ std::pair<std::unique_lock<std::mutex>, std::unique_lock<std::mutex>> lock_with_
 }
 
 int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
-                  py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff) {
+                  py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff, py::handle partitions_obj) {
   if (backoff == &b) throw py::value_error("backoff: must be another index");
   const TokenTable table(token_ids);
   const IntArray sids = int_array(sids_obj, "sids"), rows = int_array(rows_obj, "rows");
@@ -143,6 +152,14 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
     throw py::value_error("sids, rows, num_tokens and prompt_lens must have the same length");
   }
   const int64_t *sid = sids.data(), *row = rows.data(), *num = num_tokens.data(), *plen = prompt_lens.data();
+  IntArray partitions;
+  const int64_t* part = nullptr;
+  if (!partitions_obj.is_none()) {
+    partitions = int_array(partitions_obj, "partitions");
+    if (partitions.shape(0) != batch) throw py::value_error("sids and partitions must have the same length");
+    part = partitions.data();
+    for (int64_t i = 0; i < batch; ++i) check_partition(part[i]);
+  }
   for (int64_t i = 0; i < batch; ++i) {
     if (row[i] < 0 || row[i] >= table.rows) {
       throw py::index_error("rows[" + std::to_string(i) + "]=" + std::to_string(row[i]) + ": must be in [0, " +
@@ -157,8 +174,8 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
   const auto locks = lock_with_backoff(b, backoff);
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
-  const int64_t rewound = b.core.sync(sid, row, num, plen, batch, table);
-  if (backoff != nullptr) backoff->core.sync(sid, row, num, plen, batch, table);
+  const int64_t rewound = b.core.sync(sid, row, num, plen, batch, table, part);
+  if (backoff != nullptr) backoff->core.sync(sid, row, num, plen, batch, table, part);
   return rewound;
 }
 
@@ -360,13 +377,14 @@ PYBIND11_MODULE(_draft_index, m) {
           })
       .def(
           "add",
-          [](BoundIndex& b, int64_t sid, py::handle tokens, int64_t prompt_len) {
+          [](BoundIndex& b, int64_t sid, py::handle tokens, int64_t prompt_len, int64_t partition) {
             const std::vector<int32_t> t = token_vector(tokens);
+            check_partition(partition);
             std::lock_guard<std::mutex> lock(b.mu);
             b.core.settle();
-            b.core.add(sid, t.data(), t.size(), prompt_len);
+            b.core.add(sid, t.data(), t.size(), prompt_len, partition);
           },
-          py::arg("sid"), py::arg("tokens"), py::arg("prompt_len"))
+          py::arg("sid"), py::arg("tokens"), py::arg("prompt_len"), py::arg("partition") = 0)
       .def(
           "extend",
           [](BoundIndex& b, int64_t sid, py::handle tokens) {
@@ -426,15 +444,31 @@ PYBIND11_MODULE(_draft_index, m) {
              b.core.settle();
              return b.core.memory_bytes();
            })
-      .def("corpus_sequences",
+      .def(
+          "corpus_sequences",
+          [](BoundIndex& b, py::object partition) {
+            const bool all = partition.is_none();
+            const int64_t part = all ? 0 : partition.cast<int64_t>();
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.settle();
+            return b.core.corpus_sequences(part, all);
+          },
+          py::arg("partition") = py::none())
+      .def("partition_bytes",
            [](BoundIndex& b) {
-             std::lock_guard<std::mutex> lock(b.mu);
-             b.core.settle();
-             return b.core.corpus_sequences();
+             std::vector<std::pair<int64_t, int64_t>> parts;
+             {
+               std::lock_guard<std::mutex> lock(b.mu);
+               b.core.settle();
+               parts = b.core.partition_bytes();
+             }
+             py::dict out;
+             for (const auto& [p, charge] : parts) out[py::int_(p)] = py::int_(charge);
+             return out;
            })
       .def("draft", &draft_one, py::arg("sid"), py::arg("budget"), py::arg("floor") = 0.0, py::arg("tree") = false)
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
-           py::arg("prompt_lens"), py::arg("backoff") = py::none())
+           py::arg("prompt_lens"), py::arg("backoff") = py::none(), py::arg("partitions") = py::none())
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
   m.def("match_offers", &match_offers_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("slots"),

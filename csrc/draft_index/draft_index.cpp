@@ -30,7 +30,7 @@ double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t roo
 DraftIndex::DraftIndex(const DraftIndexConfig& config, bool upkeep_thread)
     : cfg_(config), upkeep_thread_(upkeep_thread) {
   // A finished output's fixed charge covers its record, its slot pointer,
-  // its id's hash node and bucket, its place in `finished_`, and the
+  // its id's hash node and bucket, its place in its partition's `finished`, and the
   // allocator's headers of the record and its two arrays.
   static_assert(sizeof(Sequence) + 8 + 48 + 4 + 3 * 16 <= kSequenceCharge, "kSequenceCharge too small");
 }
@@ -50,13 +50,37 @@ void DraftIndex::upkeep() {
   for (const auto& [slot, q] : pending_) push_corpus(slot, q);
   pending_.clear();
   while (over_cap()) {
-    const uint32_t old = finished_.front();
-    finished_.pop_front();
+    Partition& p = parts_[fullest_partition()];
+    const uint32_t old = p.finished.front();
+    p.finished.pop_front();
+    const int64_t charge = output_charge(seqs_[old]->out_len());
+    p.finished_charge -= charge;
+    --num_finished_;
     finished_tokens_ -= static_cast<int64_t>(seqs_[old]->out_len());
-    finished_charge_ -= output_charge(seqs_[old]->out_len());
+    finished_charge_ -= charge;
     evict_corpus(old);
     release(old);
   }
+}
+
+int32_t DraftIndex::fullest_partition() const {
+  // One pass over the partitions per eviction: a handful to a few thousand.
+  int32_t best = -1;
+  int64_t most = -1;
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    if (parts_[i].finished.empty()) continue;
+    const int64_t c = parts_[i].charge();
+    if (c > most) {  // strictly: ties keep the lowest id
+      most = c;
+      best = static_cast<int32_t>(i);
+    }
+  }
+  return best;
+}
+
+DraftIndex::Partition& DraftIndex::partition(int32_t part) {
+  if (static_cast<size_t>(part) >= parts_.size()) parts_.resize(static_cast<size_t>(part) + 1);
+  return parts_[part];
 }
 
 void DraftIndex::settle() {
@@ -113,7 +137,7 @@ DraftIndex::Sequence* DraftIndex::live_seq(int64_t sid) {
   return seqs_[it->second].get();
 }
 
-uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len) {
+uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len, int32_t part) {
   uint32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
@@ -126,6 +150,8 @@ uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len) {
   seqs_[slot]->sid = sid;
   seqs_[slot]->live = true;
   seqs_[slot]->prompt_len = prompt_len;
+  seqs_[slot]->part = part;
+  if (part != kPrivate) ++partition(part).live;
   by_sid_[sid] = slot;
   ++num_live_;
   return slot;
@@ -137,15 +163,19 @@ void DraftIndex::release(uint32_t slot) {
   free_slots_.push_back(slot);
 }
 
-void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len) {
+void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len, int64_t part) {
   wait_upkeep();
   if (by_sid_.count(sid)) throw SequenceKeyError("sequence " + sid_str(sid) + " is already in the index");
   if (prompt_len < 0 || static_cast<uint64_t>(prompt_len) > n) {
     throw std::invalid_argument("prompt_len=" + std::to_string(prompt_len) + ": must be in [0, " +
                                 std::to_string(n) + "]");
   }
+  if (part < kPrivate || part > kMaxPartition) {
+    throw std::invalid_argument("partition=" + std::to_string(part) + ": must be an int in [" +
+                                std::to_string(kPrivate) + ", " + std::to_string(kMaxPartition) + "]");
+  }
   if (n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
-  const uint32_t slot = new_slot(sid, static_cast<uint32_t>(prompt_len));
+  const uint32_t slot = new_slot(sid, static_cast<uint32_t>(prompt_len), static_cast<int32_t>(part));
   Sequence& s = *seqs_[slot];
   // Room for the output too: a batch admitted together would otherwise
   // reallocate every sequence's text in the same step (the first one).
@@ -170,7 +200,7 @@ uint32_t DraftIndex::running_slot(int64_t sid) const {
 }
 
 int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-                         int64_t batch, const TokenSource& table) {
+                         int64_t batch, const TokenSource& table, const int64_t* parts) {
   settle();
   // Three passes start loading what the updates touch, each from what the
   // previous one loaded: the sequences' records; the ends of their texts
@@ -208,7 +238,8 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
     const uint32_t at = slot[i] != kNone ? slot[i] : running_slot(sids[i]);
     if (at == kNone) {
       table.read(rows[i], 0, num[i], buf);
-      add(sids[i], buf.data(), buf.size(), std::min(prompt_lens[i], num[i]));
+      add(sids[i], buf.data(), buf.size(), std::min(prompt_lens[i], num[i]),
+          parts != nullptr ? parts[i] : kDefaultPartition);
       continue;
     }
     int64_t have = static_cast<int64_t>(seqs_[at]->tokens.size());
@@ -255,7 +286,7 @@ void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
     if (p >= s.prompt_len) {
       const uint32_t q = p - s.prompt_len;
       s.out_entry.push_back(kNone);
-      if (q >= static_cast<uint32_t>(ng)) pending_.emplace_back(slot, q);
+      if (q >= static_cast<uint32_t>(ng) && s.part != kPrivate) pending_.emplace_back(slot, q);
     }
   }
 }
@@ -273,11 +304,16 @@ void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
   Sequence& s = *seqs_[slot];
   const int ng = cfg_.ngram;
   const int32_t* key = s.out() + q - ng;
-  const size_t i = corpus_.find_or_insert(ngram_tag(key, ng), [&](const CorpusList& l) {
+  const int32_t part = s.part;
+  const size_t i = corpus_.find_or_insert(partition_tag(ngram_tag(key, ng), part), [&](const CorpusList& l) {
     const Entry& newest = entries_[l.tail];
-    return std::equal(key, key + ng, seqs_[newest.seq]->out() + newest.pos - ng);
+    const Sequence& other = *seqs_[newest.seq];
+    return other.part == part && std::equal(key, key + ng, other.out() + newest.pos - ng);
   });
   CorpusList& list = corpus_.value(i);
+  Partition& p = parts_[part];
+  if (list.empty()) ++p.keys;
+  ++p.entries;
   entries_[e] = Entry{slot, q, list.tail, kNone};
   if (list.tail != kNone) {
     entries_[list.tail].next = e;
@@ -295,6 +331,7 @@ void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
     seqs_[old.seq]->out_entry[old.pos] = kNone;
     free_entries_.push_back(h);
     --list.size;
+    --p.entries;
   }
 }
 
@@ -305,7 +342,8 @@ void DraftIndex::evict_corpus(uint32_t slot) {
   for (size_t q = ng; q < s.out_len(); ++q) {
     const uint32_t e = s.out_entry[q];
     if (e == kNone) continue;
-    const size_t i = find_corpus(out + q - ng, ngram_tag(out + q - ng, ng));
+    Partition& p = parts_[s.part];  // entries exist only for partitioned sequences
+    const size_t i = find_corpus(out + q - ng, partition_tag(ngram_tag(out + q - ng, ng), s.part), s.part);
     CorpusList* list = &corpus_.value(i);
     const Entry en = entries_[e];
     if (en.prev != kNone) {
@@ -318,17 +356,22 @@ void DraftIndex::evict_corpus(uint32_t slot) {
     } else {
       list->tail = en.prev;
     }
-    if (--list->size == 0) corpus_.erase(i);
+    --p.entries;
+    if (--list->size == 0) {
+      corpus_.erase(i);
+      --p.keys;
+    }
     free_entries_.push_back(e);
   }
   std::vector<uint32_t>().swap(s.out_entry);
 }
 
-size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag) const {
+size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag, int32_t part) const {
   const int ng = cfg_.ngram;
   return corpus_.find(tag, [&](const CorpusList& l) {
     const Entry& newest = entries_[l.tail];
-    return std::equal(key, key + ng, seqs_[newest.seq]->out() + newest.pos - ng);
+    const Sequence& other = *seqs_[newest.seq];
+    return other.part == part && std::equal(key, key + ng, other.out() + newest.pos - ng);
   });
 }
 
@@ -340,13 +383,21 @@ void DraftIndex::finish(int64_t sid) {
   Sequence& s = *seqs_[slot];
   s.live = false;
   --num_live_;
+  if (s.part == kPrivate) {  // nothing of it joined the corpus
+    release(slot);
+    return;
+  }
+  Partition& p = parts_[s.part];
+  --p.live;
   s.own.clear();
   std::vector<uint32_t>().swap(s.own_prev);
   s.tokens.erase(s.tokens.begin(), s.tokens.begin() + s.prompt_len);  // keep the output only
   s.prompt_len = 0;
   s.tokens.shrink_to_fit();
   s.out_entry.shrink_to_fit();
-  finished_.push_back(slot);
+  p.finished.push_back(slot);
+  p.finished_charge += output_charge(s.out_len());
+  ++num_finished_;
   finished_tokens_ += static_cast<int64_t>(s.out_len());
   finished_charge_ += output_charge(s.out_len());  // evictions over the cap: upkeep
 }
@@ -405,18 +456,32 @@ size_t DraftIndex::memory_bytes() {
     bytes += sizeof(Sequence) + s->tokens.capacity() * 4 + s->own_prev.capacity() * 4 + s->own.memory_bytes() +
              s->out_entry.capacity() * 4;
   }
-  bytes += finished_.size() * sizeof(uint32_t) + corpus_.memory_bytes() + entries_.capacity() * sizeof(Entry) +
+  bytes += parts_.capacity() * sizeof(Partition) + num_finished_ * sizeof(uint32_t) + corpus_.memory_bytes() +
+           entries_.capacity() * sizeof(Entry) +
            free_entries_.capacity() * 4 + pending_.capacity() * 8;
   bytes += scratch_.memory_bytes();
   for (const Scratch& s : pool_scratch_) bytes += s.memory_bytes();
   return bytes;
 }
 
-std::vector<std::vector<int32_t>> DraftIndex::corpus_sequences() {
+std::vector<std::vector<int32_t>> DraftIndex::corpus_sequences(int64_t part, bool all) {
   wait_upkeep();
   std::vector<std::vector<int32_t>> out;
-  out.reserve(finished_.size());
-  for (const uint32_t slot : finished_) out.emplace_back(seqs_[slot]->out(), seqs_[slot]->out() + seqs_[slot]->out_len());
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    if (!all && static_cast<int64_t>(p) != part) continue;
+    for (const uint32_t slot : parts_[p].finished) {
+      out.emplace_back(seqs_[slot]->out(), seqs_[slot]->out() + seqs_[slot]->out_len());
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> DraftIndex::partition_bytes() {
+  wait_upkeep();
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    if (parts_[p].live > 0 || !parts_[p].finished.empty()) out.emplace_back(p, parts_[p].charge());
+  }
   return out;
 }
 
@@ -453,7 +518,9 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
       if (!add(match(text, p, text, end), kOwn, slot, p)) break;
     }
   }
-  const size_t list = full < cfg_.max_candidates ? find_corpus(key, tag) : corpus_.npos;
+  const size_t list = full < cfg_.max_candidates && seq.part != kPrivate
+                          ? find_corpus(key, partition_tag(tag, seq.part), seq.part)
+                          : corpus_.npos;
   if (list != corpus_.npos) {
     for (uint32_t e = corpus_.value(list).tail; e != kNone; e = entries_[e].prev) {
       const Entry& en = entries_[e];
@@ -480,7 +547,7 @@ void DraftIndex::prefetch_drafts(const int64_t* sids, int64_t rows) const {
     if (const int32_t* key = key_of(i, seq)) {
       const uint32_t tag = ngram_tag(key, ng);
       seq->own.prefetch(tag);
-      corpus_.prefetch(tag);
+      if (seq->part != kPrivate) corpus_.prefetch(partition_tag(tag, seq->part));
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
@@ -491,7 +558,8 @@ void DraftIndex::prefetch_drafts(const int64_t* sids, int64_t rows) const {
       __builtin_prefetch(seq->tokens.data() + last->pos - ng);
       __builtin_prefetch(seq->own_prev.data() + last->pos);
     }
-    if (const CorpusList* list = corpus_.home(tag)) __builtin_prefetch(&entries_[list->tail]);
+    if (seq->part == kPrivate) continue;
+    if (const CorpusList* list = corpus_.home(partition_tag(tag, seq->part))) __builtin_prefetch(&entries_[list->tail]);
   }
 }
 

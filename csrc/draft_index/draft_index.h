@@ -18,6 +18,14 @@
 //             position); `out_entry[q]` finds a sequence's entry again on
 //             eviction. A list never holds more than max_occurrences entries:
 //             a push past that drops the oldest.
+//   partition every sequence has one (`part`, the caller's int; kPrivate =
+//             none): a corpus key is (partition, n-gram), its hash tag the
+//             n-gram's mixed with the partition's (partition 0's is the
+//             n-gram's own), and a lookup confirms the partition too. A
+//             private sequence's outputs never join the corpus. `parts_[p]`
+//             holds partition p's finished outputs (oldest first) and its
+//             charge; eviction takes the oldest output of the partition
+//             charged the most (ties: the lowest id), as the reference does.
 //   upkeep    the corpus work a step can do after its drafts: the pushes of
 //             the output n-grams appended since (`pending_`, in order), then
 //             the eviction of the oldest finished outputs while the corpus's
@@ -50,6 +58,16 @@
 namespace lookahead {
 
 constexpr uint32_t kNone = 0xFFFFFFFFu;
+// Partitions (the reference's DEFAULT, PRIVATE and MAX_PARTITION).
+constexpr int32_t kDefaultPartition = 0;
+constexpr int32_t kPrivate = -1;
+constexpr int32_t kMaxPartition = (1 << 24) - 1;
+
+// The corpus tag of an n-gram with tag `tag` in partition `part`.
+inline uint32_t partition_tag(uint32_t tag, int32_t part) {
+  return part == kDefaultPartition ? tag
+                                   : tag ^ static_cast<uint32_t>(mix64(static_cast<uint64_t>(part) * 0x9e3779b97f4a7c15ULL));
+}
 
 // Own index value: the latest position that followed the n-gram.
 struct OwnLast {
@@ -120,7 +138,8 @@ class DraftIndex {
 
   // add, extend and finish leave the upkeep they cause pending; rewind
   // settles first. The reference's methods that settle call settle() first.
-  void add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len);
+  // `part`: the sequence's partition (kPrivate .. kMaxPartition).
+  void add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len, int64_t part = kDefaultPartition);
   void extend(int64_t sid, const int32_t* tokens, size_t n);
   void finish(int64_t sid);
   void rewind(int64_t sid, int64_t length);
@@ -136,15 +155,19 @@ class DraftIndex {
   // Brings the index up to date with a step's rows, in row order: row i,
   // sequence `sids[i]`, has committed table row `rows[i]`'s first `num[i]`
   // tokens (the first `prompt_lens[i]` of them its prompt). An unknown
-  // sequence is added, a known one extended, or rewound if the row is
+  // sequence is added (into partition `parts[i]`; all kDefaultPartition if
+  // `parts` is null), a known one extended, or rewound if the row is
   // shorter. Returns how many were rewound. Settles first. The sequences'
   // memory is fetched for all rows ahead of the updates (one cache miss
   // latency for the batch rather than a few per row).
   int64_t sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-               int64_t batch, const TokenSource& table);
+               int64_t batch, const TokenSource& table, const int64_t* parts = nullptr);
   size_t memory_bytes();
-  // Finished outputs held in the corpus, oldest first (what a snapshot stores).
-  std::vector<std::vector<int32_t>> corpus_sequences();
+  // Finished outputs held in the corpus of partition `part` (all: by
+  // partition), oldest first (what a snapshot stores).
+  std::vector<std::vector<int32_t>> corpus_sequences(int64_t part, bool all);
+  // (partition, charge) of the partitions holding a running sequence or a finished output, by id.
+  std::vector<std::pair<int64_t, int64_t>> partition_bytes();
 
   // Writes sequence `sid`'s draft (at most `budget` nodes) into `out`; returns its length.
   int draft(int64_t sid, int budget, double floor, bool tree, DraftRow out);
@@ -162,6 +185,7 @@ class DraftIndex {
   struct Sequence {
     int64_t sid = 0;
     bool live = false;
+    int32_t part = kDefaultPartition;
     uint32_t prompt_len = 0;
     std::vector<int32_t> tokens;
     std::vector<uint32_t> own_prev;
@@ -175,6 +199,15 @@ class DraftIndex {
     uint32_t pos;   // position in its output
     uint32_t prev;  // older entry of the same key
     uint32_t next;  // newer entry of the same key
+  };
+  // One partition's finished outputs and charge (see kSequenceCharge).
+  struct Partition {
+    std::deque<uint32_t> finished;  // finished slots, oldest first
+    int64_t finished_charge = 0;    // kSequenceCharge + kTokenCharge * tokens, over `finished`
+    int64_t entries = 0;            // corpus entries of its keys
+    int64_t keys = 0;               // its corpus keys
+    int64_t live = 0;               // its running sequences
+    int64_t charge() const { return finished_charge + kEntryCharge * entries + kKeyCharge * keys; }
   };
   struct Candidate {
     int m;
@@ -196,12 +229,17 @@ class DraftIndex {
   Sequence* live_seq(int64_t sid);
   // The slot of running sequence `sid`, or kNone (no wait for the upkeep).
   uint32_t running_slot(int64_t sid) const;
-  uint32_t new_slot(int64_t sid, uint32_t prompt_len);
+  uint32_t new_slot(int64_t sid, uint32_t prompt_len, int32_t part);
+  // Partition `part`'s record (created on first use).
+  Partition& partition(int32_t part);
+  // The partition whose oldest finished output the upkeep evicts next.
+  int32_t fullest_partition() const;
   void append(uint32_t slot, const int32_t* tokens, size_t n);
   void push_corpus(uint32_t slot, uint32_t q);
   void evict_corpus(uint32_t slot);
-  // The corpus slot of the n-gram tokens[0:ngram] (NgramMap::npos if absent).
-  size_t find_corpus(const int32_t* tokens, uint32_t tag) const;
+  // The corpus slot of the n-gram tokens[0:ngram] in partition `part`
+  // (`tag`: its partition_tag; NgramMap::npos if absent).
+  size_t find_corpus(const int32_t* tokens, uint32_t tag, int32_t part) const;
   void release(uint32_t slot);
   // Upkeep (see the layout): the pending pushes, then the evictions.
   void upkeep();
@@ -209,7 +247,7 @@ class DraftIndex {
     return finished_charge_ + kEntryCharge * static_cast<int64_t>(entries_.size() - free_entries_.size()) +
            kKeyCharge * static_cast<int64_t>(corpus_.size());
   }
-  bool over_cap() const { return !finished_.empty() && charge() > cfg_.corpus_bytes; }
+  bool over_cap() const { return num_finished_ > 0 && charge() > cfg_.corpus_bytes; }
   bool upkeep_due() const { return !pending_.empty() || over_cap(); }
   // Starts the upkeep on the thread, or runs it here without one.
   void start_upkeep();
@@ -269,9 +307,10 @@ class DraftIndex {
   std::vector<uint32_t> free_slots_;
   std::unordered_map<int64_t, uint32_t> by_sid_;  // running and finished-in-corpus ids
   size_t num_live_ = 0;
-  std::deque<uint32_t> finished_;            // finished slots, oldest first
+  std::vector<Partition> parts_;  // partition id -> its record
+  int64_t num_finished_ = 0;      // finished outputs held, over all partitions
   int64_t finished_tokens_ = 0;
-  int64_t finished_charge_ = 0;  // kSequenceCharge + kTokenCharge * tokens, over finished_
+  int64_t finished_charge_ = 0;  // kSequenceCharge + kTokenCharge * tokens, over all finished outputs
   NgramMap<CorpusList> corpus_;
   std::vector<Entry> entries_;
   std::vector<uint32_t> free_entries_;

@@ -65,6 +65,23 @@ the corpus counts, ``rewind``) first settles it. So a request's draft in
 the step's batch call does not yet see the n-grams other requests' outputs
 gained in the same step, nor does a finish evict before the next upkeep.
 
+Partitions (tenant isolation): every sequence belongs to a *partition*, an
+int the caller assigns when it adds the sequence (``DEFAULT`` = 0 unless
+told otherwise). Corpus keys are ``(partition, n-gram)``: a sequence drafts
+from its own text and from outputs of its own partition only, never from
+another's. ``PRIVATE`` (-1) is no partition: its outputs never join the
+corpus (finishing it forgets it) and it drafts from its own text alone. The
+charge is kept per partition as well (a partition's finished outputs, its
+entries and its keys); the cap bounds the sum, and eviction is fair between
+partitions: while over the cap, the oldest finished output of the partition
+charged the most goes first (ties: the lowest partition), so one partition's
+flood evicts its own outputs before anyone else's.
+
+Worked example: partitions 1 and 2 hold outputs charged 900 and 100 bytes,
+the cap is 800 and partition 2 finishes a 200-byte output (total 1200):
+partition 1 loses its oldest outputs until the total is back under 800, and
+partition 2's 300 bytes stay.
+
 Every operation is deterministic, so every tensor-parallel rank drafts the
 same tokens from the same inputs (where the upkeep runs never changes them).
 """
@@ -78,6 +95,10 @@ from typing import Sequence
 import numpy as np
 
 OWN, CORPUS = 0, 1
+# Partitions (module docstring): the shared default one, and no partition at all.
+DEFAULT, PRIVATE = 0, -1
+# The largest partition id (the native index keeps a record per id up to the largest seen).
+MAX_PARTITION = (1 << 24) - 1
 # The corpus's charge, in bytes (module docstring; the native header's kSequenceCharge...).
 SEQUENCE_CHARGE, TOKEN_CHARGE, ENTRY_CHARGE, KEY_CHARGE = 256, 8, 40, 48
 
@@ -106,12 +127,37 @@ class DraftIndexConfig:
 
 
 class _Sequence:
-    __slots__ = ("tokens", "prompt_len", "own")
+    __slots__ = ("tokens", "prompt_len", "own", "partition")
 
-    def __init__(self, prompt_len: int) -> None:
+    def __init__(self, prompt_len: int, partition: int) -> None:
         self.tokens: list[int] = []
         self.prompt_len = prompt_len
         self.own: dict[tuple[int, ...], list[int]] = {}
+        self.partition = partition
+
+
+class _Partition:
+    """One partition's share of the corpus and of its charge."""
+
+    __slots__ = ("finished", "finished_tokens", "entries", "keys", "live")
+
+    def __init__(self) -> None:
+        self.finished: OrderedDict[int, None] = OrderedDict()  # its finished sequences, oldest first
+        self.finished_tokens = 0
+        self.entries = 0  # corpus entries of its keys
+        self.keys = 0  # its corpus keys
+        self.live = 0  # its running sequences
+
+    def charge(self) -> int:
+        return (SEQUENCE_CHARGE * len(self.finished) + TOKEN_CHARGE * self.finished_tokens
+                + ENTRY_CHARGE * self.entries + KEY_CHARGE * self.keys)
+
+
+def check_partition(partition: int) -> int:
+    if isinstance(partition, bool) or not isinstance(partition, (int, np.integer)) \
+            or not PRIVATE <= partition <= MAX_PARTITION:
+        raise ValueError(f"partition={partition!r}: must be an int in [{PRIVATE}, {MAX_PARTITION}]")
+    return int(partition)
 
 
 class DraftIndex:
@@ -126,29 +172,45 @@ class DraftIndex:
         self._live: dict[int, _Sequence] = {}
         # Outputs in the corpus: sequence id -> output tokens (live ones grow).
         self._outputs: dict[int, list[int]] = {}
-        # Finished sequences, oldest first, and their total output tokens.
-        self._finished: OrderedDict[int, None] = OrderedDict()
+        # Sequence id -> its partition (the sequences in ``_outputs``).
+        self._partition_of: dict[int, int] = {}
+        # Partition id -> its record (finished sequences, oldest first; charge counts).
+        self._parts: dict[int, _Partition] = {}
+        # Totals over the partitions: finished sequences and their output tokens.
+        self._num_finished = 0
         self._finished_tokens = 0
+        # (partition, *n-gram) -> entries (sequence id, position), oldest first.
         self._corpus: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._entries = 0  # corpus entries, over all keys
         # Upkeep: output n-grams waiting to join the corpus, (sequence id, position).
         self._pending: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------ lifecycle
-    def add(self, sid: int, tokens: Sequence[int], prompt_len: int) -> None:
+    def add(self, sid: int, tokens: Sequence[int], prompt_len: int, partition: int = DEFAULT) -> None:
         """Admit sequence ``sid`` with its first ``tokens`` (the prompt, and
-        any output already generated: ``tokens[prompt_len:]``)."""
+        any output already generated: ``tokens[prompt_len:]``) into
+        ``partition`` (module docstring)."""
         self.settle()
-        self._add(sid, tokens, prompt_len)
+        self._add(sid, tokens, prompt_len, partition)
 
-    def _add(self, sid: int, tokens: Sequence[int], prompt_len: int) -> None:
+    def _add(self, sid: int, tokens: Sequence[int], prompt_len: int, partition: int = DEFAULT) -> None:
         if sid in self._live or sid in self._outputs:
             raise KeyError(f"sequence {sid} is already in the index")
         if not 0 <= prompt_len <= len(tokens):
             raise ValueError(f"prompt_len={prompt_len}: must be in [0, {len(tokens)}]")
-        self._live[sid] = _Sequence(prompt_len)
+        partition = check_partition(partition)
+        self._live[sid] = _Sequence(prompt_len, partition)
         self._outputs[sid] = []
+        self._partition_of[sid] = partition
+        if partition != PRIVATE:
+            self._part(partition).live += 1
         self._extend(sid, tokens)
+
+    def _part(self, partition: int) -> _Partition:
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Partition()
+        return part
 
     def extend(self, sid: int, tokens: Sequence[int]) -> None:
         """Append committed tokens of a running sequence."""
@@ -167,16 +229,24 @@ class DraftIndex:
             if p >= seq.prompt_len:
                 out.append(int(t))
                 q = len(out) - 1
-                if q >= n:
+                if q >= n and seq.partition != PRIVATE:
                     self._pending.append((sid, q))
 
     def finish(self, sid: int) -> None:
         """The sequence finished or was aborted: its own index goes, its
         output stays in the corpus (the next upkeep evicts the oldest outputs
         over the cap). Unknown ids are ignored."""
-        if self._live.pop(sid, None) is None:
+        seq = self._live.pop(sid, None)
+        if seq is None:
             return
-        self._finished[sid] = None
+        if seq.partition == PRIVATE:  # nothing of it joined the corpus
+            self._evict(sid, PRIVATE)
+            return
+        part = self._parts[seq.partition]
+        part.live -= 1
+        part.finished[sid] = None
+        part.finished_tokens += len(self._outputs[sid])
+        self._num_finished += 1
         self._finished_tokens += len(self._outputs[sid])
 
     def settle(self) -> None:
@@ -184,15 +254,35 @@ class DraftIndex:
         n, cap = self.config.ngram, self.config.max_occurrences
         for sid, q in self._pending:
             out = self._outputs[sid]
-            entries = self._corpus.setdefault(tuple(out[q - n:q]), [])
+            partition = self._partition_of[sid]
+            part = self._parts[partition]
+            key = (partition, *out[q - n:q])
+            entries = self._corpus.get(key)
+            if entries is None:
+                entries = self._corpus[key] = []
+                part.keys += 1
             self._entries -= len(entries)
+            part.entries -= len(entries)
             _push(entries, (sid, q), cap)
             self._entries += len(entries)
+            part.entries += len(entries)
         self._pending.clear()
-        while self._finished and self._charge() > self.config.corpus_bytes:
-            old, _ = self._finished.popitem(last=False)
-            self._finished_tokens -= len(self._outputs[old])
-            self._evict(old)
+        while self._num_finished and self._charge() > self.config.corpus_bytes:
+            self._evict_oldest(self._fullest())
+
+    def _fullest(self) -> int:
+        """The partition whose finished outputs go first: charged the most (ties: the lowest id)."""
+        return max((p for p, part in self._parts.items() if part.finished),
+                   key=lambda p: (self._parts[p].charge(), -p))
+
+    def _evict_oldest(self, partition: int) -> None:
+        part = self._parts[partition]
+        old, _ = part.finished.popitem(last=False)
+        size = len(self._outputs[old])
+        part.finished_tokens -= size
+        self._num_finished -= 1
+        self._finished_tokens -= size
+        self._evict(old, partition)
 
     def rewind(self, sid: int, length: int) -> None:
         """The runner dropped committed tokens past ``length`` (preemption):
@@ -203,24 +293,34 @@ class DraftIndex:
             raise ValueError(f"length={length}: must be >= 0")
         tokens, prompt_len = seq.tokens[:length], min(seq.prompt_len, length)
         del self._live[sid]
-        self._evict(sid)
-        self._add(sid, tokens, prompt_len)
+        self._evict(sid, seq.partition)
+        if seq.partition != PRIVATE:
+            self._parts[seq.partition].live -= 1
+        self._add(sid, tokens, prompt_len, seq.partition)
 
-    def _evict(self, sid: int) -> None:
+    def _evict(self, sid: int, partition: int) -> None:
         """Drop a sequence's output and its corpus entries (a finished
-        sequence already taken off ``_finished``, or a running one rewound)."""
+        sequence already taken off its partition's ``finished``, or a running
+        one rewound)."""
         out = self._outputs.pop(sid)
+        del self._partition_of[sid]
+        if partition == PRIVATE:
+            return
+        part = self._parts[partition]
         n = self.config.ngram
         for q in range(n, len(out)):
-            key = tuple(out[q - n:q])
+            key = (partition, *out[q - n:q])
             entries = self._corpus.get(key)
             if entries is None:
                 continue
             self._entries -= len(entries)
+            part.entries -= len(entries)
             entries[:] = [e for e in entries if e[0] != sid]
             self._entries += len(entries)
+            part.entries += len(entries)
             if not entries:
                 del self._corpus[key]
+                part.keys -= 1
 
     # ----------------------------------------------------------------- stats
     def num_live(self) -> int:
@@ -242,14 +342,23 @@ class DraftIndex:
         return self._charge()
 
     def _charge(self) -> int:
-        return (SEQUENCE_CHARGE * len(self._finished) + TOKEN_CHARGE * self._finished_tokens
+        return (SEQUENCE_CHARGE * self._num_finished + TOKEN_CHARGE * self._finished_tokens
                 + ENTRY_CHARGE * self._entries + KEY_CHARGE * len(self._corpus))
 
-    def corpus_sequences(self) -> list[list[int]]:
-        """Finished outputs held in the corpus, oldest first: adding and
-        finishing them in this order into an empty index rebuilds its corpus."""
+    def partition_bytes(self) -> dict[int, int]:
+        """Partition -> its charge, for the partitions holding a running
+        sequence or a finished output (``PRIVATE`` is none), by id."""
         self.settle()
-        return [list(self._outputs[sid]) for sid in self._finished]
+        return {p: part.charge() for p, part in sorted(self._parts.items()) if part.live or part.finished}
+
+    def corpus_sequences(self, partition: int | None = None) -> list[list[int]]:
+        """Finished outputs held in the corpus of ``partition`` (None: of
+        every partition, by partition id), oldest first: adding and finishing
+        them in this order into an empty index (in their partitions) rebuilds
+        its corpus."""
+        self.settle()
+        parts = sorted(self._parts) if partition is None else [partition]
+        return [list(self._outputs[sid]) for p in parts if p in self._parts for sid in self._parts[p].finished]
 
     def memory_bytes(self) -> int:
         """Estimate of the native layout's size: 8 bytes per running token
@@ -320,24 +429,29 @@ class DraftIndex:
         return tokens, parents, conf, lengths
 
     def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int], backoff: "DraftIndex | None" = None) -> int:
+             num_tokens: Sequence[int], prompt_lens: Sequence[int], backoff: "DraftIndex | None" = None,
+             partitions: Sequence[int] | None = None) -> int:
         """Bring many sequences up to date with the runner's token table:
         ``token_ids[rows[i], :num_tokens[i]]`` (``[max_rows, max_len]``) are
         sequence ``sids[i]``'s committed tokens. Unknown ids are admitted
-        (``prompt_lens[i]`` prompt tokens), shorter ones rewound, longer ones
-        extended. ``backoff`` (another index) is synced the same way in the
-        same call. Returns how many were rewound (of this index)."""
+        (``prompt_lens[i]`` prompt tokens) into ``partitions[i]`` (None: all
+        ``DEFAULT``), shorter ones rewound, longer ones extended. ``backoff``
+        (another index) is synced the same way in the same call. Returns how
+        many were rewound (of this index)."""
         if backoff is self:
             raise ValueError("backoff: must be another index")
+        if partitions is not None and len(partitions) != len(sids):
+            raise ValueError("sids and partitions must have the same length")
         if backoff is not None:
-            backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens)
+            backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens, partitions=partitions)
         self.settle()
         rewound = 0
         for i, sid in enumerate(sids):
             sid, row, n = int(sid), int(rows[i]), int(num_tokens[i])
             have = self.length(sid)
             if have < 0:
-                self._add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n))
+                self._add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n),
+                          DEFAULT if partitions is None else partitions[i])
                 continue
             if n < have:
                 self.rewind(sid, n)
@@ -356,9 +470,11 @@ class DraftIndex:
             return []
         key = tuple(text[end - cfg.ngram:])
         found = []
-        for p in reversed(self._live[sid].own.get(key, ())):
+        seq = self._live[sid]
+        for p in reversed(seq.own.get(key, ())):
             found.append((_match(text, p, text, end, cfg), OWN, sid, p))
-        for other, q in reversed(self._corpus.get(key, ())):
+        shared = self._corpus.get((seq.partition, *key), ()) if seq.partition != PRIVATE else ()
+        for other, q in reversed(shared):
             if other != sid:
                 found.append((_match(self._outputs[other], q, text, end, cfg), CORPUS, other, q))
         found.sort(key=lambda c: (-c[0], c[1]))  # stable: most recent first within ties
