@@ -54,6 +54,62 @@ class FixedProposer:
         return [[0] * self.n if s else [] for s in sampled_token_ids]
 
 
+class VariableProposer(FixedProposer):
+    """Drafts ``VariableProposer.n`` (at most ``num_speculative_tokens``) copies of token 0:
+    one engine measures every draft size (``sweep_step_times``)."""
+
+    n = 0
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        return [[0] * VariableProposer.n if s else [] for s in sampled_token_ids]
+
+
+def variable_kwargs(max_nodes: int, **overrides) -> dict:
+    """``LLM(...)`` kwargs of an engine whose drafts ``VariableProposer.n`` sets step by step."""
+    from lookahead_vllm.vllm.offline import engine_kwargs
+
+    kwargs = engine_kwargs("plain", **overrides)
+    kwargs["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": max_nodes,
+                                    "model": "benchmarks.bench_forward_cost.VariableProposer"}
+    return kwargs
+
+
+def prefill(engine, contexts: list[list[int]], params) -> list[str]:
+    """Add one request per context and step until every one has its first token; their ids."""
+    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(contexts))]
+    for req_id, context in zip(ids, contexts):
+        engine.add_request(req_id, {"prompt_token_ids": context}, params)
+    prefilling = set(ids)
+    while prefilling:  # prefill, in as many chunks as the token budget needs
+        prefilling -= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
+    return ids
+
+
+def sweep_step_times(llm, contexts: list[list[int]], nodes: list[int], steps: int) -> dict[int, list[float]]:
+    """Decode step times of ``len(contexts)`` requests for each draft size in ``nodes``, in one engine
+    built with :func:`variable_kwargs` (max_nodes >= max(nodes)). A step verifies what the step
+    before drafted, so the first two steps of each size are not timed."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=len(nodes) * (steps + 2) + 4, ignore_eos=True)
+    ids = prefill(engine, contexts, params)
+    times: dict[int, list[float]] = {}
+    for n in nodes:
+        VariableProposer.n = n
+        times[n] = []
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            engine.step()
+            if i >= 2:
+                times[n].append(time.perf_counter() - start)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    VariableProposer.n = 0
+    return times
+
+
 def fixed_tree(nodes: int, paths: int) -> DraftTree:
     """``nodes`` nodes in ``paths`` root branches of near-equal length (DFS
     order); branch b repeats token 1000 + b, so siblings differ."""
@@ -100,12 +156,7 @@ def step_times(model: str, n: int, contexts: list[list[int]], steps: int) -> lis
         }
     llm = LLM(model=model, **kwargs)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
-    for i, context in enumerate(contexts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": context}, params)
-    prefilling = {f"r{i}" for i in range(len(contexts))}
-    while prefilling:  # prefill, in as many chunks as the token budget needs
-        prefilling -= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
+    prefill(engine, contexts, SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()

@@ -7,9 +7,11 @@ config, tree size (1/16/64 nodes: 1 = plain decode) and context length
 
 * ``tree``: ``lookahead_vllm.ops.cuda.tree_attention`` (csrc/), random tree
   masks, block size 16, shuffled blocks.
-* baseline: ``flash_attn.flash_attn_with_kvcache`` with a paged cache (block
-  size 256, which it requires) and ``causal=True`` (n rows = a chain of n
-  drafts) if flash-attn is importable; else torch SDPA forced onto its flash
+* baseline: vLLM's own FlashAttention (``vllm.vllm_flash_attn.flash_attn_varlen_func``,
+  FA3 on Hopper) on the same paged cache, ``causal=True`` (n rows = a chain of
+  n drafts), where vLLM is installed; else ``flash_attn.flash_attn_with_kvcache``
+  with a paged cache (block size 256, which it requires) and ``causal=True``
+  if flash-attn is importable; else torch SDPA forced onto its flash
   backend with dense K/V (GQA through ``enable_gqa`` where that backend takes
   it, else KV heads repeated; no mask: same work).
 
@@ -118,8 +120,38 @@ def paged_inputs(batch, nodes, context, heads, block_size, rng, gen):
     }
 
 
+def vllm_flash_fn(inputs, nodes):
+    """vLLM's own FlashAttention (``vllm.vllm_flash_attn``, FA3 on Hopper) as its FLASH_ATTN backend
+    calls it: varlen, causal, over the very paged cache the tree kernel reads (n rows = a chain
+    of n). (name, zero-arg callable), or None where vLLM's FlashAttention does not import."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    except ImportError:
+        from vllm.attention.utils.fa_utils import get_flash_attn_version
+    version = get_flash_attn_version() or 3
+    seq_len = int(inputs["seq_lens"][0])
+    out = torch.empty_like(inputs["query"])
+
+    def run():
+        return flash_attn_varlen_func(
+            q=inputs["query"], k=inputs["key_cache"], v=inputs["value_cache"], out=out,
+            cu_seqlens_q=inputs["query_start_loc"], max_seqlen_q=nodes, seqused_k=inputs["seq_lens"],
+            max_seqlen_k=seq_len, softmax_scale=inputs["scale"], causal=True,
+            block_table=inputs["block_tables"], fa_version=version)
+
+    return f"vllm_flash_attn FA{version} (varlen, paged, causal)", run
+
+
 def baseline_fn(inputs, batch, nodes, heads):
-    """FlashAttention decode over the same K/V: (name, zero-arg callable)."""
+    """FlashAttention over the same K/V: (name, zero-arg callable). vLLM's own where it imports,
+    else flash-attn's decode, else torch SDPA's flash backend."""
+    vllm_fa = vllm_flash_fn(inputs, nodes)
+    if vllm_fa is not None:
+        return vllm_fa
     num_heads, num_kv_heads, head_dim = heads
     seq_len = int(inputs["seq_lens"][0])
     q = inputs["query"].view(batch, nodes, num_heads, head_dim)

@@ -259,6 +259,7 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
         k = LookaheadConfig().decoding_length
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     overrides["enable_prefix_caching"] = args.prefix_caching == "on"
+    overrides.update(getattr(args, "engine_overrides", None) or {})  # bench_gpu: dtype, CUDA graphs, memory
     kwargs = engine_kwargs(engine_method(method), k=k, lookahead=config, **overrides)
     if baseline_config(method):
         kwargs["speculative_config"] = baseline_config(method)

@@ -1,0 +1,530 @@
+"""Lookahead inside vLLM's GPU engine, measured in one command (under 8 minutes on an H100).
+
+Four parts, answered in this order; the JSON and the PNG are rewritten after
+each part (and after each speed cell), so a run cut off still reports what it
+finished (``"partial": true`` until the end):
+
+  kernels   ``pytest -m gpu tests/ops`` (the CUDA kernels against the torch
+            reference), then the tree-attention kernel against vLLM's own
+            FlashAttention on the same token counts: a tree of n nodes through
+            the kernel vs a causal chain of n rows through FlashAttention varlen,
+            over one paged cache (``bench_kernels.measure``).
+  identity  greedy outputs of lookahead chain / ``hier`` / ``index+jacobi`` vs
+            plain vLLM, bf16 SmolLM2-135M-Instruct with real weights, batch 1
+            and 8, CUDA graphs off (eager engines) and on. 0 mismatches is the bar.
+  speed     methods interleaved chunk by chunk (``bench_offline.run_cell``):
+            plain, vLLM ``ngram`` (every ``--ngram`` config; the best per cell is
+            reported), ``suffix``, lookahead chain / ``hier`` / ``index+jacobi``;
+            batch 1, 8, 32; the six classes' test splits, few prompts each. The
+            CUDA-graph engines of ``identity`` are reused; every drafter is emptied
+            before each cell (cold, as bench_offline's fresh per-cell engines).
+  cost      the forward-cost curve: ms per decode step against tokens scored per
+            row (1 + drafts) and rows, on config-only 1.5B- and 8B-shaped models
+            with dummy weights (``bench_forward_cost.sweep_step_times``: one
+            engine per model, every draft size in it).
+
+``--dry`` runs the same code on a CPU in well under two minutes: the tiny test
+model, fp32, tiny sizes, no CUDA parts (kernels and CUDA graphs are skipped and
+say so). The default test suite runs it (tests/test_bench_gpu.py).
+
+Usage (GPU, after the kit's install.sh and ``. /tmp/site/kit-env.sh``; docs/gpu.md)::
+
+    python benchmarks/bench_gpu.py                  # -> benchmarks/results/gpu.{json,png}
+    python benchmarks/bench_gpu.py --parts identity speed --budget-s 300
+
+Prompts: from the data packages where they are installed, else from
+``--prompts`` (default ``benchmarks/data/gpu_prompts.json``, written on a CPU
+machine by ``--export-prompts``: the GPU machines lack the data packages).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # vLLM imports the cost engine's proposer as benchmarks.bench_forward_cost.*
+
+import bench_offline as offline  # noqa: E402  (applies the CPU env; harmless on GPUs)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+PROMPTS_FILE = REPO / "benchmarks" / "data" / "gpu_prompts.json"
+PARTS = ("kernels", "identity", "speed", "cost")
+# Lookahead variants measured (method name -> additional_config["lookahead"]).
+VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
+            "index+jacobi": {"source": "index+jacobi"}}
+KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
+COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")
+# CUDA-graph sizes captured per engine: fewer than vLLM's default list, so engines start faster.
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+# --dry: sizes that run on a 2-core CPU in well under two minutes.
+DRY = {"datasets": ["humaneval"], "batch_sizes": [1, 2], "prompts_per_bs": {1: 1, 2: 2},
+       "identity_prompts": 2, "identity_batch_sizes": [1, 2], "max_tokens": 8, "ngram": ["ngram4"],
+       "cost_nodes": [0, 1, 3], "cost_rows": [1, 2], "cost_steps": 3, "cost_context": 32}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry", action="store_true", help="CPU dry run: tiny model and sizes, no CUDA parts")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--budget-s", type=float, default=470.0,
+                   help="wall-clock budget: later cells and parts are skipped (and say so) once it is spent")
+    p.add_argument("--cost-reserve-s", type=float, default=150.0,
+                   help="seconds of the budget the speed part leaves for the cost part")
+    p.add_argument("--model", default=None, help="identity/speed model (default: converted SmolLM2; --dry: tiny)")
+    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="prompt file used where data packages lack")
+    p.add_argument("--export-prompts", type=Path, default=None,
+                   help="write the prompts of every class (test and dev splits) to this file and exit")
+    p.add_argument("--datasets", nargs="+", default=None, help="default: all six classes")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ngram", nargs="+", default=["ngram8-w2-4", "ngram16-w2-4"],
+                   help="vLLM ngram configs (bench_offline names); the best per cell is reported")
+    p.add_argument("--gpu-mem", type=float, default=0.07, help="gpu_memory_utilization per engine (several live)")
+    p.add_argument("--cost-models", nargs="+", default=[str(KIT_CONFIGS / m) for m in COST_MODELS])
+    p.add_argument("--cost-nodes", nargs="+", type=int, default=[0, 1, 3, 7, 15, 31, 63])
+    p.add_argument("--cost-rows", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--cost-steps", type=int, default=12)
+    p.add_argument("--cost-context", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/gpu.json; --dry: gpu_dry)")
+    args = p.parse_args(argv)
+    from lookahead_vllm.datasets import DATASETS
+
+    args.datasets = args.datasets or (DRY["datasets"] if args.dry else list(DATASETS))
+    if args.dry:
+        args.batch_sizes, args.max_tokens, args.ngram = DRY["batch_sizes"], DRY["max_tokens"], DRY["ngram"]
+        args.cost_nodes, args.cost_rows = DRY["cost_nodes"], DRY["cost_rows"]
+        args.cost_steps, args.cost_context = DRY["cost_steps"], DRY["cost_context"]
+    args.out = args.out or RESULTS / ("gpu_dry.json" if args.dry else "gpu.json")
+    args.plot = args.out.with_suffix(".png")
+    return args
+
+
+# -------------------------------------------------------------------- prompts
+def export_prompts(path: Path, per_split: int = 32) -> None:
+    """Every class's first ``per_split`` test prompts (a batch-32 cell's), as chat messages (a CPU machine)."""
+    from lookahead_vllm.datasets import DATASETS, load_messages
+
+    data = {ds: {"test": load_messages(ds, "test", per_split)} for ds in DATASETS}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=0) + "\n")
+    log(f"wrote {path} ({path.stat().st_size / 1e3:.0f} kB)")
+
+
+def test_prompts(args: argparse.Namespace, tokenizer: Any, dataset: str, limit: int) -> list[str]:
+    """Chat-rendered test prompts: the installed data packages, else ``--prompts``."""
+    from lookahead_vllm import datasets
+
+    try:
+        return datasets.load_split(dataset, "test", tokenizer, limit=limit)
+    except datasets.MissingPackageError:
+        messages = json.loads(args.prompts.read_text())[dataset]["test"][:limit]
+        return [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+
+
+# -------------------------------------------------------------------- engines
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def engine_overrides(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+    """LLM(...) settings beyond bench_offline's: bf16, FLASH_ATTN and CUDA graphs on GPUs."""
+    if args.dry:
+        return {"enforce_eager": True}
+    overrides = {"dtype": "bfloat16", "enforce_eager": not graphs, "gpu_memory_utilization": args.gpu_mem,
+                 "attention_backend": "FLASH_ATTN"}
+    if graphs:
+        overrides["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+    return overrides
+
+
+def engine_args(args: argparse.Namespace, graphs: bool) -> SimpleNamespace:
+    """The namespace bench_offline.build_engine reads."""
+    return SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off",
+                           variants={f"lookahead:{n}": c for n, c in VARIANTS.items()},
+                           max_model_len=4096 if not args.dry else None,
+                           engine_overrides=engine_overrides(args, graphs))
+
+
+def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+    eargs = engine_args(args, graphs)
+    return {m: offline.build_engine(m, eargs) for m in methods}
+
+
+def free_engines(engines: dict[str, Any]) -> None:
+    while engines:
+        offline.free_engine(engines.popitem()[1])
+    if on_gpu():
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def lookahead_methods() -> list[str]:
+    return [f"lookahead:{n}" for n in VARIANTS]
+
+
+# -------------------------------------------------------------------- kernels
+def part_kernels(args: argparse.Namespace, state: dict, result: dict) -> None:
+    if args.dry or not on_gpu():
+        result["skipped"] = "no CUDA GPU (--dry)" if args.dry else "no CUDA GPU"
+        return
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/ops", "-q", "-p", "no:cacheprovider"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    result["pytest"] = {"returncode": proc.returncode, "summary": summary,
+                         "seconds": round(time.perf_counter() - start, 1), "tail": proc.stdout[-3000:]}
+    state["save"]()
+    log(f"[kernels] pytest -m gpu: {summary}")
+    result["versus_flash_attention"] = kernel_vs_flash()
+
+
+def kernel_vs_flash() -> list[dict[str, Any]]:
+    """Tree kernel vs vLLM's FlashAttention varlen (causal chain), same token counts, same cache."""
+    import random
+
+    import bench_kernels
+    import torch
+
+    kargs = SimpleNamespace(batch=1, block_size=16, iters=30, warmup=5, graph_calls=10)
+    rows, rng, gen = [], random.Random(0), torch.Generator().manual_seed(0)
+    for batch in (1, 8):
+        kargs.batch = batch
+        for name in ("smollm2-135m", "llama-8b"):
+            for nodes in (16, 64):
+                for context in (512, 2048):
+                    rows.append(bench_kernels.measure(kargs, name, bench_kernels.HEAD_CONFIGS[name], nodes,
+                                                      context, rng, gen))
+    return rows
+
+
+# -------------------------------------------------------------------- identity
+def identity_prompts(args: argparse.Namespace) -> list[str]:
+    """Eight prompts across the classes (two with --dry)."""
+    tokenizer = offline.tokenizer_for(args.model)
+    wanted = DRY["identity_prompts"] if args.dry else 8
+    per_class = -(-wanted // len(args.datasets))
+    prompts = [p for ds in args.datasets for p in test_prompts(args, tokenizer, ds, per_class)]
+    return prompts[:wanted]
+
+
+def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
+    """Greedy identity vs plain: eager engines, then CUDA-graph engines (kept for the speed part)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    prompts = identity_prompts(args)
+    batch_sizes = DRY["identity_batch_sizes"] if args.dry else [1, 8]
+    modes = ["eager"] if args.dry or not on_gpu() else ["eager", "graphs"]
+    result.update(num_prompts=len(prompts), max_tokens=args.max_tokens, cells=[])
+    if len(modes) == 1:
+        result["graphs_skipped"] = "CUDA graphs need a GPU"
+    for mode in modes:
+        engines = build_engines(["plain", *lookahead_methods()], args, graphs=mode == "graphs")
+        for bs in batch_sizes:
+            result["cells"].append(identity_cell(engines, prompts, params, bs, mode))
+            state["save"]()
+        if mode == modes[-1]:
+            state["engines"] = engines  # the speed part goes on with these
+        else:
+            free_engines(engines)
+    result["mismatches"] = sum(r["mismatches"] for c in result["cells"] for r in c["methods"])
+
+
+def identity_cell(engines: dict[str, Any], prompts: list[str], params: Any, bs: int, mode: str) -> dict[str, Any]:
+    from lookahead_vllm.vllm.offline import count_mismatches, generate
+
+    outputs, rows = {}, []
+    for method, llm in engines.items():
+        before = offline.drafter_counters(llm)
+        res = generate(llm, prompts, params, batch_size=bs)
+        counters = offline.drafter_counters(llm) - before
+        outputs[method] = res.token_ids
+        if method != "plain":
+            rows.append({"method": method, "mismatches": count_mismatches(outputs["plain"], res.token_ids),
+                         "mismatched_prompts": [i for i, (a, b) in enumerate(zip(outputs["plain"], res.token_ids))
+                                                if a != b],
+                         "mean_acceptance_length": round(res.mean_acceptance_length, 3),
+                         "tokens": res.num_tokens, "tree_request_steps": counters.get("tree_request_steps", 0),
+                         "jacobi_steps": counters.get("jacobi_steps", 0)})
+    cell = {"mode": mode, "batch_size": bs, "methods": rows}
+    log(f"[identity {mode} bs={bs}] " + ", ".join(f"{r['method']} {r['mismatches']} mismatches "
+                                                  f"(MAL {r['mean_acceptance_length']})" for r in rows))
+    return cell
+
+
+# -------------------------------------------------------------------- speed
+def speed_baselines(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """vLLM baselines that can run here, and why the others cannot."""
+    methods, skipped = [], {}
+    try:
+        import numba
+
+        stub = "numba_stub" in str(getattr(numba, "__file__", ""))
+    except ImportError:
+        stub = True
+    for method in args.ngram:
+        if stub:
+            skipped[method] = "numba is a stub or missing here (the kit's stand-in): vLLM's ngram cannot run"
+        else:
+            methods.append(method)
+    if offline.has_suffix_decoding():
+        methods.append("suffix")
+    else:
+        skipped["suffix"] = "arctic_inference.suffix_decoding is not installed (build-kit.sh --suffix)"
+    return methods, skipped
+
+
+def cell_prompts(bs: int, args: argparse.Namespace) -> int:
+    """Prompts per cell: a few chunks at batch 1, one full chunk otherwise."""
+    if args.dry:
+        return DRY["prompts_per_bs"].get(bs, bs)
+    return 3 if bs == 1 else bs
+
+
+def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
+    from vllm import SamplingParams
+
+    baselines, skipped = speed_baselines(args)
+    engines = state.get("engines") or build_engines(["plain", *lookahead_methods()], args, graphs=not args.dry)
+    engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu()))
+    state["engines"] = engines
+    methods = ["plain", *baselines, *lookahead_methods()]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    tokenizer = offline.tokenizer_for(args.model)
+    result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])
+    for ds in args.datasets:
+        for bs in args.batch_sizes:
+            if state["left"]() < (args.cost_reserve_s if "cost" in args.parts else 0):
+                result["skipped_cells"].append(f"{ds} bs={bs}: time budget")
+                continue
+            prompts = test_prompts(args, tokenizer, ds, cell_prompts(bs, args))
+            result["cells"].append(speed_cell(ds, bs, prompts, engines, methods, params))
+            state["save"]()
+    result["summary"] = speed_summary(result["cells"])
+    free_engines(engines)
+
+
+def speed_cell(ds: str, bs: int, prompts: list[str], engines: dict[str, Any], methods: list[str],
+               params: Any) -> dict[str, Any]:
+    for method in methods:
+        offline.reset_drafters(engines[method])  # cold: each cell learns from its own prompts only
+    meter = offline.CpuMeter()
+    runs = offline.run_cell(f"{ds} bs={bs}", {m: engines[m] for m in methods}, prompts, bs, params, meter)
+    rows = [offline.summarize(runs[m], runs["plain"]) for m in methods]
+    for row in rows:  # chunk lists are long and bench_offline's JSON keeps them; here the figures suffice
+        for key in ("chunk_tokens", "chunk_seconds", "chunk_other_cpu_s", "calibration"):
+            row.pop(key, None)
+    cell = {"dataset": ds, "batch_size": bs, "num_prompts": len(prompts), **meter.as_dict(), "methods": rows}
+    offline.warn_mismatches(cell)
+    return cell
+
+
+def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per batch size: geometric means over classes of the best lookahead variant's speedup over
+    plain and over suffix; the best ngram beside them; every mismatch counted."""
+    summary = {}
+    for bs in sorted({c["batch_size"] for c in cells}):
+        ratios: dict[str, list[float]] = {"lookahead/plain": [], "lookahead/suffix": [], "ngram/plain": []}
+        for cell in (c for c in cells if c["batch_size"] == bs):
+            speed = {r["method"]: r["speedup"] for r in cell["methods"]}
+            best = max(v for m, v in speed.items() if m.startswith("lookahead"))
+            ratios["lookahead/plain"].append(best)
+            if "suffix" in speed:
+                ratios["lookahead/suffix"].append(best / speed["suffix"])
+            ngrams = [v for m, v in speed.items() if m.startswith("ngram")]
+            if ngrams:
+                ratios["ngram/plain"].append(max(ngrams))
+        summary[f"bs{bs}"] = {k: round(statistics.geometric_mean(v), 3) if v else None for k, v in ratios.items()}
+    summary["mismatches"] = sum(r["mismatches"] for c in cells for r in c["methods"])
+    return summary
+
+
+# -------------------------------------------------------------------- cost
+def part_cost(args: argparse.Namespace, state: dict, result: dict) -> None:
+    """Forward-cost curves: one engine per model, rows x draft sizes in it."""
+    import numpy as np
+    from vllm import LLM
+
+    from benchmarks import bench_forward_cost as forward_cost
+
+    models = [args.model] if args.dry else args.cost_models
+    result.update(context=args.cost_context, models=[], skipped=[])
+    rng = np.random.default_rng(0)
+    for model in models:
+        if state["left"]() < 60 and not args.dry:
+            result["skipped"].append(f"{model}: time budget")
+            continue
+        if not (Path(model) / "config.json").is_file():
+            result["skipped"].append(f"{model}: no config.json (run the kit's install.sh)")
+            continue
+        overrides = {**engine_overrides(args, graphs=not args.dry), "max_model_len": 2048}
+        if not args.dry:
+            overrides.update(load_format="dummy", skip_tokenizer_init=True, gpu_memory_utilization=0.85)
+        llm = LLM(model=str(model), **forward_cost.variable_kwargs(max(args.cost_nodes), **overrides))
+        rows, vocab = [], min(20000, json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+        for n_rows in args.cost_rows:
+            contexts = [rng.integers(vocab // 8, vocab, size=args.cost_context).tolist() for _ in range(n_rows)]
+            times = forward_cost.sweep_step_times(llm, contexts, args.cost_nodes, args.cost_steps)
+            rows += [{"rows": n_rows, "draft_tokens": n, "tokens_per_row": n + 1, "tokens_scored": n_rows * (n + 1),
+                      "median_ms": round(1e3 * statistics.median(t), 3)} for n, t in times.items()]
+        base = next(r["median_ms"] for r in rows if r["rows"] == 1 and r["draft_tokens"] == 0) if 1 in args.cost_rows \
+            else rows[0]["median_ms"]
+        for row in rows:
+            row["relative"] = round(row["median_ms"] / base, 3)
+        result["models"].append({"model": Path(model).name, "single_token_ms": base, "rows": rows})
+        log(f"[cost] {Path(model).name}: " + ", ".join(f"{r['rows']}x{r['tokens_per_row']} {r['relative']}"
+                                                      for r in rows))
+        offline.free_engine(llm)
+        state["save"]()
+
+
+# -------------------------------------------------------------------- output
+def plot(report: dict[str, Any], path: Path) -> None:
+    """One panel per finished part."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(name, fn) for name, fn in PLOTS.items() if has_figures(report["parts"].get(name))]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4.5), squeeze=False)
+    for ax, (name, fn) in zip(axes[0], panels):
+        fn(ax, report["parts"][name])
+    if not panels:
+        axes[0][0].axis("off")
+        axes[0][0].text(0.5, 0.5, "no part finished yet", ha="center")
+    fig.suptitle(f"lookahead in vLLM's engine: {report['device']}" + (" (partial)" if report.get("partial") else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def has_figures(part: dict | None) -> bool:
+    return bool(part) and bool(part.get("versus_flash_attention") or part.get("cells") or part.get("models"))
+
+
+def plot_kernels(ax: Any, part: dict) -> None:
+    rows = part["versus_flash_attention"]
+    labels = [f"{r['config'][:5]} b{r['batch']} n{r['nodes']} c{r['context']}" for r in rows]
+    ax.bar(range(len(rows)), [r["tree_over_baseline"] for r in rows])
+    ax.axhline(1.5, color="red", linestyle="--", linewidth=0.8, label="target 1.5x")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.set(ylabel="tree kernel time / FlashAttention time", title="kernels: tree vs causal chain, same tokens")
+    ax.legend(fontsize=7)
+
+
+def plot_identity(ax: Any, part: dict) -> None:
+    cells = part["cells"]
+    methods = [r["method"] for r in cells[0]["methods"]]
+    for i, method in enumerate(methods):
+        mal = [next(r for r in c["methods"] if r["method"] == method)["mean_acceptance_length"] for c in cells]
+        ax.bar([x + 0.25 * i for x in range(len(cells))], mal, 0.25, label=method)
+    ax.set_xticks(range(len(cells)), [f"{c['mode']} bs{c['batch_size']}" for c in cells], fontsize=8)
+    ax.set(ylabel="mean acceptance length", title=f"identity: {part.get('mismatches', '?')} mismatches in all")
+    ax.legend(fontsize=7)
+
+
+def plot_speed(ax: Any, part: dict) -> None:
+    cells = part["cells"]
+    for i, method in enumerate(part["methods"][1:]):
+        speed = [next((r["speedup"] for r in c["methods"] if r["method"] == method), 0) for c in cells]
+        ax.bar([x + i / len(part["methods"]) for x in range(len(cells))], speed, 1 / len(part["methods"]),
+               label=method)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(cells)), [f"{c['dataset'][:8]} bs{c['batch_size']}" for c in cells],
+                  rotation=90, fontsize=6)
+    ax.set(ylabel="speedup vs plain", title="speed (methods interleaved)")
+    ax.legend(fontsize=6)
+
+
+def plot_cost(ax: Any, part: dict) -> None:
+    for model in part["models"]:
+        for n_rows in sorted({r["rows"] for r in model["rows"]}):
+            pts = [(r["tokens_per_row"], r["relative"]) for r in model["rows"] if r["rows"] == n_rows]
+            ax.plot(*zip(*pts), "o-", label=f"{model['model']}, {n_rows} rows")
+    ax.set(xscale="log", xlabel="tokens scored per row (1 + drafts)", ylabel="step time / 1-row 1-token step",
+           title="forward cost (dummy weights)")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+PLOTS: dict[str, Callable[[Any, dict], None]] = {"kernels": plot_kernels, "identity": plot_identity,
+                                                 "speed": plot_speed, "cost": plot_cost}
+
+
+def write(report: dict[str, Any], args: argparse.Namespace) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    plot(report, args.plot)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace, dict, dict], None]] = {"kernels": part_kernels, "identity": part_identity, "speed": part_speed, "cost": part_cost}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.export_prompts:
+        export_prompts(args.export_prompts)
+        return 0
+    start = time.perf_counter()
+    if args.model is None:
+        from lookahead_vllm.models import build_tiny_llama, prepare_smollm2
+
+        args.model = str(build_tiny_llama(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_gpu_tiny") if args.dry
+                         else prepare_smollm2())
+    report: dict[str, Any] = {"partial": True, "dry": args.dry, "device": device_name(), "versions": offline.versions(),
+                              "git": offline.git_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "args": {k: str(v) for k, v in vars(args).items()}, "parts": {}}
+    state: dict[str, Any] = {"left": lambda: args.budget_s - (time.perf_counter() - start),
+                             "save": lambda: write(report, args)}
+    for name in args.parts:
+        if state["left"]() <= 0:
+            report["parts"][name] = {"skipped": "time budget spent"}
+            continue
+        part_start = time.perf_counter()
+        result = report["parts"][name] = {}  # filled as the part goes: each save shows its progress
+        try:
+            RUNNERS[name](args, state, result)
+        except Exception as exc:  # noqa: BLE001 - a later part still runs and reports
+            log(traceback.format_exc())
+            result.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
+        report["parts"][name]["wall_s"] = round(time.perf_counter() - part_start, 1)
+        log(f"[{name}] done in {report['parts'][name]['wall_s']} s")
+        write(report, args)
+    free_engines(state.get("engines") or {})
+    report["partial"] = False
+    report["total_wall_s"] = round(time.perf_counter() - start, 1)
+    write(report, args)
+    log(f"wrote {args.out} and {args.plot} in {report['total_wall_s']} s")
+    return 1 if any("error" in p for p in report["parts"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

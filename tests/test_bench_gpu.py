@@ -1,0 +1,70 @@
+"""benchmarks/bench_gpu.py cannot rot before a GPU comes: its CPU dry mode runs every part's code
+(tiny model, tiny sizes; the CUDA parts say they were skipped) and writes JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.vllm
+def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
+    out = tmp_path / "gpu_dry.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), "--dry", "--model", tiny_llama_dir,
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    parts = report["parts"]
+    assert list(parts) == ["kernels", "identity", "speed", "cost"] and not report["partial"]
+    assert "no CUDA GPU" in parts["kernels"]["skipped"]
+    # identity: every lookahead variant against plain, both batch sizes, 0 mismatches
+    identity = parts["identity"]
+    assert [c["batch_size"] for c in identity["cells"]] == [1, 2] and identity["mismatches"] == 0
+    assert {r["method"] for r in identity["cells"][0]["methods"]} == {
+        "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
+    assert "CUDA graphs" in identity["graphs_skipped"]
+    # speed: every cell has plain and the three variants; a summary per batch size
+    speed = parts["speed"]
+    assert speed["cells"] and all({"plain", "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
+                                  <= {r["method"] for r in c["methods"]} for c in speed["cells"])
+    assert set(speed["summary"]) == {"bs1", "bs2", "mismatches"} and speed["summary"]["mismatches"] == 0
+    # cost: rows x draft sizes of one engine, relative to the one-row one-token step
+    (model,) = parts["cost"]["models"]
+    assert {(r["rows"], r["draft_tokens"]) for r in model["rows"]} == {(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (2, 3)}
+    assert all(r["median_ms"] > 0 for r in model["rows"])
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_gpu_prompt_file_round_trips(tmp_path, monkeypatch):
+    """The GPU machines lack the data packages: the exported file stands in for them."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    from lookahead_vllm import datasets
+
+    path = tmp_path / "prompts.json"
+    bench_gpu.export_prompts(path, per_split=2)
+    data = json.loads(path.read_text())
+    assert set(data) == set(datasets.DATASETS) and all(len(d["test"]) == 2 for d in data.values())
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "|".join(m["content"] for m in messages)
+
+    args = bench_gpu.parse_args(["--prompts", str(path)])
+    installed = bench_gpu.test_prompts(args, Tokenizer(), "humaneval", 2)
+
+    def missing(*a, **k):
+        raise datasets.MissingPackageError("not here")
+
+    monkeypatch.setattr(datasets, "load_split", missing)
+    assert bench_gpu.test_prompts(args, Tokenizer(), "humaneval", 2) == installed
