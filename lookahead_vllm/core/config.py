@@ -28,6 +28,8 @@ DRAFT_SHAPES = ("hier", "par", "one")
 SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 INDEX_UPKEEPS = ("auto", "thread", "inline")
+# Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
+DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
 # Settings that were renamed, and what to use instead.
 RENAMED = {"index_corpus_tokens": "index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)"}
 
@@ -157,6 +159,15 @@ class LookaheadConfig:
     # corrupt or foreign file is refused with a warning; the engine starts
     # cold. "" = none.
     snapshot_path: str = ""
+    # Tenant isolation (core/partitions.py): which finished outputs a request
+    # drafts from besides its own text. "per-salt": a request carrying
+    # vLLM's cache_salt drafts only from outputs of requests with the same
+    # salt, requests without one share a default partition; "per-salt-saved":
+    # the same, and the snapshot also keeps the salted partitions (each under
+    # its salt's SHA-256, restored only to requests with that salt; otherwise
+    # only the default partition is written); "all": every request drafts
+    # from every output, salts ignored; "none": no cross-request drafting.
+    draft_sharing: str = "per-salt"
     # Debug only: switch off pieces of tree verification ("positions", "mask",
     # "compaction") to prove each is needed; output is then NOT lossless.
     debug_disable: tuple[str, ...] = ()
@@ -191,6 +202,8 @@ class LookaheadConfig:
         _check_int("jacobi_window", self.jacobi_window, 1, 64)
         _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
         _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
+        if self.draft_sharing not in DRAFT_SHARINGS:
+            raise ValueError(f"draft_sharing={self.draft_sharing!r}: must be one of {DRAFT_SHARINGS}")
         if self.index_upkeep not in INDEX_UPKEEPS:
             raise ValueError(f"index_upkeep={self.index_upkeep!r}: must be one of {INDEX_UPKEEPS}")
         if self.draft_shape not in DRAFT_SHAPES:

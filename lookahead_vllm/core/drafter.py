@@ -14,6 +14,12 @@ table once (``sync``) and asks for every drafting row's tree (``draft``);
 finished requests are dropped with ``finish``. The Jacobi pool, which needs
 the forward's lookahead outputs, stays with the proposer.
 
+Tenant isolation (core/partitions.py, config ``draft_sharing``): a request
+is admitted into the partition of its salt (``partition``); the index keeps
+partitions apart, warm-start texts join the default partition, snapshots
+keep the partitions the policy saves, each under its label. The trie is one
+shared structure: only default-partition requests feed it and draft from it.
+
 Index nodes lead a merged tree; their ranking weight is
 ``INDEX_WEIGHT * confidence`` so a chain cut from the tree follows them.
 """
@@ -27,7 +33,9 @@ import numpy as np
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
 from lookahead_vllm.core.config import LookaheadConfig
 from lookahead_vllm.core.context_match import ContextIndex, with_context
+from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.partitions import Partitions
 from lookahead_vllm.core.trie import TokenTrie
 
 if TYPE_CHECKING:
@@ -62,6 +70,10 @@ class Drafter:
             self.backoff = make_index(config, native, config.index_backoff, upkeep_thread)
         self.trie = TokenTrie(config) if config.uses_trie else None
         self.threads = config.draft_threads
+        # Salts -> partitions under the config's draft_sharing policy.
+        self.partitions = Partitions(config.draft_sharing)
+        # Trie source only: the slots kept out of the trie (not in the default partition).
+        self._off_trie: set[int] = set()
         # Trie source only: slot -> tokens inserted so far, and its context index.
         self._inserted: dict[int, int] = {}
         self._contexts: dict[int, ContextIndex] = {}
@@ -76,7 +88,7 @@ class Drafter:
         """Running requests holding drafting state."""
         if self.index is not None:
             return self.index.num_live()
-        return len(self._inserted)
+        return len(self._inserted) + len(self._off_trie)
 
     def num_context_indexes(self) -> int:
         """Context indexes held (trie source)."""
@@ -89,23 +101,48 @@ class Drafter:
         total = sum(index.memory_bytes() for index in self._indexes())
         return total + (self.trie.num_bytes if self.trie is not None else 0)
 
+    def partition(self, salt: str | None) -> int:
+        """The partition a request with vLLM ``cache_salt`` ``salt`` drafts in."""
+        return self.partitions.of_salt(salt)
+
+    def partition_stats(self) -> tuple[int, int]:
+        """(partitions holding a request or an output, the corpus's charge in
+        bytes over all of them, back-off index included)."""
+        if self.index is None:
+            return 0, 0
+        parts = set()
+        total = 0
+        for index in self._indexes():
+            charge = index.partition_bytes()
+            parts.update(charge)
+            total += sum(charge.values())
+        return len(parts), total
+
     # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int]) -> int:
+             num_tokens: Sequence[int], prompt_lens: Sequence[int], partitions: Sequence[int] | None = None) -> int:
         """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s
         committed tokens (its first ``prompt_lens[i]`` the prompt): admit new
-        requests, extend or rewind known ones. Returns how many were rewound."""
+        requests (into ``partitions[i]``, from :meth:`partition`; None: the
+        partition of no salt), extend or rewind known ones. Returns how many
+        were rewound."""
         rewound = []
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
+        if partitions is None:
+            partitions = np.full(len(args[0]), self.partition(None), np.int64)
+        partitions = np.asarray(partitions, np.int64)
         if self.index is not None:  # and its back-off, in one call
-            rewound.append(self.index.sync(*args, backoff=self.backoff))
+            rewound.append(self.index.sync(*args, backoff=self.backoff, partitions=partitions))
         if self.trie is not None:
-            rewound.append(sum(self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen))
-                               for slot, row, n, plen in zip(*args[:2], *args[3:])))
+            rewound.append(sum(self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen), int(part))
+                               for slot, row, n, plen, part in zip(*args[:2], *args[3:], partitions)))
         return int(rewound[0]) if rewound else 0
 
-    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int) -> bool:
+    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int, partition: int = DEFAULT) -> bool:
+        if partition != DEFAULT:  # the trie is shared: only the default partition's requests use it
+            self._off_trie.add(slot)
+            return False
         done = self._inserted.get(slot)
         rewound = done is not None and n < done
         if rewound:  # the runner rewound tokens: start over
@@ -136,18 +173,26 @@ class Drafter:
             self._finish_trie(slot)
 
     def _finish_trie(self, slot: int) -> None:
+        self._off_trie.discard(slot)
         self._contexts.pop(slot, None)
         if self._inserted.pop(slot, None) is not None:
             self.trie.finish_request(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
         """Learn a past response (warm start): into the index's corpus as a
-        finished output, and into the trie as output counts."""
+        finished output of the default partition, and into the trie as
+        output counts (nothing where no request shares: ``draft_sharing``
+        "none")."""
+        self._learn(tokens, self.partition(None), self.trie is not None)
+
+    def _learn(self, tokens: Sequence[int], partition: int, trie: bool) -> None:
+        if partition == PRIVATE:
+            return
         self._warm_slots -= 1
         for index in self._indexes():
-            index.add(self._warm_slots, list(tokens), 0)
+            index.add(self._warm_slots, list(tokens), 0, partition=partition)
             index.finish(self._warm_slots)
-        if self.trie is not None:
+        if trie and partition == DEFAULT:
             self.trie.insert_output(tokens)
 
     # ------------------------------------------------------------- drafting
@@ -166,7 +211,7 @@ class Drafter:
                 t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
             n_index = len(t)
             context = 0
-            if self.trie is not None and budgets[i] > 0:
+            if self.trie is not None and budgets[i] > 0 and int(slot) not in self._off_trie:
                 t, context = self._draft_trie(int(slot), contexts[i], int(budgets[i]), floor, t)
             kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
             out.append((t, kinds))
@@ -197,17 +242,22 @@ class Drafter:
 
     # ------------------------------------------------------------ snapshots
     def snapshot(self, identity: dict, info: dict | None = None) -> "Snapshot":
-        """What the drafter learned (core/snapshot.py): the index's corpus and
-        the trie's output counts."""
+        """What the drafter learned (core/snapshot.py): the index's corpus in
+        the partitions its policy saves (``Partitions.saved``), each output
+        with its partition's label, and the trie's output counts."""
         from lookahead_vllm.core.snapshot import Snapshot, TrieTable, settings_of
 
-        sequences = self.index.corpus_sequences() if self.index is not None else []
+        sequences, labels = [], []
+        for partition in self.partitions.saved() if self.index is not None else ():
+            held = self.index.corpus_sequences(partition)
+            sequences += held
+            labels += [self.partitions.label(partition)] * len(held)
         table = None
         if self.trie is not None:
             parents, tokens, counts = self.trie.output_counts()
             table = TrieTable(np.asarray(parents, np.int32), np.asarray(tokens, np.int32),
                               np.asarray(counts, np.float64))
-        return Snapshot(dict(identity), settings_of(self.config), dict(info or {}), sequences, table)
+        return Snapshot(dict(identity), settings_of(self.config), dict(info or {}), sequences, table, labels)
 
     def save_snapshot(self, path: str, identity: dict, info: dict | None = None) -> "Snapshot":
         """Write :meth:`snapshot` to ``path`` atomically; returns it."""
@@ -219,24 +269,22 @@ class Drafter:
 
     def load_snapshot(self, path: str, identity: dict) -> "Snapshot":
         """Read a snapshot written for ``identity`` and learn it: its corpus
-        (oldest first) into the index as finished outputs, its output counts
-        into the trie (or, without a trie table, its corpus as warm texts).
-        Raises SnapshotError, before changing anything, if it is refused."""
+        (oldest first) into the index as finished outputs, each into the
+        partition its label names under this policy (``Partitions.of_label``;
+        outputs of partitions the policy does not restore are skipped), its
+        output counts into the trie (or, without a trie table, its default
+        partition's outputs as warm texts). Raises SnapshotError, before
+        changing anything, if it is refused."""
         from lookahead_vllm.core.snapshot import read_snapshot, settings_of
 
         snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)
-        for tokens in snap.sequences:
-            self._warm_slots -= 1
-            for index in self._indexes():
-                index.add(self._warm_slots, tokens, 0)
-                index.finish(self._warm_slots)
-        if self.trie is not None:
-            if snap.trie is not None:
-                self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
-                                             snap.trie.counts.tolist())
-            else:
-                for tokens in snap.sequences:
-                    self.trie.insert_output(tokens)
+        for tokens, label in zip(snap.sequences, snap.labels):
+            partition = self.partitions.of_label(label)
+            if partition is not None:
+                self._learn(tokens, partition, self.trie is not None and snap.trie is None)
+        if self.trie is not None and snap.trie is not None and self.partition(None) == DEFAULT:
+            self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
+                                         snap.trie.counts.tolist())
         return snap
 
 

@@ -12,6 +12,9 @@ Terms:
              row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its
              output count. Prompt counts belong to running requests and are
              not stored.
+  labels     each output's partition (core/partitions.py): "" the default
+             partition, "sha256:<hex>" a salted one (written only where the
+             policy saves salted partitions; the salt itself never is).
   identity   what the token ids mean: the model (tokenizer) name and its
              vocabulary size. A snapshot of another identity is refused.
 
@@ -19,8 +22,10 @@ File layout (little-endian)::
 
     magic     8 bytes  b"LKAHSNAP"
     version   uint32   FORMAT_VERSION
-    header    uint32 length + JSON: identity, settings, info, counts
+    header    uint32 length + JSON: identity, settings, info, counts,
+              "partitions": the salted labels held
     lengths   int32[num_sequences]
+    labels    int32[num_sequences]: 0 = "", i = partitions[i - 1]  (version 2)
     tokens    int32[sum(lengths)]
     trie      int32[n] parents, int32[n] tokens, float64[n] counts
     crc32     uint32 of every byte before it
@@ -29,7 +34,8 @@ File layout (little-endian)::
 change what is stored are checked (``branch_length``, the trie table's
 depth, when the snapshot has a trie table). Writes are atomic: a temporary
 file in the same folder, fsync, ``os.replace``; a crash leaves the old
-snapshot or the new one, never a part.
+snapshot or the new one, never a part. Version 1 files (no labels: all
+outputs in the default partition) are still read.
 
 Worked example: an engine served two requests whose outputs were ``5 6 7``
 then ``8 9``; its snapshot holds lengths ``[3, 2]`` and tokens
@@ -53,7 +59,9 @@ from typing import Any, Mapping
 import numpy as np
 
 MAGIC = b"LKAHSNAP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this build reads (1: before partitions, every output in the default one).
+READ_VERSIONS = (1, 2)
 # Config fields written to the header (those that shape drafts).
 DRAFT_SETTINGS = ("source", "branch_length", "insert_output", "index_ngram", "index_backoff",
                   "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
@@ -85,6 +93,14 @@ class Snapshot:
     sequences: list[list[int]] = field(default_factory=list)
     # The trie's output counts (None: no trie source).
     trie: TrieTable | None = None
+    # Each output's partition label (core/partitions.py); None = all "".
+    labels: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.labels is None:
+            object.__setattr__(self, "labels", [""] * len(self.sequences))
+        if len(self.labels) != len(self.sequences):
+            raise ValueError(f"labels: {len(self.labels)} for {len(self.sequences)} sequences")
 
     @property
     def num_tokens(self) -> int:
@@ -115,15 +131,18 @@ def encode(snap: Snapshot) -> bytes:
     lengths = np.asarray([len(s) for s in snap.sequences], "<i4")
     tokens = np.concatenate([np.asarray(s, "<i4") for s in snap.sequences]) if snap.sequences else np.zeros(0, "<i4")
     trie = snap.trie or TrieTable(np.zeros(0, "<i4"), np.zeros(0, "<i4"), np.zeros(0, "<f8"))
+    salted = sorted({label for label in snap.labels if label})
+    number = {label: i + 1 for i, label in enumerate(salted)}
+    labels = np.asarray([number.get(label, 0) for label in snap.labels], "<i4")
     header = json.dumps({
         "identity": snap.identity, "settings": snap.settings, "info": snap.info,
         "num_sequences": len(lengths), "num_tokens": int(lengths.sum()),
-        "trie_nodes": len(trie.tokens), "has_trie": snap.trie is not None,
+        "trie_nodes": len(trie.tokens), "has_trie": snap.trie is not None, "partitions": salted,
     }, sort_keys=True).encode()
     buf = io.BytesIO()
     buf.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
     buf.write(header)
-    for arr, dtype in ((lengths, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
+    for arr, dtype in ((lengths, "<i4"), (labels, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
                        (trie.counts, "<f8")):
         buf.write(np.ascontiguousarray(arr, dtype).tobytes())
     body = buf.getvalue()
@@ -171,24 +190,30 @@ def decode(data: bytes) -> Snapshot:
     magic, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise SnapshotError(f"not a lookahead snapshot (magic {magic!r}, expected {MAGIC!r})")
-    if version != FORMAT_VERSION:
-        raise SnapshotError(f"format version {version}, this build reads version {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise SnapshotError(f"format version {version}, this build reads versions {READ_VERSIONS}")
     (crc,) = struct.unpack_from("<I", data, len(data) - 4)
     if zlib.crc32(data[:-4]) != crc:
         raise SnapshotError("checksum mismatch (truncated or corrupt file)")
     try:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen])
         ns, nt, nn = int(header["num_sequences"]), int(header["num_tokens"]), int(header["trie_nodes"])
+        salted = [str(label) for label in header.get("partitions", [])]
     except (ValueError, KeyError, TypeError) as exc:
         raise SnapshotError(f"unreadable header ({exc})") from None
-    sizes = ((ns, "<i4"), (nt, "<i4"), (nn, "<i4"), (nn, "<i4"), (nn, "<f8"))
+    nl = ns if version >= 2 else 0
+    sizes = ((ns, "<i4"), (nl, "<i4"), (nt, "<i4"), (nn, "<i4"), (nn, "<i4"), (nn, "<f8"))
     at, arrays = _PREFIX.size + hlen, []
     if at + sum(n * np.dtype(d).itemsize for n, d in sizes) != len(data) - 4:
         raise SnapshotError("payload size does not match the header (truncated or corrupt file)")
     for n, dtype in sizes:
         arrays.append(np.frombuffer(data, dtype, n, at))
         at += n * np.dtype(dtype).itemsize
-    lengths, tokens, parents, ttokens, counts = arrays
+    lengths, label_ids, tokens, parents, ttokens, counts = arrays
+    if nl and ((label_ids < 0) | (label_ids > len(salted))).any():
+        raise SnapshotError("an output's partition is not in the header's partitions")
+    names = ["", *salted]
+    labels = [names[i] for i in label_ids.tolist()] if nl else [""] * ns
     if (lengths < 0).any() or int(lengths.sum()) != nt:
         raise SnapshotError("sequence lengths do not add up to the token count")
     if nn and ((parents < -1) | (parents >= np.arange(nn))).any():
@@ -197,7 +222,7 @@ def decode(data: bytes) -> Snapshot:
     sequences = [s.tolist() for s in np.split(tokens, bounds)] if ns else []
     trie = TrieTable(parents.astype(np.int32), ttokens.astype(np.int32), counts.astype(np.float64)) \
         if header.get("has_trie") else None
-    return Snapshot(header["identity"], header.get("settings", {}), header.get("info", {}), sequences, trie)
+    return Snapshot(header["identity"], header.get("settings", {}), header.get("info", {}), sequences, trie, labels)
 
 
 def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],

