@@ -6,7 +6,9 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
-The defaults per platform are :data:`PLATFORM_TOKEN_COSTS`. On this
+The defaults per platform are :data:`PLATFORM_TOKEN_COSTS`; the engine starts
+from them and fits its own prices from its steps' times (core/prices.py) unless
+the configuration pins them (:func:`prices_pinned`). On this
 project's 2-core CPU with SmolLM2-135M three measurements gave 1.05-1.16
 forwards at T = 9, 1.28-1.49 at 17, 1.90 at 25, 2.18-2.22 at 33 and 3.93 at
 65, with T <= 5 no dearer than one token; ``free_tokens=5, marginal_tokens=20``
@@ -47,7 +49,8 @@ if TYPE_CHECKING:
     from lookahead_vllm.core.config import LookaheadConfig
 
 
-# (free_tokens, marginal_tokens) where the config leaves them at -1. "cpu":
+# (free_tokens, marginal_tokens) where the config leaves them at -1: the
+# prior the online fit (core/prices.py) starts from and falls back to. "cpu":
 # fit to this project's measured curves (above). "gpu": seed 000 measured the
 # critical decoding length of a 10B model on an A100 at ~128 tokens (context
 # 256); half of it, and one more forward per 64 tokens past it, errs on the
@@ -107,6 +110,13 @@ def forward_cost(
     marginal = marginal if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
     setup, per_path = platform_paths if config.cost_per_path < 0 else (0.0, config.cost_per_path)
     return ForwardCost(free, marginal, per_path, setup)
+
+
+def prices_pinned(config: "LookaheadConfig") -> bool:
+    """Whether ``config`` sets the token prices by hand (``cost_free_tokens``
+    or ``cost_marginal_tokens`` >= 0; ``cost_free_tokens=0`` turns the model
+    off): then the engine does not fit its own (core/prices.py)."""
+    return config.cost_free_tokens >= 0 or config.cost_marginal_tokens >= 0
 
 
 # The batch-scaled confidence floor never exceeds this, so large batches still

@@ -73,9 +73,11 @@ class LookaheadConfig:
     # cost_free_tokens tokens costs about one token's forward; past that,
     # cost_marginal_tokens more tokens cost one more forward. Each step keeps
     # the batch's most confident draft nodes only while they raise expected
-    # tokens per second. -1 = the platform's default (budget.PLATFORM_TOKEN_COSTS:
-    # 5 and 20 measured on this project's CPU, 64 and 64 on a GPU, which
-    # verifies far more tokens for free); cost_free_tokens=0 turns it off.
+    # tokens per second. -1 (both) = measured online: the engine fits both
+    # prices to its own decode steps' times (core/prices.py), starting from the
+    # platform's defaults (budget.PLATFORM_TOKEN_COSTS: 5 and 20 measured on
+    # this project's CPU, 64 and 64 on a GPU). Either one >= 0 pins both (the
+    # other at its platform default); cost_free_tokens=0 turns the model off.
     cost_free_tokens: int = -1
     cost_marginal_tokens: float = -1.0
     # Extra cost, in forwards, of each root-to-leaf path a tree step's

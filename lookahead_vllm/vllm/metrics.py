@@ -24,6 +24,13 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_request_states                        gauge: requests the drafter holds state for now
                                                   (the proposer's ``num_request_states()``; 0 once
                                                   the engine drained, whatever was aborted)
+  lookahead_price_free_tokens                     gauge: tokens a forward scores for the price of one
+  lookahead_price_marginal_tokens                 gauge: past those, tokens that cost one more forward
+  lookahead_price_step_seconds                    gauge: fitted time of a step within the free tokens
+                                                  (0 until fitted); the three are averaged, not summed,
+                                                  over processes
+  lookahead_price_samples                         gauge: step-time samples the live prices rest on
+                                                  (0 = platform prior or pinned by configuration)
   lookahead_draft_partitions{sharing}             gauge: draft index partitions holding a request or an
                                                   output (tenant isolation, config draft_sharing)
   lookahead_corpus_bytes{sharing}                 gauge: the draft index corpus's charge over all
@@ -95,6 +102,13 @@ class StepStats:
     trie_nodes: int = 0
     trie_bytes: int = 0
     load_budget: int = 0
+    # The forward-cost model's live prices (core/prices.py): "pinned" by the
+    # configuration, the platform's "prior", or "fitted" to step times.
+    price_free_tokens: int = 0
+    price_marginal_tokens: float = 0.0
+    price_step_seconds: float = 0.0
+    price_samples: int = 0
+    price_source: str = "pinned"
     # Tenant isolation (core/partitions.py): the policy, the partitions held
     # and the corpus's charge over them (read with the memory gauges).
     draft_sharing: str = ""
@@ -117,6 +131,11 @@ class StepStats:
         self.drafter_seconds.observe(seconds)
         self.draft_tokens_per_step.observe(draft_tokens)
         self.accepted_tokens_per_step.observe(accepted)
+
+    def set_prices(self, cost: Any, source: str, step_seconds: float = 0.0, samples: int = 0) -> None:
+        """The prices of ``cost`` (a budget.ForwardCost) are live from now on."""
+        self.price_free_tokens, self.price_marginal_tokens = cost.free_tokens, cost.marginal_tokens
+        self.price_step_seconds, self.price_samples, self.price_source = step_seconds, samples, source
 
     def snapshot(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,9 +161,11 @@ class IntervalLogger:
             return
         self.logger.info(
             "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes (%.1f MiB), "
-            "drafter %.3f ms/step, load budget %d nodes/request",
+            "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f "
+            "(%s, %d samples)",
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.trie_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
+            stats.price_free_tokens, stats.price_marginal_tokens, stats.price_source, stats.price_samples,
         )
 
 
@@ -263,6 +284,16 @@ class StatsCollector:
             ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
         ):
             yield GaugeMetricFamily(name, doc, value=total(key))
+        for name, key, doc in (
+            ("lookahead_price_free_tokens", "price_free_tokens",
+             "Tokens a forward scores for the price of one (forward-cost model, live)."),
+            ("lookahead_price_marginal_tokens", "price_marginal_tokens",
+             "Tokens past the free ones that cost one more forward (forward-cost model, live)."),
+            ("lookahead_price_step_seconds", "price_step_seconds",
+             "Fitted seconds of a step within the free tokens (0 until fitted)."),
+            ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))
         yield from _partition_gauges(GaugeMetricFamily, snaps)
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),

@@ -177,14 +177,14 @@ def patch_lookahead_validation() -> bool:
 def patch_runner_request_ids() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
+    from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 
     def make(original):
         def _update_states(self, scheduler_output):
             drafter = getattr(self, "drafter", None)
             if isinstance(drafter, LookaheadProposer):
                 drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
-                                 scheduler_output.scheduled_spec_decode_tokens)
+                                 scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
                 drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
             return original(self, scheduler_output)
 
@@ -375,7 +375,6 @@ def patch_cpu_kernel_overrides_once() -> bool:
 # when lookahead is selected: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "cli_speculative_model")
-
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,

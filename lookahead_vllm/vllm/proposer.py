@@ -37,15 +37,19 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import (
+    PLATFORM_TOKEN_COSTS,
+    ForwardCost,
     allocate_step_budget,
     confidence_floor,
     forward_cost,
     opens_path,
+    prices_pinned,
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
+from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
@@ -191,6 +195,13 @@ class LookaheadProposer:
 
             platform_paths = path_cost()
         self.cost = forward_cost(self.config, platform_paths, self.platform)
+        # Token prices fitted to this engine's own step times (core/prices.py),
+        # unless the configuration pins them or turns the cost model off.
+        self.prices = (None if prices_pinned(self.config)
+                       else OnlinePrices(PLATFORM_TOKEN_COSTS[self.platform]))
+        # The last step's shape and start time (on_step), for the fit.
+        self._last_step: tuple[StepShape, float] | None = None
+        self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
         # The array path (module docstring) where the settings allow it; tests
         # set it False before the first step to run the per-request path.
         self.batch_chains = (not self.tree_mode and self.config.sources == ("index",)
@@ -215,11 +226,33 @@ class LookaheadProposer:
     # ------------------------------------------------------------ lifecycle
     # Called by the runner patch at the start of every step.
     def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
-                scheduled_drafts: dict[str, list[int]] | None = None) -> None:
+                scheduled_drafts: dict[str, list[int]] | None = None, shape: "StepShape | None" = None) -> None:
         self._input_batch = input_batch
         for req_id in finished_req_ids:
             self.finish(req_id)
         self._scheduled = scheduled_drafts or {}
+        if shape is not None and self.prices is not None:
+            self._time_step(shape, time.perf_counter())
+
+    def _time_step(self, shape: "StepShape", now: float) -> None:
+        """The last step's time (its start to this one's) becomes a price
+        sample if it was a pure decode step and the engine did not idle in
+        between (this step continues a request the last one ran)."""
+        last, self._last_step = self._last_step, (shape, now)
+        if last is None or not shape.continuing or not last[0].pure_decode:
+            return
+        if self.prices.observe(last[0].tokens, now - last[1]):
+            self._adopt_prices()
+
+    def _adopt_prices(self) -> None:
+        """Price the next steps with the new fit; tensor-parallel ranks take
+        rank 0's, so every rank drafts the same tokens (a refit falls on the
+        same step everywhere: the samples' count depends on the schedule
+        alone)."""
+        fit = self.prices.prices
+        prices = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens))
+        self.cost = ForwardCost(prices[0], prices[1], self.cost.per_path, self.cost.path_setup)
+        self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
         """Create the states of newly admitted requests with their options
@@ -482,7 +515,6 @@ class LookaheadProposer:
         self.metrics.draft_sharing = self.config.draft_sharing
         self.metrics.draft_partitions, self.metrics.corpus_bytes = self.drafter.partition_stats()
 
-
     def _record_metrics(self, drafts, sampled_lens: np.ndarray, num_rows: int, skipped: dict[str, int],
                         load_budget: int, start_ns: int) -> None:
         accepted = int(sampled_lens.sum()) - int(np.count_nonzero(sampled_lens))  # the bonus tokens are not
@@ -641,6 +673,41 @@ class LookaheadProposer:
     def _tree_verifiable(self, req_id: str) -> bool:
         state = self.requests.get(req_id)
         return state is not None and tree_verifiable(state.sampling_params)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the scheduler put into one engine step, as the price fit needs it."""
+
+    # Tokens the forward scores (prefill chunks, decode rows, draft tokens).
+    tokens: int
+    # No prefill in the step: every scheduled request scores its one new
+    # token and its draft.
+    pure_decode: bool
+    # The step runs a request that the step before it ran too (no idle gap).
+    continuing: bool
+
+    @classmethod
+    def of(cls, scheduler_output: Any) -> "StepShape":
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        rows = len(scheduler_output.num_scheduled_tokens)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        drafts = sum(map(len, spec.values()))
+        return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
+                   bool(scheduler_output.scheduled_cached_reqs.req_ids))
+
+
+def _shared_across_ranks(prices: tuple[int, float]) -> tuple[int, float]:
+    """Tensor-parallel rank 0's prices on every rank (the same values where
+    there is one rank)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    try:
+        if get_tensor_model_parallel_world_size() <= 1:
+            return prices
+    except AssertionError:  # no distributed state (unit tests): a single rank
+        return prices
+    return tuple(get_tp_group().broadcast_object(prices, src=0))
 
 
 def _platform() -> str:

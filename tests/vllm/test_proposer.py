@@ -426,3 +426,97 @@ def test_memory_gauge_is_refreshed_every_few_steps():
     before = p.drafter.memory_bytes()
     step(p, rows, {r: len(A) if r == "a" else len(B) for r in rows})
     assert p.metrics.trie_bytes == before > first
+
+
+# ------------------------------------------------------ prices measured online
+def _shape(tokens: int, pure: bool = True, continuing: bool = True):
+    from lookahead_vllm.vllm.proposer import StepShape
+
+    return StepShape(tokens, pure, continuing)
+
+
+def test_step_shape_reads_the_scheduler_output():
+    from lookahead_vllm.vllm.proposer import StepShape
+
+    def out(new, cached, num_scheduled, spec):
+        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=SimpleNamespace(req_ids=cached),
+                               num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+                               scheduled_spec_decode_tokens=spec)
+
+    decode = out([], ["a", "b"], {"a": 4, "b": 1}, {"a": [5, 6, 7]})
+    assert StepShape.of(decode) == StepShape(5, True, True)
+    chunk = out([], ["a", "b"], {"a": 4, "b": 64}, {"a": [5, 6, 7]})  # b prefills a chunk
+    assert StepShape.of(chunk) == StepShape(68, False, True)
+    fresh = out([SimpleNamespace(req_id="c")], [], {"c": 12}, {})
+    assert StepShape.of(fresh) == StepShape(12, False, False)
+
+
+def test_prices_are_fitted_from_step_times_and_published():
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    p = make_proposer(cost_free_tokens=-1)  # measured online
+    assert p.prices is not None and (p.cost.free_tokens, p.cost.marginal_tokens) == (5, 20.0)
+    assert (p.metrics.price_free_tokens, p.metrics.price_source) == (5, "prior")
+    truth, now = ForwardCost(12, 6.0), 0.0
+    for i in range(REFIT_EVERY * 8 + 1):
+        tokens = 1 + i % 40
+        p._time_step(_shape(tokens), now)
+        now += 0.01 * truth(tokens)
+    assert (p.cost.free_tokens, p.cost.marginal_tokens) == (p.prices.prices.free_tokens, p.prices.prices.marginal_tokens)
+    assert abs(p.cost.free_tokens - 12) <= 1 and p.cost.marginal_tokens == pytest.approx(6.0, rel=0.1)
+    m = p.metrics.snapshot()
+    assert m["price_source"] == "fitted" and m["price_free_tokens"] == p.cost.free_tokens
+    assert m["price_samples"] > 0 and m["price_step_seconds"] == pytest.approx(0.01, rel=0.05)
+
+
+def test_only_pure_decode_steps_without_idle_gaps_are_priced():
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    p = make_proposer(cost_free_tokens=-1)
+    now = 0.0
+    for i in range(REFIT_EVERY * 4):
+        prefill = i % 2 == 0  # every other step carries a prefill chunk (slow: 1 s)
+        p._time_step(_shape(1 + i % 8, pure=not prefill), now)
+        now += 1.0 if prefill else 0.01
+    assert p.prices.observed == REFIT_EVERY * 2 - 1  # the decode steps only (the first has no start)
+    p._time_step(_shape(3, continuing=False), now + 100.0)  # the engine idled 100 s: no sample
+    assert p.prices.observed == REFIT_EVERY * 2 - 1
+    tokens, seconds, _ = p.prices.buckets()
+    assert seconds.max() < 0.02
+
+
+def test_pinned_prices_are_not_fitted():
+    for pinned in ({"cost_free_tokens": 8}, {"cost_marginal_tokens": 30.0}, {"cost_free_tokens": 0}):
+        p = make_proposer(**pinned)
+        assert p.prices is None
+        p._time_step = None  # on_step must not time steps at all
+        p.on_step(SimpleNamespace(req_ids=[]), (), None, _shape(4))
+        assert p.metrics.price_source == "pinned"
+    p = make_proposer(cost_free_tokens=8)
+    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.metrics.price_free_tokens) == (8, 20.0, 8)
+
+
+def test_ranks_take_rank_zeros_prices(monkeypatch):
+    """With tensor parallelism every rank prices with rank 0's fit, whatever its own clock said."""
+    import vllm.distributed as dist
+
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    sent = []
+
+    class Group:
+        def broadcast_object(self, obj, src=0):
+            sent.append((obj, src))
+            return (7, 11.0)  # rank 0's prices
+
+    monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_tp_group", lambda: Group())
+    p = make_proposer(cost_free_tokens=-1)
+    now = 0.0
+    for i in range(REFIT_EVERY):
+        p._time_step(_shape(1 + i % 20), now)
+        now += 0.01
+    p._time_step(_shape(1), now)
+    assert sent and sent[0][1] == 0
+    assert (p.cost.free_tokens, p.cost.marginal_tokens) == (7, 11.0)

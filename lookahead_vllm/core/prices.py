@@ -1,0 +1,159 @@
+"""Token prices the engine measures itself: the forward-cost model fitted online.
+
+The forward-cost model (core/budget.py) prices a step that scores ``T``
+tokens at ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens``
+single-token forwards. Its two prices depend on the machine, the model, the
+context lengths and what else the host is doing, so :class:`OnlinePrices`
+fits them from the engine's own steps: every pure decode step (no prefill
+in it) gives one sample ``(T, seconds)``, the wall time from the start of
+that step to the start of the next, as ``benchmarks/bench_forward_cost.py``
+times ``engine.step()``. The fit is the price pair whose curve, scaled by a
+free per-step time ``t0``, best explains the samples::
+
+    seconds(T) ~= t0 * cost(T)
+
+* **Robust.** Samples go into buckets by ``T`` (one per token count up to
+  64, then ~6% wide); a bucket keeps its last :data:`RING` samples and
+  enters the fit by their median, so a stall or a preempted step moves
+  nothing. Residuals are taken in log time, so the fit is scale-free.
+* **Bounded.** :data:`NUM_BUCKETS` x :data:`RING` samples at most, whatever
+  the traffic; a fit is a grid search over (free, marginal) pairs.
+* **Adaptive.** Rings forget old samples, and a bucket that has not been
+  visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
+  a change of load or machine.
+* **Prior.** The platform's defaults (``PLATFORM_TOKEN_COSTS``) are a prior
+  on both prices (log-normal, a factor of 2 wide), which holds them where
+  the samples say nothing: a batch that never scored more than 17 tokens
+  does not tell what 64 cost.
+* **Deterministic.** The same samples give the same prices bit for bit, and
+  tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
+  every rank drafts the same tokens.
+
+Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior
+(5, 20): a flat start then 0.6 forwards over 12 tokens: ``free`` near 5 and
+``marginal`` near 20.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Samples a bucket keeps (the median of these enters the fit).
+RING = 16
+# A bucket enters the fit with at least this many samples.
+MIN_BUCKET_SAMPLES = 3
+# Buckets visited within this many observed steps enter the fit.
+MAX_AGE_STEPS = 4096
+# Token counts up to EXACT_TOKENS get a bucket each; past it buckets grow
+# geometrically by GROWTH up to MAX_TOKENS (larger counts share the last).
+EXACT_TOKENS = 64
+GROWTH = 1.0625
+MAX_TOKENS = 1 << 16
+NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
+# Prior strength: a price a factor of 2 from the prior costs as much as a
+# log-time residual of ~0.22 on one full bucket. Medians of RING samples of a
+# noisy CPU step scatter by ~0.02 in log time, so noise alone never moves a
+# price the samples cannot tell apart, while a real slope does.
+PRIOR_WEIGHT = 0.05
+# The candidate prices. free: every count up to 16, then 25% apart up to
+# 4096; marginal: 1 to 8192, 20% apart (a cost curve off by at most ~10%).
+FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
+MARGINAL_GRID = np.round(np.geomspace(1.0, 8192.0, 50), 2)
+# Refit after this many new samples (a fit takes a few ms: ~0.05 ms a step).
+REFIT_EVERY = 64
+
+
+def bucket_of(tokens: int) -> int:
+    """The bucket of a step that scored ``tokens`` tokens (>= 1)."""
+    if tokens <= EXACT_TOKENS:
+        return tokens - 1
+    b = EXACT_TOKENS + int(math.log(tokens / EXACT_TOKENS) / math.log(GROWTH))
+    return min(b, NUM_BUCKETS - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """One fit: the cost model's prices and what they rest on."""
+
+    free_tokens: int
+    marginal_tokens: float
+    # Seconds of a step within the free tokens (the fit's t0; 0 = prior only).
+    step_seconds: float = 0.0
+    # Buckets and samples the fit used (0 = the prior alone).
+    buckets: int = 0
+    samples: int = 0
+
+
+class OnlinePrices:
+    """Step-time samples by scored tokens, and the prices they imply (module docstring)."""
+
+    def __init__(self, prior: tuple[int, float]) -> None:
+        free, marginal = prior
+        if free < 1 or marginal <= 0:
+            raise ValueError(f"prior={prior!r}: free tokens must be >= 1 and marginal tokens > 0")
+        self.prior = Prices(int(free), float(marginal))
+        self.prices = self.prior
+        self._tokens = np.zeros((NUM_BUCKETS, RING))  # the samples' scored tokens
+        self._seconds = np.zeros((NUM_BUCKETS, RING))
+        self._count = np.zeros(NUM_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
+        self._last_seen = np.full(NUM_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
+        self.observed = 0  # samples so far
+        self._since_fit = 0
+        # The candidates, the prior's own prices among them, and the prior's
+        # penalty on each pair: [F, M].
+        self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
+        self._marginal_grid = np.unique(np.append(MARGINAL_GRID, marginal))
+        self._penalty = PRIOR_WEIGHT * (
+            ((np.log(self._free_grid)[:, None] - math.log(free)) / math.log(2)) ** 2
+            + ((np.log(self._marginal_grid)[None, :] - math.log(marginal)) / math.log(2)) ** 2)
+
+    def observe(self, tokens: int, seconds: float) -> bool:
+        """One pure decode step that scored ``tokens`` tokens in ``seconds``;
+        True when the prices were refitted (every :data:`REFIT_EVERY` samples)."""
+        if tokens < 1 or not seconds > 0 or not math.isfinite(seconds):
+            return False
+        b = bucket_of(tokens)
+        pos = self._count[b] % RING
+        self._tokens[b, pos], self._seconds[b, pos] = tokens, seconds
+        self._count[b] += 1
+        self._last_seen[b] = self.observed
+        self.observed += 1
+        self._since_fit += 1
+        if self._since_fit < REFIT_EVERY:
+            return False
+        self._since_fit = 0
+        self.prices = self.fit()
+        return True
+
+    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The buckets that enter the fit: median scored tokens, median
+        seconds and sample count of each."""
+        n = np.minimum(self._count, RING)
+        idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
+        return _ring_median(self._tokens[idx], n[idx]), _ring_median(self._seconds[idx], n[idx]), n[idx]
+
+    def fit(self) -> Prices:
+        """The prices that best explain the live buckets, under the prior."""
+        tokens, seconds, weight = self.buckets()
+        if len(tokens) < 2:
+            return self.prior
+        w = weight.astype(np.float64)
+        over = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])  # [F, B]
+        log_cost = np.log1p(over[:, None, :] / self._marginal_grid[None, :, None])  # [F, M, B]
+        resid = np.log(seconds) - log_cost
+        log_t0 = (resid @ w) / w.sum()  # each candidate's best t0, closed form: [F, M]
+        sse = ((resid - log_t0[..., None]) ** 2) @ w
+        f, m = np.unravel_index(int(np.argmin(sse + self._penalty)), sse.shape)
+        return Prices(int(self._free_grid[f]), float(self._marginal_grid[m]), float(np.exp(log_t0[f, m])), len(tokens),
+                      int(weight.sum()))
+
+
+def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Per row of ``rings [B, RING]``, the median of its first ``n[b]`` cells."""
+    filled = np.where(np.arange(rings.shape[1]) < n[:, None], rings, np.inf)
+    ordered = np.sort(filled, axis=1)
+    rows = np.arange(len(n))
+    return (ordered[rows, (n - 1) // 2] + ordered[rows, n // 2]) / 2

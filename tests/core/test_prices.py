@@ -1,0 +1,125 @@
+"""OnlinePrices: the forward-cost model's prices fitted to step times (core/prices.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lookahead_vllm.core import prices as P
+from lookahead_vllm.core.budget import ForwardCost
+from lookahead_vllm.core.prices import OnlinePrices, Prices, bucket_of
+
+CPU_PRIOR = (5, 20.0)
+
+
+def feed(fitter: OnlinePrices, truth: ForwardCost, steps: int, max_tokens: int, seed: int = 0,
+         noise: float = 0.05, outliers: float = 0.0, t0: float = 0.02) -> None:
+    """``steps`` samples at uniform scored-token counts in [1, max_tokens):
+    ``t0 * truth(T)`` with log-normal noise, and a share ``outliers`` of them
+    stalled 3-20x."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = int(rng.integers(1, max_tokens))
+        seconds = t0 * truth(tokens) * float(np.exp(rng.normal(0.0, noise)))
+        if rng.random() < outliers:
+            seconds *= float(rng.uniform(3.0, 20.0))
+        fitter.observe(tokens, seconds)
+
+
+def curve_error(fit: Prices, truth: ForwardCost, max_tokens: int) -> float:
+    """Largest relative error of the fitted cost curve over 1..max_tokens."""
+    fitted = ForwardCost(fit.free_tokens, fit.marginal_tokens)
+    return max(abs(fitted(t) / truth(t) - 1.0) for t in range(1, max_tokens))
+
+
+@pytest.mark.parametrize("truth", [(5, 20.0), (12, 40.0), (2, 8.0), (24, 150.0), (40, 10.0)])
+def test_converges_to_the_true_curve(truth):
+    cost = ForwardCost(*truth)
+    fitter = OnlinePrices(CPU_PRIOR)
+    feed(fitter, cost, 600, 80)
+    assert fitter.prices.samples > 0  # refitted from samples, not the prior
+    assert curve_error(fitter.prices, cost, 80) < 0.10
+    assert fitter.prices.step_seconds == pytest.approx(0.02, rel=0.1)
+
+
+def test_ignores_outliers():
+    cost = ForwardCost(8, 30.0)
+    clean, noisy = OnlinePrices(CPU_PRIOR), OnlinePrices(CPU_PRIOR)
+    feed(clean, cost, 800, 64, seed=1)
+    feed(noisy, cost, 800, 64, seed=1, outliers=0.15)
+    assert curve_error(noisy.prices, cost, 64) < 0.10
+    # A mean-based fit would be pulled up by the stalls: t0 stays put.
+    assert noisy.prices.step_seconds == pytest.approx(clean.prices.step_seconds, rel=0.1)
+
+
+def test_prior_holds_where_samples_say_nothing():
+    fitter = OnlinePrices((64, 64.0))
+    assert fitter.fit() == Prices(64, 64.0)  # no samples: the prior itself
+    feed(fitter, ForwardCost(64, 64.0), 300, 5)  # flat over 1..4 tokens
+    fit = fitter.prices
+    # Nothing says where the curve bends or how steep it gets: the prior stands.
+    assert fit.free_tokens == 64 and fit.marginal_tokens == pytest.approx(64.0, rel=0.1)
+
+
+def test_flat_samples_push_free_tokens_past_the_prior():
+    fitter = OnlinePrices(CPU_PRIOR)
+    feed(fitter, ForwardCost(64, 64.0), 600, 40)  # flat up to 39 tokens, prior says 5
+    assert fitter.prices.free_tokens >= 36
+
+
+def test_adapts_when_the_machine_changes():
+    fitter = OnlinePrices(CPU_PRIOR)
+    feed(fitter, ForwardCost(16, 64.0), 2000, 64, seed=2)
+    assert curve_error(fitter.prices, ForwardCost(16, 64.0), 64) < 0.10
+    slower = ForwardCost(4, 8.0)  # another tenant took the machine's spare compute
+    feed(fitter, slower, 2000, 64, seed=3)
+    assert curve_error(fitter.prices, slower, 64) < 0.10
+
+
+def test_stale_buckets_leave_the_fit():
+    fitter = OnlinePrices(CPU_PRIOR)
+    feed(fitter, ForwardCost(4, 4.0), 500, 32, t0=0.05)  # an old, busy workload up to 31 tokens
+    for _ in range(P.MAX_AGE_STEPS + P.REFIT_EVERY):
+        fitter.observe(40, 0.01)  # then only 40-token steps: one bucket
+    tokens, _, _ = fitter.buckets()
+    assert tokens.tolist() == [40.0]
+    assert fitter.prices == fitter.prior  # one live bucket cannot place a curve
+
+
+def test_memory_is_bounded():
+    fitter = OnlinePrices(CPU_PRIOR)
+    shapes = (fitter._tokens.shape, fitter._seconds.shape)
+    rng = np.random.default_rng(4)
+    for tokens in rng.integers(1, 1 << 20, 5000):
+        fitter.observe(int(tokens), 0.01 + tokens * 1e-7)
+    assert (fitter._tokens.shape, fitter._seconds.shape) == shapes == (((P.NUM_BUCKETS, P.RING),) * 2)
+    assert fitter.observed == 5000
+    assert bucket_of(1) == 0 and bucket_of(P.EXACT_TOKENS) == P.EXACT_TOKENS - 1
+    assert bucket_of(P.EXACT_TOKENS + 1) == P.EXACT_TOKENS
+    assert bucket_of(10 ** 9) == P.NUM_BUCKETS - 1
+
+
+def test_identical_fits_from_identical_samples():
+    """Tensor-parallel ranks that saw the same samples fit the same prices
+    (the proposer also shares rank 0's, see test_proposer)."""
+    fits = []
+    for _ in range(2):
+        fitter = OnlinePrices(CPU_PRIOR)
+        feed(fitter, ForwardCost(9, 33.0), 700, 70, seed=5, outliers=0.1)
+        fits.append(fitter.prices)
+    assert fits[0] == fits[1]
+
+
+def test_invalid_samples_and_prior_are_refused():
+    fitter = OnlinePrices(CPU_PRIOR)
+    for tokens, seconds in ((0, 0.01), (5, 0.0), (5, -1.0), (5, float("nan")), (5, float("inf"))):
+        assert fitter.observe(tokens, seconds) is False
+    assert fitter.observed == 0
+    with pytest.raises(ValueError, match=r"prior=\(0, 20.0\)"):
+        OnlinePrices((0, 20.0))
+
+
+def test_refits_every_refit_every_samples():
+    fitter = OnlinePrices(CPU_PRIOR)
+    refits = [fitter.observe(1 + i % 30, 0.01 * (1 + max(0, 1 + i % 30 - 5) / 20)) for i in range(3 * P.REFIT_EVERY)]
+    assert [i + 1 for i, r in enumerate(refits) if r] == [P.REFIT_EVERY, 2 * P.REFIT_EVERY, 3 * P.REFIT_EVERY]
