@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 
 # Samples a bucket keeps (the median of these enters the fit).
-RING = 16
+RING = 32
 # A bucket enters the fit with at least this many samples.
-MIN_BUCKET_SAMPLES = 3
+MIN_BUCKET_SAMPLES = 6
 # Buckets visited within this many observed steps enter the fit.
 MAX_AGE_STEPS = 4096
 # Token counts up to EXACT_TOKENS get a bucket each; past it buckets grow
@@ -54,14 +54,18 @@ GROWTH = 1.0625
 MAX_TOKENS = 1 << 16
 NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
 # Prior strength: a price a factor of 2 from the prior costs as much as a
-# log-time residual of ~0.22 on one full bucket. Medians of RING samples of a
-# noisy CPU step scatter by ~0.02 in log time, so noise alone never moves a
-# price the samples cannot tell apart, while a real slope does.
-PRIOR_WEIGHT = 0.05
+# log-time residual of 0.5 on one sample (0.09 on every sample of a full
+# bucket). A busy 2-core CPU's steps scatter by ~20%, the median of a full
+# bucket by ~0.04 in log time: noise alone does not move a price the samples
+# cannot tell apart, while a real slope over several buckets does (steps at
+# 17 tokens 60% dearer than at 5 differ from a flat curve by ~0.5 per sample).
+PRIOR_WEIGHT = 0.25
 # The candidate prices. free: every count up to 16, then 25% apart up to
 # 4096; marginal: 1 to 8192, 20% apart (a cost curve off by at most ~10%).
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_GRID = np.round(np.geomspace(1.0, 8192.0, 50), 2)
+# Marginal-token candidates between the grid best's neighbours, second pass.
+REFINE = 17
 # Refit after this many new samples (a fit takes a few ms: ~0.05 ms a step).
 REFIT_EVERY = 64
 
@@ -106,9 +110,7 @@ class OnlinePrices:
         # penalty on each pair: [F, M].
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
         self._marginal_grid = np.unique(np.append(MARGINAL_GRID, marginal))
-        self._penalty = PRIOR_WEIGHT * (
-            ((np.log(self._free_grid)[:, None] - math.log(free)) / math.log(2)) ** 2
-            + ((np.log(self._marginal_grid)[None, :] - math.log(marginal)) / math.log(2)) ** 2)
+        self._penalty = self._prior_penalty(self._free_grid, self._marginal_grid)
 
     def observe(self, tokens: int, seconds: float) -> bool:
         """One pure decode step that scored ``tokens`` tokens in ``seconds``;
@@ -136,19 +138,37 @@ class OnlinePrices:
         return _ring_median(self._tokens[idx], n[idx]), _ring_median(self._seconds[idx], n[idx]), n[idx]
 
     def fit(self) -> Prices:
-        """The prices that best explain the live buckets, under the prior."""
+        """The prices that best explain the live buckets, under the prior: the
+        best pair of the grid, then ``marginal`` refined between its grid
+        neighbours (free tokens at the grid's best and its neighbours)."""
         tokens, seconds, weight = self.buckets()
         if len(tokens) < 2:
             return self.prior
-        w = weight.astype(np.float64)
-        over = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])  # [F, B]
-        log_cost = np.log1p(over[:, None, :] / self._marginal_grid[None, :, None])  # [F, M, B]
-        resid = np.log(seconds) - log_cost
+        data = (tokens, np.log(seconds), weight.astype(np.float64))
+        free, marginal = self._free_grid, self._marginal_grid
+        f, m, _ = self._best(free, marginal, self._penalty, *data)
+        free = free[max(0, f - 1):f + 2]
+        marginal = np.geomspace(marginal[max(0, m - 1)], marginal[min(len(marginal) - 1, m + 1)], REFINE)
+        f, m, log_t0 = self._best(free, marginal, self._prior_penalty(free, marginal), *data)
+        return Prices(int(free[f]), round(float(marginal[m]), 2), float(np.exp(log_t0)), len(tokens),
+                      int(weight.sum()))
+
+    def _prior_penalty(self, free: np.ndarray, marginal: np.ndarray) -> np.ndarray:
+        """The prior's penalty on every (free, marginal) pair: [F, M]."""
+        return PRIOR_WEIGHT * (((np.log(free)[:, None] - math.log(self.prior.free_tokens)) / math.log(2)) ** 2
+                               + ((np.log(marginal)[None, :] - math.log(self.prior.marginal_tokens)) / math.log(2)) ** 2)
+
+    @staticmethod
+    def _best(free: np.ndarray, marginal: np.ndarray, penalty: np.ndarray, tokens: np.ndarray,
+              log_seconds: np.ndarray, w: np.ndarray) -> tuple[int, int, float]:
+        """Indices of the best (free, marginal) candidate and its log t0."""
+        over = np.maximum(0.0, tokens[None, :] - free[:, None])  # [F, B]
+        log_cost = np.log1p(over[:, None, :] / marginal[None, :, None])  # [F, M, B]
+        resid = log_seconds - log_cost
         log_t0 = (resid @ w) / w.sum()  # each candidate's best t0, closed form: [F, M]
         sse = ((resid - log_t0[..., None]) ** 2) @ w
-        f, m = np.unravel_index(int(np.argmin(sse + self._penalty)), sse.shape)
-        return Prices(int(self._free_grid[f]), float(self._marginal_grid[m]), float(np.exp(log_t0[f, m])), len(tokens),
-                      int(weight.sum()))
+        f, m = np.unravel_index(int(np.argmin(sse + penalty)), sse.shape)
+        return int(f), int(m), float(log_t0[f, m])
 
 
 def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ def curve_error(fit: Prices, truth: ForwardCost, max_tokens: int) -> float:
 def test_converges_to_the_true_curve(truth):
     cost = ForwardCost(*truth)
     fitter = OnlinePrices(CPU_PRIOR)
-    feed(fitter, cost, 600, 80)
+    feed(fitter, cost, 1500, 80)
     assert fitter.prices.samples > 0  # refitted from samples, not the prior
     assert curve_error(fitter.prices, cost, 80) < 0.10
     assert fitter.prices.step_seconds == pytest.approx(0.02, rel=0.1)
