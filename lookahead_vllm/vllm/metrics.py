@@ -36,6 +36,9 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_corpus_bytes{sharing}                 gauge: the draft index corpus's charge over all
                                                   partitions (what index_corpus_bytes caps), bytes
   lookahead_steps_total                           engine steps the drafter ran
+  lookahead_draftless_steps_total                 steps with no draft token in the batch, run
+                                                  as plain decoding (no speculative metadata,
+                                                  no rejection sampler)
   lookahead_draft_tokens_total                    draft nodes handed to vLLM
   lookahead_accepted_tokens_total                 draft tokens the target accepted
   lookahead_skipped_request_steps_total{reason}   request-steps not drafted: "request"
@@ -115,6 +118,8 @@ class StepStats:
     draft_partitions: int = 0
     corpus_bytes: int = 0
     steps: int = 0
+    # Steps with no draft token in the batch, run as plain decoding.
+    draftless_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     skipped_request_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
@@ -297,6 +302,8 @@ class StatsCollector:
         yield from _partition_gauges(GaugeMetricFamily, snaps)
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
+            ("lookahead_draftless_steps", "draftless_steps",
+             "Steps with no lookahead draft token in the batch, run as plain decoding."),
             ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
             ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
         ):

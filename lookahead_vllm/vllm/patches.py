@@ -63,7 +63,8 @@ _applied: set[str] = set()
 _failed: dict[str, str] = {}
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
-LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt")
+LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
+                     "draftless_steps")
 TREE_PATCHES = ("tree_verification",)
 
 
@@ -191,6 +192,42 @@ def patch_runner_request_ids() -> bool:
         return _update_states
 
     _wrap(GPUModelRunner, "_update_states", make, ("self", "scheduler_output"))
+    return True
+
+
+def patch_draftless_steps() -> bool:
+    """A step in which no request carries a draft token runs as plain decoding.
+
+    vLLM 0.32 builds speculative metadata and runs the rejection sampler in
+    every step of a speculative engine, drafts or none (``_prepare_inputs``
+    decides by ``self.speculative_config is not None``). A lookahead engine
+    drafts nothing whenever no draft can pay (load, cost model, no match), and
+    those steps must cost what plain vLLM's cost: for them ``_prepare_inputs``
+    runs with the speculative config hidden, so the step gets plain logits
+    indices, no speculative metadata and the plain sampler, exactly as an
+    engine without speculation would; sampling (``_sample``), bookkeeping and
+    the proposer already handle a step without metadata.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    def make(original):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            if not isinstance(drafter, LookaheadProposer) or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+                return original(self, scheduler_output, *args, **kwargs)
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = original(self, scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = spec
+            drafter.on_draftless_step()
+            return out
+
+        return _prepare_inputs
+
+    _wrap(GPUModelRunner, "_prepare_inputs", make, ("self", "scheduler_output"))
     return True
 
 
@@ -381,6 +418,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "runner_request_ids": patch_runner_request_ids,
     "runner_shutdown": patch_runner_shutdown,
     "request_cache_salt": patch_request_cache_salt,
+    "draftless_steps": patch_draftless_steps,
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,

@@ -234,6 +234,11 @@ class LookaheadProposer:
         if shape is not None and self.prices is not None:
             self._time_step(shape, time.perf_counter())
 
+    def on_draftless_step(self) -> None:
+        """This step carries no draft token and runs as plain decoding
+        (patches.patch_draftless_steps)."""
+        self.metrics.draftless_steps += 1
+
     def _time_step(self, shape: "StepShape", now: float) -> None:
         """The last step's time (its start to this one's) becomes a price
         sample if it was a pure decode step and the engine did not idle in

@@ -1,0 +1,84 @@
+"""Steps without drafts cost what plain vLLM's cost: no speculative metadata, no rejection sampler.
+
+vLLM 0.32 runs every step of a speculative engine through the rejection
+sampler, drafts or none; lookahead's ``draftless_steps`` patch runs a step in
+which no request carries a draft token as plain decoding. On SmolLM2 (fp32):
+
+* a load that stops drafting altogether (``load_stop_at=1``): no step drafts,
+  none reaches the rejection sampler, every one is counted draftless, and the
+  greedy output equals plain vLLM's;
+* the default configuration on MT-Bench at batch 8 (drafts on some steps, not
+  on others): exactly the steps whose batch carries a draft token reach the
+  rejection sampler, the rest run draftless, and the output equals plain's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lookahead_vllm.vllm.offline import count_mismatches, generate
+
+from .conftest import MAX_TOKENS, plain_run
+
+pytestmark = pytest.mark.vllm
+
+
+def _greedy():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture
+def step_log(monkeypatch):
+    """Per engine step: whether its batch carried draft tokens; and the rejection sampler's calls."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    log = {"drafted": [], "rejection_calls": 0}
+    on_step, forward = LookaheadProposer.on_step, RejectionSampler.forward
+
+    def logged_on_step(self, input_batch, finished, scheduled=None, shape=None):
+        log["drafted"].append(any((scheduled or {}).values()))
+        return on_step(self, input_batch, finished, scheduled, shape)
+
+    def counted_forward(self, *args, **kwargs):
+        log["rejection_calls"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LookaheadProposer, "on_step", logged_on_step)
+    monkeypatch.setattr(RejectionSampler, "forward", counted_forward)
+    return log
+
+
+def _proposer(llm):
+    from lookahead_vllm.vllm.proposer import find_proposers
+
+    (proposer,) = find_proposers(llm)
+    return proposer
+
+
+def test_a_load_that_stops_drafting_runs_plain_steps(engines, prompts, step_log):
+    ps = prompts["humaneval"]
+    plain = plain_run(engines, ps, _greedy(), 8, ("humaneval", "greedy"))  # shared with test_greedy_identity
+    llm = engines.get("lookahead-nodraft", lookahead={"load_shrink_above": 0, "load_stop_at": 1})
+    before = _proposer(llm).metrics.draftless_steps
+    ours = generate(llm, ps, _greedy(), 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert ours.num_drafts == 0 and not any(step_log["drafted"])
+    assert step_log["rejection_calls"] == 0
+    assert _proposer(llm).metrics.draftless_steps - before == len(step_log["drafted"]) > 0
+
+
+def test_only_steps_with_drafts_reach_the_rejection_sampler(engines, prompts, step_log):
+    ps = prompts["mtbench"]
+    plain = plain_run(engines, ps, _greedy(), 8, ("mtbench", "greedy"))
+    llm = engines.get("lookahead")
+    before = _proposer(llm).metrics.draftless_steps
+    ours = generate(llm, ps, _greedy(), 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    drafted = sum(step_log["drafted"])
+    assert 0 < drafted < len(step_log["drafted"])  # both kinds of step happened
+    assert step_log["rejection_calls"] == drafted
+    assert _proposer(llm).metrics.draftless_steps - before == len(step_log["drafted"]) - drafted
