@@ -10,9 +10,16 @@ into *waves* of ``c`` requests sent at once (streaming completions, greedy);
 for each wave every method runs once, in an order rotated wave by wave, so
 that noise hits all methods alike.
 
+The class ``mixed`` interleaves all six classes' prompts (code, editing,
+chat, long-document QA, agent-style turns) round robin: a server's real mix,
+and enough prompts for a load curve up to c=32 with several waves per cell
+and no prompt sent twice (``--waves W`` sends ``W`` waves at every ``c``).
+
 Reported per (class, concurrency, method): request latency p50 / p99 (send to
 last token), time to first token p50, output tok/s (all tokens / all wave
-wall seconds), the speedup vs plain, the mean acceptance length and the share
+wall seconds), the speedup vs plain, and per wave the paired ratio to plain
+(same prompts, same moment): their geometric mean with a 95% confidence
+interval (Student t on the log ratios; one wave gives none), the mean acceptance length and the share
 of drafted tokens accepted (from the server's ``vllm:spec_decode_*`` counters),
 and mismatches (requests whose text differs from plain's: must be 0). Other
 processes' CPU use is measured around every wave (machine busy jiffies minus
@@ -20,6 +27,7 @@ the CPU time of this script's process tree).
 
     python benchmarks/bench_serve.py                      # humaneval, c = 1, 4, 16 -> benchmarks/results/serve_latest.{json,png}
     python benchmarks/bench_serve.py --datasets humaneval codeedit mtbench chat docqa agent --concurrency 1 8 --num-prompts 6 16
+    python benchmarks/bench_serve.py --datasets mixed --concurrency 1 4 8 16 32 --waves 4   # the load curve
     python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
@@ -29,6 +37,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -51,6 +60,8 @@ RESULTS = REPO / "benchmarks" / "results"
 # Methods: "plain", "lookahead" (--speculative-model lookahead) and any vLLM
 # baseline name of baselines.py ("ngram8-w2-4", "suffix", "suffix-d32", ...).
 DEFAULT_METHODS = ["plain", "ngram8-w2-4", "suffix", "lookahead"]
+# --datasets name of all classes interleaved (mixed_split).
+MIXED = "mixed"
 # vLLM's speculative-decoding counters (Prometheus names, "_total" dropped).
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -279,6 +290,23 @@ def acceptance(spec: dict[str, float]) -> dict[str, float | None]:
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
+# Two-sided 95% Student t quantiles by degrees of freedom (1..30; beyond, 1.96).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float | None, float | None]:
+    """Geometric mean of paired per-wave ratios and its 95% confidence interval
+    (t interval on the log ratios; ``None`` bounds from fewer than two waves)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), None, None
+    t = T95[len(logs) - 2] if len(logs) - 1 <= len(T95) else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
     out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "wall_s": cell.wall_s,
                            "other_cpu_s": sum(cell.other_cpu_s),
@@ -286,14 +314,16 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
     plain_tok_s = sum(cell.tokens["plain"]) / sum(cell.seconds["plain"])
     for name in cell.latency:
         tok_s = sum(cell.tokens[name]) / sum(cell.seconds[name])
-        paired = statistics.median(
-            (t / s) / (pt / ps) for t, s, pt, ps in
-            zip(cell.tokens[name], cell.seconds[name], cell.tokens["plain"], cell.seconds["plain"])
-        )
+        ratios = [(t / s) / (pt / ps) for t, s, pt, ps in
+                  zip(cell.tokens[name], cell.seconds[name], cell.tokens["plain"], cell.seconds["plain"])]
+        geomean, low, high = ratio_interval(ratios)
         out["methods"][name] = {
             "output_tok_s": tok_s,
             "speedup": tok_s / plain_tok_s,
-            "speedup_paired_median": paired,
+            "speedup_paired_median": statistics.median(ratios),
+            "speedup_waves": ratios,
+            "speedup_geomean": geomean,
+            "speedup_ci95": [low, high],
             "latency_p50_s": percentile(cell.latency[name], 0.5),
             "latency_p99_s": percentile(cell.latency[name], 0.99),
             "ttft_p50_s": percentile(cell.ttft[name], 0.5),
@@ -307,19 +337,24 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
 
 
 def print_table(cells: list[dict[str, Any]]) -> None:
-    head = f"{'dataset':<10} {'conc':>4}  {'method':<12} {'tok/s':>7} {'speedup':>8} {'paired':>7} {'p50 s':>7} " \
-           f"{'p99 s':>7} {'ttft p50':>8} {'MAL':>5} {'acc':>5} {'mismatch':>8}"
+    head = f"{'dataset':<10} {'conc':>4}  {'method':<12} {'tok/s':>7} {'speedup':>8} {'paired':>7} {'95% CI':>13} " \
+           f"{'p50 s':>7} {'p99 s':>7} {'ttft p50':>8} {'MAL':>5} {'acc':>5} {'mismatch':>8}"
     print(head)
     print("-" * len(head))
     for cell in cells:
         for name, m in cell["methods"].items():
             mal, rate = m["mean_acceptance_length"], m["acceptance_rate"]
             print(f"{cell['dataset']:<10} {cell['concurrency']:>4}  {name:<12} {m['output_tok_s']:>7.1f} "
-                  f"{m['speedup']:>7.2f}x {m['speedup_paired_median']:>6.2f}x {m['latency_p50_s']:>7.2f} "
+                  f"{m['speedup']:>7.2f}x {m['speedup_geomean']:>6.2f}x {_interval(m['speedup_ci95']):>13} "
+                  f"{m['latency_p50_s']:>7.2f} "
                   f"{m['latency_p99_s']:>7.2f} {m['ttft_p50_s']:>8.3f} {'-' if mal is None else f'{mal:.2f}':>5} "
                   f"{'-' if rate is None else f'{rate:.2f}':>5} {m['mismatches']:>8}")
         print(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
               f"({cell['other_cores_busy']:.2f} cores busy)")
+
+
+def _interval(ci: list[float | None]) -> str:
+    return "-" if ci[0] is None else f"{ci[0]:.2f}-{ci[1]:.2f}x"
 
 
 def plot(cells: list[dict[str, Any]], path: Path) -> None:
@@ -339,7 +374,10 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
         speed = [c["methods"][name]["speedup"] for c in cells]
         p50 = [c["methods"][name]["latency_p50_s"] for c in cells]
         p99 = [c["methods"][name]["latency_p99_s"] for c in cells]
-        bars = axes[0].bar(xs, speed, width, label=name)
+        cis = [c["methods"][name].get("speedup_ci95", [None, None]) for c in cells]
+        err = [[max(0.0, v - (ci[0] or v)) for v, ci in zip(speed, cis)],
+               [max(0.0, (ci[1] or v) - v) for v, ci in zip(speed, cis)]]
+        bars = axes[0].bar(xs, speed, width, label=name, yerr=err, capsize=2)
         axes[0].bar_label(bars, labels=[f"{v:.2f}x" for v in speed], fontsize=7)
         axes[1].bar(xs, p50, width, label=f"{name} p50")
         axes[1].scatter(xs, p99, marker="_", s=200, color="black")
@@ -364,12 +402,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                         help="plain (required), lookahead, lookahead:NAME (--variant), ngram<k>[-w<min>-<max>], "
                              "suffix[-d<depth>]")
-    parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=DATASETS,
-                        help="workload classes, each run at every concurrency (lookahead_vllm.datasets)")
+    parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=(*DATASETS, MIXED),
+                        help="workload classes, each run at every concurrency (lookahead_vllm.datasets); "
+                             f"{MIXED!r}: all of them interleaved")
     parser.add_argument("--split", default="test", choices=SPLITS, help="the classes' split the prompts come from")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[8, 8, 16],
                         help="prompts per concurrency (one value, or one per --concurrency)")
+    parser.add_argument("--waves", type=int, default=None,
+                        help="waves per cell: each concurrency c takes c * WAVES prompts (instead of --num-prompts)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
@@ -407,6 +448,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--methods {args.methods}: each method once")
     if any(m.startswith("suffix") for m in args.methods) and importlib.util.find_spec("arctic_inference") is None:
         parser.error("--methods 'suffix': needs arctic_inference.suffix_decoding; install it with scripts/setup.sh")
+    if args.waves is not None:
+        if args.waves < 1:
+            parser.error(f"--waves {args.waves}: must be >= 1")
+        args.num_prompts = [c * args.waves for c in args.concurrency]
     for name in ("concurrency", "num_prompts"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: every value must be >= 1")
@@ -419,6 +464,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def mixed_split(split: str, tokenizer: Any) -> list[str]:
+    """Every class's ``split`` interleaved round robin (a class that runs out drops out)."""
+    from lookahead_vllm.datasets import DATASETS, load_split
+
+    classes = [load_split(d, split, tokenizer) for d in DATASETS]
+    return [p for i in range(max(map(len, classes))) for c in classes if i < len(c) for p in (c[i],)]
+
+
 def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[str]]:
     """Chat-formatted prompts of every dataset's split, as many as all its cells take (each
     concurrency's cell gets the next ones: no request repeats an earlier cell's);
@@ -428,7 +481,8 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list
     need = sum(args.counts)
     prompts = {}
     for dataset in args.datasets:
-        prompts[dataset] = load_split(dataset, args.split, tokenizer, need)
+        prompts[dataset] = (mixed_split(args.split, tokenizer) if dataset == MIXED
+                            else load_split(dataset, args.split, tokenizer, need))[:need]
         if len(prompts[dataset]) < need:
             raise SystemExit(f"--num-prompts {need}: {dataset}'s {args.split} split holds {len(prompts[dataset])}")
         longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts[dataset])

@@ -638,6 +638,7 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--methods", "plain", "lookahead:x"], "--methods 'lookahead:x': no --variant x=JSON given"),
     (["--variant", "x={oops"], "--variant 'x={oops': not JSON"),
     (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
+    (["--waves", "0"], "--waves 0: must be >= 1"),
 ])
 def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     bench_serve = _import_bench("bench_serve")
@@ -672,6 +673,49 @@ def test_bench_serve_takes_each_class_split_and_checks_it_fits():
                                      tokenizer)
 
 
+def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
+    import math
+    import statistics
+
+    bench_serve = _import_bench("bench_serve")
+    assert bench_serve.ratio_interval([1.2]) == (pytest.approx(1.2), None, None)  # one wave: no interval
+    ratios = [0.95, 1.05, 1.0, 0.98]
+    mean, low, high = bench_serve.ratio_interval(ratios)
+    logs = [math.log(r) for r in ratios]
+    half = 3.182 * statistics.stdev(logs) / 2  # t(0.975, 3 df), sqrt(4 waves)
+    assert mean == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (low, high) == (pytest.approx(mean * math.exp(-half)), pytest.approx(mean * math.exp(half)))
+    assert low < 1.0 < high  # these waves cannot tell the method from plain
+    _, low, high = bench_serve.ratio_interval([0.90, 0.91, 0.92, 0.90, 0.91, 0.90])
+    assert high < 1.0  # a steady 9% loss is told from noise
+    _, wide_low, wide_high = bench_serve.ratio_interval([0.8, 1.2, 0.8, 1.2])
+    assert wide_low < 0.9 and wide_high > 1.1  # single waves swinging 20% make a wide interval
+
+
+def test_bench_serve_waves_and_the_mixed_class():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lookahead_vllm.datasets import DATASETS, load_split
+
+    bench_serve = _import_bench("bench_serve")
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    args = bench_serve.parse_args(["--methods", "plain", "--datasets", "mixed", "--concurrency", "1", "8", "32",
+                                   "--waves", "4"])
+    assert args.counts == [4, 32, 128]
+    prompts = bench_serve.workload_prompts(args, tokenizer)["mixed"]
+    assert len(prompts) == len(set(prompts)) == 164  # no prompt twice
+    firsts = [load_split(d, "test", tokenizer, 2) for d in DATASETS]
+    assert prompts[:len(DATASETS)] == [f[0] for f in firsts]  # one of each class, then the next of each
+    assert prompts[len(DATASETS):2 * len(DATASETS)] == [f[1] for f in firsts]
+    with pytest.raises(SystemExit, match="holds"):  # more waves than the six classes' prompts
+        bench_serve.workload_prompts(bench_serve.parse_args(["--methods", "plain", "--datasets", "mixed",
+                                                             "--concurrency", "64", "--waves", "8"]), tokenizer)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_serve_runs_real_servers_and_reports_each_class(tiny_llama_dir, tmp_path):
@@ -690,6 +734,7 @@ def test_bench_serve_runs_real_servers_and_reports_each_class(tiny_llama_dir, tm
         assert lookahead["mismatches"] == 0
         assert plain["drafts"] == 0 and plain["mean_acceptance_length"] is None
         assert lookahead["accepted_tokens"] <= lookahead["draft_tokens"]
+        assert len(lookahead["speedup_waves"]) == 1 and lookahead["speedup_ci95"] == [None, None]
     # the servers' counters were read: lookahead drafted somewhere in the run
     assert sum(c["methods"]["lookahead"]["drafts"] for c in report["cells"]) > 0
     assert out.with_suffix(".png").stat().st_size > 0
