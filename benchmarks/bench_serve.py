@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import platform
 import shutil
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from baselines import baseline_config
+from paired import ratio_interval
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -288,23 +288,6 @@ def acceptance(spec: dict[str, float]) -> dict[str, float | None]:
     return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate": accepted / drafted if drafted else None}
-
-
-# Two-sided 95% Student t quantiles by degrees of freedom (1..30; beyond, 1.96).
-T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def ratio_interval(ratios: list[float]) -> tuple[float, float | None, float | None]:
-    """Geometric mean of paired per-wave ratios and its 95% confidence interval
-    (t interval on the log ratios; ``None`` bounds from fewer than two waves)."""
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), None, None
-    t = T95[len(logs) - 2] if len(logs) - 1 <= len(T95) else 1.96
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench_serve import stop_servers  # benchmarks/ is the script's directory
+from paired import ratio_interval
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -496,6 +497,11 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"[{name}] RSS before {r['rss_before_mib']:.0f} MiB, mid {r['rss_mid_mib']:.0f} MiB, "
               f"after {r['rss_after_mib']:.0f} MiB: first half {r['growth_first_half_pct']:+.1f}%, "
               f"second half {r['growth_second_half_pct']:+.1f}%")
+        ratio = s.get("wall_ratio_to_plain")
+        if ratio:
+            low, high = ratio["ci95"]
+            print(f"[{name}] wall time {s['wall_s']:.0f} s = {ratio['total']:.3f}x plain's; per segment "
+                  f"{ratio['geomean']:.3f}x" + (f" (95% CI {low:.3f}-{high:.3f}x)" if low is not None else ""))
         for e in s["error_samples"]:
             print(f"[{name}]   error {e}")
     la = result.get("lookahead_state")
@@ -548,6 +554,7 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
     segments = [reqs[i::args.segments] for i in range(args.segments)]
     segments = [sorted(s, key=lambda r: r.index) for s in segments]
     outcomes: dict[str, list[Outcome]] = {s.name: [] for s in servers}
+    seconds: dict[str, list[float]] = {s.name: [] for s in servers}  # wall time per segment
     rss = {s.name: [tree_rss_bytes(s.proc.pid)] for s in servers}
     sampler = RssSampler(servers)
     t0 = time.monotonic()
@@ -561,8 +568,10 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
                         print(f"[soak {time.monotonic() - t0:6.0f} s] {s.name} segment {k + 1}/{len(segments)}: "
                               f"{len(done)}/{n} done, errors {errs}", file=sys.stderr, flush=True)
 
+                start = time.monotonic()
                 outcomes[s.name] += asyncio.run(run_requests(s.url, s.model, segment, args.concurrency, deadline,
                                                              progress))
+                seconds[s.name].append(time.monotonic() - start)
             if k + 1 == len(segments) // 2:
                 for s in servers:
                     rss[s.name].append(tree_rss_bytes(s.proc.pid))
@@ -576,6 +585,13 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
         summary[s.name]["alive_after"] = healthy(s.url) and s.proc.poll() is None
         summary[s.name]["not_sent"] = len(reqs) - len(outcomes[s.name])
         summary[s.name]["running_after_drain"] = metrics[s.name].get("vllm:num_requests_running")
+    for s in servers:
+        summary[s.name]["wall_s"] = sum(seconds[s.name])
+        summary[s.name]["segment_wall_s"] = seconds[s.name]
+        if s.name != "plain" and "plain" in seconds:
+            ratio, low, high = ratio_interval([t / p for t, p in zip(seconds[s.name], seconds["plain"])])
+            summary[s.name]["wall_ratio_to_plain"] = {"geomean": ratio, "ci95": [low, high],
+                                                      "total": sum(seconds[s.name]) / sum(seconds["plain"])}
     result: dict[str, Any] = {"servers": summary, "wall_s": time.monotonic() - t0, "rss_samples": sampler.samples}
     if "lookahead" in metrics:
         result["lookahead_state"] = lookahead_state(metrics["lookahead"], config)
@@ -600,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=3600, help="no new request after this many seconds")
     parser.add_argument("--max-tokens", type=int, default=64, help="per request: drawn in [max/2, max]")
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=4, help="traffic cut into this many (even) segments")
+    parser.add_argument("--segments", type=int, default=10,
+                        help="traffic cut into this many (even) segments, each sent to one server then the other "
+                             "(order alternating): the paired wall-time ratio per segment gives the interval")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--omp-threads", type=int, default=1)
     parser.add_argument("--lookahead-config", default="{}", help="JSON of lookahead fields")
