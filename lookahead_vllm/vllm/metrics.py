@@ -19,7 +19,8 @@ scheduler stats; ours take a simpler road that works for any process layout:
 
 Exposed series (all cumulative since the engine started, except gauges):
 
-  lookahead_trie_nodes, lookahead_trie_bytes      gauges: drafter size (every 16 steps)
+  lookahead_trie_nodes, lookahead_trie_bytes      gauges (every 16 steps): trie nodes; estimated drafter
+                                                  memory (draft index and trie), bytes
   lookahead_load_budget                           gauge: per-request node budget after load adaptation
   lookahead_request_states                        gauge: requests the drafter holds state for now
                                                   (the proposer's ``num_request_states()``; 0 once
@@ -284,7 +285,7 @@ class StatsCollector:
 
         for name, key, doc in (
             ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
-            ("lookahead_trie_bytes", "trie_bytes", "Estimated memory of the lookahead token trie, bytes."),
+            ("lookahead_trie_bytes", "trie_bytes", "Estimated drafter memory (draft index and trie), bytes."),
             ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
             ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
         ):

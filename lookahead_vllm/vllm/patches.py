@@ -422,7 +422,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
-    # Serving (issue 3): see serve_patches.py.
+    # Serving: see serve_patches.py.
     "request_options": serve_patches.patch_request_options,
     "cli_speculative_model": serve_patches.patch_cli_speculative_model,
 }
