@@ -1,9 +1,12 @@
 """The README is for users: its commands are true and parse, its tables are complete,
-and it holds no reference a reader outside the project cannot resolve."""
+and it holds no reference a reader outside the project cannot resolve. The complete
+configuration table lives in docs/configuration.md (the README lists the fields most
+users set); docs/results.md holds the detailed results: both are held to the code too."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import shlex
 import subprocess
@@ -18,13 +21,18 @@ from lookahead_vllm.core.request_options import KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+CONFIG_DOC = (REPO / "docs" / "configuration.md").read_text()
+RESULTS_DOC = (REPO / "docs" / "results.md").read_text()
+# The configuration fields the README's own table must list (the rest: docs/configuration.md).
+USER_FIELDS = {"source", "draft_shape", "decoding_length", "index_corpus_bytes", "warm_start",
+               "snapshot_path", "cost_free_tokens", "cost_marginal_tokens", "draft_sharing"}
 # Words that point into the project's own bookkeeping (trackers, work diaries,
 # internal notes), meaningless to a reader of the README.
 INTERNAL = re.compile(r"\bissues?\b|\bsessions?\b|\bpart \d|\bseeds? \d{3}|DESIGN\.md|seed-digest", re.I)
 
 
-def _table_keys() -> set[str]:
-    return set(re.findall(r"^\| `([\w{}]+)", README, flags=re.M))
+def _table_keys(text: str = README) -> set[str]:
+    return set(re.findall(r"^\| `([\w{}]+)", text, flags=re.M))
 
 
 def _code_blocks(text: str, lang: str) -> list[str]:
@@ -50,9 +58,22 @@ def _section(title: str) -> str:
 
 
 # ---------------------------------------------------------------- tables
+def _config_table(text: str) -> str:
+    """The table that follows a document's ``| field | default | range | meaning |`` header."""
+    start = text.index("| field | default | range | meaning |")
+    end = text.find("\n\n", start)
+    return text[start:end if end > 0 else None]
+
+
 def test_every_config_field_in_the_configuration_table():
-    missing = [f.name for f in dataclasses.fields(LookaheadConfig) if f.name not in _table_keys()]
-    assert not missing, f"README configuration table lacks {missing}"
+    fields = {f.name for f in dataclasses.fields(LookaheadConfig)}
+    missing = sorted(fields - _table_keys(_config_table(CONFIG_DOC)))
+    assert not missing, f"docs/configuration.md's configuration table lacks {missing}"
+    readme_rows = _table_keys(_config_table(README))
+    assert not readme_rows - fields, f"README documents fields the code lacks: {readme_rows - fields}"
+    assert USER_FIELDS <= fields, USER_FIELDS - fields
+    assert not USER_FIELDS - readme_rows, f"README configuration table lacks {USER_FIELDS - readme_rows}"
+    assert "docs/configuration.md" in _section("Configuration")
 
 
 def _default_cell(text: str):
@@ -70,19 +91,26 @@ def _default_cell(text: str):
         return value
 
 
-def test_configuration_table_defaults_are_the_code_defaults():
-    cells = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", README, flags=re.M))
-    wrong = {}
+@pytest.mark.parametrize("name", ["README.md", "docs/configuration.md"])
+def test_configuration_table_defaults_are_the_code_defaults(name):
+    text = {"README.md": README, "docs/configuration.md": CONFIG_DOC}[name]
+    cells = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", _config_table(text), flags=re.M))
+    wrong, checked = {}, 0
     for f in dataclasses.fields(LookaheadConfig):
+        if f.name not in cells:  # the README lists only the user-facing fields (checked above)
+            continue
+        checked += 1
         if f.name == "decoding_length":  # documented as num_speculative_tokens, which defaults to it
+            assert cells[f.name].strip() == "`num_speculative_tokens`", cells[f.name]
             continue
         documented, actual = _default_cell(cells[f.name]), f.default
         if isinstance(actual, (int, float)) and not isinstance(actual, bool):
             actual = float(actual)
         if documented != actual:
             wrong[f.name] = (cells[f.name].strip(), f.default)
-    assert not wrong, f"README defaults differ from LookaheadConfig (README, code): {wrong}"
-    k = re.search(r"`num_speculative_tokens` \(default (\d+)\)", README)
+    assert checked >= len(USER_FIELDS), (name, checked)
+    assert not wrong, f"{name} defaults differ from LookaheadConfig (documented, code): {wrong}"
+    k = re.search(r"`num_speculative_tokens` \(default (\d+)\)", text)
     assert k and int(k.group(1)) == LookaheadConfig().decoding_length
 
 
@@ -136,6 +164,56 @@ def test_relative_links_exist():
     assert links and not missing, missing
 
 
+@pytest.mark.parametrize("name", ["docs/configuration.md", "docs/results.md"])
+def test_docs_relative_links_exist(name):
+    text = (REPO / name).read_text()
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)
+    missing = [p for p in links if not (REPO / name).parent.joinpath(p).exists()]
+    assert links and not missing, missing
+
+
+def _expand(name: str) -> list[str]:
+    """``a_{x,y}.json`` -> ``a_x.json``, ``a_y.json`` (shell brace expansion, one level per pass)."""
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [n for part in m.group(1).split(",") for n in _expand(name[:m.start()] + part + name[m.end():])]
+
+
+def _cited_results(text: str) -> set[str]:
+    """Result files a document names: ``benchmarks/results/...`` paths and bare ``*.json``/``*.png`` names."""
+    names = set()
+    for token in re.findall(r"[\w{},./-]+\.(?:json|png|log)\b", text):
+        token = re.sub(r"^(\.\./)?benchmarks/results/", "", token)
+        if "/" in token and not token.startswith("gpu_logs/"):
+            continue  # a path elsewhere (tmp files, datasets)
+        names.update(_expand(token))
+    return names
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/results.md", "docs/configuration.md"])
+def test_cited_result_files_exist_at_the_top_of_results(name):
+    cited = _cited_results((REPO / name).read_text())
+    missing = sorted(n for n in cited if not (REPO / "benchmarks/results" / n).is_file())
+    assert cited and not missing, f"{name} cites result files missing from benchmarks/results/: {missing}"
+
+
+@pytest.mark.parametrize("folder", ["benchmarks/results", "benchmarks/results/archive"])
+def test_every_result_file_is_in_its_folder_index(folder):
+    index = (REPO / folder / "README.md").read_text()
+    listed = {n for tok in re.findall(r"`([^`]+)`", index) for n in _expand(tok)}
+    stems = {n.rsplit("/", 1)[-1] for n in listed}
+    files = [p for p in (REPO / folder).iterdir() if p.is_file() and p.name != "README.md"]
+    unlisted = sorted(p.name for p in files if p.name not in listed and p.name not in stems
+                      and p.stem not in stems and f"{p.stem}.{{json,png}}" not in listed)
+    assert files and not unlisted, f"{folder}/README.md does not list {unlisted}"
+
+
+def test_cited_results_expands_braces():
+    assert _cited_results("`sim_gpu_floor_bs{1,8}_dev.json` and ![p](../benchmarks/results/a.png)") == {
+        "sim_gpu_floor_bs1_dev.json", "sim_gpu_floor_bs8_dev.json", "a.png"}
+
+
 # ---------------------------------------------------------------- the two commands
 def test_the_two_commands_come_first():
     first = _code_blocks(README, "bash")[0]
@@ -183,13 +261,13 @@ def _check_command(words: list[str]) -> None:
         _check_serve_args(rest[1:])
     elif prog == "python" and rest[:2] == ["-m", "vllm.entrypoints.openai.api_server"]:
         _check_serve_args(rest[2:])
-    elif prog == "python" and rest[0] == "benchmarks/bench_offline.py":
+    elif prog == "python" and rest[0] in ("benchmarks/bench_offline.py", "benchmarks/bench_serve.py"):
         sys.path.insert(0, str(REPO / "benchmarks"))
         try:
-            import bench_offline
+            bench = importlib.import_module(Path(rest[0]).stem)
         finally:
             sys.path.pop(0)
-        bench_offline.parse_args(rest[1:])
+        bench.parse_args(rest[1:])
     elif prog == "pip":
         extras = re.fullmatch(r"\.\[([\w,]+)\]", rest[-1]).group(1).split(",")
         declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -217,6 +295,14 @@ def test_every_readme_command_parses():
     commands = _readme_commands()
     programs = {c[0] if not re.fullmatch(r"[A-Z_]+=\S*", c[0]) else c[1] for c in commands}
     assert {"lookahead-vllm-serve", "vllm", "python", "bash"} <= programs
+    for words in commands:
+        _check_command(words)
+
+
+@pytest.mark.vllm
+def test_every_results_doc_command_parses():
+    commands = [c for block in _code_blocks(RESULTS_DOC, "bash") for c in _commands(block)]
+    assert any("benchmarks/bench_serve.py" in c for c in commands), "no command reproduces the serving table"
     for words in commands:
         _check_command(words)
 
