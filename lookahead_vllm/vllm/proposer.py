@@ -241,10 +241,13 @@ class LookaheadProposer:
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
         """The last step's time (its start to this one's) becomes a price
-        sample if it was a pure decode step and the engine did not idle in
-        between (this step continues a request the last one ran)."""
+        sample if it was a pure decode step that verified drafts and the
+        engine did not idle in between (this step continues a request the
+        last one ran). Draftless steps run the plain sampler path and are
+        cheaper by a fixed amount, not by their fewer tokens: among the
+        samples, they would read as a steep price of the first draft tokens."""
         last, self._last_step = self._last_step, (shape, now)
-        if last is None or not shape.continuing or not last[0].pure_decode:
+        if last is None or not shape.continuing or not last[0].pure_decode or not last[0].drafted:
             return
         if self.prices.observe(last[0].tokens, now - last[1]):
             self._adopt_prices()
@@ -691,6 +694,9 @@ class StepShape:
     pure_decode: bool
     # The step runs a request that the step before it ran too (no idle gap).
     continuing: bool
+    # Some request in the step carries draft tokens (else the step runs as
+    # plain decoding: patches.patch_draftless_steps).
+    drafted: bool = True
 
     @classmethod
     def of(cls, scheduler_output: Any) -> "StepShape":
@@ -699,7 +705,7 @@ class StepShape:
         tokens = scheduler_output.total_num_scheduled_tokens
         drafts = sum(map(len, spec.values()))
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
-                   bool(scheduler_output.scheduled_cached_reqs.req_ids))
+                   bool(scheduler_output.scheduled_cached_reqs.req_ids), drafts > 0)
 
 
 def _shared_across_ranks(prices: tuple[int, float]) -> tuple[int, float]:

@@ -429,10 +429,10 @@ def test_memory_gauge_is_refreshed_every_few_steps():
 
 
 # ------------------------------------------------------ prices measured online
-def _shape(tokens: int, pure: bool = True, continuing: bool = True):
+def _shape(tokens: int, pure: bool = True, continuing: bool = True, drafted: bool = True):
     from lookahead_vllm.vllm.proposer import StepShape
 
-    return StepShape(tokens, pure, continuing)
+    return StepShape(tokens, pure, continuing, drafted)
 
 
 def test_step_shape_reads_the_scheduler_output():
@@ -444,11 +444,13 @@ def test_step_shape_reads_the_scheduler_output():
                                scheduled_spec_decode_tokens=spec)
 
     decode = out([], ["a", "b"], {"a": 4, "b": 1}, {"a": [5, 6, 7]})
-    assert StepShape.of(decode) == StepShape(5, True, True)
+    assert StepShape.of(decode) == StepShape(5, True, True, True)
+    draftless = out([], ["a", "b"], {"a": 1, "b": 1}, {})
+    assert StepShape.of(draftless) == StepShape(2, True, True, False)
     chunk = out([], ["a", "b"], {"a": 4, "b": 64}, {"a": [5, 6, 7]})  # b prefills a chunk
-    assert StepShape.of(chunk) == StepShape(68, False, True)
+    assert StepShape.of(chunk) == StepShape(68, False, True, True)
     fresh = out([SimpleNamespace(req_id="c")], [], {"c": 12}, {})
-    assert StepShape.of(fresh) == StepShape(12, False, False)
+    assert StepShape.of(fresh) == StepShape(12, False, False, False)
 
 
 def test_prices_are_fitted_from_step_times_and_published():
@@ -484,6 +486,10 @@ def test_only_pure_decode_steps_without_idle_gaps_are_priced():
     assert p.prices.observed == REFIT_EVERY * 2 - 1
     tokens, seconds, _ = p.prices.buckets()
     assert seconds.max() < 0.02
+    p._time_step(_shape(4, drafted=False), now + 100.01)  # the 3-token step before it: one sample
+    for i in range(REFIT_EVERY):  # steps without drafts (the plain sampler path): no samples
+        p._time_step(_shape(4, drafted=False), now + 100.02 + i * 0.01)
+    assert p.prices.observed == REFIT_EVERY * 2
 
 
 def test_pinned_prices_are_not_fitted():
