@@ -78,11 +78,11 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     used = 0
-    while proposer.prices.observed < steps:
+    while proposer.prices.observed < steps:  # the engine runs at most `batch` requests: the batch stays full
         if used >= len(prompts):
             raise SystemExit(f"--steps={steps}: the prompts gave only {proposer.prices.observed} timed steps")
-        llm.generate(prompts[used:used + batch], params, use_tqdm=False)
-        used += batch
+        llm.generate(prompts[used:used + 4 * batch], params, use_tqdm=False)
+        used += 4 * batch
     fit = proposer.prices.fit()
     tokens, _, _ = proposer.prices.buckets()
     return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens,
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         fixed = LLM(model=model, **variable_kwargs(max(args.nodes), max_num_seqs=max(batch, 8)))
         before = offline_curve(fixed, batch, args.context, args.nodes, args.curve_steps)
         print(f"batch {batch}: offline curve measured ({len(before)} points)", flush=True)
-        llm = LLM(model=model, **engine_kwargs("lookahead", k=16))
+        llm = LLM(model=model, **engine_kwargs("lookahead", k=16, max_num_seqs=batch))
         online = online_fit(llm, prompts, batch, args.steps, args.max_tokens)
         print(f"batch {batch}: online fit {online}", flush=True)
         after = offline_curve(fixed, batch, args.context, args.nodes, args.curve_steps)
