@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
                 cell = run_cell(servers, prompts[dataset][first:first + n], c, args.max_tokens)
                 cells.append(summarize(cell, c, dataset))
                 first += n
+                # After every cell, so a run cut off (a time limit, a crash) keeps what it measured.
+                args.out.write_text(json.dumps({"partial": True, "args": {k: str(v) for k, v in vars(args).items()},
+                                                "cells": cells}, indent=2))
     finally:
         stop_servers(servers)
     result = {
