@@ -475,6 +475,10 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list
     return prompts
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
 
@@ -487,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     print(f"server logs: {log_dir}", file=sys.stderr)
+    # A SIGTERM (a `timeout` wrapper, a job scheduler) stops the servers in `finally` as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     servers = start_servers(model, args.methods, args, log_dir)
     started = time.time()
     cells = []
