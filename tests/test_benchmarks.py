@@ -647,17 +647,24 @@ def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_bench_serve_takes_each_class_split_and_checks_it_fits():
+def _word_tokenizer():
+    """A whitespace word-level tokenizer (every word unknown) with a plain chat template:
+    prompts' lengths in words, no model needed."""
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from lookahead_vllm.datasets import load_split
-
-    bench_serve = _import_bench("bench_serve")
     raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    return tokenizer
+
+
+def test_bench_serve_takes_each_class_split_and_checks_it_fits():
+    from lookahead_vllm.datasets import load_split
+
+    bench_serve = _import_bench("bench_serve")
+    tokenizer = _word_tokenizer()
     args = bench_serve.parse_args(["--methods", "plain", "lookahead", "--datasets", "codeedit", "agent",
                                    "--split", "dev", "--concurrency", "1", "4", "--num-prompts", "2", "5"])
     prompts = bench_serve.workload_prompts(args, tokenizer)
@@ -693,16 +700,10 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
 
 
 def test_bench_serve_waves_and_the_mixed_class():
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from lookahead_vllm.datasets import DATASETS, load_split
 
     bench_serve = _import_bench("bench_serve")
-    raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer = _word_tokenizer()
     args = bench_serve.parse_args(["--methods", "plain", "--datasets", "mixed", "--concurrency", "1", "8", "32",
                                    "--waves", "4"])
     assert args.counts == [4, 32, 128]
