@@ -133,16 +133,27 @@ def _add_spec_metrics(result: GenerationResult, metrics: Any) -> None:
     result.num_draft_tokens += int(metrics.num_draft_tokens)
 
 
-def shutdown_engine(llm: Any) -> None:
+def shutdown_engine(llm: Any, keep_parallel_groups: bool = False) -> None:
     """Shut an in-process ``LLM`` down to free its memory.
 
-    In-process engines share vLLM's global parallel groups and shutdown destroys
-    them: the next engine build re-creates them, so no other engine may run
-    between a shutdown and the next build.
+    In-process engines share vLLM's global parallel groups, and an engine's
+    shutdown destroys them (``EngineCore.shutdown`` ends in
+    ``cleanup_dist_env_and_memory``): an engine that is still alive then fails
+    its next step ("pipeline model parallel group is not initialized").
+    ``keep_parallel_groups=True`` leaves the groups to the engines still alive;
+    the next engine build reuses them.
     """
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        if keep_parallel_groups:
+            from unittest import mock
+
+            import vllm.v1.engine.core as engine_core
+
+            with mock.patch.object(engine_core, "cleanup_dist_env_and_memory", lambda *a, **k: gc.collect()):
+                core.shutdown()
+        else:
+            core.shutdown()
     del llm
     gc.collect()
 

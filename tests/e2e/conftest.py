@@ -49,22 +49,21 @@ class Engines:
             return self._llms[name]
         while len(self._llms) >= MAX_LIVE_ENGINES:
             oldest = next(n for n in self._llms if n != "plain")
-            shutdown_engine(self._llms.pop(oldest))
+            self.shutdown(oldest)
         from vllm import LLM
 
         method = "lookahead" if name.startswith("lookahead") else "plain" if name.startswith("plain") else name
-        # Building right after a shutdown also re-creates vLLM's global
-        # parallel groups, which an in-process shutdown destroys.
         self._llms[name] = LLM(model=self.model, **engine_kwargs(method, **kwargs))
         return self._llms[name]
 
     def shutdown(self, name: str) -> None:
-        """Shut engine ``name`` down now (as the engine's owner would)."""
-        shutdown_engine(self._llms.pop(name))
+        """Shut engine ``name`` down now (as the engine's owner would), leaving
+        vLLM's global parallel groups to the engines still alive."""
+        shutdown_engine(self._llms.pop(name), keep_parallel_groups=bool(self._llms))
 
     def close(self) -> None:
         while self._llms:
-            shutdown_engine(self._llms.popitem()[1])
+            self.shutdown(next(iter(self._llms)))
         gc.collect()
 
 

@@ -51,10 +51,13 @@ def _own_grams(tokens) -> set[tuple[int, ...]]:
     ``pos`` continues ``text[pos:]`` over and over)."""
     tokens = [int(t) for t in tokens]
     out, n = _grams(tokens), len(tokens)
+    tail, starts = tokens[max(0, n - GRAM + 1):], range(min(GRAM - 1, n))
     for pos in range(n):
-        period = tokens[pos:]
-        ext = tokens[max(0, n - GRAM + 1):] + period * (GRAM // len(period) + 1)
-        out |= {tuple(ext[i:i + GRAM]) for i in range(min(GRAM - 1, n))}
+        head = tokens[pos:pos + GRAM - 1]  # the periodic continuation's first GRAM - 1 tokens
+        if len(head) < GRAM - 1:
+            head = (head * GRAM)[:GRAM - 1]
+        ext = tail + head
+        out.update(tuple(ext[i:i + GRAM]) for i in starts)
     return out
 
 
