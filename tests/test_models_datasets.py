@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lookahead_vllm import datasets, models
+from lookahead_lab import datasets, models
 from lookahead_lab.datasets import (
     MissingPackageError,
     chat_prompt,
