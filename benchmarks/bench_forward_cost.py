@@ -66,7 +66,7 @@ class VariableProposer(FixedProposer):
 
 def variable_kwargs(max_nodes: int, **overrides) -> dict:
     """``LLM(...)`` kwargs of an engine whose drafts ``VariableProposer.n`` sets step by step."""
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     kwargs = engine_kwargs("plain", **overrides)
     kwargs["speculative_config"] = {"method": "custom_class", "num_speculative_tokens": max_nodes,
@@ -146,7 +146,7 @@ def step_times(model: str, n: int, contexts: list[list[int]], steps: int) -> lis
     """Decode step times with one request per context, each drafting ``n`` tokens every step."""
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     kwargs = engine_kwargs("plain")
     if n:
@@ -183,10 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--paths measures one request: leave --batch at 1")
     if not 1 <= args.batch <= 64:
         p.error(f"--batch={args.batch}: must be in [1, 64]")
-    from lookahead_vllm.vllm.offline import apply_cpu_env
+    from lookahead_lab.offline import apply_cpu_env
 
     apply_cpu_env()
-    from lookahead_vllm.models import prepare_smollm2
+    from lookahead_vllm.bundled import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     rng = np.random.default_rng(0)
@@ -219,7 +219,7 @@ def tree_step_times(model: str, nodes: int, context: list[int], steps: int, path
     verifies the tree drafted at the end of the step before it."""
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     os.environ["BENCH_TREE_PATHS"] = str(paths[0])
     kwargs = engine_kwargs("plain")

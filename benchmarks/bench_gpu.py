@@ -45,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # vLLM imports the cost engine's proposer as benchmarks.bench_forward_cost.*
+sys.path.insert(0, str(REPO / "lab"))  # lookahead_lab where the lab is not installed (the GPU kit)
 
 import bench_offline as offline  # noqa: E402  (applies the CPU env; harmless on GPUs)
 
@@ -103,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-context", type=int, default=512)
     p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/gpu.json; --dry: gpu_dry)")
     args = p.parse_args(argv)
-    from lookahead_vllm.datasets import DATASETS
+    from lookahead_lab.datasets import DATASETS
 
     args.datasets = args.datasets or (DRY["datasets"] if args.dry else list(DATASETS))
     if args.dry:
@@ -118,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -------------------------------------------------------------------- prompts
 def export_prompts(path: Path, per_split: int = 32) -> None:
     """Every class's first ``per_split`` test prompts (a batch-32 cell's), as chat messages (a CPU machine)."""
-    from lookahead_vllm.datasets import DATASETS, load_messages
+    from lookahead_lab.datasets import DATASETS, load_messages
 
     data = {ds: {"test": load_messages(ds, "test", per_split)} for ds in DATASETS}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +129,7 @@ def export_prompts(path: Path, per_split: int = 32) -> None:
 
 def test_prompts(args: argparse.Namespace, tokenizer: Any, dataset: str, limit: int) -> list[str]:
     """Chat-rendered test prompts: the installed data packages, else ``--prompts``."""
-    from lookahead_vllm import datasets
+    from lookahead_lab import datasets
 
     try:
         return datasets.load_split(dataset, "test", tokenizer, limit=limit)
@@ -250,7 +251,7 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
 
 
 def identity_cell(engines: dict[str, Any], prompts: list[str], params: Any, bs: int, mode: str) -> dict[str, Any]:
-    from lookahead_vllm.vllm.offline import count_mismatches, generate
+    from lookahead_lab.offline import count_mismatches, generate
 
     outputs, rows = {}, []
     for method, llm in engines.items():
@@ -495,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     if args.model is None:
-        from lookahead_vllm.models import build_tiny_llama, prepare_smollm2
+        from lookahead_lab.models import build_tiny_llama
+        from lookahead_vllm.bundled import prepare_smollm2
 
         args.model = str(build_tiny_llama(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_gpu_tiny") if args.dry
                          else prepare_smollm2())

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from lookahead_vllm.vllm.offline import apply_cpu_env
+from lookahead_lab.offline import apply_cpu_env
 
 apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
 
@@ -68,9 +68,8 @@ def trie_config(budget: int) -> dict:
 def run_config(model: str, prompts: list[str], max_tokens: int, config: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    from lookahead_lab.offline import engine_kwargs, find_proposers, generate, shutdown_engine
     from lookahead_vllm.core.config import LookaheadConfig
-    from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
-    from lookahead_vllm.vllm.proposer import find_proposers
 
     resolved = LookaheadConfig(**config)
     # Verify nodes, window nodes and the root: (W + G)(N - 1) with a window.
@@ -128,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
 
-    from lookahead_vllm.datasets import load_prompts
-    from lookahead_vllm.models import prepare_smollm2
-    from lookahead_vllm.vllm.offline import count_mismatches, engine_kwargs, generate, shutdown_engine
+    from lookahead_lab.datasets import load_prompts
+    from lookahead_lab.offline import count_mismatches, engine_kwargs, generate, shutdown_engine
+    from lookahead_vllm.bundled import prepare_smollm2
 
     model = str(args.model or prepare_smollm2())
     prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), args.num_prompts)

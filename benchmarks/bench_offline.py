@@ -43,7 +43,7 @@ Example (the README demo, a few minutes on 2 cores)::
 
 import os
 
-from lookahead_vllm.vllm.offline import CPU_ENV, apply_cpu_env
+from lookahead_lab.offline import CPU_ENV, apply_cpu_env
 
 # vLLM logs (warnings only: no periodic stats lines) to stderr; the table goes to stdout.
 _LOG_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
@@ -202,7 +202,7 @@ def has_suffix_decoding() -> bool:
 
 
 def check_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from lookahead_vllm.datasets import DATASETS
+    from lookahead_lab.datasets import DATASETS
 
     for name in args.datasets:
         if name not in DATASETS:
@@ -241,7 +241,7 @@ def lookahead_config(method: str, args: argparse.Namespace) -> dict[str, Any]:
 def build_engine(method: str, args: argparse.Namespace) -> Any:
     from vllm import LLM
 
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     start = time.perf_counter()
     config = lookahead_config(method, args)
@@ -280,13 +280,13 @@ def warmup_params() -> Any:
 def free_engine(llm: Any) -> None:
     """Shut an engine down (see ``offline.shutdown_engine``: a shared engine
     must not run between a shutdown and the next build; bench_cell builds first)."""
-    from lookahead_vllm.vllm.offline import shutdown_engine
+    from lookahead_lab.offline import shutdown_engine
 
     shutdown_engine(llm)
 
 
 def proposers(llm: Any) -> list[Any]:
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     return find_proposers(llm)
 
@@ -425,7 +425,7 @@ class MethodRun:
 
     def run_chunk(self, llm: Any, chunk: list[str], params: Any) -> float:
         """Generate one chunk, timed; return its tok/s."""
-        from lookahead_vllm.vllm.offline import generate
+        from lookahead_lab.offline import generate
 
         before = drafter_counters(llm)
         self.noise.start()
@@ -473,7 +473,7 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
 
 # ---------------------------------------------------------------- summaries
 def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
-    from lookahead_vllm.vllm.offline import count_mismatches
+    from lookahead_lab.offline import count_mismatches
 
     med, plain_med = statistics.median(run.chunk_tok_s), statistics.median(plain.chunk_tok_s)
     mismatched = [i for i, (a, b) in enumerate(zip(plain.token_ids, run.token_ids)) if a != b]
@@ -540,7 +540,7 @@ def tokenizer_for(model: Path) -> Any:
 def dataset_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
     """(reported prompts, warm-up prompts): the first ``--num-prompts`` of
     ``--split`` and the first ``--warm-prompts`` of the other split."""
-    import lookahead_vllm.datasets as datasets
+    import lookahead_lab.datasets as datasets
 
     if not hasattr(datasets, "load_split"):  # the loader before splits existed
         return legacy_split(dataset, args, tokenizer)
@@ -555,7 +555,7 @@ def dataset_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tup
 
 def legacy_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[str]]:
     """Without ``load_split``: the first ``--num-prompts`` and the next ``--warm-prompts``."""
-    from lookahead_vllm.datasets import load_prompts
+    from lookahead_lab.datasets import load_prompts
 
     wanted = args.num_prompts + args.warm_prompts
     prompts = load_prompts(dataset, tokenizer, limit=wanted)
@@ -566,7 +566,7 @@ def legacy_split(dataset: str, args: argparse.Namespace, tokenizer: Any) -> tupl
 
 def dev_outputs(plain: Any, dev: list[str], params: Any, dataset: str) -> list[list[int]]:
     """Plain vLLM's greedy outputs for the dev split (untimed)."""
-    from lookahead_vllm.vllm.offline import generate
+    from lookahead_lab.offline import generate
 
     start = time.perf_counter()
     ids = generate(plain, dev, params, batch_size=8).token_ids
@@ -821,7 +821,7 @@ def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.model is None:
-        from lookahead_vllm.models import prepare_smollm2
+        from lookahead_vllm.bundled import prepare_smollm2
 
         args.model = prepare_smollm2()
     check_memory(args)

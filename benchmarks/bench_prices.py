@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lookahead_vllm.vllm.offline import apply_cpu_env  # noqa: E402
+from lookahead_lab.offline import apply_cpu_env  # noqa: E402
 
 apply_cpu_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
@@ -73,7 +73,7 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
     ``steps`` decode steps; its live prices and the token range it saw."""
     from vllm import SamplingParams
 
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     (proposer,) = find_proposers(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    import lookahead_vllm.datasets as datasets
-    from lookahead_vllm.models import prepare_smollm2
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    import lookahead_lab.datasets as datasets
+    from lookahead_lab.offline import engine_kwargs
+    from lookahead_vllm.bundled import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

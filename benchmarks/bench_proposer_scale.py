@@ -58,8 +58,8 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
     draft handed out) or a platform whose token prices it uses ("gpu");
     ``upkeep``: the config's ``index_upkeep``."""
+    from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS
-    from lookahead_vllm.vllm.standalone import standalone_proposer
 
     name = source.removesuffix(PER_REQUEST)
     costs = {"cost_free_tokens": 0}
@@ -76,8 +76,8 @@ def corpus_tokens(count: int) -> np.ndarray:
     """``count`` token ids of real text (docqa documents, bundled tokenizer), repeated as needed."""
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.datasets import load_split
-    from lookahead_vllm.models import prepare_smollm2
+    from lookahead_lab.datasets import load_split
+    from lookahead_vllm.bundled import prepare_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepare_smollm2()))
     ids: list[int] = []
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for source in args.sources:
         if source.removesuffix(PER_REQUEST) not in SOURCES:
             p.error(f"--sources {source!r}: must be one of {list(SOURCES)}, optionally with {PER_REQUEST!r}")
-    from lookahead_vllm.vllm.offline import apply_cpu_env
+    from lookahead_lab.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
     text = corpus_tokens(text_tokens(max(args.prompt_tokens), args.k, args.steps) + 48)

@@ -4,7 +4,7 @@ One server per method (``lookahead-vllm-serve``, same flags apart from the
 speculation), all started before timing and kept for the whole run, so every
 drafter that learns across requests (``suffix``'s global tree, lookahead's
 corpus) sees the whole run's traffic. For each workload class (``--datasets``,
-the ``--split`` of ``lookahead_vllm.datasets``) and each concurrency ``c``, the
+the ``--split`` of ``lookahead_lab.datasets``) and each concurrency ``c``, the
 cell's own prompts (the split's next ones: cells share no prompt) are cut
 into *waves* of ``c`` requests sent at once (streaming completions, greedy);
 for each wave every method runs once, in an order rotated wave by wave, so
@@ -378,7 +378,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from lookahead_vllm.datasets import DATASETS, SPLITS
+    from lookahead_lab.datasets import DATASETS, SPLITS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
@@ -386,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="plain (required), lookahead, lookahead:NAME (--variant), ngram<k>[-w<min>-<max>], "
                              "suffix[-d<depth>]")
     parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=(*DATASETS, MIXED),
-                        help="workload classes, each run at every concurrency (lookahead_vllm.datasets); "
+                        help="workload classes, each run at every concurrency (lookahead_lab.datasets); "
                              f"{MIXED!r}: all of them interleaved")
     parser.add_argument("--split", default="test", choices=SPLITS, help="the classes' split the prompts come from")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
@@ -449,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def mixed_split(split: str, tokenizer: Any) -> list[str]:
     """Every class's ``split`` interleaved round robin (a class that runs out drops out)."""
-    from lookahead_vllm.datasets import DATASETS, load_split
+    from lookahead_lab.datasets import DATASETS, load_split
 
     classes = [load_split(d, split, tokenizer) for d in DATASETS]
     return [p for i in range(max(map(len, classes))) for c in classes if i < len(c) for p in (c[i],)]
@@ -459,7 +459,7 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list
     """Chat-formatted prompts of every dataset's split, as many as all its cells take (each
     concurrency's cell gets the next ones: no request repeats an earlier cell's);
     ``SystemExit`` naming the dataset where the split holds fewer or one is too long."""
-    from lookahead_vllm.datasets import load_split
+    from lookahead_lab.datasets import load_split
 
     need = sum(args.counts)
     prompts = {}
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.models import prepare_smollm2
+    from lookahead_vllm.bundled import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     prompts = workload_prompts(args, AutoTokenizer.from_pretrained(model))

@@ -138,7 +138,7 @@ def make_traffic(n: int, seed: int, tokenizer: Any, max_model_len: int, max_toke
                  mix: Mix | None = None, seeded: bool = True) -> list[Req]:
     """``n`` requests drawn from ``seed``: the same list for both servers
     (sampled ones with a per-request seed if ``seeded``)."""
-    from lookahead_vllm.datasets import load_humaneval, load_mtbench
+    from lookahead_lab.datasets import load_humaneval, load_mtbench
 
     mix = mix or Mix()
     rng = random.Random(seed)
@@ -632,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    from lookahead_vllm.bundled import prepare_smollm2
     from lookahead_vllm.core.config import LookaheadConfig
-    from lookahead_vllm.models import prepare_smollm2
 
     fields = json.loads(args.lookahead_config)
     config = LookaheadConfig(**fields)

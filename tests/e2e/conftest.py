@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from lookahead_vllm.vllm.offline import engine_kwargs, shutdown_engine
+from lookahead_lab.offline import engine_kwargs, shutdown_engine
 
 # Kept short so the default suite stays fast; the slow suite uses 256.
 MAX_TOKENS = 64
@@ -23,7 +23,7 @@ def tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def prompts(tokenizer) -> dict[str, list[str]]:
-    from lookahead_vllm.datasets import load_prompts
+    from lookahead_lab.datasets import load_prompts
 
     return {
         "humaneval": load_prompts("humaneval", tokenizer, NUM_HUMANEVAL),
@@ -85,7 +85,7 @@ def plain_run(engines, prompts: list, params, bs: int, key: tuple):
     ``key`` names the (prompts, params) combination; modules that use the same
     key share one plain run.
     """
-    from lookahead_vllm.vllm.offline import generate
+    from lookahead_lab.offline import generate
 
     if (key, bs) not in _PLAIN_RUNS:
         _PLAIN_RUNS[(key, bs)] = generate(engines.get("plain"), prompts, params, bs)

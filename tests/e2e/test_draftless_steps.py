@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead_vllm.vllm.offline import count_mismatches, generate
+from lookahead_lab.offline import count_mismatches, generate
 
 from .conftest import MAX_TOKENS, plain_run
 
@@ -53,7 +53,7 @@ def step_log(monkeypatch):
 
 
 def _proposer(llm):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     (proposer,) = find_proposers(llm)
     return proposer

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from lookahead_vllm.vllm.offline import count_mismatches, generate
+from lookahead_lab.offline import count_mismatches, generate
 
 from .conftest import MAX_TOKENS, plain_run
 
@@ -62,7 +62,7 @@ def test_lookahead_greedy_identical_to_plain(engines, prompts, dataset, bs):
 
 
 def test_step_draft_budget_honoured_and_lossless(engines, prompts):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     plain = _plain(engines, prompts, "humaneval", 8)
     llm = engines.get("lookahead-budget", lookahead={"step_draft_budget": 4})
@@ -74,7 +74,7 @@ def test_step_draft_budget_honoured_and_lossless(engines, prompts):
 
 
 def test_proposer_state_released_after_requests_finish(engines, prompts):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     llm = engines.get("lookahead")
     generate(llm, prompts["mtbench"][:3], _greedy(8), 3)
@@ -89,7 +89,7 @@ def test_aborted_request_state_released(engines, prompts):
     """An aborted request's drafting state goes (finished ones are covered above)."""
     from vllm import SamplingParams
 
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     llm = engines.get("lookahead-abort")
     engine = llm.llm_engine

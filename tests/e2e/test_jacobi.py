@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead_vllm.vllm.offline import count_mismatches, generate
-from lookahead_vllm.vllm.proposer import find_proposers
+from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
 from .conftest import MAX_TOKENS, plain_run
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead_vllm.vllm.offline import count_mismatches, generate
+from lookahead_lab.offline import count_mismatches, generate
 
 from .conftest import MAX_TOKENS
 
@@ -38,8 +38,8 @@ def _flip_last_tokens(proposer):
 def test_plan_mismatch_falls_back_to_chain_losslessly(engines, prompts):
     from vllm import SamplingParams
 
+    from lookahead_lab.offline import find_proposers
     from lookahead_vllm.vllm import tree_verify
-    from lookahead_vllm.vllm.proposer import find_proposers
 
     subset = prompts["humaneval"][:4]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

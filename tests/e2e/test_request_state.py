@@ -22,8 +22,7 @@ MAX_TOKENS = 160
 def test_preemption_keeps_options_outputs_and_leaves_no_state(engines, prompts):
     from vllm import SamplingParams
 
-    from lookahead_vllm.vllm.offline import count_mismatches, generate
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
     texts = prompts["humaneval"][:NUM]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

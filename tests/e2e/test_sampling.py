@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from lookahead_vllm.vllm.offline import generate
+from lookahead_lab.offline import generate
 
 pytestmark = pytest.mark.vllm
 
@@ -87,7 +87,7 @@ def test_sampling_with_drafts_accepts_tokens(engines, sampling_prompts):
 
 def test_tree_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts):
     """Tree acceptance by sampling (draft_shape="hier") stays on the target distribution."""
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     # The forward-cost model off (as in test_tree_verify, same engine): at
     # batch 8 it keeps few side branches, and this test is about trees.

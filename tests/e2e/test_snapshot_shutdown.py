@@ -10,9 +10,8 @@ pytestmark = pytest.mark.vllm
 def test_engine_shutdown_writes_the_snapshot(engines, prompts, tmp_path):
     from vllm import SamplingParams
 
+    from lookahead_lab.offline import find_proposers, generate
     from lookahead_vllm.core.snapshot import read_snapshot
-    from lookahead_vllm.vllm.offline import generate
-    from lookahead_vllm.vllm.proposer import find_proposers
 
     snap = tmp_path / "drafter.snap"
     llm = engines.get("lookahead-snapshot", lookahead={"snapshot_path": str(snap)})

@@ -17,7 +17,7 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def suite_prompts(tokenizer) -> list[tuple[str, str]]:
-    from lookahead_vllm.datasets import DATASETS, load_split
+    from lookahead_lab.datasets import DATASETS, load_split
 
     return [(name, text) for name in DATASETS for text in load_split(name, "test", tokenizer, PER_CLASS)]
 
@@ -28,8 +28,7 @@ def suite_prompts(tokenizer) -> list[tuple[str, str]]:
 def test_every_suite_class_greedy_identical_to_plain(engines, suite_prompts, bs):
     from vllm import SamplingParams
 
-    from lookahead_vllm.vllm.offline import count_mismatches, generate
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
     texts = [t for _, t in suite_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
+from lookahead_lab.offline import count_mismatches, generate
 from lookahead_vllm.core.partitions import Partitions
-from lookahead_vllm.vllm.offline import count_mismatches, generate
 
 from .conftest import plain_run
 
@@ -102,7 +102,7 @@ class DraftWatch:
 
 
 def _run_tenants(engines, tokenizer, texts, name: str, lookahead: dict, bs: int, mutate=None):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     llm = engines.get(name, lookahead=lookahead)
     (proposer,) = find_proposers(llm)
@@ -117,7 +117,7 @@ def _run_tenants(engines, tokenizer, texts, name: str, lookahead: dict, bs: int,
 
 @pytest.mark.parametrize("sharing,bs", [("per-salt", 1), ("per-salt-saved", 8)])
 def test_no_draft_crosses_tenants(engines, tokenizer, prompts, tmp_path, sharing, bs):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     texts = prompts["humaneval"][:NUM_PROMPTS if bs > 1 else NUM_PROMPTS // 2]
     snap = tmp_path / "drafter.snap"

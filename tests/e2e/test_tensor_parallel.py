@@ -185,8 +185,8 @@ def test_every_rank_drafts_the_same(tp_runs, shape):
 def _engine_main(spec: dict) -> None:
     from vllm import LLM, SamplingParams
 
-    from lookahead_vllm.datasets import load_humaneval, load_mtbench
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.datasets import load_humaneval, load_mtbench
+    from lookahead_lab.offline import engine_kwargs
 
     lookahead = None
     if spec["method"] == "lookahead":

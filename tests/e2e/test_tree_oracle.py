@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lookahead_lab.offline import generate
 from lookahead_vllm.vllm import tree_verify
-from lookahead_vllm.vllm.offline import generate
 
 pytestmark = pytest.mark.vllm
 

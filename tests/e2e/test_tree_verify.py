@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from lookahead_lab.offline import count_mismatches, generate
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
-from lookahead_vllm.vllm.offline import count_mismatches, generate
 
 from .conftest import MAX_TOKENS, plain_run
 
@@ -57,7 +57,7 @@ def _tree_engine(engines, shape: str, **extra):
     ],
 )
 def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mixed):
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     # Side branches go out at every batch size: the forward-cost model (which
     # prices tokens and each extra path on the CPU and at batch 8 keeps few
@@ -106,7 +106,7 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
         enable_chunked_prefill=True,
         enable_prefix_caching=True,
     )
-    from lookahead_vllm.vllm.proposer import find_proposers
+    from lookahead_lab.offline import find_proposers
 
     (proposer,) = find_proposers(llm)
     first = generate(llm, subset, params, 6)

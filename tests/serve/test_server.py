@@ -23,14 +23,14 @@ NUM_CHAT = 2
 
 @pytest.fixture(scope="module")
 def code_prompts() -> list[str]:
-    from lookahead_vllm.datasets import load_humaneval
+    from lookahead_lab.datasets import load_humaneval
 
     return load_humaneval(NUM_CODE)
 
 
 @pytest.fixture(scope="module")
 def chat_questions() -> list[str]:
-    from lookahead_vllm.datasets import load_mtbench
+    from lookahead_lab.datasets import load_mtbench
 
     return load_mtbench(NUM_CHAT)
 

@@ -26,7 +26,7 @@ MAX_LEN = 320
 
 
 def _pair(**lookahead):
-    from lookahead_vllm.vllm.standalone import standalone_proposer
+    from lookahead_lab.standalone import standalone_proposer
 
     fast, slow = (standalone_proposer(16, MAX_LEN, dict(lookahead)) for _ in range(2))
     assert fast.batch_chains and fast.drafter.native == slow.drafter.native
@@ -149,8 +149,8 @@ def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
     """Where the extension is not built, the array path runs the reference
     index and the reference chain kernels (core/chain_plan.py): the same
     drafts, calibrator tables and counters as the native path."""
+    from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core import native
-    from lookahead_vllm.vllm.standalone import standalone_proposer
 
     fast = standalone_proposer(16, MAX_LEN, {})
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
@@ -167,7 +167,7 @@ def test_upkeep_on_its_thread_equals_inline():
     """The native index's upkeep on its own thread (the GPU default) drafts
     what it drafts inline, with finished outputs evicted over a small corpus
     cap along the way."""
-    from lookahead_vllm.vllm.standalone import standalone_proposer
+    from lookahead_lab.standalone import standalone_proposer
 
     settings = {"index_corpus_bytes": 48_000}  # 24,000 bytes for each of the index and its back-off
     threaded = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "thread"})

@@ -244,7 +244,7 @@ def test_fp32_trees_refused_on_gpus_with_the_fix(tiny_llama_dir, monkeypatch):
 def test_engine_kwargs_dtype_follows_the_platform(monkeypatch):
     import torch
 
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert engine_kwargs("plain")["dtype"] == "float32"
@@ -288,8 +288,8 @@ def test_engine_refuses_picked_backend_it_does_not_wrap(tiny_llama_dir, monkeypa
     """The backend guard runs at engine start (initialize_attn_backend), before any request."""
     from vllm import LLM
 
+    from lookahead_lab.offline import engine_kwargs
     from lookahead_vllm.vllm import guards
-    from lookahead_vllm.vllm.offline import engine_kwargs
 
     monkeypatch.setattr(guards, "_wrapped_impls", lambda: ())  # as if CPU_ATTN's forward were not wrapped
     with pytest.raises(Exception, match=r"attention backend CPU_ATTN with an implementation tree_verify does not wrap"):
@@ -302,8 +302,8 @@ def test_unsupported_attention_features_refused_at_engine_start(tiny_llama_dir, 
 
     from vllm import LLM
 
+    from lookahead_lab.offline import engine_kwargs
     from lookahead_vllm.vllm import guards, tree_verify
-    from lookahead_vllm.vllm.offline import engine_kwargs
 
     plain = SimpleNamespace(sliding_window=-1, alibi_slopes=None, logits_soft_cap=0, sinks=None)
     windowed = SimpleNamespace(sliding_window=(4095, 0), alibi_slopes=None, logits_soft_cap=0, sinks=None)

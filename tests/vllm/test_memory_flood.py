@@ -30,7 +30,7 @@ def _text(rng, text, n):
 
 
 def test_long_prompt_flood_stays_under_the_cap_and_leaves_no_state():
-    from lookahead_vllm.vllm.standalone import standalone_proposer
+    from lookahead_lab.standalone import standalone_proposer
 
     proposer = standalone_proposer(8, PROMPT + OUTPUT + 8, {"index_corpus_bytes": CAP})
     empty = proposer.drafter.memory_bytes()

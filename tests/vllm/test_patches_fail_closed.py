@@ -100,7 +100,7 @@ def test_cpu_sampling_fix_loud_when_target_moved(monkeypatch):
 def _llm(model: str, method: str, **lookahead):
     from vllm import LLM
 
-    from lookahead_vllm.vllm.offline import engine_kwargs
+    from lookahead_lab.offline import engine_kwargs
 
     return LLM(model=model, **engine_kwargs(method, lookahead=lookahead, max_model_len=256))
 
@@ -108,7 +108,7 @@ def _llm(model: str, method: str, **lookahead):
 def test_plain_engine_starts_with_a_failed_patch(tiny_llama_dir, break_patch):
     from vllm import SamplingParams
 
-    from lookahead_vllm.vllm.offline import shutdown_engine
+    from lookahead_lab.offline import shutdown_engine
 
     break_patch("runner_request_ids")
     break_patch("tree_verification")

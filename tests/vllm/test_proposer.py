@@ -15,7 +15,7 @@ B = [7, 8, 9] * 4  # "b" repeats 7..9
 
 
 def make_proposer(k: int = 4, **lookahead):
-    from lookahead_vllm.vllm.standalone import standalone_proposer
+    from lookahead_lab.standalone import standalone_proposer
 
     # Row bookkeeping tests want every draft token: the forward-cost model is
     # off unless a test prices tokens itself.

@@ -22,8 +22,8 @@ TEXTS = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i *
 
 
 def make_proposer(tokenizer_dir: str, **lookahead):
+    from lookahead_lab.standalone import engine_free_config
     from lookahead_vllm.vllm.proposer import LookaheadProposer
-    from lookahead_vllm.vllm.standalone import engine_free_config
 
     lookahead.setdefault("cost_free_tokens", 0)
     config = engine_free_config(8, MAX_LEN, lookahead, model=tokenizer_dir, tokenizer=tokenizer_dir)

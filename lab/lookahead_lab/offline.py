@@ -1,4 +1,5 @@
-"""Helpers for offline ``LLM`` runs: engine kwargs per method, batched generation.
+"""Helpers for offline ``LLM`` runs: engine kwargs per method, batched generation,
+the proposers of an in-process engine.
 
 Used by the demo, the benchmarks and the end-to-end tests so that every method
 is built the same way::
@@ -12,23 +13,21 @@ import gc
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-# Environment for fast, deterministic single-process vLLM on a small CPU
-# machine (see DESIGN.md); must be applied before vllm is imported.
+from lookahead_vllm.serve import CPU_ENV as SERVER_CPU_ENV
+
+if TYPE_CHECKING:
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+# The server's CPU defaults (lookahead_vllm.serve.CPU_ENV) plus one process
+# (the engine in-process, so its proposers can be inspected) and no Hugging
+# Face Hub access; must be applied before vllm is imported.
 CPU_ENV: dict[str, str] = {
+    **SERVER_CPU_ENV,
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "2",
-    "NUMBA_THREADING_LAYER": "workqueue",
-    "TOKENIZERS_PARALLELISM": "false",
-    # Only our plugin: arctic-inference (installed for the "suffix" baseline,
-    # which imports arctic_inference.suffix_decoding directly) registers a
-    # vllm.general_plugins entry point that must not load in our engines.
-    "VLLM_PLUGINS": "lookahead",
 }
 
 
@@ -161,3 +160,23 @@ def shutdown_engine(llm: Any, keep_parallel_groups: bool = False) -> None:
 def count_mismatches(reference: list[list[int]], other: list[list[int]]) -> int:
     """Number of sequences whose token ids differ from the reference."""
     return sum(1 for a, b in zip(reference, other, strict=True) if a != b)
+
+
+def find_proposers(llm: Any) -> list[LookaheadProposer]:
+    """Proposers of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from lookahead_vllm.vllm.proposer import LookaheadProposer  # noqa: F811 (imports vllm)
+
+    found = []
+    seen = set()
+    stack = [llm]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, LookaheadProposer):
+            found.append(obj)
+            continue
+        for name in ("llm_engine", "engine_core", "model_executor", "driver_worker", "worker", "model_runner", "drafter"):
+            stack.append(getattr(obj, name, None))
+    return found

