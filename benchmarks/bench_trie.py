@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lookahead_vllm.core import LookaheadConfig, TokenTrie
+from lookahead_vllm.core import TokenTrie, resolve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,7 +58,7 @@ def replay(trie: TokenTrie, streams, accept_per_step: int) -> list[float]:
 
 
 def measure(streams, prefill: int, shape: str, budget: int) -> dict:
-    cfg = LookaheadConfig(decoding_length=budget, draft_shape=shape)
+    cfg = resolve({"decoding_length": budget, "draft_shape": shape})
     trie = TokenTrie(cfg)
     for prompt, output in streams[:prefill]:
         trie.insert_output(prompt + output)

@@ -413,9 +413,6 @@ class Settings:
         return DraftIndexConfig(ngram or p.index_ngram, p.index_max_match, p.index_occurrences,
                                 p.index_candidates, self.index_corpus_bytes // shares)
 
-    def public(self) -> LookaheadConfig:
-        return LookaheadConfig(**{name: getattr(self, name) for name in PUBLIC_FIELDS})
-
     def to_carried(self) -> dict[str, Any]:
         """A JSON-able mapping that carries these settings inside vLLM's
         ``additional_config`` to the workers (:meth:`from_carried`); it is

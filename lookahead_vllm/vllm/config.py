@@ -28,8 +28,25 @@ ADDITIONAL_CONFIG_KEY = "lookahead"
 
 
 def is_lookahead(speculative_config: Any) -> bool:
-    """True if a vLLM ``SpeculativeConfig`` routes to our proposer."""
-    return speculative_config is not None and getattr(speculative_config, "model", None) == PROPOSER_PATH
+    """True if a vLLM ``SpeculativeConfig`` routes to our proposer, or to a
+    ``custom_class`` that extends it (benchmarks' fixed-draft proposers)."""
+    model = getattr(speculative_config, "model", None)
+    if model == PROPOSER_PATH:
+        return True
+    if getattr(speculative_config, "method", None) != "custom_class" or not isinstance(model, str):
+        return False
+    return _extends_proposer(model)
+
+
+def _extends_proposer(path: str) -> bool:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False  # vLLM reports a class it cannot import
+    return isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == PROPOSER_PATH for c in cls.__mro__)
 
 
 def selects_lookahead(kwargs: dict[str, Any]) -> bool:
