@@ -51,7 +51,7 @@ def replay(trie: TokenTrie, streams, accept_per_step: int) -> list[float]:
             start = time.perf_counter_ns()
             trie.extend(rid, new)
             seq.extend(new)
-            trie.retrieve(seq[-cfg.max_match_length:], req_id=rid)
+            trie.retrieve(seq[-cfg.profile.max_match_length:], req_id=rid)
             times.append((time.perf_counter_ns() - start) / 1e3)
         trie.finish_request(rid)
     return times
