@@ -44,6 +44,9 @@ def test_public_fields_are_few_and_the_schema_is_closed():
     assert len(schema["properties"]) <= 10, sorted(schema["properties"])
     assert schema["additionalProperties"] is False
     assert PROFILE_KEY not in schema["properties"]
+    from lookahead_vllm.core.request_options import MAX_CAP  # a request's cap: up to decoding_length's maximum
+
+    assert schema["properties"]["decoding_length"]["anyOf"][0]["maximum"] == MAX_CAP
     assert set(schema["properties"]) == set(PUBLIC_FIELDS)
     assert {"source", "draft_shape", "decoding_length", "index_corpus_bytes", "warm_start", "snapshot_path",
             "draft_sharing"} <= set(PUBLIC_FIELDS)
