@@ -47,11 +47,12 @@ def rss_mib() -> float:
 
 
 def run(args: argparse.Namespace, text: np.ndarray) -> dict[str, Any]:
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
     from lookahead_vllm.core.drafter import Drafter
 
-    config = LookaheadConfig(index_corpus_bytes=args.cap_mib << 20, index_upkeep=args.upkeep)
-    drafter = Drafter(config, native=True, upkeep_thread=config.upkeep_thread("gpu"))
+    config = resolve({"index_corpus_bytes": args.cap_mib << 20,
+                      "_profile": {"upkeep_thread": args.upkeep == "thread"}}, platform="gpu")
+    drafter = Drafter(config, native=True)
     indexes = [ix for ix in (drafter.index, drafter.backoff) if ix is not None]
     batch, plen, olen = args.batch, args.prompt_tokens, args.output_tokens
     width = plen + olen + args.tokens_per_step
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace, text: np.ndarray) -> dict[str, Any]:
     while finished < args.requests:
         start = time.perf_counter()
         drafter.sync(slots, rows, table, num, prompts)
-        drafter.draft_chains(slots, budgets, config.min_draft_confidence)
+        drafter.draft_chains(slots, budgets, config.profile.min_draft_confidence)
         times.append(time.perf_counter() - start)
         num += args.tokens_per_step
         for row in np.flatnonzero(num >= plen + olen).tolist():

@@ -55,10 +55,10 @@ def rss_mb() -> float:
 
 
 def make_index(core: str):
-    from lookahead_vllm.core.draft_index import DraftIndexConfig
+    from lookahead_vllm.core.config import resolve
     from lookahead_vllm.core.native import make_draft_index
 
-    return make_draft_index(DraftIndexConfig(), native=core == "native")
+    return make_draft_index(resolve().index_config(), native=core == "native")
 
 
 def warm_corpus(index, text: np.ndarray, rng: np.random.Generator) -> None:

@@ -227,7 +227,7 @@ def tree_step_times(model: str, nodes: int, context: list[int], steps: int, path
                                     "model": "benchmarks.bench_forward_cost.FixedTreeProposer"}
     # Every node goes out: no cost model, no confidence floor.
     kwargs["additional_config"] = {"lookahead": {"draft_shape": "hier", "cost_free_tokens": 0,
-                                                 "min_draft_confidence": 0.0}}
+                                                 "_profile": {"min_draft_confidence": 0.0}}}
     llm = LLM(model=model, **kwargs)
     engine = llm.llm_engine
     total = steps * len(paths) + 2

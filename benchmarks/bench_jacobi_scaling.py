@@ -40,9 +40,9 @@ def log(message: str) -> None:
 
 def step_slots(n: int, w: int, g: int) -> int:
     """Draft slots of a full Jacobi step: (W + G)(N - 1) - 1."""
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import Profile
 
-    return LookaheadConfig(source="jacobi", jacobi_window=w, jacobi_ngram=n, jacobi_guesses=g).jacobi_step_slots
+    return Profile.for_platform("cpu", {"jacobi_window": w, "jacobi_ngram": n, "jacobi_guesses": g}).jacobi_step_slots
 
 
 def guesses_that_fit(n: int, w: int, max_slots: int) -> int:
@@ -56,8 +56,8 @@ def guesses_that_fit(n: int, w: int, max_slots: int) -> int:
 def window_config(source: str, n: int, w: int, g: int) -> dict:
     """Engine config of one grid cell: the window on every step (cost model
     off), verify budget G(N - 1)."""
-    return {"source": source, "draft_shape": "hier", "jacobi_window": w, "jacobi_ngram": n,
-            "jacobi_guesses": g, "decoding_length": g * (n - 1), "cost_free_tokens": 0}
+    return {"source": source, "draft_shape": "hier", "decoding_length": g * (n - 1), "cost_free_tokens": 0,
+            "_profile": {"jacobi_window": w, "jacobi_ngram": n, "jacobi_guesses": g}}
 
 
 def trie_config(budget: int) -> dict:
@@ -69,9 +69,9 @@ def run_config(model: str, prompts: list[str], max_tokens: int, config: dict) ->
     from vllm import LLM, SamplingParams
 
     from lookahead_lab.offline import engine_kwargs, find_proposers, generate, shutdown_engine
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
 
-    resolved = LookaheadConfig(**config)
+    resolved = resolve(config)
     # Verify nodes, window nodes and the root: (W + G)(N - 1) with a window.
     scored = resolved.decoding_length + resolved.lookahead_nodes + 1
     llm = LLM(model=model, **engine_kwargs("lookahead", k=scored - 1, lookahead=config))

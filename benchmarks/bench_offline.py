@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
                         "lookahead-warm (plain is required; see the module docstring)")
     p.add_argument("--k", type=int, default=None,
-                   help="lookahead num_speculative_tokens (default: LookaheadConfig's decoding_length)")
+                   help="lookahead num_speculative_tokens (default: 16, core.config.DEFAULT_DECODING_LENGTH)")
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM prefix caching in every engine (default off: engines shared across cells, "
                         "plain and ngram, would otherwise reuse the prefill of prompts an earlier cell "
@@ -248,15 +248,13 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     # A variant's decoding_length is its node budget: vLLM's k follows it,
     # plus the Jacobi window's nodes for source "jacobi"/"both".
     k = args.k
+    from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, resolve
+
     if engine_method(method) == "lookahead":
-        from lookahead_vllm.core.config import LookaheadConfig
-
-        window = LookaheadConfig.from_dict({**config, "decoding_length": 1}).lookahead_nodes
-        k = config.get("decoding_length", args.k or LookaheadConfig().decoding_length) + window
+        window = resolve({**config, "decoding_length": 1}).lookahead_nodes
+        k = config.get("decoding_length", args.k or DEFAULT_DECODING_LENGTH) + window
     if k is None:
-        from lookahead_vllm.core.config import LookaheadConfig
-
-        k = LookaheadConfig().decoding_length
+        k = DEFAULT_DECODING_LENGTH
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     overrides["enable_prefix_caching"] = args.prefix_caching == "on"
     overrides.update(getattr(args, "engine_overrides", None) or {})  # bench_gpu: dtype, CUDA graphs, memory

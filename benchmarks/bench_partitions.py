@@ -43,11 +43,11 @@ class Cell:
     """One partition count: a Drafter with its warm corpus and running batch."""
 
     def __init__(self, partitions: int, batch: int, prompt: int, steps: int, text: np.ndarray) -> None:
-        from lookahead_vllm.core.config import LookaheadConfig
+        from lookahead_vllm.core.config import resolve
         from lookahead_vllm.core.drafter import Drafter
 
         self.partitions = partitions
-        self.drafter = Drafter(LookaheadConfig(), native=True)
+        self.drafter = Drafter(resolve(), native=True)
         salts = [f"tenant-{p}" for p in range(partitions)]
         rng = np.random.default_rng(0)
         for i in range(WARM_SEQUENCES):  # finished outputs of every tenant

@@ -57,17 +57,17 @@ ADMISSIONS = 5
 def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline") -> Any:
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
     draft handed out) or a platform whose token prices it uses ("gpu");
-    ``upkeep``: the config's ``index_upkeep``."""
+    ``upkeep``: "inline" or "thread" (the profile's ``upkeep_thread``)."""
     from lookahead_lab.standalone import standalone_proposer
-    from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS
+    from lookahead_vllm.core.config import PLATFORM_VALUES
 
     name = source.removesuffix(PER_REQUEST)
     costs = {"cost_free_tokens": 0}
     if prices != "off":
-        free, marginal = PLATFORM_TOKEN_COSTS[prices]
-        costs = {"cost_free_tokens": free, "cost_marginal_tokens": marginal}
-    proposer = standalone_proposer(k, max_len, {"source": name, "load_shrink_above": 4096, "load_stop_at": 8192,
-                                                "index_upkeep": upkeep, **costs})
+        platform = PLATFORM_VALUES[prices]
+        costs = {"cost_free_tokens": platform["free_tokens"], "cost_marginal_tokens": platform["marginal_tokens"]}
+    knobs = {"load_shrink_above": 4096, "load_stop_at": 8192, "upkeep_thread": upkeep == "thread"}
+    proposer = standalone_proposer(k, max_len, {"source": name, "_profile": knobs, **costs})
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
     return proposer
 

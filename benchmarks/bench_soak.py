@@ -475,7 +475,7 @@ def lookahead_state(m: dict[str, float], config: Any) -> dict[str, Any]:
         "request_states_after_drain": m.get("lookahead_request_states"),
         "source": config.source,
         "trie_nodes": m.get("lookahead_trie_nodes"),
-        "trie_capacity": config.trie_capacity if config.uses_trie else None,
+        "trie_capacity": config.profile.trie_capacity if config.uses_trie else None,
         "drafter_bytes": m.get("lookahead_trie_bytes"),  # draft index + trie (metrics.py: lookahead_trie_bytes)
         "index_corpus_bytes_cap": config.index_corpus_bytes if config.uses_index else None,
         "draft_tokens": m.get("lookahead_draft_tokens_total"),
@@ -633,10 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from lookahead_vllm.bundled import prepare_smollm2
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
 
     fields = json.loads(args.lookahead_config)
-    config = LookaheadConfig(**fields)
+    config = resolve(fields)
     model = args.model or str(prepare_smollm2())
     from lookahead_vllm.serve import is_cpu_install
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lookahead_vllm.core import LookaheadConfig, TokenTrie
+from lookahead_vllm.core import TokenTrie, resolve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,14 +50,14 @@ def replay(trie: TokenTrie, streams, accept_per_step: int) -> list[float]:
             start = time.perf_counter_ns()
             trie.extend(rid, new)
             seq.extend(new)
-            trie.retrieve(seq[-cfg.max_match_length:], req_id=rid)
+            trie.retrieve(seq[-cfg.profile.max_match_length:], req_id=rid)
             times.append((time.perf_counter_ns() - start) / 1e3)
         trie.finish_request(rid)
     return times
 
 
 def measure(streams, prefill: int, shape: str, budget: int) -> dict:
-    cfg = LookaheadConfig(decoding_length=budget, draft_shape=shape)
+    cfg = resolve({"decoding_length": budget, "draft_shape": shape})
     trie = TokenTrie(cfg)
     for prompt, output in streams[:prefill]:
         trie.insert_output(prompt + output)

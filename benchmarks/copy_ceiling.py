@@ -123,7 +123,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
 
     p = workload_parser(__doc__)
     p.add_argument("--k", type=int, default=16, help="most draft tokens per step (num_speculative_tokens)")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON (and a PNG beside it)")
     args = p.parse_args(argv)
     check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, k=args.k)
-    timing = batch1_cost(LookaheadConfig(), platform=args.platform)
+    timing = batch1_cost(resolve(platform=args.platform))
     rows = []
     for ds, prompts, outputs in workloads(args):
         found = {"copy ceiling": ceiling(prompts, outputs, args.k, timing)}
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             from sim_acceptance import simulate
             from suffix_replay import replay_suffix
 
-            found["lookahead"] = simulate(LookaheadConfig(), prompts, outputs, [], platform=args.platform)
+            found["lookahead"] = simulate({}, prompts, outputs, [], platform=args.platform)
             found["suffix"] = replay_suffix(prompts, outputs, timing=timing)
         for method, r in found.items():
             keep = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}

@@ -35,7 +35,6 @@ from typing import Any
 
 from sim_acceptance import check_positive, save_rows, simulate, workload_parser, workloads
 
-from lookahead_vllm.core.config import LookaheadConfig
 
 
 def outlook(result: dict[str, Any]) -> dict[str, float]:
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for ds, prompts, outputs in workloads(args):
         for platform in args.platforms:
             for batch in args.batch:
-                r = simulate(LookaheadConfig(), prompts, outputs, [], batch=batch, platform=platform)
+                r = simulate({}, prompts, outputs, [], batch=batch, platform=platform)
                 row = {"dataset": ds, "split": args.split, "platform": platform, "batch": batch,
                        "steps": r["steps"], "mal": r["mal"], "whole_draft_steps": r["whole_draft_steps"],
                        "predraft_hit_steps": r["predraft_hit_steps"], **outlook(r)}

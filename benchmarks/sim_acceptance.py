@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -62,7 +63,7 @@ from lookahead_vllm.core.budget import (
 import numpy as np
 
 from lookahead_vllm.core.calibration import ConfidenceCalibrator
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import LookaheadConfig, Settings, resolve
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.step_plan import accepted_path
@@ -74,10 +75,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[list[int]],
+def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list[int]], outputs: list[list[int]],
              warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1,
              native: bool | None = None, platform: str = "cpu") -> dict[str, float]:
     """Replay the drafter over (prompt, greedy output) pairs; see the module docstring.
+    ``config``: lookahead fields as the engine takes them (profile knobs under
+    ``"_profile"``), resolved for ``platform``.
     ``paths``: (setup, per path) of tree attention's extra paths, for the
     proposer's decisions and the timing (default: the CPU path rounds').
     ``batch``: requests run in waves of this many, stepping together until
@@ -87,11 +90,12 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
     ``platform``: whose token prices the proposer decides with and the
     steps are timed at ("cpu": this machine's; "gpu": the GPU defaults, paths
     free, as with the CUDA kernel)."""
+    config = resolve(config, platform=platform)
     drafter = Drafter(config, native)
     for ids in warm:
         drafter.warm(ids)
-    cost, timing = batch1_cost(config, paths, platform), batch1_cost(LookaheadConfig(), paths, platform)
-    calibrator = ConfidenceCalibrator() if config.calibrate_confidence else None
+    cost, timing = batch1_cost(config, paths), batch1_cost(resolve(platform=platform), paths)
+    calibrator = ConfidenceCalibrator() if config.profile.calibrate_confidence else None
     audit = ConfidenceCalibrator()  # raw confidences vs acceptance, every drafted node
     steps = emitted = nodes = off_chain = drafted = accepted_total = 0
     # Pre-drafting's outlook (chains from the draft index only): steps whose
@@ -114,8 +118,8 @@ def simulate(config: LookaheadConfig, prompts: list[list[int]], outputs: list[li
             floor = confidence_floor(config, len(running))
             for r in running:
                 drafter.sync([r], [0], np.asarray([seqs[r]], np.int64), [len(seqs[r])], [len(prompts[r])])
-            contexts = [seqs[r][-config.max_match_length:] for r in running]
-            budget = load_scaled_budget(config, len(running), platform)  # as the proposer: load adaptation
+            contexts = [seqs[r][-config.profile.max_match_length:] for r in running]
+            budget = load_scaled_budget(config, len(running))  # as the proposer: load adaptation
             drafts = drafter.draft(running, contexts, [budget] * len(running), floor, tree_mode)
             trees, kinds = [], []
             for r, (tree, k) in zip(running, drafts):
@@ -186,16 +190,12 @@ def plain_wave_forwards(lengths: list[int], timing: Callable[[int], float]) -> f
     return sum(timing(sum(n > t for n in lengths)) for t in range(max(lengths, default=0)))
 
 
-def batch1_cost(config: LookaheadConfig, paths: tuple[float, float] | None = None,
-                platform: str = "cpu") -> ForwardCost:
-    """The proposer's cost model for ``config`` on ``platform``: with the CPU
-    path rounds (the tree attention the engine runs here; chains open no
-    paths) on "cpu", free paths (the CUDA kernel) on "gpu", or with ``paths``
-    = (setup, per path) instead."""
-    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
-
-    default = (CPU_PATH_SETUP, CPU_PATH_COST) if platform == "cpu" else (0.0, 0.0)
-    return forward_cost(config, paths or default, platform)
+def batch1_cost(config: Settings, paths: tuple[float, float] | None = None) -> ForwardCost:
+    """The proposer's cost model for ``config``: its platform's path prices
+    (the CPU's path rounds; free on a GPU, the CUDA kernel; chains open no
+    paths), or ``paths`` = (setup, per path) instead."""
+    cost = forward_cost(config)
+    return cost if paths is None else dataclasses.replace(cost, path_setup=paths[0], per_path=paths[1])
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path,
@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for spec in specs:
         name, _, raw = spec.partition("=")
         try:
-            variants[name] = LookaheadConfig.from_dict(json.loads(raw or "{}"))
+            variants[name] = json.loads(raw or "{}")
+            resolve(variants[name])  # refused here, naming the field, rather than mid-run
         except (json.JSONDecodeError, ValueError) as exc:
             p.error(f"--variant {spec!r}: {exc}")
     loaded = workloads(args, args.num_prompts + args.warm_prompts)
@@ -321,8 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from suffix_replay import replay_suffix
 
             r = replay_suffix(prompts[test], outputs[test], batch=args.batch,
-                              timing=batch1_cost(LookaheadConfig(), args.path_cost and tuple(args.path_cost),
-                                                 args.platform))
+                              timing=batch1_cost(resolve(platform=args.platform),
+                                                 args.path_cost and tuple(args.path_cost)))
             results["cells"].append({"dataset": dataset, "variant": "suffix", **r})
             print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step "
                   f"{r['draft_tokens'] / max(r['steps'], 1):5.2f}  acc/drafted "

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim_acceptance import DEFAULT_CACHE, greedy_outputs, simulate  # noqa: E402
 
-from lookahead_vllm.core.config import LookaheadConfig  # noqa: E402
+from lookahead_vllm.core.config import resolve  # noqa: E402
 
 
-def fold(config: LookaheadConfig, prompts, outputs, test: slice, warm: slice) -> dict[str, dict[str, float]]:
+def fold(config: dict, prompts, outputs, test: slice, warm: slice) -> dict[str, dict[str, float]]:
     cold = simulate(config, prompts[test], outputs[test], [])
     hot = simulate(config, prompts[test], outputs[test], outputs[warm])
     tokens = sum(len(o) for o in outputs[test])
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = {}
     for spec in specs:
         name, _, raw = spec.partition("=")
-        variants[name] = LookaheadConfig.from_dict(json.loads(raw or "{}"))
+        variants[name] = json.loads(raw or "{}")
+        resolve(variants[name])  # refused here, naming the field
     n = args.num_prompts
     rows = []
     for dataset in args.datasets:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["speed_gain"] = round(row["warm_speed"] / row["cold_speed"] - 1, 4)
             row["folds"] = [{m: {k: round(f[m][k], 4) for k in ("mal", "speed")} for m in ("cold", "warm")}
                             for f in folds]
-            row["config"] = config.to_dict()
+            row["config"] = dict(config)
             rows.append(row)
             print(f"{dataset:10s} {name:8s} MAL {row['cold_mal']:.3f} -> {row['warm_mal']:.3f}  "
                   f"speed {row['cold_speed']:.3f} -> {row['warm_speed']:.3f} ({100 * row['speed_gain']:+.1f}%)",

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, resolve
+from tests.settings import lookahead
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -28,7 +31,7 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
         sys.executable, str(REPO / "benchmarks" / "bench_offline.py"), "--model", tiny_llama_dir,
         "--datasets", "humaneval", "mtbench", "--num-prompts", "2", "--max-tokens", "8", "--batch-sizes", "1",
         # Three engines: the CI host also holds the end-to-end tests' engines until they shut down.
-        "--methods", "plain", "lookahead-warm", "--variant", "nofloor={\"min_draft_confidence\": 0}",
+        "--methods", "plain", "lookahead-warm", "--variant", "nofloor={\"_profile\": {\"min_draft_confidence\": 0}}",
         "--out", str(out), "--plot", str(tmp_path / "bench.png"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -52,10 +55,10 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
 
 def test_trie_replay_measures_every_step():
     bench_trie = _import_bench("bench_trie")
-    from lookahead_vllm.core import LookaheadConfig, TokenTrie
+    from lookahead_vllm.core import TokenTrie
 
     streams = [([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([1, 2, 3], [4, 5])]
-    times = bench_trie.replay(TokenTrie(LookaheadConfig()), streams, accept_per_step=2)
+    times = bench_trie.replay(TokenTrie(resolve()), streams, accept_per_step=2)
     assert len(times) == 3 + 1 and all(t > 0 for t in times)
 
 
@@ -108,25 +111,25 @@ def test_forward_cost_rejects_bad_arguments(argv, message, capsys):
 
 def test_sim_acceptance_replays_the_trie_and_prices_paths():
     sim_acceptance = _import_bench("sim_acceptance")
-    from lookahead_vllm.core import LookaheadConfig
 
     prompt, out = [1, 2, 3, 4, 5] * 4, [1, 2, 3, 4, 5] * 6
-    chain = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), [prompt], [out], [])
+    chain = sim_acceptance.simulate({"draft_shape": "one"}, [prompt], [out], [])
     # The prompt's cycle continues: every step accepts several tokens; the
     # first output token comes from prefill and is not counted.
     assert chain["tokens"] == len(out) - 1 and chain["mal"] > 3
     # Chains open no paths: a step costs at most the token model's price of
     # 1 + decoding_length tokens, and drafts past the free region cost something.
-    cost = sim_acceptance.batch1_cost(LookaheadConfig())
-    free_paths = sim_acceptance.batch1_cost(LookaheadConfig(), (0.0, 0.0))  # --path-cost 0 0
+    cost = sim_acceptance.batch1_cost(resolve())
+    free_paths = sim_acceptance.batch1_cost(resolve(), (0.0, 0.0))  # --path-cost 0 0
     assert free_paths(9, 3) == cost(9, 0) < cost(9, 3)
-    assert chain["mal"] / cost(1 + LookaheadConfig().decoding_length, 0) <= chain["speed"] < chain["mal"]
+    assert chain["mal"] / cost(1 + DEFAULT_DECODING_LENGTH, 0) <= chain["speed"] < chain["mal"]
     # Two continuations after "1 2": a tree can take either; paths cost time.
     prompt2 = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9] * 2
     out2 = [1, 2, 4, 9, 1, 2, 3, 9] * 3
     trie_only = dict(context_match=0, source="trie")  # the trie's trees alone (the context chain is checked below)
-    hier = sim_acceptance.simulate(LookaheadConfig(draft_shape="hier", cost_per_path=0, **trie_only), [prompt2], [out2], [])
-    one = sim_acceptance.simulate(LookaheadConfig(draft_shape="one", **trie_only), [prompt2], [out2], [])
+    free = dict(path_setup=0, cost_per_path=0)  # paths free when drafting (timed at the CPU's prices)
+    hier = sim_acceptance.simulate(lookahead(draft_shape="hier", **free, **trie_only), [prompt2], [out2], [])
+    one = sim_acceptance.simulate(lookahead(draft_shape="one", **trie_only), [prompt2], [out2], [])
     assert hier["off_chain_steps"] > 0 and one["off_chain_steps"] == 0
     assert hier["speed"] < hier["mal"]  # timed with the CPU path rounds' costs
     # The audit of the trie's raw confidences saw every retrieved node: the
@@ -139,8 +142,8 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
     # A long repeat of the prompt: the context chain drafts it past the trie's branch length.
     text = list(range(100, 140))
     short = dict(draft_shape="one", branch_length=4, max_match_length=2, cost_free_tokens=0)
-    ctx = sim_acceptance.simulate(LookaheadConfig(**short, source="trie"), [text], [text], [])
-    no_ctx = sim_acceptance.simulate(LookaheadConfig(**short, **trie_only), [text], [text], [])
+    ctx = sim_acceptance.simulate(lookahead(**short, source="trie"), [text], [text], [])
+    no_ctx = sim_acceptance.simulate(lookahead(**short, **trie_only), [text], [text], [])
     assert ctx["mal"] > no_ctx["mal"] + 1 and no_ctx["mal"] <= 4
     assert sum(r["nodes"] for r in ctx["raw_calibration"]["context"]) > 0
     assert no_ctx["raw_calibration"]["context"] == []
@@ -148,14 +151,13 @@ def test_sim_acceptance_replays_the_trie_and_prices_paths():
 
 def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_waves(capsys):
     sim_acceptance = _import_bench("sim_acceptance")
-    from lookahead_vllm.core import LookaheadConfig
 
     # Text that never repeats drafts nothing: lookahead's steps are plain's,
     # so the modeled speed is exactly 1 however the waves' lengths differ.
     prompts = [list(range(1000 * r, 1000 * r + 10)) for r in range(5)]
     outputs = [list(range(1000 * r + 10, 1000 * r + 10 + n)) for r, n in enumerate((7, 30, 12, 3, 20))]
     for batch in (1, 2, 8):
-        r = sim_acceptance.simulate(LookaheadConfig(), prompts, outputs, [], batch=batch)
+        r = sim_acceptance.simulate({}, prompts, outputs, [], batch=batch)
         assert r["nodes_per_step"] == 0 and r["speed"] == pytest.approx(1.0)
         assert r["tokens"] == sum(len(o) - 1 for o in outputs)
     # Repetitive requests: every token is emitted once at any batch size, and
@@ -164,8 +166,8 @@ def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_wave
     cycle = [[7, 8, 9, 10 + r, 11 + r] for r in range(8)]
     prompts = [c * 4 for c in cycle]
     outputs = [c * 8 for c in cycle]
-    alone = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), prompts, outputs, [], batch=1)
-    shared = sim_acceptance.simulate(LookaheadConfig(draft_shape="one"), prompts, outputs, [], batch=8)
+    alone = sim_acceptance.simulate({"draft_shape": "one"}, prompts, outputs, [], batch=1)
+    shared = sim_acceptance.simulate({"draft_shape": "one"}, prompts, outputs, [], batch=8)
     assert alone["tokens"] == shared["tokens"] == sum(len(o) - 1 for o in outputs)
     assert 0 < shared["nodes_per_step"] < alone["nodes_per_step"]
     assert 1 < shared["speed"] < shared["mal"]
@@ -314,19 +316,18 @@ def test_gpu_prices_make_batch1_steps_free_in_the_replays():
     modeled speedup equals tokens per step, for lookahead's replay (chains
     and trees) and the copy ceiling alike; the CPU prices charge for them."""
     sim, ceiling = _import_bench("sim_acceptance"), _import_bench("copy_ceiling")
-    from lookahead_vllm.core.config import LookaheadConfig
 
     rng = np.random.default_rng(1)
     phrases = [list(rng.integers(0, 30, 5)) for _ in range(6)]
     prompts = [sum((phrases[j] for j in rng.integers(0, 6, 8)), []) for _ in range(4)]
     outputs = [sum((phrases[j] for j in rng.integers(0, 6, 6)), []) for _ in range(4)]
     for shape in ("one", "hier"):
-        cfg = LookaheadConfig.from_dict({"draft_shape": shape})
+        cfg = {"draft_shape": shape}
         gpu = sim.simulate(cfg, prompts, outputs, [], platform="gpu")
         assert gpu["speed"] == pytest.approx(gpu["mal"])
         cpu = sim.simulate(cfg, prompts, outputs, [], platform="cpu")
         assert cpu["speed"] < cpu["mal"]
-    top = ceiling.ceiling(prompts, outputs, 16, sim.batch1_cost(LookaheadConfig(), platform="gpu"))
+    top = ceiling.ceiling(prompts, outputs, 16, sim.batch1_cost(resolve(platform="gpu")))
     assert top["speed"] == pytest.approx(top["mal"]) and top["mal"] > 1
 
 
@@ -352,9 +353,7 @@ def test_copy_ceiling_worked_example_and_bounds_the_drafters():
     outputs = [sum((phrases[j] for j in rng.integers(0, 8, 8)), []) for _ in range(6)]
     top = ceiling.ceiling(prompts, outputs, 16, lambda t: 1.0)
     sim = _import_bench("sim_acceptance")
-    from lookahead_vllm.core.config import LookaheadConfig
-
-    for cfg in (LookaheadConfig(), LookaheadConfig.from_dict({"cost_free_tokens": 0})):
+    for cfg in ({}, {"cost_free_tokens": 0}):
         ours = sim.simulate(cfg, prompts, outputs, [])
         assert ours["steps"] >= top["steps"] and ours["mal"] <= top["mal"] + 1e-9
     with pytest.raises(ValueError, match="k=0"):
@@ -367,17 +366,16 @@ def test_predraft_outlook_counts_the_steps_a_predraft_would_serve(tmp_path):
     tokens: every draft is empty and accepted whole, but the index expects
     nothing (no hit). Trees are not measured. The script writes JSON + PNG."""
     sim, outlook = _import_bench("sim_acceptance"), _import_bench("predraft_outlook")
-    from lookahead_vllm.core.config import LookaheadConfig
 
     prompt = list(range(100, 140))
-    copy = sim.simulate(LookaheadConfig(), [prompt], [prompt[:30]], [], platform="gpu")
+    copy = sim.simulate({}, [prompt], [prompt[:30]], [], platform="gpu")
     # Prefill emits 100. The 1-token match drafts 101..105 (the floor cuts it), all accepted, bonus 106
     # (hit); the 7-token match drafts 107..122, bonus 123 (hit); then 124..129 of a 16-token draft.
     assert (copy["steps"], copy["whole_draft_steps"], copy["predraft_hit_steps"]) == (3, 2, 2)
-    fresh = sim.simulate(LookaheadConfig(), [prompt], [list(range(500, 530))], [], platform="gpu")
+    fresh = sim.simulate({}, [prompt], [list(range(500, 530))], [], platform="gpu")
     assert fresh["whole_draft_steps"] == fresh["steps"] == 29 and fresh["predraft_hit_steps"] == 0
     assert outlook.outlook(copy) == {"whole": 2 / 3, "hit": 2 / 3}
-    tree = sim.simulate(LookaheadConfig.from_dict({"draft_shape": "hier"}), [prompt], [prompt[:30]], [])
+    tree = sim.simulate({"draft_shape": "hier"}, [prompt], [prompt[:30]], [])
     assert tree["whole_draft_steps"] is None and tree["predraft_hit_steps"] is None
     model = tmp_path / "m"
     (tmp_path / "humaneval_dev_1_30_m.json").write_text(json.dumps({"prompts": [prompt], "outputs": [prompt[:30]]}))
@@ -466,11 +464,10 @@ def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir,
 
 def test_sim_acceptance_index_drafts_a_repeated_answer_across_rounds():
     sim_acceptance = _import_bench("sim_acceptance")
-    from lookahead_vllm.core import LookaheadConfig
 
     prompts = [[7, 8, 9, i] for i in range(4)]
     outputs = [list(range(100 * (i + 1), 100 * (i + 1) + 60)) for i in range(4)]
-    cfg = LookaheadConfig(cost_free_tokens=0)
+    cfg = {"cost_free_tokens": 0}
     once = sim_acceptance.simulate(cfg, prompts, outputs, [])
     twice = sim_acceptance.simulate(cfg, prompts * 2, outputs * 2, [])
     # Nothing repeats within a round; the second round copies the first's answers.
@@ -594,8 +591,8 @@ def test_bench_serve_names_every_method_with_its_server_flags():
     with pytest.raises(ValueError, match="no --variant free16=JSON"):
         flags("lookahead:free16", {})
     # --lookahead-config: plain lookahead's fields, under the name ""
-    assert flags("lookahead", {"": {"index_ngram": 3}}) == [
-        "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"index_ngram": 3}}']
+    assert flags("lookahead", {"": {"_profile": {"index_ngram": 3}}}) == [
+        "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"_profile": {"index_ngram": 3}}}']
 
 
 def test_bench_serve_counts_acceptance_from_the_servers_counters():

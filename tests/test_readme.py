@@ -1,7 +1,8 @@
 """The README is for users: its commands are true and parse, its tables are complete,
-and it holds no reference a reader outside the project cannot resolve. The complete
-configuration table lives in docs/configuration.md (the README lists the fields most
-users set); docs/results.md holds the detailed results: both are held to the code too."""
+and it holds no reference a reader outside the project cannot resolve. The configuration
+table (README and docs/configuration.md) is held to the public model's schema, the
+profile's table (docs/configuration.md) to the profile; docs/results.md holds the
+detailed results: both docs are held to the code too."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, PLATFORM_VALUES, LookaheadConfig, Profile
 from lookahead_vllm.core.request_options import KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 CONFIG_DOC = (REPO / "docs" / "configuration.md").read_text()
 RESULTS_DOC = (REPO / "docs" / "results.md").read_text()
-# The configuration fields the README's own table must list (the rest: docs/configuration.md).
-USER_FIELDS = {"source", "draft_shape", "decoding_length", "index_corpus_bytes", "warm_start",
-               "snapshot_path", "cost_free_tokens", "cost_marginal_tokens", "draft_sharing"}
+# The public fields, from the model's JSON schema (what a user may set).
+SCHEMA = LookaheadConfig.model_json_schema()
+PUBLIC = set(SCHEMA["properties"])
 # Words that point into the project's own bookkeeping (trackers, work diaries,
 # internal notes), meaningless to a reader of the README.
 INTERNAL = re.compile(r"\bissues?\b|\bsessions?\b|\bpart \d|\bseeds? \d{3}|DESIGN\.md|seed-digest", re.I)
@@ -58,22 +59,61 @@ def _section(title: str) -> str:
 
 
 # ---------------------------------------------------------------- tables
-def _config_table(text: str) -> str:
-    """The table that follows a document's ``| field | default | range | meaning |`` header."""
-    start = text.index("| field | default | range | meaning |")
+def _config_table(text: str, header: str = "| field | default | range | meaning |") -> str:
+    """The table that follows a document's ``header``."""
+    start = text.index(header)
     end = text.find("\n\n", start)
     return text[start:end if end > 0 else None]
 
 
-def test_every_config_field_in_the_configuration_table():
-    fields = {f.name for f in dataclasses.fields(LookaheadConfig)}
-    missing = sorted(fields - _table_keys(_config_table(CONFIG_DOC)))
-    assert not missing, f"docs/configuration.md's configuration table lacks {missing}"
-    readme_rows = _table_keys(_config_table(README))
-    assert not readme_rows - fields, f"README documents fields the code lacks: {readme_rows - fields}"
-    assert USER_FIELDS <= fields, USER_FIELDS - fields
-    assert not USER_FIELDS - readme_rows, f"README configuration table lacks {USER_FIELDS - readme_rows}"
+def _cells(table: str, column: int) -> dict[str, str]:
+    """Row name -> the text of its ``column`` (1 = default, 2 = range)."""
+    rows = re.findall(r"^\| `(\w+)` \|(.*)$", table, flags=re.M)
+    return {name: rest.split(" | ")[column - 1].strip(" |") for name, rest in rows}
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/configuration.md"])
+def test_configuration_table_lists_exactly_the_public_fields(name):
+    text = {"README.md": README, "docs/configuration.md": CONFIG_DOC}[name]
+    rows = _table_keys(_config_table(text))
+    assert rows == PUBLIC, f"{name}: missing {sorted(PUBLIC - rows)}, not public {sorted(rows - PUBLIC)}"
+    assert len(PUBLIC) <= 10
     assert "docs/configuration.md" in _section("Configuration")
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/configuration.md"])
+def test_configuration_table_ranges_are_the_schemas(name):
+    """Choices and bounds in the range column are the schema's."""
+    text = {"README.md": README, "docs/configuration.md": CONFIG_DOC}[name]
+    ranges = _cells(_config_table(text), 2)
+    for field, prop in SCHEMA["properties"].items():
+        options = prop.get("enum") or [o.get("const") for o in prop.get("anyOf", []) if "const" in o]
+        text = ranges[field]
+        if options:
+            assert sorted(re.findall(r"`([^`]+)`", text)) == sorted(options), (name, field, text)
+            continue
+        parts = prop.get("anyOf", [prop])  # int | None: the int part
+        kind = next(p["type"] for p in parts if p.get("type") in ("integer", "number", "string"))
+        if kind == "string":
+            assert text == "a file path", (name, field, text)
+            continue
+        typed = int if kind == "integer" else float
+        lo, hi = (next(p[b] for p in parts if b in p) for b in ("minimum", "maximum"))
+        minus_one = text.startswith("-1 or ")
+        lo_doc, hi_doc = (typed(_default_cell(x)) for x in
+                          re.findall(r"\d+\^\d+|1e\d+|\d+", text.removeprefix("-1 or "))[:2])
+        assert hi_doc == hi and (lo == -1 if minus_one else lo_doc == lo), (name, field, text, lo, hi)
+        assert _accepts(field, lo_doc) and _accepts(field, hi_doc) and not _accepts(field, hi_doc + 1), field
+        below = lo_doc - (1 if typed is int else typed(0.5))
+        assert not _accepts(field, below) or (minus_one and below <= -1), (field, below)
+
+
+def _accepts(field: str, value) -> bool:
+    try:
+        LookaheadConfig(**{field: value})
+    except ValueError:
+        return False
+    return True
 
 
 def _default_cell(text: str):
@@ -94,24 +134,41 @@ def _default_cell(text: str):
 @pytest.mark.parametrize("name", ["README.md", "docs/configuration.md"])
 def test_configuration_table_defaults_are_the_code_defaults(name):
     text = {"README.md": README, "docs/configuration.md": CONFIG_DOC}[name]
-    cells = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", _config_table(text), flags=re.M))
-    wrong, checked = {}, 0
-    for f in dataclasses.fields(LookaheadConfig):
-        if f.name not in cells:  # the README lists only the user-facing fields (checked above)
+    cells = _cells(_config_table(text), 1)
+    wrong = {}
+    for field, info in LookaheadConfig.model_fields.items():
+        if field == "decoding_length":  # documented as num_speculative_tokens, which defaults to it
+            assert info.default is None and cells[field] == "`num_speculative_tokens`", cells[field]
             continue
-        checked += 1
-        if f.name == "decoding_length":  # documented as num_speculative_tokens, which defaults to it
-            assert cells[f.name].strip() == "`num_speculative_tokens`", cells[f.name]
-            continue
-        documented, actual = _default_cell(cells[f.name]), f.default
+        documented, actual = _default_cell(cells[field]), info.default
         if isinstance(actual, (int, float)) and not isinstance(actual, bool):
             actual = float(actual)
         if documented != actual:
-            wrong[f.name] = (cells[f.name].strip(), f.default)
-    assert checked >= len(USER_FIELDS), (name, checked)
+            wrong[field] = (cells[field], info.default)
     assert not wrong, f"{name} defaults differ from LookaheadConfig (documented, code): {wrong}"
     k = re.search(r"`num_speculative_tokens` \(default (\d+)\)", text)
-    assert k and int(k.group(1)) == LookaheadConfig().decoding_length
+    assert k and int(k.group(1)) == DEFAULT_DECODING_LENGTH
+
+
+def test_profile_table_is_the_profile():
+    """docs/configuration.md's developer table: every knob, its default or per-platform values."""
+    cells = _cells(_config_table(CONFIG_DOC, "| knob | default | range | meaning |"), 1)
+    knobs = {f.name: f for f in dataclasses.fields(Profile) if f.name != "platform"}
+    assert set(cells) == set(knobs), (sorted(set(knobs) - set(cells)), sorted(set(cells) - set(knobs)))
+    wrong = {}
+    for name, f in knobs.items():
+        if name in PLATFORM_VALUES["cpu"]:
+            documented = dict(part.split(" ", 1) for part in cells[name].split(", "))
+            actual = {p: PLATFORM_VALUES[p][name] for p in ("cpu", "gpu")}
+            documented = {p: _default_cell(v) for p, v in documented.items()}
+        else:
+            documented, actual = _default_cell(cells[name]), f.default
+        actual = {k: float(v) if not isinstance(v, bool) else v for k, v in actual.items()} \
+            if isinstance(actual, dict) else float(actual) if isinstance(actual, (int, float)) \
+            and not isinstance(actual, bool) else actual
+        if documented != actual:
+            wrong[name] = (cells[name], actual)
+    assert not wrong, f"docs/configuration.md profile defaults differ (documented, code): {wrong}"
 
 
 def test_default_cell_parsing():
@@ -311,7 +368,7 @@ def test_every_results_doc_command_parses():
 def test_serve_check_rejects_a_bad_lookahead_field():
     with pytest.raises((AssertionError, SystemExit)):
         _check_command(["lookahead-vllm-serve", "bundled", "--speculative-model", "lookahead",
-                        "--additional-config", '{"lookahead": {"branch_length": 1}}'])
+                        "--additional-config", '{"lookahead": {"decoding_length": 0}}'])
 
 
 def test_quickstart_python_compiles():

@@ -11,8 +11,11 @@ def engine_free_config(k: int, max_model_len: int, lookahead: dict[str, Any] | N
                        **model: Any) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` the proposer reads: ``k`` draft slots, a
     model of ``max_model_len`` tokens (``model``: more model_config fields,
-    e.g. ``tokenizer``), chain-safe defaults everywhere else."""
-    return SimpleNamespace(
+    e.g. ``tokenizer``), chain-safe defaults everywhere else; the lookahead
+    settings resolved into it as the ``lookahead_validation`` patch does."""
+    from lookahead_vllm.vllm.config import resolve_engine_settings
+
+    config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         additional_config={"lookahead": dict(lookahead or {})},
         model_config=SimpleNamespace(max_model_len=max_model_len, uses_mrope=False, **model),
@@ -21,6 +24,8 @@ def engine_free_config(k: int, max_model_len: int, lookahead: dict[str, Any] | N
         compilation_config=SimpleNamespace(cudagraph_mode=None),
         attention_config=None,
     )
+    resolve_engine_settings(config)
+    return config
 
 
 def standalone_proposer(k: int, max_model_len: int, lookahead: dict[str, Any] | None = None, **model: Any) -> Any:

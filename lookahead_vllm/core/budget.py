@@ -6,7 +6,8 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
-The defaults per platform are :data:`PLATFORM_TOKEN_COSTS`; the engine starts
+The defaults per platform are the profile's ``free_tokens`` and
+``marginal_tokens`` (core/config.py ``PLATFORM_VALUES``); the engine starts
 from them and fits its own prices from its steps' times (core/prices.py) unless
 the configuration pins them (:func:`prices_pinned`). On this
 project's 2-core CPU with SmolLM2-135M three measurements gave 1.05-1.16
@@ -46,25 +47,16 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from lookahead_vllm.core.config import LookaheadConfig
-
-
-# (free_tokens, marginal_tokens) where the config leaves them at -1: the
-# prior the online fit (core/prices.py) starts from and falls back to. "cpu":
-# fit to this project's measured curves (above). "gpu": seed 000 measured the
-# critical decoding length of a 10B model on an A100 at ~128 tokens (context
-# 256); half of it, and one more forward per 64 tokens past it, errs on the
-# side of drafting too little for larger models, contexts and batches.
-PLATFORM_TOKEN_COSTS: dict[str, tuple[int, float]] = {"cpu": (5, 20.0), "gpu": (64, 64.0)}
+    from lookahead_vllm.core.config import Settings
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
     # Tokens one forward scores at about the cost of one token (0 = no cost
     # model: every draft token is free).
-    free_tokens: int = PLATFORM_TOKEN_COSTS["cpu"][0]
+    free_tokens: int
     # Past ``free_tokens``, this many more tokens cost one more forward.
-    marginal_tokens: float = PLATFORM_TOKEN_COSTS["cpu"][1]
+    marginal_tokens: float
     # Extra cost of each additional root-to-leaf path the tree attention runs
     # separately (the CPU path rounds; 0 where one kernel launch covers all),
     # and the fixed cost of a step that runs any.
@@ -95,24 +87,17 @@ class ForwardCost:
         return 1.0 + np.maximum(0, tokens - self.free_tokens) / self.marginal_tokens
 
 
-def forward_cost(
-    config: "LookaheadConfig", platform_paths: tuple[float, float] = (0.0, 0.0), platform: str = "cpu"
-) -> ForwardCost:
-    """The cost model ``config`` asks for on ``platform`` ("cpu" or "gpu").
-
-    Token costs left at -1 come from :data:`PLATFORM_TOKEN_COSTS`.
-    ``platform_paths``: (setup, per path) of the platform's tree attention,
-    used where ``cost_per_path`` is -1; a ``cost_per_path`` >= 0 is a flat
-    per-path price with no setup.
-    """
-    free, marginal = PLATFORM_TOKEN_COSTS[platform]
-    free = free if config.cost_free_tokens < 0 else config.cost_free_tokens
-    marginal = marginal if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
-    setup, per_path = platform_paths if config.cost_per_path < 0 else (0.0, config.cost_per_path)
-    return ForwardCost(free, marginal, per_path, setup)
+def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
+    """The cost model ``config`` asks for: token prices pinned by the public
+    fields (>= 0) or the profile's prior; the profile's path prices where the
+    step's drafts may open extra attention paths (``paths``: tree mode)."""
+    p = config.profile
+    free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
+    marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
+    return ForwardCost(free, marginal, p.cost_per_path, p.path_setup) if paths else ForwardCost(free, marginal)
 
 
-def prices_pinned(config: "LookaheadConfig") -> bool:
+def prices_pinned(config: "Settings") -> bool:
     """Whether ``config`` sets the token prices by hand (``cost_free_tokens``
     or ``cost_marginal_tokens`` >= 0; ``cost_free_tokens=0`` turns the model
     off): then the engine does not fit its own (core/prices.py)."""
@@ -124,7 +109,7 @@ def prices_pinned(config: "LookaheadConfig") -> bool:
 MAX_CONFIDENCE_FLOOR = 0.5
 
 
-def confidence_floor(config: "LookaheadConfig", drafting: int) -> float:
+def confidence_floor(config: "Settings", drafting: int) -> float:
     """Path confidence below which a step's drafts are cut: ``min_draft_confidence``.
 
     The forward-cost model (on unless ``cost_free_tokens=0``) already prices
@@ -136,9 +121,8 @@ def confidence_floor(config: "LookaheadConfig", drafting: int) -> float:
     (1.00-1.01x) and 1.03-1.11x at the GPU's, where a batch of 8 still
     verifies ~64 tokens for the price of one and the scaled floor (0.2) cut
     free drafts."""
-    if config.cost_free_tokens != 0:
-        return config.min_draft_confidence
-    return min(MAX_CONFIDENCE_FLOOR, config.min_draft_confidence * drafting)
+    floor = config.profile.min_draft_confidence
+    return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)
 
 
 def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:

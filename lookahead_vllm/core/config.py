@@ -1,4 +1,18 @@
-"""Lookahead configuration.
+"""Lookahead configuration: the public fields, the internal profile, the resolved settings.
+
+Three objects, one direction:
+
+  LookaheadConfig   the public fields (a pydantic model, at most ten): what a
+                    user must choose. ``additional_config={"lookahead": {...}}``
+                    takes exactly these keys.
+  Profile           every tuning knob (a frozen dataclass, internal): one set
+                    of defaults; where CPU and GPU differ, the per-platform
+                    values of :data:`PLATFORM_VALUES`.
+  Settings          what the engine runs on: the public fields with
+                    ``decoding_length`` resolved, and the profile. Built once,
+                    by :func:`resolve`, where the engine's config is built;
+                    carried to the workers inside that config
+                    (:meth:`Settings.to_carried` / :meth:`Settings.from_carried`).
 
 Terms:
   decoding length   node budget per step: how many draft tokens (tree nodes,
@@ -13,234 +27,365 @@ Terms:
                     Fig. 2c); ``par``: whole branches side by side, no merging
                     below the root (Fig. 2b); ``one``: a single best branch.
 
-Every field is validated on construction; a bad value raises ``ValueError``
-naming the field, the value and the allowed range.
+Developers (tests, benchmarks) set profile knobs through one explicit key,
+``"_profile"``, next to the public fields: ``resolve({"source": "trie",
+"_profile": {"branch_length": 4}})``. It is not part of the public schema.
+
+Example: ``resolve({"draft_shape": "hier"}, platform="gpu",
+num_speculative_tokens=16)`` gives ``decoding_length=16``, the GPU's load
+limits (32, 128) and its token-price prior (64, 64).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DRAFT_SHAPES = ("hier", "par", "one")
 # Draft sources (see ``source`` below): "+"-joined names; "both" = "trie+jacobi".
 SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
-INDEX_UPKEEPS = ("auto", "thread", "inline")
 # Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
-# Settings that were renamed, and what to use instead.
-RENAMED = {"index_corpus_tokens": "index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)"}
+# vLLM's num_speculative_tokens when the user gives none (and decoding_length
+# without an engine): on the dev suite's acceptance replay 16 beat 8 on every
+# class (the forward-cost model keeps only the nodes that pay).
+DEFAULT_DECODING_LENGTH = 16
+# The key, next to the public fields, that sets profile knobs (developers only).
+PROFILE_KEY = "_profile"
+PLATFORMS = ("cpu", "gpu")
+
+
+class LookaheadConfig(BaseModel):
+    """The public configuration (``additional_config={"lookahead": {...}}``).
+
+    Validation raises ``ValueError`` naming the field, the value and what is
+    allowed; unknown fields are refused by name, retired ones name their
+    replacement (or say they are internal now).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    # Where drafts come from: "index" (core/draft_index.py: the continuations
+    # of the longest earlier matches in the request's own text and in every
+    # request's output; native, batched), "trie" (the n-gram trie of
+    # core/trie.py with the context chain of core/context_match.py), "jacobi"
+    # (the Jacobi n-gram pool and 2D lookahead window, core/jacobi.py), or
+    # several merged into one tree in that order ("index+trie",
+    # "index+jacobi"; "both" = trie and Jacobi). Jacobi sources add the window
+    # (W * (N - 1) - 1 nodes) to every step on top of decoding_length and
+    # need tree verification.
+    source: Literal[SOURCES] = "index"
+    # "one" drafts a chain; "hier" a token tree with shared prefixes merged,
+    # "par" whole branches side by side; trees are verified in one forward
+    # with tree attention (vllm/tree_verify.py).
+    draft_shape: Literal[DRAFT_SHAPES] = "one"
+    # Max draft nodes per request per step (root excluded). None: vLLM's
+    # num_speculative_tokens (default 16) less the Jacobi window; it may not
+    # exceed that.
+    decoding_length: int | None = Field(None, ge=1, le=256)
+    # Memory cap of the outputs kept for cross-request drafting: the corpus's
+    # charge in bytes (an output token is charged 80-190 of it), split evenly
+    # between the index and its back-off; the oldest finished outputs go first.
+    index_corpus_bytes: int = Field(128 << 20, ge=0, le=1 << 40)
+    # A file of past responses or a corpus, learned at engine start (.jsonl:
+    # one object a line with a "text", "response", "output" or "completion"
+    # string; any other file: plain text, paragraphs split on blank lines).
+    # "" = none.
+    warm_start: str = ""
+    # What the drafter learned (core/snapshot.py): loaded on start when the
+    # file exists, written on shutdown (atomically); a corrupt or foreign file
+    # is refused with a warning and the engine starts cold. "" = none.
+    snapshot_path: str = ""
+    # Tenant isolation (core/partitions.py): which finished outputs a request
+    # drafts from besides its own text. "per-salt": a request carrying vLLM's
+    # cache_salt drafts only from outputs of requests with the same salt,
+    # requests without one share a default partition; "per-salt-saved": the
+    # same, and the snapshot also keeps the salted partitions (each under its
+    # salt's SHA-256); "all": salts ignored; "none": no cross-request drafting.
+    draft_sharing: Literal[DRAFT_SHARINGS] = "per-salt"
+    # Forward-cost model (core/budget.py): a forward scoring up to
+    # cost_free_tokens tokens costs about one token's forward; past that,
+    # cost_marginal_tokens more tokens cost one more. -1 (both) = measured
+    # online from the engine's own step times (core/prices.py), starting from
+    # the platform's prior. Either one >= 0 pins both (the other at the
+    # prior); cost_free_tokens=0 turns the model off.
+    cost_free_tokens: int = Field(-1, ge=-1, le=1 << 16)
+    cost_marginal_tokens: float = Field(-1.0, ge=-1.0, le=1e6)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise ValueError(_explain(err)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, values: Any) -> Any:
+        if isinstance(values, Mapping):
+            check_field_names(values)
+        return values
+
+    @field_validator("cost_marginal_tokens")
+    @classmethod
+    def _marginal_at_least_one(cls, value: float) -> float:
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (measured online) or in [1, 1e+06]")
+        return value
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return sources_of(self.source)
+
+
+def sources_of(source: str) -> tuple[str, ...]:
+    """The draft sources of ``source``, in merge order."""
+    return ("trie", "jacobi") if source == "both" else tuple(source.split("+"))
+
+
+PUBLIC_FIELDS = tuple(LookaheadConfig.model_fields)
+
+# Fields that were public once: what to use instead. A field not named here
+# that the profile holds is "internal now".
+RETIRED = {
+    "index_corpus_tokens": "renamed; use index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)",
+    "index_upkeep": "internal now (the platform profile's upkeep_thread: a thread on GPUs, inline on the CPU)",
+    "insert_output": "removed (it was never read: generated tokens always enter the trie)",
+    "cost_per_path": "internal now (the platform profile's path_setup and cost_per_path)",
+}
+
+
+def check_field_names(values: Mapping[str, Any]) -> None:
+    """Refuse retired, internal and unknown public field names, by name."""
+    for name in values:
+        if name in RETIRED:
+            raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
+        if name in PROFILE_FIELDS:
+            raise ValueError(
+                f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the platform "
+                f"profile, docs/configuration.md 'Developer settings'); the public fields are {list(PUBLIC_FIELDS)}"
+            )
+    unknown = sorted(set(values) - set(PUBLIC_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
+
+
+def _explain(err: ValidationError) -> str:
+    """One line per failed field: its name, its value and what is allowed."""
+    lines = []
+    for e in err.errors(include_url=False):
+        if e["type"] == "value_error" and not e["loc"]:  # _known_fields
+            lines.append(str(e["ctx"]["error"]))
+            continue
+        name = str(e["loc"][0])
+        lines.append(f"{name}={e['input']!r}: {_allowed(name, e)}")
+    return "; ".join(lines)
+
+
+def _allowed(name: str, error: Mapping[str, Any]) -> str:
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    info = LookaheadConfig.model_fields[name]
+    choices = getattr(info.annotation, "__args__", ())
+    if all(isinstance(c, str) for c in choices) and choices:
+        return f"must be one of {choices}"
+    bounds = {type(m).__name__: m for m in info.metadata}
+    lo, hi = getattr(bounds.get("Ge"), "ge", None), getattr(bounds.get("Le"), "le", None)
+    kind = {int: "an integer", float: "a number", str: "a file path (a string; \"\" = none)"}.get(
+        info.annotation, "an integer")
+    if lo is None:
+        return f"must be {kind}"
+    extra = " (-1: measured online)" if lo == -1 else ""
+    return f"must be {kind} in [{_num(lo)}, {_num(hi)}]{extra}"
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 @dataclass(frozen=True, slots=True)
-class LookaheadConfig:
-    # Max draft nodes per request per step (root excluded); also vLLM's
-    # num_speculative_tokens. 16: on the dev suite's acceptance replay,
-    # 16 beat 8 on every class (the forward-cost model keeps only the nodes
-    # that pay, so longer drafts go out only where matches are long).
-    decoding_length: int = 16
-    # Max depth of a trie branch and the insertion window size.
+class Profile:
+    """Internal tuning knobs: one set of defaults, per-platform values in
+    :data:`PLATFORM_VALUES`. Build with :meth:`for_platform`."""
+
+    # ---- per platform (PLATFORM_VALUES)
+    # "cpu" or "gpu": what the values below were chosen for.
+    platform: str
+    # The token-price prior of the forward-cost model (core/budget.py): a
+    # forward scores free_tokens tokens for the price of one, and
+    # marginal_tokens more cost one more forward; the online fit
+    # (core/prices.py) starts here, a pinned price replaces it.
+    free_tokens: int
+    marginal_tokens: float
+    # Extra cost, in forwards, of a tree step that runs separate root-to-leaf
+    # attention paths (the CPU path rounds; the CUDA kernel does all paths in
+    # one launch): path_setup once, cost_per_path per path.
+    path_setup: float
+    cost_per_path: float
+    # Load adaptation (core/load.py): above load_shrink_above running
+    # requests the per-request budget shrinks linearly, at load_stop_at
+    # nothing is drafted.
+    load_shrink_above: int
+    load_stop_at: int
+    # The native index's upkeep (corpus pushes, evictions) on a thread of its
+    # own while the forward runs (GPUs: the CPU waits out the forward there),
+    # or inline at the end of the batch call (the CPU, where the forward keeps
+    # the cores busy). The drafts are the same either way.
+    upkeep_thread: bool
+
+    # ---- one default everywhere
+    # Trie (source "trie"): max branch depth and insertion window; longest
+    # and shortest trailing context matched; stop shortening the match once
+    # the sub-trie yields min_retrieved_nodes; node capacity (decay-and-prune
+    # past it); weight of a request's own prompt counts; insert prompt
+    # windows on admission (generated tokens always enter).
     branch_length: int = 12
-    # Longest / shortest trailing context matched against the trie.
     max_match_length: int = 6
     min_match_length: int = 1
-    # Stop shortening the match once the sub-trie yields this many nodes.
     min_retrieved_nodes: int = 4
-    # Context match (core/context_match.py): the tokens that followed the most
-    # recent earlier occurrence of the request's last ``context_match`` tokens
-    # (prompt or output) lead its draft, the trie's tree merged after them,
-    # so long repeats of the request's own text are drafted whole (what
-    # vLLM's ngram method does best). 0 = off; not used with source="jacobi".
-    context_match: int = 3
-    # Trie node capacity; exceeding it triggers decay-and-prune (a pass over
-    # all nodes in Python: ~0.1 s at 65536 nodes, once per ~16k new nodes).
     trie_capacity: int = 1 << 16
-    # Multiplier of the requesting request's own prompt counts vs output counts.
     prompt_weight: float = 1e4
-    # Stop a branch once its path confidence falls below this floor. With the
-    # forward-cost model off (cost_free_tokens=0) the floor is multiplied by
-    # the number of requests drafting in the step, capped at 0.5 (a draft
-    # token's worth shrinks with the batch, its cost does not); with it on,
-    # the model prices each node against the step's load instead
-    # (budget.confidence_floor). 0 drafts the full budget whenever a source matches.
-    min_draft_confidence: float = 0.025
-    # Draft tokens per engine step across the whole batch, given to the most
-    # confident positions first (0 = no cap: decoding_length per request).
-    step_draft_budget: int = 0
-    # Forward-cost model (core/budget.py): a forward scoring up to
-    # cost_free_tokens tokens costs about one token's forward; past that,
-    # cost_marginal_tokens more tokens cost one more forward. Each step keeps
-    # the batch's most confident draft nodes only while they raise expected
-    # tokens per second. -1 (both) = measured online: the engine fits both
-    # prices to its own decode steps' times (core/prices.py), starting from the
-    # platform's defaults (budget.PLATFORM_TOKEN_COSTS: 5 and 20 measured on
-    # this project's CPU, 64 and 64 on a GPU). Either one >= 0 pins both (the
-    # other at its platform default); cost_free_tokens=0 turns the model off.
-    cost_free_tokens: int = -1
-    cost_marginal_tokens: float = -1.0
-    # Extra cost, in forwards, of each root-to-leaf path a tree step's
-    # attention runs separately (the CPU path rounds; the CUDA kernel does all
-    # paths in one launch). -1 = the platform's measured model
-    # (tree_verify.path_cost(): on the CPU 0.09 per step that runs any, plus
-    # 0.02 per path).
-    cost_per_path: float = -1.0
-    # Learn how often draft nodes of each kind (leading chain, side branch,
-    # Jacobi pool) and raw confidence are accepted, and hand the cost model
-    # calibrated confidences (core/calibration.py).
-    calibrate_confidence: bool = True
-    # Load adaptation (see core/load.py): with more running requests than
-    # load_shrink_above the per-request budget shrinks linearly; at
-    # load_stop_at running requests or more nothing is drafted. -1: the
-    # platform's default (core/load.py load_limits: 8 and 16 on the
-    # CPU, 32 and 128 on GPUs, which verify many more tokens for free).
-    load_shrink_above: int = -1
-    load_stop_at: int = -1
-    # Draft shape: "one" drafts a chain; "hier" a token tree with shared
-    # prefixes merged, "par" whole branches side by side; trees are verified
-    # in one forward with tree attention (vllm/tree_verify.py).
-    draft_shape: str = "one"
-    # Insert generated tokens into the trie (shared across requests).
-    insert_output: bool = True
-    # Insert prompt windows on admission.
     insert_prompt: bool = True
-    # Where verify branches come from: "index" (core/draft_index.py: the
-    # continuations of the longest earlier matches in the request's own text
-    # and in every request's output; native, batched), "trie" (the n-gram
-    # trie of core/trie.py with the context chain of core/context_match.py),
-    # the Jacobi n-gram pool (core/jacobi.py), or several merged into one tree
-    # in that order ("index+trie", "index+jacobi"; "both" = trie and Jacobi).
-    # Sources with "jacobi" add the 2D lookahead window (jacobi_window *
-    # (jacobi_ngram - 1) - 1 nodes) to every step on top of decoding_length
-    # verify nodes; they need tree verification and greedy-compatible
-    # sampling (any per-row sampling works).
-    source: str = "index"
-    # Draft index (source "index"): key length, how far matches are measured
-    # backwards, candidates merged per draft, occurrences kept per key, and
-    # the memory cap of the outputs kept for cross-request matches: the
-    # corpus's charge in bytes (core/draft_index.py prices its texts,
-    # entries and keys at what the native layout takes at most), split
-    # evenly between the index and its back-off; the oldest finished outputs
-    # are evicted first.
+    # Context match (core/context_match.py, source "trie"): the continuation
+    # of the last earlier occurrence of the request's last context_match
+    # tokens leads its draft. 0 = off.
+    context_match: int = 3
+    # Stop a branch once its path confidence falls below this floor (scaled
+    # with the batch when the cost model is off, budget.confidence_floor).
+    min_draft_confidence: float = 0.025
+    # Draft tokens per step across the batch (0 = no cap).
+    step_draft_budget: int = 0
+    # Learn how often each kind of draft node is accepted (core/calibration.py).
+    calibrate_confidence: bool = True
+    # Draft index: key length, back-off key length (0 = none), how far
+    # matches are measured back, candidates merged per draft, occurrences
+    # kept per key, threads a step's rows are drafted on (0 = min(4, cores)).
     index_ngram: int = 2
-    # Back-off key length: where the index finds no match of index_ngram
-    # tokens, a second index keyed by this many tokens drafts (0 = none).
     index_backoff: int = 1
     index_max_match: int = 64
     index_candidates: int = 16
     index_occurrences: int = 32
-    index_corpus_bytes: int = 128 << 20
-    # Threads the native index drafts a step's rows on (the drafts do not
-    # depend on it; at least 32 rows a thread): 0 = min(4, usable cores).
-    # 1 by default: on this project's 2-core host 2 threads made a 256-request
-    # step slower (2.3-2.5 ms median vs 1.5-1.6, bench_proposer_scale).
     index_threads: int = 1
-    # Where the native index runs its upkeep (core/draft_index.py: the
-    # corpus pushes of the step's new output n-grams and the evictions of
-    # finished outputs, done once the step's drafts are out): "thread" on a
-    # thread of its own, while the forward runs; "inline" at the end of the
-    # batch call; "auto" = "thread" on GPUs (the CPU waits out the forward
-    # there), "inline" on the CPU platform (where the forward keeps the cores
-    # busy: on the dev splits at batch 8 a thread gained nothing end to end
-    # and its steps waited longer for it). The drafts are the same either way.
-    index_upkeep: str = "auto"
-    # Jacobi window columns W, n-gram size N (N - 1 window levels), and the
-    # most pool n-grams verified per step / kept per first token G.
+    # Jacobi window columns W, n-gram size N, pool n-grams per step G.
     jacobi_window: int = 4
     jacobi_ngram: int = 3
     jacobi_guesses: int = 4
-    # Warm start: a file of past responses or a corpus, tokenized with the
-    # model's tokenizer at engine start into the drafter's corpus (.jsonl: one
-    # object a line with a "text", "response", "output" or "completion"
-    # string; any other file: plain text, paragraphs split on blank lines).
-    # "" = none.
-    warm_start: str = ""
-    # Snapshot (core/snapshot.py) of what the drafter learned: loaded on
-    # start when the file exists, written on shutdown (atomically). A
-    # corrupt or foreign file is refused with a warning; the engine starts
-    # cold. "" = none.
-    snapshot_path: str = ""
-    # Tenant isolation (core/partitions.py): which finished outputs a request
-    # drafts from besides its own text. "per-salt": a request carrying
-    # vLLM's cache_salt drafts only from outputs of requests with the same
-    # salt, requests without one share a default partition; "per-salt-saved":
-    # the same, and the snapshot also keeps the salted partitions (each under
-    # its salt's SHA-256, restored only to requests with that salt; otherwise
-    # only the default partition is written); "all": every request drafts
-    # from every output, salts ignored; "none": no cross-request drafting.
-    draft_sharing: str = "per-salt"
-    # Debug only: switch off pieces of tree verification ("positions", "mask",
-    # "compaction") to prove each is needed; output is then NOT lossless.
+    # Debug only: switch off pieces of tree verification ("positions",
+    # "mask", "compaction") to prove each is needed; output is NOT lossless.
     debug_disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("decoding_length", self.decoding_length, 1, 256)
-        _check_int("branch_length", self.branch_length, 2, 128)
-        _check_int("max_match_length", self.max_match_length, 1, self.branch_length - 1)
-        _check_int("min_match_length", self.min_match_length, 1, self.max_match_length)
-        _check_int("min_retrieved_nodes", self.min_retrieved_nodes, 1, 1 << 16)
-        _check_int("context_match", self.context_match, 0, 64)
-        _check_int("trie_capacity", self.trie_capacity, 64, 1 << 26)
-        _check_float("prompt_weight", self.prompt_weight, 0.0, 1e9)
-        _check_int("step_draft_budget", self.step_draft_budget, 0, 1 << 16)
-        _check_or_platform(_check_int, "cost_free_tokens", self.cost_free_tokens, 0, 1 << 16)
-        _check_or_platform(_check_float, "cost_marginal_tokens", self.cost_marginal_tokens, 1.0, 1e6)
-        _check_or_platform(_check_float, "cost_per_path", self.cost_per_path, 0.0, 100.0)
-        _check_float("min_draft_confidence", self.min_draft_confidence, 0.0, 1.0)
-        _check_or_platform(_check_int, "load_shrink_above", self.load_shrink_above, 0, 1 << 16)
-        _check_or_platform(_check_int, "load_stop_at", self.load_stop_at, 1, (1 << 16) + 1)
-        if self.load_shrink_above >= 0 and self.load_stop_at >= 0 and self.load_stop_at <= self.load_shrink_above:
-            raise ValueError(f"load_stop_at={self.load_stop_at}: must be > load_shrink_above ({self.load_shrink_above})")
-        if self.source not in SOURCES:
-            raise ValueError(f"source={self.source!r}: must be one of {SOURCES}")
-        _check_int("index_ngram", self.index_ngram, 1, 4)
-        _check_int("index_backoff", self.index_backoff, 0, max(0, self.index_ngram - 1))
-        _check_int("index_max_match", self.index_max_match, self.index_ngram, 1 << 16)
-        _check_int("index_candidates", self.index_candidates, 1, 1024)
-        _check_int("index_occurrences", self.index_occurrences, 1, 1024)
-        _check_int("index_corpus_bytes", self.index_corpus_bytes, 0, 1 << 40)
-        _check_int("index_threads", self.index_threads, 0, 256)
-        _check_int("jacobi_window", self.jacobi_window, 1, 64)
-        _check_int("jacobi_ngram", self.jacobi_ngram, 2, 16)
-        _check_int("jacobi_guesses", self.jacobi_guesses, 1, 64)
-        if self.draft_sharing not in DRAFT_SHARINGS:
-            raise ValueError(f"draft_sharing={self.draft_sharing!r}: must be one of {DRAFT_SHARINGS}")
-        if self.index_upkeep not in INDEX_UPKEEPS:
-            raise ValueError(f"index_upkeep={self.index_upkeep!r}: must be one of {INDEX_UPKEEPS}")
-        if self.draft_shape not in DRAFT_SHAPES:
-            raise ValueError(f"draft_shape={self.draft_shape!r}: must be one of {DRAFT_SHAPES}")
-        if isinstance(self.debug_disable, (list, tuple)):
-            object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
-        bad = [x for x in self.debug_disable if x not in DEBUG_SWITCHES] if isinstance(self.debug_disable, tuple) else [1]
-        if bad:
-            raise ValueError(f"debug_disable={self.debug_disable!r}: must be a list drawn from {DEBUG_SWITCHES}")
-        for name in ("warm_start", "snapshot_path"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a file path (a string; \"\" = none)")
-        for name in ("insert_output", "insert_prompt", "calibrate_confidence"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be true or false")
+        object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
+        for name, (lo, hi) in _PROFILE_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(lo, bool):
+                ok, kind = isinstance(value, bool), "true or false"
+            else:
+                kind = "a number" if isinstance(lo, float) else "an integer"
+                ok = (isinstance(value, (int, float) if isinstance(lo, float) else int)
+                      and not isinstance(value, bool) and lo <= value <= hi)
+            if not ok:
+                raise ValueError(f"{PROFILE_KEY}.{name}={value!r}: must be {kind}"
+                                 + ("" if isinstance(lo, bool) else f" in [{_num(lo)}, {_num(hi)}]"))
+        for name, lo, hi in (("max_match_length", 1, self.branch_length - 1),
+                             ("min_match_length", 1, self.max_match_length),
+                             ("index_backoff", 0, max(0, self.index_ngram - 1)),
+                             ("index_max_match", self.index_ngram, 1 << 16),
+                             ("load_stop_at", self.load_shrink_above + 1, (1 << 16) + 1)):
+            if not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"{PROFILE_KEY}.{name}={getattr(self, name)!r}: must be in [{lo}, {hi}]")
+        if self.platform not in PLATFORMS or any(x not in DEBUG_SWITCHES for x in self.debug_disable):
+            raise ValueError(f"_profile: platform={self.platform!r} must be one of {PLATFORMS}, "
+                             f"debug_disable={self.debug_disable!r} drawn from {DEBUG_SWITCHES}")
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> "LookaheadConfig":
-        """Build from a user mapping; unknown keys are rejected by name."""
-        values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        for old, hint in RENAMED.items():
-            if old in values:
-                raise ValueError(f"{old}: renamed; use {hint}")
-        unknown = sorted(set(values) - known)
+    def for_platform(cls, platform: str, overrides: Mapping[str, Any] | None = None) -> "Profile":
+        """The profile of ``platform`` ("cpu" or "gpu"), knobs in ``overrides`` replaced."""
+        overrides = dict(overrides or {})
+        if platform not in PLATFORM_VALUES or overrides.get("platform", platform) != platform:
+            raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS} (and {PROFILE_KEY}'s, if given)")
+        unknown = sorted(set(overrides) - set(PROFILE_FIELDS))
         if unknown:
-            raise ValueError(
-                f"unknown lookahead config key(s) {unknown}; allowed keys: {sorted(known)}"
-            )
-        return cls(**values)
+            raise ValueError(f"{PROFILE_KEY}: unknown knob(s) {unknown}; the knobs are {list(PROFILE_FIELDS)}")
+        return cls(**{**PLATFORM_VALUES[platform], **overrides})
+
+    @property
+    def draft_threads(self) -> int:
+        """``index_threads``, with 0 resolved to min(4, the cores this process may use)."""
+        if self.index_threads:
+            return self.index_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(4, cores))
+
+    @property
+    def jacobi_nodes(self) -> int:
+        """The Jacobi window's nodes per step: W * (N - 1) - 1."""
+        return self.jacobi_window * (self.jacobi_ngram - 1) - 1
+
+    @property
+    def jacobi_step_slots(self) -> int:
+        """Draft slots a full Jacobi step needs: the window plus G pool n-grams
+        of N - 1 tokens, (W + G) * (N - 1) - 1 (the root is the step's own token)."""
+        return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
+
+
+# Where CPU and GPU differ. "cpu": this project's 2-core host: prices fitted
+# to its measured forward curves (5 tokens free, 20 more per forward,
+# core/budget.py); tree verification's path rounds (vllm/tree_verify.py) cost
+# 0.09 forwards for a step that runs any (rows gathered, overwritten slots
+# restored, outputs scattered, once per layer) and 0.02 per round (SmolLM2,
+# bench_forward_cost.py --nodes 8 16 --paths 1 2 3 4 8: 8 nodes in 1/2/3/4/8
+# root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
+# 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free
+# tokens, so load adaptation starts there. The CUDA kernel runs all paths in
+# one launch: no path price on GPUs. "gpu": a forward scores ~64
+# tokens for the price of one (seed 000 measured ~128 for a 10B model on an
+# A100; half of it errs on the side of drafting too little), so drafting pays
+# up to ~64 running requests: the budget shrinks from 32 and stops at 128.
+PLATFORM_VALUES: dict[str, dict[str, Any]] = {
+    "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
+                load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
+    "gpu": dict(platform="gpu", free_tokens=64, marginal_tokens=64.0, path_setup=0.0, cost_per_path=0.0,
+                load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
+}
+PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
+# Knob ranges (the bool ones: any bool).
+_PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
+    free_tokens=(1, 1 << 16), marginal_tokens=(1.0, 1e6), path_setup=(0.0, 100.0), cost_per_path=(0.0, 100.0),
+    load_shrink_above=(0, 1 << 16), load_stop_at=(1, (1 << 16) + 1), upkeep_thread=(False, True),
+    branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
+    trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),
+    context_match=(0, 64), min_draft_confidence=(0.0, 1.0), step_draft_budget=(0, 1 << 16),
+    calibrate_confidence=(False, True), index_ngram=(1, 4), index_backoff=(0, 3), index_max_match=(1, 1 << 16),
+    index_candidates=(1, 1024), index_occurrences=(1, 1024), index_threads=(0, 256), jacobi_window=(1, 64),
+    jacobi_ngram=(2, 16), jacobi_guesses=(1, 64),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the engine runs on: the public fields (``decoding_length``
+    resolved) and the profile. Build with :func:`resolve`."""
+
+    source: str
+    draft_shape: str
+    decoding_length: int
+    index_corpus_bytes: int
+    warm_start: str
+    snapshot_path: str
+    draft_sharing: str
+    cost_free_tokens: int
+    cost_marginal_tokens: float
+    profile: Profile
 
     @property
     def sources(self) -> tuple[str, ...]:
         """The draft sources, in merge order."""
-        return ("trie", "jacobi") if self.source == "both" else tuple(self.source.split("+"))
+        return sources_of(self.source)
 
     @property
     def uses_index(self) -> bool:
@@ -254,62 +399,74 @@ class LookaheadConfig:
     def uses_jacobi(self) -> bool:
         return "jacobi" in self.sources
 
-    def index_config(self, ngram: int | None = None) -> "DraftIndexConfig":
-        """The draft index's settings (keyed by ``ngram`` tokens, default index_ngram)."""
-        from lookahead_vllm.core.draft_index import DraftIndexConfig
-
-        shares = 2 if self.index_backoff else 1  # the corpus cap, split evenly
-        return DraftIndexConfig(ngram or self.index_ngram, self.index_max_match, self.index_occurrences,
-                                self.index_candidates, self.index_corpus_bytes // shares)
-
-    def upkeep_thread(self, platform: str) -> bool:
-        """Whether the native index runs its upkeep on a thread on
-        ``platform`` ("cpu" or "gpu"; see ``index_upkeep``)."""
-        return self.index_upkeep == "thread" or (self.index_upkeep == "auto" and platform != "cpu")
-
-    @property
-    def draft_threads(self) -> int:
-        """``index_threads``, with 0 resolved to min(4, the cores this process may use)."""
-        if self.index_threads:
-            return self.index_threads
-        import os
-
-        return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
     @property
     def lookahead_nodes(self) -> int:
-        """Jacobi window nodes per step: W * (N - 1) - 1 (0 for source="trie")."""
-        return self.jacobi_window * (self.jacobi_ngram - 1) - 1 if self.uses_jacobi else 0
+        """Jacobi window nodes per step: W * (N - 1) - 1 (0 without a Jacobi source)."""
+        return self.profile.jacobi_nodes if self.uses_jacobi else 0
 
-    @property
-    def jacobi_step_slots(self) -> int:
-        """Draft slots a full Jacobi step needs: the window plus G pool n-grams
-        of N - 1 tokens, (W + G) * (N - 1) - 1 (the root is the step's own token)."""
-        return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
+    def index_config(self, ngram: int | None = None) -> "DraftIndexConfig":
+        """The draft index's settings (keyed by ``ngram`` tokens, default the profile's index_ngram)."""
+        from lookahead_vllm.core.draft_index import DraftIndexConfig
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        p = self.profile
+        shares = 2 if p.index_backoff else 1  # the corpus cap, split evenly
+        return DraftIndexConfig(ngram or p.index_ngram, p.index_max_match, p.index_occurrences,
+                                p.index_candidates, self.index_corpus_bytes // shares)
+
+    def to_carried(self) -> dict[str, Any]:
+        """A JSON-able mapping that carries these settings inside vLLM's
+        ``additional_config`` to the workers (:meth:`from_carried`); it is
+        also input :func:`resolve` maps to these same settings."""
+        profile = dataclasses.asdict(self.profile)
+        profile["debug_disable"] = list(self.profile.debug_disable)
+        return {**{name: getattr(self, name) for name in PUBLIC_FIELDS}, PROFILE_KEY: profile}
+
+    @classmethod
+    def from_carried(cls, values: Mapping[str, Any]) -> "Settings":
+        """The settings :meth:`to_carried` wrote: nothing defaulted, nothing resolved again."""
+        values = dict(values)
+        profile = values.pop(PROFILE_KEY, None)
+        missing = sorted(set(PROFILE_FIELDS) - set(profile or {}))
+        if missing or values.get("decoding_length") is None:
+            raise ValueError("lookahead settings were not resolved where the engine config was built "
+                             "(patch lookahead_validation); missing: " + ", ".join(missing or ["decoding_length"]))
+        return cls(**LookaheadConfig(**values).model_dump(), profile=Profile(**profile))
 
 
-def _check_or_platform(check: Any, name: str, value: Any, lo: float, hi: float) -> None:
-    """-1 (the platform's default) or a value ``check`` accepts."""
-    if value == -1 and not isinstance(value, bool):
-        return
-    try:
-        check(name, value, lo, hi)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: must be -1 (platform default) or in [{lo:g}, {hi:g}]") from None
-
-
-def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r}: must be a number in [{lo:g}, {hi:g}]")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be in [{lo:g}, {hi:g}]")
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r}: must be an integer in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}={value!r}: must be in [{lo}, {hi}]")
+def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platform: str = "cpu",
+            num_speculative_tokens: int | None = None) -> Settings:
+    """The settings of the public ``values`` (plus an optional ``"_profile"``
+    mapping of knobs) on ``platform``, checked against vLLM's
+    ``num_speculative_tokens`` (None: no engine; ``decoding_length`` defaults
+    to :data:`DEFAULT_DECODING_LENGTH`). Raises ValueError naming the field."""
+    if isinstance(values, LookaheadConfig):
+        values = values.model_dump()
+    if values is not None and not isinstance(values, Mapping):
+        raise ValueError(f"the lookahead config must be a mapping of lookahead fields, got {type(values).__name__}")
+    values = dict(values or {})
+    overrides = values.pop(PROFILE_KEY, None) or {}
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"{PROFILE_KEY} must be a mapping of profile knobs, got {type(overrides).__name__}")
+    user = LookaheadConfig(**values)
+    profile = Profile.for_platform(platform, overrides)
+    window = profile.jacobi_nodes if "jacobi" in user.sources else 0
+    k = num_speculative_tokens
+    length = user.decoding_length
+    if k is not None:
+        if window and profile.jacobi_step_slots > k:
+            raise ValueError(
+                f"_profile jacobi_window={profile.jacobi_window}, jacobi_ngram={profile.jacobi_ngram}, "
+                f"jacobi_guesses={profile.jacobi_guesses}: the step needs (W + G) * (N - 1) - 1 = "
+                f"{profile.jacobi_step_slots} draft slots, more than "
+                f"speculative_config.num_speculative_tokens={k} (raise num_speculative_tokens)"
+            )
+        length = k - window if length is None else length
+        if length < 1 or length + window > k:
+            extra = f" + {window} Jacobi lookahead nodes" if window else ""
+            raise ValueError(
+                f"decoding_length={length}{extra}: must be <= speculative_config.num_speculative_tokens={k} "
+                "(raise num_speculative_tokens or lower decoding_length)"
+            )
+    fields = user.model_dump()
+    fields["decoding_length"] = DEFAULT_DECODING_LENGTH if length is None else length
+    return Settings(**fields, profile=profile)

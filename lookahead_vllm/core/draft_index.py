@@ -105,16 +105,19 @@ SEQUENCE_CHARGE, TOKEN_CHARGE, ENTRY_CHARGE, KEY_CHARGE = 256, 8, 40, 48
 
 @dataclass(frozen=True, slots=True)
 class DraftIndexConfig:
+    """One index's settings; no defaults of its own: the engine builds it from
+    its settings (``config.Settings.index_config``, the profile's index knobs)."""
+
     # Key length: a candidate must agree on at least this many trailing tokens.
-    ngram: int = 3
+    ngram: int
     # Matches are measured backwards at most this far (tokens).
-    max_match: int = 64
+    max_match: int
     # Occurrences kept per key (own: per sequence; corpus: across outputs).
-    max_occurrences: int = 16
+    max_occurrences: int
     # Candidates merged into one draft (best-ranked first).
-    max_candidates: int = 8
+    max_candidates: int
     # The corpus's cap: its charge in bytes (oldest finished outputs evicted first).
-    corpus_bytes: int = 32 << 20
+    corpus_bytes: int
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("ngram", 1, 4), ("max_match", 1, 1 << 16), ("max_occurrences", 1, 1024),
@@ -167,7 +170,7 @@ class DraftIndex:
     # The upkeep runs where it is due, never on a thread of its own.
     upkeep_thread = False
 
-    def __init__(self, config: DraftIndexConfig = DraftIndexConfig()) -> None:
+    def __init__(self, config: DraftIndexConfig) -> None:
         self.config = config
         self._live: dict[int, _Sequence] = {}
         # Outputs in the corpus: sequence id -> output tokens (live ones grow).

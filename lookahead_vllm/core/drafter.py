@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -45,31 +45,29 @@ if TYPE_CHECKING:
 INDEX_WEIGHT = 1e18
 
 
-def make_index(config: LookaheadConfig, native: bool | None = None, ngram: int | None = None,
-               upkeep_thread: bool = False) -> Any:
-    """The draft index for ``config`` (keyed by ``ngram`` tokens, default
-    ``index_ngram``): native when built (``native=None``), required (True)
-    or the pure-Python reference (False); ``upkeep_thread``: the native
-    index's upkeep runs on a thread of its own."""
+def make_index(config: Settings, native: bool | None = None, ngram: int | None = None) -> Any:
+    """The draft index for ``config`` (keyed by ``ngram`` tokens, default the
+    profile's ``index_ngram``): native when built (``native=None``), required
+    (True) or the pure-Python reference (False); the native index's upkeep
+    runs on a thread of its own where the profile says it pays."""
     from lookahead_vllm.core.native import make_draft_index
 
-    return make_draft_index(config.index_config(ngram), native, upkeep_thread)
+    return make_draft_index(config.index_config(ngram), native, config.profile.upkeep_thread)
 
 
 class Drafter:
-    """See the module docstring. ``upkeep_thread``: the native indexes run
-    their upkeep (core/draft_index.py) on threads of their own
-    (``LookaheadConfig.upkeep_thread`` says where it pays)."""
+    """See the module docstring."""
 
-    def __init__(self, config: LookaheadConfig, native: bool | None = None, upkeep_thread: bool = False) -> None:
+    def __init__(self, config: Settings, native: bool | None = None) -> None:
         self.config = config
-        self.index = make_index(config, native, upkeep_thread=upkeep_thread) if config.uses_index else None
+        knobs = config.profile
+        self.index = make_index(config, native) if config.uses_index else None
         # Back-off index (shorter key): drafts where the main index has no match.
         self.backoff = None
-        if config.uses_index and config.index_backoff:
-            self.backoff = make_index(config, native, config.index_backoff, upkeep_thread)
+        if config.uses_index and knobs.index_backoff:
+            self.backoff = make_index(config, native, knobs.index_backoff)
         self.trie = TokenTrie(config) if config.uses_trie else None
-        self.threads = config.draft_threads
+        self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
         # Trie source only: the slots kept out of the trie (not in the default partition).
@@ -151,8 +149,8 @@ class Drafter:
         if done is None:
             prompt = tokens[:min(prompt_len, n)].tolist()
             self.trie.add_request(slot, prompt)
-            if self.config.context_match:
-                self._contexts[slot] = ContextIndex(self.config.context_match, prompt)
+            if self.config.profile.context_match:
+                self._contexts[slot] = ContextIndex(self.config.profile.context_match, prompt)
             done = len(prompt)
         if n > done:
             new = tokens[done:n].tolist()

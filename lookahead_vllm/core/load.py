@@ -14,36 +14,17 @@ running 8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
 
 from __future__ import annotations
 
-from lookahead_vllm.core.config import LookaheadConfig
-
-# (load_shrink_above, load_stop_at) where the config leaves them at -1.
-# "cpu": this project's 2-core CPU, where a batch of 8 already scores past
-# the ~5 tokens a forward takes for the price of one. "gpu": a GPU scores
-# ~64 tokens for the price of one (budget.PLATFORM_TOKEN_COSTS), so drafting
-# pays up to ~64 running requests and the cost model, not a blanket stop,
-# decides what is kept; the budget shrinks from 32 requests on and stops at
-# 128 (the cost model keeps no draft from 64 rows on at its GPU prices).
-PLATFORM_LOAD_LIMITS: dict[str, tuple[int, int]] = {"cpu": (8, 16), "gpu": (32, 128)}
+from lookahead_vllm.core.config import Settings
 
 
-def load_limits(config: LookaheadConfig, platform: str) -> tuple[int, int]:
-    """``(load_shrink_above, load_stop_at)`` of ``config`` on ``platform``
-    ("cpu" or "gpu"): -1 takes :data:`PLATFORM_LOAD_LIMITS`, moved where
-    needed to stay on the right side of the one value given."""
-    shrink, stop = PLATFORM_LOAD_LIMITS[platform]
-    if config.load_shrink_above >= 0:
-        shrink = config.load_shrink_above
-        stop = config.load_stop_at if config.load_stop_at >= 0 else max(stop, shrink + 1)
-    elif config.load_stop_at >= 0:
-        stop = config.load_stop_at
-        shrink = min(shrink, stop - 1)
-    return shrink, stop
-
-
-def load_scaled_budget(config: LookaheadConfig, num_running: int, platform: str = "cpu") -> int:
-    """Draft nodes per request when ``num_running`` requests share the step on ``platform``."""
+def load_scaled_budget(config: Settings, num_running: int) -> int:
+    """Draft nodes per request when ``num_running`` requests share the step
+    (the limits: the profile's ``load_shrink_above`` and ``load_stop_at``;
+    "cpu": 8 and 16, a batch of 8 already scores past the ~5 tokens a forward
+    takes for the price of one; "gpu": 32 and 128, the cost model keeps no
+    draft from ~64 rows on at the GPU's prices)."""
     full = config.decoding_length
-    shrink_above, stop_at = load_limits(config, platform)
+    shrink_above, stop_at = config.profile.load_shrink_above, config.profile.load_stop_at
     if num_running <= shrink_above:
         return full
     if num_running >= stop_at:

@@ -47,7 +47,7 @@ def _log_choice(native: bool) -> None:
         logger.info("draft index: pure-Python reference (native extension not built; %s)", BUILD_HINT)
 
 
-def make_draft_index(config: DraftIndexConfig = DraftIndexConfig(), native: bool | None = None,
+def make_draft_index(config: DraftIndexConfig, native: bool | None = None,
                      upkeep_thread: bool = False):
     """A draft index for ``config``: native when available (``native=None``),
     required (``True``: ImportError if not built) or the reference (``False``).

@@ -21,7 +21,8 @@ free per-step time ``t0``, best explains the samples::
 * **Adaptive.** Rings forget old samples, and a bucket that has not been
   visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
   a change of load or machine.
-* **Prior.** The platform's defaults (``PLATFORM_TOKEN_COSTS``) are a prior
+* **Prior.** The platform's defaults (the profile's ``free_tokens`` and
+  ``marginal_tokens``, core/config.py) are a prior
   on both prices (log-normal, a factor of 2 wide), which holds them where
   the samples say nothing: a batch that never scored more than 17 tokens
   does not tell what 64 cost.

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 ENABLED = "lookahead_enabled"
 MAX_DRAFT_TOKENS = "lookahead_max_draft_tokens"
 KEYS = (ENABLED, MAX_DRAFT_TOKENS)
-MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound
+MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound (its schema's maximum)
 
 
 def draft_cap(extra_args: Mapping[str, Any] | None) -> int | None:

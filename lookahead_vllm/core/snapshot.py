@@ -63,7 +63,7 @@ FORMAT_VERSION = 2
 # Versions this build reads (1: before partitions, every output in the default one).
 READ_VERSIONS = (1, 2)
 # Config fields written to the header (those that shape drafts).
-DRAFT_SETTINGS = ("source", "branch_length", "insert_output", "index_ngram", "index_backoff",
+DRAFT_SETTINGS = ("source", "branch_length", "index_ngram", "index_backoff",
                   "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
 # Of those, the ones a snapshot's trie table must match (its windows' depth).
 TRIE_SETTINGS = ("branch_length",)
@@ -114,7 +114,9 @@ def identity_of(model: str, vocab_size: int) -> dict[str, Any]:
 
 
 def settings_of(config: Any) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in DRAFT_SETTINGS}
+    """The DRAFT_SETTINGS of ``config`` (a ``core.config.Settings``: public
+    fields on it, the rest on its profile)."""
+    return {name: getattr(config if hasattr(config, name) else config.profile, name) for name in DRAFT_SETTINGS}
 
 
 def file_digest(path: str | os.PathLike) -> str:

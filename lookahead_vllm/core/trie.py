@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Sequence
 
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class _Request:
 class TokenTrie:
     """Engine-wide n-gram trie; see the module docstring."""
 
-    def __init__(self, config: LookaheadConfig) -> None:
+    def __init__(self, config: Settings) -> None:
         self.config = config
+        self.knobs = config.profile
         self.root = _Node(-1, None)
         self.num_nodes = 0  # root excluded
         self.num_prunes = 0
@@ -105,9 +106,9 @@ class TokenTrie:
         st = _Request(slot=self._next_slot)
         self._next_slot += 1
         self._requests[req_id] = st
-        if self.config.insert_prompt:
+        if self.knobs.insert_prompt:
             self._insert_prompt(st, prompt)
-        tail = list(prompt[-(self.config.branch_length - 1):])
+        tail = list(prompt[-(self.knobs.branch_length - 1):])
         st.window = tail
         st.cursors = [self._walk(tail[j:], create=True) for j in range(len(tail))]
         self._maybe_prune()
@@ -153,9 +154,9 @@ class TokenTrie:
         path confidence is below ``min_confidence`` (default
         ``min_draft_confidence``).
         """
-        cfg = self.config
-        budget = cfg.decoding_length if budget is None else budget
-        shape = cfg.draft_shape if shape is None else shape
+        cfg = self.knobs
+        budget = self.config.decoding_length if budget is None else budget
+        shape = self.config.draft_shape if shape is None else shape
         floor = cfg.min_draft_confidence if min_confidence is None else min_confidence
         if budget <= 0 or not context:
             return DraftTree.empty()
@@ -186,7 +187,7 @@ class TokenTrie:
         return _flatten_parallel(start, picked, confidence, budget)
 
     def _select_chain(self, node: _Node, depth: int, slot: int, floor: float) -> DraftTree:
-        pw = self.config.prompt_weight
+        pw = self.knobs.prompt_weight
         tokens: list[int] = []
         weights: list[float] = []
         confs: list[float] = []
@@ -209,7 +210,7 @@ class TokenTrie:
 
         Returns their weights and the path confidence of every visited node.
         """
-        pw = self.config.prompt_weight
+        pw = self.knobs.prompt_weight
         picked: dict[_Node, float] = {}
         heap: list[tuple[float, int, int, _Node]] = []
         counter = 0
@@ -298,7 +299,7 @@ class TokenTrie:
         return node
 
     def _insert_prompt(self, st: _Request, prompt: Sequence[int]) -> None:
-        lb = self.config.branch_length
+        lb = self.knobs.branch_length
         for i in range(len(prompt)):
             node = self.root
             for t in prompt[i:i + lb]:
@@ -321,7 +322,7 @@ class TokenTrie:
         first.out += 1.0
         cursors.append(first)
         st.window.append(token)
-        if len(st.window) >= self.config.branch_length:
+        if len(st.window) >= self.knobs.branch_length:
             del st.window[0]
             del cursors[0]
         st.cursors = cursors
@@ -342,13 +343,13 @@ class TokenTrie:
             stack.extend(n.children.values())
 
     def _maybe_prune(self) -> None:
-        if self.num_nodes > self.config.trie_capacity:
+        if self.num_nodes > self.knobs.trie_capacity:
             self.prune()
 
     def prune(self) -> None:
         """Decay output counts, drop light nodes, then lightest leaves to the target."""
         before = self.num_nodes
-        target = int(self.config.trie_capacity * PRUNE_TARGET)
+        target = int(self.knobs.trie_capacity * PRUNE_TARGET)
         nodes = list(_iter_nodes(self.root))  # pre-order: parents before descendants
         for node in nodes:
             node.out *= 0.5

@@ -1,29 +1,52 @@
-"""Mapping between vLLM's configs and :class:`LookaheadConfig`.
+"""Mapping between vLLM's configs and lookahead's (core/config.py).
 
 Users select the method with ``speculative_config={"method": "lookahead"}``
-(optionally ``"num_speculative_tokens": k``, default 16) and tune it with
+(optionally ``"num_speculative_tokens": k``, default 16) and configure it with
 ``additional_config={"lookahead": {...}}`` whose keys are the fields of
 :class:`LookaheadConfig`. ``decoding_length`` defaults to ``k`` and may not
 exceed it (vLLM reserves ``k`` draft slots per request). With a Jacobi source
 the window's ``W * (N - 1) - 1`` lookahead nodes come on top, so
 ``decoding_length`` defaults to ``k`` minus them.
+
+The settings are resolved once, where the engine's config is built
+(:func:`resolve_engine_settings`, from the ``lookahead_validation`` patch of
+``VllmConfig.__post_init__``), and written back into that config's
+``additional_config["lookahead"]`` in their carried form; every worker reads
+them from there (:func:`engine_settings`) without resolving anything again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, Settings, resolve
 
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
-DEFAULT_NUM_SPECULATIVE_TOKENS = LookaheadConfig().decoding_length
+DEFAULT_NUM_SPECULATIVE_TOKENS = DEFAULT_DECODING_LENGTH
 ADDITIONAL_CONFIG_KEY = "lookahead"
 
 
 def is_lookahead(speculative_config: Any) -> bool:
-    """True if a vLLM ``SpeculativeConfig`` routes to our proposer."""
-    return speculative_config is not None and getattr(speculative_config, "model", None) == PROPOSER_PATH
+    """True if a vLLM ``SpeculativeConfig`` routes to our proposer, or to a
+    ``custom_class`` that extends it (benchmarks' fixed-draft proposers)."""
+    model = getattr(speculative_config, "model", None)
+    if model == PROPOSER_PATH:
+        return True
+    if getattr(speculative_config, "method", None) != "custom_class" or not isinstance(model, str):
+        return False
+    return _extends_proposer(model)
+
+
+def _extends_proposer(path: str) -> bool:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False  # vLLM reports a class it cannot import
+    return isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == PROPOSER_PATH for c in cls.__mro__)
 
 
 def selects_lookahead(kwargs: dict[str, Any]) -> bool:
@@ -50,42 +73,49 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int) -> LookaheadConfig:
-    """Validate ``additional_config["lookahead"]`` against ``k``; raise ValueError naming the field."""
+def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,
+                             platform: str | None = None) -> Settings:
+    """Validate ``additional_config["lookahead"]`` against ``k`` and resolve
+    it for ``platform`` (None: this process's); ValueError naming the field."""
     values = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
     if values is not None and not isinstance(values, dict):
         raise ValueError(
             f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
         )
-    values = dict(values or {})
     limit = _max_spec_len()
     if num_speculative_tokens > limit:
         raise ValueError(
             f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection sampler "
-            f"verifies at most {limit} draft tokens per request (MAX_SPEC_LEN); lower it "
-            "(and decoding_length, or jacobi_window / jacobi_ngram / jacobi_guesses)"
+            f"verifies at most {limit} draft tokens per request (MAX_SPEC_LEN); lower it (and decoding_length)"
         )
-    probe = LookaheadConfig.from_dict({**values, "decoding_length": 1})  # validates the other fields
-    window = probe.lookahead_nodes
-    if probe.uses_jacobi:
-        w, n, g = probe.jacobi_window, probe.jacobi_ngram, probe.jacobi_guesses
-        if probe.jacobi_step_slots > num_speculative_tokens:
-            raise ValueError(
-                f"jacobi_window={w}, jacobi_ngram={n}, jacobi_guesses={g}: the step needs "
-                f"(W + G) * (N - 1) - 1 = {probe.jacobi_step_slots} draft slots, more than "
-                f"speculative_config.num_speculative_tokens={num_speculative_tokens} "
-                "(raise num_speculative_tokens or lower W, N or G)"
-            )
-    values.setdefault("decoding_length", num_speculative_tokens - window)
-    config = LookaheadConfig.from_dict(values)
-    if config.decoding_length + window > num_speculative_tokens:
-        extra = f" + {window} Jacobi lookahead nodes" if window else ""
-        raise ValueError(
-            f"decoding_length={config.decoding_length}{extra}: must be <= "
-            f"speculative_config.num_speculative_tokens={num_speculative_tokens} "
-            "(raise num_speculative_tokens or lower decoding_length)"
-        )
-    return config
+    return resolve(values, platform=platform or current_platform_name(),
+                   num_speculative_tokens=num_speculative_tokens)
+
+
+def resolve_engine_settings(vllm_config: Any) -> Settings:
+    """Resolve the settings of ``vllm_config`` and carry them in it: its
+    ``additional_config["lookahead"]`` becomes :meth:`Settings.to_carried`
+    (a new dict; the caller's is not touched). Resolving the carried form
+    again gives the same settings."""
+    settings = resolve_lookahead_config(vllm_config.additional_config,
+                                        vllm_config.speculative_config.num_speculative_tokens)
+    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    vllm_config.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: settings.to_carried()}
+    return settings
+
+
+def engine_settings(vllm_config: Any) -> Settings:
+    """The settings :func:`resolve_engine_settings` carried in ``vllm_config`` (workers)."""
+    additional = vllm_config.additional_config
+    values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    return Settings.from_carried(values or {})
+
+
+def current_platform_name() -> str:
+    """The profile's platform: "cpu" on vLLM's CPU platform, else "gpu"."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "gpu"
 
 
 def _max_spec_len() -> int:

@@ -18,8 +18,8 @@ Two moments, on GPU and CPU alike:
                          attend to their siblings).
 ``check_engine_start``   ``LookaheadProposer.__init__`` (in every worker):
                          the patches lookahead needs are applied or the engine
-                         refuses to start naming them; the config checks run
-                         again, refusing (too late to adjust) what slipped
+                         refuses to start naming them; the vLLM-side checks
+                         run again, refusing (too late to adjust) what slipped
                          through; the CUDA kernels are loaded (``ops.cuda``).
 ``check_attention_backends``
                          ``GPUModelRunner.initialize_attn_backend`` (part of
@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import Settings
 
 logger = init_logger(__name__)
 
@@ -67,12 +67,12 @@ ATTENTION_OP = "vllm::unified_attention_with_output"
 CHAIN_FIX = "or use draft_shape='one' with a source without 'jacobi', e.g. source='index' (chain drafts)"
 
 
-def is_tree_mode(config: LookaheadConfig) -> bool:
+def is_tree_mode(config: Settings) -> bool:
     """Whether drafts are verified as trees (patch ``tree_verification``)."""
     return config.draft_shape != "one" or config.uses_jacobi
 
 
-def tree_mode_label(config: LookaheadConfig) -> str:
+def tree_mode_label(config: Settings) -> str:
     """The setting that selects tree mode, for messages."""
     if config.uses_jacobi:
         return f"source={config.source!r}"
@@ -130,7 +130,7 @@ def check_vllm_version(version: str | None = None, torch: str | None = None) -> 
 # ---------------------------------------------------------------- config guards
 
 
-def on_config(vllm_config: Any, config: LookaheadConfig) -> None:
+def on_config(vllm_config: Any, config: Settings) -> None:
     """Config-time guards (after vLLM resolved its defaults): refuse, or make safe and log."""
     check_runner(vllm_config)
     if not is_tree_mode(config):
@@ -289,7 +289,7 @@ def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
 # ---------------------------------------------------------------- engine start
 
 
-def check_engine_start(vllm_config: Any, config: LookaheadConfig) -> None:
+def check_engine_start(vllm_config: Any, config: Settings) -> None:
     """Everything lookahead needs, checked where the proposer is built (every worker).
 
     Raises RuntimeError naming a failed patch, ValueError naming a setting.

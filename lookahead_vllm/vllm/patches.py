@@ -4,7 +4,9 @@ speculative_method     ``SpeculativeConfig(method="lookahead")`` (or
                        ``model="lookahead"``) is rewritten to vLLM's
                        ``custom_class`` route with our proposer.
 lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]``
-                       when lookahead is selected, before any engine starts.
+                       when lookahead is selected, before any engine starts,
+                       and resolves it once: the settings are written back
+                       there, carried with the config to the workers.
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
                        inherits it) hands our proposer the persistent input
                        batch (request ids), the finished/aborted request ids
@@ -163,7 +165,7 @@ def patch_lookahead_validation() -> bool:
             spec = self.speculative_config
             if not la_config.is_lookahead(spec):
                 return original(self)
-            config = la_config.resolve_lookahead_config(self.additional_config, spec.num_speculative_tokens)
+            config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
             original(self)
             from lookahead_vllm.vllm import guards
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.config import LookaheadConfig
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, file_digest, identity_of
 from lookahead_vllm.core.warm_start import read_warm_texts
 
@@ -45,7 +45,7 @@ TOKENIZE_BATCH = 1024
 class Persistence:
     """See the module docstring."""
 
-    def __init__(self, config: LookaheadConfig, model_config: Any) -> None:
+    def __init__(self, config: Settings, model_config: Any) -> None:
         self.config = config
         self.model_config = model_config
         self.enabled = bool(config.warm_start or config.snapshot_path)

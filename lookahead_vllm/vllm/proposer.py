@@ -37,7 +37,6 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import (
-    PLATFORM_TOKEN_COSTS,
     ForwardCost,
     allocate_step_budget,
     confidence_floor,
@@ -55,7 +54,7 @@ from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
 from lookahead_vllm.vllm import draft_trace, guards, metrics, patches, persistence
-from lookahead_vllm.vllm.config import resolve_lookahead_config
+from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
 logger = init_logger(__name__)
@@ -164,12 +163,12 @@ class LookaheadProposer:
     def __init__(self, vllm_config: VllmConfig) -> None:
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
-        self.config = resolve_lookahead_config(vllm_config.additional_config, self.k)
+        # Resolved once where the engine's config was built, carried in it.
+        self.config = engine_settings(vllm_config)
         # Version, patches (applied, or the engine refuses naming them), tree
         # settings, CUDA graphs, kernels: all checked here, before any step.
         guards.check_engine_start(vllm_config, self.config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.platform = _platform()
         self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
@@ -189,16 +188,12 @@ class LookaheadProposer:
         # every request.
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         self.tree_mode = guards.is_tree_mode(self.config)
-        platform_paths = (0.0, 0.0)  # chains open no extra attention paths
-        if self.tree_mode:
-            from lookahead_vllm.vllm.tree_verify import path_cost
-
-            platform_paths = path_cost()
-        self.cost = forward_cost(self.config, platform_paths, self.platform)
+        # Chains open no extra attention paths: only trees pay path prices.
+        self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py),
         # unless the configuration pins them or turns the cost model off.
         self.prices = (None if prices_pinned(self.config)
-                       else OnlinePrices(PLATFORM_TOKEN_COSTS[self.platform]))
+                       else OnlinePrices((self.config.profile.free_tokens, self.config.profile.marginal_tokens)))
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
@@ -304,11 +299,11 @@ class LookaheadProposer:
 
     def _new_drafter(self) -> None:
         """A fresh Drafter and the confidence calibrator that goes with it."""
-        self.drafter = Drafter(self.config, upkeep_thread=self.config.upkeep_thread(self.platform))
+        self.drafter = Drafter(self.config)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py).
         self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
-                           if self.config.calibrate_confidence else None)
+                           if self.config.profile.calibrate_confidence else None)
 
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
@@ -382,7 +377,7 @@ class LookaheadProposer:
         cost model (no draft can pay at this many rows: ForwardCost.draft_pays),
         the request's cap, the room left before max_model_len; and the rows
         skipped (by load, by cost, by their request's cap)."""
-        load_budget = load_scaled_budget(self.config, len(batch.req_ids), self.platform)
+        load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
         if load_budget == 0 or not self.cost.draft_pays(len(num_tokens)):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
@@ -414,7 +409,7 @@ class LookaheadProposer:
         tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
         self.stats.context_drafts += int(np.count_nonzero(lens))
         keep, _, drafts = plan_chains(tok, raw, lens, self.calibrator, KIND_CONTEXT,
-                                      self.config.step_draft_budget or None, len(rows), self.cost, rows[drafting],
+                                      self.config.profile.step_draft_budget or None, len(rows), self.cost, rows[drafting],
                                       num_out, self.drafter.native)
         self._offers = ChainOffers(slots[drafting], raw, keep)
         return drafts, len(rows), skipped, load_budget
@@ -467,7 +462,7 @@ class LookaheadProposer:
         kinds: list[list[int]] = [[] for _ in sampled_token_ids]
         contexts = None
         if self.drafter.trie is not None:
-            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - self.config.max_match_length):
+            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - self.config.profile.max_match_length):
                                       int(num_tokens[j])].tolist() for j in drafting]
         results = self.drafter.draft([states[j].slot for j in drafting], contexts,
                                      [budgets[j] for j in drafting], floor, self.tree_mode)
@@ -495,7 +490,7 @@ class LookaheadProposer:
         """Open the Jacobi window of a request (on admission or after a rewind)."""
         st.jacobi = None
         if self.config.uses_jacobi and self._tree_verifiable(req_id):
-            c = self.config
+            c = self.config.profile
             st.jacobi = JacobiRequest.from_prompt(
                 tokens[:min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses,
                 *self._window_prior)
@@ -508,7 +503,7 @@ class LookaheadProposer:
         # no per-request cap); x0 = -1 marks rows without it this step.
         jac.x0 = last if budget == self.config.decoding_length else -1
         jac.pool_from = len(tree)
-        branches = jac.pool.get(last, self.config.jacobi_guesses)
+        branches = jac.pool.get(last, self.config.profile.jacobi_guesses)
         self.stats.pool_branches += len(branches)
         merged = merge_branches(tree, branches, budget)
         return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
@@ -545,7 +540,7 @@ class LookaheadProposer:
         offers = [self._offer(t, k, req_id) for t, k, req_id in zip(trees, kinds, req_ids)]
         confs = [self._confidences(t, k) for t, k, _ in offers]
         opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
-        keep = allocate_step_budget(confs, self.config.step_draft_budget or None, num_rows, self.cost, opens)
+        keep = allocate_step_budget(confs, self.config.profile.step_draft_budget or None, num_rows, self.cost, opens)
         kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
         for st, t, (_, k, _), n in zip(states, kept, offers, keep):
             if st is not None and n > 0:
@@ -719,13 +714,6 @@ def _shared_across_ranks(prices: tuple[int, float]) -> tuple[int, float]:
     except AssertionError:  # no distributed state (unit tests): a single rank
         return prices
     return tuple(get_tp_group().broadcast_object(prices, src=0))
-
-
-def _platform() -> str:
-    """The forward-cost model's platform (core.budget.PLATFORM_TOKEN_COSTS)."""
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "gpu"
 
 
 def _log_interval_s() -> float:

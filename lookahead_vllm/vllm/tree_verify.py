@@ -35,7 +35,7 @@ bad words, min_tokens, logprobs, structured output, ...) get chains from the
 proposer (:func:`tree_verifiable`); if one still carries a tree, only its
 leading chain is verified.
 
-Debug switches (``LookaheadConfig.debug_disable``) turn off ``positions``,
+Debug switches (the profile's ``debug_disable``) turn off ``positions``,
 ``mask`` or ``compaction`` so tests can prove each piece is needed.
 """
 
@@ -60,27 +60,6 @@ logger = init_logger(__name__)
 # CPU tree attention: "paths" (vLLM's kernel, one root-to-leaf path per round)
 # or "reference" (gather the paged KV, pure-torch masked attention).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
-
-# Cost of tree verification's CPU path rounds, in single-token forwards:
-# a step that runs any costs CPU_PATH_SETUP (the rows gathered, the
-# overwritten slots restored, the outputs scattered, once per layer), and each
-# round CPU_PATH_COST more (one kernel call and K/V write per layer).
-# Measured with SmolLM2 on the 2-core CPU (benchmarks/bench_forward_cost.py
-# --nodes 8 16 --paths 1 2 3 4 8): 8 nodes in 1/2/3/4/8 root branches cost
-# 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes 1.49/1.63/1.61/1.65/1.79.
-CPU_PATH_SETUP = 0.09
-CPU_PATH_COST = 0.02
-
-
-def path_cost() -> tuple[float, float]:
-    """(setup, per path) of tree verification's extra paths on this platform
-    (0, 0 with the CUDA kernel, which covers all paths in one launch)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and TREE_ATTENTION == "paths":
-        return CPU_PATH_SETUP, CPU_PATH_COST
-    return 0.0, 0.0
-
 
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
 GREEDY_EPS = 1e-5
@@ -188,7 +167,7 @@ def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndar
     if not plans or not scheduler_output.scheduled_spec_decode_tokens:
         return
     starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
-    disabled = drafter.config.debug_disable
+    disabled = drafter.config.profile.debug_disable
     requests, truncated = [], 0
     for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
         plan = plans.get(req_id)
@@ -516,7 +495,7 @@ def _window_outputs(cfg: Any, req: TreeRequest, logits: torch.Tensor) -> list[in
     base = plan.lookahead.index(True)
     if plan.num_nodes - base != cfg.lookahead_nodes:
         return None
-    rows = [0 if n < 0 else 1 + base + n for n in output_nodes(cfg.jacobi_window, cfg.jacobi_ngram)]
+    rows = [0 if n < 0 else 1 + base + n for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]
     return logits[rows].argmax(dim=-1).tolist()
 
 

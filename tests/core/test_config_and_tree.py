@@ -1,4 +1,4 @@
-"""LookaheadConfig validation and DraftTree layout."""
+"""Configuration (public fields, profile, resolved settings) and DraftTree layout."""
 
 from __future__ import annotations
 
@@ -7,64 +7,124 @@ import sys
 import numpy as np
 import pytest
 
+import dataclasses
+
 from lookahead_vllm.core import DraftTree, LookaheadConfig
+from lookahead_vllm.core.config import (DEFAULT_DECODING_LENGTH, PLATFORM_VALUES, PROFILE_KEY, PUBLIC_FIELDS, Profile,
+                                        Settings, resolve)
+from lookahead_vllm.core.draft_index import DraftIndexConfig
+from tests.settings import lookahead_settings
 
 
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("decoding_length", 0, r"decoding_length=0: must be in \[1, 256\]"),
-        ("decoding_length", 1.5, r"decoding_length=1.5: must be an integer"),
-        ("branch_length", 1, r"branch_length=1: must be in \[2, 128\]"),
-        ("max_match_length", 12, r"max_match_length=12: must be in \[1, 11\]"),
-        ("min_match_length", 9, r"min_match_length=9: must be in \[1, 6\]"),
-        ("trie_capacity", 10, r"trie_capacity=10: must be in \[64, "),
-        ("prompt_weight", -1.0, r"prompt_weight=-1.0: must be in \[0, 1e\+09\]"),
-        ("min_draft_confidence", 1.5, r"min_draft_confidence=1.5: must be in \[0, 1\]"),
+        ("decoding_length", 0, r"decoding_length=0: must be an integer in \[1, 256\]"),
+        ("decoding_length", 1.5, r"decoding_length=1.5: must be an integer in \[1, 256\]"),
+        ("decoding_length", True, r"decoding_length=True: must be an integer"),
         ("draft_shape", "tree", r"draft_shape='tree': must be one of \('hier', 'par', 'one'\)"),
-        ("index_upkeep", "later", r"index_upkeep='later': must be one of \('auto', 'thread', 'inline'\)"),
-        ("insert_output", "yes", r"insert_output='yes': must be true or false"),
-        ("min_retrieved_nodes", True, r"min_retrieved_nodes=True: must be an integer"),
-        ("context_match", -1, r"context_match=-1: must be in \[0, 64\]"),
-        ("context_match", 2.0, r"context_match=2.0: must be an integer"),
-        ("cost_per_path", -0.5, r"cost_per_path=-0.5: must be -1 \(platform default\) or in \[0, 100\]"),
-        ("cost_per_path", True, r"cost_per_path=True: must be -1"),
-        ("cost_free_tokens", -2, r"cost_free_tokens=-2: must be -1 \(platform default\) or in \[0, 65536\]"),
-        ("cost_marginal_tokens", 0.5, r"cost_marginal_tokens=0.5: must be -1 \(platform default\) or in \[1, 1e\+06\]"),
+        ("source", "suffix", r"source='suffix': must be one of \('index', 'trie', 'jacobi', 'both'"),
+        ("draft_sharing", "some", r"draft_sharing='some': must be one of \('per-salt', 'per-salt-saved', 'all', 'none'\)"),
+        ("index_corpus_bytes", -1, r"index_corpus_bytes=-1: must be an integer in \[0, 1099511627776\]"),
+        ("warm_start", 3, r"warm_start=3: must be a file path"),
+        ("cost_free_tokens", -2, r"cost_free_tokens=-2: must be an integer in \[-1, 65536\] \(-1: measured online\)"),
+        ("cost_marginal_tokens", 0.5, r"cost_marginal_tokens=0.5: must be -1 \(measured online\) or in \[1, 1e\+06\]"),
+        ("cost_marginal_tokens", "7", r"cost_marginal_tokens='7': must be a number in \[-1, 1e\+06\]"),
     ],
 )
 def test_invalid_fields_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         LookaheadConfig(**{field: value})
+    with pytest.raises(ValueError, match=message):  # the same through resolve (the engine's path)
+        resolve({field: value})
 
 
-def test_index_upkeep_runs_on_a_thread_on_gpus_by_default():
-    assert [LookaheadConfig().upkeep_thread(p) for p in ("cpu", "gpu")] == [False, True]
-    assert [LookaheadConfig(index_upkeep="thread").upkeep_thread(p) for p in ("cpu", "gpu")] == [True, True]
-    assert [LookaheadConfig(index_upkeep="inline").upkeep_thread(p) for p in ("cpu", "gpu")] == [False, False]
+def test_public_fields_are_few_and_the_schema_is_closed():
+    schema = LookaheadConfig.model_json_schema()
+    assert len(schema["properties"]) <= 10, sorted(schema["properties"])
+    assert schema["additionalProperties"] is False
+    assert PROFILE_KEY not in schema["properties"]
+    from lookahead_vllm.core.request_options import MAX_CAP  # a request's cap: up to decoding_length's maximum
+
+    assert schema["properties"]["decoding_length"]["anyOf"][0]["maximum"] == MAX_CAP
+    assert set(schema["properties"]) == set(PUBLIC_FIELDS)
+    assert {"source", "draft_shape", "decoding_length", "index_corpus_bytes", "warm_start", "snapshot_path",
+            "draft_sharing"} <= set(PUBLIC_FIELDS)
+    # Settings carries every public field (decoding_length resolved) and the profile.
+    assert {f.name for f in dataclasses.fields(Settings)} == set(PUBLIC_FIELDS) | {"profile"}
 
 
-def test_unknown_keys_rejected_by_name():
-    with pytest.raises(ValueError, match=r"unknown lookahead config key\(s\) \['decoding_len'\]"):
-        LookaheadConfig.from_dict({"decoding_len": 4})
+def test_unknown_fields_rejected_by_name():
+    with pytest.raises(ValueError, match=r"unknown lookahead field\(s\) \['decoding_len'\]; the fields are \['source'"):
+        LookaheadConfig(decoding_len=4)
 
 
-def test_renamed_key_names_its_successor():
-    with pytest.raises(ValueError, match=r"index_corpus_tokens: renamed; use index_corpus_bytes \(a cap in bytes"):
-        LookaheadConfig.from_dict({"index_corpus_tokens": 1 << 20})
+@pytest.mark.parametrize("name, message", [
+    ("index_corpus_tokens", r"index_corpus_tokens: no longer a lookahead field; renamed; use index_corpus_bytes"),
+    ("index_upkeep", r"index_upkeep: no longer a lookahead field; internal now \(the platform profile's upkeep_thread"),
+    ("cost_per_path", r"cost_per_path: no longer a lookahead field; internal now"),
+    ("insert_output", r"insert_output: no longer a lookahead field; removed \(it was never read"),
+    ("branch_length", r"branch_length: no longer a lookahead field; it is internal now \(a tuning knob of the "
+                      r"platform profile, docs/configuration.md 'Developer settings'\)"),
+    ("jacobi_window", r"jacobi_window: no longer a lookahead field; it is internal now"),
+])
+def test_retired_fields_name_their_replacement(name, message):
+    with pytest.raises(ValueError, match=message):
+        resolve({name: 1})
+
+
+def test_profile_has_one_set_of_defaults_and_per_platform_values():
+    cpu, gpu = resolve(platform="cpu").profile, resolve(platform="gpu").profile
+    differ = {f.name for f in dataclasses.fields(Profile) if getattr(cpu, f.name) != getattr(gpu, f.name)}
+    assert differ == set(PLATFORM_VALUES["cpu"]) == set(PLATFORM_VALUES["gpu"])
+    assert (cpu.upkeep_thread, gpu.upkeep_thread) == (False, True)
+    assert (cpu.load_shrink_above, cpu.load_stop_at, gpu.load_shrink_above, gpu.load_stop_at) == (8, 16, 32, 128)
+    with pytest.raises(TypeError):  # the per-platform knobs have no default outside PLATFORM_VALUES
+        Profile()
+
+
+def test_profile_overrides_are_explicit_and_checked():
+    s = resolve({"source": "trie", PROFILE_KEY: {"branch_length": 8, "upkeep_thread": True}})
+    assert (s.profile.branch_length, s.profile.upkeep_thread, s.profile.max_match_length) == (8, True, 6)
+    with pytest.raises(ValueError, match=r"_profile.branch_length=1: must be an integer in \[2, 128\]"):
+        resolve({PROFILE_KEY: {"branch_length": 1}})
+    with pytest.raises(ValueError, match=r"_profile.max_match_length=12: must be in \[1, 11\]"):
+        resolve({PROFILE_KEY: {"max_match_length": 12}})
+    with pytest.raises(ValueError, match=r"_profile.load_stop_at=4: must be in \[9, 65537\]"):
+        resolve({PROFILE_KEY: {"load_stop_at": 4}})
+    with pytest.raises(ValueError, match=r"_profile.insert_prompt='yes': must be true or false"):
+        resolve({PROFILE_KEY: {"insert_prompt": "yes"}})
+    with pytest.raises(ValueError, match=r"_profile: unknown knob\(s\) \['branch_len'\]"):
+        resolve({PROFILE_KEY: {"branch_len": 4}})
+
+
+def test_decoding_length_resolved_against_the_engines_draft_slots():
+    assert resolve().decoding_length == DEFAULT_DECODING_LENGTH == 16
+    assert resolve(num_speculative_tokens=8).decoding_length == 8
+    assert resolve({"source": "both"}, num_speculative_tokens=16).decoding_length == 16 - 7  # W=4, N=3 window
+    with pytest.raises(ValueError, match=r"decoding_length=9: must be <= speculative_config.num_speculative_tokens=8"):
+        resolve({"decoding_length": 9}, num_speculative_tokens=8)
+    with pytest.raises(ValueError, match=r"the step needs \(W \+ G\) \* \(N - 1\) - 1 = 15 draft slots"):
+        resolve({"source": "jacobi"}, num_speculative_tokens=8)
+
+
+def test_settings_carried_to_the_workers_unchanged():
+    import json
+
+    s = resolve({"draft_shape": "hier", PROFILE_KEY: {"debug_disable": ["mask"]}}, platform="gpu",
+                num_speculative_tokens=12)
+    carried = json.loads(json.dumps(s.to_carried()))  # inside vLLM's additional_config, hashed as JSON
+    assert Settings.from_carried(carried) == s
+    assert resolve(carried, platform="gpu", num_speculative_tokens=12) == s  # resolving it again: the same
+    with pytest.raises(ValueError, match=r"not resolved where the engine config was built"):
+        Settings.from_carried({"draft_shape": "hier"})
 
 
 def test_corpus_cap_is_split_between_the_index_and_its_backoff():
-    cfg = LookaheadConfig(index_corpus_bytes=1000)
+    cfg = resolve({"index_corpus_bytes": 1000})
     assert [cfg.index_config().corpus_bytes, cfg.index_config(1).corpus_bytes] == [500, 500]
-    assert LookaheadConfig(index_corpus_bytes=1000, index_backoff=0).index_config().corpus_bytes == 1000
-    with pytest.raises(ValueError, match=r"index_corpus_bytes=-1: must be"):
-        LookaheadConfig(index_corpus_bytes=-1)
-
-
-def test_from_dict_roundtrip():
-    cfg = LookaheadConfig.from_dict({"decoding_length": 4, "draft_shape": "hier"})
-    assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
+    assert resolve({"index_corpus_bytes": 1000, PROFILE_KEY: {"index_backoff": 0}}).index_config().corpus_bytes == 1000
+    assert cfg.index_config() == DraftIndexConfig(2, 64, 32, 16, 500)  # built from the profile
 
 
 def test_core_does_not_import_torch_or_vllm():
@@ -139,7 +199,7 @@ def test_forward_cost_model():
     cost = ForwardCost(free_tokens=12, marginal_tokens=18)
     assert cost(1) == cost(12) == 1.0
     assert cost(30) == pytest.approx(2.0)
-    assert ForwardCost(free_tokens=0)(500) == 1.0  # off: every token free
+    assert ForwardCost(0, 1.0)(500) == 1.0  # off: every token free
     assert ForwardCost(12, 18, per_path=0.1)(30, paths=2) == pytest.approx(2.2)
     # A fixed cost for a step that runs any extra path at all, then per path.
     with_setup = ForwardCost(12, 18, per_path=0.02, path_setup=0.09)
@@ -148,17 +208,18 @@ def test_forward_cost_model():
 
 
 def test_forward_cost_platform_defaults_and_overrides():
-    from lookahead_vllm.core.budget import PLATFORM_TOKEN_COSTS, ForwardCost, forward_cost
+    from lookahead_vllm.core.budget import ForwardCost, forward_cost
 
-    default = LookaheadConfig()
-    assert (default.cost_free_tokens, default.cost_marginal_tokens, default.cost_per_path) == (-1, -1.0, -1.0)
-    assert forward_cost(default) == ForwardCost(*PLATFORM_TOKEN_COSTS["cpu"]) == ForwardCost(5, 20.0)
-    gpu = forward_cost(default, platform="gpu")
-    assert (gpu.free_tokens, gpu.marginal_tokens) == PLATFORM_TOKEN_COSTS["gpu"] and gpu(64) == 1.0 < gpu(65)
-    # The CPU path rounds' model applies where cost_per_path is -1.
-    assert forward_cost(default, (0.09, 0.02)) == ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09)
-    mine = LookaheadConfig(cost_free_tokens=0, cost_marginal_tokens=7, cost_per_path=0.5)
-    assert forward_cost(mine, (0.09, 0.02), "gpu") == ForwardCost(0, 7, per_path=0.5, path_setup=0.0)
+    default = resolve()
+    assert (default.cost_free_tokens, default.cost_marginal_tokens) == (-1, -1.0)
+    assert forward_cost(default, paths=False) == ForwardCost(5, 20.0)
+    gpu = forward_cost(resolve(platform="gpu"))
+    assert (gpu.free_tokens, gpu.marginal_tokens, gpu.per_path) == (64, 64.0, 0.0) and gpu(64) == 1.0 < gpu(65)
+    # Trees on the CPU pay its path rounds (the profile's path_setup, cost_per_path).
+    assert forward_cost(default) == ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09)
+    mine = resolve({"cost_free_tokens": 0, "cost_marginal_tokens": 7, PROFILE_KEY: {"cost_per_path": 0.5}},
+                   platform="gpu")
+    assert forward_cost(mine) == ForwardCost(0, 7, per_path=0.5, path_setup=0.0)
     assert forward_cost(mine)(1000, paths=3) == 1.0  # cost_free_tokens=0: the model is off
 
 
@@ -243,10 +304,10 @@ def test_cost_model_picks_the_best_prefix_of_the_merged_order():
 def test_confidence_floor_scales_with_the_batch_only_without_the_cost_model():
     from lookahead_vllm.core.budget import MAX_CONFIDENCE_FLOOR, confidence_floor
 
-    priced = LookaheadConfig(min_draft_confidence=0.03)  # platform token prices: the model weighs the load
+    priced = lookahead_settings(min_draft_confidence=0.03)  # platform token prices: the model weighs the load
     assert [confidence_floor(priced, n) for n in (1, 8, 256)] == [0.03, 0.03, 0.03]
-    assert confidence_floor(LookaheadConfig(min_draft_confidence=0.03, cost_free_tokens=8), 8) == 0.03
-    free = LookaheadConfig(min_draft_confidence=0.03, cost_free_tokens=0)  # no cost model: the floor does
+    assert confidence_floor(lookahead_settings(min_draft_confidence=0.03, cost_free_tokens=8), 8) == 0.03
+    free = lookahead_settings(min_draft_confidence=0.03, cost_free_tokens=0)  # no cost model: the floor does
     assert confidence_floor(free, 1) == 0.03
     assert confidence_floor(free, 8) == pytest.approx(0.24)
     assert confidence_floor(free, 256) == MAX_CONFIDENCE_FLOOR

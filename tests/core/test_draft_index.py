@@ -5,16 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex,
-                                             DraftIndexConfig)
+from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex)
 from lookahead_vllm.core.drafter import Drafter
+from tests.settings import index_config, lookahead_settings
 
 A, B, C, D, X = 1, 2, 3, 4, 9
 
 
 def test_worked_example_of_the_docstring():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, [A, B, C, D, X, A, B], 7)
     tokens, parents, conf = ix.draft(0, 3)
     assert tokens == [C, D, X] and parents == [-1, 0, 1]
@@ -22,13 +21,13 @@ def test_worked_example_of_the_docstring():
 
 
 def test_own_continuation_repeats_its_period_at_the_texts_end():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, [5, A, B, A, B, A], 6)
     assert ix.draft(0, 5)[0] == [B, A, B, A, B]
 
 
 def test_longest_match_wins_and_floor_cuts():
-    ix = DraftIndex(DraftIndexConfig(ngram=2, max_candidates=1))
+    ix = DraftIndex(index_config(ngram=2, max_candidates=1))
     # "x a b" -> c (match 3) beats the more recent "y a b" -> d (match 2).
     ix.add(0, [X, A, B, C, 7, 8, A, B, D, 6, X, A, B], 13)
     tokens, _, conf = ix.draft(0, 4)
@@ -38,7 +37,7 @@ def test_longest_match_wins_and_floor_cuts():
 
 
 def test_agreeing_candidates_weigh_more_and_trees_keep_the_runner_up():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, [A, B, C, 8, A, B, C, 8, A, B, D, 8, A, B], 14)
     chain, _, conf = ix.draft(0, 2)
     assert chain == [C, 8] and conf[0] < 1.0  # two of three matches agree on c
@@ -51,7 +50,7 @@ def test_corpus_serves_other_requests_outputs_and_evicts_oldest():
     # An output of 6 tokens has 4 n-grams of 2 after its first 2 tokens: 4 entries, here under 4 keys.
     six = SEQUENCE_CHARGE + 6 * TOKEN_CHARGE + 4 * (ENTRY_CHARGE + KEY_CHARGE)
     two = SEQUENCE_CHARGE + 2 * TOKEN_CHARGE
-    cfg = DraftIndexConfig(ngram=2, corpus_bytes=six + two + 72)
+    cfg = index_config(ngram=2, corpus_bytes=six + two + 72)
     ix = DraftIndex(cfg)
     answer = [20, 21, 22, 23, 24, 25]
     ix.add(0, [7, 7] + answer, 2)  # prompt 7 7, output = answer
@@ -73,7 +72,7 @@ def test_corpus_serves_other_requests_outputs_and_evicts_oldest():
 def test_charge_prices_shared_keys_once_and_dropped_entries_not_at_all():
     """Entries of one key share its charge; entries past max_occurrences leave
     the corpus and their charge; a running output is never evicted."""
-    ix = DraftIndex(DraftIndexConfig(ngram=1, max_occurrences=2, corpus_bytes=0))
+    ix = DraftIndex(index_config(ngram=1, max_occurrences=2, corpus_bytes=0))
     ix.add(0, [9] + [5] * 6, 1)  # output 5 5 5 5 5 5: entries at 1..5 under key (5,), the 2 newest kept
     ix.settle()
     assert ix.corpus_bytes() == 2 * ENTRY_CHARGE + KEY_CHARGE and ix.num_sequences() == 1
@@ -85,7 +84,7 @@ def test_upkeep_runs_after_the_batch_drafts():
     """draft_batch drafts before the pending upkeep: another request's new
     output n-grams join the corpus, and a finished output over the cap
     leaves it, only after the batch call that follows them."""
-    ix = DraftIndex(DraftIndexConfig(ngram=2, corpus_bytes=0))
+    ix = DraftIndex(index_config(ngram=2, corpus_bytes=0))
     table = np.array([[7, 5, 6, 1, 2, 9], [3, 1, 2, 0, 0, 0]], np.int32)
     ix.sync([0, 1], [0, 1], table, [6, 3], [1, 3])  # output 5 6 1 2 9 follows 1 2 with 9
     assert ix.draft_batch([1], [4])[3].tolist() == [0]  # not yet in the corpus
@@ -94,17 +93,17 @@ def test_upkeep_runs_after_the_batch_drafts():
     assert ix.draft_batch([1], [4])[0][0, 0] == 9
     assert ix.draft_batch([1], [4])[3].tolist() == [0]
     assert ix.corpus_tokens() == 0 and ix.num_sequences() == 1
-    single = DraftIndex(DraftIndexConfig(ngram=2))
+    single = DraftIndex(index_config(ngram=2))
     single.sync([0, 1], [0, 1], table, [6, 3], [1, 3])
     assert single.draft(1, 4)[0] == [9]  # one draft (like add, extend, sync, the counts) settles first
 
 
 def test_rewind_equals_a_fresh_index_of_the_prefix():
     text = [A, B, C, D, A, B, C, X, A, B, C]
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, text, 4)
     ix.rewind(0, 7)
-    fresh = DraftIndex(DraftIndexConfig(ngram=2))
+    fresh = DraftIndex(index_config(ngram=2))
     fresh.add(0, text[:7], 4)
     assert ix.length(0) == 7
     assert ix.draft(0, 6, tree=True) == fresh.draft(0, 6, tree=True)
@@ -112,7 +111,7 @@ def test_rewind_equals_a_fresh_index_of_the_prefix():
 
 
 def test_finish_leaves_no_running_state_and_ids_are_checked():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, [A, B, C], 3)
     with pytest.raises(KeyError):
         ix.add(0, [A], 1)
@@ -127,11 +126,11 @@ def test_finish_leaves_no_running_state_and_ids_are_checked():
                                          ("corpus_bytes", 1 << 41)])
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}={value}"):
-        DraftIndexConfig(**{field: value})
+        index_config(**{field: value})
 
 
 def test_sync_admits_extends_and_rewinds_from_the_token_table():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     table = np.zeros((3, 16), np.int32)
     table[2, :8] = [A, B, C, D, A, B, C, D]
     assert ix.sync([7], [2], table, [6], [4]) == 0  # admitted
@@ -143,7 +142,7 @@ def test_sync_admits_extends_and_rewinds_from_the_token_table():
 
 
 def test_draft_batch_rows_equal_single_drafts():
-    ix = DraftIndex(DraftIndexConfig(ngram=2))
+    ix = DraftIndex(index_config(ngram=2))
     ix.add(0, [A, B, C, D, A, B], 6)
     ix.add(1, [5, 6, 7, 5, 6], 5)
     tokens, parents, conf, lengths = ix.draft_batch([1, 0, 9], [3, 2, 4])
@@ -157,7 +156,7 @@ def test_drafter_index_and_trie_sources():
     text = [A, B, C, D, X, A, B, C]
     table[0, :len(text)] = text
     for source in ("index", "trie", "index+trie"):
-        drafter = Drafter(LookaheadConfig(source=source, min_draft_confidence=0.0), native=False)
+        drafter = Drafter(lookahead_settings(source=source, min_draft_confidence=0.0), native=False)
         drafter.sync([0], [0], table, [len(text)], [len(text)])
         ((tree, kinds),) = drafter.draft([0], [text[-6:]], [3], 0.0, tree=False)
         assert list(tree.tokens[:2]) == [D, X], source
@@ -167,7 +166,7 @@ def test_drafter_index_and_trie_sources():
 
 
 def test_drafter_warm_start_drafts_past_answers():
-    drafter = Drafter(LookaheadConfig(), native=False)
+    drafter = Drafter(lookahead_settings(), native=False)
     drafter.warm([30, 31, 32, 33, 34, 35])
     table = np.array([[8, 8, 30, 31, 32]], np.int64)
     drafter.sync([0], [0], table, [5], [5])

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+from tests.settings import index_config
 
 NativeDraftIndex = native.load_draft_index()
 if NativeDraftIndex is None and not os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIVE"):
@@ -179,7 +180,7 @@ def test_backoff_drafts_only_where_the_main_index_has_no_candidate():
     """A row whose candidates the floor cuts keeps its empty draft; a row
     with none takes the back-off index's (reference and native alike)."""
     for make in (DraftIndex, lambda c: native.make_draft_index(c, native=True)):
-        main, back = make(DraftIndexConfig(ngram=2)), make(DraftIndexConfig(ngram=1))
+        main, back = make(index_config(ngram=2)), make(index_config(ngram=1))
         for index in (main, back):
             index.add(0, [1, 2, 3, 9, 5, 1, 2, 4, 7, 1, 2], 0)  # key (1, 2): two continuations, 3 and 4
             index.add(1, [5, 6, 7, 8, 6], 0)  # key (8, 6) unseen; key (6,) continues 7 8 6
@@ -196,7 +197,7 @@ def test_upkeep_pushes_before_it_evicts(make):
     """The upkeep's order: a finished output's pending push drops the
     oldest entry of a full key (one occurrence kept) before the eviction
     removes that output, so the key ends up empty."""
-    cfg = DraftIndexConfig(ngram=2, max_occurrences=1, corpus_bytes=200)
+    cfg = index_config(ngram=2, max_occurrences=1, corpus_bytes=200)
     ix = DraftIndex(cfg) if make == "reference" else native.make_draft_index(cfg, True, make == "native-thread")
     ix.add(0, [7, 1, 2, 5], 1)  # running; its output 1 2 5 follows 1 2 with 5
     ix.add(1, [3, 1, 2], 3)  # drafts from the corpus
@@ -214,7 +215,7 @@ def test_real_text_stream_matches_reference(upkeep_thread):
     tokens a step through sync, drafted each step with draft_batch, finished
     requests evicted by the upkeep (on its thread, or inline)."""
     text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
-    cfg = DraftIndexConfig(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=90_000)
+    cfg = index_config(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=90_000)
     ref, nat = _pair(cfg, upkeep_thread)
     rng = np.random.default_rng(0)
     table = np.zeros((8, 1024), np.int32)
@@ -246,7 +247,7 @@ def test_real_text_stream_matches_reference(upkeep_thread):
 
 
 def test_worked_example():
-    nat = native.make_draft_index(DraftIndexConfig(ngram=2), native=True)
+    nat = native.make_draft_index(index_config(ngram=2), native=True)
     nat.add(0, [1, 2, 3, 4, 9, 1, 2], 7)
     assert nat.draft(0, 3) == ([3, 4, 9], [-1, 0, 1], [2 / 3, (2 / 3) ** 2, (2 / 3) ** 2 * (2 / 3)])
 
@@ -255,7 +256,7 @@ def test_match_stops_at_the_text_start():
     """A corpus occurrence at output position 3 of ``7 5 7 8`` against the
     two-token text ``5 7``: the match is 2 (the text has no token before
     ``5``), not 3 from comparing ``7`` with text[-1]."""
-    nat = native.make_draft_index(DraftIndexConfig(ngram=1, max_match=8), native=True)
+    nat = native.make_draft_index(index_config(ngram=1, max_match=8), native=True)
     nat.add(1, [7, 5, 7, 8], 0)
     nat.finish(1)
     nat.add(2, [5, 7], 2)
@@ -267,7 +268,7 @@ def test_bigrams_with_the_same_hash_tag_stay_apart():
     """(734, 197) and (584, 421) share the native index's 32-bit hash tag;
     lookups compare the tokens themselves, so each keeps its own occurrences."""
     text = [734, 197, 1, 584, 421, 2, 9, 9, 584, 421, 3, 734, 197, 4]
-    ref, nat = _pair(DraftIndexConfig(ngram=2, max_match=8))
+    ref, nat = _pair(index_config(ngram=2, max_match=8))
     for index in (ref, nat):
         index.add(0, text, 0)
         index.finish(0)  # corpus entries
@@ -298,7 +299,7 @@ def test_max_match_below_ngram():
 
 
 def test_lifecycle_errors():
-    nat = native.make_draft_index(DraftIndexConfig(), native=True)
+    nat = native.make_draft_index(index_config(), native=True)
     nat.add(1, [1, 2, 3], 1)
     with pytest.raises(KeyError):
         nat.add(1, [1], 0)
@@ -326,7 +327,7 @@ def test_lifecycle_errors():
 
 
 def test_memory_bytes_follows_the_held_tokens():
-    nat = native.make_draft_index(DraftIndexConfig(corpus_bytes=0), native=True)
+    nat = native.make_draft_index(index_config(corpus_bytes=0), native=True)
     empty = nat.memory_bytes()
     nat.add(0, list(range(4096)), 2048)
     held = nat.memory_bytes()
@@ -336,7 +337,7 @@ def test_memory_bytes_follows_the_held_tokens():
 
 
 def test_make_draft_index_choice(monkeypatch):
-    cfg = DraftIndexConfig(ngram=2)
+    cfg = index_config(ngram=2)
     assert native.make_draft_index(cfg).native and native.make_draft_index(cfg).config == cfg
     assert not native.make_draft_index(cfg, native=False).native
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
@@ -350,7 +351,7 @@ def test_threaded_batch_equals_one_thread_and_the_reference(tree):
     """A batch large enough for several threads (32+ rows each) drafts the
     same rows whatever the thread count, equal to the reference."""
     text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
-    cfg = DraftIndexConfig(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=240_000)
+    cfg = index_config(ngram=2, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=240_000)
     ref, nat = _pair(cfg)
     rng = np.random.default_rng(1)
     for sid in range(40):  # finished outputs in the corpus

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from lookahead_vllm.core import native
 from lookahead_vllm.core.draft_index import (DEFAULT, MAX_PARTITION, PRIVATE, SEQUENCE_CHARGE, DraftIndex,
                                              DraftIndexConfig)
+from tests.settings import index_config
 
 NATIVE = native.load_draft_index() is not None or bool(os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIVE"))
 KINDS = ["reference"] + (["native"] if NATIVE else [])
@@ -24,7 +25,7 @@ PARTS = [PRIVATE, DEFAULT, 1, 2]
 VOCAB = 3
 
 
-def _make(kind: str, cfg: DraftIndexConfig = DraftIndexConfig(ngram=2)):
+def _make(kind: str, cfg: DraftIndexConfig = index_config(ngram=2)):
     return native.make_draft_index(cfg, native=kind == "native")
 
 
@@ -81,7 +82,7 @@ def test_a_flood_evicts_its_own_partition_first(kind):
     """Partition 1 floods the corpus; partition 2's outputs, charged less,
     all stay, and the cap holds."""
     cap = 40_000
-    index = _make(kind, DraftIndexConfig(ngram=2, corpus_bytes=cap))
+    index = _make(kind, index_config(ngram=2, corpus_bytes=cap))
     rng = np.random.default_rng(0)
     kept = []
     for i in range(4):
@@ -98,7 +99,7 @@ def test_a_flood_evicts_its_own_partition_first(kind):
     assert set(charge) == {1, 2} and sum(charge.values()) == index.corpus_bytes()
     assert charge[1] > charge[2]
     # One shared partition: the same flood evicts the others' outputs.
-    shared = _make(kind, DraftIndexConfig(ngram=2, corpus_bytes=cap))
+    shared = _make(kind, index_config(ngram=2, corpus_bytes=cap))
     for i, text in enumerate(kept):
         shared.add(1000 + i, [0] + text, 1)
         shared.finish(1000 + i)
@@ -111,14 +112,14 @@ def test_a_flood_evicts_its_own_partition_first(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_eviction_ties_go_to_the_lowest_partition(kind):
-    index = _make(kind, DraftIndexConfig(ngram=2, corpus_bytes=0))
+    index = _make(kind, index_config(ngram=2, corpus_bytes=0))
     index.add(0, [7, 7], 0, partition=3)
     index.add(1, [7, 7], 0, partition=1)
     index.finish(0)
     index.finish(1)
     index.settle()  # both outputs are charged alike; the cap takes both, partition 1's first
     assert index.corpus_sequences() == [] and index.corpus_bytes() == 0
-    big = _make(kind, DraftIndexConfig(ngram=2, corpus_bytes=SEQUENCE_CHARGE + 16))
+    big = _make(kind, index_config(ngram=2, corpus_bytes=SEQUENCE_CHARGE + 16))
     big.add(0, [7, 7], 0, partition=3)
     big.add(1, [7, 7], 0, partition=1)
     big.finish(0)
@@ -184,7 +185,7 @@ def _partitioned_ops(data, indexes, vocab_parts):
 def test_random_partitioned_operations(corpus, upkeep_thread, data):
     """Drafts never leave a partition, and the native index matches the
     reference: drafts, each partition's corpus and charge, the total."""
-    cfg = DraftIndexConfig(ngram=2, max_match=5, max_occurrences=3, max_candidates=4, corpus_bytes=corpus)
+    cfg = index_config(ngram=2, max_match=5, max_occurrences=3, max_candidates=4, corpus_bytes=corpus)
     indexes = [DraftIndex(cfg)]
     if NATIVE:
         indexes.append(native.make_draft_index(cfg, native=True, upkeep_thread=upkeep_thread))

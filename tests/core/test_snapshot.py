@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core import native, snapshot
-from lookahead_vllm.core.config import LookaheadConfig
-from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+from lookahead_vllm.core.draft_index import DraftIndex
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.snapshot import SnapshotError, identity_of, read_snapshot
+from tests.settings import index_config, lookahead_settings
 
 HAS_NATIVE = native.load_draft_index() is not None
 IDENTITY = identity_of("/models/SmolLM2-135M-Instruct-fp32/", 49152)
@@ -47,7 +47,7 @@ def _drafts(drafter: Drafter, probes, tree: bool) -> list[tuple]:
     out = []
     for slot, probe in enumerate(probes, 10_000 + 1000 * tree):  # finished slots stay taken
         drafter.sync([slot], [0], np.asarray([probe], np.int64), [len(probe)], [len(probe) - 2])
-        context = probe[-drafter.config.max_match_length:]
+        context = probe[-drafter.config.profile.max_match_length:]
         (t, _), = drafter.draft([slot], [context], [8], 0.0, tree)
         out.append((t.tokens, t.parents, t.weights, t.confidence))
         drafter.finish(slot)
@@ -57,7 +57,7 @@ def _drafts(drafter: Drafter, probes, tree: bool) -> list[tuple]:
 @pytest.mark.parametrize("use_native", BACKENDS)
 @pytest.mark.parametrize("source", ["index", "index+trie", "trie"])
 def test_round_trip_drafts_identically(tmp_path, use_native, source):
-    config = LookaheadConfig(source=source, draft_shape="hier", index_backoff=1 if source == "index" else 0)
+    config = lookahead_settings(source=source, draft_shape="hier", index_backoff=1 if source == "index" else 0)
     old = Drafter(config, native=use_native if "index" in source else None)
     _serve(old, _traffic(0))
     path = tmp_path / "snap.bin"
@@ -79,7 +79,7 @@ def test_round_trip_drafts_identically(tmp_path, use_native, source):
 
 @pytest.mark.skipif(not HAS_NATIVE, reason="native index not built")
 def test_native_and_reference_snapshots_are_the_same_bytes(tmp_path):
-    config = LookaheadConfig()
+    config = lookahead_settings()
     snaps = []
     for use_native in (False, True):
         d = Drafter(config, native=use_native)
@@ -90,7 +90,7 @@ def test_native_and_reference_snapshots_are_the_same_bytes(tmp_path):
 
 def test_corpus_sequences_are_the_kept_outputs_oldest_first():
     # Charged 272, 280 and 272 bytes (256 each, and 8 per token; no 3-grams after an output's third token).
-    index = DraftIndex(DraftIndexConfig(corpus_bytes=600))
+    index = DraftIndex(index_config(ngram=3, corpus_bytes=600))
     for sid, (tokens, plen) in enumerate([([1, 2, 3], 1), ([4, 5, 6], 0), ([7, 8, 9, 10], 2)]):
         index.add(sid, tokens, plen)
         index.finish(sid)
@@ -100,14 +100,14 @@ def test_corpus_sequences_are_the_kept_outputs_oldest_first():
 
 
 def _written(tmp_path, source="index+trie") -> tuple[str, bytes]:
-    d = Drafter(LookaheadConfig(source=source))
+    d = Drafter(lookahead_settings(source=source))
     _serve(d, _traffic(3))
     path = tmp_path / "snap.bin"
     d.save_snapshot(str(path), IDENTITY)
     return str(path), path.read_bytes()
 
 
-def _refused(path: str, identity=IDENTITY, config=LookaheadConfig(source="index+trie")) -> str:
+def _refused(path: str, identity=IDENTITY, config=lookahead_settings(source="index+trie")) -> str:
     d = Drafter(config)
     with pytest.raises(SnapshotError) as err:
         d.load_snapshot(path, identity)
@@ -149,9 +149,9 @@ def test_foreign_files_are_refused(tmp_path):
 
 def test_trie_of_another_branch_length_is_refused(tmp_path):
     path, _ = _written(tmp_path)
-    message = _refused(path, config=LookaheadConfig(source="index+trie", branch_length=8))
+    message = _refused(path, config=lookahead_settings(source="index+trie", branch_length=8))
     assert "branch_length=12" in message
-    Drafter(LookaheadConfig(source="index", branch_length=8)).load_snapshot(path, IDENTITY)  # no trie: fine
+    Drafter(lookahead_settings(source="index", branch_length=8)).load_snapshot(path, IDENTITY)  # no trie: fine
 
 
 def test_missing_file_is_refused(tmp_path):
@@ -160,7 +160,7 @@ def test_missing_file_is_refused(tmp_path):
 
 def test_write_is_atomic(tmp_path, monkeypatch):
     path, before = _written(tmp_path)
-    d = Drafter(LookaheadConfig(source="index+trie"))
+    d = Drafter(lookahead_settings(source="index+trie"))
     _serve(d, _traffic(4, n=30))
 
     def crash(*args):
@@ -179,6 +179,6 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 def test_empty_drafter_round_trips(tmp_path):
     path = str(tmp_path / "empty.bin")
-    Drafter(LookaheadConfig()).save_snapshot(path, IDENTITY)
-    snap = Drafter(LookaheadConfig()).load_snapshot(path, IDENTITY)
+    Drafter(lookahead_settings()).save_snapshot(path, IDENTITY)
+    snap = Drafter(lookahead_settings()).load_snapshot(path, IDENTITY)
     assert snap.sequences == [] and snap.trie is None

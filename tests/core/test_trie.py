@@ -8,14 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lookahead_vllm.core import LookaheadConfig, TokenTrie
+from lookahead_vllm.core import TokenTrie
 from lookahead_vllm.core.trie import _iter_nodes
+from tests.settings import lookahead_settings
 
 
 def make(**kw) -> TokenTrie:
     base = dict(branch_length=4, max_match_length=2, decoding_length=8)
     base.update(kw)
-    return TokenTrie(LookaheadConfig(**base))
+    return TokenTrie(lookahead_settings(**base))
 
 
 def path_counts(trie: TokenTrie) -> dict[tuple[int, ...], tuple[int, float]]:
@@ -192,7 +193,7 @@ def test_prompt_counts_equal_live_prompt_windows(program):
     trie = make(trie_capacity=1 << 20)  # no pruning: counts are exact
     prompts = _run(trie, program)
     _check_structure(trie)
-    expected = window_counts(list(prompts.values()), trie.config.branch_length)
+    expected = window_counts(list(prompts.values()), trie.knobs.branch_length)
     got = {p: c for p, (c, _) in path_counts(trie).items() if c}
     assert got == dict(expected)
 
@@ -228,14 +229,14 @@ def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, sha
     tree = trie.retrieve(context, budget=budget, req_id=rid, shape=shape)
     assert len(tree) <= budget
     depths = tree.depths
-    assert all(d <= trie.config.branch_length - 1 for d in depths)
+    assert all(d <= trie.knobs.branch_length - 1 for d in depths)
     counts = path_counts(trie)
     for node in range(len(tree)):
         branch = tuple(tree.tokens[j] for j in tree.path_to(node))
         # some matched suffix of the context continues with this branch in the trie
         assert any(
             tuple(context[len(context) - m:]) + branch in counts
-            for m in range(1, min(len(context), trie.config.max_match_length) + 1)
+            for m in range(1, min(len(context), trie.knobs.max_match_length) + 1)
         ), (context, branch)
     if shape == "one":
         assert list(tree.parents) == list(range(-1, len(tree) - 1))

@@ -62,7 +62,7 @@ def _proposer(llm):
 def test_a_load_that_stops_drafting_runs_plain_steps(engines, prompts, step_log):
     ps = prompts["humaneval"]
     plain = plain_run(engines, ps, _greedy(), 8, ("humaneval", "greedy"))  # shared with test_greedy_identity
-    llm = engines.get("lookahead-nodraft", lookahead={"load_shrink_above": 0, "load_stop_at": 1})
+    llm = engines.get("lookahead-nodraft", lookahead={"_profile": {"load_shrink_above": 0, "load_stop_at": 1}})
     before = _proposer(llm).metrics.draftless_steps
     ours = generate(llm, ps, _greedy(), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0

@@ -65,7 +65,7 @@ def test_step_draft_budget_honoured_and_lossless(engines, prompts):
     from lookahead_lab.offline import find_proposers
 
     plain = _plain(engines, prompts, "humaneval", 8)
-    llm = engines.get("lookahead-budget", lookahead={"step_draft_budget": 4})
+    llm = engines.get("lookahead-budget", lookahead={"_profile": {"step_draft_budget": 4}})
     ours = generate(llm, prompts["humaneval"], _greedy(), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     (proposer,) = find_proposers(llm)

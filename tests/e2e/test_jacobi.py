@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 # W=4, N=3, G=3: 7 window nodes + up to 8 verify nodes = 15 draft slots.
 # The forward-cost model is off so every step (also at batch 8) carries the
 # window; its pricing is unit-tested in tests/vllm/test_proposer.py.
-JACOBI = {"jacobi_window": 4, "jacobi_ngram": 3, "jacobi_guesses": 3, "cost_free_tokens": 0}
+JACOBI = {"_profile": {"jacobi_window": 4, "jacobi_ngram": 3, "jacobi_guesses": 3}, "cost_free_tokens": 0}
 K = 16
 
 

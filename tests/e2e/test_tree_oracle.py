@@ -112,8 +112,9 @@ def test_node_logits_and_compacted_kv_match_hf(engines, prompts, hf_model):
 @pytest.mark.slow
 def test_oracle_detects_missing_mask_and_compaction(engines, prompts, hf_model):
     """The same checks fail when the tree mask / compaction is switched off."""
-    no_mask = _record(engines, prompts, "lookahead-tree-oracle-nomask", debug_disable=["mask"])
+    no_mask = _record(engines, prompts, "lookahead-tree-oracle-nomask", _profile={"debug_disable": ["mask"]})
     assert max(_node_logit_errors(hf_model, no_mask)) > 10 * LOGITS_ATOL
-    no_compaction = _record(engines, prompts, "lookahead-tree-oracle-nocompact", debug_disable=["compaction"])
+    no_compaction = _record(engines, prompts, "lookahead-tree-oracle-nocompact",
+                            _profile={"debug_disable": ["compaction"]})
     kv = _kv_errors(hf_model, no_compaction)
     assert kv and max(kv) > 10 * KV_ATOL

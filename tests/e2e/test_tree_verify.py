@@ -88,7 +88,7 @@ def test_each_piece_is_needed(engines, prompts, switch):
     subset = prompts["humaneval"][:8]
     plain = _plain(engines, {"humaneval[:8]": subset}, "humaneval[:8]", 8, False)
     # Full trees at batch 8 (the forward-cost model off), so every piece is exercised.
-    llm = _tree_engine(engines, "hier", debug_disable=(switch,), cost_free_tokens=0)
+    llm = _tree_engine(engines, "hier", _profile={"debug_disable": [switch]}, cost_free_tokens=0)
     ours = generate(llm, subset, _params(len(subset), False), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
 

@@ -24,8 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 420
 MAX_MODEL_LEN = 1024
-# Load thresholds low enough that the concurrency test crosses them.
-LOOKAHEAD_CONFIG = '{"lookahead": {"load_shrink_above": 2, "load_stop_at": 4}}'
+# Load thresholds low enough that the concurrency test crosses them (profile knobs).
+LOOKAHEAD_CONFIG = '{"lookahead": {"_profile": {"load_shrink_above": 2, "load_stop_at": 4}}}'
 
 
 def server_env(**extra: str) -> dict[str, str]:

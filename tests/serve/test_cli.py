@@ -43,7 +43,7 @@ def _spec_config(tiny_llama_dir: str, argv: list[str]):
 @pytest.mark.parametrize(
     "argv, k",
     [
-        (["--speculative-model", "lookahead"], 16),  # LookaheadConfig().decoding_length
+        (["--speculative-model", "lookahead"], 16),  # DEFAULT_DECODING_LENGTH
         (["--speculative-model", "lookahead", "--num-speculative-tokens", "5"], 5),
         (["--speculative-config", '{"num_speculative_tokens": 4}', "--speculative-model", "lookahead"], 4),
         (["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 3}'], 3),
@@ -66,7 +66,7 @@ def test_other_flags_undisturbed(tiny_llama_dir):
 
 
 def test_bad_lookahead_config_at_startup_exits_nonzero_naming_field(smollm2_dir):
-    bad = ["--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"branch_length": 1}}']
+    bad = ["--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"branch_length": 1}}']  # internal
     bad_k = ["--speculative-config", '{"method": "lookahead", "num_speculative_tokens": 4}',
              "--additional-config", '{"lookahead": {"decoding_length": 6}}']
     runs = {
@@ -84,7 +84,7 @@ def test_bad_lookahead_config_at_startup_exits_nonzero_naming_field(smollm2_dir)
     results = {name: p.communicate(timeout=300) for name, p in procs.items()}
     out, err = results["script"]
     assert procs["script"].returncode == 2
-    assert "lookahead-vllm-serve: error: lookahead config: branch_length=1: must be in [2, 128]" in err
+    assert "lookahead-vllm-serve: error: lookahead config: branch_length: no longer a lookahead field" in err
     out, err = results["vllm"]
     assert procs["vllm"].returncode != 0
     assert "decoding_length=6: must be <= speculative_config.num_speculative_tokens=4" in err

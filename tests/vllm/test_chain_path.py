@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.settings import lookahead
+
 pytestmark = pytest.mark.vllm
 
 # Real text that stays put (a past README of this project), unlike the README itself.
@@ -25,10 +27,10 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
 MAX_LEN = 320
 
 
-def _pair(**lookahead):
+def _pair(**fields):
     from lookahead_lab.standalone import standalone_proposer
 
-    fast, slow = (standalone_proposer(16, MAX_LEN, dict(lookahead)) for _ in range(2))
+    fast, slow = (standalone_proposer(16, MAX_LEN, lookahead(**fields)) for _ in range(2))
     assert fast.batch_chains and fast.drafter.native == slow.drafter.native
     slow.batch_chains = False
     return fast, slow
@@ -170,8 +172,8 @@ def test_upkeep_on_its_thread_equals_inline():
     from lookahead_lab.standalone import standalone_proposer
 
     settings = {"index_corpus_bytes": 48_000}  # 24,000 bytes for each of the index and its back-off
-    threaded = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "thread"})
-    inline = standalone_proposer(16, MAX_LEN, {**settings, "index_upkeep": "inline"})
+    threaded = standalone_proposer(16, MAX_LEN, lookahead(**settings, upkeep_thread=True))
+    inline = standalone_proposer(16, MAX_LEN, lookahead(**settings, upkeep_thread=False))
     assert threaded.drafter.native and threaded.drafter.index.config.corpus_bytes == 24_000
     work = Workload(5)
     handed = drive_pair(threaded, inline, work, 150)

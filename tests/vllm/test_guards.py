@@ -105,14 +105,14 @@ def test_worker_refuses_full_cudagraphs_left_on(tiny_llama_dir):
     """The worker-side backstop (config hook bypassed): refused, naming the fix."""
     from vllm.config.compilation import CUDAGraphMode
 
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
     from lookahead_vllm.vllm import guards
 
     cfg = _config(tiny_llama_dir, TREE)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     with pytest.raises(ValueError, match=r"cudagraph_mode=FULL_DECODE_ONLY: pass -cc.cudagraph_mode=PIECEWISE"):
-        guards.check_engine_start(cfg, LookaheadConfig(draft_shape="hier"))
-    guards.check_engine_start(cfg, LookaheadConfig(draft_shape="one"))  # chains are fine in full graphs
+        guards.check_engine_start(cfg, resolve({"draft_shape": "hier"}))
+    guards.check_engine_start(cfg, resolve({"draft_shape": "one"}))  # chains are fine in full graphs
 
 
 # ---------------------------------------------------------------- attention backends

@@ -68,14 +68,14 @@ def test_engine_start_check_names_config_patch(tiny_llama_dir, break_patch):
     """A failed config-time patch (its guards never ran) is caught where the proposer starts."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from lookahead_vllm.core.config import LookaheadConfig
+    from lookahead_vllm.core.config import resolve
     from lookahead_vllm.vllm import guards
 
     cfg = EngineArgs(model=tiny_llama_dir, enforce_eager=True, dtype="float32", max_model_len=256,
                      speculative_config={"method": "lookahead"}).create_engine_config()
     break_patch("lookahead_validation")
     with pytest.raises(RuntimeError, match=r"lookahead draft_shape='hier' cannot start: .*lookahead_validation"):
-        guards.check_engine_start(cfg, LookaheadConfig(draft_shape="hier"))
+        guards.check_engine_start(cfg, resolve({"draft_shape": "hier"}))
 
 
 def test_cpu_sampling_fix_loud_when_target_moved(monkeypatch):

@@ -37,7 +37,25 @@ def test_method_routes_to_proposer(tiny_llama_dir, spec):
     cfg = _engine_config(tiny_llama_dir, speculative_config=dict(spec))
     assert cfg.speculative_config.method == "custom_class"
     assert cfg.speculative_config.model == PROPOSER_PATH
-    assert cfg.speculative_config.num_speculative_tokens == 16  # LookaheadConfig().decoding_length
+    assert cfg.speculative_config.num_speculative_tokens == 16  # DEFAULT_DECODING_LENGTH
+
+
+def test_settings_resolved_once_and_carried_in_the_engine_config(tiny_llama_dir):
+    """The VllmConfig patch resolves the settings and writes them into the
+    config the workers get; the proposer reads them back unchanged."""
+    from lookahead_vllm.core.config import PROFILE_KEY, resolve
+    from lookahead_vllm.vllm.config import current_platform_name, engine_settings
+
+    user = {"draft_shape": "hier", PROFILE_KEY: {"branch_length": 8}}
+    cfg = _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead", "num_speculative_tokens": 12},
+                         additional_config={"lookahead": user})
+    settings = engine_settings(cfg)
+    assert settings == resolve(user, platform=current_platform_name(), num_speculative_tokens=12)
+    assert (settings.decoding_length, settings.profile.branch_length) == (12, 8)
+    assert user == {"draft_shape": "hier", PROFILE_KEY: {"branch_length": 8}}  # the caller's dict untouched
+    assert cfg.compute_hash()  # vLLM hashes additional_config as JSON
+    with pytest.raises(ValueError, match=r"not resolved where the engine config was built"):
+        engine_settings(_engine_config(tiny_llama_dir))
 
 
 def test_plain_config_untouched(tiny_llama_dir):
@@ -50,20 +68,17 @@ def test_plain_config_untouched(tiny_llama_dir):
 @pytest.mark.parametrize(
     "lookahead, k, message",
     [
-        ({"decoding_length": 0}, 8, r"decoding_length=0: must be in \[1, 256\]"),
+        ({"decoding_length": 0}, 8, r"decoding_length=0: must be an integer in \[1, 256\]"),
         ({"decoding_length": 16}, 8, r"decoding_length=16: must be <= speculative_config.num_speculative_tokens=8"),
-        ({"branch_length": 1}, 8, r"branch_length=1: must be in \[2, 128\]"),
-        ({"max_match_length": 40}, 8, r"max_match_length=40: must be in \[1, 11\]"),
-        ({"trie_capacity": 1}, 8, r"trie_capacity=1: must be in \[64,"),
-        ({"prompt_weight": "high"}, 8, r"prompt_weight='high': must be a number"),
         ({"draft_shape": "star"}, 8, r"draft_shape='star': must be one of"),
-        ({"min_retrieved_nodes": 0}, 8, r"min_retrieved_nodes=0: must be in \[1, 65536\]"),
-        ({"min_match_length": 7}, 8, r"min_match_length=7: must be in \[1, 6\]"),
-        ({"min_draft_confidence": -0.1}, 8, r"min_draft_confidence=-0.1: must be in \[0, 1\]"),
-        ({"step_draft_budget": -1}, 8, r"step_draft_budget=-1: must be in \[0, 65536\]"),
-        ({"insert_prompt": 1}, 8, r"insert_prompt=1: must be true or false"),
-        ({"insert_output": None}, 8, r"insert_output=None: must be true or false"),
-        ({"bogus": 1}, 8, r"unknown lookahead config key\(s\) \['bogus'\]"),
+        ({"cost_marginal_tokens": 0.5}, 8, r"cost_marginal_tokens=0.5: must be -1 \(measured online\) or in"),
+        ({"snapshot_path": None}, 8, r"snapshot_path=None: must be a file path"),
+        ({"branch_length": 1}, 8, r"branch_length: no longer a lookahead field; it is internal now"),
+        ({"index_upkeep": "thread"}, 8, r"index_upkeep: no longer a lookahead field; internal now"),
+        ({"_profile": {"branch_length": 1}}, 8, r"_profile.branch_length=1: must be an integer in \[2, 128\]"),
+        ({"_profile": {"max_match_length": 40}}, 8, r"_profile.max_match_length=40: must be in \[1, 11\]"),
+        ({"_profile": {"insert_prompt": 1}}, 8, r"_profile.insert_prompt=1: must be true or false"),
+        ({"bogus": 1}, 8, r"unknown lookahead field\(s\) \['bogus'\]"),
     ],
 )
 def test_bad_lookahead_config_rejected_before_engine(tiny_llama_dir, lookahead, k, message):
@@ -88,12 +103,12 @@ def test_lookahead_with_draft_model_rejected(tiny_llama_dir):
 def test_bad_lookahead_config_rejected_by_llm_constructor(tiny_llama_dir):
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=r"min_match_length=0: must be in \[1, 6\]"):
+    with pytest.raises(ValueError, match=r"decoding_length=0: must be an integer in \[1, 256\]"):
         LLM(
             model=tiny_llama_dir,
             enforce_eager=True,
             speculative_config={"method": "lookahead"},
-            additional_config={"lookahead": {"min_match_length": 0}},
+            additional_config={"lookahead": {"decoding_length": 0}},
         )
 
 

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.settings import lookahead
+
 pytestmark = pytest.mark.vllm
 
 MAX_LEN = 64
@@ -14,13 +16,21 @@ A = [1, 2, 3, 4, 5] * 3  # "a" repeats 1..5
 B = [7, 8, 9] * 4  # "b" repeats 7..9
 
 
-def make_proposer(k: int = 4, **lookahead):
+def make_proposer(k: int = 4, **fields):
+    """A proposer of ``fields`` (public fields and profile knobs, tests/settings.py)."""
     from lookahead_lab.standalone import standalone_proposer
 
     # Row bookkeeping tests want every draft token: the forward-cost model is
     # off unless a test prices tokens itself.
-    lookahead.setdefault("cost_free_tokens", 0)
-    return standalone_proposer(k, MAX_LEN, lookahead)
+    fields.setdefault("cost_free_tokens", 0)
+    return standalone_proposer(k, MAX_LEN, lookahead(**fields))
+
+
+def on_platform(monkeypatch, platform: str) -> None:
+    """Resolve the next proposers' settings for ``platform`` ("cpu" or "gpu")."""
+    from lookahead_vllm.vllm import config as la_config
+
+    monkeypatch.setattr(la_config, "current_platform_name", lambda: platform)
 
 
 def step(proposer, rows: dict[str, list[int]], prompt_lens: dict[str, int], finished=(), sampled=None,
@@ -75,15 +85,14 @@ def test_reset_forgets_requests_and_counts():
     assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]  # re-admitted from scratch
 
 
-@pytest.mark.parametrize("platform,upkeep,thread", [("cpu", "auto", False), ("gpu", "auto", True),
-                                                    ("gpu", "inline", False), ("cpu", "thread", True)])
+@pytest.mark.parametrize("platform,upkeep,thread", [("cpu", {}, False), ("gpu", {}, True),
+                                                    ("gpu", {"upkeep_thread": False}, False),
+                                                    ("cpu", {"upkeep_thread": True}, True)])
 def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep, thread):
-    """index_upkeep="auto": the native indexes' upkeep on threads on GPUs,
-    inline on the CPU; after a reset too. The drafts are the same."""
-    from lookahead_vllm.vllm import proposer as proposer_module
-
-    monkeypatch.setattr(proposer_module, "_platform", lambda: platform)
-    p = make_proposer(index_upkeep=upkeep)
+    """The profile's upkeep_thread: the native indexes' upkeep on threads on
+    GPUs, inline on the CPU; after a reset too. The drafts are the same."""
+    on_platform(monkeypatch, platform)
+    p = make_proposer(**upkeep)
     if not p.drafter.native:
         pytest.skip("native extension not built: the reference has no upkeep thread")
     assert p.drafter.index.upkeep_thread is thread and p.drafter.backoff.upkeep_thread is thread
@@ -96,9 +105,7 @@ def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep,
 def test_load_adaptation_follows_the_platform(monkeypatch, platform, budget):
     """With the default load limits, 16 running requests stop drafting on
     the CPU (8 to 16) but keep the full budget on a GPU (32 to 128)."""
-    from lookahead_vllm.vllm import proposer as proposer_module
-
-    monkeypatch.setattr(proposer_module, "_platform", lambda: platform)
+    on_platform(monkeypatch, platform)
     p = make_proposer(k=4)
     batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(16)])
     load_budget = p._budgets(np.full(16, 10), [None] * 16, batch)[2]
@@ -250,9 +257,10 @@ def test_jacobi_window_is_priced_by_the_cost_model():
 
     # Prior yield 1 token vs need 1 * (cost(6 tokens, 3 paths) / cost(1) - 1)
     # = 0.25 + 0.09 + 3 * 0.02 (CPU path rounds: setup, per path) = 0.40: sent.
-    from lookahead_vllm.vllm.tree_verify import CPU_PATH_COST, CPU_PATH_SETUP
+    from lookahead_vllm.core.config import PLATFORM_VALUES
     p = proposer()
-    assert (p.cost.path_setup, p.cost.per_path) == (CPU_PATH_SETUP, CPU_PATH_COST)
+    cpu = PLATFORM_VALUES["cpu"]
+    assert (p.cost.path_setup, p.cost.per_path) == (cpu["path_setup"], cpu["cost_per_path"]) == (0.09, 0.02)
     assert p.cost(6, 3) == pytest.approx(1.40)
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.plans["a"].has_lookahead and p.stats.jacobi_steps == 1
@@ -283,7 +291,7 @@ def test_tree_side_branches_priced_per_path():
 
     def draft(per_path: float) -> list[int]:
         p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
-                          cost_free_tokens=8, cost_per_path=per_path, source="trie")  # tokens free: only paths priced
+                          cost_free_tokens=8, path_setup=0.0, cost_per_path=per_path, source="trie")  # tokens free: only paths priced
         p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
         return step(p, {"a": prompt + [1]}, {"a": len(prompt)})[0]
 
@@ -320,7 +328,7 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     # Four tokens free, then 20 per forward: the runner-up "4" (raw confidence
     # 0.22) pays for its twentieth of a forward.
     p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
-                      cost_free_tokens=4, cost_marginal_tokens=20, cost_per_path=0.0, source="trie")
+                      cost_free_tokens=4, cost_marginal_tokens=20, path_setup=0.0, cost_per_path=0.0, source="trie")
     p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
     rows, lens = {"a": prompt + [1]}, {"a": len(prompt)}
     assert step(p, rows, lens)[0] == [2, 3, 9, 4]
@@ -389,7 +397,7 @@ def test_index_tree_offers_the_branches_of_diverging_matches():
     # "1 2 3" was followed by 4 twice and by 5 once: the index drafts 4 first
     # and keeps 5 as a side branch in tree mode.
     prompt = [1, 2, 3, 4, 8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8]
-    p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, cost_free_tokens=8, cost_per_path=0.0)
+    p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, cost_free_tokens=8, path_setup=0.0, cost_per_path=0.0)
     p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
     draft = step(p, {"a": prompt + [1, 2, 3]}, {"a": len(prompt)})[0]
     assert draft[:2] == [5, 8] or draft[0] == 4

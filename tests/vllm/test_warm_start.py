@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core.warm_start import read_warm_texts
+from tests.settings import lookahead
 
 pytestmark = pytest.mark.vllm
 
@@ -21,12 +22,12 @@ TEXTS = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i *
          "The quick brown fox jumps over the lazy dog."]
 
 
-def make_proposer(tokenizer_dir: str, **lookahead):
+def make_proposer(tokenizer_dir: str, **fields):
     from lookahead_lab.standalone import engine_free_config
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
-    lookahead.setdefault("cost_free_tokens", 0)
-    config = engine_free_config(8, MAX_LEN, lookahead, model=tokenizer_dir, tokenizer=tokenizer_dir)
+    fields.setdefault("cost_free_tokens", 0)
+    config = engine_free_config(8, MAX_LEN, lookahead(**fields), model=tokenizer_dir, tokenizer=tokenizer_dir)
     return LookaheadProposer(config)
 
 
