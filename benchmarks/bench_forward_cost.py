@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     from lookahead_lab.offline import apply_cpu_env
 
     apply_cpu_env()
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     rng = np.random.default_rng(0)

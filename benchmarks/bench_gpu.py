@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.model is None:
         from lookahead_lab.models import build_tiny_llama
-        from lookahead_vllm.bundled import prepare_smollm2
+        from lookahead_vllm.models import prepare_smollm2
 
         args.model = str(build_tiny_llama(Path(os.environ.get("TMPDIR", "/tmp")) / "bench_gpu_tiny") if args.dry
                          else prepare_smollm2())

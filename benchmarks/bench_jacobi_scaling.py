@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lookahead_lab.datasets import load_prompts
     from lookahead_lab.offline import count_mismatches, engine_kwargs, generate, shutdown_engine
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     model = str(args.model or prepare_smollm2())
     prompts = load_prompts(args.dataset, AutoTokenizer.from_pretrained(model), args.num_prompts)

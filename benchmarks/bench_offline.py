@@ -819,7 +819,7 @@ def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.model is None:
-        from lookahead_vllm.bundled import prepare_smollm2
+        from lookahead_vllm.models import prepare_smollm2
 
         args.model = prepare_smollm2()
     check_memory(args)

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import lookahead_lab.datasets as datasets
     from lookahead_lab.offline import engine_kwargs
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

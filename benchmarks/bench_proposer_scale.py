@@ -77,7 +77,7 @@ def corpus_tokens(count: int) -> np.ndarray:
     from transformers import AutoTokenizer
 
     from lookahead_lab.datasets import load_split
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepare_smollm2()))
     ids: list[int] = []

@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     prompts = workload_prompts(args, AutoTokenizer.from_pretrained(model))

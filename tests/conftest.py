@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from lookahead_vllm.bundled import prepare_smollm2
+    from lookahead_vllm.models import prepare_smollm2
 
     return str(prepare_smollm2())
 

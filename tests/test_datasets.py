@@ -12,7 +12,7 @@ import pytest
 
 from lookahead_lab import datasets
 from lookahead_lab.datasets import DATASETS, SPLITS, describe, load_messages, load_split
-from lookahead_vllm import bundled
+from lookahead_vllm import models as bundled
 
 MIN_PER_SPLIT = 16
 CHAT_TEMPLATE_TOKENS = 64
@@ -46,7 +46,7 @@ def smollm2_tokenizer() -> Any:
     """The bundled SmolLM2 tokenizer through ``tokenizers`` (transformers loads too slowly)."""
     path = bundled.default_cache_dir() / bundled.SMOLLM2_DIR / "tokenizer.json"
     if not path.is_file():
-        pytest.skip(f"SmolLM2 is not prepared at {path.parent} (python -m lookahead_vllm.bundled)")
+        pytest.skip(f"SmolLM2 is not prepared at {path.parent} (python -m lookahead_vllm.models)")
     tokenizers = pytest.importorskip("tokenizers")
     return tokenizers.Tokenizer.from_file(str(path))
 

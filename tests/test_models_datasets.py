@@ -1,5 +1,5 @@
 """Tests for the offline prompt loaders (lookahead_lab.datasets), the bundled model's
-preparation (lookahead_vllm.bundled) and the tiny test model (lookahead_lab.models)."""
+preparation (lookahead_vllm.models) and the tiny test model (lookahead_lab.models)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lookahead_lab.datasets import (
     load_mtbench,
     load_prompts,
 )
-from lookahead_vllm import bundled
+from lookahead_vllm import models as bundled
 
 
 def _require_dist(name: str) -> None:

@@ -35,7 +35,7 @@ A prompt is a list of chat messages. ``load_split`` renders it with the
 tokenizer's chat template, or returns the raw text when ``tokenizer`` is None:
 the user message for one-message prompts, else the messages as
 ``System:``/``User:``/``Assistant:`` blocks. Only the standard library (and
-:mod:`lookahead_vllm.bundled`'s file lookup) is imported here; the tokenizer is
+:mod:`lookahead_vllm.models`'s file lookup) is imported here; the tokenizer is
 passed in.
 """
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from lookahead_vllm.bundled import MissingPackageError, package_data_file  # noqa: F401 (re-exported)
+from lookahead_vllm.models import MissingPackageError, package_data_file  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 

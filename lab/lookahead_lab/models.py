@@ -2,7 +2,7 @@
 
 :func:`build_tiny_llama` writes a tiny random fp32 Llama with a BPE tokenizer
 trained on Python stdlib sources. Like the bundled SmolLM2
-(:mod:`lookahead_vllm.bundled`), it is built in a
+(:mod:`lookahead_vllm.models`), it is built in a
 temporary sibling directory and renamed once complete, so an interrupted run
 never leaves a half-written model and a second call is instant.
 """
@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from lookahead_vllm.bundled import build_atomically, fast_tokenizer, save_fast_tokenizer, set_rope_theta
+from lookahead_vllm.models import build_atomically, fast_tokenizer, save_fast_tokenizer, set_rope_theta
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ folder that vLLM and transformers load directly; ``lookahead-vllm-serve
 bundled`` serves it. It writes to a temporary sibling directory, adds a marker
 file, then renames (:func:`build_atomically`), so an interrupted run never
 leaves a half-written model and a second call is instant.
-``python -m lookahead_vllm.bundled`` prepares it and prints its folder as the
+``python -m lookahead_vllm.models`` prepares it and prints its folder as the
 last line of stdout.
 """
 
