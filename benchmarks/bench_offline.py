@@ -15,8 +15,14 @@ Methods (``--methods``):
   beside plain and lookahead.
 
 Terms:
-  cell       one (dataset, batch size) pair; every method generates the same
-             prompts in it, and speedups compare methods within a cell only.
+  cell       one (dataset, tenant count, batch size); every method generates
+             the same prompts in it, and speedups compare methods within a
+             cell only.
+  tenants    ``--tenants N``: prompt i of a dataset carries vLLM's
+             ``cache_salt`` ``"tenant-{i % N}"`` for every method (lookahead's
+             default ``draft_sharing`` "per-salt" then drafts each request
+             from its own tenant's outputs only); 0, the default, sends no
+             salt. Several counts (``--tenants 0 4 7``) give a cell each.
   chunk      the prompts of one ``llm.generate`` call: one prompt at bs=1, eight
              at bs=8. For each chunk every method runs once, in an order rotated
              per chunk, so that noise (another process taking a core) hits all
@@ -120,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="other-split prompts that preload lookahead-warm (default: --num-prompts)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--tenants", nargs="+", type=int, default=[0],
+                   help="tenant counts, a cell each: prompt i carries cache_salt 'tenant-{i %% N}' for every "
+                        "method (default 0: no cache_salt)")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
                         "lookahead-warm (plain is required; see the module docstring)")
@@ -164,6 +173,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--lookahead-config must be a JSON object")
     if min(args.batch_sizes) < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         parser.error("--batch-sizes, --num-prompts and --max-tokens must be >= 1")
+    check_tenants(parser, args)
     if args.warm_prompts is None:
         args.warm_prompts = args.num_prompts if any(map(is_warm, args.methods)) else 0
     if args.warm_prompts < 0:
@@ -174,6 +184,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     args.out = args.out or RESULTS / f"offline_{stamp}.json"
     args.copy_latest = args.out.resolve().parent == RESULTS.resolve()
     args.plot = args.plot or args.out.with_suffix(".png")
+
+
+def check_tenants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Each count 0 (no salt) or 1..--num-prompts (more tenants than prompts leave some empty)."""
+    for n in args.tenants:
+        if not 0 <= n <= args.num_prompts:
+            parser.error(f"--tenants {n}: must be 0 (no cache_salt) or 1..{args.num_prompts} (--num-prompts)")
+    if len(set(args.tenants)) != len(args.tenants):
+        parser.error(f"--tenants {' '.join(map(str, args.tenants))}: has duplicates")
 
 
 def check_method(parser: argparse.ArgumentParser, method: str) -> None:
@@ -213,6 +232,20 @@ def check_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 # -------------------------------------------------------------------- engines
 SPLITS = ("test", "dev")
+
+
+def tenant_salt(i: int, tenants: int) -> str | None:
+    """The ``cache_salt`` of a dataset's prompt ``i`` among ``tenants`` (None: 0, no salt)."""
+    return f"tenant-{i % tenants}" if tenants else None
+
+
+def tenant_prompts(prompts: list[str], tenants: int) -> list[Any]:
+    """``prompts`` as vLLM takes them: the texts for 0 tenants, else text
+    prompts carrying their tenant's salt (``vllm.inputs.TextPrompt``,
+    tokenized exactly like the bare text)."""
+    if not tenants:
+        return list(prompts)
+    return [{"prompt": text, "cache_salt": tenant_salt(i, tenants)} for i, text in enumerate(prompts)]
 
 
 def is_per_cell(method: str) -> bool:
@@ -523,8 +556,8 @@ def warn_mismatches(cell: dict[str, Any]) -> None:
     for row in cell["methods"]:
         if row["mismatches"]:
             log("!" * 78)
-            log(f"!!! MISMATCH: {cell['dataset']} bs={cell['batch_size']} {row['method']}: "
-                f"{row['mismatches']} prompt(s) differ from plain: {row['mismatched_prompts']}")
+            log(f"!!! MISMATCH: {cell['dataset']} tenants={cell.get('tenants', 0)} bs={cell['batch_size']} "
+                f"{row['method']}: {row['mismatches']} prompt(s) differ from plain: {row['mismatched_prompts']}")
             log("!" * 78)
 
 
@@ -583,15 +616,17 @@ def cell_engines(shared: dict[str, Any], args: argparse.Namespace, dev_ids: list
 
 
 def bench_cell(dataset: str, bs: int, test: list[str], dev_ids: list[list[int]], shared: dict[str, Any],
-               args: argparse.Namespace, params: Any) -> dict[str, Any]:
+               args: argparse.Namespace, params: Any, tenants: int = 0) -> dict[str, Any]:
     engines = cell_engines(shared, args, dev_ids)
     meter = CpuMeter()
-    runs = run_cell(f"{dataset} bs={bs}", engines, test, bs, params, meter)
+    tag = f"{dataset} tenants={tenants} bs={bs}" if tenants else f"{dataset} bs={bs}"
+    runs = run_cell(tag, engines, tenant_prompts(test, tenants), bs, params, meter)
     for method in [m for m in engines if is_per_cell(m)]:
         free_engine(engines.pop(method))
     plain = runs["plain"]
     rows = [summarize(runs[m], plain) for m in args.methods]
-    cell = {"dataset": dataset, "batch_size": bs, "num_prompts": len(test), **meter.as_dict(), "methods": rows}
+    cell = {"dataset": dataset, "tenants": tenants, "batch_size": bs, "num_prompts": len(test), **meter.as_dict(),
+            "methods": rows}
     warn_mismatches(cell)
     return cell
 
@@ -623,6 +658,11 @@ def check_memory(args: argparse.Namespace, available: int | None = None) -> None
         )
 
 
+def cell_keys(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(dataset, tenants, batch size) of every cell, in run order."""
+    return [(ds, n, bs) for ds in args.datasets for n in args.tenants for bs in args.batch_sizes]
+
+
 def run_benchmark(args: argparse.Namespace, on_cell: Any = None) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -638,11 +678,10 @@ def run_benchmark(args: argparse.Namespace, on_cell: Any = None) -> dict[str, An
     meter = CpuMeter()
     meter.start()
     cells = []
-    for ds in args.datasets:
-        for bs in args.batch_sizes:
-            cells.append(bench_cell(ds, bs, splits[ds][0], dev_ids[ds], shared, args, params))
-            if on_cell is not None:
-                on_cell(cells)
+    for ds, tenants, bs in cell_keys(args):
+        cells.append(bench_cell(ds, bs, splits[ds][0], dev_ids[ds], shared, args, params, tenants))
+        if on_cell is not None:
+            on_cell(cells)
     meter.stop()
     while shared:
         free_engine(shared.popitem()[1])
@@ -722,7 +761,7 @@ def other_load(seconds: float = 1.0) -> float:
 
 
 # ------------------------------------------------------------------- output
-COLUMNS = ["dataset", "bs", "method", "tok/s", "med tok/s", "speedup", "med", "paired", "MAL",
+COLUMNS = ["dataset", "tenants", "bs", "method", "tok/s", "med tok/s", "speedup", "med", "paired", "MAL",
            "acc/draft", "tok/step", "drafter ms", "drafter size", "mismatch"]
 LEFT = {"dataset", "method"}
 
@@ -731,7 +770,7 @@ def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
     def opt(value: Any, fmt: str) -> str:
         return "-" if value is None else fmt.format(value)
 
-    return [cell["dataset"], str(cell["batch_size"]), row["method"], f"{row['tok_s']:.1f}",
+    return [cell["dataset"], str(cell.get("tenants", 0)), str(cell["batch_size"]), row["method"], f"{row['tok_s']:.1f}",
             f"{row['median_chunk_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['speedup_median']:.2f}x",
             f"{row['speedup_paired']:.2f}x", opt(row["mean_acceptance_length"], "{:.2f}"),
             opt(row["draft_acceptance_rate"], "{:.2f}"), f"{row['tokens_per_step']:.2f}",
@@ -739,7 +778,7 @@ def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """One row per (dataset, bs, method), then a noise line per cell."""
+    """One row per (dataset, tenants, bs, method), then a noise line per cell."""
     body = [[table_cells(cell, row) for row in cell["methods"]] for cell in report["cells"]]
     widths = [max(len(c[i]) for c in [COLUMNS, *sum(body, [])]) for i in range(len(COLUMNS))]
 
@@ -769,8 +808,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax in list(axes.flat)[len(cells):]:
         ax.axis("off")
     args = report["args"]
+    tenants = ",".join(map(str, args.get("tenants", [0])))
     fig.suptitle(f"Offline speedup vs plain vLLM\n{Path(args['model']).name}, greedy, "
-                 f"max_tokens={args['max_tokens']}, lookahead k={args['k']}", fontsize=10)
+                 f"max_tokens={args['max_tokens']}, lookahead k={args['k']}, tenants={tenants} "
+                 "(0: no cache_salt)", fontsize=10)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8,
                title="bar labels: tok/s speedup, mean acceptance length (MAL)", title_fontsize=8)
@@ -792,7 +833,8 @@ def plot_cell(ax: Any, cell: dict[str, Any]) -> None:
     ax.set_ylabel("speedup vs plain")
     ax.set_ylim(0, max(max(r["speedup"], r["speedup_median"]) for r in rows) * 1.25)
     plain = rows[0]["tok_s"] if rows[0]["method"] == "plain" else None
-    ax.set_title(f"{cell['dataset']} bs={cell['batch_size']} ({cell['num_prompts']} prompts"
+    tenants = f" tenants={cell['tenants']}" if cell.get("tenants") else ""
+    ax.set_title(f"{cell['dataset']}{tenants} bs={cell['batch_size']} ({cell['num_prompts']} prompts"
                  + (f", plain {plain:.1f} tok/s)" if plain else ")"))
 
 

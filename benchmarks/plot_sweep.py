@@ -36,7 +36,8 @@ def merge(reports: list[dict]) -> dict:
     cells: dict[tuple, dict] = {}
     for report in reports:
         for cell in report["cells"]:
-            merged = cells.setdefault((cell["dataset"], cell["batch_size"]), {**cell, "methods": []})
+            key = (cell["dataset"], cell.get("tenants", 0), cell["batch_size"])
+            merged = cells.setdefault(key, {**cell, "methods": []})
             seen = {row["method"] for row in merged["methods"]}
             merged["methods"] += [row for row in cell["methods"] if row["method"] not in seen]
     return {"cells": list(cells.values())}
@@ -45,7 +46,7 @@ def merge(reports: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", type=Path, nargs="+",
-                   help="bench_offline JSONs; rows of the same dataset/batch cell are merged, the first run's "
+                   help="bench_offline JSONs; rows of the same dataset/tenants/batch cell are merged, the first run's "
                         "row wins for a method in several (each row's speedup is against its own run's plain)")
     p.add_argument("--out", type=Path, default=None, help="PNG (default: <first json>_sweep.png)")
     args = p.parse_args(argv)

@@ -429,12 +429,108 @@ def test_benchmarks_name_the_vllm_baselines():
     (["--methods", "plain", "suffix-x"], "--methods 'suffix-x': expected plain"),
     (["--split", "train"], "--split 'train': expected one of test, dev"),
     (["--datasets", "nosuch"], "--datasets 'nosuch': expected one of"),
+    (["--tenants", "-1"], "--tenants -1: must be 0 (no cache_salt) or 1..20 (--num-prompts)"),
+    (["--num-prompts", "4", "--tenants", "0", "5"], "--tenants 5: must be 0 (no cache_salt) or 1..4 (--num-prompts)"),
+    (["--tenants", "0", "4", "4"], "--tenants 0 4 4: has duplicates"),
+    (["--tenants", "two"], "argument --tenants: invalid int value: 'two'"),
 ])
 def test_bench_offline_rejects_bad_methods_and_splits(argv, message, capsys):
     bench_offline = _import_bench("bench_offline")
     with pytest.raises(SystemExit):
         bench_offline.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+class _FakeLLM:
+    """An engine stand-in for bench_offline's cells: records the prompts of
+    every ``generate`` call and answers each with three tokens (two accepted
+    of four drafted in one step when ``speculative``)."""
+
+    def __init__(self, speculative: bool) -> None:
+        self.speculative = speculative
+        self.calls: list[list] = []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.calls.append(list(prompts))
+        metrics = SimpleNamespace(histogram=[0, 0, 1], num_draft_tokens=4) if self.speculative else None
+        completion = SimpleNamespace(token_ids=[1, 2, 3], text="abc", spec_decode_metrics=metrics)
+        return [SimpleNamespace(outputs=[completion]) for _ in prompts]
+
+
+def _fake_cell(bench_offline, monkeypatch, tenants: list[int], bs: int):
+    monkeypatch.setattr(bench_offline, "proposers", lambda llm: [])  # no lookahead drafter to inspect
+    args = bench_offline.parse_args(["--methods", "plain", "ngram8", "--num-prompts", "5",
+                                     "--tenants", *map(str, tenants), "--batch-sizes", str(bs)])
+    engines = {"plain": _FakeLLM(speculative=False), "ngram8": _FakeLLM(speculative=True)}
+    prompts = [f"prompt {i}" for i in range(5)]
+    cells = [bench_offline.bench_cell("agent", bs, prompts, [], engines, args, params=None, tenants=n)
+             for n in args.tenants]
+    return args, engines, cells
+
+
+def test_bench_offline_salts_prompt_i_with_tenant_i_mod_n_for_every_method(monkeypatch):
+    bench_offline = _import_bench("bench_offline")
+    assert bench_offline.tenant_prompts(["a", "b"], 0) == ["a", "b"]  # 0: bare texts, no salt
+    _, engines, cells = _fake_cell(bench_offline, monkeypatch, tenants=[0, 2, 5], bs=2)
+    assert [cell["tenants"] for cell in cells] == [0, 2, 5]
+    for engine in engines.values():
+        # Chunks of two in prompt order, one cell after another; both methods got the same prompts.
+        sent = [p for call in engine.calls for p in call]
+        assert [len(call) for call in engine.calls] == [2, 2, 1] * 3
+        assert sent[:5] == [f"prompt {i}" for i in range(5)]
+        assert sent[5:10] == [{"prompt": f"prompt {i}", "cache_salt": f"tenant-{i % 2}"} for i in range(5)]
+        assert sent[10:] == [{"prompt": f"prompt {i}", "cache_salt": f"tenant-{i}"} for i in range(5)]
+    assert engines["plain"].calls == engines["ngram8"].calls
+
+
+def test_bench_offline_cells_per_tenant_count_and_acceptance_in_the_json(monkeypatch, tmp_path):
+    bench_offline = _import_bench("bench_offline")
+    args = bench_offline.parse_args(["--datasets", "agent", "humaneval", "--tenants", "0", "7",
+                                     "--batch-sizes", "1", "8", "--num-prompts", "8"])
+    assert bench_offline.cell_keys(args) == [
+        ("agent", 0, 1), ("agent", 0, 8), ("agent", 7, 1), ("agent", 7, 8),
+        ("humaneval", 0, 1), ("humaneval", 0, 8), ("humaneval", 7, 1), ("humaneval", 7, 8)]
+    assert bench_offline.parse_args([]).tenants == [0]  # default: no salt, as before
+    args, _, cells = _fake_cell(bench_offline, monkeypatch, tenants=[0, 3], bs=8)
+    args.model, args.out, args.plot, args.copy_latest = tmp_path, tmp_path / "b.json", tmp_path / "b.png", False
+    for name, value in {"machine_info": {}, "versions": {}, "git_info": {}, "other_load": 0.0}.items():
+        monkeypatch.setattr(bench_offline, name, lambda *a, value=value: value)
+    bench_offline.write_outputs({**bench_offline.context(args), "cells": cells}, args)
+    report = json.loads(args.out.read_text())
+    assert report["args"]["tenants"] == [0, 3]
+    assert [cell["tenants"] for cell in report["cells"]] == [0, 3]
+    for cell in report["cells"]:
+        rows = {row["method"]: row for row in cell["methods"]}
+        # One drafting step per prompt, two of its four draft tokens accepted.
+        assert rows["ngram8"]["num_drafts"] == 5 and rows["ngram8"]["num_accepted"] == 10
+        assert rows["ngram8"]["num_draft_tokens"] == 20
+        assert rows["ngram8"]["mean_acceptance_length"] == 3.0
+        assert rows["ngram8"]["draft_acceptance_rate"] == 0.5
+        assert rows["plain"]["mean_acceptance_length"] is None and rows["plain"]["num_drafts"] == 0
+    assert args.plot.stat().st_size > 0
+    table = bench_offline.format_table(report)
+    assert table.splitlines()[0].split()[:4] == ["dataset", "tenants", "bs", "method"]
+
+
+def test_bench_offline_tenant_counts_of_the_readme_split_the_agent_class_as_documented(monkeypatch):
+    """benchmarks/README.md's tenant command: with 7 tenants each tenant sends one
+    agent task kind, with 4 each sends every kind; it parses."""
+    import shlex
+
+    from lookahead_lab.datasets import split_prompts
+
+    bench_offline = _import_bench("bench_offline")
+    monkeypatch.setattr(bench_offline, "has_suffix_decoding", lambda: True)  # parses without arctic too
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    line = next(ln for ln in readme.replace("\\\n", " ").splitlines() if "--tenants 0 1 4 7 28" in ln)
+    args = bench_offline.parse_args(shlex.split(line)[2:])
+    kinds = [p.key.split("/")[1] for p in split_prompts("agent", args.split, args.num_prompts)]
+    assert len(kinds) == args.num_prompts == 28
+    by_tenant = {n: [{k for i, k in enumerate(kinds) if i % n == t} for t in range(n)] for n in (4, 7)}
+    assert all(len(k) == 1 for k in by_tenant[7]) and len(set().union(*by_tenant[7])) == 7
+    assert all(len(k) == 7 for k in by_tenant[4])
 
 
 @pytest.mark.vllm
