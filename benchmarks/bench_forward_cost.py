@@ -85,24 +85,35 @@ def prefill(engine, contexts: list[list[int]], params) -> list[str]:
     return ids
 
 
-def sweep_step_times(llm, contexts: list[list[int]], nodes: list[int], steps: int) -> dict[int, list[float]]:
-    """Decode step times of ``len(contexts)`` requests for each draft size in ``nodes``, in one engine
-    built with :func:`variable_kwargs` (max_nodes >= max(nodes)). A step verifies what the step
-    before drafted, so the first two steps of each size are not timed."""
+def sweep_step_times(llm, contexts: list[list[int]], nodes: list[int], steps: int,
+                     interleave: bool = False) -> dict[int, list[float]]:
+    """Decode step times of ``len(contexts)`` requests for each draft size in ``nodes``, ``steps``
+    each, in one engine built with :func:`variable_kwargs` (max_nodes >= max(nodes)).
+
+    A step verifies what the step before drafted, and its time is booked to that size. The sizes
+    run one after another (the first two steps of each untimed), or with ``interleave`` change
+    every step, cycling through ``nodes`` (the first two steps untimed), so that the machine's
+    drift falls on every size alike."""
     from vllm import SamplingParams
 
+    if interleave:
+        verified = [nodes[i % len(nodes)] for i in range(len(nodes) * steps + 2)]
+        timed = [i >= 2 for i in range(len(verified))]
+    else:
+        verified = [n for n in nodes for _ in range(steps + 2)]
+        timed = [i % (steps + 2) >= 2 for i in range(len(verified))]
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=len(nodes) * (steps + 2) + 4, ignore_eos=True)
+    room = engine.model_config.max_model_len - max(map(len, contexts)) - 1
+    params = SamplingParams(temperature=0.0, max_tokens=min(len(verified) * (max(nodes) + 1) + 4, room),
+                            ignore_eos=True)
     ids = prefill(engine, contexts, params)
-    times: dict[int, list[float]] = {}
-    for n in nodes:
-        VariableProposer.n = n
-        times[n] = []
-        for i in range(steps + 2):
-            start = time.perf_counter()
-            engine.step()
-            if i >= 2:
-                times[n].append(time.perf_counter() - start)
+    times: dict[int, list[float]] = {n: [] for n in nodes}
+    for i, size in enumerate(verified):
+        VariableProposer.n = verified[min(i + 1, len(verified) - 1)]  # what the next step verifies
+        start = time.perf_counter()
+        engine.step()
+        if timed[i]:
+            times[size].append(time.perf_counter() - start)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()

@@ -34,37 +34,18 @@ apply_cpu_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_forward_cost import VariableProposer, prefill, variable_kwargs  # noqa: E402
+from benchmarks.bench_forward_cost import sweep_step_times, variable_kwargs  # noqa: E402
 
 
 def offline_curve(llm: Any, batch: int, context: int, nodes: list[int], steps: int) -> dict[int, float]:
     """Median step time (s) per scored-token count, draft sizes cycling step by step."""
-    from vllm import SamplingParams
-
     rng = np.random.default_rng(batch)
     contexts = [rng.integers(100, 20000, size=context).tolist() for _ in range(batch)]
-    engine = llm.llm_engine
-    total = steps * len(nodes) + 2
-    params = SamplingParams(temperature=0.0, max_tokens=total * (max(nodes) + 1) + 4, ignore_eos=True)
-    ids = prefill(engine, contexts, params)
-    times: dict[int, list[float]] = {n: [] for n in nodes}
-    VariableProposer.n = nodes[0]
-    for i in range(total):
-        verified = nodes[i % len(nodes)]  # what the step before drafted
-        VariableProposer.n = nodes[(i + 1) % len(nodes)]
-        start = time.perf_counter()
-        engine.step()
-        if i >= 2:
-            times[verified].append(time.perf_counter() - start)
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    VariableProposer.n = 0
+    times = sweep_step_times(llm, contexts, nodes, steps, interleave=True)
     return {batch * (n + 1): statistics.median(t) for n, t in times.items()}
 
 
