@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from vllm.logger import init_logger
 
@@ -74,7 +74,7 @@ from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.guards import attention_impl_targets
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
-from lookahead_vllm.vllm.wrap import PatchTargetChanged
+from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
 from lookahead_vllm.vllm.wrap import check_params as _check_params
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
@@ -406,6 +406,7 @@ def patch_cpu_kernel_overrides_once() -> bool:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
+
     def make(original):
         done = []
 

@@ -50,8 +50,8 @@ from lookahead_vllm.core.budget import (
     prices_pinned,
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
-from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
@@ -177,9 +177,9 @@ class LookaheadProposer:
         self.k = spec.num_speculative_tokens
         # Resolved once where the engine's config was built, carried in it.
         self.config = engine_settings(vllm_config)
-        # Patches (applied, or the engine refuses naming them), version, tree
-        # settings, CUDA graphs: all checked here, before any step; then the
-        # kernels are loaded.
+        # Before any step: the patches this worker needs (applied, or the
+        # engine refuses naming them); version, tree settings, CUDA graphs
+        # checked; the kernels loaded.
         if self.prepare_engine is not None:
             self.prepare_engine(self.config)
         elif isinstance(vllm_config, VllmConfig):
