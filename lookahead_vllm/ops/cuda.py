@@ -10,8 +10,8 @@ Where the kernels are built, never inside an engine step:
 
 1. image/install time: ``lookahead-vllm-build-kernels`` (the GPU Dockerfile
    runs it) builds into ``LOOKAHEAD_VLLM_KERNEL_DIR``;
-2. engine start: :func:`prepare_kernels` (called by ``guards.check_engine_start``
-   when the proposer is built on a CUDA platform in tree mode) loads that
+2. engine start: :func:`prepare_kernels` (called by ``LookaheadProposer``
+   when it is built on a CUDA platform in tree mode) loads that
    build, or builds it there if absent, and logs the outcome: kernels ready,
    or *the* fallback to the torch reference, with the reason.
 

@@ -1,26 +1,35 @@
-"""Startup guards: what lookahead cannot serve is refused, or made safe, before the first request.
+"""Startup guards: what lookahead cannot serve is refused before the first request.
 
 Terms: *tree mode* is lookahead with ``draft_shape != "one"`` or a Jacobi
 source (``source="jacobi"``/``"both"``): drafts are verified as trees through
 the ``tree_verification`` patches (positions, the attention backend's
 ``forward``, the sampler). Chain mode hands vLLM plain chains.
 
-Two moments, on GPU and CPU alike:
+Guards only check: they read the config and vLLM's state and raise; they
+apply no patch and change no setting. What lookahead changes (the patches,
+the switch from full CUDA graphs to piecewise) is in ``patches``, which calls
+the guards; the guards import no other module of this package but
+``tree_verify`` (what tree attention supports).
+
+Three moments, on GPU and CPU alike:
 
 ``on_config``            ``VllmConfig.__post_init__`` (patch
                          ``lookahead_validation``), in the process that builds
-                         the config, before any model is loaded. Refuses an
-                         untested vLLM, Model Runner V2, and tree mode with
-                         async scheduling, fp8 KV, M-RoPE or an attention
-                         backend we do not wrap; switches full CUDA graphs to
-                         piecewise (in a full graph our Python wrap of the
-                         attention ``forward`` never runs, so tree nodes would
-                         attend to their siblings).
-``check_engine_start``   ``LookaheadProposer.__init__`` (in every worker):
-                         the patches lookahead needs are applied or the engine
-                         refuses to start naming them; the vLLM-side checks
-                         run again, refusing (too late to adjust) what slipped
-                         through; the CUDA kernels are loaded (``ops.cuda``).
+                         the config, before any model is loaded. Refuses Model
+                         Runner V2, and tree mode with async scheduling, fp8
+                         KV, M-RoPE or an attention backend we do not wrap
+                         (an untested vLLM is refused earlier, by the
+                         ``speculative_method`` patch). The patch then switches
+                         full CUDA graphs to piecewise
+                         (``patches.make_cudagraphs_piecewise``, refused here
+                         by :func:`check_full_graph_features` where a feature
+                         needs full graphs).
+``check_engine_start``   ``LookaheadProposer.__init__`` (in every worker): the
+                         vLLM-side checks run again, refusing (too late to
+                         adjust) what slipped through. The patches the worker
+                         needs are applied there too, by
+                         ``patches.prepare_engine`` (which the plugin hands the
+                         proposer), not by a guard.
 ``check_attention_backends``
                          ``GPUModelRunner.initialize_attn_backend`` (part of
                          the ``tree_verification`` patch): the backends vLLM
@@ -131,13 +140,10 @@ def check_vllm_version(version: str | None = None, torch: str | None = None) -> 
 
 
 def on_config(vllm_config: Any, config: Settings) -> None:
-    """Config-time guards (after vLLM resolved its defaults): refuse, or make safe and log."""
+    """Config-time guards (after vLLM resolved its defaults): refuse what cannot be served."""
     check_runner(vllm_config)
-    if not is_tree_mode(config):
-        return
-    what = tree_mode_label(config)
-    check_tree_config(vllm_config, what)
-    make_cudagraphs_piecewise(vllm_config, what)
+    if is_tree_mode(config):
+        check_tree_config(vllm_config, tree_mode_label(config))
 
 
 def check_runner(vllm_config: Any) -> None:
@@ -222,47 +228,31 @@ def check_attention_layers(impls: Iterable[Any], what: str) -> None:
             raise ValueError(f"lookahead {what}: {exc} (found in this model's attention layers)") from None
 
 
-def _wrapped_impls() -> Iterable[type]:
-    from lookahead_vllm.vllm import patches
+def attention_impl_targets() -> list[tuple[str, str]]:
+    """(module, class) of the attention implementations whose ``forward`` tree_verify
+    wraps (patch ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
+    from vllm.platforms import current_platform
 
-    for module, cls in patches.attention_impl_targets():
+    targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
+    if current_platform.is_cuda():
+        targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
+    return targets
+
+
+def _wrapped_impls() -> Iterable[type]:
+    for module, cls in attention_impl_targets():
         yield getattr(__import__(module, fromlist=[cls]), cls)
 
 
 # ---------------------------------------------------------------- CUDA graphs
 
 
-def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs skip our attention wrap: switch this engine to piecewise graphs (or none).
-
-    Piecewise graphs leave attention outside the graphs (vLLM's splitting ops),
-    so the wrapped ``forward`` runs every step. Without ``-cc.mode
-    VLLM_COMPILE``, or with attention not among the splitting ops (attention
-    fusion, ``splitting_ops=[]``), a piecewise graph would hold attention too:
-    then no graphs (eager).
-    """
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-
-    compilation = vllm_config.compilation_config
-    old = compilation.cudagraph_mode
-    if old is None or not old.has_full_cudagraphs():
+def check_full_graph_features(vllm_config: Any, what: str) -> None:
+    """Full CUDA graphs on and a feature that needs them: the switch to piecewise
+    graphs (``patches.make_cudagraphs_piecewise``) cannot be made, refused."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
         return
-    _refuse_full_graph_features(vllm_config, what, old)
-    attention_split = ATTENTION_OP in (compilation.splitting_ops or ())
-    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE and attention_split
-    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
-    if not piecewise:
-        compilation.max_cudagraph_capture_size = 0
-        compilation.cudagraph_capture_sizes = []
-    logger.warning(
-        "lookahead %s: cudagraph_mode %s -> %s for this engine (tree attention runs outside CUDA graphs; "
-        "full graphs would skip it). Pass -cc.cudagraph_mode=PIECEWISE to silence this.",
-        what, old.name, compilation.cudagraph_mode.name,
-    )
-
-
-def _refuse_full_graph_features(vllm_config: Any, what: str, mode: Any) -> None:
-    """Features that need full CUDA graphs, so the switch cannot be made."""
     needs_full = []
     spec = vllm_config.speculative_config
     if getattr(spec, "enable_adaptive_verification", False):
@@ -292,28 +282,13 @@ def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
     """Everything lookahead needs, checked where the proposer is built (every worker).
 
-    Raises RuntimeError naming a failed patch, ValueError naming a setting.
-    Replaces ``proposer._check_tree_support``; also applies the lazily applied
-    patches (``runner_request_ids``, and ``tree_verification`` in tree mode)
-    and loads the CUDA kernels on CUDA platforms.
+    Raises ValueError naming a setting. The patches the worker needs are not
+    a guard's business: ``patches.prepare_engine`` applies them (or raises
+    RuntimeError naming them) before this runs.
     """
-    from lookahead_vllm.vllm import patches
-
     check_vllm_version()
-    tree = is_tree_mode(config)
-    patches.require(patches.lookahead_patches(tree), "lookahead" if not tree else f"lookahead {tree_mode_label(config)}")
     check_runner(vllm_config)
-    if tree:
+    if is_tree_mode(config):
         what = tree_mode_label(config)
         check_tree_config(vllm_config, what)
         check_no_full_cudagraphs(vllm_config, what)
-        _prepare_kernels()
-
-
-def _prepare_kernels() -> None:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        from lookahead_vllm.ops import cuda as la_cuda
-
-        la_cuda.prepare_kernels()

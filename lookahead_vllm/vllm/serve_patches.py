@@ -1,4 +1,5 @@
-"""Named patches for serving (registered in :mod:`.patches`).
+"""Named patches for serving (registered in :mod:`.patches`; wrapped, like
+every patch, through the signature-checked :func:`.wrap.wrap`).
 
 request_options          ``SamplingParams`` validates the per-request
                          lookahead keys of ``extra_args`` (see
@@ -17,10 +18,9 @@ cli_speculative_model    vLLM's argument parser accepts the removed flag
 
 from __future__ import annotations
 
-import functools
-
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.vllm.config import METHOD
+from lookahead_vllm.vllm.wrap import wrap
 
 
 def _validation_error():
@@ -37,42 +37,42 @@ def patch_request_options() -> bool:
     from vllm.sampling_params import SamplingParams
 
     error = _validation_error()
-    original = SamplingParams._verify_args
 
-    @functools.wraps(original)
-    def _verify_args(self) -> None:
-        original(self)
-        try:
-            draft_cap(self.extra_args)
-        except ValueError as e:
-            raise error(str(e), parameter="vllm_xargs") from None
+    def make(original):
+        def _verify_args(self) -> None:
+            original(self)
+            try:
+                draft_cap(self.extra_args)
+            except ValueError as e:
+                raise error(str(e), parameter="vllm_xargs") from None
 
-    _verify_args.__lookahead_original__ = original
-    SamplingParams._verify_args = _verify_args
+        return _verify_args
+
+    wrap(SamplingParams, "_verify_args", make, ("self",))
     return True
 
 
 def patch_cli_speculative_model() -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.add_cli_args
+    def make(original):
+        def add_cli_args(parser):
+            parser = original(parser)
+            known = set(parser._option_string_actions)
+            if "--speculative-model" not in known:
+                parser.add_argument(
+                    "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
+                    help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
+                    "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
+                )
+            if "--num-speculative-tokens" not in known:
+                parser.add_argument(
+                    "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                    help="Alias of --spec-tokens (restored by lookahead-vllm).",
+                )
+            return parser
 
-    @functools.wraps(original)
-    def add_cli_args(parser):
-        parser = original(parser)
-        known = set(parser._option_string_actions)
-        if "--speculative-model" not in known:
-            parser.add_argument(
-                "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
-                help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
-                "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
-            )
-        if "--num-speculative-tokens" not in known:
-            parser.add_argument(
-                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
-                help="Alias of --spec-tokens (restored by lookahead-vllm).",
-            )
-        return parser
+        return add_cli_args
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    wrap(EngineArgs, "add_cli_args", make, ("parser",))  # a staticmethod, put back as one
     return True

@@ -63,13 +63,13 @@ def test_full_cudagraphs_switched_off_for_trees(tiny_llama_dir, static_graphs):
 def test_full_and_piecewise_becomes_piecewise_when_compiled(tiny_llama_dir):
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
-    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm import guards, patches
 
     cfg = _config(tiny_llama_dir, TREE)
     cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
     cfg.compilation_config.splitting_ops = [guards.ATTENTION_OP]
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+    patches.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
 
 
@@ -77,13 +77,13 @@ def test_full_graph_with_attention_inside_becomes_eager(tiny_llama_dir):
     """No attention among the splitting ops: a piecewise graph would capture attention too."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
-    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm import patches
 
     cfg = _config(tiny_llama_dir, TREE)
     cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
     cfg.compilation_config.splitting_ops = []
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
-    guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+    patches.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert cfg.compilation_config.cudagraph_capture_sizes == []
 
@@ -91,14 +91,14 @@ def test_full_graph_with_attention_inside_becomes_eager(tiny_llama_dir):
 def test_full_graph_feature_refused(tiny_llama_dir):
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
-    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm import patches
 
     cfg = _config(tiny_llama_dir, TREE)
     cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     cfg.parallel_config.enable_dbo = True
     with pytest.raises(ValueError, match=r"needs piecewise CUDA graphs, but dual batch overlap \(--enable-dbo\)"):
-        guards.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
+        patches.make_cudagraphs_piecewise(cfg, "draft_shape='hier'")
 
 
 def test_worker_refuses_full_cudagraphs_left_on(tiny_llama_dir):

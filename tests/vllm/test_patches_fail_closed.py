@@ -55,6 +55,26 @@ def test_changed_signature_is_refused():
     assert Runner._sample.__name__ == "_sample" and not hasattr(Runner._sample, "__lookahead_original__")
 
 
+def test_classmethod_and_staticmethod_targets_checked_and_kept():
+    """Serving and CPU patches wrap classmethods/staticmethods through the same check."""
+    import inspect
+
+    class Args:
+        @staticmethod
+        def add_cli_args(parser):
+            return parser
+
+        @classmethod
+        def from_request(cls, req):
+            return cls
+
+    with pytest.raises(patches.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
+        patches._wrap(Args, "from_request", lambda original: original, ("cls", "request"))
+    patches._wrap(Args, "add_cli_args", lambda original: lambda parser: [original(parser)], ("parser",))
+    assert isinstance(inspect.getattr_static(Args, "add_cli_args"), staticmethod)
+    assert Args().add_cli_args(1) == [1] and Args.add_cli_args.__name__ == "add_cli_args"
+
+
 def test_require_names_failed_patch_and_reason(break_patch):
     break_patch("runner_request_ids")
     assert patches.apply("runner_request_ids") is False  # logged, not raised: plain vLLM goes on
@@ -64,18 +84,15 @@ def test_require_names_failed_patch_and_reason(break_patch):
         patches.require(patches.lookahead_patches(tree_mode=False), "lookahead")
 
 
-def test_engine_start_check_names_config_patch(tiny_llama_dir, break_patch):
+def test_engine_start_names_config_patch(break_patch):
     """A failed config-time patch (its guards never ran) is caught where the proposer starts."""
-    from vllm.engine.arg_utils import EngineArgs
-
     from lookahead_vllm.core.config import resolve
-    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
 
-    cfg = EngineArgs(model=tiny_llama_dir, enforce_eager=True, dtype="float32", max_model_len=256,
-                     speculative_config={"method": "lookahead"}).create_engine_config()
+    assert LookaheadProposer.prepare_engine is patches.prepare_engine  # handed over by the plugin
     break_patch("lookahead_validation")
     with pytest.raises(RuntimeError, match=r"lookahead draft_shape='hier' cannot start: .*lookahead_validation"):
-        guards.check_engine_start(cfg, resolve({"draft_shape": "hier"}))
+        patches.prepare_engine(resolve({"draft_shape": "hier"}))
 
 
 def test_cpu_sampling_fix_loud_when_target_moved(monkeypatch):

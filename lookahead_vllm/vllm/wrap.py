@@ -1,0 +1,51 @@
+"""The checked wrapper every named patch (patches.py, serve_patches.py) goes through.
+
+:func:`wrap` replaces a vLLM method by ``make(original)`` after checking that
+the original's leading parameters are the ones the wrapper passes on; a
+method whose parameters changed raises :class:`PatchTargetChanged` and is left
+alone. Plain methods, classmethods and staticmethods alike: the wrapper is put
+back as the same kind (``make`` gets the plain function, ``cls`` first for a
+classmethod). The wrapper keeps the original's name and docstring and the
+original as ``__lookahead_original__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+
+class PatchTargetChanged(RuntimeError):
+    """A vLLM method a patch wraps no longer has the parameters the patch passes on."""
+
+
+def _target(owner: type, attr: str) -> tuple[Callable, type | None]:
+    """``owner.attr`` as a plain function, and its descriptor kind (classmethod,
+    staticmethod; None for a plain method)."""
+    static = inspect.getattr_static(owner, attr)
+    if isinstance(static, (classmethod, staticmethod)):
+        return static.__func__, type(static)
+    return getattr(owner, attr), None
+
+
+def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
+    """Raise :class:`PatchTargetChanged` unless ``owner.attr`` starts with ``params``."""
+    if not params:
+        return
+    names = tuple(inspect.signature(_target(owner, attr)[0]).parameters)[: len(params)]
+    if names != params:
+        raise PatchTargetChanged(
+            f"{owner.__name__}.{attr} takes ({', '.join(names)}, ...), the patch expects ({', '.join(params)}, ...)"
+        )
+
+
+def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: tuple[str, ...] = ()) -> None:
+    """Replace ``owner.attr`` by ``make(original)``; ``params``: the leading
+    parameters the wrapper passes on, checked against the original's."""
+    check_params(owner, attr, params)
+    original, kind = _target(owner, attr)
+    wrapped = make(original)
+    functools.update_wrapper(wrapped, original)
+    wrapped.__lookahead_original__ = original
+    setattr(owner, attr, kind(wrapped) if kind is not None else wrapped)
