@@ -778,14 +778,18 @@ def table_cells(cell: dict[str, Any], row: dict[str, Any]) -> list[str]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """One row per (dataset, tenants, bs, method), then a noise line per cell."""
-    body = [[table_cells(cell, row) for row in cell["methods"]] for cell in report["cells"]]
-    widths = [max(len(c[i]) for c in [COLUMNS, *sum(body, [])]) for i in range(len(COLUMNS))]
+    """One row per (dataset, tenants, bs, method), then a noise line per cell. The
+    tenants column appears only when some cell salts its prompts (``--tenants``)."""
+    keep = [i for i, name in enumerate(COLUMNS)
+            if name != "tenants" or any(cell.get("tenants", 0) for cell in report["cells"])]
+    columns = [COLUMNS[i] for i in keep]
+    body = [[[table_cells(cell, row)[i] for i in keep] for row in cell["methods"]] for cell in report["cells"]]
+    widths = [max(len(c[i]) for c in [columns, *sum(body, [])]) for i in range(len(columns))]
 
     def line(values: list[str]) -> str:
-        return "  ".join(v.ljust(w) if name in LEFT else v.rjust(w) for name, v, w in zip(COLUMNS, values, widths))
+        return "  ".join(v.ljust(w) if name in LEFT else v.rjust(w) for name, v, w in zip(columns, values, widths))
 
-    lines = [line(COLUMNS), "-" * len(line(COLUMNS))]
+    lines = [line(columns), "-" * len(line(columns))]
     for cell, rows in zip(report["cells"], body):
         lines += [line(values) for values in rows]
         lines.append(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "

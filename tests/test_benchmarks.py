@@ -512,6 +512,8 @@ def test_bench_offline_cells_per_tenant_count_and_acceptance_in_the_json(monkeyp
     assert args.plot.stat().st_size > 0
     table = bench_offline.format_table(report)
     assert table.splitlines()[0].split()[:4] == ["dataset", "tenants", "bs", "method"]
+    unsalted = {**report, "cells": [cell for cell in report["cells"] if cell["tenants"] == 0]}
+    assert bench_offline.format_table(unsalted).splitlines()[0].split()[:3] == ["dataset", "bs", "method"]
 
 
 def test_bench_offline_tenant_counts_of_the_readme_split_the_agent_class_as_documented(monkeypatch):
