@@ -239,14 +239,12 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
     if len(modes) == 1:
         result["graphs_skipped"] = "CUDA graphs need a GPU"
     for mode in modes:
-        engines = build_engines(["plain", *lookahead_methods()], args, graphs=mode == "graphs")
+        engines = state["engines"] = build_engines(["plain", *lookahead_methods()], args, graphs=mode == "graphs")
         for bs in batch_sizes:
             result["cells"].append(identity_cell(engines, prompts, params, bs, mode))
             state["save"]()
-        if mode == modes[-1]:
-            state["engines"] = engines  # the speed part goes on with these
-        else:
-            free_engines(engines)
+        if mode != modes[-1]:  # the last mode's engines stay: the speed part goes on with them
+            free_engines(state.pop("engines"))
     result["mismatches"] = sum(r["mismatches"] for c in result["cells"] for r in c["methods"])
 
 
@@ -312,16 +310,18 @@ def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tokenizer = offline.tokenizer_for(args.model)
     result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])
-    for ds in args.datasets:
-        for bs in args.batch_sizes:
-            if state["left"]() < (args.cost_reserve_s if "cost" in args.parts else 0):
-                result["skipped_cells"].append(f"{ds} bs={bs}: time budget")
-                continue
-            prompts = test_prompts(args, tokenizer, ds, cell_prompts(bs, args))
-            result["cells"].append(speed_cell(ds, bs, prompts, engines, methods, params))
-            state["save"]()
-    result["summary"] = speed_summary(result["cells"])
-    free_engines(engines)
+    try:
+        for ds in args.datasets:
+            for bs in args.batch_sizes:
+                if state["left"]() < (args.cost_reserve_s if "cost" in args.parts else 0):
+                    result["skipped_cells"].append(f"{ds} bs={bs}: time budget")
+                    continue
+                prompts = test_prompts(args, tokenizer, ds, cell_prompts(bs, args))
+                result["cells"].append(speed_cell(ds, bs, prompts, engines, methods, params))
+                state["save"]()
+    finally:  # the cost part needs the GPU memory, whatever happened here
+        result["summary"] = speed_summary(result["cells"])
+        free_engines(state.pop("engines"))
 
 
 def speed_cell(ds: str, bs: int, prompts: list[str], engines: dict[str, Any], methods: list[str],
@@ -368,6 +368,7 @@ def part_cost(args: argparse.Namespace, state: dict, result: dict) -> None:
     from benchmarks import bench_forward_cost as forward_cost
 
     models = [args.model] if args.dry else args.cost_models
+    free_engines(state.pop("engines", None) or {})  # an earlier part that failed may have left some
     result.update(context=args.cost_context, models=[], skipped=[])
     rng = np.random.default_rng(0)
     for model in models:
