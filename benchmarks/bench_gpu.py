@@ -188,11 +188,16 @@ def part_kernels(args: argparse.Namespace, state: dict, result: dict) -> None:
         result["skipped"] = "no CUDA GPU (--dry)" if args.dry else "no CUDA GPU"
         return
     start = time.perf_counter()
+    # The kit installs no lab: the tests' conftest imports it from the checkout (the first H200 run's
+    # pytest stopped at collection, exit 4, without it).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(REPO / "lab"),
+                                                                       os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/ops", "-q", "-p", "no:cacheprovider"],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+                          cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     result["pytest"] = {"returncode": proc.returncode, "summary": summary,
-                         "seconds": round(time.perf_counter() - start, 1), "tail": proc.stdout[-3000:]}
+                         "seconds": round(time.perf_counter() - start, 1), "tail": proc.stdout[-3000:],
+                         "stderr_tail": proc.stderr[-2000:]}
     state["save"]()
     log(f"[kernels] pytest -m gpu: {summary}")
     result["versus_flash_attention"] = kernel_vs_flash()
@@ -231,6 +236,8 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
     """Greedy identity vs plain: eager engines, then CUDA-graph engines (kept for the speed part)."""
     from vllm import SamplingParams
 
+    from lookahead_lab.offline import count_mismatches
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompts = identity_prompts(args)
     batch_sizes = DRY["identity_batch_sizes"] if args.dry else [1, 8]
@@ -246,6 +253,14 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
         if mode != modes[-1]:  # the last mode's engines stay: the speed part goes on with them
             free_engines(state.pop("engines"))
     result["mismatches"] = sum(r["mismatches"] for c in result["cells"] for r in c["methods"])
+    # Plain against itself across batch sizes: vLLM's own bf16 batch variance, the floor under any
+    # identity claim on a GPU.
+    plain = {(c["mode"], c["batch_size"]): c["plain_token_ids"] for c in result["cells"]}
+    result["plain_batch_variance"] = {
+        mode: count_mismatches(plain[(mode, batch_sizes[0])], plain[(mode, bs)])
+        for mode in modes for bs in batch_sizes[1:] if (mode, bs) in plain and (mode, batch_sizes[0]) in plain}
+    for cell in result["cells"]:
+        cell.pop("plain_token_ids")
 
 
 def identity_cell(engines: dict[str, Any], prompts: list[str], params: Any, bs: int, mode: str) -> dict[str, Any]:
@@ -263,11 +278,43 @@ def identity_cell(engines: dict[str, Any], prompts: list[str], params: Any, bs: 
                                                 if a != b],
                          "mean_acceptance_length": round(res.mean_acceptance_length, 3),
                          "tokens": res.num_tokens, "tree_request_steps": counters.get("tree_request_steps", 0),
-                         "jacobi_steps": counters.get("jacobi_steps", 0)})
-    cell = {"mode": mode, "batch_size": bs, "methods": rows}
+                         "jacobi_steps": counters.get("jacobi_steps", 0),
+                         "divergences": divergences(engines["plain"], prompts, outputs["plain"], res.token_ids)})
+    cell = {"mode": mode, "batch_size": bs, "methods": rows, "plain_token_ids": outputs["plain"]}
     log(f"[identity {mode} bs={bs}] " + ", ".join(f"{r['method']} {r['mismatches']} mismatches "
                                                   f"(MAL {r['mean_acceptance_length']})" for r in rows))
     return cell
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergences(plain_llm: Any, prompts: list[str], plain: list[list[int]], other: list[list[int]],
+                limit: int = 4) -> list[dict[str, Any]]:
+    """Where each diverging output (at most ``limit``) first leaves plain's, and plain's top-2
+    logprob margin there: a margin at bf16 rounding level says near-tie, a wide one says bug."""
+    from vllm import SamplingParams
+
+    rows = []
+    for i, (a, b) in enumerate(zip(plain, other)):
+        pos = first_divergence(a, b)
+        if pos is None or len(rows) >= limit:
+            continue
+        row: dict[str, Any] = {"prompt": i, "position": pos}
+        if pos < min(len(a), len(b)):
+            out = plain_llm.generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=pos + 1, logprobs=2),
+                                     use_tqdm=False)[0].outputs[0]
+            top = sorted(((lp.logprob, tok) for tok, lp in (out.logprobs or [{}])[pos].items()), reverse=True)
+            if len(top) >= 2:
+                row.update(margin=round(top[0][0] - top[1][0], 5), plain_token=a[pos], other_token=b[pos],
+                           other_is_plain_second=b[pos] == top[1][1])
+        rows.append(row)
+    return rows
 
 
 # -------------------------------------------------------------------- speed
@@ -487,6 +534,24 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
 
 
+def preflight(args: argparse.Namespace) -> str | None:
+    """The first H200 run's lessons, checked before any engine: what the GPU kit lacks."""
+    import importlib.util
+
+    if args.dry or not on_gpu():
+        return None
+    # vLLM 0.32's sampler probes FlashInfer, which the kit leaves out: its torch sampler instead.
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # This benchmark measures tree verification on CUDA, which the guards refuse by default.
+    os.environ.setdefault("LOOKAHEAD_VLLM_GPU_TREES", "1")
+    engines = set(args.parts) - {"kernels"}
+    if engines and importlib.util.find_spec("compressed_tensors") is None:
+        return ("vLLM 0.32's model loader imports compressed_tensors, which the GPU kit lacks: carry "
+                "compressed-tensors==0.17.0 and loguru as wheels (scripts/gpu-wheels.sh; docs/gpu.md)")
+    return None
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace, dict, dict], None]] = {"kernels": part_kernels, "identity": part_identity, "speed": part_speed, "cost": part_cost}
 
 
@@ -496,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
         export_prompts(args.export_prompts)
         return 0
     start = time.perf_counter()
+    problem = preflight(args)
+    if problem:
+        log(problem)
+        return 2
     if args.model is None:
         from lookahead_lab.models import build_tiny_llama
         from lookahead_vllm.models import prepare_smollm2

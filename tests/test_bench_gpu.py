@@ -30,6 +30,8 @@ def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
     assert {r["method"] for r in identity["cells"][0]["methods"]} == {
         "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
     assert "CUDA graphs" in identity["graphs_skipped"]
+    assert identity["plain_batch_variance"] == {"eager": 0}  # fp32 on a CPU: plain is batch-invariant
+    assert all(r["divergences"] == [] for c in identity["cells"] for r in c["methods"])
     # speed: every cell has plain and the three variants; a summary per batch size
     speed = parts["speed"]
     assert speed["cells"] and all({"plain", "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
@@ -68,3 +70,15 @@ def test_bench_gpu_prompt_file_round_trips(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_split", missing)
     assert bench_gpu.test_prompts(args, Tokenizer(), "humaneval", 2) == installed
+
+
+def test_first_divergence_finds_where_outputs_part():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    assert bench_gpu.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert bench_gpu.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert bench_gpu.first_divergence([1, 2, 3], [1, 2]) == 2  # a shorter output diverges where it stops
+    assert bench_gpu.first_divergence([], [7]) == 0

@@ -33,7 +33,7 @@ Developers (tests, benchmarks) set profile knobs through one explicit key,
 
 Example: ``resolve({"draft_shape": "hier"}, platform="gpu",
 num_speculative_tokens=16)`` gives ``decoding_length=16``, the GPU's load
-limits (32, 128) and its token-price prior (64, 64).
+limits (32, 128) and its token-price prior (32, 675).
 """
 
 from __future__ import annotations
@@ -342,14 +342,17 @@ class Profile:
 # root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
 # 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free
 # tokens, so load adaptation starts there. The CUDA kernel runs all paths in
-# one launch: no path price on GPUs. "gpu": a forward scores ~64
-# tokens for the price of one (seed 000 measured ~128 for a 10B model on an
-# A100; half of it errs on the side of drafting too little), so drafting pays
-# up to ~64 running requests: the budget shrinks from 32 and stops at 128.
+# one launch: no path price on GPUs. "gpu": measured on an H200
+# (benchmarks/results/gpu_h200.json, cost part: a Llama-3-8B-shaped model,
+# dummy weights, bf16, piecewise CUDA graphs, 512-token contexts, 1/8/32
+# rows x 1-64 tokens each): 32 tokens cost one forward and each 675 more one
+# more forward, within 7.4% of every step up to 512 tokens (a Qwen2.5-1.5B
+# shape was flatter still). Load adaptation keeps its earlier limits: the
+# budget shrinks from 32 running requests and stops at 128.
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
-    "gpu": dict(platform="gpu", free_tokens=64, marginal_tokens=64.0, path_setup=0.0, cost_per_path=0.0,
+    "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
                 load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))

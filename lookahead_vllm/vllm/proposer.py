@@ -163,6 +163,18 @@ class RequestState:
 MEMORY_GAUGE_EVERY = 16
 
 
+def graph_tokens(vllm_config: Any) -> int:
+    """The most tokens one step runs inside a captured CUDA graph (0 where none are captured)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    if compilation is None or getattr(model, "enforce_eager", True):
+        return 0
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or str(getattr(mode, "name", mode)).upper() == "NONE":
+        return 0
+    return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
+
+
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
@@ -189,6 +201,10 @@ class LookaheadProposer:
         if guards.is_tree_mode(self.config):
             _prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
+        # The largest step CUDA graphs cover (0: no graphs, as on the CPU). On an H200 a step
+        # past it ran eager at 2-3x the time of one inside it (benchmarks/results/gpu_h200.json,
+        # cost part): drafts stop short of it.
+        self._graph_tokens = graph_tokens(vllm_config)
         self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
@@ -317,6 +333,14 @@ class LookaheadProposer:
         (0 once the engine drained; the two agree unless state leaked)."""
         return max(len(self._states), self.drafter.num_requests())
 
+    def _step_budget(self, num_rows: int) -> int | None:
+        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no
+        more than keeps the step's scored tokens within the largest CUDA graph."""
+        caps = [c for c in (self.config.profile.step_draft_budget,) if c > 0]
+        if self._graph_tokens > num_rows:
+            caps.append(self._graph_tokens - num_rows)
+        return min(caps) if caps else None
+
     def _new_drafter(self) -> None:
         """A fresh Drafter and the confidence calibrator that goes with it."""
         self.drafter = Drafter(self.config)
@@ -429,7 +453,7 @@ class LookaheadProposer:
         tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
         self.stats.context_drafts += int(np.count_nonzero(lens))
         keep, _, drafts = plan_chains(tok, raw, lens, self.calibrator, KIND_CONTEXT,
-                                      self.config.profile.step_draft_budget or None, len(rows), self.cost, rows[drafting],
+                                      self._step_budget(len(rows)), len(rows), self.cost, rows[drafting],
                                       num_out, self.drafter.native)
         self._offers = ChainOffers(slots[drafting], raw, keep)
         return drafts, len(rows), skipped, load_budget
@@ -560,7 +584,7 @@ class LookaheadProposer:
         offers = [self._offer(t, k, req_id) for t, k, req_id in zip(trees, kinds, req_ids)]
         confs = [self._confidences(t, k) for t, k, _ in offers]
         opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
-        keep = allocate_step_budget(confs, self.config.profile.step_draft_budget or None, num_rows, self.cost, opens)
+        keep = allocate_step_budget(confs, self._step_budget(num_rows), num_rows, self.cost, opens)
         kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
         for st, t, (_, k, _), n in zip(states, kept, offers, keep):
             if st is not None and n > 0:

@@ -214,7 +214,7 @@ def test_forward_cost_platform_defaults_and_overrides():
     assert (default.cost_free_tokens, default.cost_marginal_tokens) == (-1, -1.0)
     assert forward_cost(default, paths=False) == ForwardCost(5, 20.0)
     gpu = forward_cost(resolve(platform="gpu"))
-    assert (gpu.free_tokens, gpu.marginal_tokens, gpu.per_path) == (64, 64.0, 0.0) and gpu(64) == 1.0 < gpu(65)
+    assert (gpu.free_tokens, gpu.marginal_tokens, gpu.per_path) == (32, 675.0, 0.0) and gpu(32) == 1.0 < gpu(33)
     # Trees on the CPU pay its path rounds (the profile's path_setup, cost_per_path).
     assert forward_cost(default) == ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09)
     mine = resolve({"cost_free_tokens": 0, "cost_marginal_tokens": 7, PROFILE_KEY: {"cost_per_path": 0.5}},

@@ -150,3 +150,18 @@ def test_compact_kv_kernel_many_slots_and_strided_blocks():
         expected[d // 8, :, d % 8] = kv[s // 8, :, s % 8]
     ops_cuda.compact_kv(key, value, src, dst)
     assert torch.equal(kv, expected)
+
+
+def test_compact_kv_hnd_cache_layout():
+    """vLLM's KV cache on Hopper is HND (heads before slots): a slot's [H, D] row is strided.
+    The first H200 run's compaction refused it; compact_kv now moves such caches correctly."""
+    physical = torch.randn(2, 10, 2, 8, 64, device="cuda", dtype=torch.bfloat16)  # [2, blocks, H, slots, D]
+    kv = physical.permute(0, 1, 3, 2, 4)  # logical [2, blocks, slots, H, D], as vLLM hands it out
+    key, value = kv[0], kv[1]
+    assert key.stride(2) != key.shape[3]  # rows not contiguous
+    src, dst = torch.tensor([21, 23, 30, 41], device="cuda"), torch.tensor([20, 21, 22, 23], device="cuda")
+    expected = kv.clone()
+    for s, d in zip(src.tolist(), dst.tolist()):
+        expected[:, d // 8, d % 8] = kv[:, s // 8, s % 8]
+    ops_cuda.compact_kv(key, value, src, dst)
+    assert torch.equal(kv, expected)

@@ -26,10 +26,11 @@ def _config(model: str, lookahead: dict | None = None, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs.setdefault("enforce_eager", True)
+    kwargs.setdefault("dtype", "float32")
     if lookahead is not None:
         kwargs.setdefault("speculative_config", {"method": "lookahead"})
         kwargs["additional_config"] = {"lookahead": lookahead}
-    return EngineArgs(model=model, dtype="float32", max_model_len=512, **kwargs).create_engine_config()
+    return EngineArgs(model=model, max_model_len=512, **kwargs).create_engine_config()
 
 
 @pytest.fixture
@@ -239,6 +240,22 @@ def test_fp32_trees_refused_on_gpus_with_the_fix(tiny_llama_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"dtype=float32 on GPUs .*pass dtype='bfloat16'"):
         _config(tiny_llama_dir, TREE)
     _config(tiny_llama_dir, {"draft_shape": "one"})  # chains: vLLM picks a backend for the dtype
+
+
+def test_trees_on_cuda_refused_until_opted_in(tiny_llama_dir, monkeypatch):
+    """Tree verification diverged from plain on the first GPU run: refused on CUDA, naming the
+    opt-in; chains are not affected, and the opt-in lets trees start (for measurement)."""
+    from lookahead_vllm.vllm import guards
+
+    monkeypatch.setattr(guards, "_on_cuda", lambda: True)
+    monkeypatch.delenv(guards.GPU_TREES_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"CUDA GPUs yet.*LOOKAHEAD_VLLM_GPU_TREES=1"):
+        _config(tiny_llama_dir, TREE, dtype="bfloat16")
+    _config(tiny_llama_dir, {"draft_shape": "one"}, dtype="bfloat16")
+    monkeypatch.setenv(guards.GPU_TREES_ENV, "1")
+    with pytest.raises(ValueError) as refused:  # fp32 is still refused, the GPU-trees line is gone
+        _config(tiny_llama_dir, TREE)
+    assert "CUDA GPUs yet" not in str(refused.value) and "dtype=float32" in str(refused.value)
 
 
 def test_engine_kwargs_dtype_follows_the_platform(monkeypatch):

@@ -534,3 +534,33 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
     p._time_step(_shape(1), now)
     assert sent and sent[0][1] == 0
     assert (p.cost.free_tokens, p.cost.marginal_tokens) == (7, 11.0)
+
+
+def test_graph_tokens_read_from_the_compilation_config():
+    from lookahead_vllm.vllm.proposer import graph_tokens
+
+    def config(eager, mode, size):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=size))
+
+    assert graph_tokens(config(False, SimpleNamespace(name="PIECEWISE"), 512)) == 512
+    assert graph_tokens(config(True, SimpleNamespace(name="PIECEWISE"), 512)) == 0  # eager: no graphs
+    assert graph_tokens(config(False, SimpleNamespace(name="NONE"), 512)) == 0
+    assert graph_tokens(SimpleNamespace()) == 0
+
+
+def test_drafts_stop_at_the_largest_cuda_graph():
+    """A step past the largest captured graph ran eager at 2-3x the time on an H200: the whole
+    step's drafts stay within it (rows + drafts <= graph tokens), and within step_draft_budget."""
+    proposer = make_proposer(k=8)
+    rows = {f"r{i}": A for i in range(4)}
+    lens = {r: 5 for r in rows}
+    uncapped = sum(len(d) for d in step(proposer, rows, lens))
+    assert uncapped > 12  # every row drafts several tokens on its own repeats
+    capped = make_proposer(k=8)
+    capped._graph_tokens = 4 + 6  # 4 rows: room for 6 drafts
+    assert capped._step_budget(4) == 6 and capped._step_budget(10) is None
+    assert sum(len(d) for d in step(capped, rows, lens)) == 6
+    both = make_proposer(k=8, step_draft_budget=3)
+    both._graph_tokens = 10
+    assert both._step_budget(4) == 3
