@@ -16,7 +16,7 @@ the acceptance treat those tokens as a tree:
                      over the paged cache: on CPU with vLLM's own kernel, one
                      root-to-leaf path per call (``LOOKAHEAD_TREE_ATTENTION=
                      reference``: the pure-torch reference), on GPU with the
-                     csrc kernel, all tree rows in one launch.
+                     csrc kernel, every tree of the step in one launch.
 ``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
                      of tree requests are replaced by a tree walk (greedy
                      argmax, or a sample with the request's own temperature,
@@ -296,7 +296,15 @@ def _cpu_path_rounds(
 
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
-    """All tree rows of the batch in one call: csrc kernel on CUDA, else the reference."""
+    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the
+    rows off each request's leading chain are written back.
+
+    The stock causal call already computed the root and the leading chain exactly (the tree mask
+    is causal there), with the very kernel plain decoding uses: keeping its rows keeps their
+    rounding too, so in bf16 a step whose accepted path stays on the leading chain gives plain's
+    tokens bit for bit (on the first H200 run, writing every row back made greedy outputs leave
+    plain's at near-ties).
+    """
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
@@ -307,8 +315,13 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         rows = step.all_rows.to(device)
         req_rows = torch.tensor([r.row for r in reqs], device=device)
         qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        # Kernel output rows to write back: each request's rows past root + leading chain.
+        off_chain = torch.cat([torch.arange(lo + 1 + r.plan.chain_prefix_length(), lo + r.num_rows)
+                               for r, lo in zip(reqs, qsl[:-1].tolist())])
         step.kernel_args = dict(
             rows=rows,
+            write=off_chain.to(device),
+            out_rows=rows[off_chain.to(device)],
             block_tables=metadata.block_table[req_rows],
             seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
             query_start_loc=qsl.to(device),
@@ -317,11 +330,14 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
             max_seq_len=int(metadata.max_seq_len),
         )
     a = step.kernel_args
-    out[a["rows"]] = la_cuda.tree_attention(
+    if not len(a["write"]):
+        return  # every tree is its leading chain so far (the scheduler cut the rest)
+    tree = la_cuda.tree_attention(
         query[a["rows"]], cache.key_cache, cache.value_cache, a["block_tables"], a["seq_lens"],
         a["query_start_loc"], a["tree_mask"], impl.scale, max_query_len=a["max_query_len"],
         max_seq_len=a["max_seq_len"],
     )
+    out[a["out_rows"]] = tree[a["write"]]
 
 
 @dataclass(slots=True)

@@ -85,3 +85,34 @@ def test_tree_steps_reuse_each_layers_accessor_until_its_cache_changes():
     impl.sliding_window = 64  # unsupported features are refused when the accessor is built
     with pytest.raises(NotImplementedError, match="sliding window"):
         tree_verify._cache_accessor(tree_verify.TreeStep([], 0, frozenset()), impl, layer, torch.zeros(NB, H, BS, 2 * D))
+
+
+def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
+    """The GPU path (here through the kernel's torch reference) writes back only the rows off each
+    tree's leading chain: root and chain rows keep the stock kernel's output, bit for bit."""
+    from lookahead_vllm.core.draft_tree import DraftTree
+    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
+    from lookahead_vllm.vllm import tree_verify
+
+    plan = StepPlan(DraftTree(tokens=(1, 2, 3, 4, 5, 6), parents=(-1, 0, 1, 1, 0, 4), weights=(6, 5, 4, 3, 2, 1)))
+    assert plan.chain_prefix_length() == 3  # rows 0..3 causal, rows 4..6 off the chain
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(NB, H, BS, 2 * D, generator=gen)
+    cache = FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
+    start, context = 2, 40  # two rows of another request come first in the step
+    table, seq_len = torch.tensor([[3, 1]], dtype=torch.int32), context + plan.num_nodes + 1
+    req = tree_verify.TreeRequest("a", 0, start, plan, torch.from_numpy(plan.visibility()), True, None)
+    step = tree_verify.TreeStep([req], start + req.num_rows, frozenset())
+    step.all_rows = torch.arange(start, start + req.num_rows)
+    query = torch.randn(start + req.num_rows, H, D, generator=gen)
+    out = torch.full_like(query, 7.0)  # what the stock kernel wrote
+    metadata = SimpleNamespace(block_table=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+                               max_seq_len=seq_len)
+    tree_verify._paged_kernel(step, SimpleNamespace(scale=D**-0.5), query, cache, metadata, out)
+    rows = slice(start, start + req.num_rows)
+    expected = paged_tree_attention_ref(query[rows], cache.key_cache, cache.value_cache, table,
+                                        metadata.seq_lens, torch.tensor([0, req.num_rows], dtype=torch.int32),
+                                        pack_tree_mask(req.visible), D**-0.5)
+    assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
+    assert torch.allclose(out[start + 4:], expected[4:]) and not torch.equal(out[start + 4:], out[:3])
