@@ -312,8 +312,9 @@ def patch_tree_verification() -> bool:
     def make_prepare(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             out = original(self, scheduler_output, num_scheduled_tokens)
-            if getattr(getattr(self, "drafter", None), "tree_mode", False):
-                tree_verify.begin_step(self, scheduler_output, num_scheduled_tokens)
+            drafter = getattr(self, "drafter", None)
+            if getattr(drafter, "tree_mode", False):
+                drafter.verifier.begin_step(self, scheduler_output, num_scheduled_tokens)
             return out
 
         return _prepare_inputs
@@ -321,7 +322,9 @@ def patch_tree_verification() -> bool:
     def make_sample(original):
         def _sample(self, logits, spec_decode_metadata):
             out = original(self, logits, spec_decode_metadata)
-            tree_verify.finish_step(self, logits, spec_decode_metadata, out)
+            verifier = getattr(getattr(self, "drafter", None), "verifier", None)
+            if verifier is not None:
+                verifier.finish_step(self, logits, spec_decode_metadata, out)
             return out
 
         return _sample
@@ -336,7 +339,10 @@ def patch_tree_verification() -> bool:
                 guards.check_attention_backends([group.backend for group in groups], what)
                 layers = self.vllm_config.compilation_config.static_forward_context
                 names = [name for group in groups for name in group.layer_names]
-                guards.check_attention_layers([getattr(layers.get(n), "impl", None) for n in names], what)
+                impls = [getattr(layers.get(n), "impl", None) for n in names]
+                guards.check_attention_layers(impls, what)
+                for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
+                    setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
             return out
 
         return initialize_attn_backend
@@ -344,8 +350,9 @@ def patch_tree_verification() -> bool:
     def make_forward(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
             result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            if tree_verify._current is not None and self.attn_type == "decoder":
-                tree_verify.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
+            verifier = getattr(self, tree_verify.IMPL_ATTR, None)
+            if verifier is not None and verifier.current is not None and self.attn_type == "decoder":
+                verifier.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
             return result
 
         return forward

@@ -61,7 +61,7 @@ from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, 
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
-from lookahead_vllm.vllm.tree_verify import tree_verifiable
+from lookahead_vllm.vllm.tree_verify import TreeVerifier
 
 logger = init_logger(__name__)
 
@@ -215,9 +215,9 @@ class LookaheadProposer:
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
-        # The runner's request states (sampling params), as tree_verify last
-        # handed them (tree_plans).
-        self.requests: dict[str, Any] = {}
+        # Tree verification's state in this worker (tree_verify.TreeVerifier):
+        # the runner patches and the attention wrapper reach it from here.
+        self.verifier = TreeVerifier()
         # What the Jacobi window last yielded (pool tokens per window step)
         # and the probe interval it had reached: new requests start there, so
         # a workload where the window does not pay stops probing it anew for
@@ -533,7 +533,7 @@ class LookaheadProposer:
     def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:
         """Open the Jacobi window of a request (on admission or after a rewind)."""
         st.jacobi = None
-        if self.config.uses_jacobi and self._tree_verifiable(req_id):
+        if self.config.uses_jacobi and self.verifier.verifiable(req_id):
             c = self.config.profile
             st.jacobi = JacobiRequest.from_prompt(
                 tokens[:min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses,
@@ -611,7 +611,7 @@ class LookaheadProposer:
         """What a request may draft: its whole tree (tree mode, verifiable
         sampling) or the tree's best path as a chain; its nodes' calibration
         kinds; whether it is the tree."""
-        if self.tree_mode and req_id is not None and self._tree_verifiable(req_id):
+        if self.tree_mode and req_id is not None and self.verifier.verifiable(req_id):
             return tree, kinds, True
         if tree.is_chain():
             return tree, kinds, False
@@ -683,12 +683,6 @@ class LookaheadProposer:
         return chosen
 
     # ------------------------------------------- contract with tree_verify
-    def tree_plans(self, runner_requests: dict[str, Any]) -> dict[str, StepPlan]:
-        """This step's tree plans; ``runner_requests`` (the runner's request
-        states) tell later steps which requests can verify trees."""
-        self.requests = runner_requests
-        return self.plans
-
     def on_tree_truncated(self, count: int) -> None:
         """``count`` trees of this step were cut by the scheduler's token budget."""
         self.stats.tree_truncated += count
@@ -717,9 +711,6 @@ class LookaheadProposer:
         jac.credit(sum(1 for n in accepted_nodes if n >= jac.pool_from))
         self._window_prior = (jac.yield_est, jac.probe_every)
 
-    def _tree_verifiable(self, req_id: str) -> bool:
-        state = self.requests.get(req_id)
-        return state is not None and tree_verifiable(state.sampling_params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,10 @@ logger = init_logger(__name__)
 # or "reference" (gather the paged KV, pure-torch masked attention).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
+# The attribute the tree_verification patch sets on every attention impl of a tree-mode
+# engine: that engine's TreeVerifier.
+IMPL_ATTR = "_lookahead_verifier"
+
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
 GREEDY_EPS = 1e-5
 
@@ -121,20 +125,6 @@ class TreeResult:
     window_tokens: list[int] | None = None
 
 
-# The step being executed in this process (one model runner per worker process).
-_current: TreeStep | None = None
-
-# Request-steps whose scheduled drafts differed from the plan the proposer
-# kept (a bug, or a vLLM that rewrote drafts): verified as plain chains, counted
-# here (this process's runner), logged at the first and every 1000th.
-plan_mismatches = 0
-
-# Tests set a list here (in-process engines only) to receive, per verified
-# tree: the context token ids (root last), the plan, the node logits and the
-# committed K/V per layer after compaction (see tests/e2e/test_tree_oracle.py).
-recorder: list[dict[str, Any]] | None = None
-
-
 def tree_verifiable(sp: Any) -> bool:
     """Whether a request's sampling is per-row (no history along the draft)."""
     return (
@@ -155,97 +145,166 @@ def tree_verifiable(sp: Any) -> bool:
     )
 
 
-# ---------------------------------------------------------------- positions
+# ---------------------------------------------------------------- the verifier
 
 
-def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
-    """Collect this step's tree requests and give their rows tree positions."""
-    global _current
-    _current = None
-    drafter = runner.drafter
-    plans: dict[str, StepPlan] = drafter.tree_plans(runner.requests)
-    if not plans or not scheduler_output.scheduled_spec_decode_tokens:
-        return
-    starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
-    disabled = drafter.config.profile.debug_disable
-    requests, truncated = [], 0
-    for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
-        plan = plans.get(req_id)
-        if plan is None or not draft:
-            continue
-        truncated += len(draft) < plan.num_nodes  # the scheduler's token budget cut the tree
-        plan = plan.truncate(len(draft))
-        if plan.is_chain():
-            continue
-        if tuple(draft) != plan.tree.tokens:
-            _plan_mismatch(req_id, draft, plan)
-            continue  # vLLM's own chain verification of the scheduled tokens: lossless
-        row = runner.input_batch.req_id_to_index[req_id]
-        if num_scheduled_tokens[row] != plan.num_nodes + 1:
-            continue  # not a decode step of this request (cannot happen: prefill drafts are dropped)
-        sp = runner.requests[req_id].sampling_params
-        start = int(starts[row])
-        visible = torch.from_numpy(plan.visibility())
-        requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
-        if recorder is not None:
-            num_tokens = int(runner.input_batch.num_tokens_no_spec[row])
-            context = runner.input_batch.token_ids_cpu[row, :num_tokens].tolist()
-            recorder.append({"req_id": req_id, "context": context, "plan": plan})
-        if "positions" not in disabled:
-            offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
-            rows = slice(start, start + plan.num_nodes + 1)
-            runner.positions[rows] = runner.positions[start] + offsets
-    if truncated:
-        drafter.on_tree_truncated(truncated)
-    if requests:
-        _current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
-        _current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
+class TreeVerifier:
+    """Tree verification's state in one worker: the step being verified, the
+    plan-mismatch count, a test recorder, and the runner's request states.
 
-
-def _plan_mismatch(req_id: str, draft: list[int], plan: StepPlan) -> None:
-    """Count (and log) a request-step whose scheduled drafts are not its plan's tokens.
-
-    The request is left out of tree verification: positions stay linear, the
-    stock causal attention and rejection sampler verify the scheduled tokens
-    as one chain, exactly as for any chain draft, so the output is unchanged.
+    One per proposer (``LookaheadProposer.verifier``), so one per engine: the
+    runner patches reach it through ``runner.drafter``, the attention wrapper
+    through the layer impls ``initialize_attn_backend`` attached it to
+    (:data:`IMPL_ATTR`). The proposer's :attr:`~LookaheadProposer.plans` are
+    what it verifies; :class:`TreeResult` is what it hands back.
     """
-    global plan_mismatches
-    plan_mismatches += 1
-    if plan_mismatches == 1 or plan_mismatches % 1000 == 0:
-        logger.warning(
-            "lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a chain "
-            "(%d such request-steps so far)", req_id, list(draft)[:16], list(plan.tree.tokens)[:16], plan_mismatches,
-        )
+
+    def __init__(self) -> None:
+        # The step being executed (between begin_step and finish_step).
+        self.current: TreeStep | None = None
+        # Request-steps whose scheduled drafts differed from the plan the
+        # proposer kept (a bug, or a vLLM that rewrote drafts): verified as
+        # plain chains, counted here, logged at the first and every 1000th.
+        self.plan_mismatches = 0
+        # Tests set a list here (in-process engines) to receive, per verified
+        # tree: the context token ids (root last), the plan, the node logits
+        # and the committed K/V per layer after compaction
+        # (tests/e2e/test_tree_oracle.py).
+        self.recorder: list[dict[str, Any]] | None = None
+        # The runner's request states by id (sampling params): which requests
+        # can verify trees (bound by begin_step; tests bind their own).
+        self.runner_requests: dict[str, Any] = {}
+
+    def verifiable(self, req_id: str) -> bool:
+        """Whether a running request's sampling lets it verify a tree."""
+        state = self.runner_requests.get(req_id)
+        return state is not None and tree_verifiable(state.sampling_params)
+
+    def begin_step(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        """Collect this step's tree requests and give their rows tree positions."""
+        self.current = None
+        self.runner_requests = runner.requests  # the same dict for the runner's lifetime
+        drafter = runner.drafter
+        plans: dict[str, StepPlan] = drafter.plans
+        if not plans or not scheduler_output.scheduled_spec_decode_tokens:
+            return
+        starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
+        disabled = drafter.config.profile.debug_disable
+        requests, truncated = [], 0
+        for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
+            plan = plans.get(req_id)
+            if plan is None or not draft:
+                continue
+            truncated += len(draft) < plan.num_nodes  # the scheduler's token budget cut the tree
+            plan = plan.truncate(len(draft))
+            if plan.is_chain():
+                continue
+            if tuple(draft) != plan.tree.tokens:
+                self._plan_mismatch(req_id, draft, plan)
+                continue  # vLLM's own chain verification of the scheduled tokens: lossless
+            row = runner.input_batch.req_id_to_index[req_id]
+            if num_scheduled_tokens[row] != plan.num_nodes + 1:
+                continue  # not a decode step of this request (cannot happen: prefill drafts are dropped)
+            sp = runner.requests[req_id].sampling_params
+            start = int(starts[row])
+            visible = torch.from_numpy(plan.visibility())
+            requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
+            if self.recorder is not None:
+                num_tokens = int(runner.input_batch.num_tokens_no_spec[row])
+                context = runner.input_batch.token_ids_cpu[row, :num_tokens].tolist()
+                self.recorder.append({"req_id": req_id, "context": context, "plan": plan})
+            if "positions" not in disabled:
+                offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
+                rows = slice(start, start + plan.num_nodes + 1)
+                runner.positions[rows] = runner.positions[start] + offsets
+        if truncated:
+            drafter.on_tree_truncated(truncated)
+        if requests:
+            self.current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
+            self.current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
+
+    def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
+        """Count (and log) a request-step whose scheduled drafts are not its plan's tokens.
+
+        The request is left out of tree verification: positions stay linear, the
+        stock causal attention and rejection sampler verify the scheduled tokens
+        as one chain, exactly as for any chain draft, so the output is unchanged.
+        """
+        self.plan_mismatches += 1
+        if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
+            logger.warning(
+                "lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a chain "
+                "(%d such request-steps so far)", req_id, list(draft)[:16], list(plan.tree.tokens)[:16],
+                self.plan_mismatches,
+            )
+
+    def fix_tree_rows(
+        self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor,
+    ) -> None:
+        """Recompute the current step's tree rows of one attention layer (after the stock kernel)."""
+        step = self.current
+        if step is None or metadata is None or metadata.num_actual_tokens != step.num_tokens:
+            return
+        cache = _cache_accessor(step, impl, layer, kv_cache)
+        if step.slot_mapping is None:
+            step.slot_mapping = metadata.slot_mapping[: step.num_tokens].clone()
+        if "mask" in step.disabled:
+            return
+        out = output.view(-1, impl.num_heads, impl.head_size)
+        if isinstance(cache, CpuPagedKV) and TREE_ATTENTION != "reference":
+            _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
+            return
+        if isinstance(cache, FlashPagedKV):
+            _paged_kernel(step, impl, query, cache, metadata, out)
+            return
+        seq_lens = metadata.seq_lens.tolist()
+        for req in step.requests:
+            rows = slice(req.start, req.start + req.num_rows)
+            k, v = cache.gather_seq(metadata.block_table[req.row], seq_lens[req.row])
+            out[rows] = tree_attention_dense(query[rows], k, v, req.visible, impl.scale)
+
+    def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV."""
+        step, self.current = self.current, None
+        if step is None or spec_metadata is None:
+            return
+        cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
+        sampled = sampler_output.sampled_token_ids
+        moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
+        results = []
+        for req in step.requests:
+            first = cu_sampled[req.row] - req.num_rows
+            if req.walk:
+                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, logits[first : first + req.num_rows]))
+            else:
+                nodes, tokens = _leading_chain_result(req, sampled[req.row])
+            row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
+            row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
+            sampled[req.row] = row.to(sampled.device)
+            moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
+            window = None
+            if req.plan.has_lookahead:
+                window = _window_outputs(runner.drafter.config, req, logits[first : first + req.num_rows])
+            results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
+        runner.drafter.on_tree_results(results)
+        if moves and "compaction" not in step.disabled:
+            _compact(step, moves)
+        if self.recorder is not None:
+            self._record(step, logits, cu_sampled, sampled)
+
+    def _record(self, step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled: torch.Tensor) -> None:
+        entries = {e["req_id"]: e for e in self.recorder[-len(step.requests):]}
+        for req in step.requests:
+            first = cu_sampled[req.row] - req.num_rows
+            entry = entries[req.req_id]
+            entry["logits"] = logits[first : first + req.num_rows].float().clone()
+            entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
+            committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
+            entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
 
 # ---------------------------------------------------------------- attention
-
-
-def fix_tree_rows(
-    impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor,
-) -> None:
-    """Recompute the current step's tree rows of one attention layer (after the stock kernel)."""
-    step = _current
-    if step is None or metadata is None or metadata.num_actual_tokens != step.num_tokens:
-        return
-    cache = _cache_accessor(step, impl, layer, kv_cache)
-    if step.slot_mapping is None:
-        step.slot_mapping = metadata.slot_mapping[: step.num_tokens].clone()
-    if "mask" in step.disabled:
-        return
-    out = output.view(-1, impl.num_heads, impl.head_size)
-    if isinstance(cache, CpuPagedKV) and TREE_ATTENTION != "reference":
-        _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
-        return
-    if isinstance(cache, FlashPagedKV):
-        _paged_kernel(step, impl, query, cache, metadata, out)
-        return
-    seq_lens = metadata.seq_lens.tolist()
-    for req in step.requests:
-        rows = slice(req.start, req.start + req.num_rows)
-        k, v = cache.gather_seq(metadata.block_table[req.row], seq_lens[req.row])
-        out[rows] = tree_attention_dense(query[rows], k, v, req.visible, impl.scale)
 
 
 def _cpu_path_rounds(
@@ -451,48 +510,6 @@ def check_supported(impl: Any) -> None:
 
 
 # ---------------------------------------------------------------- acceptance
-
-
-def finish_step(runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-    """Replace tree requests' rejection-sampler rows by tree walks; compact KV."""
-    global _current
-    step, _current = _current, None
-    if step is None or spec_metadata is None:
-        return
-    cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
-    sampled = sampler_output.sampled_token_ids
-    moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
-    results = []
-    for req in step.requests:
-        first = cu_sampled[req.row] - req.num_rows
-        if req.walk:
-            nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, logits[first : first + req.num_rows]))
-        else:
-            nodes, tokens = _leading_chain_result(req, sampled[req.row])
-        row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
-        row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
-        sampled[req.row] = row.to(sampled.device)
-        moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-        window = None
-        if req.plan.has_lookahead:
-            window = _window_outputs(runner.drafter.config, req, logits[first : first + req.num_rows])
-        results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
-    runner.drafter.on_tree_results(results)
-    if moves and "compaction" not in step.disabled:
-        _compact(step, moves)
-    if recorder is not None:
-        _record(step, logits, cu_sampled, sampled)
-
-
-def _record(step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled: torch.Tensor) -> None:
-    entries = {e["req_id"]: e for e in recorder[-len(step.requests):]}
-    for req in step.requests:
-        first = cu_sampled[req.row] - req.num_rows
-        entry = entries[req.req_id]
-        entry["logits"] = logits[first : first + req.num_rows].float().clone()
-        entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
-        committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
-        entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
 
 def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]

@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (fp32). The proposer's drafts are altered after it kept
 its plans (the last token of every other step's drafts flipped), so
-``tree_verify.begin_step`` sees scheduled drafts that differ from the plan:
+``TreeVerifier.begin_step`` sees scheduled drafts that differ from the plan:
 those request-steps must fall back to vLLM's chain verification (before the
 fallback this raised and killed the engine) while the untouched steps still
 verify trees.
@@ -39,7 +39,6 @@ def test_plan_mismatch_falls_back_to_chain_losslessly(engines, prompts):
     from vllm import SamplingParams
 
     from lookahead_lab.offline import find_proposers
-    from lookahead_vllm.vllm import tree_verify
 
     subset = prompts["humaneval"][:4]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -47,7 +46,7 @@ def test_plan_mismatch_falls_back_to_chain_losslessly(engines, prompts):
     # Full trees (the forward-cost model off), so most drafts are trees.
     llm = engines.get("lookahead-plan-mismatch", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
     (proposer,) = find_proposers(llm)
-    mismatches = tree_verify.plan_mismatches
+    mismatches = proposer.verifier.plan_mismatches
     trees = proposer.stats.tree_request_steps
     restore = _flip_last_tokens(proposer)
     try:
@@ -55,6 +54,6 @@ def test_plan_mismatch_falls_back_to_chain_losslessly(engines, prompts):
     finally:
         restore()
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
-    assert tree_verify.plan_mismatches > mismatches, "no scheduled draft differed from its plan"
+    assert proposer.verifier.plan_mismatches > mismatches, "no scheduled draft differed from its plan"
     assert proposer.stats.tree_request_steps > trees, "the unaltered steps verified no tree"
     assert ours.num_accepted > 0

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lookahead_lab.offline import generate
-from lookahead_vllm.vllm import tree_verify
+from lookahead_lab.offline import find_proposers, generate
 
 pytestmark = pytest.mark.vllm
 
@@ -37,12 +36,13 @@ def _record(engines, prompts, name, **lookahead):
     from vllm import SamplingParams
 
     llm = engines.get(name, lookahead={"draft_shape": "hier", **lookahead})
-    tree_verify.recorder = []
+    (verifier,) = [p.verifier for p in find_proposers(llm)]
+    verifier.recorder = []
     try:
         generate(llm, prompts["humaneval"][:3], SamplingParams(temperature=0.0, max_tokens=40), 1)
-        return [e for e in tree_verify.recorder if "logits" in e]
+        return [e for e in verifier.recorder if "logits" in e]
     finally:
-        tree_verify.recorder = None
+        verifier.recorder = None
 
 
 @torch.no_grad()

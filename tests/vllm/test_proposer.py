@@ -200,7 +200,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
                       min_draft_confidence=0.0, max_match_length=4, cost_free_tokens=0,
                       context_match=0)
     assert p.config.decoding_length == 16 - 5 and p.tree_mode
-    p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     drafts = step(p, {"a": A + [1]}, {"a": len(A)})
     plan = p.plans["a"]
     # The trie's chain (depth <= branch_length - 4), then W(N-1)-1 = 5 window nodes.
@@ -235,7 +235,7 @@ def test_jacobi_state_rebuilt_identically_after_a_rewind():
     from vllm import SamplingParams
 
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2, cost_free_tokens=0)
-    p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
     first = [list(r) for r in p.request_state("a").jacobi.window.rows]
     p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])
@@ -252,7 +252,7 @@ def test_jacobi_window_is_priced_by_the_cost_model():
     def proposer():
         p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
                           cost_free_tokens=4, cost_marginal_tokens=8)
-        p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+        p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
         return p
 
     # Prior yield 1 token vs need 1 * (cost(6 tokens, 3 paths) / cost(1) - 1)
@@ -292,7 +292,7 @@ def test_tree_side_branches_priced_per_path():
     def draft(per_path: float) -> list[int]:
         p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
                           cost_free_tokens=8, path_setup=0.0, cost_per_path=per_path, source="trie")  # tokens free: only paths priced
-        p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+        p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
         return step(p, {"a": prompt + [1]}, {"a": len(prompt)})[0]
 
     # Free paths: the tree keeps the rarer branch "4" beside "3" (a second path).
@@ -329,7 +329,7 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     # 0.22) pays for its twentieth of a forward.
     p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, max_match_length=2,
                       cost_free_tokens=4, cost_marginal_tokens=20, path_setup=0.0, cost_per_path=0.0, source="trie")
-    p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     rows, lens = {"a": prompt + [1]}, {"a": len(prompt)}
     assert step(p, rows, lens)[0] == [2, 3, 9, 4]
     # Verification then shows side branches of that confidence are never accepted.
@@ -345,7 +345,7 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
                       cost_free_tokens=4, cost_marginal_tokens=8)
     greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
-    p.tree_plans({"a": greedy, "b": greedy})
+    p.verifier.runner_requests = {"a": greedy, "b": greedy}
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.plans["a"].has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
     for _ in range(8):
@@ -386,7 +386,7 @@ def test_context_chain_is_not_used_by_source_jacobi():
     from vllm import SamplingParams
 
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2)
-    p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.drafter.num_context_indexes() == 0 and p.stats.context_drafts == 0
 
@@ -398,7 +398,7 @@ def test_index_tree_offers_the_branches_of_diverging_matches():
     # and keeps 5 as a side branch in tree mode.
     prompt = [1, 2, 3, 4, 8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8]
     p = make_proposer(k=4, draft_shape="hier", min_draft_confidence=0.0, cost_free_tokens=8, path_setup=0.0, cost_per_path=0.0)
-    p.tree_plans({"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))})
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     draft = step(p, {"a": prompt + [1, 2, 3]}, {"a": len(prompt)})[0]
     assert draft[:2] == [5, 8] or draft[0] == 4
     assert {4, 5} <= set(draft) and p.plans["a"].tree.parents.count(-1) == 2
