@@ -12,6 +12,11 @@ from lookahead_lab.offline import engine_kwargs, shutdown_engine
 MAX_TOKENS = 64
 NUM_HUMANEVAL = 20
 NUM_MTBENCH = 10
+# Batch-1 losslessness runs (one step per token: the slow part of this suite)
+# use the first NUM_BS1 HumanEval prompts, so that they share one plain run
+# (plain_run key ("humaneval[:NUM_BS1]", "greedy")); batch-8 runs that need
+# no more than one batch use the first 8 (key ("humaneval[:8]", "greedy")).
+NUM_BS1 = 5
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +76,11 @@ class Engines:
         vLLM's global parallel groups to the engines still alive."""
         shutdown_engine(self._llms.pop(name), keep_parallel_groups=bool(self._llms))
 
+    def release(self, llm) -> None:
+        """Shut down ``llm`` (an engine of this pool) now: for engines one test
+        uses, so that they do not evict engines other tests still use."""
+        self.shutdown(next(name for name, e in self._llms.items() if e is llm))
+
     def close(self) -> None:
         while self._llms:
             self.shutdown(next(iter(self._llms)))
@@ -82,8 +92,27 @@ class Engines:
 @pytest.fixture(scope="package")
 def engines(smollm2_dir):
     pool = Engines(smollm2_dir)
+    _POOLS.append(pool)
     yield pool
+    _POOLS.remove(pool)
     pool.close()
+
+
+# Engines several modules use; every other engine a module builds is shut down
+# when the module ends, so that the least-recently-used eviction never throws
+# out (and a later module rebuilds, ~10 s each on 2 cores) one of these.
+SHARED_ENGINES = {"plain", "lookahead", "lookahead-hier-cost0"}
+
+
+_POOLS: list[Engines] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_engines():
+    yield
+    for pool in _POOLS:
+        for name in [n for n in pool._llms if n not in SHARED_ENGINES]:
+            pool.shutdown(name)
 
 
 _PLAIN_RUNS: dict = {}

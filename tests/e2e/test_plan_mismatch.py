@@ -43,8 +43,9 @@ def test_plan_mismatch_falls_back_to_chain_losslessly(engines, prompts):
     subset = prompts["humaneval"][:4]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     plain = generate(engines.get("plain"), subset, params, 4)
-    # Full trees (the forward-cost model off), so most drafts are trees.
-    llm = engines.get("lookahead-plan-mismatch", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
+    # Full trees (the forward-cost model off), so most drafts are trees. The
+    # engine is shared with test_sampling (conftest.SHARED_ENGINES).
+    llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
     (proposer,) = find_proposers(llm)
     mismatches = proposer.verifier.plan_mismatches
     trees = proposer.stats.tree_request_steps

@@ -55,10 +55,16 @@ def sampling_prompts(prompts):
     return prompts["mtbench"][:10] + prompts["humaneval"][:10]
 
 
-def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts):
+@pytest.fixture(scope="module")
+def plain_loglik(engines, tokenizer, sampling_prompts) -> float:
+    """Plain vLLM's sampled tokens' mean log-likelihood (seeds 1000...), shared by the tests below."""
     plain = _sample(engines.get("plain"), sampling_prompts, seed=1000)
+    return _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, plain)
+
+
+def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, plain_loglik):
     ours = _sample(engines.get("lookahead"), sampling_prompts, seed=2000)
-    ll_plain = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, plain)
+    ll_plain = plain_loglik
     ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
     print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead {ll_ours:.3f}")
     assert ll_plain > -math.log(49152) / 2  # sanity: far above uniform
@@ -74,6 +80,7 @@ def test_same_seed_reproduces_text(engines, sampling_prompts):
     trie that has learnt from other traffic in between.
     """
     first = _sample(engines.get("lookahead-seed-a"), sampling_prompts[:6], seed=7)
+    engines.shutdown("lookahead-seed-a")  # used here only: the shared engines stay alive
     second = _sample(engines.get("lookahead-seed-b"), sampling_prompts[:6], seed=7)
     other = _sample(engines.get("lookahead-seed-b"), sampling_prompts[:6], seed=8)
     assert first == second
@@ -85,20 +92,20 @@ def test_sampling_with_drafts_accepts_tokens(engines, sampling_prompts):
     assert ours.num_drafts > 0 and ours.num_accepted > 0
 
 
-def test_tree_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts):
+def test_tree_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, plain_loglik):
     """Tree acceptance by sampling (draft_shape="hier") stays on the target distribution."""
     from lookahead_lab.offline import find_proposers
 
-    # The forward-cost model off (as in test_tree_verify, same engine): at
-    # batch 8 it keeps few side branches, and this test is about trees.
-    llm = engines.get("lookahead-tree-hier-cost_free_tokens0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
+    # The forward-cost model off (as in test_tree_verify; the engine is
+    # test_plan_mismatch's): at batch 8 it keeps few side branches, and this
+    # test is about trees.
+    llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
     (proposer,) = find_proposers(llm)
     before = proposer.stats.tree_request_steps
-    plain = _sample(engines.get("plain"), sampling_prompts, seed=1000)
     # Batches of 8: with 20 running requests load adaptation (load_stop_at=16) stops drafting.
     ours = generate(llm, sampling_prompts, _params(4000)[: len(sampling_prompts)], 8).token_ids
     assert proposer.stats.tree_request_steps > before, "no tree was verified while sampling"
-    ll_plain = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, plain)
+    ll_plain = plain_loglik
     ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
     print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead hier {ll_ours:.3f}")
     assert abs(ll_ours - ll_plain) < TOLERANCE, (ll_plain, ll_ours)

@@ -11,7 +11,7 @@ import pytest
 from lookahead_lab.offline import count_mismatches, generate
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
 
-from .conftest import MAX_TOKENS, plain_run
+from .conftest import MAX_TOKENS, NUM_BS1, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -30,10 +30,11 @@ def _params(n: int, mixed: bool, **extra):
     return [(plain, off, penalised)[i % 3] for i in range(n)]
 
 
-def _plain(engines, prompts, dataset, bs, mixed):
-    ps = prompts[dataset]
+def _plain(engines, prompts, dataset, bs, mixed, n=None):
+    ps = prompts[dataset][:n]
+    key = dataset if n is None else f"{dataset}[:{n}]"
     # Unmixed greedy is the same run as test_greedy_identity's (shared).
-    return plain_run(engines, ps, _params(len(ps), mixed), bs, (dataset, "mixed" if mixed else "greedy"))
+    return plain_run(engines, ps, _params(len(ps), mixed), bs, (key, "mixed" if mixed else "greedy"))
 
 
 def _tree_engine(engines, shape: str, **extra):
@@ -46,17 +47,23 @@ def _tree_engine(engines, shape: str, **extra):
 
 
 @pytest.mark.parametrize(
-    "shape,dataset,bs,mixed",
+    "shape,dataset,n,bs,mixed",
     [
-        # Slow (~70 s): hier at bs 1 stays in the default suite on MT-Bench.
-        pytest.param("hier", "humaneval", 1, False, marks=pytest.mark.slow),
-        ("hier", "mtbench", 1, False),
-        ("hier", "humaneval", 8, True),
-        ("hier", "mtbench", 8, True),
-        ("par", "humaneval", 8, True),
+        # bs 1 on the first NUM_BS1 HumanEval prompts (their plain run is
+        # shared with test_greedy_identity and test_jacobi).
+        ("hier", "humaneval", NUM_BS1, 1, False),
+        # Slow (~70 s each): the same check as the default bs-1 case on all
+        # prompts of either dataset.
+        pytest.param("hier", "humaneval", None, 1, False, marks=pytest.mark.slow),
+        pytest.param("hier", "mtbench", None, 1, False, marks=pytest.mark.slow),
+        ("hier", "humaneval", None, 8, True),
+        # Slow (~40 s): the same check as (hier, humaneval, bs 8, mixed) on the
+        # second dataset; par keeps a second tree shape at bs 8 in the default suite.
+        pytest.param("hier", "mtbench", None, 8, True, marks=pytest.mark.slow),
+        ("par", "humaneval", None, 8, True),
     ],
 )
-def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mixed):
+def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs, mixed):
     from lookahead_lab.offline import find_proposers
 
     # Side branches go out at every batch size: the forward-cost model (which
@@ -67,8 +74,9 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mi
     before = proposer.stats.as_dict()
     cal = proposer.calibrator
     seen_before, accepted_before = cal.nodes.copy(), cal.accepted.sum()
-    ours = generate(llm, prompts[dataset], _params(len(prompts[dataset]), mixed), bs)
-    plain = _plain(engines, prompts, dataset, bs, mixed)
+    ps = prompts[dataset][:n]
+    ours = generate(llm, ps, _params(len(ps), mixed), bs)
+    plain = _plain(engines, prompts, dataset, bs, mixed, n)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     after = proposer.stats.as_dict()
     # Trees were really verified, and some accepted node was off the leading
@@ -86,10 +94,12 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, bs, mi
 def test_each_piece_is_needed(engines, prompts, switch):
     """Negative controls: switching off one piece must break greedy identity."""
     subset = prompts["humaneval"][:8]
-    plain = _plain(engines, {"humaneval[:8]": subset}, "humaneval[:8]", 8, False)
+    plain = _plain(engines, prompts, "humaneval", 8, False, 8)
     # Full trees at batch 8 (the forward-cost model off), so every piece is exercised.
     llm = _tree_engine(engines, "hier", _profile={"debug_disable": [switch]}, cost_free_tokens=0)
     ours = generate(llm, subset, _params(len(subset), False), 8)
+    # Used here only: shut down now, so that the shared tree engine stays alive.
+    engines.release(llm)
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
 
 
@@ -97,7 +107,7 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
     """Trees cut by a small max_num_batched_tokens (chunked prefill), with prefix caching reuse."""
     subset = prompts["humaneval"][:6]
     params = _params(len(subset), False)
-    plain = generate(engines.get("plain"), subset, params, 6)
+    plain = _plain(engines, prompts, "humaneval", 6, False, 6)  # shared with test_jacobi
     llm = engines.get(
         "lookahead-tree-hier-small-budget",
         # Full trees (the forward-cost model off) so the token budget must cut some.
@@ -113,6 +123,7 @@ def test_small_token_budget_and_prefix_cache_stay_lossless(engines, prompts):
     again = generate(llm, subset, params, 6)  # prompts now hit the prefix cache
     assert count_mismatches(plain.token_ids, first.token_ids) == 0
     assert count_mismatches(plain.token_ids, again.token_ids) == 0
+    engines.release(llm)  # used here only
     assert proposer.stats.tree_truncated > 0, "the token budget never cut a tree"
 
 
