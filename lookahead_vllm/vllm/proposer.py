@@ -336,10 +336,11 @@ class LookaheadProposer:
     def _step_budget(self, num_rows: int) -> int | None:
         """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no
         more than keeps the step's scored tokens within the largest CUDA graph."""
-        caps = [c for c in (self.config.profile.step_draft_budget,) if c > 0]
+        budget = self.config.profile.step_draft_budget or None
         if self._graph_tokens > num_rows:
-            caps.append(self._graph_tokens - num_rows)
-        return min(caps) if caps else None
+            room = self._graph_tokens - num_rows
+            budget = room if budget is None else min(budget, room)
+        return budget
 
     def _new_drafter(self) -> None:
         """A fresh Drafter and the confidence calibrator that goes with it."""
