@@ -67,7 +67,7 @@ import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 from baselines import NGRAM_BASELINES, SUFFIX_BASELINES, baseline_config  # noqa: E402
 
@@ -316,15 +316,31 @@ def free_engine(llm: Any) -> None:
     shutdown_engine(llm)
 
 
-def proposers(llm: Any) -> list[Any]:
+def on_engine(llm: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(root, *args)`` where the engine's drafters live, and its result.
+
+    In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU
+    benchmarks): ``root`` is the ``LLM``. An engine core in its own process
+    (bench_gpu's CUDA-graph engines): ``fn`` travels by ``collective_rpc``
+    (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) and ``root`` is the worker. The
+    walks below start from either.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+
+    if isinstance(llm.llm_engine.engine_core, InprocClient):
+        return fn(llm, *args)
+    return llm.collective_rpc(fn, args=args)[0]
+
+
+def proposers(root: Any) -> list[Any]:
     from lookahead_lab.offline import find_proposers
 
-    return find_proposers(llm)
+    return find_proposers(root)
 
 
-def vllm_drafter(llm: Any) -> Any:
-    """The model runner's ``drafter`` of an in-process ``LLM`` (None: plain)."""
-    stack, seen = [llm], set()
+def vllm_drafter(root: Any) -> Any:
+    """The model runner's ``drafter`` under ``root`` (None: plain)."""
+    stack, seen = [root], set()
     while stack:
         obj = stack.pop()
         if obj is None or id(obj) in seen:
@@ -340,8 +356,12 @@ def vllm_drafter(llm: Any) -> Any:
 def time_vllm_drafter(llm: Any) -> None:
     """Time vLLM's own drafter (ngram, suffix): its ``propose`` adds to
     ``drafter.bench_counters`` the ``ProposerStats`` names drafter_summary reads."""
-    drafter = vllm_drafter(llm)
-    if drafter is None or proposers(llm):  # plain, or lookahead (which counts itself)
+    on_engine(llm, _time_vllm_drafter)
+
+
+def _time_vllm_drafter(root: Any) -> None:
+    drafter = vllm_drafter(root)
+    if drafter is None or proposers(root):  # plain, or lookahead (which counts itself)
         return
     counters: Counter = Counter()
     propose = drafter.propose
@@ -358,22 +378,34 @@ def time_vllm_drafter(llm: Any) -> None:
 
 def reset_drafters(llm: Any) -> None:
     """Forget everything drafted from so far: lookahead's tries, suffix's global tree."""
-    for proposer in proposers(llm):
+    on_engine(llm, _reset_drafters)
+
+
+def _reset_drafters(root: Any) -> None:
+    for proposer in proposers(root):
         proposer.reset()
-    cache = getattr(vllm_drafter(llm), "suffix_cache", None)
+    cache = getattr(vllm_drafter(root), "suffix_cache", None)
     for req_id in list(cache.cached_requests if cache is not None else ()):
         cache.evict_cached_response(req_id)
 
 
 def preload_drafter(llm: Any, outputs: list[list[int]]) -> None:
     """Teach the first proposer past responses (``-warm`` methods)."""
-    proposers(llm)[0].warm_start(outputs)
+    on_engine(llm, _preload_drafter, outputs)
+
+
+def _preload_drafter(root: Any, outputs: list[list[int]]) -> None:
+    proposers(root)[0].warm_start(outputs)
 
 
 def drafter_size(llm: Any) -> int | None:
     """What the lookahead drafters learned: trie nodes plus draft-index corpus
     tokens (None: no lookahead proposer)."""
-    found = proposers(llm)
+    return on_engine(llm, _drafter_size)
+
+
+def _drafter_size(root: Any) -> int | None:
+    found = proposers(root)
     if not found:
         return None
     index = [p.drafter.index for p in found if getattr(p.drafter, "index", None) is not None]
@@ -382,7 +414,11 @@ def drafter_size(llm: Any) -> int | None:
 
 def calibration(llm: Any) -> dict | None:
     """The first proposer's learned confidence calibration (None: no lookahead or calibration off)."""
-    found = proposers(llm)
+    return on_engine(llm, _calibration)
+
+
+def _calibration(root: Any) -> dict | None:
+    found = proposers(root)
     cal = found[0].calibrator if found else None
     return cal.summary() if cal is not None else None
 
@@ -390,10 +426,14 @@ def calibration(llm: Any) -> dict | None:
 def drafter_counters(llm: Any) -> Counter:
     """Raw ``ProposerStats`` counters summed over the engine's proposers
     (vLLM's own drafters: steps and time from ``time_vllm_drafter``)."""
-    total: Counter = Counter(getattr(vllm_drafter(llm), "bench_counters", {}))
-    for proposer in proposers(llm):
+    return Counter(on_engine(llm, _drafter_counters))
+
+
+def _drafter_counters(root: Any) -> dict[str, int]:
+    total: Counter = Counter(getattr(vllm_drafter(root), "bench_counters", {}))
+    for proposer in proposers(root):
         total.update(proposer.stats.counters())
-    return total
+    return {k: int(v) for k, v in total.items()}  # plain ints in a plain dict: collective_rpc's encoder
 
 
 # ---------------------------------------------------------------- CPU meter
