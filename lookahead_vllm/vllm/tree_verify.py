@@ -15,8 +15,10 @@ the acceptance treat those tokens as a tree:
                      with the tree mask (committed context + root + ancestors)
                      over the paged cache: on CPU with vLLM's own kernel, one
                      root-to-leaf path per call (``LOOKAHEAD_TREE_ATTENTION=
-                     reference``: the pure-torch reference), on GPU with the
-                     csrc kernel, every tree of the step in one launch.
+                     reference``: the pure-torch reference); on GPU the same
+                     path rounds through vLLM's FlashAttention (``=kernel``:
+                     the csrc kernel, every tree of the step in one launch,
+                     whose bf16 rounding differs from FlashAttention's).
 ``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
                      of tree requests are replaced by a tree walk (greedy
                      argmax, or a sample with the request's own temperature,
@@ -57,8 +59,9 @@ from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 logger = init_logger(__name__)
 
-# CPU tree attention: "paths" (vLLM's kernel, one root-to-leaf path per round)
-# or "reference" (gather the paged KV, pure-torch masked attention).
+# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round),
+# "reference" (CPU: gather the paged KV, pure-torch masked attention) or
+# "kernel" (GPU: the csrc tree kernel, one launch a step).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
 # The attribute the tree_verification patch sets on every attention impl of a tree-mode
@@ -105,8 +108,9 @@ class TreeStep:
     # CPU path rounds (shared by all layers) and every tree row, built lazily.
     path_plan: PathPlan | None = None
     all_rows: torch.Tensor | None = None
-    # GPU kernel arguments (shared by all layers), built lazily.
+    # GPU kernel arguments / FlashAttention path rounds (shared by all layers), built lazily.
     kernel_args: dict | None = None
+    flash_rounds: FlashRounds | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +260,10 @@ class TreeVerifier:
             _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
             return
         if isinstance(cache, FlashPagedKV):
-            _paged_kernel(step, impl, query, cache, metadata, out)
+            if TREE_ATTENTION == "kernel":
+                _paged_kernel(step, impl, query, cache, metadata, out)
+            else:
+                _flash_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
             return
         seq_lens = metadata.seq_lens.tolist()
         for req in step.requests:
@@ -352,6 +359,62 @@ def _cpu_path_rounds(
     rows = plan.restore_rows
     ops.cpu_attn_reshape_and_cache(key.index_select(0, rows), value.index_select(0, rows), key_cache, value_cache,
                                    plan.restore_slots, layer.isa, **scales)
+
+
+@dataclass(slots=True)
+class FlashRounds:
+    """The step's path rounds as FlashAttention metadata on the GPU; shared by all layers."""
+
+    metas: list[Any]  # one FlashAttentionMetadata per PathRound
+    kv_rows: torch.Tensor
+    query_rows: torch.Tensor
+    restore_rows: torch.Tensor
+    restore_slots: torch.Tensor
+
+
+def _flash_rounds(step: TreeStep, plan: PathPlan, metadata: Any, device: torch.device) -> FlashRounds:
+    import dataclasses
+
+    if step.flash_rounds is None:
+        metas = []
+        for rnd in plan.rounds:
+            lens = rnd.seq_lens.tolist()
+            metas.append(dataclasses.replace(
+                metadata, num_actual_tokens=rnd.q.stop - rnd.q.start,
+                max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
+                query_start_loc=rnd.query_start_loc.to(device), max_seq_len=max(lens),
+                seq_lens=rnd.seq_lens.to(device), block_table=rnd.block_table.to(device),
+                slot_mapping=rnd.slots.to(device), scheduler_metadata=None, causal=True,
+            ))
+        step.flash_rounds = FlashRounds(metas, plan.kv_rows.to(device), plan.query_rows.to(device),
+                                        plan.restore_rows.to(device), plan.restore_slots.to(device))
+    return step.flash_rounds
+
+
+def _flash_path_rounds(
+    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
+) -> None:
+    """Tree attention on GPU with vLLM's own FlashAttention: the CPU's path rounds
+    (:func:`_cpu_path_rounds`) through the backend's stock ``forward`` and
+    ``do_kv_cache_update``, so every tree row comes from the kernel, and with the
+    rounding, plain decoding uses. The tree kernel's rows (``LOOKAHEAD_TREE_ATTENTION=
+    kernel``) left greedy outputs at bf16 near-ties on the H200 (docs/gpu.md).
+    """
+    plan = _path_plan(step, metadata)
+    if not plan.rounds:
+        return
+    dev = _flash_rounds(step, plan, metadata, query.device)
+    forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
+    path_k, path_v = key.index_select(0, dev.kv_rows), value.index_select(0, dev.kv_rows)
+    path_q = query.index_select(0, dev.query_rows)
+    path_out = torch.empty_like(path_q)
+    for rnd, meta in zip(plan.rounds, dev.metas):
+        impl.do_kv_cache_update(layer, path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta.slot_mapping)
+        forward(impl, layer, path_q[rnd.q], path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta, path_out[rnd.q])
+    out.index_copy_(0, dev.query_rows, path_out.view(-1, impl.num_heads, impl.head_size))
+    impl.do_kv_cache_update(layer, key.index_select(0, dev.restore_rows), value.index_select(0, dev.restore_rows),
+                            kv_cache, dev.restore_slots)
 
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:

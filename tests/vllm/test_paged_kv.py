@@ -116,3 +116,82 @@ def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
                                         pack_tree_mask(req.visible), D**-0.5)
     assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
     assert torch.allclose(out[start + 4:], expected[4:]) and not torch.equal(out[start + 4:], out[:3])
+
+
+class _FlashRefImpl:
+    """vLLM 0.32 FLASH_ATTN's contract in torch (a CPU stand-in for the GPU backend): ``forward``
+    is causal paged attention of each request's query tail over its first ``seq_len`` cache
+    slots; ``do_kv_cache_update`` writes K/V at slots. Shapes and metadata fields as vLLM's."""
+
+    num_heads, head_size, scale = H, D, D**-0.5
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        FlashPagedKV(self, layer, kv_cache).write_slots(slots, key, value)
+
+    def forward(self, layer, query, key, value, kv_cache, meta, output):
+        cache = FlashPagedKV(self, layer, kv_cache)
+        qsl = meta.query_start_loc.tolist()
+        for i, seq_len in enumerate(meta.seq_lens.tolist()):
+            k, v = cache.gather_seq(meta.block_table[i], seq_len)
+            q = query[qsl[i]: qsl[i + 1]]
+            n = len(q)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            causal = torch.arange(seq_len)[None, :] <= (seq_len - n + torch.arange(n))[:, None]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            output[qsl[i]: qsl[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        return output
+
+
+def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
+    """On GPU the tree rows off the leading chain come from FlashAttention itself, one
+    root-to-leaf path per round (what keeps greedy outputs plain's in bf16): here through the
+    backend's contract in torch. Off-chain rows equal tree attention, root and chain rows keep
+    the stock kernel's output, and every slot a round borrowed holds its own row's K/V after."""
+    from dataclasses import dataclass
+
+    from lookahead_vllm.core.draft_tree import DraftTree
+    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
+    from lookahead_vllm.vllm import tree_verify
+
+    @dataclass
+    class Meta:  # the FlashAttentionMetadata fields the rounds replace (dataclasses.replace needs a dataclass)
+        num_actual_tokens: int
+        max_query_len: int
+        query_start_loc: torch.Tensor
+        max_seq_len: int
+        seq_lens: torch.Tensor
+        block_table: torch.Tensor
+        slot_mapping: torch.Tensor
+        scheduler_metadata: object = None
+        causal: bool = True
+
+    # Two branches off the chain: rows 4..6 need two rounds (paths 0-4-6... and 0-1-3).
+    plan = StepPlan(DraftTree(tokens=(1, 2, 3, 4, 5, 6), parents=(-1, 0, 1, 1, 0, 4), weights=(6, 5, 4, 3, 2, 1)))
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(NB, H, BS, 2 * D, generator=gen)
+    impl, cache = _FlashRefImpl(), FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
+    start, context = 2, 130  # another request's two rows first; the tree crosses a block boundary
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    n = 1 + plan.num_nodes
+    seq_len = context + n
+    tree_slots = torch.tensor([int(table[0, p // BS]) * BS + p % BS for p in range(context, seq_len)])
+    slot_mapping = torch.cat([torch.tensor([0, 1]), tree_slots])  # block 0: the other request
+    key, value, query = (torch.randn(start + n, H, D, generator=gen) for _ in range(3))
+    impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)  # the stock step wrote every row
+    before = kv_cache.clone()
+    req = tree_verify.TreeRequest("a", 0, start, plan, torch.from_numpy(plan.visibility()), True, None)
+    step = tree_verify.TreeStep([req], start + n, frozenset())
+    step.slot_mapping = slot_mapping
+    meta = Meta(start + n, n, torch.tensor([0, start, start + n], dtype=torch.int32), seq_len,
+                torch.tensor([seq_len], dtype=torch.int32), table, slot_mapping)
+    out = torch.full_like(query, 7.0)  # what the stock kernel wrote
+    tree_verify._flash_path_rounds(step, impl, None, query, key, value, kv_cache, meta, out)
+    assert len(step.path_plan.rounds) == 2
+    rows = slice(start, start + n)
+    expected = paged_tree_attention_ref(query[rows], cache.key_cache, cache.value_cache, table,
+                                        meta.seq_lens, torch.tensor([0, n], dtype=torch.int32),
+                                        pack_tree_mask(req.visible), D**-0.5)
+    assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
+    assert torch.allclose(out[start + 4:], expected[4:], atol=1e-5)
+    assert torch.equal(kv_cache, before)  # borrowed slots restored
