@@ -329,6 +329,7 @@ def on_engine(llm: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
     if isinstance(llm.llm_engine.engine_core, InprocClient):
         return fn(llm, *args)
+    # Results must be plain Python values: a Counter never came back (the call hung, no error).
     return llm.collective_rpc(fn, args=args)[0]
 
 
