@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall-clock budget: later cells and parts are skipped (and say so) once it is spent")
     p.add_argument("--cost-reserve-s", type=float, default=150.0,
                    help="seconds of the budget the speed part leaves for the cost part")
+    p.add_argument("--identity-modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"],
+                   help="engines the identity part compares (graphs: CUDA graphs, a GPU only)")
     p.add_argument("--pytest-timeout-s", type=float, default=240.0, help="the kernels part's pytest -m gpu limit")
     p.add_argument("--model", default=None, help="identity/speed model (default: converted SmolLM2; --dry: tiny)")
     p.add_argument("--prompts", type=Path, default=PROMPTS_FILE, help="prompt file used where data packages lack")
@@ -255,10 +257,10 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompts = identity_prompts(args)
     batch_sizes = DRY["identity_batch_sizes"] if args.dry else [1, 8]
-    modes = ["eager"] if args.dry or not on_gpu() else ["eager", "graphs"]
+    modes = ["eager"] if args.dry or not on_gpu() else list(args.identity_modes)
     result.update(num_prompts=len(prompts), max_tokens=args.max_tokens, cells=[])
-    if len(modes) == 1:
-        result["graphs_skipped"] = "CUDA graphs need a GPU"
+    if "graphs" not in modes:
+        result["graphs_skipped"] = "CUDA graphs need a GPU" if args.dry or not on_gpu() else "--identity-modes"
     for mode in modes:
         engines = state["engines"] = build_engines(["plain", *lookahead_methods()], args, graphs=mode == "graphs")
         for bs in batch_sizes:
