@@ -42,6 +42,8 @@ struct CompactArgs {
   int block_size;
   int64_t stride_block, stride_token;     // bytes
   int64_t row_units;                      // slot row length in units of U
+  int64_t head_units;                     // one head's length in units of U
+  int64_t stride_head;                    // bytes between a slot's heads
   int chunk_units;                        // columns per CTA
   const int64_t* src;
   const int64_t* dst;
@@ -50,6 +52,12 @@ struct CompactArgs {
 
 __device__ __forceinline__ int64_t slot_offset(const CompactArgs& a, int64_t slot) {
   return (slot / a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_token;
+}
+
+// Byte offset of unit `col` of a slot's row: heads may be strided (HND caches).
+template <typename U>
+__device__ __forceinline__ int64_t unit_offset(const CompactArgs& a, int64_t slot, int64_t col) {
+  return slot_offset(a, slot) + (col / a.head_units) * a.stride_head + (col % a.head_units) * sizeof(U);
 }
 
 __device__ __forceinline__ bool valid_slot(const CompactArgs& a, int64_t slot) {
@@ -72,7 +80,7 @@ __global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(const Compa
     if (q < items) {
       const int64_t slot = a.src[q / cols];
       if (valid_slot(a, slot)) {
-        const char* from = cache + slot_offset(a, slot) + (col0 + q % cols) * sizeof(U);
+        const char* from = cache + unit_offset<U>(a, slot, col0 + q % cols);
         staged[k] = *reinterpret_cast<const U*>(from);
       }
     }
@@ -86,17 +94,22 @@ __global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(const Compa
       const int64_t src = a.src[q / cols];
       const int64_t dst = a.dst[q / cols];
       if (valid_slot(a, src) && valid_slot(a, dst)) {
-        char* to = cache + slot_offset(a, dst) + (col0 + q % cols) * sizeof(U);
+        char* to = cache + unit_offset<U>(a, dst, col0 + q % cols);
         *reinterpret_cast<U*>(to) = staged[k];
       }
     }
   }
 }
 
-// Widest copy unit (16/8/4/2/1 bytes) that divides every pointer, stride and the row.
+// A slot row's head length and head stride in bytes (head_bytes = 0: one contiguous "head").
+int64_t head_bytes(const LookaheadCompactParams* p) { return p->head_bytes > 0 ? p->head_bytes : p->row_bytes; }
+int64_t head_stride(const LookaheadCompactParams* p) { return p->head_bytes > 0 ? p->stride_head_bytes : p->row_bytes; }
+
+// Widest copy unit (16/8/4/2/1 bytes) that divides every pointer, stride, the head and the row.
 int unit_bytes(const LookaheadCompactParams* p, int first, int count) {
   uint64_t bits = static_cast<uint64_t>(p->stride_block_bytes) |
-                  static_cast<uint64_t>(p->stride_token_bytes) | static_cast<uint64_t>(p->row_bytes);
+                  static_cast<uint64_t>(p->stride_token_bytes) | static_cast<uint64_t>(p->row_bytes) |
+                  static_cast<uint64_t>(head_bytes(p)) | static_cast<uint64_t>(head_stride(p));
   for (int l = first; l < first + count; ++l)
     bits |= reinterpret_cast<uintptr_t>(p->key_caches[l]) | reinterpret_cast<uintptr_t>(p->value_caches[l]);
   for (int u = 16; u > 1; u >>= 1)
@@ -116,6 +129,8 @@ int launch_chunk(const LookaheadCompactParams* p, int first, int count, cudaStre
   a.stride_block = p->stride_block_bytes;
   a.stride_token = p->stride_token_bytes;
   a.row_units = p->row_bytes / static_cast<int64_t>(sizeof(U));
+  a.head_units = head_bytes(p) / static_cast<int64_t>(sizeof(U));
+  a.stride_head = head_stride(p);
   const int64_t per_slot = kUnitsPerCta / p->num_slots;  // >= 1: num_slots <= kUnitsPerCta
   a.chunk_units = static_cast<int>(per_slot < a.row_units ? per_slot : a.row_units);
   a.src = p->src_slots;
@@ -146,7 +161,8 @@ extern "C" int lookahead_compact_kv(const LookaheadCompactParams* p, cudaStream_
   if (p == nullptr) return LOOKAHEAD_ERR_NULL;
   if (p->num_layers < 0 || p->num_slots < 0 || p->num_slots > LOOKAHEAD_COMPACT_MAX_SLOTS ||
       p->num_blocks < 0 || p->block_size <= 0 || p->row_bytes < 0 || p->stride_block_bytes < 0 ||
-      p->stride_token_bytes < 0)
+      p->stride_token_bytes < 0 || p->head_bytes < 0 || p->stride_head_bytes < 0 ||
+      (p->head_bytes > 0 && p->row_bytes % p->head_bytes != 0))
     return LOOKAHEAD_ERR_SIZE;
   if (p->num_layers == 0 || p->num_slots == 0 || p->row_bytes == 0) return LOOKAHEAD_OK;
   if (!p->key_caches || !p->value_caches || !p->src_slots || !p->dst_slots) return LOOKAHEAD_ERR_NULL;

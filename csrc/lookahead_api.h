@@ -93,9 +93,12 @@ int lookahead_tree_attention(const LookaheadTreeAttnParams* p, void* workspace,
 // KV compaction: for every layer and for K and V, slot dst_slots[i] receives
 // what slot src_slots[i] held before the call (all reads happen before any
 // write of the same bytes, so dst <= src along an accepted path is safe).
-// Slot s is token s % block_size of block s / block_size; a slot's
-// num_kv_heads * head_dim elements are contiguous (row_bytes). Slots outside
-// [0, num_blocks * block_size) are skipped. Strides are in BYTES.
+// Slot s is token s % block_size of block s / block_size; a slot's row is
+// num_kv_heads heads of head_bytes contiguous bytes each, head h at
+// h * stride_head_bytes (vLLM's HND layout on Hopper puts heads before slots:
+// stride_head_bytes > head_bytes; contiguous rows have them equal, or pass
+// head_bytes = 0). Slots outside [0, num_blocks * block_size) are skipped.
+// Strides are in BYTES.
 typedef struct LookaheadCompactParams {
   void* const* key_caches;       // host array [num_layers] of device pointers
   void* const* value_caches;     // host array [num_layers] of device pointers
@@ -107,6 +110,8 @@ typedef struct LookaheadCompactParams {
   const int64_t* src_slots;      // device [num_slots]
   const int64_t* dst_slots;      // device [num_slots]
   int num_slots;                 // <= LOOKAHEAD_COMPACT_MAX_SLOTS
+  int64_t stride_head_bytes;     // between a slot's heads (0 with head_bytes = 0)
+  int64_t head_bytes;            // head_dim * element size; 0: the row is contiguous
 } LookaheadCompactParams;
 
 #define LOOKAHEAD_COMPACT_MAX_SLOTS 2048

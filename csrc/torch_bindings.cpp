@@ -169,8 +169,7 @@ void compact_kv(const std::vector<at::Tensor>& key_caches,    // per layer [num_
                       t->scalar_type() == ref.scalar_type(),
                   "compact_kv: ", name, "[", l, "] has shape ", t->sizes(), " / dtype ", t->scalar_type(),
                   ", expected every layer like key_caches[0]: ", ref.sizes(), " / ", ref.scalar_type());
-      TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == t->size(3), "compact_kv: ", name, "[", l,
-                  "]: a slot's [num_kv_heads, head_dim] row must be contiguous");
+      TORCH_CHECK(t->stride(3) == 1, "compact_kv: ", name, "[", l, "]: head_dim must be contiguous");
       TORCH_CHECK(seen.insert(t->data_ptr()).second, "compact_kv: ", name, "[", l,
                   "] shares storage with another cache; pass each layer's K and V once");
     }
@@ -187,6 +186,8 @@ void compact_kv(const std::vector<at::Tensor>& key_caches,    // per layer [num_
   p.stride_block_bytes = ref.stride(0) * esize;
   p.stride_token_bytes = ref.stride(1) * esize;
   p.row_bytes = ref.size(2) * ref.size(3) * esize;
+  p.head_bytes = ref.size(3) * esize;
+  p.stride_head_bytes = ref.stride(2) * esize;  // > head_bytes in vLLM's HND layout
   p.src_slots = src_slots.data_ptr<int64_t>();
   p.dst_slots = dst_slots.data_ptr<int64_t>();
   p.num_slots = static_cast<int>(src_slots.size(0));

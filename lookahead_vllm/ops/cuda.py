@@ -125,10 +125,8 @@ def compact_kv(
     device = keys[0].device  # slots may come from the CPU: move them next to the caches
     src = src_slots.to(device=device, dtype=torch.int64, non_blocking=True)
     dst = dst_slots.to(device=device, dtype=torch.int64, non_blocking=True)
-    rows_contiguous = all(t.stride(3) == 1 and t.stride(2) == t.shape[3] for t in (*keys, *values))
-    if keys[0].is_cuda and kernels_available() and rows_contiguous:
+    if keys[0].is_cuda and kernels_available():  # any strides with a contiguous head_dim (vLLM's HND too)
         torch.ops.lookahead_vllm.compact_kv(keys, values, src, dst)
         return
-    # vLLM's HND cache layout (heads before slots) on some GPUs: the reference handles any strides.
     for key, value in zip(keys, values):
         compact_kv_ref(key, value, src, dst)

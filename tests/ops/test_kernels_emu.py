@@ -41,6 +41,7 @@ class CompactParams(ctypes.Structure):  # mirrors LookaheadCompactParams
         ("num_layers", ctypes.c_int), ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int),
         ("stride_block_bytes", ctypes.c_int64), ("stride_token_bytes", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
         ("src_slots", ctypes.c_void_p), ("dst_slots", ctypes.c_void_p), ("num_slots", ctypes.c_int),
+        ("stride_head_bytes", ctypes.c_int64), ("head_bytes", ctypes.c_int64),
     ]
 
 
@@ -146,3 +147,34 @@ def test_emulated_compaction_matches_reference(lib, dtype, shape):
     for k, v, rk, rv in zip(keys, values, ref_k, ref_v):
         compact_kv_ref(rk, rv, src, dst)
         assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 5)], ids=["16B-units", "2B-units"])
+def test_emulated_compaction_of_hnd_caches(lib, dtype, head_dim):
+    """vLLM's FLASH_ATTN cache on Hopper is HND: [num_blocks, heads, block_size, head_dim] in memory,
+    viewed as [num_blocks, block_size, heads, head_dim], so a slot's heads are block_size * head_dim
+    apart. The kernel copies head by head at that stride; against the reference on the same view."""
+    gen = torch.Generator().manual_seed(1)
+    nb, bs, heads = 8, 4, 3
+
+    def hnd():
+        return torch.randn(nb, heads, bs, head_dim, generator=gen).to(dtype).transpose(1, 2)
+
+    keys, values = [hnd() for _ in range(2)], [hnd() for _ in range(2)]
+    assert keys[0].stride(2) == bs * head_dim  # heads strided, not a contiguous row
+    ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]  # clone keeps the strides
+    src = torch.tensor([9, 10, 13, 14, 19, 27])  # an accepted path: dst <= src, overlapping
+    dst = torch.tensor([9, 10, 11, 12, 13, 14])
+    k_ptrs = (ctypes.c_void_p * 2)(*(k.data_ptr() for k in keys))
+    v_ptrs = (ctypes.c_void_p * 2)(*(v.data_ptr() for v in values))
+    es = keys[0].element_size()
+    p = CompactParams(k_ptrs, v_ptrs, 2, nb, bs, keys[0].stride(0) * es, keys[0].stride(1) * es,
+                      heads * head_dim * es, src.data_ptr(), dst.data_ptr(), src.numel(),
+                      keys[0].stride(2) * es, head_dim * es)
+    assert lib.lookahead_compact_kv(ctypes.byref(p), None) == 0
+    for k, v, rk, rv in zip(keys, values, ref_k, ref_v):
+        compact_kv_ref(rk, rv, src, dst)
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+        assert not torch.equal(k, torch.zeros_like(k))
+    p.head_bytes = 7 * es  # does not divide the row
+    assert lib.lookahead_compact_kv(ctypes.byref(p), None) != 0

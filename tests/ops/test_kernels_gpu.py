@@ -165,3 +165,19 @@ def test_compact_kv_hnd_cache_layout():
         expected[:, d // 8, d % 8] = kv[:, s // 8, s % 8]
     ops_cuda.compact_kv(key, value, src, dst)
     assert torch.equal(kv, expected)
+
+
+def test_compact_kv_kernel_on_hnd_caches():
+    """vLLM's FLASH_ATTN caches on Hopper are HND (heads before slots): the kernel, not the
+    reference fallback, takes them (the first H200 run refused them)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    keys = [torch.randn(12, 2, 16, 64, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+            for _ in range(3)]
+    values = [torch.randn(12, 2, 16, 64, generator=gen, device="cuda").to(torch.bfloat16).transpose(1, 2)
+              for _ in range(3)]
+    src, dst = torch.tensor([37, 38, 41, 50], device="cuda"), torch.tensor([37, 38, 39, 40], device="cuda")
+    ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]
+    torch.ops.lookahead_vllm.compact_kv(keys, values, src, dst)
+    for k, v, rk, rv in zip(keys, values, ref_k, ref_v):
+        compact_kv_ref(rk, rv, src, dst)
+        assert torch.equal(k, rk) and torch.equal(v, rv)
