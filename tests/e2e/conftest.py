@@ -118,6 +118,19 @@ def _module_engines():
 _PLAIN_RUNS: dict = {}
 
 
+def count_preemptions(llm) -> list[int]:
+    """Wrap the in-process scheduler's preemption; returns a live counter."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    count, preempt = [0], scheduler._preempt_request
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return count
+
+
 def plain_run(engines, prompts: list, params, bs: int, key: tuple):
     """Plain vLLM's outputs for ``prompts``/``params`` at batch ``bs``, once per session.
 

@@ -11,7 +11,7 @@ import pytest
 
 from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
-from .conftest import MAX_TOKENS, NUM_BS1, plain_run
+from .conftest import MAX_TOKENS, NUM_BS1, count_preemptions, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -89,19 +89,6 @@ def test_pool_fills_and_its_ngrams_get_accepted(engines):
     assert after["pool_accepted_tokens"] - before["pool_accepted_tokens"] >= 4
 
 
-def _count_preemptions(llm) -> list[int]:
-    """Wrap the in-process scheduler's preemption; returns a live counter."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    count, preempt = [0], scheduler._preempt_request
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return preempt(*args, **kwargs)
-
-    scheduler._preempt_request = counted
-    return count
-
-
 def test_jacobi_lossless_under_preemption(engines, prompts):
     """A KV cache far too small for the batch: vLLM preempts running requests and
     recomputes them later, while their windows and pools live on in the proposer.
@@ -110,7 +97,7 @@ def test_jacobi_lossless_under_preemption(engines, prompts):
     llm = engines.get("lookahead-jacobi-preempt", k=K, max_model_len=768, num_gpu_blocks_override=8,
                       lookahead={"source": "both", "draft_shape": "hier", **JACOBI})
     (proposer,) = find_proposers(llm)
-    preemptions = _count_preemptions(llm)
+    preemptions = count_preemptions(llm)
     ps = prompts["humaneval"][:6]
     ours = generate(llm, ps, _greedy(len(ps)), 6)
     plain = plain_run(engines, ps, _greedy(len(ps)), 6, ("humaneval[:6]", "greedy"))
