@@ -17,6 +17,18 @@ NUM_MTBENCH = 10
 # (plain_run key ("humaneval[:NUM_BS1]", "greedy")); batch-8 runs that need
 # no more than one batch use the first 8 (key ("humaneval[:8]", "greedy")).
 NUM_BS1 = 5
+# Jacobi's and the trees' batch-1 runs take the first NUM_BS1_SHORT of those and
+# are held to the first NUM_BS1_SHORT outputs of that same plain run (at batch
+# 1 every prompt runs alone, so they are plain's outputs for these prompts).
+NUM_BS1_SHORT = 3
+
+
+def plain_bs1_prefix(engines, prompts: list, params, n: int, dataset: str = "humaneval") -> list[list[int]]:
+    """Plain vLLM's batch-1 token ids for ``prompts[:n]`` (``prompts``: the
+    dataset's list), from the shared run of its first NUM_BS1 prompts."""
+    assert n <= NUM_BS1
+    run = plain_run(engines, prompts[:NUM_BS1], params, 1, (f"{dataset}[:{NUM_BS1}]", "greedy"))
+    return run.token_ids[:n]
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +128,19 @@ def _module_engines():
 
 
 _PLAIN_RUNS: dict = {}
+
+
+def count_preemptions(llm) -> list[int]:
+    """Wrap the in-process scheduler's preemption; returns a live counter."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    count, preempt = [0], scheduler._preempt_request
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return count
 
 
 def plain_run(engines, prompts: list, params, bs: int, key: tuple):

@@ -2,7 +2,8 @@
 (clients that disconnect mid-stream) are in tests/serve/test_soak.py, which
 asserts the server holds no request state once it drained.
 
-A KV cache of a few blocks makes vLLM queue and preempt requests. A request
+A KV cache of a few blocks makes vLLM queue and preempt requests (counted:
+the test fails if none was preempted). A request
 sent with lookahead off must draft nothing throughout, every output must be
 plain vLLM's, and once the engine drains the proposer holds no state.
 """
@@ -11,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import plain_run
+from tests.e2e.conftest import MAX_TOKENS, count_preemptions, plain_run
 
 pytestmark = pytest.mark.vllm
 
 NUM = 8
-MAX_TOKENS = 160
 
 
 def test_preemption_keeps_options_outputs_and_leaves_no_state(engines, prompts):
@@ -26,11 +26,15 @@ def test_preemption_keeps_options_outputs_and_leaves_no_state(engines, prompts):
 
     texts = prompts["humaneval"][:NUM]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    plain = plain_run(engines, texts, greedy, NUM, ("request-state", MAX_TOKENS))
-    # 6 blocks of 128 tokens for 8 requests of ~150 prompt + 160 output tokens: running requests
-    # outgrow their second block mid-decode, so vLLM preempts some.
-    llm = engines.get("lookahead-small-kv", num_gpu_blocks_override=6, max_model_len=512, max_num_seqs=NUM)
+    # The first 8 HumanEval prompts at MAX_TOKENS, batch 8: plain's run is shared with other modules.
+    plain = plain_run(engines, texts, greedy, NUM, ("humaneval[:8]", "greedy"))
+    # 14 blocks of 32 tokens (one of them vLLM's null block) for 8 requests of 123-167 prompt
+    # + 64 output tokens (6-8 blocks each): running requests outgrow their blocks mid-decode,
+    # so vLLM preempts some (asserted below).
+    llm = engines.get("lookahead-small-kv", num_gpu_blocks_override=14, block_size=32, max_model_len=256,
+                      max_num_seqs=NUM)
     (proposer,) = find_proposers(llm)
+    preemptions = count_preemptions(llm)
     off = {i for i in range(NUM) if i % 2}
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                              extra_args={"lookahead_enabled": False} if i in off else None) for i in range(NUM)]
@@ -49,6 +53,7 @@ def test_preemption_keeps_options_outputs_and_leaves_no_state(engines, prompts):
         ours = generate(llm, texts, params, NUM)
     finally:
         del proposer.propose
+    assert preemptions[0] > 0, "the small KV cache never forced a preemption"
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     # vLLM V1 re-admits a preempted request with all its tokens, so a rewind
     # is rare here; the rewind path itself is unit-tested in

@@ -41,10 +41,12 @@ def _mean_loglik(scorer, tokenizer, prompts, samples) -> float:
 
     total, count = 0.0, 0
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    for prompt, ids in zip(prompts, samples):
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        out = scorer.generate([TokensPrompt(prompt_token_ids=p_ids + ids)], params, use_tqdm=False)[0]
-        for pos, tok in enumerate(ids, start=len(p_ids)):
+    p_ids = [tokenizer(prompt, add_special_tokens=False)["input_ids"] for prompt in prompts]
+    # One call scores every sequence (outputs come back in prompt order).
+    outs = scorer.generate([TokensPrompt(prompt_token_ids=p + ids) for p, ids in zip(p_ids, samples)], params,
+                           use_tqdm=False)
+    for p, ids, out in zip(p_ids, samples, outs):
+        for pos, tok in enumerate(ids, start=len(p)):
             total += out.prompt_logprobs[pos][tok].logprob
             count += 1
     return total / count

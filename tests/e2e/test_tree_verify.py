@@ -11,7 +11,7 @@ import pytest
 from lookahead_lab.offline import count_mismatches, generate
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
 
-from .conftest import MAX_TOKENS, NUM_BS1, plain_run
+from .conftest import MAX_TOKENS, NUM_BS1_SHORT, plain_bs1_prefix, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -30,9 +30,15 @@ def _params(n: int, mixed: bool, **extra):
     return [(plain, off, penalised)[i % 3] for i in range(n)]
 
 
+def _subset(prompts, dataset, n):
+    """``prompts[dataset]``'s first ``n`` (all for None), or ``[lo:hi]`` for ``n = (lo, hi)``; and its plain_run key."""
+    if isinstance(n, tuple):
+        return prompts[dataset][n[0]:n[1]], f"{dataset}[{n[0]}:{n[1]}]"
+    return prompts[dataset][:n], dataset if n is None else f"{dataset}[:{n}]"
+
+
 def _plain(engines, prompts, dataset, bs, mixed, n=None):
-    ps = prompts[dataset][:n]
-    key = dataset if n is None else f"{dataset}[:{n}]"
+    ps, key = _subset(prompts, dataset, n)
     # Unmixed greedy is the same run as test_greedy_identity's (shared).
     return plain_run(engines, ps, _params(len(ps), mixed), bs, (key, "mixed" if mixed else "greedy"))
 
@@ -49,18 +55,26 @@ def _tree_engine(engines, shape: str, **extra):
 @pytest.mark.parametrize(
     "shape,dataset,n,bs,mixed",
     [
-        # bs 1 on the first NUM_BS1 HumanEval prompts (their plain run is
-        # shared with test_greedy_identity and test_jacobi).
-        ("hier", "humaneval", NUM_BS1, 1, False),
+        # bs 1 on the first NUM_BS1_SHORT HumanEval prompts (held to the
+        # first outputs of the bs-1 plain run test_greedy_identity and
+        # test_jacobi share).
+        ("hier", "humaneval", NUM_BS1_SHORT, 1, False),
         # Slow (~70 s each): the same check as the default bs-1 case on all
         # prompts of either dataset.
         pytest.param("hier", "humaneval", None, 1, False, marks=pytest.mark.slow),
         pytest.param("hier", "mtbench", None, 1, False, marks=pytest.mark.slow),
-        ("hier", "humaneval", None, 8, True),
+        # bs 8: one batch of 8 HumanEval prompts, mixed (one mixed plain run
+        # shared by both shapes): prompts 5-12, which the bs-1 case did not
+        # run (on prompts the trie has seen whole, every accept is on the
+        # leading chain); the counters below show trees, side branches and
+        # off-chain accepts were verified.
+        pytest.param("hier", "humaneval", (5, 13), 8, True, id="hier-humaneval[5:13]-8-True"),
+        # Slow: the same check on all 20 HumanEval prompts (3 batches).
+        pytest.param("hier", "humaneval", None, 8, True, marks=pytest.mark.slow),
         # Slow (~40 s): the same check as (hier, humaneval, bs 8, mixed) on the
         # second dataset; par keeps a second tree shape at bs 8 in the default suite.
         pytest.param("hier", "mtbench", None, 8, True, marks=pytest.mark.slow),
-        ("par", "humaneval", None, 8, True),
+        pytest.param("par", "humaneval", (5, 13), 8, True, id="par-humaneval[5:13]-8-True"),
     ],
 )
 def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs, mixed):
@@ -74,10 +88,13 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs,
     before = proposer.stats.as_dict()
     cal = proposer.calibrator
     seen_before, accepted_before = cal.nodes.copy(), cal.accepted.sum()
-    ps = prompts[dataset][:n]
+    ps, _ = _subset(prompts, dataset, n)
     ours = generate(llm, ps, _params(len(ps), mixed), bs)
-    plain = _plain(engines, prompts, dataset, bs, mixed, n)
-    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    if bs == 1 and n == NUM_BS1_SHORT and not mixed:
+        plain_ids = plain_bs1_prefix(engines, prompts[dataset], _params(1, False)[0], n, dataset)
+    else:
+        plain_ids = _plain(engines, prompts, dataset, bs, mixed, n).token_ids
+    assert count_mismatches(plain_ids, ours.token_ids) == 0
     after = proposer.stats.as_dict()
     # Trees were really verified, and some accepted node was off the leading
     # chain: something chain verification cannot produce.
@@ -92,14 +109,33 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs,
 
 @pytest.mark.parametrize("switch", ["positions", "mask", "compaction"])
 def test_each_piece_is_needed(engines, prompts, switch):
-    """Negative controls: switching off one piece must break greedy identity."""
+    """Negative controls: switching off one piece must break greedy identity.
+
+    The switch goes on the module's tree engine for this test only: the
+    profile's ``debug_disable``, which ``TreeVerifier.begin_step`` reads from
+    the proposer's settings on every step, is swapped in (the same engine
+    otherwise, no engine built per switch) and put back after; the prefix
+    cache is reset so that no KV block written without the piece is reused.
+    """
+    import dataclasses
+
+    from lookahead_lab.offline import find_proposers
+
     subset = prompts["humaneval"][:8]
     plain = _plain(engines, prompts, "humaneval", 8, False, 8)
     # Full trees at batch 8 (the forward-cost model off), so every piece is exercised.
-    llm = _tree_engine(engines, "hier", _profile={"debug_disable": [switch]}, cost_free_tokens=0)
-    ours = generate(llm, subset, _params(len(subset), False), 8)
-    # Used here only: shut down now, so that the shared tree engine stays alive.
-    engines.release(llm)
+    llm = _tree_engine(engines, "hier", cost_free_tokens=0)
+    (proposer,) = find_proposers(llm)
+    settings = proposer.config
+    proposer.config = dataclasses.replace(
+        settings, profile=dataclasses.replace(settings.profile, debug_disable=(switch,)))
+    before = proposer.stats.as_dict()["tree_request_steps"]
+    try:
+        ours = generate(llm, subset, _params(len(subset), False), 8)
+    finally:
+        proposer.config = settings
+        assert llm.reset_prefix_cache()
+    assert proposer.stats.as_dict()["tree_request_steps"] > before, "no tree was verified"
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
 
 
