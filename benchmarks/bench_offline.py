@@ -325,10 +325,10 @@ def on_engine(llm: Any, fn: Callable[..., Any], *args: Any) -> Any:
     (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) and ``root`` is the worker. The
     walks below start from either.
     """
-    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.core_client import MPClient
 
-    if isinstance(llm.llm_engine.engine_core, InprocClient):
-        return fn(llm, *args)
+    if not isinstance(getattr(getattr(llm, "llm_engine", None), "engine_core", None), MPClient):
+        return fn(llm, *args)  # in this process (or a test's stand-in engine)
     # Results must be plain Python values: a Counter never came back (the call hung, no error).
     return llm.collective_rpc(fn, args=args)[0]
 

@@ -115,7 +115,9 @@ def wait_healthy(servers: list[Server]) -> None:
         time.sleep(1)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the servers stop when tests/serve ends (idle vLLM CPU workers still spin, ~30%
+# of a core each, and the rest of the suite ran beside them when they lived for the session).
+@pytest.fixture(scope="package")
 def servers(smollm2_dir, tmp_path_factory) -> dict[str, Server]:
     log_dir = tmp_path_factory.mktemp("servers")
     started: list[Server] = []
@@ -134,11 +136,11 @@ def servers(smollm2_dir, tmp_path_factory) -> dict[str, Server]:
             s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def plain(servers) -> Server:
     return servers["plain"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lookahead(servers) -> Server:
     return servers["lookahead"]
