@@ -44,7 +44,7 @@ Debug switches (the profile's ``debug_disable``) turn off ``positions``,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -105,7 +105,7 @@ class TreeStep:
     slot_mapping: torch.Tensor | None = None
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
-    # CPU path rounds (shared by all layers) and every tree row, built lazily.
+    # Path rounds (CPU and GPU; shared by all layers) and every tree row, built lazily.
     path_plan: PathPlan | None = None
     all_rows: torch.Tensor | None = None
     # GPU kernel arguments / FlashAttention path rounds (shared by all layers), built lazily.
@@ -373,13 +373,11 @@ class FlashRounds:
 
 
 def _flash_rounds(step: TreeStep, plan: PathPlan, metadata: Any, device: torch.device) -> FlashRounds:
-    import dataclasses
-
     if step.flash_rounds is None:
         metas = []
         for rnd in plan.rounds:
             lens = rnd.seq_lens.tolist()
-            metas.append(dataclasses.replace(
+            metas.append(replace(
                 metadata, num_actual_tokens=rnd.q.stop - rnd.q.start,
                 max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
                 query_start_loc=rnd.query_start_loc.to(device), max_seq_len=max(lens),
@@ -412,7 +410,7 @@ def _flash_path_rounds(
     for rnd, meta in zip(plan.rounds, dev.metas):
         impl.do_kv_cache_update(layer, path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta.slot_mapping)
         forward(impl, layer, path_q[rnd.q], path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta, path_out[rnd.q])
-    out.index_copy_(0, dev.query_rows, path_out.view(-1, impl.num_heads, impl.head_size))
+    out.index_copy_(0, dev.query_rows, path_out)
     impl.do_kv_cache_update(layer, key.index_select(0, dev.restore_rows), value.index_select(0, dev.restore_rows),
                             kv_cache, dev.restore_slots)
 
