@@ -11,9 +11,12 @@ The proposer fits the forward-cost model's prices to its own decode steps
 2. the online fit: a lookahead engine (default configuration, prices
    measured online) generating the dev splits' prompts until it has run
    ``--steps`` decode steps at least; its live prices then;
-3. the fitted curve ``cost(T) / cost(T_min)`` against the offline one at
-   every offline point, within the scored-token range the online steps
-   covered and beyond it (where the platform prior speaks).
+3. the fitted curve of drafted steps ``(cost(T) + setup) / (cost(T_min) +
+   setup)`` against the offline one at every offline point (the offline
+   engine's proposer is not lookahead's, so even its draftless steps run the
+   speculative path: every offline point carries the setup), within the
+   scored-token range the online steps covered and beyond it (where the
+   platform prior speaks).
 
     python benchmarks/bench_prices.py --batch 1 8 --out benchmarks/results/prices_online_vs_offline.json
 """
@@ -65,24 +68,25 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
         llm.generate(prompts[used:used + 4 * batch], params, use_tqdm=False)
         used += 4 * batch
     fit = proposer.prices.fit()
-    tokens, _, _ = proposer.prices.buckets()
-    return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens,
+    tokens, _, _, _ = proposer.prices.buckets()
+    return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens, "draft_setup": fit.draft_setup,
             "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "buckets": fit.buckets,
             "timed_steps": proposer.prices.observed, "prompts": used,
             "tokens_seen": [int(tokens.min()), int(tokens.max())] if len(tokens) else None,
-            "prior": [proposer.prices.prior.free_tokens, proposer.prices.prior.marginal_tokens]}
+            "prior": [proposer.prices.prior.free_tokens, proposer.prices.prior.marginal_tokens,
+                      proposer.prices.prior.draft_setup]}
 
 
 def compare(curve: dict[int, float], fit: dict[str, Any]) -> dict[str, Any]:
     """Fitted vs offline cost at every offline point, relative to the smallest."""
     from lookahead_vllm.core.budget import ForwardCost
 
-    cost = ForwardCost(fit["free_tokens"], fit["marginal_tokens"])
+    cost = ForwardCost(fit["free_tokens"], fit["marginal_tokens"], draft_setup=fit.get("draft_setup", 0.0))
     base_t = min(curve)
     rows = []
     for t in sorted(curve):
         offline = curve[t] / curve[base_t]
-        fitted = cost(t) / cost(base_t)
+        fitted = cost.drafted(t) / cost.drafted(base_t)
         rows.append({"tokens": t, "offline_ms": round(curve[t] * 1e3, 3), "offline_relative": round(offline, 4),
                      "fitted_relative": round(fitted, 4), "error": round(fitted / offline - 1, 4)})
     lo, hi = fit["tokens_seen"] or (0, 0)
@@ -104,7 +108,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.plot(t, [r["offline_relative"] for r in rows], "o-", label="offline (bench_forward_cost)")
         fit = res["online"]
         ax.plot(t, [r["fitted_relative"] for r in rows], "s--",
-                label=f"online fit: {fit['free_tokens']} free, +1 per {fit['marginal_tokens']:.1f}")
+                label=f"online fit: {fit['free_tokens']} free, +1 per {fit['marginal_tokens']:.1f}, "
+                      f"setup {fit.get('draft_setup', 0.0):.3f}")
         if fit["tokens_seen"]:
             ax.axvspan(*fit["tokens_seen"], alpha=0.12, label="tokens the online steps scored")
         ax.set_xscale("log", base=2)

@@ -300,7 +300,7 @@ void observe_chains_py(py::array predicted, py::array accepted_table, py::array 
 
 py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle lens_obj, py::handle edges_obj,
                          py::handle factors_obj, int64_t budget, int64_t num_rows, int64_t free_tokens,
-                         double marginal_tokens, py::handle out_rows_obj, int64_t num_out) {
+                         double marginal_tokens, py::handle out_rows_obj, int64_t num_out, double draft_setup) {
   const Int32Array tokens = Int32Array::ensure(tokens_obj), lens = Int32Array::ensure(lens_obj);
   const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
   const DoubleArray factors = DoubleArray::ensure(factors_obj);
@@ -329,11 +329,12 @@ py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle l
   if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
     throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
   }
+  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
   py::array_t<int64_t> keep(rows);
   py::array_t<double> calibrated({rows, width});
   std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
   lookahead::plan_chains(raw.data(), lens.data(), rows, width, edges.data(), edges.shape(0), factors.data(), budget,
-                         num_rows, lookahead::ChainCost{free_tokens, marginal_tokens}, calibrated.mutable_data(),
+                         num_rows, lookahead::ChainCost{free_tokens, marginal_tokens, draft_setup}, calibrated.mutable_data(),
                          keep.mutable_data());
   py::list drafts(num_out);
   std::vector<bool> filled(num_out, false);
@@ -478,5 +479,5 @@ PYBIND11_MODULE(_draft_index, m) {
         py::arg("accepted"), py::arg("prior"), py::arg("half_life"));
   m.def("plan_chains", &plan_chains_py, py::arg("tokens"), py::arg("raw"), py::arg("lens"), py::arg("edges"),
         py::arg("factors"), py::arg("budget"), py::arg("num_rows"), py::arg("free_tokens"),
-        py::arg("marginal_tokens"), py::arg("out_rows"), py::arg("num_out"));
+        py::arg("marginal_tokens"), py::arg("out_rows"), py::arg("num_out"), py::arg("draft_setup") = 0.0);
 }

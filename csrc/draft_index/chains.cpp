@@ -110,7 +110,7 @@ void plan_chains(const double* raw, const int32_t* lens, int64_t rows, int64_t w
     int64_t best_at = -1;
     for (int64_t m = 0; m < limit; ++m) {
       gained += nodes[m].conf;
-      const double rate = (base + gained) / step_cost(cost, num_rows + m + 1);
+      const double rate = (base + gained) / (step_cost(cost, num_rows + m + 1) + cost.draft_setup);
       if (best_at < 0 || rate > best) best = rate, best_at = m;
     }
     take = best > base / step_cost(cost, num_rows) ? best_at + 1 : 0;

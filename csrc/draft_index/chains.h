@@ -53,6 +53,7 @@ void observe_chains(CalibrationTables t, int64_t kind, const double* raw, int64_
 struct ChainCost {
   int64_t free_tokens;     // 0: no cost model
   double marginal_tokens;
+  double draft_setup = 0.0;  // paid once by a step that keeps any draft token
 };
 
 // Calibrates row r's first lens[r] confidences of `raw [R, width]` with

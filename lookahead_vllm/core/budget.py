@@ -22,10 +22,14 @@ confidence: the estimated probability that the node is accepted. The expected
 number of tokens a request emits is ``1 + sum(confidence of its nodes)`` (the
 accepted nodes form one path, and the bonus token is always emitted), so a
 step with ``R`` requests that keeps draft nodes of total confidence ``S``
-emits ``R + S`` tokens in ``cost(R + kept)`` forwards. The planner merges the
-requests' nodes most-confident-first (each request keeps a prefix of its draft
-order) and keeps the prefix of that merged order with the best throughput
-``(R + S) / cost(R + kept)``, capped at ``budget`` tokens.
+emits ``R + S`` tokens in ``cost(R + kept) + draft_setup`` forwards, where
+``draft_setup`` is what any drafted step costs over a draftless one (the
+speculative metadata and the rejection sampler; a step without drafts runs as
+plain decoding). The planner merges the requests' nodes most-confident-first
+(each request keeps a prefix of its draft order) and keeps the prefix of that
+merged order with the best throughput ``(R + S) / (cost(R + kept) +
+draft_setup)``, capped at ``budget`` tokens, or nothing where no prefix beats
+``R / cost(R)``.
 
 Where tree attention runs each extra root-to-leaf path separately (the CPU
 path rounds), a node that opens a new path (a parent's second or later child)
@@ -62,6 +66,11 @@ class ForwardCost:
     # and the fixed cost of a step that runs any.
     per_path: float = 0.0
     path_setup: float = 0.0
+    # Extra cost, in forwards, of a step that carries any draft token over one
+    # that carries none: a drafted step builds speculative metadata and runs
+    # the rejection sampler, a draftless one runs as plain decoding
+    # (patches.patch_draftless_steps). The first kept draft token pays it.
+    draft_setup: float = 0.0
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra
@@ -71,14 +80,18 @@ class ForwardCost:
         extra = self.path_setup + paths * self.per_path if paths else 0.0
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
+    def drafted(self, tokens: int, paths: int = 0) -> float:
+        """:meth:`__call__` for a step that carries draft tokens (plus :attr:`draft_setup`)."""
+        return self(tokens, paths) + self.draft_setup
+
     def draft_pays(self, rows: int) -> bool:
         """Whether any draft token can raise the expected throughput of a step
         of ``rows`` rows (each scoring one token). Not once the step is past
         the free tokens and further tokens cost at least their share of them
         (``marginal_tokens <= free_tokens``): then ``t / cost(t)`` no longer
         grows with ``t``, so ``m`` tokens gaining at most ``m`` (confidences
-        are at most 1) never beat ``rows / cost(rows)``. Extra paths only add
-        cost. The allocators keep no token then; callers skip drafting."""
+        are at most 1) never beat ``rows / cost(rows)``. Extra paths and the
+        draft setup only add cost. The allocators keep no token then; callers skip drafting."""
         return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
 
     def token_costs(self, tokens: np.ndarray) -> np.ndarray:
@@ -94,7 +107,9 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
     p = config.profile
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
-    return ForwardCost(free, marginal, p.cost_per_path, p.path_setup) if paths else ForwardCost(free, marginal)
+    if paths:
+        return ForwardCost(free, marginal, p.cost_per_path, p.path_setup, p.draft_setup)
+    return ForwardCost(free, marginal, draft_setup=p.draft_setup)
 
 
 def prices_pinned(config: "Settings") -> bool:
@@ -164,7 +179,7 @@ def allocate_step_budget(
                 paths[req] += 1
                 rounds = max(rounds, paths[req])
             kept[req] += 1
-            rate = (rows + gained) / cost(rows + m, rounds)
+            rate = (rows + gained) / cost.drafted(rows + m, rounds)
             if rate > best:
                 best, take = rate, m
     keep = [0] * len(confidences)
@@ -198,7 +213,7 @@ def allocate_chain_budget(
         rows = rows_n if num_rows is None else num_rows
         gained = np.cumsum(conf[order[:limit]])
         tokens = rows + np.arange(1, limit + 1)
-        rate = (rows + gained) / cost.token_costs(tokens)
+        rate = (rows + gained) / (cost.token_costs(tokens) + cost.draft_setup)
         best = int(np.argmax(rate))
         take = best + 1 if rate[best] > rows / cost(rows) else 0
     return np.bincount(row[order[:take]], minlength=rows_n)

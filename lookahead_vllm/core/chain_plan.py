@@ -88,7 +88,7 @@ def plan_chains(
     if native:
         return load_extension().plan_chains(
             tokens, raw, lengths, calibrator.bin_edges, calibrator.factors(kind), -1 if budget is None else budget,
-            num_rows, cost.free_tokens, float(cost.marginal_tokens), out_rows, num_out)
+            num_rows, cost.free_tokens, float(cost.marginal_tokens), out_rows, num_out, float(cost.draft_setup))
     calibrated = calibrator.calibrate_chains(raw, kind)
     keep = allocate_chain_budget(calibrated, lengths, budget, num_rows, cost)
     drafts: list[list[int]] = [[] for _ in range(num_out)]

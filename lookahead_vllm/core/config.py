@@ -226,6 +226,10 @@ class Profile:
     # one launch): path_setup once, cost_per_path per path.
     path_setup: float
     cost_per_path: float
+    # Extra cost, in forwards, of a step that carries any draft over one that
+    # carries none (speculative metadata and the rejection sampler; a
+    # draftless step runs as plain decoding): the prior of the online fit.
+    draft_setup: float
     # Load adaptation (core/load.py): above load_shrink_above running
     # requests the per-request budget shrinks linearly, at load_stop_at
     # nothing is drafted.
@@ -348,17 +352,21 @@ class Profile:
 # rows x 1-64 tokens each): 32 tokens cost one forward and each 675 more one
 # more forward, within 7.4% of every step up to 512 tokens (a Qwen2.5-1.5B
 # shape was flatter still). Load adaptation keeps its earlier limits: the
-# budget shrinks from 32 running requests and stops at 128.
+# budget shrinks from 32 running requests and stops at 128. draft_setup: on
+# the CPU, SmolLM2 at batch 8 (mixed dev prompts), sampling took 4.3 ms in a
+# drafted step against 0.7 ms in a draftless one, about 0.05 of a one-token
+# forward (~70 ms); not measured on a GPU (0 there: the online fit learns it).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
-                load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
+                draft_setup=0.05, load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
     "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
-                load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
+                draft_setup=0.0, load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 # Knob ranges (the bool ones: any bool).
 _PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
     free_tokens=(1, 1 << 16), marginal_tokens=(1.0, 1e6), path_setup=(0.0, 100.0), cost_per_path=(0.0, 100.0),
+    draft_setup=(0.0, 10.0),
     load_shrink_above=(0, 1 << 16), load_stop_at=(1, (1 << 16) + 1), upkeep_thread=(False, True),
     branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
     trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),

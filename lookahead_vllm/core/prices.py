@@ -5,27 +5,32 @@ tokens at ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens``
 single-token forwards. Its two prices depend on the machine, the model, the
 context lengths and what else the host is doing, so :class:`OnlinePrices`
 fits them from the engine's own steps: every pure decode step (no prefill
-in it) gives one sample ``(T, seconds)``, the wall time from the start of
-that step to the start of the next, as ``benchmarks/bench_forward_cost.py``
-times ``engine.step()``. The fit is the price pair whose curve, scaled by a
-free per-step time ``t0``, best explains the samples::
+in it) gives one sample ``(T, seconds, drafted)``, the wall time from the
+start of that step to the start of the next, as
+``benchmarks/bench_forward_cost.py`` times ``engine.step()``. A step that
+carries draft tokens builds speculative metadata and runs the rejection
+sampler; one that carries none runs as plain decoding
+(``patches.patch_draftless_steps``) and is cheaper by a fixed amount, the
+third price ``draft_setup`` (in forwards). The fit is the price triple whose
+curve, scaled by a free per-step time ``t0``, best explains the samples::
 
-    seconds(T) ~= t0 * cost(T)
+    seconds(T) ~= t0 * (cost(T) + draft_setup * drafted)
 
 * **Robust.** Samples go into buckets by ``T`` (one per token count up to
-  64, then ~6% wide); a bucket keeps its last :data:`RING` samples and
+  64, then ~6% wide; drafted and draftless steps apart); a bucket keeps its last :data:`RING` samples and
   enters the fit by their median, so a stall or a preempted step moves
   nothing. Residuals are taken in log time, so the fit is scale-free.
-* **Bounded.** :data:`NUM_BUCKETS` x :data:`RING` samples at most, whatever
-  the traffic; a fit is a grid search over (free, marginal) pairs.
+* **Bounded.** ``2 x`` :data:`NUM_BUCKETS` x :data:`RING` samples at most,
+  whatever the traffic; a fit is a grid search over (free, marginal, setup).
 * **Adaptive.** Rings forget old samples, and a bucket that has not been
   visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
   a change of load or machine.
-* **Prior.** The platform's defaults (the profile's ``free_tokens`` and
-  ``marginal_tokens``, core/config.py) are a prior
-  on both prices (log-normal, a factor of 2 wide), which holds them where
-  the samples say nothing: a batch that never scored more than 17 tokens
-  does not tell what 64 cost.
+* **Prior.** The platform's defaults (the profile's ``free_tokens``,
+  ``marginal_tokens`` and ``draft_setup``, core/config.py) are a prior on
+  the prices (log-normal, a factor of 2 wide; the setup normal,
+  :data:`SETUP_WIDTH` wide), which holds them where the samples say nothing:
+  a batch that never scored more than 17 tokens does not tell what 64 cost,
+  and without draftless steps nothing tells the setup from ``t0``.
 * **Deterministic.** The same samples give the same prices bit for bit, and
   tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
   every rank drafts the same tokens.
@@ -67,6 +72,10 @@ FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np
 MARGINAL_GRID = np.round(np.geomspace(1.0, 8192.0, 50), 2)
 # Marginal-token candidates between the grid best's neighbours, second pass.
 REFINE = 17
+# Draft setup candidates (forwards) and the width of its prior: a setup
+# SETUP_WIDTH from the prior costs as much as a price a factor of 2 off.
+SETUP_GRID = np.round(np.arange(0.0, 0.505, 0.025), 3)
+SETUP_WIDTH = 0.25
 # Refit after this many new samples (a fit takes a few ms: ~0.05 ms a step).
 REFIT_EVERY = 64
 
@@ -85,7 +94,9 @@ class Prices:
 
     free_tokens: int
     marginal_tokens: float
-    # Seconds of a step within the free tokens (the fit's t0; 0 = prior only).
+    # Forwards a step with drafts costs over one without.
+    draft_setup: float = 0.0
+    # Seconds of a draftless step within the free tokens (the fit's t0; 0 = prior only).
     step_seconds: float = 0.0
     # Buckets and samples the fit used (0 = the prior alone).
     buckets: int = 0
@@ -95,30 +106,34 @@ class Prices:
 class OnlinePrices:
     """Step-time samples by scored tokens, and the prices they imply (module docstring)."""
 
-    def __init__(self, prior: tuple[int, float]) -> None:
-        free, marginal = prior
-        if free < 1 or marginal <= 0:
-            raise ValueError(f"prior={prior!r}: free tokens must be >= 1 and marginal tokens > 0")
-        self.prior = Prices(int(free), float(marginal))
+    def __init__(self, prior: tuple[int, float] | tuple[int, float, float]) -> None:
+        free, marginal, setup = (*prior, 0.0)[:3]
+        if free < 1 or marginal <= 0 or not 0 <= setup <= SETUP_GRID[-1]:
+            raise ValueError(f"prior={prior!r}: free tokens must be >= 1, marginal tokens > 0 and the draft "
+                             f"setup in [0, {SETUP_GRID[-1]}]")
+        self.prior = Prices(int(free), float(marginal), float(setup))
         self.prices = self.prior
-        self._tokens = np.zeros((NUM_BUCKETS, RING))  # the samples' scored tokens
-        self._seconds = np.zeros((NUM_BUCKETS, RING))
-        self._count = np.zeros(NUM_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
-        self._last_seen = np.full(NUM_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
+        # Buckets [0, NUM_BUCKETS) hold drafted steps, the next NUM_BUCKETS draftless ones.
+        self._tokens = np.zeros((2 * NUM_BUCKETS, RING))  # the samples' scored tokens
+        self._seconds = np.zeros((2 * NUM_BUCKETS, RING))
+        self._count = np.zeros(2 * NUM_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
+        self._last_seen = np.full(2 * NUM_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
         self.observed = 0  # samples so far
         self._since_fit = 0
         # The candidates, the prior's own prices among them, and the prior's
-        # penalty on each pair: [F, M].
+        # penalty on each triple: [F, M, S].
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
         self._marginal_grid = np.unique(np.append(MARGINAL_GRID, marginal))
-        self._penalty = self._prior_penalty(self._free_grid, self._marginal_grid)
+        self._setup_grid = np.unique(np.append(SETUP_GRID, setup))
+        self._penalty = self._prior_penalty(self._free_grid, self._marginal_grid, self._setup_grid)
 
-    def observe(self, tokens: int, seconds: float) -> bool:
-        """One pure decode step that scored ``tokens`` tokens in ``seconds``;
-        True when the prices were refitted (every :data:`REFIT_EVERY` samples)."""
+    def observe(self, tokens: int, seconds: float, drafted: bool = True) -> bool:
+        """One pure decode step that scored ``tokens`` tokens in ``seconds``
+        (``drafted``: it carried draft tokens); True when the prices were
+        refitted (every :data:`REFIT_EVERY` samples)."""
         if tokens < 1 or not seconds > 0 or not math.isfinite(seconds):
             return False
-        b = bucket_of(tokens)
+        b = bucket_of(tokens) + (0 if drafted else NUM_BUCKETS)
         pos = self._count[b] % RING
         self._tokens[b, pos], self._seconds[b, pos] = tokens, seconds
         self._count[b] += 1
@@ -131,45 +146,52 @@ class OnlinePrices:
         self.prices = self.fit()
         return True
 
-    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The buckets that enter the fit: median scored tokens, median
-        seconds and sample count of each."""
+        seconds, sample count and whether the steps were drafted, of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
-        return _ring_median(self._tokens[idx], n[idx]), _ring_median(self._seconds[idx], n[idx]), n[idx]
+        return (_ring_median(self._tokens[idx], n[idx]), _ring_median(self._seconds[idx], n[idx]), n[idx],
+                idx < NUM_BUCKETS)
 
     def fit(self) -> Prices:
         """The prices that best explain the live buckets, under the prior: the
-        best pair of the grid, then ``marginal`` refined between its grid
-        neighbours (free tokens at the grid's best and its neighbours)."""
-        tokens, seconds, weight = self.buckets()
+        best triple of the grid, then ``marginal`` refined between its grid
+        neighbours (free tokens and setup at the grid's best and its neighbours)."""
+        tokens, seconds, weight, drafted = self.buckets()
         if len(tokens) < 2:
             return self.prior
-        data = (tokens, np.log(seconds), weight.astype(np.float64))
-        free, marginal = self._free_grid, self._marginal_grid
-        f, m, _ = self._best(free, marginal, self._penalty, *data)
-        free = free[max(0, f - 1):f + 2]
+        data = (tokens, drafted.astype(np.float64), np.log(seconds), weight.astype(np.float64))
+        free, marginal, setup, penalty = self._free_grid, self._marginal_grid, self._setup_grid, self._penalty
+        if drafted.all() or not drafted.any():  # one kind of step: nothing tells the setup from t0
+            at = int(np.searchsorted(setup, self.prior.draft_setup))
+            setup, penalty = setup[at:at + 1], penalty[:, :, at:at + 1]
+        f, m, s, _ = self._best(free, marginal, setup, penalty, *data)
+        free, setup = free[max(0, f - 1):f + 2], setup[max(0, s - 1):s + 2]
         marginal = np.geomspace(marginal[max(0, m - 1)], marginal[min(len(marginal) - 1, m + 1)], REFINE)
-        f, m, log_t0 = self._best(free, marginal, self._prior_penalty(free, marginal), *data)
-        return Prices(int(free[f]), round(float(marginal[m]), 2), float(np.exp(log_t0)), len(tokens),
-                      int(weight.sum()))
+        f, m, s, log_t0 = self._best(free, marginal, setup, self._prior_penalty(free, marginal, setup), *data)
+        return Prices(int(free[f]), round(float(marginal[m]), 2), round(float(setup[s]), 3), float(np.exp(log_t0)),
+                      len(tokens), int(weight.sum()))
 
-    def _prior_penalty(self, free: np.ndarray, marginal: np.ndarray) -> np.ndarray:
-        """The prior's penalty on every (free, marginal) pair: [F, M]."""
-        return PRIOR_WEIGHT * (((np.log(free)[:, None] - math.log(self.prior.free_tokens)) / math.log(2)) ** 2
-                               + ((np.log(marginal)[None, :] - math.log(self.prior.marginal_tokens)) / math.log(2)) ** 2)
+    def _prior_penalty(self, free: np.ndarray, marginal: np.ndarray, setup: np.ndarray) -> np.ndarray:
+        """The prior's penalty on every (free, marginal, setup) triple: [F, M, S]."""
+        p = self.prior
+        return PRIOR_WEIGHT * (((np.log(free)[:, None, None] - math.log(p.free_tokens)) / math.log(2)) ** 2
+                               + ((np.log(marginal)[None, :, None] - math.log(p.marginal_tokens)) / math.log(2)) ** 2
+                               + ((setup[None, None, :] - p.draft_setup) / SETUP_WIDTH) ** 2)
 
     @staticmethod
-    def _best(free: np.ndarray, marginal: np.ndarray, penalty: np.ndarray, tokens: np.ndarray,
-              log_seconds: np.ndarray, w: np.ndarray) -> tuple[int, int, float]:
-        """Indices of the best (free, marginal) candidate and its log t0."""
+    def _best(free: np.ndarray, marginal: np.ndarray, setup: np.ndarray, penalty: np.ndarray, tokens: np.ndarray,
+              drafted: np.ndarray, log_seconds: np.ndarray, w: np.ndarray) -> tuple[int, int, int, float]:
+        """Indices of the best (free, marginal, setup) candidate and its log t0."""
         over = np.maximum(0.0, tokens[None, :] - free[:, None])  # [F, B]
-        log_cost = np.log1p(over[:, None, :] / marginal[None, :, None])  # [F, M, B]
+        cost = 1.0 + over[:, None, :] / marginal[None, :, None]  # [F, M, B]
+        log_cost = np.log(cost[:, :, None, :] + setup[None, None, :, None] * drafted)  # [F, M, S, B]
         resid = log_seconds - log_cost
-        log_t0 = (resid @ w) / w.sum()  # each candidate's best t0, closed form: [F, M]
+        log_t0 = (resid @ w) / w.sum()  # each candidate's best t0, closed form: [F, M, S]
         sse = ((resid - log_t0[..., None]) ** 2) @ w
-        f, m = np.unravel_index(int(np.argmin(sse + penalty)), sse.shape)
-        return int(f), int(m), float(log_t0[f, m])
+        f, m, s = np.unravel_index(int(np.argmin(sse + penalty)), sse.shape)
+        return int(f), int(m), int(s), float(log_t0[f, m, s])
 
 
 def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ Exposed series (all cumulative since the engine started, except gauges):
                                                   the engine drained, whatever was aborted)
   lookahead_price_free_tokens                     gauge: tokens a forward scores for the price of one
   lookahead_price_marginal_tokens                 gauge: past those, tokens that cost one more forward
+  lookahead_price_draft_setup                     gauge: forwards a drafted step costs over a draftless one
   lookahead_price_step_seconds                    gauge: fitted time of a step within the free tokens
                                                   (0 until fitted); the three are averaged, not summed,
                                                   over processes
@@ -110,6 +111,7 @@ class StepStats:
     # configuration, the platform's "prior", or "fitted" to step times.
     price_free_tokens: int = 0
     price_marginal_tokens: float = 0.0
+    price_draft_setup: float = 0.0
     price_step_seconds: float = 0.0
     price_samples: int = 0
     price_source: str = "pinned"
@@ -141,6 +143,7 @@ class StepStats:
     def set_prices(self, cost: Any, source: str, step_seconds: float = 0.0, samples: int = 0) -> None:
         """The prices of ``cost`` (a budget.ForwardCost) are live from now on."""
         self.price_free_tokens, self.price_marginal_tokens = cost.free_tokens, cost.marginal_tokens
+        self.price_draft_setup = cost.draft_setup
         self.price_step_seconds, self.price_samples, self.price_source = step_seconds, samples, source
 
     def snapshot(self) -> dict[str, Any]:
@@ -167,11 +170,12 @@ class IntervalLogger:
             return
         self.logger.info(
             "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes (%.1f MiB), "
-            "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f "
-            "(%s, %d samples)",
+            "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f, "
+            "draft setup %.3f forwards (%s, %d samples)",
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.trie_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
-            stats.price_free_tokens, stats.price_marginal_tokens, stats.price_source, stats.price_samples,
+            stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_source,
+            stats.price_samples,
         )
 
 
@@ -295,6 +299,8 @@ class StatsCollector:
              "Tokens a forward scores for the price of one (forward-cost model, live)."),
             ("lookahead_price_marginal_tokens", "price_marginal_tokens",
              "Tokens past the free ones that cost one more forward (forward-cost model, live)."),
+            ("lookahead_price_draft_setup", "price_draft_setup",
+             "Forwards a step with drafts costs over one without (forward-cost model, live)."),
             ("lookahead_price_step_seconds", "price_step_seconds",
              "Fitted seconds of a step within the free tokens (0 until fitted)."),
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),

@@ -228,8 +228,9 @@ class LookaheadProposer:
         self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py),
         # unless the configuration pins them or turns the cost model off.
+        p = self.config.profile
         self.prices = (None if prices_pinned(self.config)
-                       else OnlinePrices((self.config.profile.free_tokens, self.config.profile.marginal_tokens)))
+                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup)))
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
@@ -272,15 +273,14 @@ class LookaheadProposer:
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
         """The last step's time (its start to this one's) becomes a price
-        sample if it was a pure decode step that verified drafts and the
-        engine did not idle in between (this step continues a request the
-        last one ran). Draftless steps run the plain sampler path and are
-        cheaper by a fixed amount, not by their fewer tokens: among the
-        samples, they would read as a steep price of the first draft tokens."""
+        sample if it was a pure decode step and the engine did not idle in
+        between (this step continues a request the last one ran). Draftless
+        steps run the plain sampler path and are cheaper by a fixed amount:
+        the fit learns that amount as the draft setup (core/prices.py)."""
         last, self._last_step = self._last_step, (shape, now)
-        if last is None or not shape.continuing or not last[0].pure_decode or not last[0].drafted:
+        if last is None or not shape.continuing or not last[0].pure_decode:
             return
-        if self.prices.observe(last[0].tokens, now - last[1]):
+        if self.prices.observe(last[0].tokens, now - last[1], last[0].drafted):
             self._adopt_prices()
 
     def _adopt_prices(self) -> None:
@@ -289,8 +289,8 @@ class LookaheadProposer:
         same step everywhere: the samples' count depends on the schedule
         alone)."""
         fit = self.prices.prices
-        prices = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens))
-        self.cost = ForwardCost(prices[0], prices[1], self.cost.per_path, self.cost.path_setup)
+        free, marginal, setup = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens, fit.draft_setup))
+        self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup)
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
@@ -664,9 +664,10 @@ class LookaheadProposer:
         ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
         what its extra tokens and its W column paths cost at the step's rate
         (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
-        path ``rounds``.
+        path ``rounds``. The first draft of a step also pays the draft setup.
         """
         tokens, extra = num_rows + sum(keep), rounds
+        setup = self.cost.draft_setup if tokens == num_rows else 0.0
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
         for row, ((_, _, is_tree), st) in enumerate(zip(offers, states)):
@@ -676,10 +677,10 @@ class LookaheadProposer:
         chosen = set()
         for row, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
             w, cols = jac.window.num_nodes, jac.window.window
-            need = gain * (self.cost(tokens + w, extra + cols) / self.cost(tokens, extra) - 1.0)
+            need = gain * ((self.cost(tokens + w, extra + cols) + setup) / self.cost(tokens, extra) - 1.0)
             if jac.wants_window(need):
                 chosen.add(row)
-                tokens, extra = tokens + w, extra + cols
+                tokens, extra, setup = tokens + w, extra + cols, 0.0
                 gain += jac.yield_est
         return chosen
 
@@ -739,7 +740,7 @@ class StepShape:
                    bool(scheduler_output.scheduled_cached_reqs.req_ids), drafts > 0)
 
 
-def _shared_across_ranks(prices: tuple[int, float]) -> tuple[int, float]:
+def _shared_across_ranks(prices: tuple[int, float, float]) -> tuple[int, float, float]:
     """Tensor-parallel rank 0's prices on every rank (the same values where
     there is one rank)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group

@@ -27,7 +27,8 @@ def chains(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(chains(), st.one_of(st.none(), st.integers(0, 40)), st.integers(0, 6),
-       st.sampled_from([None, ForwardCost(0, 1.0), ForwardCost(5, 20.0), ForwardCost(16, 4.0), ForwardCost(64, 64.0)]))
+       st.sampled_from([None, ForwardCost(0, 1.0), ForwardCost(5, 20.0), ForwardCost(16, 4.0), ForwardCost(64, 64.0),
+                        ForwardCost(5, 20.0, draft_setup=0.05), ForwardCost(2, 8.0, draft_setup=0.5)]))
 def test_chain_budget_equals_the_merged_order_allocation(rows_arr, budget, extra_rows, cost):
     rows, arr = rows_arr
     lengths = np.array([len(r) for r in rows])
@@ -62,15 +63,15 @@ def test_chain_calibration_equals_per_tree_calibration(history, probe):
 
 
 @settings(max_examples=300, deadline=None)
-@given(chains(), st.integers(0, 300), st.integers(1, 128), st.floats(1.0, 256.0))
-def test_where_no_draft_pays_the_allocators_keep_none(rows_arr, extra_rows, free, marginal):
+@given(chains(), st.integers(0, 300), st.integers(1, 128), st.floats(1.0, 256.0), st.sampled_from([0.0, 0.05, 1.0]))
+def test_where_no_draft_pays_the_allocators_keep_none(rows_arr, extra_rows, free, marginal, setup):
     """ForwardCost.draft_pays False (the proposer then skips drafting) means
     neither allocator would keep a token, whatever the confidences (< 1 here:
     at exactly 1 the rate only ties the baseline, up to rounding)."""
     rows, arr = rows_arr
     arr = np.minimum(arr, 0.999)
     rows = [[min(c, 0.999) for c in r] for r in rows]
-    cost = ForwardCost(free, marginal)
+    cost = ForwardCost(free, marginal, draft_setup=setup)
     num_rows = len(rows) + extra_rows
     if cost.draft_pays(num_rows):
         return

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extensi
 
 # Confidences with ties and bin edges among them.
 confidence = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.02, 0.1, 0.5, 0.9, 1.0]))
-COSTS = [ForwardCost(0, 1.0), ForwardCost(5, 20.0), ForwardCost(16, 4.0), ForwardCost(64, 64.0), ForwardCost(1, 33.0)]
+COSTS = [ForwardCost(0, 1.0), ForwardCost(5, 20.0), ForwardCost(16, 4.0), ForwardCost(64, 64.0), ForwardCost(1, 33.0),
+         ForwardCost(5, 20.0, draft_setup=0.05), ForwardCost(32, 675.0, draft_setup=0.3)]
 
 
 @st.composite
@@ -145,6 +146,20 @@ def test_plan_chains_worked_example():
         assert drafts == [[21], [], [11, 12]]
 
 
+def test_the_draft_setup_keeps_weak_drafts_out():
+    """A step that carries any draft pays ``draft_setup`` once: one node of
+    confidence 0.3 raises a single row's expected throughput for free
+    (1.3 > 1) but not past a 0.4-forward setup (1.3 / 1.4 < 1); two certain
+    nodes still pay it (3 / 1.4 > 1)."""
+    tokens = np.array([[7, 8]], np.int32)
+    for native in (False, True):
+        def keep(raw, setup):
+            return plan_chains(tokens, np.array([raw]), np.array([2], np.int32), ConfidenceCalibrator(), KIND_CONTEXT,
+                               None, 1, ForwardCost(5, 20.0, draft_setup=setup), np.array([0]), 1, native)[0].tolist()
+        assert keep([0.3, 0.0], 0.0) == [1] and keep([0.3, 0.0], 0.4) == [0]
+        assert keep([1.0, 1.0], 0.4) == [2]
+
+
 def test_kernels_refuse_bad_arguments():
     k = load_extension()
     cal = ConfidenceCalibrator(native=True)
@@ -170,6 +185,8 @@ def test_kernels_refuse_bad_arguments():
         k.plan_chains(tokens, raw, [1, 1], out_rows=[1, 1], num_out=2, **plan)
     with pytest.raises(ValueError, match="marginal_tokens > 0"):
         k.plan_chains(tokens, raw, [1, 1], out_rows=[0, 1], num_out=2, **{**plan, "marginal_tokens": 0.0})
+    with pytest.raises(ValueError, match="draft_setup=-0.1.*: must be >= 0"):
+        k.plan_chains(tokens, raw, [1, 1], out_rows=[0, 1], num_out=2, **{**plan, "draft_setup": -0.1})
     with pytest.raises(ValueError, match="same length"):
         k.match_offers([1, 2], [1], [1], [1], [2])
     with pytest.raises(TypeError, match="factors one longer than edges"):

@@ -13,23 +13,28 @@ CPU_PRIOR = (5, 20.0)
 
 
 def feed(fitter: OnlinePrices, truth: ForwardCost, steps: int, max_tokens: int, seed: int = 0,
-         noise: float = 0.05, outliers: float = 0.0, t0: float = 0.02) -> None:
+         noise: float = 0.05, outliers: float = 0.0, t0: float = 0.02, draftless: float = 0.0) -> None:
     """``steps`` samples at uniform scored-token counts in [1, max_tokens):
-    ``t0 * truth(T)`` with log-normal noise, and a share ``outliers`` of them
-    stalled 3-20x."""
+    ``t0 * truth.drafted(T)`` with log-normal noise (a share ``draftless`` of
+    them draftless steps, ``t0 * truth(T)``), and a share ``outliers`` of
+    them stalled 3-20x."""
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         tokens = int(rng.integers(1, max_tokens))
-        seconds = t0 * truth(tokens) * float(np.exp(rng.normal(0.0, noise)))
+        drafted = draftless == 0 or rng.random() >= draftless
+        seconds = t0 * (truth.drafted(tokens) if drafted else truth(tokens)) * float(np.exp(rng.normal(0.0, noise)))
         if rng.random() < outliers:
             seconds *= float(rng.uniform(3.0, 20.0))
-        fitter.observe(tokens, seconds)
+        fitter.observe(tokens, seconds, drafted)
 
 
 def curve_error(fit: Prices, truth: ForwardCost, max_tokens: int) -> float:
-    """Largest relative error of the fitted cost curve over 1..max_tokens."""
-    fitted = ForwardCost(fit.free_tokens, fit.marginal_tokens)
-    return max(abs(fitted(t) / truth(t) - 1.0) for t in range(1, max_tokens))
+    """Largest relative error over 1..max_tokens of the fitted cost curve of
+    drafted steps, each curve relative to its one-token step (what samples
+    of drafted steps alone can tell)."""
+    fitted = ForwardCost(fit.free_tokens, fit.marginal_tokens, draft_setup=fit.draft_setup)
+    return max(abs(fitted.drafted(t) / fitted.drafted(1) / (truth.drafted(t) / truth.drafted(1)) - 1.0)
+               for t in range(1, max_tokens))
 
 
 @pytest.mark.parametrize("truth", [(5, 20.0), (12, 40.0), (2, 8.0), (24, 150.0), (40, 10.0)])
@@ -81,8 +86,8 @@ def test_stale_buckets_leave_the_fit():
     feed(fitter, ForwardCost(4, 4.0), 500, 32, t0=0.05)  # an old, busy workload up to 31 tokens
     for _ in range(P.MAX_AGE_STEPS + P.REFIT_EVERY):
         fitter.observe(40, 0.01)  # then only 40-token steps: one bucket
-    tokens, _, _ = fitter.buckets()
-    assert tokens.tolist() == [40.0]
+    tokens, _, _, drafted = fitter.buckets()
+    assert tokens.tolist() == [40.0] and drafted.tolist() == [True]
     assert fitter.prices == fitter.prior  # one live bucket cannot place a curve
 
 
@@ -90,13 +95,34 @@ def test_memory_is_bounded():
     fitter = OnlinePrices(CPU_PRIOR)
     shapes = (fitter._tokens.shape, fitter._seconds.shape)
     rng = np.random.default_rng(4)
-    for tokens in rng.integers(1, 1 << 20, 5000):
-        fitter.observe(int(tokens), 0.01 + tokens * 1e-7)
-    assert (fitter._tokens.shape, fitter._seconds.shape) == shapes == (((P.NUM_BUCKETS, P.RING),) * 2)
+    for i, tokens in enumerate(rng.integers(1, 1 << 20, 5000)):
+        fitter.observe(int(tokens), 0.01 + tokens * 1e-7, drafted=i % 3 != 0)
+    assert (fitter._tokens.shape, fitter._seconds.shape) == shapes == (((2 * P.NUM_BUCKETS, P.RING),) * 2)
     assert fitter.observed == 5000
     assert bucket_of(1) == 0 and bucket_of(P.EXACT_TOKENS) == P.EXACT_TOKENS - 1
     assert bucket_of(P.EXACT_TOKENS + 1) == P.EXACT_TOKENS
     assert bucket_of(10 ** 9) == P.NUM_BUCKETS - 1
+
+
+@pytest.mark.parametrize("setup", [0.0, 0.1, 0.3])
+def test_learns_the_draft_setup_from_draftless_steps(setup):
+    """Drafted steps cost ``setup`` forwards more than draftless ones at the
+    same token count: with both kinds among the samples the fit finds it,
+    and the token curve beside it."""
+    truth = ForwardCost(6, 24.0, draft_setup=setup)
+    fitter = OnlinePrices((5, 20.0, 0.05))
+    feed(fitter, truth, 1500, 40, seed=6, draftless=0.3)
+    assert fitter.prices.draft_setup == pytest.approx(setup, abs=0.03)
+    assert curve_error(fitter.prices, truth, 40) < 0.10
+    assert fitter.prices.step_seconds == pytest.approx(0.02, rel=0.1)
+
+
+def test_the_setup_prior_holds_without_draftless_steps():
+    """Only drafted steps: nothing tells the setup from t0, so the prior stands."""
+    fitter = OnlinePrices((5, 20.0, 0.05))
+    feed(fitter, ForwardCost(5, 20.0, draft_setup=0.05), 800, 40, seed=7)
+    assert fitter.prices.samples > 0
+    assert fitter.prices.draft_setup == pytest.approx(0.05, abs=0.025)
 
 
 def test_identical_fits_from_identical_samples():
@@ -105,7 +131,7 @@ def test_identical_fits_from_identical_samples():
     fits = []
     for _ in range(2):
         fitter = OnlinePrices(CPU_PRIOR)
-        feed(fitter, ForwardCost(9, 33.0), 700, 70, seed=5, outliers=0.1)
+        feed(fitter, ForwardCost(9, 33.0, draft_setup=0.1), 700, 70, seed=5, outliers=0.1, draftless=0.2)
         fits.append(fitter.prices)
     assert fits[0] == fits[1]
 
@@ -117,6 +143,8 @@ def test_invalid_samples_and_prior_are_refused():
     assert fitter.observed == 0
     with pytest.raises(ValueError, match=r"prior=\(0, 20.0\)"):
         OnlinePrices((0, 20.0))
+    with pytest.raises(ValueError, match=r"draft setup in \[0, 0.5\]"):
+        OnlinePrices((5, 20.0, -0.1))
 
 
 def test_refits_every_refit_every_samples():

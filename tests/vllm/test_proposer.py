@@ -492,12 +492,32 @@ def test_only_pure_decode_steps_without_idle_gaps_are_priced():
     assert p.prices.observed == REFIT_EVERY * 2 - 1  # the decode steps only (the first has no start)
     p._time_step(_shape(3, continuing=False), now + 100.0)  # the engine idled 100 s: no sample
     assert p.prices.observed == REFIT_EVERY * 2 - 1
-    tokens, seconds, _ = p.prices.buckets()
+    tokens, seconds, _, _ = p.prices.buckets()
     assert seconds.max() < 0.02
     p._time_step(_shape(4, drafted=False), now + 100.01)  # the 3-token step before it: one sample
-    for i in range(REFIT_EVERY):  # steps without drafts (the plain sampler path): no samples
-        p._time_step(_shape(4, drafted=False), now + 100.02 + i * 0.01)
     assert p.prices.observed == REFIT_EVERY * 2
+
+
+def test_draftless_steps_teach_the_draft_setup():
+    """Steps without drafts run the plain sampler path: they are samples of
+    their own kind, and the fit reads the drafted steps' extra time as the
+    draft setup (here 0.2 forwards) that the planner then charges."""
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    p = make_proposer(cost_free_tokens=-1)
+    assert p.cost.draft_setup == 0.05  # the CPU prior
+    truth, now = ForwardCost(5, 20.0, draft_setup=0.2), 0.0
+    for i in range(REFIT_EVERY * 12 + 1):
+        drafted = i % 3 != 0
+        tokens = 1 + i % 24 if drafted else 1 + i % 6
+        p._time_step(_shape(tokens, drafted=drafted), now)
+        now += 0.01 * (truth.drafted(tokens) if drafted else truth(tokens))
+    fit = p.prices.prices
+    drafted = p.prices.buckets()[3]
+    assert drafted.any() and not drafted.all()  # both kinds among the buckets
+    assert fit.draft_setup == pytest.approx(0.2, abs=0.03) and p.cost.draft_setup == fit.draft_setup
+    assert p.metrics.snapshot()["price_draft_setup"] == fit.draft_setup
 
 
 def test_pinned_prices_are_not_fitted():
@@ -522,7 +542,7 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
     class Group:
         def broadcast_object(self, obj, src=0):
             sent.append((obj, src))
-            return (7, 11.0)  # rank 0's prices
+            return (7, 11.0, 0.125)  # rank 0's prices
 
     monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_tp_group", lambda: Group())
@@ -533,7 +553,7 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
         now += 0.01
     p._time_step(_shape(1), now)
     assert sent and sent[0][1] == 0
-    assert (p.cost.free_tokens, p.cost.marginal_tokens) == (7, 11.0)
+    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.cost.draft_setup) == (7, 11.0, 0.125)
 
 
 def test_graph_tokens_read_from_the_compilation_config():
