@@ -54,10 +54,12 @@ PER_REQUEST = ":per-request"
 ADMISSIONS = 5
 
 
-def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline") -> Any:
+def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline",
+                  draft_shape: str = "one") -> Any:
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
     draft handed out) or a platform whose token prices it uses ("gpu");
-    ``upkeep``: "inline" or "thread" (the profile's ``upkeep_thread``)."""
+    ``upkeep``: "inline" or "thread" (the profile's ``upkeep_thread``);
+    ``draft_shape``: the config's (``hier``/``par``: trees)."""
     from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core.config import PLATFORM_VALUES
 
@@ -67,9 +69,21 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
         platform = PLATFORM_VALUES[prices]
         costs = {"cost_free_tokens": platform["free_tokens"], "cost_marginal_tokens": platform["marginal_tokens"]}
     knobs = {"load_shrink_above": 4096, "load_stop_at": 8192, "upkeep_thread": upkeep == "thread"}
-    proposer = standalone_proposer(k, max_len, {"source": name, "_profile": knobs, **costs})
+    settings = {"source": name, "draft_shape": draft_shape, "_profile": knobs, **costs}
+    proposer = standalone_proposer(k, max_len, settings)
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
     return proposer
+
+
+def verifiable_requests(proposer: Any, req_ids: list[str]) -> None:
+    """Every request samples greedily, as the runner's request states would
+    say: in tree mode each may verify a tree (else it gets a chain)."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
+    proposer.verifier.runner_requests = dict.fromkeys(req_ids, greedy)
 
 
 def corpus_tokens(count: int) -> np.ndarray:
@@ -144,12 +158,14 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
-             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline") -> dict[str, Any]:
+             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one"
+             ) -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
-    proposer = make_proposer(source, k, max_len, prices, upkeep)
+    proposer = make_proposer(source, k, max_len, prices, upkeep, draft_shape)
+    verifiable_requests(proposer, [f"r{i}" for i in range(batch + ADMISSIONS)])
     flush = np.zeros(flush_mib << 17) if flush_mib else None  # float64: 2**17 per MiB
     runner = Batch(texts[:batch], prompt_tokens, max_len, flush)
     # As vLLM's engine core does once started (freeze_gc_heap): the heap so
@@ -177,7 +193,8 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     gc.unfreeze()
     times_sorted = sorted(times)
     return {
-        "source": source, "upkeep": upkeep, "batch": batch, "prompt_tokens": prompt_tokens, "steps": steps, "k": k, "prices": prices,
+        "source": source, "upkeep": upkeep, "draft_shape": draft_shape, "batch": batch, "prompt_tokens": prompt_tokens,
+        "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
         "native": proposer.drafter.native, "array_path": proposer.batch_chains,
@@ -243,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "GPU token prices (few drafts pay at 64+ rows)")
     p.add_argument("--upkeep", nargs="+", choices=["inline", "thread"], default=["inline", "thread"],
                    help="where the index's upkeep runs (config index_upkeep): each one a cell")
+    p.add_argument("--draft-shape", choices=["one", "hier", "par"], default="one",
+                   help="the config's draft_shape: one (chains) or a tree shape, every request greedy (so each "
+                        "may verify a tree)")
     p.add_argument("--flush-mib", type=int, default=0,
                    help="stream this many MiB through the caches before each step, as a forward does between "
                         "two engine steps (0: warm caches, the proposer's own cost)")
@@ -272,9 +292,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grid = [(s, u, b, t) for s in args.sources for u in args.upkeep for b in args.batch for t in args.prompt_tokens]
     for source, upkeep, batch, tokens in grid:
         cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
-                                         args.flush_mib, upkeep), args.repeats)
+                                         args.flush_mib, upkeep, args.draft_shape), args.repeats)
         cells.append(cell)
-        log(f"{source:19s} {upkeep:6s} {batch:4d} x {tokens:5d}: step {cell['step_ms_median']:.2f} ms median, "
+        log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {batch:4d} x {tokens:5d}: "
+            f"step {cell['step_ms_median']:.2f} ms median, "
             f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
             f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
             f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
