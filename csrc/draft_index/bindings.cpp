@@ -1,11 +1,11 @@
 // lookahead_vllm._draft_index: Python bindings of the native DraftIndex and
-// of the chain kernels (chains.h).
+// of the chain and tree kernels (chains.h, trees.h).
 //
 // Checks arguments, converts them, and calls the core; sync, draft_batch and
 // settle run without the GIL. The methods that settle in the reference
 // settle the core first (see its `upkeep`). A mutex per index serializes
-// calls (the GIL no longer does while sync/draft_batch run). The chain
-// kernels keep the GIL: they run for microseconds and write into arrays
+// calls (the GIL no longer does while sync/draft_batch run). The chain and
+// tree kernels keep the GIL: they run for microseconds and write into arrays
 // their Python caller owns.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -21,6 +21,7 @@
 
 #include "chains.h"
 #include "draft_index.h"
+#include "trees.h"
 
 namespace py = pybind11;
 using lookahead::DraftIndex;
@@ -353,6 +354,178 @@ py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle l
   return py::make_tuple(keep, calibrated, drafts);
 }
 
+// ------------------------------------------------------------- tree kernels
+using Int8Array = py::array_t<int8_t, py::array::c_style | py::array::forcecast>;
+using UInt8Array = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>;
+
+// [rows, width] arrays of one shape.
+void check_rows(const char* what, const py::array& a, int64_t rows, int64_t width) {
+  if (!a || a.ndim() != 2 || a.shape(0) != rows || a.shape(1) != width) {
+    throw py::type_error(std::string(what) + " must be a 2-D array [" + std::to_string(rows) + ", " +
+                         std::to_string(width) + "]");
+  }
+}
+
+void check_lengths(const char* what, const int64_t* lens, int64_t rows, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (lens[r] < 0 || lens[r] > width) {
+      throw py::value_error(std::string(what) + "[" + std::to_string(r) + "]=" + std::to_string(lens[r]) +
+                            ": must be in [0, " + std::to_string(width) + "]");
+    }
+  }
+}
+
+// Parents of each row's first lens[r] nodes come first: -1 <= parents[i] < i.
+void check_parents(const int32_t* parents, const int64_t* lens, int64_t rows, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < lens[r]; ++i) {
+      const int32_t p = parents[r * width + i];
+      if (p < -1 || p >= i) {
+        throw py::value_error("parents[" + std::to_string(r) + ", " + std::to_string(i) + "]=" + std::to_string(p) +
+                              ": must be in [-1, " + std::to_string(i - 1) + "]");
+      }
+    }
+  }
+}
+
+py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handle raw_obj, py::handle lens_obj,
+                        py::handle tree_ok_obj, py::handle edges_obj, py::handle factor_obj, int64_t budget,
+                        int64_t num_rows, int64_t free_tokens, double marginal_tokens, double per_path,
+                        double path_setup, py::handle out_rows_obj, int64_t num_out) {
+  const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
+  const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
+  const DoubleArray factor = DoubleArray::ensure(factor_obj);
+  if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [rows, width]");
+  const int64_t rows = raw.shape(0), width = raw.shape(1);
+  check_rows("tokens", tokens, rows, width);
+  check_rows("parents", parents, rows, width);
+  if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
+  const int64_t bins = edges.shape(0) + 1;
+  if (!factor || factor.ndim() != 2 || factor.shape(0) <= lookahead::kKindContext || factor.shape(1) != bins) {
+    throw py::type_error("factor must be a 2-D float array [kinds > 3, len(edges) + 1]");
+  }
+  const IntArray lens = int_array(lens_obj, "lens"), out_rows = int_array(out_rows_obj, "out_rows");
+  const UInt8Array tree_ok = UInt8Array::ensure(tree_ok_obj);
+  if (!tree_ok || tree_ok.ndim() != 1) throw py::type_error("tree_ok must be a 1-D bool array");
+  check_same_length("raw's rows and lens", rows, lens.shape(0));
+  check_same_length("raw's rows and tree_ok", rows, tree_ok.shape(0));
+  check_same_length("raw's rows and out_rows", rows, out_rows.shape(0));
+  check_lengths("lens", lens.data(), rows, width);
+  check_parents(parents.data(), lens.data(), rows, width);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (out_rows.data()[r] < 0 || out_rows.data()[r] >= num_out) {
+      throw py::index_error("out_rows[" + std::to_string(r) + "]=" + std::to_string(out_rows.data()[r]) +
+                            ": must be in [0, " + std::to_string(num_out) + ")");
+    }
+  }
+  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
+    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
+  }
+  std::vector<int32_t> lens32(lens.data(), lens.data() + rows);
+  py::array_t<int32_t> out_tokens({rows, width}), out_parents({rows, width});
+  py::array_t<double> out_raw({rows, width}), calibrated({rows, width});
+  py::array_t<int8_t> out_kinds({rows, width});
+  py::array_t<int64_t> keep(rows);
+  py::array_t<uint8_t> carries(rows);
+  std::fill(out_tokens.mutable_data(), out_tokens.mutable_data() + rows * width, 0);
+  std::fill(out_parents.mutable_data(), out_parents.mutable_data() + rows * width, -1);
+  std::fill(out_raw.mutable_data(), out_raw.mutable_data() + rows * width, 0.0);
+  std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
+  std::fill(out_kinds.mutable_data(), out_kinds.mutable_data() + rows * width, 0);
+  const lookahead::TreeRows in{const_cast<int32_t*>(tokens.data()), const_cast<int32_t*>(parents.data()),
+                               const_cast<double*>(raw.data()), nullptr, rows, width};
+  lookahead::TreeRows out{out_tokens.mutable_data(), out_parents.mutable_data(), out_raw.mutable_data(),
+                          out_kinds.mutable_data(), rows, width};
+  lookahead::plan_trees(in, lens32.data(), tree_ok.data(), edges.data(), edges.shape(0), factor.data(), budget,
+                        num_rows, lookahead::TreeCost{free_tokens, marginal_tokens, per_path, path_setup}, out,
+                        calibrated.mutable_data(), keep.mutable_data(), carries.mutable_data());
+  py::list drafts(num_out);
+  std::vector<bool> filled(num_out, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = out_rows.data()[r], n = keep.data()[r];
+    if (filled[row]) throw py::value_error("out_rows[" + std::to_string(r) + "]: a batch row given twice");
+    filled[row] = true;
+    py::list draft(n);
+    for (int64_t j = 0; j < n; ++j) draft[j] = py::int_(out.tokens[r * width + j]);
+    drafts[row] = std::move(draft);
+  }
+  for (int64_t row = 0; row < num_out; ++row) {
+    if (!filled[row]) drafts[row] = py::list();
+  }
+  return py::make_tuple(out_tokens, out_parents, out_raw, out_kinds, keep, calibrated, carries, drafts);
+}
+
+py::tuple match_trees_py(py::handle offer_slots_obj, py::handle offer_lens_obj, py::handle offer_tokens_obj,
+                         py::handle offer_parents_obj, py::handle slots_obj, py::handle scheduled_obj,
+                         py::handle emitted_obj, py::handle starts_obj) {
+  const IntArray offer_slots = int_array(offer_slots_obj, "offer_slots");
+  const IntArray offer_lens = int_array(offer_lens_obj, "offer_lens");
+  const Int32Array tokens = Int32Array::ensure(offer_tokens_obj), parents = Int32Array::ensure(offer_parents_obj);
+  if (!tokens || tokens.ndim() != 2) throw py::type_error("offer_tokens must be a 2-D int array [offers, width]");
+  const int64_t offers = tokens.shape(0), width = tokens.shape(1);
+  check_rows("offer_parents", parents, offers, width);
+  check_same_length("offer_slots, offer_lens and the offers' rows", offers, offer_slots.shape(0));
+  check_same_length("offer_slots, offer_lens and the offers' rows", offers, offer_lens.shape(0));
+  check_lengths("offer_lens", offer_lens.data(), offers, width);
+  check_parents(parents.data(), offer_lens.data(), offers, width);
+  const IntArray slots = int_array(slots_obj, "slots"), scheduled = int_array(scheduled_obj, "scheduled");
+  const IntArray emitted = int_array(emitted_obj, "emitted"), starts = int_array(starts_obj, "starts");
+  const int64_t rows = slots.shape(0);
+  check_same_length("slots and scheduled", rows, scheduled.shape(0));
+  if (starts.shape(0) != rows + 1) throw py::value_error("starts must have one more entry than slots");
+  for (int64_t i = 0; i < rows; ++i) {
+    if (starts.data()[i] < 0 || starts.data()[i] > starts.data()[i + 1] || starts.data()[i + 1] > emitted.shape(0)) {
+      throw py::value_error("starts must rise from 0 to at most len(emitted)");
+    }
+  }
+  std::vector<int64_t> at, verified;
+  py::array_t<uint8_t> hits({offers, width});
+  std::fill(hits.mutable_data(), hits.mutable_data() + offers * width, 0);
+  const lookahead::TreeRows rows_in{const_cast<int32_t*>(tokens.data()), const_cast<int32_t*>(parents.data()),
+                                    nullptr, nullptr, offers, width};
+  lookahead::match_trees(offer_slots.data(), offer_lens.data(), rows_in, slots.data(), scheduled.data(),
+                         emitted.data(), starts.data(), rows, at, verified, hits.mutable_data());
+  return py::make_tuple(to_array(at), to_array(verified), hits);
+}
+
+void observe_trees_py(py::array predicted, py::array accepted_table, py::array nodes, py::array factor,
+                      py::handle edges_obj, py::handle raw_obj, py::handle kinds_obj, py::handle hits_obj,
+                      py::handle at_obj, py::handle verified_obj, double prior, double half_life) {
+  const DoubleArray edges = DoubleArray::ensure(edges_obj), raw = DoubleArray::ensure(raw_obj);
+  if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
+  if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [offers, width]");
+  const int64_t kinds_n = predicted.ndim() == 2 ? predicted.shape(0) : 0, bins = edges.shape(0) + 1;
+  lookahead::CalibrationTables t{table(predicted, "predicted", kinds_n, bins),
+                                 table(accepted_table, "accepted", kinds_n, bins),
+                                 table(nodes, "nodes", kinds_n, bins),
+                                 table(factor, "factor", kinds_n, bins),
+                                 kinds_n,
+                                 bins,
+                                 edges.data()};
+  const int64_t offers = raw.shape(0), width = raw.shape(1);
+  const Int8Array kinds = Int8Array::ensure(kinds_obj);
+  const UInt8Array hits = UInt8Array::ensure(hits_obj);
+  check_rows("kinds", kinds, offers, width);
+  check_rows("hits", hits, offers, width);
+  const IntArray at = int_array(at_obj, "at"), verified = int_array(verified_obj, "verified");
+  const int64_t n = at.shape(0);
+  check_same_length("at and verified", n, verified.shape(0));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = at.data()[i], v = verified.data()[i];
+    if (d < 0 || d >= offers || v < 0 || v > width) {
+      throw py::index_error("at[" + std::to_string(i) + "]=" + std::to_string(d) + ", verified=" + std::to_string(v) +
+                            ": outside raw [" + std::to_string(offers) + ", " + std::to_string(width) + "]");
+    }
+    for (int64_t j = 0; j < v; ++j) {
+      const int8_t k = kinds.data()[d * width + j];
+      if (k < 0 || k >= kinds_n) throw py::value_error("kinds: " + std::to_string(k) + " outside the tables");
+    }
+  }
+  const lookahead::TreeRows rows_in{nullptr, nullptr, const_cast<double*>(raw.data()),
+                                    const_cast<int8_t*>(kinds.data()), offers, width};
+  lookahead::observe_trees(t, rows_in, hits.data(), at.data(), verified.data(), n, prior, half_life);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_draft_index, m) {
@@ -474,6 +647,15 @@ PYBIND11_MODULE(_draft_index, m) {
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
   m.def("match_offers", &match_offers_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("slots"),
         py::arg("scheduled"), py::arg("emitted"));
+  m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),
+        py::arg("tree_ok"), py::arg("edges"), py::arg("factor"), py::arg("budget"), py::arg("num_rows"),
+        py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
+        py::arg("out_rows"), py::arg("num_out"));
+  m.def("match_trees", &match_trees_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("offer_tokens"),
+        py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"), py::arg("starts"));
+  m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
+        py::arg("factor"), py::arg("edges"), py::arg("raw"), py::arg("kinds"), py::arg("hits"), py::arg("at"),
+        py::arg("verified"), py::arg("prior"), py::arg("half_life"));
   m.def("observe_chains", &observe_chains_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
         py::arg("factor"), py::arg("edges"), py::arg("kind"), py::arg("raw"), py::arg("at"), py::arg("verified"),
         py::arg("accepted"), py::arg("prior"), py::arg("half_life"));
