@@ -27,7 +27,7 @@ overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
 nodes, so the correction follows a changing workload. Calibrated confidences
 never grow along a path (a node is accepted only with its parent).
 The proposer books one step's verified nodes at once (``observe_nodes``, or
-``observe_chains`` for the array path's chains), so halving and the new
+``observe_chains``/``observe_trees`` for the array path's chains and trees), so halving and the new
 factors apply per step.
 """
 
@@ -109,6 +109,12 @@ class ConfidenceCalibrator:
         view.flags.writeable = False
         return view
 
+    def factor_table(self) -> np.ndarray:
+        """The current correction factors, ``[kinds, bins]`` (read-only)."""
+        view = self._factor.view()
+        view.flags.writeable = False
+        return view
+
     def observe(self, tree: DraftTree, kinds: Sequence[int], accepted: Sequence[int]) -> None:
         """Learn from one verified draft and the nodes of it that were accepted
         (``step_plan.accepted_path``)."""
@@ -147,6 +153,18 @@ class ConfidenceCalibrator:
         nodes = cols < verified[:, None]
         self.observe_nodes(np.full(int(verified.sum()), kind, np.int64), raw[at][nodes],
                            (cols < accepted[:, None])[nodes])
+
+    def observe_trees(self, raw: np.ndarray, kinds: np.ndarray, accepted: np.ndarray, at: np.ndarray,
+                      verified: np.ndarray) -> None:
+        """:meth:`observe_nodes` for drafts stored as rows (core/tree_plan.py):
+        row ``at[i]`` of ``raw``/``kinds``/``accepted [D, W]`` had its first
+        ``verified[i]`` nodes verified, in that order."""
+        if self.native:
+            load_extension().observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
+                                           raw, kinds, accepted, at, verified, self.prior, float(HALF_LIFE_NODES))
+            return
+        nodes = np.arange(raw.shape[1]) < np.asarray(verified)[:, None]
+        self.observe_nodes(kinds[at][nodes].astype(np.int64), raw[at][nodes], accepted[at][nodes].astype(bool))
 
     def summary(self) -> dict[str, list[dict[str, float]]]:
         """Per kind, the bins that saw nodes: range, nodes, mean raw confidence, acceptance rate, factor."""

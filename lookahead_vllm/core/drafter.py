@@ -224,6 +224,13 @@ class Drafter:
         tok, _, conf, lens = self._index_rows(slots, budgets, floor, False)
         return tok, conf, lens
 
+    def draft_trees(self, slots: np.ndarray, budgets: np.ndarray, floor: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`draft_chains` for trees (tree mode's batch path): ``tokens``,
+        ``parents`` (-1: the root; parents first), ``confidence [R, W]`` and
+        ``lengths [R]``."""
+        return self._index_rows(slots, budgets, floor, True)
+
     def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)

@@ -1,0 +1,172 @@
+"""The array path's tree math for one engine step, over the whole batch.
+
+In tree mode (``draft_shape`` ``hier``/``par``) with the draft index as the
+only source and calibration on, the proposer drafts every row's tree with
+one ``draft_batch`` call (``tokens``/``parents``/``raw`` confidences
+``[R, W]``, ``lengths [R]``, parents first) and then, besides syncing:
+
+1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer
+   the scheduler verified (a prefix of it) with the tokens its row emitted
+   (the accepted nodes' tokens, then the bonus: ``step_plan.accepted_path``),
+   and :meth:`TreeOffers.observe` books the verified nodes into the
+   calibrator (``ConfidenceCalibrator.observe_nodes``);
+2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
+   not verify a tree keeps its best path as a chain (``DraftTree.best_path``);
+   every node gets its calibration kind (``KIND_CONTEXT`` on the drafted
+   tree's leading chain, ``KIND_BRANCH`` off it: ``drafter.index_kinds``) and
+   calibrated confidence (``ConfidenceCalibrator.calibrate``); the batch keeps
+   the prefix of the merged draft-order heads that maximises the expected
+   tokens per forward, a node that opens an attention path priced as such
+   (``budget.allocate_step_budget`` with ``opens_path``);
+3. keeps what it handed out as the next :class:`TreeOffers`, from which
+   tree verification's :class:`StepPlan` of each row that carries a tree is
+   built when asked (:meth:`TreeOffers.plan`).
+
+Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw
+confidences ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with
+factor 1 and no cost model, a budget of 2 keeps ``a, b`` (a chain: no plan),
+a budget of 3 all three (a tree: ``c`` opens a second path).
+
+``native=True`` runs each step as one call into ``lookahead_vllm._draft_index``
+(csrc/draft_index/trees.cpp); ``native=False`` runs the pure-Python reference
+below, which composes DraftTree, the calibrator and the allocator. Tests hold
+the two to identical results, confidences bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_vllm.core.calibration import KIND_CONTEXT
+from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.drafter import index_kinds, index_tree
+from lookahead_vllm.core.native import load_extension
+from lookahead_vllm.core.step_plan import StepPlan, accepted_path
+
+if TYPE_CHECKING:
+    from lookahead_vllm.core.calibration import ConfidenceCalibrator
+
+
+@dataclass(frozen=True, slots=True)
+class TreeOffers:
+    """The drafts the array path handed out in one step in tree mode, one row
+    per drafting request (a tree, or a chain where its request may not verify
+    one): booked against what verification accepted in the next step, then
+    replaced."""
+
+    slots: np.ndarray  # [D] int64 request slots, each at most once
+    tokens: np.ndarray  # [D, W] int32 node tokens
+    parents: np.ndarray  # [D, W] int32 node parents (-1: the root), parents first
+    raw: np.ndarray  # [D, W] float64 raw (uncalibrated) node confidences
+    kinds: np.ndarray  # [D, W] int8 calibration kinds
+    lengths: np.ndarray  # [D] int64 nodes handed out (0: none)
+    trees: np.ndarray  # [D] bool: the row's draft is a tree (tree_verify verifies it)
+
+    @classmethod
+    def none(cls) -> "TreeOffers":
+        empty = np.zeros((0, 0), np.int32)
+        return cls(np.zeros(0, np.int64), empty, empty, np.zeros((0, 0)), np.zeros((0, 0), np.int8),
+                   np.zeros(0, np.int64), np.zeros(0, bool))
+
+    def tree(self, d: int) -> DraftTree:
+        """Offer ``d`` as handed out (weights as the drafter ranks index nodes)."""
+        n = int(self.lengths[d])
+        return index_tree(self.tokens[d, :n], self.parents[d, :n], self.raw[d, :n])
+
+    def plan(self, d: int) -> StepPlan:
+        """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
+        return StepPlan(self.tree(d))
+
+    def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]], native: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This step's rows (``slots``; ``scheduled``: draft tokens the
+        scheduler verified; ``emitted``: the tokens each row emitted) against
+        the offers. Per row that verified part of its offer, in row order:
+        the offer's index and the nodes verified (at most the offer's
+        length); and ``hits [D, W]``: the verified nodes accepted."""
+        if native:
+            starts = np.zeros(len(emitted) + 1, np.int64)
+            np.cumsum(np.fromiter(map(len, emitted), np.int64, len(emitted)), out=starts[1:])
+            flat = np.fromiter((t for row in emitted for t in row), np.int64, int(starts[-1]))
+            return load_extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
+                                                scheduled, flat, starts)
+        where = {s: d for d, (s, n) in enumerate(zip(self.slots.tolist(), self.lengths.tolist())) if n > 0}
+        at, verified = [], []
+        hits = np.zeros(self.tokens.shape, np.uint8)
+        for slot, sched, emit in zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist(), emitted):
+            d = where.get(slot)
+            if d is None or sched <= 0:
+                continue
+            v = min(sched, int(self.lengths[d]))
+            at.append(d)
+            verified.append(v)
+            hits[d, accepted_path(self.tree(d).truncate(v), emit)] = 1
+        return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
+
+    def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
+                hits: np.ndarray) -> int:
+        """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into
+        the calibrator (:meth:`match`'s results); returns how many accepted
+        nodes were context nodes."""
+        calibrator.observe_trees(self.raw, self.kinds, hits, at, verified)
+        return int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT]))
+
+
+def plan_trees(
+    tokens: np.ndarray, parents: np.ndarray, raw: np.ndarray, lengths: np.ndarray, tree_ok: np.ndarray,
+    calibrator: "ConfidenceCalibrator", budget: int | None, num_rows: int, cost: ForwardCost,
+    slots: np.ndarray, out_rows: np.ndarray, num_out: int, native: bool,
+) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
+    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
+    index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
+    ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. Returns the
+    offers (each row's kept prefix), the calibrated confidences of the
+    offered rows (cells past a row's length are unspecified) and the
+    ``num_out`` batch rows' drafts (``[]`` where none)."""
+    tree_ok = np.asarray(tree_ok, bool)
+    if native:
+        tok, par, conf, kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
+            tokens, parents, raw, lengths, tree_ok, calibrator.bin_edges, calibrator.factor_table(),
+            -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
+            float(cost.per_path), float(cost.path_setup), out_rows, num_out)
+        return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, kinds, keep, trees.astype(bool)), \
+            calibrated, drafts
+    return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,
+                                 slots, out_rows, num_out)
+
+
+def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost, slots,
+                          out_rows, num_out) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
+    """:func:`plan_trees` with DraftTree objects, request by request."""
+    rows, width = raw.shape
+    offers, confs, opens = [], [], []
+    for r in range(rows):
+        n = int(lengths[r])
+        tree = index_tree(tokens[r, :n], parents[r, :n], raw[r, :n])
+        kinds = index_kinds(tree, n)
+        if not tree_ok[r] and not tree.is_chain():
+            kinds = [kinds[i] for i in tree.best_path()]
+            tree = tree.best_path_tree()
+        offers.append((tree, kinds))
+        confs.append(calibrator.calibrate(tree, kinds))
+        opens.append(opens_path(tree.parents) if tree_ok[r] else [False] * len(tree))
+    keep = allocate_step_budget(confs, budget, num_rows, cost, opens)
+    out_tok, out_par = np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32)
+    out_raw, calibrated = np.zeros((rows, width)), np.zeros((rows, width))
+    out_kinds, trees = np.zeros((rows, width), np.int8), np.zeros(rows, bool)
+    drafts: list[list[int]] = [[] for _ in range(num_out)]
+    for r, ((tree, kinds), c, n) in enumerate(zip(offers, confs, keep)):
+        m = len(tree)
+        out_tok[r, :m], out_par[r, :m], out_kinds[r, :m] = tree.tokens, tree.parents, kinds
+        out_raw[r, :m] = [tree.node_confidence(i) for i in range(m)]
+        calibrated[r, :m] = c
+        kept = tree.truncate(n)
+        trees[r] = bool(tree_ok[r]) and n > 0 and not kept.is_chain()
+        drafts[int(out_rows[r])] = list(kept.tokens)
+    offered = TreeOffers(np.asarray(slots, np.int64), out_tok, out_par, out_raw, out_kinds,
+                         np.asarray(keep, np.int64), trees)
+    return offered, calibrated, drafts
