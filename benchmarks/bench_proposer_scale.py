@@ -48,7 +48,7 @@ def log(message: str) -> None:
 
 
 # A source named with this suffix runs the proposer's per-request path (the
-# array path's comparison: LookaheadProposer.batch_chains off).
+# array path's comparison: LookaheadProposer.batch_chains and batch_trees off).
 PER_REQUEST = ":per-request"
 # Prompts admitted one at a time into the running batch after the timed steps.
 ADMISSIONS = 5
@@ -72,6 +72,7 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
     settings = {"source": name, "draft_shape": draft_shape, "_profile": knobs, **costs}
     proposer = standalone_proposer(k, max_len, settings)
     proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
+    proposer.batch_trees = proposer.batch_trees and not source.endswith(PER_REQUEST)
     return proposer
 
 
@@ -197,7 +198,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
-        "native": proposer.drafter.native, "array_path": proposer.batch_chains,
+        "native": proposer.drafter.native, "array_path": proposer.batch_chains or proposer.batch_trees,
         "accepted_per_request_step": accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],

@@ -12,12 +12,14 @@ Per step, for the request rows of the persistent batch that just sampled:
    flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
    ``tree_verify`` reads back.
 
-With the default settings (the draft index alone, chains, calibration on)
-steps 2-3 run as a few batch calls into the native extension
-(``_propose_chains``: no per-request Python objects; booking and planning
-in core/chain_plan.py; the drafts handed out are one :class:`ChainOffers`);
-other settings go request by request (``_propose_trees``). Tests hold the
-two paths to each other.
+With the draft index as the only source and calibration on (the default),
+steps 2-3 run as a few batch calls into the native extension, without
+per-request Python objects: ``_propose_chains`` for chains (booking and
+planning in core/chain_plan.py; the drafts handed out are one
+:class:`ChainOffers`), ``_propose_index_trees`` in tree mode (core/tree_plan.py;
+one :class:`TreeOffers`, from which tree verification's plans are built when
+it asks). Other settings (the trie, the Jacobi window) go request by request
+(``_propose_trees``). Tests hold the paths to each other.
 
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
@@ -59,6 +61,7 @@ from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path
+from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import TreeVerifier
@@ -155,6 +158,9 @@ class RequestState:
     plan: StepPlan | None = None
     # How many of this step's draft nodes are draft-index or context nodes.
     context_nodes: int = 0
+    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable;
+    # None until the runner knows the request). Fixed for its lifetime.
+    verifiable: bool | None = None
 
 
 # The drafter's memory gauges are refreshed every this many steps (and on
@@ -234,11 +240,17 @@ class LookaheadProposer:
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
-        # The array path (module docstring) where the settings allow it; tests
-        # set it False before the first step to run the per-request path.
-        self.batch_chains = (not self.tree_mode and self.config.sources == ("index",)
-                             and self.calibrator is not None)
+        # The array paths (module docstring) where the settings allow them;
+        # tests set them False before the first step to run the per-request path.
+        array_path = self.config.sources == ("index",) and self.calibrator is not None
+        self.batch_chains = array_path and not self.tree_mode
+        self.batch_trees = array_path and self.tree_mode
         self._offers = ChainOffers.none()
+        # Tree mode's offers, the request id of each offer row, and the plans
+        # built from them (tree_verify asks once per step: ``plans``).
+        self._trees = TreeOffers.none()
+        self._tree_req_ids: list[str] = []
+        self._tree_plans: dict[str, StepPlan] | None = None
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
         logger.info("lookahead proposer ready (%s draft index): %s",
@@ -321,7 +333,12 @@ class LookaheadProposer:
     @property
     def plans(self) -> dict[str, StepPlan]:
         """This step's tree plans by request id (read by tree_verify)."""
-        return {r: st.plan for r, st in self._states.items() if st.plan is not None}
+        if not self.batch_trees:
+            return {r: st.plan for r, st in self._states.items() if st.plan is not None}
+        if self._tree_plans is None:
+            offers = self._trees
+            self._tree_plans = {r: offers.plan(d) for d, r in enumerate(self._tree_req_ids) if offers.trees[d]}
+        return {r: plan for r, plan in self._tree_plans.items() if r in self._states}
 
     @property
     def trie(self) -> Any:
@@ -359,6 +376,7 @@ class LookaheadProposer:
             st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
         self._offers = ChainOffers.none()
+        self._trees, self._tree_req_ids, self._tree_plans = TreeOffers.none(), [], None
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -409,6 +427,8 @@ class LookaheadProposer:
         sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
         if self.batch_chains:
             out = self._propose_chains(sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
+        elif self.batch_trees:
+            out = self._propose_index_trees(sampled_token_ids, sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
         else:
             out = self._propose_trees(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
         drafts, num_rows, skipped, load_budget = out
@@ -474,6 +494,59 @@ class LookaheadProposer:
         if len(at):
             self.stats.context_accepted_tokens += int(accepted.sum())
             self.calibrator.observe_chains(offers.confidence, at, verified, accepted, KIND_CONTEXT)
+
+    def _propose_index_trees(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
+                             num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
+                             ) -> tuple[list[list[int]], int, dict[str, int], int]:
+        """The array path in tree mode: the batch's index trees (a chain where
+        a request may not verify a tree), calibrated, cut by the forward-cost
+        model with their extra attention paths priced, without per-request
+        Python objects (core/tree_plan.py)."""
+        num_out = len(sampled_lens)
+        rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
+        row_list = rows.tolist()
+        req_ids = [batch.req_ids[i] for i in row_list]
+        states = [self._states.get(r) or self._state(r) for r in req_ids]
+        slots = np.fromiter((st.slot for st in states), np.int64, len(states))
+        num_tokens = num_tokens_no_spec[rows]
+        self._book_trees(slots, req_ids, [sampled_token_ids[i] for i in row_list])
+        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
+                                                self._partitions(states))
+        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
+        drafting = np.flatnonzero(budgets > 0)
+        floor = confidence_floor(self.config, len(drafting))
+        tok, par, raw, lens = self.drafter.draft_trees(slots[drafting], budgets[drafting], floor)
+        self.stats.context_drafts += int(np.count_nonzero(lens))
+        picked = drafting.tolist()
+        tree_ok = np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
+        self._trees, _, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
+                                            self._step_budget(len(rows)), len(rows), self.cost, slots[drafting],
+                                            rows[drafting], num_out, self.drafter.native)
+        self._tree_req_ids, self._tree_plans = [req_ids[j] for j in picked], None
+        return drafts, len(rows), skipped, load_budget
+
+    def _verifiable(self, req_id: str, st: RequestState) -> bool:
+        """Whether the request may verify a tree (asked of the verifier once
+        the runner knows the request, then kept)."""
+        if st.verifiable is None:
+            if req_id not in self.verifier.runner_requests:
+                return False
+            st.verifiable = self.verifier.verifiable(req_id)
+        return st.verifiable
+
+    def _book_trees(self, slots: np.ndarray, req_ids: list[str], emitted: list[list[int]]) -> None:
+        """Book last step's :class:`TreeOffers` against what this step's rows
+        emitted (``emitted[i]``: the accepted tokens, then the bonus), cut to
+        what the scheduler verified of them: context tokens accepted and the
+        calibrator's evidence (core/tree_plan.py)."""
+        offers = self._trees
+        if not len(offers.slots):
+            return
+        scheduled = self._scheduled.get
+        verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
+        at, verified, hits = offers.match(slots, verified, emitted, self.drafter.native)
+        if len(at):
+            self.stats.context_accepted_tokens += offers.observe(self.calibrator, at, verified, hits)
 
     def _propose_trees(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                        token_ids_cpu: np.ndarray, batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:

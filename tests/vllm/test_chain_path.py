@@ -65,6 +65,13 @@ class Workload:
             new.append(SimpleNamespace(req_id=rid, sampling_params=SimpleNamespace(extra_args=args)))
         return new
 
+    def accepted(self, req_id: str, draft: list[int], truth: list[int]) -> int:
+        """Draft tokens verification accepts: the prefix that matches the text."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == truth[accepted]:
+            accepted += 1
+        return accepted
+
     def step_inputs(self):
         finished = [r for r, (_, plen, n, _) in self.running.items()
                     if n >= MAX_LEN or n - plen > 150 or self.rng.random() < 0.02]
@@ -83,9 +90,7 @@ class Workload:
             if draft:
                 scheduled[r] = draft
             truth = self.text[start + n: start + n + len(draft) + 1].tolist()
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == truth[accepted]:
-                accepted += 1
+            accepted = self.accepted(r, draft, truth)
             emitted = truth[:accepted + 1]
             n = min(n + len(emitted), MAX_LEN)
             if self.rng.random() < 0.01:  # preempted and recomputed: the runner rewinds
