@@ -455,9 +455,16 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   return py::make_tuple(out_tokens, out_parents, out_raw, out_kinds, keep, calibrated, carries, drafts);
 }
 
+// Row i's emitted tokens (a sequence of ints) appended to `flat`.
+void append_tokens(py::handle row, std::vector<int64_t>& flat) {
+  const py::sequence tokens = py::reinterpret_borrow<py::sequence>(row);
+  const size_t n = tokens.size();
+  for (size_t j = 0; j < n; ++j) flat.push_back(tokens[j].cast<int64_t>());
+}
+
 py::tuple match_trees_py(py::handle offer_slots_obj, py::handle offer_lens_obj, py::handle offer_tokens_obj,
                          py::handle offer_parents_obj, py::handle slots_obj, py::handle scheduled_obj,
-                         py::handle emitted_obj, py::handle starts_obj) {
+                         py::sequence emitted) {
   const IntArray offer_slots = int_array(offer_slots_obj, "offer_slots");
   const IntArray offer_lens = int_array(offer_lens_obj, "offer_lens");
   const Int32Array tokens = Int32Array::ensure(offer_tokens_obj), parents = Int32Array::ensure(offer_parents_obj);
@@ -469,22 +476,22 @@ py::tuple match_trees_py(py::handle offer_slots_obj, py::handle offer_lens_obj, 
   check_lengths("offer_lens", offer_lens.data(), offers, width);
   check_parents(parents.data(), offer_lens.data(), offers, width);
   const IntArray slots = int_array(slots_obj, "slots"), scheduled = int_array(scheduled_obj, "scheduled");
-  const IntArray emitted = int_array(emitted_obj, "emitted"), starts = int_array(starts_obj, "starts");
   const int64_t rows = slots.shape(0);
-  check_same_length("slots and scheduled", rows, scheduled.shape(0));
-  if (starts.shape(0) != rows + 1) throw py::value_error("starts must have one more entry than slots");
+  check_same_length("slots, scheduled and emitted", rows, scheduled.shape(0));
+  check_same_length("slots, scheduled and emitted", rows, static_cast<int64_t>(emitted.size()));
+  // The emitted tokens of the rows that verified a draft (the only ones matched).
+  std::vector<int64_t> flat, starts(static_cast<size_t>(rows) + 1, 0);
   for (int64_t i = 0; i < rows; ++i) {
-    if (starts.data()[i] < 0 || starts.data()[i] > starts.data()[i + 1] || starts.data()[i + 1] > emitted.shape(0)) {
-      throw py::value_error("starts must rise from 0 to at most len(emitted)");
-    }
+    if (scheduled.data()[i] > 0) append_tokens(emitted[static_cast<size_t>(i)], flat);
+    starts[i + 1] = static_cast<int64_t>(flat.size());
   }
   std::vector<int64_t> at, verified;
   py::array_t<uint8_t> hits({offers, width});
   std::fill(hits.mutable_data(), hits.mutable_data() + offers * width, 0);
   const lookahead::TreeRows rows_in{const_cast<int32_t*>(tokens.data()), const_cast<int32_t*>(parents.data()),
                                     nullptr, nullptr, offers, width};
-  lookahead::match_trees(offer_slots.data(), offer_lens.data(), rows_in, slots.data(), scheduled.data(),
-                         emitted.data(), starts.data(), rows, at, verified, hits.mutable_data());
+  lookahead::match_trees(offer_slots.data(), offer_lens.data(), rows_in, slots.data(), scheduled.data(), flat.data(),
+                         starts.data(), rows, at, verified, hits.mutable_data());
   return py::make_tuple(to_array(at), to_array(verified), hits);
 }
 
@@ -652,7 +659,7 @@ PYBIND11_MODULE(_draft_index, m) {
         py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
         py::arg("out_rows"), py::arg("num_out"));
   m.def("match_trees", &match_trees_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("offer_tokens"),
-        py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"), py::arg("starts"));
+        py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"));
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
         py::arg("factor"), py::arg("edges"), py::arg("raw"), py::arg("kinds"), py::arg("hits"), py::arg("at"),
         py::arg("verified"), py::arg("prior"), py::arg("half_life"));

@@ -89,11 +89,8 @@ class TreeOffers:
         the offer's index and the nodes verified (at most the offer's
         length); and ``hits [D, W]``: the verified nodes accepted."""
         if native:
-            starts = np.zeros(len(emitted) + 1, np.int64)
-            np.cumsum(np.fromiter(map(len, emitted), np.int64, len(emitted)), out=starts[1:])
-            flat = np.fromiter((t for row in emitted for t in row), np.int64, int(starts[-1]))
             return load_extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
-                                                scheduled, flat, starts)
+                                                scheduled, emitted)
         where = {s: d for d, (s, n) in enumerate(zip(self.slots.tolist(), self.lengths.tolist())) if n > 0}
         at, verified = [], []
         hits = np.zeros(self.tokens.shape, np.uint8)

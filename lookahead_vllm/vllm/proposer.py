@@ -246,10 +246,11 @@ class LookaheadProposer:
         self.batch_chains = array_path and not self.tree_mode
         self.batch_trees = array_path and self.tree_mode
         self._offers = ChainOffers.none()
-        # Tree mode's offers, the request id of each offer row, and the plans
-        # built from them (tree_verify asks once per step: ``plans``).
+        # Tree mode's offers; this step's request ids by row and the rows
+        # of the offers (offer d is request ids[rows[d]]); the plans built
+        # from the offers (tree_verify asks once per step: ``plans``).
         self._trees = TreeOffers.none()
-        self._tree_req_ids: list[str] = []
+        self._tree_rows: tuple[list[str], list[int]] = ([], [])
         self._tree_plans: dict[str, StepPlan] | None = None
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
@@ -336,8 +337,8 @@ class LookaheadProposer:
         if not self.batch_trees:
             return {r: st.plan for r, st in self._states.items() if st.plan is not None}
         if self._tree_plans is None:
-            offers = self._trees
-            self._tree_plans = {r: offers.plan(d) for d, r in enumerate(self._tree_req_ids) if offers.trees[d]}
+            offers, (req_ids, rows) = self._trees, self._tree_rows
+            self._tree_plans = {req_ids[rows[d]]: offers.plan(d) for d in np.flatnonzero(offers.trees).tolist()}
         return {r: plan for r, plan in self._tree_plans.items() if r in self._states}
 
     @property
@@ -376,7 +377,7 @@ class LookaheadProposer:
             st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
         self._offers = ChainOffers.none()
-        self._trees, self._tree_req_ids, self._tree_plans = TreeOffers.none(), [], None
+        self._trees, self._tree_rows, self._tree_plans = TreeOffers.none(), ([], []), None
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -522,7 +523,7 @@ class LookaheadProposer:
         self._trees, _, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                             self._step_budget(len(rows)), len(rows), self.cost, slots[drafting],
                                             rows[drafting], num_out, self.drafter.native)
-        self._tree_req_ids, self._tree_plans = [req_ids[j] for j in picked], None
+        self._tree_rows, self._tree_plans = (req_ids, picked), None
         return drafts, len(rows), skipped, load_budget
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:

@@ -195,5 +195,5 @@ def test_kernels_reject_bad_input():
     with pytest.raises(IndexError, match="out_rows"):
         k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
                      [1], 1)
-    with pytest.raises(ValueError, match="starts"):
-        k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [5], [0, 2])
+    with pytest.raises(ValueError, match="emitted"):
+        k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [[5], [6]])
