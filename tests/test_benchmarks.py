@@ -598,6 +598,19 @@ def test_bench_proposer_scale_reports_every_cell(tmp_path):
         assert cell["draft_tokens_per_step"] == cells[0]["draft_tokens_per_step"]
 
 
+@pytest.mark.vllm
+def test_bench_proposer_scale_drafts_trees_on_both_paths(tmp_path):
+    """``--draft-shape hier``: every request may verify a tree; the array
+    path and the per-request path hand out the same drafts."""
+    bench = _import_bench("bench_proposer_scale")
+    cells = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--upkeep", "inline",
+                        "--sources", "index", "index:per-request", "--draft-shape", "hier",
+                        "--out", str(tmp_path / "trees.json")])["cells"]
+    assert [(c["draft_shape"], c["array_path"]) for c in cells] == [("hier", True), ("hier", False)]
+    for key in ("accepted_per_request_step", "draft_tokens_per_step"):
+        assert cells[0][key] == cells[1][key] > 0, key
+
+
 def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
     bench = _import_bench("bench_proposer_scale")
     figures = iter([(1.0, 2.0, 9.0), (3.0, 4.0, 5.0), (2.0, 3.0, 4.0)])
@@ -619,6 +632,7 @@ def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
                                           (["--repeats", "0"], "--repeats 0: must be >= 1"),
                                           (["--flush-mib", "-1"], "--flush-mib -1: must be >= 0"),
                                           (["--upkeep", "later"], "--upkeep: invalid choice: 'later'"),
+                                          (["--draft-shape", "tree"], "--draft-shape: invalid choice: 'tree'"),
                                           (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
 def test_bench_proposer_scale_rejects_bad_arguments(argv, message, capsys):
     bench = _import_bench("bench_proposer_scale")

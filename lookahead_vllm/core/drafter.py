@@ -295,9 +295,9 @@ class Drafter:
 
 def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:
     """A draft index row as a :class:`DraftTree`."""
-    confs = tuple(float(c) for c in conf)
-    return DraftTree(tuple(int(t) for t in tokens), tuple(int(p) for p in parents),
-                     tuple(INDEX_WEIGHT * c for c in confs), confs)
+    confs = tuple(np.asarray(conf, np.float64).tolist())
+    return DraftTree(tuple(np.asarray(tokens).tolist()), tuple(np.asarray(parents).tolist()),
+                     tuple([INDEX_WEIGHT * c for c in confs]), confs)
 
 
 def index_kinds(tree: DraftTree, n_index: int) -> list[int]:

@@ -107,6 +107,26 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs,
     assert 0 < cal.accepted.sum() - accepted_before < seen.sum()
 
 
+def test_index_trees_greedy_identical_to_plain(engines, prompts):
+    """The draft index's trees (the default source: the proposer's array path,
+    core/tree_plan.py) verify losslessly, side branches accepted, at bs 8 with
+    mixed sampling (greedy rows verify trees, sampled ones too)."""
+    from lookahead_lab.offline import find_proposers
+
+    # The engine test_plan_mismatch and test_sampling share (conftest.SHARED_ENGINES).
+    llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
+    (proposer,) = find_proposers(llm)
+    assert proposer.batch_trees
+    before = proposer.stats.as_dict()
+    ps, _ = _subset(prompts, "humaneval", (5, 13))
+    ours = generate(llm, ps, _params(len(ps), True), 8)
+    assert count_mismatches(_plain(engines, prompts, "humaneval", 8, True, (5, 13)).token_ids, ours.token_ids) == 0
+    after = proposer.stats.as_dict()
+    assert after["tree_request_steps"] > before["tree_request_steps"]
+    assert after["tree_off_chain_accepts"] > before["tree_off_chain_accepts"]
+    assert proposer.calibrator.nodes[KIND_BRANCH].sum() > 0
+
+
 @pytest.mark.parametrize("switch", ["positions", "mask", "compaction"])
 def test_each_piece_is_needed(engines, prompts, switch):
     """Negative controls: switching off one piece must break greedy identity.
