@@ -391,7 +391,7 @@ void check_parents(const int32_t* parents, const int64_t* lens, int64_t rows, in
 py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handle raw_obj, py::handle lens_obj,
                         py::handle tree_ok_obj, py::handle edges_obj, py::handle factor_obj, int64_t budget,
                         int64_t num_rows, int64_t free_tokens, double marginal_tokens, double per_path,
-                        double path_setup, py::handle out_rows_obj, int64_t num_out) {
+                        double path_setup, double draft_setup, py::handle out_rows_obj, int64_t num_out) {
   const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
   const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
   const DoubleArray factor = DoubleArray::ensure(factor_obj);
@@ -421,6 +421,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
     throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
   }
+  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
   std::vector<int32_t> lens32(lens.data(), lens.data() + rows);
   py::array_t<int32_t> out_tokens({rows, width}), out_parents({rows, width});
   py::array_t<double> out_raw({rows, width}), calibrated({rows, width});
@@ -437,7 +438,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   lookahead::TreeRows out{out_tokens.mutable_data(), out_parents.mutable_data(), out_raw.mutable_data(),
                           out_kinds.mutable_data(), rows, width};
   lookahead::plan_trees(in, lens32.data(), tree_ok.data(), edges.data(), edges.shape(0), factor.data(), budget,
-                        num_rows, lookahead::TreeCost{free_tokens, marginal_tokens, per_path, path_setup}, out,
+                        num_rows, lookahead::TreeCost{free_tokens, marginal_tokens, per_path, path_setup, draft_setup}, out,
                         calibrated.mutable_data(), keep.mutable_data(), carries.mutable_data());
   py::list drafts(num_out);
   std::vector<bool> filled(num_out, false);
@@ -657,7 +658,7 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),
         py::arg("tree_ok"), py::arg("edges"), py::arg("factor"), py::arg("budget"), py::arg("num_rows"),
         py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
-        py::arg("out_rows"), py::arg("num_out"));
+        py::arg("draft_setup"), py::arg("out_rows"), py::arg("num_out"));
   m.def("match_trees", &match_trees_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("offer_tokens"),
         py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"));
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),

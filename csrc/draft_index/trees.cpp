@@ -134,8 +134,9 @@ void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok,
     std::fill(keep, keep + rows, 0);
     if (cost.free_tokens != 0) {
       // Keep the prefix with the best expected tokens per forward; a node
-      // that is not its parent's first child opens an attention path, and
-      // the step pays for the most paths any row opens.
+      // that is not its parent's first child opens an attention path, the
+      // step pays for the most paths any row opens, and a drafted step pays
+      // the draft setup once.
       const double base = static_cast<double>(num_rows);
       double best = base / step_cost(cost, num_rows, 0), gained = 0.0;
       std::vector<int64_t> paths(static_cast<size_t>(rows), 0);
@@ -147,7 +148,7 @@ void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok,
         gained += calibrated[at];
         if (tree_ok[r] && out.parents[at] + 1 != keep[r]) rounds = std::max(rounds, ++paths[r]);
         ++keep[r];
-        const double rate = (base + gained) / step_cost(cost, num_rows + m + 1, rounds);
+        const double rate = (base + gained) / (step_cost(cost, num_rows + m + 1, rounds) + cost.draft_setup);
         if (rate > best) best = rate, take = m + 1;
       }
       std::fill(keep, keep + rows, 0);

@@ -40,6 +40,7 @@ struct TreeCost {
   double marginal_tokens;
   double per_path;         // each extra attention path the step runs
   double path_setup;       // a step that runs any
+  double draft_setup;      // paid once by a step that keeps any draft token
 };
 
 // A batch of trees, [rows, width] row-major; row r holds lens[r] nodes.

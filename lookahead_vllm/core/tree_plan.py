@@ -16,8 +16,9 @@ one ``draft_batch`` call (``tokens``/``parents``/``raw`` confidences
    tree's leading chain, ``KIND_BRANCH`` off it: ``drafter.index_kinds``) and
    calibrated confidence (``ConfidenceCalibrator.calibrate``); the batch keeps
    the prefix of the merged draft-order heads that maximises the expected
-   tokens per forward, a node that opens an attention path priced as such
-   (``budget.allocate_step_budget`` with ``opens_path``);
+   tokens per forward, a node that opens an attention path priced as such,
+   a drafted step's setup once (``budget.allocate_step_budget`` with
+   ``opens_path``);
 3. keeps what it handed out as the next :class:`TreeOffers`, from which
    tree verification's :class:`StepPlan` of each row that carries a tree is
    built when asked (:meth:`TreeOffers.plan`).
@@ -129,7 +130,7 @@ def plan_trees(
         tok, par, conf, kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
             tokens, parents, raw, lengths, tree_ok, calibrator.bin_edges, calibrator.factor_table(),
             -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
-            float(cost.per_path), float(cost.path_setup), out_rows, num_out)
+            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out)
         return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, kinds, keep, trees.astype(bool)), \
             calibrated, drafts
     return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,

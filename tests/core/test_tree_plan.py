@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extensi
 # Confidences with ties and bin edges among them.
 confidence = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.02, 0.1, 0.5, 0.9, 1.0]))
 COSTS = [ForwardCost(0, 1.0), ForwardCost(5, 20.0), ForwardCost(16, 4.0, 0.3, 0.5), ForwardCost(64, 64.0, 0.05, 0.2),
-         ForwardCost(1, 33.0, 1.0, 0.0), ForwardCost(8, 8.0, 0.0, 2.0)]
+         ForwardCost(1, 33.0, 1.0, 0.0), ForwardCost(8, 8.0, 0.0, 2.0), ForwardCost(5, 20.0, 0.02, 0.09, 0.15),
+         ForwardCost(32, 675.0, draft_setup=0.4)]
 
 
 @st.composite
@@ -188,12 +189,15 @@ def test_kernels_reject_bad_input():
     tok, raw = np.zeros((1, 2), np.int32), np.zeros((1, 2))
     with pytest.raises(ValueError, match="parents"):  # a parent after its child
         k.plan_trees(tok, np.array([[1, -1]], np.int32), raw, [2], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
-                     [0], 1)
+                     0.0, [0], 1)
     with pytest.raises(ValueError, match="lens"):
         k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [3], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
-                     [0], 1)
+                     0.0, [0], 1)
     with pytest.raises(IndexError, match="out_rows"):
         k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
-                     [1], 1)
+                     0.0, [1], 1)
+    with pytest.raises(ValueError, match="draft_setup"):
+        k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
+                     -1.0, [0], 1)
     with pytest.raises(ValueError, match="emitted"):
         k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [[5], [6]])
