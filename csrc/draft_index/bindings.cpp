@@ -266,20 +266,27 @@ double* table(py::array a, const char* name, int64_t kinds, int64_t bins) {
   return static_cast<double*>(a.mutable_data());
 }
 
+// The calibrator's four [kinds, bins] tables over `edges` (bins = edges + 1), checked.
+lookahead::CalibrationTables calibration_tables(py::array predicted, py::array accepted_table, py::array nodes,
+                                                py::array factor, const DoubleArray& edges) {
+  const int64_t kinds = predicted.ndim() == 2 ? predicted.shape(0) : 0, bins = edges.shape(0) + 1;
+  return lookahead::CalibrationTables{table(predicted, "predicted", kinds, bins),
+                                      table(accepted_table, "accepted", kinds, bins),
+                                      table(nodes, "nodes", kinds, bins),
+                                      table(factor, "factor", kinds, bins),
+                                      kinds,
+                                      bins,
+                                      edges.data()};
+}
+
 void observe_chains_py(py::array predicted, py::array accepted_table, py::array nodes, py::array factor, py::handle edges_obj, int64_t kind, py::handle raw_obj,
                        py::handle at_obj, py::handle verified_obj, py::handle accepted_obj, double prior,
                        double half_life) {
   const DoubleArray edges = DoubleArray::ensure(edges_obj), raw = DoubleArray::ensure(raw_obj);
   if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
   if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [offers, width]");
-  const int64_t kinds = predicted.ndim() == 2 ? predicted.shape(0) : 0, bins = edges.shape(0) + 1;
-  lookahead::CalibrationTables t{table(predicted, "predicted", kinds, bins),
-                                 table(accepted_table, "accepted", kinds, bins),
-                                 table(nodes, "nodes", kinds, bins),
-                                 table(factor, "factor", kinds, bins),
-                                 kinds,
-                                 bins,
-                                 edges.data()};
+  const lookahead::CalibrationTables t = calibration_tables(predicted, accepted_table, nodes, factor, edges);
+  const int64_t kinds = t.kinds;
   if (kind < 0 || kind >= kinds) {
     throw py::value_error("kind=" + std::to_string(kind) + ": must be in [0, " + std::to_string(kinds) + ")");
   }
@@ -502,14 +509,8 @@ void observe_trees_py(py::array predicted, py::array accepted_table, py::array n
   const DoubleArray edges = DoubleArray::ensure(edges_obj), raw = DoubleArray::ensure(raw_obj);
   if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
   if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [offers, width]");
-  const int64_t kinds_n = predicted.ndim() == 2 ? predicted.shape(0) : 0, bins = edges.shape(0) + 1;
-  lookahead::CalibrationTables t{table(predicted, "predicted", kinds_n, bins),
-                                 table(accepted_table, "accepted", kinds_n, bins),
-                                 table(nodes, "nodes", kinds_n, bins),
-                                 table(factor, "factor", kinds_n, bins),
-                                 kinds_n,
-                                 bins,
-                                 edges.data()};
+  const lookahead::CalibrationTables t = calibration_tables(predicted, accepted_table, nodes, factor, edges);
+  const int64_t kinds_n = t.kinds;
   const int64_t offers = raw.shape(0), width = raw.shape(1);
   const Int8Array kinds = Int8Array::ensure(kinds_obj);
   const UInt8Array hits = UInt8Array::ensure(hits_obj);
