@@ -306,6 +306,24 @@ void observe_chains_py(py::array predicted, py::array accepted_table, py::array 
                             half_life);
 }
 
+// Each batch row of `out_rows` in [0, num_out).
+void check_out_rows(const IntArray& out_rows, int64_t num_out) {
+  for (int64_t r = 0; r < out_rows.shape(0); ++r) {
+    if (out_rows.data()[r] < 0 || out_rows.data()[r] >= num_out) {
+      throw py::index_error("out_rows[" + std::to_string(r) + "]=" + std::to_string(out_rows.data()[r]) +
+                            ": must be in [0, " + std::to_string(num_out) + ")");
+    }
+  }
+}
+
+// The forward-cost model's prices (free_tokens 0: no cost model).
+void check_prices(int64_t free_tokens, double marginal_tokens, double draft_setup) {
+  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
+    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
+  }
+  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
+}
+
 py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle lens_obj, py::handle edges_obj,
                          py::handle factors_obj, int64_t budget, int64_t num_rows, int64_t free_tokens,
                          double marginal_tokens, py::handle out_rows_obj, int64_t num_out, double draft_setup) {
@@ -329,15 +347,9 @@ py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle l
       throw py::value_error("lens[" + std::to_string(r) + "]=" + std::to_string(lens.data()[r]) +
                             ": must be in [0, " + std::to_string(width) + "]");
     }
-    if (out_rows.data()[r] < 0 || out_rows.data()[r] >= num_out) {
-      throw py::index_error("out_rows[" + std::to_string(r) + "]=" + std::to_string(out_rows.data()[r]) +
-                            ": must be in [0, " + std::to_string(num_out) + ")");
-    }
   }
-  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
-    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
-  }
-  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
+  check_out_rows(out_rows, num_out);
+  check_prices(free_tokens, marginal_tokens, draft_setup);
   py::array_t<int64_t> keep(rows);
   py::array_t<double> calibrated({rows, width});
   std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
@@ -419,16 +431,8 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   check_same_length("raw's rows and out_rows", rows, out_rows.shape(0));
   check_lengths("lens", lens.data(), rows, width);
   check_parents(parents.data(), lens.data(), rows, width);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (out_rows.data()[r] < 0 || out_rows.data()[r] >= num_out) {
-      throw py::index_error("out_rows[" + std::to_string(r) + "]=" + std::to_string(out_rows.data()[r]) +
-                            ": must be in [0, " + std::to_string(num_out) + ")");
-    }
-  }
-  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
-    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
-  }
-  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
+  check_out_rows(out_rows, num_out);
+  check_prices(free_tokens, marginal_tokens, draft_setup);
   std::vector<int32_t> lens32(lens.data(), lens.data() + rows);
   py::array_t<int32_t> out_tokens({rows, width}), out_parents({rows, width});
   py::array_t<double> out_raw({rows, width}), calibrated({rows, width});
