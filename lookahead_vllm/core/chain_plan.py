@@ -26,7 +26,7 @@ confidences bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -60,18 +60,27 @@ class ChainOffers:
         the nodes accepted."""
         if native:
             return load_extension().match_offers(self.slots, self.lengths, slots, scheduled, emitted)
-        where = {s: d for d, (s, n) in enumerate(zip(self.slots.tolist(), self.lengths.tolist())) if n > 0}
+        emitted = np.asarray(emitted).tolist()
         at, verified, accepted = [], [], []
-        for slot, sched, emit in zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist(),
-                                     np.asarray(emitted).tolist()):
-            d = where.get(slot)
-            if d is None or sched <= 0:
-                continue
-            v = min(sched, int(self.lengths[d]))
+        for i, d, v in verified_offers(self.slots, self.lengths, slots, scheduled):
             at.append(d)
             verified.append(v)
-            accepted.append(min(emit - 1, v))
+            accepted.append(min(emitted[i] - 1, v))
         return (np.asarray(at, np.int64), np.asarray(verified, np.int64), np.asarray(accepted, np.int64))
+
+
+def verified_offers(offer_slots: np.ndarray, offer_lengths: np.ndarray, slots: np.ndarray, scheduled: np.ndarray
+                    ) -> Iterator[tuple[int, int, int]]:
+    """The reference matching of last step's offers (``offer_slots``,
+    ``offer_lengths``) with this step's rows (``slots``; ``scheduled``: draft
+    tokens the scheduler verified): per row that verified part of its offer,
+    in row order, the row, the offer's index and the nodes verified (at most
+    the offer's length)."""
+    where = {s: d for d, (s, n) in enumerate(zip(offer_slots.tolist(), offer_lengths.tolist())) if n > 0}
+    for i, (slot, sched) in enumerate(zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist())):
+        d = where.get(slot)
+        if d is not None and sched > 0:
+            yield i, d, min(sched, int(offer_lengths[d]))
 
 
 def plan_chains(

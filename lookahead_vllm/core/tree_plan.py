@@ -43,6 +43,7 @@ import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
 from lookahead_vllm.core.calibration import KIND_CONTEXT
+from lookahead_vllm.core.chain_plan import verified_offers
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.drafter import index_kinds, index_tree
 from lookahead_vllm.core.native import load_extension
@@ -92,17 +93,12 @@ class TreeOffers:
         if native:
             return load_extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
                                                 scheduled, emitted)
-        where = {s: d for d, (s, n) in enumerate(zip(self.slots.tolist(), self.lengths.tolist())) if n > 0}
         at, verified = [], []
         hits = np.zeros(self.tokens.shape, np.uint8)
-        for slot, sched, emit in zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist(), emitted):
-            d = where.get(slot)
-            if d is None or sched <= 0:
-                continue
-            v = min(sched, int(self.lengths[d]))
+        for i, d, v in verified_offers(self.slots, self.lengths, slots, scheduled):
             at.append(d)
             verified.append(v)
-            hits[d, accepted_path(self.tree(d).truncate(v), emit)] = 1
+            hits[d, accepted_path(self.tree(d).truncate(v), emitted[i])] = 1
         return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
 
     def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
