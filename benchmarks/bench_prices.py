@@ -68,20 +68,24 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
         llm.generate(prompts[used:used + 4 * batch], params, use_tqdm=False)
         used += 4 * batch
     fit = proposer.prices.fit()
-    tokens, _, _, _ = proposer.prices.buckets()
+    tokens, rows, _, _, _ = proposer.prices.buckets()
     return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens, "draft_setup": fit.draft_setup,
+            "row_price": fit.row_price,
             "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "buckets": fit.buckets,
             "timed_steps": proposer.prices.observed, "prompts": used,
             "tokens_seen": [int(tokens.min()), int(tokens.max())] if len(tokens) else None,
+            "rows_seen": [int(rows.min()), int(rows.max())] if len(rows) else None,
             "prior": [proposer.prices.prior.free_tokens, proposer.prices.prior.marginal_tokens,
-                      proposer.prices.prior.draft_setup]}
+                      proposer.prices.prior.draft_setup, proposer.prices.prior.row_price]}
 
 
-def compare(curve: dict[int, float], fit: dict[str, Any]) -> dict[str, Any]:
-    """Fitted vs offline cost at every offline point, relative to the smallest."""
+def compare(curve: dict[int, float], fit: dict[str, Any], batch: int) -> dict[str, Any]:
+    """Fitted vs offline cost at every offline point (``batch`` rows each),
+    relative to the smallest."""
     from lookahead_vllm.core.budget import ForwardCost
 
-    cost = ForwardCost(fit["free_tokens"], fit["marginal_tokens"], draft_setup=fit.get("draft_setup", 0.0))
+    cost = ForwardCost(fit["free_tokens"], fit["marginal_tokens"], draft_setup=fit.get("draft_setup", 0.0),
+                       per_row=fit.get("row_price", 0.0)).at_rows(batch)
     base_t = min(curve)
     rows = []
     for t in sorted(curve):
@@ -109,7 +113,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         fit = res["online"]
         ax.plot(t, [r["fitted_relative"] for r in rows], "s--",
                 label=f"online fit: {fit['free_tokens']} free, +1 per {fit['marginal_tokens']:.1f}, "
-                      f"setup {fit.get('draft_setup', 0.0):.3f}")
+                      f"setup {fit.get('draft_setup', 0.0):.3f}, row {fit.get('row_price', 0.0):.3f}")
         if fit["tokens_seen"]:
             ax.axvspan(*fit["tokens_seen"], alpha=0.12, label="tokens the online steps scored")
         ax.set_xscale("log", base=2)
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {batch}: online fit {online}", flush=True)
         after = offline_curve(fixed, batch, args.context, args.nodes, args.curve_steps)
         curve = {t: (before[t] + after[t]) / 2 for t in before}
-        comparison = compare(curve, online)
+        comparison = compare(curve, online, batch)
         print(f"batch {batch}: max error {comparison['max_error_in_range']} in the online range, "
               f"{comparison['max_error']} over all points", flush=True)
         results.append({"batch": batch, "online": online, "comparison": comparison,

@@ -6,6 +6,9 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
+and every row past the first adds ``per_row`` whatever its tokens, which a
+step's planning folds into the other prices (:meth:`ForwardCost.at_rows`).
+
 The defaults per platform are the profile's ``free_tokens`` and
 ``marginal_tokens`` (core/config.py ``PLATFORM_VALUES``); the engine starts
 from them and fits its own prices from its steps' times (core/prices.py) unless
@@ -71,10 +74,29 @@ class ForwardCost:
     # the rejection sampler, a draftless one runs as plain decoding
     # (patches.patch_draftless_steps). The first kept draft token pays it.
     draft_setup: float = 0.0
+    # Extra cost, in forwards, of every row of the step past the first,
+    # whatever its tokens (per-sequence attention, sampling and bookkeeping):
+    # a step of R rows and T tokens costs 1 + per_row * (R - 1) + the token
+    # price. The planners see it through :meth:`at_rows`.
+    per_row: float = 0.0
+
+    def at_rows(self, rows: int) -> "ForwardCost":
+        """This model for one step of ``rows`` rows, in units of that step's
+        draftless base ``1 + per_row * (rows - 1)``: the row part does not
+        change with the drafts, so dividing every price by it leaves a model
+        without one that ranks the step's drafts the same way (throughputs are
+        ratios of costs). The more rows a step has, the cheaper its draft
+        tokens are relative to it."""
+        if not self.per_row or rows <= 1 or not self.free_tokens:
+            return self
+        base = 1.0 + self.per_row * (rows - 1)
+        return ForwardCost(self.free_tokens, self.marginal_tokens * base, self.per_path / base,
+                           self.path_setup / base, self.draft_setup / base)
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra
-        attention paths, in single-token forwards."""
+        attention paths, in single-token forwards (one row, or a model
+        :meth:`at_rows` made for the step)."""
         if self.free_tokens == 0:
             return 1.0
         extra = self.path_setup + paths * self.per_path if paths else 0.0
@@ -108,8 +130,8 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
     if paths:
-        return ForwardCost(free, marginal, p.cost_per_path, p.path_setup, p.draft_setup)
-    return ForwardCost(free, marginal, draft_setup=p.draft_setup)
+        return ForwardCost(free, marginal, p.cost_per_path, p.path_setup, p.draft_setup, p.row_price)
+    return ForwardCost(free, marginal, draft_setup=p.draft_setup, per_row=p.row_price)
 
 
 def prices_pinned(config: "Settings") -> bool:

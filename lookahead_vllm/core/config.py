@@ -230,6 +230,11 @@ class Profile:
     # carries none (speculative metadata and the rejection sampler; a
     # draftless step runs as plain decoding): the prior of the online fit.
     draft_setup: float
+    # Extra cost, in forwards, of every row of a step past the first,
+    # whatever its tokens (per-sequence attention, sampling, bookkeeping):
+    # the prior of the online fit. It makes draft tokens relatively cheaper
+    # in a step of many rows (core/budget.py ForwardCost.at_rows).
+    row_price: float
     # Load adaptation (core/load.py): above load_shrink_above running
     # requests the per-request budget shrinks linearly, at load_stop_at
     # nothing is drafted.
@@ -356,17 +361,22 @@ class Profile:
 # the CPU, SmolLM2 at batch 8 (mixed dev prompts), sampling took 4.3 ms in a
 # drafted step against 0.7 ms in a draftless one, about 0.05 of a one-token
 # forward (~70 ms); not measured on a GPU (0 there: the online fit learns it).
+# row_price: on the CPU, bench_prices.py's offline curves (SmolLM2, 288-token
+# contexts) put 8 rows of one token at 123 ms against ~102 ms for one row of
+# 8 tokens (76 ms for one token): ~3 ms, 0.04 forwards, a row; on the H200
+# the cost part's steps of 1, 8 and 32 rows fell on one curve of total
+# tokens (0 there).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
-                draft_setup=0.05, load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
+                draft_setup=0.05, row_price=0.04, load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
     "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
-                draft_setup=0.0, load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
+                draft_setup=0.0, row_price=0.0, load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 # Knob ranges (the bool ones: any bool).
 _PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
     free_tokens=(1, 1 << 16), marginal_tokens=(1.0, 1e6), path_setup=(0.0, 100.0), cost_per_path=(0.0, 100.0),
-    draft_setup=(0.0, 10.0),
+    draft_setup=(0.0, 10.0), row_price=(0.0, 1.0),
     load_shrink_above=(0, 1 << 16), load_stop_at=(1, (1 << 16) + 1), upkeep_thread=(False, True),
     branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
     trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),

@@ -2,35 +2,45 @@
 
 The forward-cost model (core/budget.py) prices a step that scores ``T``
 tokens at ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens``
-single-token forwards. Its two prices depend on the machine, the model, the
-context lengths and what else the host is doing, so :class:`OnlinePrices`
-fits them from the engine's own steps: every pure decode step (no prefill
-in it) gives one sample ``(T, seconds, drafted)``, the wall time from the
-start of that step to the start of the next, as
-``benchmarks/bench_forward_cost.py`` times ``engine.step()``. A step that
-carries draft tokens builds speculative metadata and runs the rejection
-sampler; one that carries none runs as plain decoding
-(``patches.patch_draftless_steps``) and is cheaper by a fixed amount, the
-third price ``draft_setup`` (in forwards). The fit is the price triple whose
-curve, scaled by a free per-step time ``t0``, best explains the samples::
+single-token forwards, and every row past the first adds ``row_price``
+whatever its tokens (per-sequence attention, sampling and bookkeeping). The
+prices depend on the machine, the model, the context lengths and what else
+the host is doing, so :class:`OnlinePrices` fits them from the engine's own
+steps: every pure decode step (no prefill in it) gives one sample ``(T,
+rows, seconds, drafted)``, the wall time from the start of that step to the
+start of the next, as ``benchmarks/bench_forward_cost.py`` times
+``engine.step()``. A step that carries draft tokens builds speculative
+metadata and runs the rejection sampler; one that carries none runs as plain
+decoding (``patches.patch_draftless_steps``) and is cheaper by a fixed
+amount, the price ``draft_setup`` (in forwards). The fit is the four prices
+whose curve, scaled by a free per-step time ``t0``, best explains the
+samples::
 
-    seconds(T) ~= t0 * (cost(T) + draft_setup * drafted)
+    seconds(T, R) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted)
 
-* **Robust.** Samples go into buckets by ``T`` (one per token count up to
-  64, then ~6% wide; drafted and draftless steps apart); a bucket keeps its last :data:`RING` samples and
-  enters the fit by their median, so a stall or a preempted step moves
-  nothing. Residuals are taken in log time, so the fit is scale-free.
-* **Bounded.** ``2 x`` :data:`NUM_BUCKETS` x :data:`RING` samples at most,
-  whatever the traffic; a fit is a grid search over (free, marginal, setup).
+Without the row price, steps with more rows (and so more tokens) look like
+dearer tokens: at batch 8 the tokens' fitted price came out 1.7x the
+offline curve's.
+
+* **Robust.** Samples go into buckets by ``T`` and by ``R`` (one per count
+  up to 64, then ~6% wide; drafted and draftless steps apart); a bucket
+  keeps its last :data:`RING` samples and enters the fit by their median, so
+  a stall or a preempted step moves nothing. Residuals are taken in log
+  time, so the fit is scale-free.
+* **Bounded.** :data:`MAX_BUCKETS` x :data:`RING` samples at most (the least
+  recently visited bucket makes room), whatever the traffic; a fit is a
+  grid search.
 * **Adaptive.** Rings forget old samples, and a bucket that has not been
   visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
   a change of load or machine.
 * **Prior.** The platform's defaults (the profile's ``free_tokens``,
-  ``marginal_tokens`` and ``draft_setup``, core/config.py) are a prior on
-  the prices (log-normal, a factor of 2 wide; the setup normal,
-  :data:`SETUP_WIDTH` wide), which holds them where the samples say nothing:
-  a batch that never scored more than 17 tokens does not tell what 64 cost,
-  and without draftless steps nothing tells the setup from ``t0``.
+  ``marginal_tokens``, ``draft_setup`` and ``row_price``, core/config.py)
+  are a prior on the prices (log-normal, a factor of 2 wide; the setup and
+  the row price normal, :data:`SETUP_WIDTH` and :data:`ROW_WIDTH` wide),
+  which holds them where the samples say nothing: a batch that never scored
+  more than 17 tokens does not tell what 64 cost, without draftless steps
+  nothing tells the setup from ``t0``, and with one row count nothing tells
+  the row price.
 * **Deterministic.** The same samples give the same prices bit for bit, and
   tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
   every rank drafts the same tokens.
@@ -66,22 +76,30 @@ NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / mat
 # cannot tell apart, while a real slope over several buckets does (steps at
 # 17 tokens 60% dearer than at 5 differ from a flat curve by ~0.5 per sample).
 PRIOR_WEIGHT = 0.25
-# The candidate prices. free: every count up to 16, then 25% apart up to
-# 4096; marginal: 1 to 8192, 20% apart (a cost curve off by at most ~10%).
+# The candidate free-token counts: every count up to 16, then 25% apart up
+# to 4096. For each, the other prices have a closed form (a weighted least
+# squares), within these bounds.
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
-MARGINAL_GRID = np.round(np.geomspace(1.0, 8192.0, 50), 2)
-# Marginal-token candidates between the grid best's neighbours, second pass.
-REFINE = 17
-# Draft setup candidates (forwards) and the width of its prior: a setup
-# SETUP_WIDTH from the prior costs as much as a price a factor of 2 off.
-SETUP_GRID = np.round(np.arange(0.0, 0.505, 0.025), 3)
+MARGINAL_BOUNDS = (1.0, 8192.0)
+SETUP_BOUNDS = (0.0, 10.0)
+ROW_BOUNDS = (0.0, 1.0)
+# Widths of the normal priors on the draft setup and the row price (in
+# forwards): a setup SETUP_WIDTH from the prior costs as much as a price a
+# factor of 2 off.
 SETUP_WIDTH = 0.25
-# Refit after this many new samples (a fit takes a few ms: ~0.05 ms a step).
+ROW_WIDTH = 0.1
+# The weight that holds a price the samples cannot tell (or one at its bound).
+HELD = 1e6
+# Buckets kept at once (each a ring of RING samples): memory stays bounded
+# whatever the mix of token and row counts.
+MAX_BUCKETS = 512
+# Refit after this many new samples (a fit takes 10-25 ms at ~80 live buckets
+# on this 2-core CPU: ~0.3 ms a step).
 REFIT_EVERY = 64
 
 
 def bucket_of(tokens: int) -> int:
-    """The bucket of a step that scored ``tokens`` tokens (>= 1)."""
+    """The bucket of a count (>= 1): a step's scored tokens, or its rows."""
     if tokens <= EXACT_TOKENS:
         return tokens - 1
     b = EXACT_TOKENS + int(math.log(tokens / EXACT_TOKENS) / math.log(GROWTH))
@@ -96,6 +114,8 @@ class Prices:
     marginal_tokens: float
     # Forwards a step with drafts costs over one without.
     draft_setup: float = 0.0
+    # Forwards every row of a step past the first adds.
+    row_price: float = 0.0
     # Seconds of a draftless step within the free tokens (the fit's t0; 0 = prior only).
     step_seconds: float = 0.0
     # Buckets and samples the fit used (0 = the prior alone).
@@ -104,38 +124,44 @@ class Prices:
 
 
 class OnlinePrices:
-    """Step-time samples by scored tokens, and the prices they imply (module docstring)."""
+    """Step-time samples by scored tokens and rows, and the prices they imply (module docstring)."""
 
-    def __init__(self, prior: tuple[int, float] | tuple[int, float, float]) -> None:
-        free, marginal, setup = (*prior, 0.0)[:3]
-        if free < 1 or marginal <= 0 or not 0 <= setup <= SETUP_GRID[-1]:
-            raise ValueError(f"prior={prior!r}: free tokens must be >= 1, marginal tokens > 0 and the draft "
-                             f"setup in [0, {SETUP_GRID[-1]}]")
-        self.prior = Prices(int(free), float(marginal), float(setup))
+    def __init__(self, prior: tuple[float, ...]) -> None:
+        free, marginal, setup, row = (*prior, 0.0, 0.0)[:4]
+        if (free < 1 or not MARGINAL_BOUNDS[0] <= marginal <= MARGINAL_BOUNDS[1]
+                or not SETUP_BOUNDS[0] <= setup <= SETUP_BOUNDS[1] or not ROW_BOUNDS[0] <= row <= ROW_BOUNDS[1]):
+            raise ValueError(f"prior={prior!r}: free tokens must be >= 1, marginal tokens in {list(MARGINAL_BOUNDS)}, "
+                             f"the draft setup in {list(SETUP_BOUNDS)} and the row price in {list(ROW_BOUNDS)}")
+        self.prior = Prices(int(free), float(marginal), float(setup), float(row))
         self.prices = self.prior
-        # Buckets [0, NUM_BUCKETS) hold drafted steps, the next NUM_BUCKETS draftless ones.
-        self._tokens = np.zeros((2 * NUM_BUCKETS, RING))  # the samples' scored tokens
-        self._seconds = np.zeros((2 * NUM_BUCKETS, RING))
-        self._count = np.zeros(2 * NUM_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
-        self._last_seen = np.full(2 * NUM_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
+        # Up to MAX_BUCKETS buckets live at once, each a ring of samples:
+        # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted) to
+        # its row in the arrays; the least recently visited one makes room.
+        self._slot: dict[tuple[int, int, bool], int] = {}
+        self._key: list[tuple[int, int, bool]] = []
+        self._tokens = np.zeros((MAX_BUCKETS, RING))  # the samples' scored tokens
+        self._rows = np.zeros((MAX_BUCKETS, RING))
+        self._seconds = np.zeros((MAX_BUCKETS, RING))
+        self._count = np.zeros(MAX_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
+        self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
+        self._drafted = np.zeros(MAX_BUCKETS, bool)
         self.observed = 0  # samples so far
         self._since_fit = 0
-        # The candidates, the prior's own prices among them, and the prior's
-        # penalty on each triple: [F, M, S].
+        # The candidates, the prior's own prices among them.
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
-        self._marginal_grid = np.unique(np.append(MARGINAL_GRID, marginal))
-        self._setup_grid = np.unique(np.append(SETUP_GRID, setup))
-        self._penalty = self._prior_penalty(self._free_grid, self._marginal_grid, self._setup_grid)
 
-    def observe(self, tokens: int, seconds: float, drafted: bool = True) -> bool:
-        """One pure decode step that scored ``tokens`` tokens in ``seconds``
-        (``drafted``: it carried draft tokens); True when the prices were
-        refitted (every :data:`REFIT_EVERY` samples)."""
-        if tokens < 1 or not seconds > 0 or not math.isfinite(seconds):
+    def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1) -> bool:
+        """One pure decode step of ``rows`` requests that scored ``tokens``
+        tokens in ``seconds`` (``drafted``: it carried draft tokens); True when
+        the prices were refitted (every :data:`REFIT_EVERY` samples)."""
+        if tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds):
             return False
-        b = bucket_of(tokens) + (0 if drafted else NUM_BUCKETS)
+        key = (bucket_of(tokens), bucket_of(rows), bool(drafted))
+        b = self._slot.get(key)
+        if b is None:
+            b = self._new_slot(key)
         pos = self._count[b] % RING
-        self._tokens[b, pos], self._seconds[b, pos] = tokens, seconds
+        self._tokens[b, pos], self._rows[b, pos], self._seconds[b, pos] = tokens, rows, seconds
         self._count[b] += 1
         self._last_seen[b] = self.observed
         self.observed += 1
@@ -146,52 +172,101 @@ class OnlinePrices:
         self.prices = self.fit()
         return True
 
-    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The buckets that enter the fit: median scored tokens, median
-        seconds, sample count and whether the steps were drafted, of each."""
+    def _new_slot(self, key: tuple[int, int, bool]) -> int:
+        """A row of the arrays for a new bucket: a free one, else the least
+        recently visited bucket's."""
+        if len(self._key) < MAX_BUCKETS:
+            b = len(self._key)
+            self._key.append(key)
+        else:
+            b = int(np.argmin(self._last_seen))
+            del self._slot[self._key[b]]
+            self._key[b] = key
+        self._slot[key] = b
+        self._count[b], self._drafted[b] = 0, key[2]
+        return b
+
+    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The buckets that enter the fit: median scored tokens, median rows,
+        median seconds, sample count and whether the steps were drafted, of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
-        return (_ring_median(self._tokens[idx], n[idx]), _ring_median(self._seconds[idx], n[idx]), n[idx],
-                idx < NUM_BUCKETS)
+        return (_ring_median(self._tokens[idx], n[idx]), _ring_median(self._rows[idx], n[idx]),
+                _ring_median(self._seconds[idx], n[idx]), n[idx], self._drafted[idx])
 
     def fit(self) -> Prices:
-        """The prices that best explain the live buckets, under the prior: the
-        best triple of the grid, then ``marginal`` refined between its grid
-        neighbours (free tokens and setup at the grid's best and its neighbours)."""
-        tokens, seconds, weight, drafted = self.buckets()
+        """The prices that best explain the live buckets, under the prior.
+
+        For every candidate ``free``, the model is linear in ``(t0, t0 *
+        row_price, t0 / marginal, t0 * draft_setup)``: a weighted least
+        squares on relative errors (each bucket weighted by its samples), the
+        prior as pseudo-observations, gives them in closed form; the best
+        ``free`` (residuals plus its own prior) wins. A price the samples
+        cannot tell from ``t0`` is held at the prior: the setup without both
+        drafted and draftless steps, the row price with a single row count;
+        one the solution puts past its bounds is held at the bound."""
+        tokens, rows, seconds, weight, drafted = self.buckets()
         if len(tokens) < 2:
             return self.prior
-        data = (tokens, drafted.astype(np.float64), np.log(seconds), weight.astype(np.float64))
-        free, marginal, setup, penalty = self._free_grid, self._marginal_grid, self._setup_grid, self._penalty
-        if drafted.all() or not drafted.any():  # one kind of step: nothing tells the setup from t0
-            at = int(np.searchsorted(setup, self.prior.draft_setup))
-            setup, penalty = setup[at:at + 1], penalty[:, :, at:at + 1]
-        f, m, s, _ = self._best(free, marginal, setup, penalty, *data)
-        free, setup = free[max(0, f - 1):f + 2], setup[max(0, s - 1):s + 2]
-        marginal = np.geomspace(marginal[max(0, m - 1)], marginal[min(len(marginal) - 1, m + 1)], REFINE)
-        f, m, s, log_t0 = self._best(free, marginal, setup, self._prior_penalty(free, marginal, setup), *data)
-        return Prices(int(free[f]), round(float(marginal[m]), 2), round(float(setup[s]), 3), float(np.exp(log_t0)),
-                      len(tokens), int(weight.sum()))
-
-    def _prior_penalty(self, free: np.ndarray, marginal: np.ndarray, setup: np.ndarray) -> np.ndarray:
-        """The prior's penalty on every (free, marginal, setup) triple: [F, M, S]."""
         p = self.prior
-        return PRIOR_WEIGHT * (((np.log(free)[:, None, None] - math.log(p.free_tokens)) / math.log(2)) ** 2
-                               + ((np.log(marginal)[None, :, None] - math.log(p.marginal_tokens)) / math.log(2)) ** 2
-                               + ((setup[None, None, :] - p.draft_setup) / SETUP_WIDTH) ** 2)
+        # Per price (row, 1/marginal, setup): prior value, prior weight, bounds.
+        prior = np.array([p.row_price, 1.0 / p.marginal_tokens, p.draft_setup])
+        strength = PRIOR_WEIGHT / np.array([ROW_WIDTH, math.log(2), SETUP_WIDTH]) ** 2
+        if np.ptp(rows) == 0:  # one row count: nothing tells the row price from t0
+            strength[0] = HELD
+        if drafted.all() or not drafted.any():  # one kind of step: nothing tells the setup from t0
+            strength[2] = HELD
+        lower = np.array([ROW_BOUNDS[0], 1.0 / MARGINAL_BOUNDS[1], SETUP_BOUNDS[0]])
+        upper = np.array([ROW_BOUNDS[1], 1.0 / MARGINAL_BOUNDS[0], SETUP_BOUNDS[1]])
+        best = None
+        for free in self._free_grid:
+            x = np.stack([np.ones_like(tokens), rows - 1.0, np.maximum(0.0, tokens - free),
+                          drafted.astype(np.float64)], axis=1)
+            theta, sse = _solve(x, seconds, weight, prior, strength, lower, upper)
+            score = sse + PRIOR_WEIGHT * (math.log(free / p.free_tokens) / math.log(2)) ** 2
+            if best is None or score < best[0]:
+                best = (score, free, theta)
+        _, free, (t0, row, inv_marginal, setup) = best
+        marginal = min(MARGINAL_BOUNDS[1], 1.0 / inv_marginal)
+        return Prices(int(free), round(float(marginal), 2), round(float(setup), 3), round(float(row), 4),
+                      float(t0), len(tokens), int(weight.sum()))
 
-    @staticmethod
-    def _best(free: np.ndarray, marginal: np.ndarray, setup: np.ndarray, penalty: np.ndarray, tokens: np.ndarray,
-              drafted: np.ndarray, log_seconds: np.ndarray, w: np.ndarray) -> tuple[int, int, int, float]:
-        """Indices of the best (free, marginal, setup) candidate and its log t0."""
-        over = np.maximum(0.0, tokens[None, :] - free[:, None])  # [F, B]
-        cost = 1.0 + over[:, None, :] / marginal[None, :, None]  # [F, M, B]
-        log_cost = np.log(cost[:, :, None, :] + setup[None, None, :, None] * drafted)  # [F, M, S, B]
-        resid = log_seconds - log_cost
-        log_t0 = (resid @ w) / w.sum()  # each candidate's best t0, closed form: [F, M, S]
-        sse = ((resid - log_t0[..., None]) ** 2) @ w
-        f, m, s = np.unravel_index(int(np.argmin(sse + penalty)), sse.shape)
-        return int(f), int(m), int(s), float(log_t0[f, m, s])
+
+def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
+           lower: np.ndarray, upper: np.ndarray) -> tuple[tuple[float, float, float, float], float]:
+    """``seconds ~= t0 * x @ (1, c1, c2, c3)`` on relative errors weighted by
+    ``weight``: the row price ``c1``, ``1 / marginal`` ``c2`` and the setup
+    ``c3``, each pulled towards ``prior[j]`` with ``strength[j]`` (normal
+    priors, ``c2``'s log-normal) and kept within ``[lower, upper]``.
+
+    Linear in ``theta = t0 * (1, c1, c2, c3)`` once each prior is a
+    pseudo-observation ``(theta_j - target_j * theta_0) / t0`` with the last
+    pass's ``t0`` (and ``c2``'s log-normal prior a normal one around the last
+    pass's ``c2``): three passes; a price past its bounds is held at the
+    bound from the next pass on. Returns ``(t0, c1, c2, c3)`` and the
+    weighted sum of squared relative residuals plus the priors' penalty on
+    the prices they do not hold."""
+    sw = np.sqrt(weight) / seconds
+    c = prior.copy()
+    t0 = float(np.median(seconds / (x @ np.concatenate([[1.0], c]))))
+    bound = np.zeros(3, bool)
+    pseudo = np.zeros((3, 4))
+    pseudo[[0, 1, 2], [1, 2, 3]] = 1.0
+    for _ in range(3):
+        target, pull = prior.copy(), strength.copy()
+        # log-normal around the last c2: penalty s * log(c2 / prior)^2 ~ s / c^2 * (c2 - target)^2
+        target[1], pull[1] = c[1] * (1.0 - math.log(c[1] / prior[1])), min(strength[1] / c[1] ** 2, HELD)
+        target, pull = np.where(bound, c, target), np.where(bound, HELD, pull)
+        pseudo[:, 0] = -target
+        a = np.concatenate([x * sw[:, None], pseudo * (np.sqrt(pull) / t0)[:, None]])
+        theta = np.linalg.lstsq(a, np.concatenate([seconds * sw, np.zeros(3)]), rcond=None)[0]
+        t0 = float(theta[0])
+        c = theta[1:] / t0
+        bound |= (c < lower) | (c > upper)
+        c = np.clip(c, lower, upper)
+    resid = (seconds - t0 * (x @ np.concatenate([[1.0], c]))) / seconds
+    penalty = strength * np.array([(c[0] - prior[0]) ** 2, math.log(c[1] / prior[1]) ** 2, (c[2] - prior[2]) ** 2])
+    return (t0, *map(float, c)), float(weight @ resid ** 2 + penalty[strength < HELD].sum())
 
 
 def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -28,8 +28,9 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_price_free_tokens                     gauge: tokens a forward scores for the price of one
   lookahead_price_marginal_tokens                 gauge: past those, tokens that cost one more forward
   lookahead_price_draft_setup                     gauge: forwards a drafted step costs over a draftless one
+  lookahead_price_row                             gauge: forwards each row of a step past the first adds
   lookahead_price_step_seconds                    gauge: fitted time of a step within the free tokens
-                                                  (0 until fitted); the three are averaged, not summed,
+                                                  (0 until fitted); the prices are averaged, not summed,
                                                   over processes
   lookahead_price_samples                         gauge: step-time samples the live prices rest on
                                                   (0 = platform prior or pinned by configuration)
@@ -112,6 +113,7 @@ class StepStats:
     price_free_tokens: int = 0
     price_marginal_tokens: float = 0.0
     price_draft_setup: float = 0.0
+    price_row: float = 0.0
     price_step_seconds: float = 0.0
     price_samples: int = 0
     price_source: str = "pinned"
@@ -143,7 +145,7 @@ class StepStats:
     def set_prices(self, cost: Any, source: str, step_seconds: float = 0.0, samples: int = 0) -> None:
         """The prices of ``cost`` (a budget.ForwardCost) are live from now on."""
         self.price_free_tokens, self.price_marginal_tokens = cost.free_tokens, cost.marginal_tokens
-        self.price_draft_setup = cost.draft_setup
+        self.price_draft_setup, self.price_row = cost.draft_setup, cost.per_row
         self.price_step_seconds, self.price_samples, self.price_source = step_seconds, samples, source
 
     def snapshot(self) -> dict[str, Any]:
@@ -171,10 +173,11 @@ class IntervalLogger:
         self.logger.info(
             "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes (%.1f MiB), "
             "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f, "
-            "draft setup %.3f forwards (%s, %d samples)",
+            "draft setup %.3f, row %.3f forwards (%s, %d samples)",
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.trie_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
-            stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_source,
+            stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_row,
+            stats.price_source,
             stats.price_samples,
         )
 
@@ -301,6 +304,8 @@ class StatsCollector:
              "Tokens past the free ones that cost one more forward (forward-cost model, live)."),
             ("lookahead_price_draft_setup", "price_draft_setup",
              "Forwards a step with drafts costs over one without (forward-cost model, live)."),
+            ("lookahead_price_row", "price_row",
+             "Forwards each row of a step past the first adds, whatever its tokens (forward-cost model, live)."),
             ("lookahead_price_step_seconds", "price_step_seconds",
              "Fitted seconds of a step within the free tokens (0 until fitted)."),
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),

@@ -236,7 +236,7 @@ class LookaheadProposer:
         # unless the configuration pins them or turns the cost model off.
         p = self.config.profile
         self.prices = (None if prices_pinned(self.config)
-                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup)))
+                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price)))
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
@@ -293,7 +293,7 @@ class LookaheadProposer:
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
-        if self.prices.observe(last[0].tokens, now - last[1], last[0].drafted):
+        if self.prices.observe(last[0].tokens, now - last[1], last[0].drafted, last[0].rows):
             self._adopt_prices()
 
     def _adopt_prices(self) -> None:
@@ -302,8 +302,9 @@ class LookaheadProposer:
         same step everywhere: the samples' count depends on the schedule
         alone)."""
         fit = self.prices.prices
-        free, marginal, setup = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens, fit.draft_setup))
-        self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup)
+        free, marginal, setup, row = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens, fit.draft_setup,
+                                                           fit.row_price))
+        self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup, row)
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
@@ -445,7 +446,7 @@ class LookaheadProposer:
         skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
-        if load_budget == 0 or not self.cost.draft_pays(len(num_tokens)):
+        if load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens)):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
@@ -475,7 +476,8 @@ class LookaheadProposer:
         tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
         self.stats.context_drafts += int(np.count_nonzero(lens))
         keep, _, drafts = plan_chains(tok, raw, lens, self.calibrator, KIND_CONTEXT,
-                                      self._step_budget(len(rows)), len(rows), self.cost, rows[drafting],
+                                      self._step_budget(len(rows)), len(rows), self.cost.at_rows(len(rows)),
+                                      rows[drafting],
                                       num_out, self.drafter.native)
         self._offers = ChainOffers(slots[drafting], raw, keep)
         return drafts, len(rows), skipped, load_budget
@@ -521,7 +523,8 @@ class LookaheadProposer:
         picked = drafting.tolist()
         tree_ok = np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
         self._trees, _, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                            self._step_budget(len(rows)), len(rows), self.cost, slots[drafting],
+                                            self._step_budget(len(rows)), len(rows), self.cost.at_rows(len(rows)),
+                                            slots[drafting],
                                             rows[drafting], num_out, self.drafter.native)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
         return drafts, len(rows), skipped, load_budget
@@ -659,7 +662,7 @@ class LookaheadProposer:
         offers = [self._offer(t, k, req_id) for t, k, req_id in zip(trees, kinds, req_ids)]
         confs = [self._confidences(t, k) for t, k, _ in offers]
         opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
-        keep = allocate_step_budget(confs, self._step_budget(num_rows), num_rows, self.cost, opens)
+        keep = allocate_step_budget(confs, self._step_budget(num_rows), num_rows, self.cost.at_rows(num_rows), opens)
         kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
         for st, t, (_, k, _), n in zip(states, kept, offers, keep):
             if st is not None and n > 0:
@@ -740,8 +743,8 @@ class LookaheadProposer:
         (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
         path ``rounds``. The first draft of a step also pays the draft setup.
         """
-        tokens, extra = num_rows + sum(keep), rounds
-        setup = self.cost.draft_setup if tokens == num_rows else 0.0
+        tokens, extra, cost = num_rows + sum(keep), rounds, self.cost.at_rows(num_rows)
+        setup = cost.draft_setup if tokens == num_rows else 0.0
         gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
         candidates = []
         for row, ((_, _, is_tree), st) in enumerate(zip(offers, states)):
@@ -751,7 +754,7 @@ class LookaheadProposer:
         chosen = set()
         for row, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
             w, cols = jac.window.num_nodes, jac.window.window
-            need = gain * ((self.cost(tokens + w, extra + cols) + setup) / self.cost(tokens, extra) - 1.0)
+            need = gain * ((cost(tokens + w, extra + cols) + setup) / cost(tokens, extra) - 1.0)
             if jac.wants_window(need):
                 chosen.add(row)
                 tokens, extra, setup = tokens + w, extra + cols, 0.0
@@ -803,6 +806,8 @@ class StepShape:
     # Some request in the step carries draft tokens (else the step runs as
     # plain decoding: patches.patch_draftless_steps).
     drafted: bool = True
+    # Requests in the step.
+    rows: int = 1
 
     @classmethod
     def of(cls, scheduler_output: Any) -> "StepShape":
@@ -811,10 +816,10 @@ class StepShape:
         tokens = scheduler_output.total_num_scheduled_tokens
         drafts = sum(map(len, spec.values()))
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
-                   bool(scheduler_output.scheduled_cached_reqs.req_ids), drafts > 0)
+                   bool(scheduler_output.scheduled_cached_reqs.req_ids), drafts > 0, rows)
 
 
-def _shared_across_ranks(prices: tuple[int, float, float]) -> tuple[int, float, float]:
+def _shared_across_ranks(prices: tuple[int, float, float, float]) -> tuple[int, float, float, float]:
     """Tensor-parallel rank 0's prices on every rank (the same values where
     there is one rank)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group

@@ -86,19 +86,25 @@ def test_stale_buckets_leave_the_fit():
     feed(fitter, ForwardCost(4, 4.0), 500, 32, t0=0.05)  # an old, busy workload up to 31 tokens
     for _ in range(P.MAX_AGE_STEPS + P.REFIT_EVERY):
         fitter.observe(40, 0.01)  # then only 40-token steps: one bucket
-    tokens, _, _, drafted = fitter.buckets()
+    tokens, _, _, _, drafted = fitter.buckets()
     assert tokens.tolist() == [40.0] and drafted.tolist() == [True]
     assert fitter.prices == fitter.prior  # one live bucket cannot place a curve
 
 
 def test_memory_is_bounded():
     fitter = OnlinePrices(CPU_PRIOR)
-    shapes = (fitter._tokens.shape, fitter._seconds.shape)
+    shapes = (fitter._tokens.shape, fitter._rows.shape, fitter._seconds.shape)
     rng = np.random.default_rng(4)
-    for i, tokens in enumerate(rng.integers(1, 1 << 20, 5000)):
-        fitter.observe(int(tokens), 0.01 + tokens * 1e-7, drafted=i % 3 != 0)
-    assert (fitter._tokens.shape, fitter._seconds.shape) == shapes == (((2 * P.NUM_BUCKETS, P.RING),) * 2)
+    for i, tokens in enumerate(np.exp(rng.uniform(0.0, np.log(1 << 20), 5000)).astype(np.int64)):
+        rows = int(np.exp(rng.uniform(0.0, np.log(min(tokens, 4096)))))
+        fitter.observe(int(tokens), 0.01 + tokens * 1e-7, drafted=i % 3 != 0, rows=rows)
+    assert (fitter._tokens.shape, fitter._rows.shape, fitter._seconds.shape) == shapes
+    assert shapes == ((P.MAX_BUCKETS, P.RING),) * 3
+    assert len(fitter._slot) == len(fitter._key) == P.MAX_BUCKETS  # full: old buckets made room
+    assert sorted(fitter._slot.values()) == list(range(P.MAX_BUCKETS))
     assert fitter.observed == 5000
+    # The latest sample's bucket is live, whatever was evicted before it.
+    assert fitter._last_seen.max() == fitter.observed - 1
     assert bucket_of(1) == 0 and bucket_of(P.EXACT_TOKENS) == P.EXACT_TOKENS - 1
     assert bucket_of(P.EXACT_TOKENS + 1) == P.EXACT_TOKENS
     assert bucket_of(10 ** 9) == P.NUM_BUCKETS - 1
@@ -140,14 +146,67 @@ def test_invalid_samples_and_prior_are_refused():
     fitter = OnlinePrices(CPU_PRIOR)
     for tokens, seconds in ((0, 0.01), (5, 0.0), (5, -1.0), (5, float("nan")), (5, float("inf"))):
         assert fitter.observe(tokens, seconds) is False
+    assert fitter.observe(4, 0.01, rows=5) is False and fitter.observe(4, 0.01, rows=0) is False
     assert fitter.observed == 0
     with pytest.raises(ValueError, match=r"prior=\(0, 20.0\)"):
         OnlinePrices((0, 20.0))
-    with pytest.raises(ValueError, match=r"draft setup in \[0, 0.5\]"):
+    with pytest.raises(ValueError, match=r"draft setup in \[0.0, 10.0\]"):
         OnlinePrices((5, 20.0, -0.1))
+    with pytest.raises(ValueError, match=r"row price in \[0.0, 1.0\]"):
+        OnlinePrices((5, 20.0, 0.05, 2.0))
 
 
 def test_refits_every_refit_every_samples():
     fitter = OnlinePrices(CPU_PRIOR)
     refits = [fitter.observe(1 + i % 30, 0.01 * (1 + max(0, 1 + i % 30 - 5) / 20)) for i in range(3 * P.REFIT_EVERY)]
     assert [i + 1 for i, r in enumerate(refits) if r] == [P.REFIT_EVERY, 2 * P.REFIT_EVERY, 3 * P.REFIT_EVERY]
+
+
+def feed_rows(fitter: OnlinePrices, truth: ForwardCost, steps: int, max_rows: int, seed: int = 0,
+              noise: float = 0.05, t0: float = 0.02) -> None:
+    """Steps of 1..max_rows rows with 0-3 draft tokens each: ``t0 * (truth's
+    cost at those tokens + per_row * (rows - 1))``, draftless when no row drafts."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        rows = int(rng.integers(1, max_rows + 1))
+        tokens = rows + int(rng.integers(0, 4)) * int(rng.integers(0, rows + 1))
+        drafted = tokens > rows
+        cost = (truth.drafted(tokens) if drafted else truth(tokens)) + truth.per_row * (rows - 1)
+        fitter.observe(tokens, t0 * cost * float(np.exp(rng.normal(0.0, noise))), drafted, rows)
+
+
+@pytest.mark.parametrize("row", [0.0, 0.05, 0.2])
+def test_learns_the_row_price(row):
+    """Rows cost on their own: the fit finds their price beside the tokens',
+    which no longer absorb it (a fit without rows reads the steps of many rows
+    as dear tokens)."""
+    truth = ForwardCost(4, 24.0, draft_setup=0.05, per_row=row)
+    fitter = OnlinePrices((5, 20.0, 0.05, 0.04))
+    feed_rows(fitter, truth, 2000, 16, seed=3)
+    fit = fitter.prices
+    assert fit.row_price == pytest.approx(row, abs=0.02)
+    # At every batch size, the fitted step cost relative to its draftless
+    # base is within 10% of the truth's, up to 4 draft tokens a row.
+    fitted = ForwardCost(fit.free_tokens, fit.marginal_tokens, draft_setup=fit.draft_setup, per_row=fit.row_price)
+    for rows in (1, 4, 16):
+        f, t = fitted.at_rows(rows), truth.at_rows(rows)
+        for tokens in range(rows + 1, 5 * rows + 1):
+            assert f.drafted(tokens) / f(rows) == pytest.approx(t.drafted(tokens) / t(rows), rel=0.1)
+
+
+def test_the_row_price_prior_holds_with_one_row_count():
+    fitter = OnlinePrices((5, 20.0, 0.05, 0.04))
+    feed(fitter, ForwardCost(5, 20.0, draft_setup=0.05), 800, 40, seed=8, draftless=0.2)
+    assert fitter.prices.samples > 0 and fitter.prices.row_price == 0.04
+
+
+def test_at_rows_keeps_the_ranking_of_a_step():
+    """A step's model from ``at_rows`` is the full model divided by the
+    step's draftless base: every ratio of costs is kept."""
+    cost = ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09, draft_setup=0.05, per_row=0.1)
+    step = cost.at_rows(8)
+    assert step.per_row == 0.0 and step.marginal_tokens == pytest.approx(20.0 * 1.7)
+    full = lambda tokens, paths=0: 1.7 + max(0, tokens - 5) / 20.0 + (0.09 + 0.02 * paths if paths else 0.0)
+    for tokens, paths in ((8, 0), (12, 0), (30, 2), (64, 5)):
+        assert step(tokens, paths) / step(8) == pytest.approx(full(tokens, paths) / full(8))
+        assert step.drafted(tokens, paths) / step(8) == pytest.approx((full(tokens, paths) + 0.05) / full(8))

@@ -164,10 +164,11 @@ def test_load_adaptation_shrinks_then_stops_drafting():
 
 
 def test_no_drafting_where_the_cost_model_says_no_draft_pays():
-    # 4 tokens per forward for free, each 4 more cost one more forward: from 4
-    # rows on, no draft token can raise the step's throughput.
+    # 4 tokens per forward for free, each 4 more cost one more forward, rows
+    # no more than their tokens: from 4 rows on, no draft token can raise the
+    # step's throughput.
     lens = {f"r{i}": len(B) for i in range(4)}
-    priced = dict(k=4, min_draft_confidence=0.0, cost_free_tokens=4, cost_marginal_tokens=4.0)
+    priced = dict(k=4, min_draft_confidence=0.0, cost_free_tokens=4, cost_marginal_tokens=4.0, row_price=0.0)
     p = make_proposer(**priced)
     assert step(p, {r: B + [7] for r in lens}, lens) == [[]] * 4
     assert p.metrics.skipped_request_steps == {"request": 0, "load": 0, "cost": 4}
@@ -175,6 +176,11 @@ def test_no_drafting_where_the_cost_model_says_no_draft_pays():
     three = make_proposer(**priced)  # 3 rows: one token still rides free
     assert sum(map(len, step(three, {r: B + [7] for r in list(lens)[:3]}, lens))) > 0
     assert three.metrics.skipped_request_steps["cost"] == 0
+    # Rows that cost on their own (0.1 forwards each past the first) make the
+    # 4-row step dear enough that a draft token pays again.
+    rowed = make_proposer(**{**priced, "row_price": 0.1})
+    assert sum(map(len, step(rowed, {r: B + [7] for r in lens}, lens))) > 0
+    assert rowed.metrics.skipped_request_steps["cost"] == 0
 
 
 def test_forward_cost_model_trims_batch_drafts():
@@ -437,10 +443,10 @@ def test_memory_gauge_is_refreshed_every_few_steps():
 
 
 # ------------------------------------------------------ prices measured online
-def _shape(tokens: int, pure: bool = True, continuing: bool = True, drafted: bool = True):
+def _shape(tokens: int, pure: bool = True, continuing: bool = True, drafted: bool = True, rows: int = 1):
     from lookahead_vllm.vllm.proposer import StepShape
 
-    return StepShape(tokens, pure, continuing, drafted)
+    return StepShape(tokens, pure, continuing, drafted, rows)
 
 
 def test_step_shape_reads_the_scheduler_output():
@@ -452,13 +458,13 @@ def test_step_shape_reads_the_scheduler_output():
                                scheduled_spec_decode_tokens=spec)
 
     decode = out([], ["a", "b"], {"a": 4, "b": 1}, {"a": [5, 6, 7]})
-    assert StepShape.of(decode) == StepShape(5, True, True, True)
+    assert StepShape.of(decode) == StepShape(5, True, True, True, 2)
     draftless = out([], ["a", "b"], {"a": 1, "b": 1}, {})
-    assert StepShape.of(draftless) == StepShape(2, True, True, False)
+    assert StepShape.of(draftless) == StepShape(2, True, True, False, 2)
     chunk = out([], ["a", "b"], {"a": 4, "b": 64}, {"a": [5, 6, 7]})  # b prefills a chunk
-    assert StepShape.of(chunk) == StepShape(68, False, True, True)
+    assert StepShape.of(chunk) == StepShape(68, False, True, True, 2)
     fresh = out([SimpleNamespace(req_id="c")], [], {"c": 12}, {})
-    assert StepShape.of(fresh) == StepShape(12, False, False, False)
+    assert StepShape.of(fresh) == StepShape(12, False, False, False, 1)
 
 
 def test_prices_are_fitted_from_step_times_and_published():
@@ -492,7 +498,7 @@ def test_only_pure_decode_steps_without_idle_gaps_are_priced():
     assert p.prices.observed == REFIT_EVERY * 2 - 1  # the decode steps only (the first has no start)
     p._time_step(_shape(3, continuing=False), now + 100.0)  # the engine idled 100 s: no sample
     assert p.prices.observed == REFIT_EVERY * 2 - 1
-    tokens, seconds, _, _ = p.prices.buckets()
+    tokens, _, seconds, _, _ = p.prices.buckets()
     assert seconds.max() < 0.02
     p._time_step(_shape(4, drafted=False), now + 100.01)  # the 3-token step before it: one sample
     assert p.prices.observed == REFIT_EVERY * 2
@@ -514,10 +520,34 @@ def test_draftless_steps_teach_the_draft_setup():
         p._time_step(_shape(tokens, drafted=drafted), now)
         now += 0.01 * (truth.drafted(tokens) if drafted else truth(tokens))
     fit = p.prices.prices
-    drafted = p.prices.buckets()[3]
+    drafted = p.prices.buckets()[4]
     assert drafted.any() and not drafted.all()  # both kinds among the buckets
     assert fit.draft_setup == pytest.approx(0.2, abs=0.03) and p.cost.draft_setup == fit.draft_setup
     assert p.metrics.snapshot()["price_draft_setup"] == fit.draft_setup
+
+
+def test_steps_of_many_rows_teach_the_row_price():
+    """Rows cost on their own (here 0.1 forwards each past the first): the
+    fit separates them from the tokens' price, and a step of many rows then
+    plans with its draft tokens cheaper relative to it (ForwardCost.at_rows)."""
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    p = make_proposer(cost_free_tokens=-1)
+    assert p.cost.per_row == 0.04  # the CPU prior
+    now = 0.0
+    for i in range(REFIT_EVERY * 12 + 1):
+        rows, per_row = 1 + i % 8, 1 + (i // 8) % 3  # 1-8 rows of 1-3 tokens
+        tokens = rows * per_row
+        p._time_step(_shape(tokens, rows=rows), now)
+        now += 0.01 * (1 + 0.1 * (rows - 1) + max(0, tokens - 5) / 20 + 0.05)
+    fit = p.prices.prices
+    assert fit.row_price == pytest.approx(0.1, abs=0.03) and p.cost.per_row == fit.row_price
+    assert fit.marginal_tokens == pytest.approx(20.0, rel=0.2)
+    assert p.metrics.snapshot()["price_row"] == fit.row_price
+    step = p.cost.at_rows(8)
+    assert step.marginal_tokens == pytest.approx(p.cost.marginal_tokens * (1 + 7 * fit.row_price))
+    assert p.cost.at_rows(1) is p.cost and ForwardCost(5, 20.0).at_rows(8) == ForwardCost(5, 20.0)
 
 
 def test_pinned_prices_are_not_fitted():
@@ -542,7 +572,7 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
     class Group:
         def broadcast_object(self, obj, src=0):
             sent.append((obj, src))
-            return (7, 11.0, 0.125)  # rank 0's prices
+            return (7, 11.0, 0.125, 0.03)  # rank 0's prices
 
     monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_tp_group", lambda: Group())
@@ -553,7 +583,7 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
         now += 0.01
     p._time_step(_shape(1), now)
     assert sent and sent[0][1] == 0
-    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.cost.draft_setup) == (7, 11.0, 0.125)
+    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.cost.draft_setup, p.cost.per_row) == (7, 11.0, 0.125, 0.03)
 
 
 def test_graph_tokens_read_from_the_compilation_config():
