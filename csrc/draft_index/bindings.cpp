@@ -458,7 +458,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
     if (filled[row]) throw py::value_error("out_rows[" + std::to_string(r) + "]: a batch row given twice");
     filled[row] = true;
     py::list draft(n);
-    for (int64_t j = 0; j < n; ++j) draft[j] = py::int_(out.tokens[r * width + j]);
+    for (int64_t j = 0; j < n; ++j) PyList_SET_ITEM(draft.ptr(), j, py::int_(out.tokens[r * width + j]).release().ptr());
     drafts[row] = std::move(draft);
   }
   for (int64_t row = 0; row < num_out; ++row) {
@@ -467,8 +467,15 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   return py::make_tuple(out_tokens, out_parents, out_raw, out_kinds, keep, calibrated, carries, drafts);
 }
 
-// Row i's emitted tokens (a sequence of ints) appended to `flat`.
+// Row i's emitted tokens (a sequence of ints) appended to `flat`; a list
+// (vLLM's sampled token ids) is read in place.
 void append_tokens(py::handle row, std::vector<int64_t>& flat) {
+  if (PyList_Check(row.ptr())) {
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(row.ptr()); ++j) {
+      flat.push_back(py::handle(PyList_GET_ITEM(row.ptr(), j)).cast<int64_t>());
+    }
+    return;
+  }
   const py::sequence tokens = py::reinterpret_borrow<py::sequence>(row);
   const size_t n = tokens.size();
   for (size_t j = 0; j < n; ++j) flat.push_back(tokens[j].cast<int64_t>());

@@ -11,6 +11,10 @@ namespace {
 
 constexpr int kOwn = 0;
 constexpr int kCorpus = 1;
+// Tokens match() compares at once.
+constexpr int64_t kMatchBlock = 8;
+// How far ahead the upkeep starts loading a push's corpus slot.
+constexpr size_t kPushAhead = 16;
 
 std::string sid_str(int64_t sid) { return std::to_string(sid); }
 
@@ -47,7 +51,18 @@ DraftIndex::~DraftIndex() {
 
 // --------------------------------------------------------------------- upkeep
 void DraftIndex::upkeep() {
-  for (const auto& [slot, q] : pending_) push_corpus(slot, q);
+  // Each push's corpus slot starts loading kPushAhead pushes ahead, its
+  // list's newest entry half as far ahead (their misses overlap).
+  const size_t n = pending_.size();
+  for (size_t k = 0; k < n; ++k) {
+    if (k + kPushAhead < n) corpus_.prefetch(push_tag(pending_[k + kPushAhead]));
+    if (k + kPushAhead / 2 < n) {
+      if (const CorpusList* list = corpus_.home(push_tag(pending_[k + kPushAhead / 2]))) {
+        __builtin_prefetch(&entries_[list->tail]);
+      }
+    }
+    push_corpus(pending_[k].first, pending_[k].second);
+  }
   pending_.clear();
   while (over_cap()) {
     Partition& p = parts_[fullest_partition()];
@@ -291,6 +306,11 @@ void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
   }
 }
 
+uint32_t DraftIndex::push_tag(const std::pair<uint32_t, uint32_t>& push) const {
+  const Sequence& s = *seqs_[push.first];
+  return partition_tag(ngram_tag(s.out() + push.second - cfg_.ngram, cfg_.ngram), s.part);
+}
+
 void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
   uint32_t e;
   if (!free_entries_.empty()) {
@@ -489,9 +509,19 @@ std::vector<std::pair<int64_t, int64_t>> DraftIndex::partition_bytes() {
 int DraftIndex::match(const int32_t* src, int64_t pos, const int32_t* text, int64_t end) const {
   // How many tokens before src[pos] agree with those before text[end]; the
   // first ngram do (the key matched). Stops at either text's start.
-  int m = cfg_.ngram;
-  while (m < cfg_.max_match && pos - m - 1 >= 0 && end - m - 1 >= 0 && src[pos - m - 1] == text[end - m - 1]) ++m;
-  return m;
+  // Compared backwards, a block of kMatchBlock tokens at a time (one vector
+  // compare) while whole blocks fit, then token by token.
+  const int64_t limit = std::min<int64_t>({cfg_.max_match, pos, end});
+  int64_t m = cfg_.ngram;
+  for (; m + kMatchBlock <= limit; m += kMatchBlock) {
+    const int32_t* a = src + pos - m - kMatchBlock;
+    const int32_t* b = text + end - m - kMatchBlock;
+    int32_t differ = 0;
+    for (int64_t k = 0; k < kMatchBlock; ++k) differ |= a[k] ^ b[k];
+    if (differ != 0) break;
+  }
+  while (m < limit && src[pos - m - 1] == text[end - m - 1]) ++m;
+  return static_cast<int>(m);
 }
 
 void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
@@ -524,6 +554,7 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
   if (list != corpus_.npos) {
     for (uint32_t e = corpus_.value(list).tail; e != kNone; e = entries_[e].prev) {
       const Entry& en = entries_[e];
+      if (en.prev != kNone) __builtin_prefetch(&entries_[en.prev]);  // the next entry, while this one matches
       if (en.seq == slot) continue;
       if (!add(match(seqs_[en.seq]->out(), en.pos, text, end), kCorpus, en.seq, en.pos)) break;
     }
@@ -567,18 +598,22 @@ void DraftIndex::merge(Scratch& s, uint32_t slot, int budget) const {
   s.nodes.clear();
   s.nodes.push_back(Node{-1, -1, 0, 0, 0});
   const Sequence& seq = *seqs_[slot];
+  s.continuation.resize(static_cast<size_t>(std::max(budget, 0)));
   for (const Candidate& c : s.cands) {
     s.nodes[0].weight += c.m;
     int32_t at = 0;
-    for (int64_t j = 0; j < budget; ++j) {
-      const int64_t token = continuation_token(seq, c, j);
-      if (token < 0) break;
-      const int32_t t = static_cast<int32_t>(token);
+    const int64_t n = continuation(seq, c, budget, s.continuation.data());
+    for (int64_t j = 0; j < n; ++j) {
+      const int32_t t = s.continuation[j];
       int32_t child = s.nodes[at].first_child;
       while (child >= 0 && s.nodes[child].token != t) child = s.nodes[child].next_sibling;
       if (child < 0) {
         child = static_cast<int32_t>(s.nodes.size());
-        s.nodes.push_back(Node{t, at, 0, 0, s.nodes[at].depth + 1});
+        const int32_t depth = s.nodes[at].depth + 1;
+        Node& node = s.nodes.emplace_back();  // built in place (a copied temporary stalls the copy's loads)
+        node.token = t;
+        node.parent = at;
+        node.depth = depth;
         if (s.nodes[at].last_child >= 0) {
           s.nodes[s.nodes[at].last_child].next_sibling = child;
         } else {
@@ -602,6 +637,19 @@ int64_t DraftIndex::continuation_token(const Sequence& seq, const Candidate& c, 
   if (c.scope == kOwn) return seq.tokens[c.pos + d % (static_cast<int64_t>(seq.tokens.size()) - c.pos)];
   const Sequence& src = *seqs_[c.seq];
   return c.pos + d < static_cast<int64_t>(src.out_len()) ? src.out()[c.pos + d] : -1;
+}
+
+int64_t DraftIndex::continuation(const Sequence& seq, const Candidate& c, int64_t n, int32_t* out) const {
+  if (c.scope == kOwn) {  // the text from pos to its end, repeated
+    const int32_t* from = seq.tokens.data() + c.pos;
+    const int64_t period = static_cast<int64_t>(seq.tokens.size()) - c.pos;
+    for (int64_t d = 0; d < n; d += period) std::copy_n(from, std::min(period, n - d), out + d);
+    return std::max<int64_t>(n, 0);
+  }
+  const Sequence& src = *seqs_[c.seq];
+  const int64_t len = std::clamp<int64_t>(static_cast<int64_t>(src.out_len()) - c.pos, 0, std::max<int64_t>(n, 0));
+  std::copy_n(src.out() + c.pos, len, out);
+  return len;
 }
 
 int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor, DraftRow out) const {

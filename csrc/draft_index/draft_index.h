@@ -236,6 +236,8 @@ class DraftIndex {
   int32_t fullest_partition() const;
   void append(uint32_t slot, const int32_t* tokens, size_t n);
   void push_corpus(uint32_t slot, uint32_t q);
+  // The corpus tag of a pending push (slot, q): its sequence's output n-gram ending before q.
+  uint32_t push_tag(const std::pair<uint32_t, uint32_t>& push) const;
   void evict_corpus(uint32_t slot);
   // The corpus slot of the n-gram tokens[0:ngram] in partition `part`
   // (`tag`: its partition_tag; NgramMap::npos if absent).
@@ -272,10 +274,13 @@ class DraftIndex {
       int32_t max_m;
     };
     std::vector<Child> children;
+    // Trees: one candidate's continuation (merge).
+    std::vector<int32_t> continuation;
     size_t memory_bytes() const {
       return cands.capacity() * sizeof(Candidate) + nodes.capacity() * sizeof(Node) + conf.capacity() * 8 +
              heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity() +
-             (alive.capacity() + next_alive.capacity()) * 4 + children.capacity() * sizeof(Child);
+             (alive.capacity() + next_alive.capacity() + continuation.capacity()) * 4 +
+             children.capacity() * sizeof(Child);
     }
   };
   // Fewer rows than this per thread are not worth a thread.
@@ -294,6 +299,9 @@ class DraftIndex {
   // text repeats its period (end - pos) past its end; -1 past a corpus
   // output's end.
   int64_t continuation_token(const Sequence& seq, const Candidate& c, int64_t d) const;
+  // The first (at most) `n` tokens of candidate c's continuation
+  // (continuation_token's, up to the first -1) into `out`; returns how many.
+  int64_t continuation(const Sequence& seq, const Candidate& c, int64_t n, int32_t* out) const;
   // The chain of the merged tree's heaviest children, walked over the
   // candidates directly (no tree is built): the same nodes as the
   // reference's _merge + _select_chain, at the cost of the candidates that
