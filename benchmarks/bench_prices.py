@@ -68,7 +68,7 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
         llm.generate(prompts[used:used + 4 * batch], params, use_tqdm=False)
         used += 4 * batch
     fit = proposer.prices.fit()
-    tokens, rows, _, _, _ = proposer.prices.buckets()
+    tokens, rows, seconds, count, drafted = proposer.prices.buckets()
     return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens, "draft_setup": fit.draft_setup,
             "row_price": fit.row_price,
             "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "buckets": fit.buckets,
@@ -76,7 +76,10 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
             "tokens_seen": [int(tokens.min()), int(tokens.max())] if len(tokens) else None,
             "rows_seen": [int(rows.min()), int(rows.max())] if len(rows) else None,
             "prior": [proposer.prices.prior.free_tokens, proposer.prices.prior.marginal_tokens,
-                      proposer.prices.prior.draft_setup, proposer.prices.prior.row_price]}
+                      proposer.prices.prior.draft_setup, proposer.prices.prior.row_price],
+            # The live buckets the fit rests on (median tokens, rows, ms; samples; drafted), to refit offline.
+            "buckets": [[float(t), float(r), round(float(s) * 1e3, 3), int(n), bool(d)]
+                        for t, r, s, n, d in zip(tokens, rows, seconds, count, drafted)]}
 
 
 def compare(curve: dict[int, float], fit: dict[str, Any], batch: int) -> dict[str, Any]:
