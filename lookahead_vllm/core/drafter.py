@@ -26,6 +26,7 @@ Index nodes lead a merged tree; their ranking weight is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -43,6 +44,17 @@ if TYPE_CHECKING:
 
 # Ranking weight scale of index nodes (above any trie count).
 INDEX_WEIGHT = 1e18
+
+
+@dataclass(slots=True)
+class TrieRequest:
+    """What the trie source holds for one request: the tokens inserted so
+    far and its context index (profile ``context_match``); a request of
+    another partition than the default stays off the shared trie."""
+
+    inserted: int = 0
+    context: ContextIndex | None = None
+    on_trie: bool = True
 
 
 def make_index(config: Settings, native: bool | None = None, ngram: int | None = None) -> Any:
@@ -70,11 +82,8 @@ class Drafter:
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
-        # Trie source only: the slots kept out of the trie (not in the default partition).
-        self._off_trie: set[int] = set()
-        # Trie source only: slot -> tokens inserted so far, and its context index.
-        self._inserted: dict[int, int] = {}
-        self._contexts: dict[int, ContextIndex] = {}
+        # Trie source only: slot -> what the trie holds for the request.
+        self._trie_requests: dict[int, TrieRequest] = {}
         # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
         self._warm_slots = 0
 
@@ -86,14 +95,19 @@ class Drafter:
         """Running requests holding drafting state."""
         if self.index is not None:
             return self.index.num_live()
-        return len(self._inserted) + len(self._off_trie)
+        return len(self._trie_requests)
 
     def num_context_indexes(self) -> int:
         """Context indexes held (trie source)."""
-        return len(self._contexts)
+        return sum(req.context is not None for req in self._trie_requests.values())
+
+    def _on_trie(self, slot: int) -> bool:
+        req = self._trie_requests.get(slot)
+        return req is None or req.on_trie
 
     def context_index(self, slot: int) -> ContextIndex | None:
-        return self._contexts.get(slot)
+        req = self._trie_requests.get(slot)
+        return None if req is None else req.context
 
     def memory_bytes(self) -> int:
         total = sum(index.memory_bytes() for index in self._indexes())
@@ -139,25 +153,24 @@ class Drafter:
 
     def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int, partition: int = DEFAULT) -> bool:
         if partition != DEFAULT:  # the trie is shared: only the default partition's requests use it
-            self._off_trie.add(slot)
+            self._trie_requests.setdefault(slot, TrieRequest(on_trie=False))
             return False
-        done = self._inserted.get(slot)
-        rewound = done is not None and n < done
+        req = self._trie_requests.get(slot)
+        rewound = req is not None and n < req.inserted
         if rewound:  # the runner rewound tokens: start over
             self._finish_trie(slot)
-            done = None
-        if done is None:
+            req = None
+        if req is None:
             prompt = tokens[:min(prompt_len, n)].tolist()
             self.trie.add_request(slot, prompt)
-            if self.config.profile.context_match:
-                self._contexts[slot] = ContextIndex(self.config.profile.context_match, prompt)
-            done = len(prompt)
-        if n > done:
-            new = tokens[done:n].tolist()
+            width = self.config.profile.context_match
+            req = self._trie_requests[slot] = TrieRequest(len(prompt), ContextIndex(width, prompt) if width else None)
+        if n > req.inserted:
+            new = tokens[req.inserted:n].tolist()
             self.trie.extend(slot, new)
-            if slot in self._contexts:
-                self._contexts[slot].extend(new)
-        self._inserted[slot] = max(done, n)
+            if req.context is not None:
+                req.context.extend(new)
+            req.inserted = n
         return rewound
 
     def _indexes(self) -> list[Any]:
@@ -171,9 +184,8 @@ class Drafter:
             self._finish_trie(slot)
 
     def _finish_trie(self, slot: int) -> None:
-        self._off_trie.discard(slot)
-        self._contexts.pop(slot, None)
-        if self._inserted.pop(slot, None) is not None:
+        req = self._trie_requests.pop(slot, None)
+        if req is not None and req.on_trie:
             self.trie.finish_request(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
@@ -209,7 +221,7 @@ class Drafter:
                 t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
             n_index = len(t)
             context = 0
-            if self.trie is not None and budgets[i] > 0 and int(slot) not in self._off_trie:
+            if self.trie is not None and budgets[i] > 0 and self._on_trie(int(slot)):
                 t, context = self._draft_trie(int(slot), contexts[i], int(budgets[i]), floor, t)
             kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
             out.append((t, kinds))
@@ -241,7 +253,7 @@ class Drafter:
         trie_tree = self.trie.retrieve(list(context), budget=budget, req_id=slot, min_confidence=floor)
         if len(lead):
             return lead.merged(trie_tree, budget), 0
-        index = self._contexts.get(slot)
+        index = self.context_index(slot)
         chain = index.draft(budget, floor) if index is not None else DraftTree.empty()
         return with_context(chain, trie_tree, budget), len(chain)
 
