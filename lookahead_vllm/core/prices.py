@@ -219,9 +219,9 @@ class OnlinePrices:
         lower = np.array([ROW_BOUNDS[0], 1.0 / MARGINAL_BOUNDS[1], SETUP_BOUNDS[0]])
         upper = np.array([ROW_BOUNDS[1], 1.0 / MARGINAL_BOUNDS[0], SETUP_BOUNDS[1]])
         best = None
+        x = np.stack([np.ones_like(tokens), rows - 1.0, tokens, drafted.astype(np.float64)], axis=1)
         for free in self._free_grid:
-            x = np.stack([np.ones_like(tokens), rows - 1.0, np.maximum(0.0, tokens - free),
-                          drafted.astype(np.float64)], axis=1)
+            x[:, 2] = np.maximum(0.0, tokens - free)  # the only column that depends on the candidate
             theta, sse = _solve(x, seconds, weight, prior, strength, lower, upper)
             score = sse + PRIOR_WEIGHT * (math.log(free / p.free_tokens) / math.log(2)) ** 2
             if best is None or score < best[0]:
