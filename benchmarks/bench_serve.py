@@ -60,6 +60,9 @@ RESULTS = REPO / "benchmarks" / "results"
 # Methods: "plain", "lookahead" (--speculative-model lookahead) and any vLLM
 # baseline name of baselines.py ("ngram8-w2-4", "suffix", "suffix-d32", ...).
 DEFAULT_METHODS = ["plain", "ngram8-w2-4", "suffix", "lookahead"]
+# Plain vLLM with async scheduling off, as vLLM runs every custom-class drafter
+# (lookahead among them): what a server loses to scheduling step by step alone.
+PLAIN_SYNC = "plain-sync"
 # --datasets name of all classes interleaved (mixed_split).
 MIXED = "mixed"
 # vLLM's speculative-decoding counters (Prometheus names, "_total" dropped).
@@ -73,6 +76,8 @@ def method_flags(method: str, variants: dict[str, dict[str, Any]] | None = None)
     (``--variant``); ``ValueError`` naming what is allowed otherwise."""
     if method == "plain":
         return []
+    if method == PLAIN_SYNC:
+        return ["--no-async-scheduling"]
     if method == "lookahead" or method.startswith("lookahead:"):
         name = method.partition(":")[2]
         fields = (variants or {}).get(name)
@@ -82,7 +87,8 @@ def method_flags(method: str, variants: dict[str, dict[str, Any]] | None = None)
         return [*flags, "--additional-config", json.dumps({"lookahead": fields})] if fields else flags
     config = baseline_config(method)
     if config is None:
-        raise ValueError("expected plain, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>] or suffix[-d<depth>]")
+        raise ValueError("expected plain, plain-sync, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>] or "
+                         "suffix[-d<depth>]")
     return ["--speculative-config", json.dumps(config)]
 
 
@@ -383,7 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                        help="plain (required), lookahead, lookahead:NAME (--variant), ngram<k>[-w<min>-<max>], "
+                        help="plain (required), plain-sync (async scheduling off), lookahead, lookahead:NAME (--variant), "
+                             "ngram<k>[-w<min>-<max>], "
                              "suffix[-d<depth>]")
     parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=(*DATASETS, MIXED),
                         help="workload classes, each run at every concurrency (lookahead_lab.datasets); "

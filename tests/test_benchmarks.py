@@ -692,11 +692,12 @@ def test_bench_serve_names_every_method_with_its_server_flags():
     bench_serve = _import_bench("bench_serve")
     flags = bench_serve.method_flags
     assert flags("plain") == [] and flags("lookahead") == ["--speculative-model", "lookahead"]
+    assert flags("plain-sync") == ["--no-async-scheduling"]
     assert flags("ngram8-w2-4") == ["--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
     assert flags("suffix-d32") == ["--speculative-config",
                                    json.dumps({"method": "suffix", "suffix_decoding_max_tree_depth": 32})]
-    with pytest.raises(ValueError, match="expected plain, lookahead"):
+    with pytest.raises(ValueError, match="expected plain, plain-sync, lookahead"):
         flags("ngram")
     assert flags("lookahead:free16", {"free16": {"cost_free_tokens": 16}}) == [
         "--speculative-model", "lookahead", "--additional-config", '{"lookahead": {"cost_free_tokens": 16}}']
@@ -734,7 +735,7 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
 
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "lookahead"], "--methods must include plain"),
-    (["--methods", "plain", "ngram"], "--methods 'ngram': expected plain, lookahead"),
+    (["--methods", "plain", "ngram"], "--methods 'ngram': expected plain, plain-sync, lookahead"),
     (["--methods", "plain", "ngram8-w4-2"], "--methods 'ngram8-w4-2': needs k >= 1 and 1 <= min <= max"),
     (["--methods", "plain", "plain"], "each method once"),
     (["--datasets", "nosuch"], "invalid choice: 'nosuch'"),
