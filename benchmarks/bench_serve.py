@@ -322,7 +322,25 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
             "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
             **acceptance(cell.spec.get(name, {})),
         }
+    against_plain_sync(out)
     return out
+
+
+def against_plain_sync(cell: dict[str, Any]) -> None:
+    """With a ``plain-sync`` server in the cell, every drafting method's
+    tok/s over it too (``vs_plain_sync``: geometric mean of the waves' paired
+    ratios and its 95% interval): what the method gains over the engine it
+    runs in, async scheduling apart."""
+    methods = cell["methods"]
+    reference = methods.get(PLAIN_SYNC)
+    if reference is None:
+        return
+    for name, m in methods.items():
+        if name in ("plain", PLAIN_SYNC):
+            continue
+        ratios = [a / b for a, b in zip(m["speedup_waves"], reference["speedup_waves"])]
+        geomean, low, high = ratio_interval(ratios)
+        m["vs_plain_sync"] = {"waves": ratios, "geomean": geomean, "ci95": [low, high]}
 
 
 def print_table(cells: list[dict[str, Any]]) -> None:
@@ -338,6 +356,10 @@ def print_table(cells: list[dict[str, Any]]) -> None:
                   f"{m['latency_p50_s']:>7.2f} "
                   f"{m['latency_p99_s']:>7.2f} {m['ttft_p50_s']:>8.3f} {'-' if mal is None else f'{mal:.2f}':>5} "
                   f"{'-' if rate is None else f'{rate:.2f}':>5} {m['mismatches']:>8}")
+        for name, m in cell["methods"].items():
+            if "vs_plain_sync" in m:
+                r = m["vs_plain_sync"]
+                print(f"  {name} over plain-sync: {r['geomean']:.3f}x {_interval(r['ci95'])}")
         print(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
               f"({cell['other_cores_busy']:.2f} cores busy)")
 

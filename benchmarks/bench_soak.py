@@ -335,8 +335,10 @@ def healthy(url: str) -> bool:
         return False
 
 
-def tree_rss_bytes(root_pid: int) -> int:
-    """Summed resident memory (VmRSS) of ``root_pid`` and all its descendants."""
+def rss_parts(root_pid: int) -> dict[str, int]:
+    """Resident memory (VmRSS) of a server: ``api``, the process ``root_pid``
+    (vLLM's API server), and ``engine``, all its descendants (the engine core
+    and its helpers)."""
     parents, rss = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -346,14 +348,19 @@ def tree_rss_bytes(root_pid: int) -> int:
                 rss[int(pid)] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             continue
-    total = 0
+    parts = {"api": rss.get(root_pid, 0), "engine": 0}
     for pid, value in rss.items():
         p = pid
         while p and p != root_pid:
             p = parents.get(p, 0)
-        if p:
-            total += value
-    return total
+        if p and pid != root_pid:
+            parts["engine"] += value
+    return parts
+
+
+def tree_rss_bytes(root_pid: int) -> int:
+    """Summed resident memory (VmRSS) of ``root_pid`` and all its descendants."""
+    return sum(rss_parts(root_pid).values())
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -460,13 +467,18 @@ def summarize(reqs: list[Req], outcomes: dict[str, list[Outcome]]) -> dict[str, 
     return out
 
 
-def rss_report(before: int, mid: int, after: int) -> dict[str, float]:
+def rss_report(before: dict[str, int], mid: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """The whole server's RSS before, at half time and after (MiB, growth in
+    each half), and the same per part (``rss_parts``)."""
     mib = 2**20
-    return {
-        "rss_before_mib": before / mib, "rss_mid_mib": mid / mib, "rss_after_mib": after / mib,
-        "growth_first_half_pct": 100 * (mid - before) / before,
-        "growth_second_half_pct": 100 * (after - mid) / mid,
-    }
+
+    def report(b: int, m: int, a: int) -> dict[str, float]:
+        return {"rss_before_mib": b / mib, "rss_mid_mib": m / mib, "rss_after_mib": a / mib,
+                "growth_first_half_pct": 100 * (m - b) / b, "growth_second_half_pct": 100 * (a - m) / m}
+
+    out: dict[str, Any] = report(*(sum(x.values()) for x in (before, mid, after)))
+    out["parts"] = {part: report(before[part], mid[part], after[part]) for part in before if before[part]}
+    return out
 
 
 def lookahead_state(m: dict[str, float], config: Any) -> dict[str, Any]:
@@ -496,7 +508,9 @@ def print_report(result: dict[str, Any]) -> None:
               f"alive {s['alive_after']}")
         print(f"[{name}] RSS before {r['rss_before_mib']:.0f} MiB, mid {r['rss_mid_mib']:.0f} MiB, "
               f"after {r['rss_after_mib']:.0f} MiB: first half {r['growth_first_half_pct']:+.1f}%, "
-              f"second half {r['growth_second_half_pct']:+.1f}%")
+              f"second half {r['growth_second_half_pct']:+.1f}%; " + ", ".join(
+                  f"{part} {q['rss_before_mib']:.0f} -> {q['rss_mid_mib']:.0f} -> {q['rss_after_mib']:.0f} MiB"
+                  for part, q in r.get("parts", {}).items()))
         ratio = s.get("wall_ratio_to_plain")
         if ratio:
             low, high = ratio["ci95"]
@@ -555,7 +569,7 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
     segments = [sorted(s, key=lambda r: r.index) for s in segments]
     outcomes: dict[str, list[Outcome]] = {s.name: [] for s in servers}
     seconds: dict[str, list[float]] = {s.name: [] for s in servers}  # wall time per segment
-    rss = {s.name: [tree_rss_bytes(s.proc.pid)] for s in servers}
+    rss = {s.name: [rss_parts(s.proc.pid)] for s in servers}
     sampler = RssSampler(servers)
     t0 = time.monotonic()
     try:
@@ -574,13 +588,13 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
                 seconds[s.name].append(time.monotonic() - start)
             if k + 1 == len(segments) // 2:
                 for s in servers:
-                    rss[s.name].append(tree_rss_bytes(s.proc.pid))
+                    rss[s.name].append(rss_parts(s.proc.pid))
     finally:
         sampler.stop()
     metrics = {s.name: drained_metrics(s.url) for s in servers}
     summary = summarize(reqs, outcomes)
     for s in servers:
-        rss[s.name].append(tree_rss_bytes(s.proc.pid))
+        rss[s.name].append(rss_parts(s.proc.pid))
         summary[s.name]["rss"] = rss_report(*rss[s.name])
         summary[s.name]["alive_after"] = healthy(s.url) and s.proc.poll() is None
         summary[s.name]["not_sent"] = len(reqs) - len(outcomes[s.name])

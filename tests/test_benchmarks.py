@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -849,3 +851,42 @@ def test_bench_serve_runs_real_servers_and_reports_each_class(tiny_llama_dir, tm
     # the servers' counters were read: lookahead drafted somewhere in the run
     assert sum(c["methods"]["lookahead"]["drafts"] for c in report["cells"]) > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------ bench_soak
+def test_bench_soak_splits_a_servers_memory_into_api_and_engine():
+    bench_soak = _import_bench("bench_soak")
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while bench_soak.rss_parts(os.getpid())["engine"] < 64 << 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        parts = bench_soak.rss_parts(os.getpid())
+        assert parts["engine"] >= 64 << 20  # the child's buffer, counted under the descendants
+        assert parts["api"] > 0 and bench_soak.tree_rss_bytes(os.getpid()) >= parts["api"] + (64 << 20)
+    finally:
+        child.kill()
+        child.wait()
+    mib = 1 << 20
+    report = bench_soak.rss_report({"api": 100 * mib, "engine": 300 * mib}, {"api": 100 * mib, "engine": 330 * mib},
+                                   {"api": 120 * mib, "engine": 330 * mib})
+    assert report["rss_before_mib"] == 400 and report["rss_after_mib"] == 450
+    assert report["parts"]["engine"]["growth_first_half_pct"] == pytest.approx(10.0)
+    assert report["parts"]["engine"]["growth_second_half_pct"] == 0
+    assert report["parts"]["api"]["growth_second_half_pct"] == pytest.approx(20.0)
+
+
+def test_bench_serve_prices_each_method_against_plain_sync_wave_by_wave():
+    bench_serve = _import_bench("bench_serve")
+    cell = {"methods": {"plain": {"speedup_waves": [1.0, 1.0, 1.0]},
+                        "plain-sync": {"speedup_waves": [0.9, 0.95, 0.92]},
+                        "lookahead": {"speedup_waves": [0.9, 1.045, 0.92]}}}
+    bench_serve.against_plain_sync(cell)
+    got = cell["methods"]["lookahead"]["vs_plain_sync"]
+    assert got["waves"] == pytest.approx([1.0, 1.1, 1.0])
+    assert got["geomean"] == pytest.approx(1.1 ** (1 / 3))
+    assert got["ci95"][0] < got["geomean"] < got["ci95"][1]
+    assert "vs_plain_sync" not in cell["methods"]["plain"] and "vs_plain_sync" not in cell["methods"]["plain-sync"]
+    alone = {"methods": {"plain": {"speedup_waves": [1.0]}, "lookahead": {"speedup_waves": [1.2]}}}
+    bench_serve.against_plain_sync(alone)
+    assert "vs_plain_sync" not in alone["methods"]["lookahead"]

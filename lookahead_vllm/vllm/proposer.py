@@ -348,9 +348,10 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state, in the proposer or its Drafter
-        (0 once the engine drained; the two agree unless state leaked)."""
-        return max(len(self._states), self.drafter.num_requests())
+        """Requests holding drafting state (0 once the engine drained). A
+        request's state is its ``RequestState``: the Drafter's record of its
+        slot is made and dropped only through it (``sync``, ``finish``)."""
+        return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
         """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no
