@@ -636,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--omp-threads", type=int, default=1)
     parser.add_argument("--lookahead-config", default="{}", help="JSON of lookahead fields")
+    parser.add_argument("--plain-async", choices=("on", "off"), default="on",
+                        help="the plain server's async scheduling: on (vLLM's default), or off as vLLM runs "
+                             "lookahead, to tell the drafter's own cost from that of scheduling step by step")
     parser.add_argument("--out", type=Path, default=RESULTS / f"soak_{time.strftime('%Y%m%d_%H%M%S')}.json")
     args = parser.parse_args(argv)
     for flag in ("requests", "concurrency", "max_tokens"):
@@ -667,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     servers: list[Server] = []
     try:
-        servers.append(start_server("plain", model, [], args, log_dir))
+        plain_flags = ["--no-async-scheduling"] if args.plain_async == "off" else []
+        servers.append(start_server("plain", model, plain_flags, args, log_dir))
         servers.append(start_server("lookahead", model, [
             "--speculative-model", "lookahead", "--additional-config", json.dumps({"lookahead": fields}),
         ], args, log_dir))
