@@ -304,11 +304,15 @@ def plot(rows: list[dict], path: Path, batch: int = 1) -> None:
     import matplotlib.pyplot as plt
 
     from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_vllm.core.config import Profile
 
+    prior = Profile.for_platform("cpu")
+    cost = ForwardCost(prior.free_tokens, prior.marginal_tokens, per_row=prior.row_price)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     scored = [r["tokens_scored"] for r in rows]
     ax.plot(scored, [r["relative"] for r in rows], "o-", label="measured")
-    ax.plot(scored, [ForwardCost()(t) for t in scored], "--", label="cost model (CPU defaults)")
+    # The prior's step cost: the row part plus the token price (ForwardCost's model).
+    ax.plot(scored, [cost(t) + cost.per_row * (batch - 1) for t in scored], "--", label="cost model (CPU prior)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens scored per step (roots + drafts)")
     ax.set_ylabel("step time / single-token step")

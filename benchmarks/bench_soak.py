@@ -57,7 +57,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench_serve import stop_servers  # benchmarks/ is the script's directory
+from bench_serve import busy_seconds, stop_servers  # benchmarks/ is the script's directory
 from paired import ratio_interval
 from typing import Any
 
@@ -335,27 +335,43 @@ def healthy(url: str) -> bool:
         return False
 
 
-def rss_parts(root_pid: int) -> dict[str, int]:
-    """Resident memory (VmRSS) of a server: ``api``, the process ``root_pid``
-    (vLLM's API server), and ``engine``, all its descendants (the engine core
-    and its helpers)."""
-    parents, rss = {}, {}
+def process_parts(root_pid: int) -> dict[str, dict[str, float]]:
+    """Resident memory (VmRSS, bytes) and CPU time (user + system, seconds) of
+    a server in two parts: ``api``, the process ``root_pid`` (vLLM's API
+    server), and ``engine``, all its descendants (the engine core and its
+    helpers)."""
+    parents, rss, cpu = {}, {}, {}
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
-                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/statm") as f:
-                rss[int(pid)] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                rss[int(pid)] = int(f.read().split()[1]) * page
         except (OSError, IndexError, ValueError):
             continue
-    parts = {"api": rss.get(root_pid, 0), "engine": 0}
+        parents[int(pid)] = int(fields[1])
+        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    parts = {"api": {"rss": rss.get(root_pid, 0), "cpu": cpu.get(root_pid, 0.0)}, "engine": {"rss": 0, "cpu": 0.0}}
     for pid, value in rss.items():
         p = pid
         while p and p != root_pid:
             p = parents.get(p, 0)
         if p and pid != root_pid:
-            parts["engine"] += value
+            parts["engine"]["rss"] += value
+            parts["engine"]["cpu"] += cpu.get(pid, 0.0)
     return parts
+
+
+def rss_parts(root_pid: int) -> dict[str, int]:
+    """Resident memory (VmRSS) of a server: ``api`` (vLLM's API server) and
+    ``engine`` (its descendants), as :func:`process_parts` splits them."""
+    return {name: int(part["rss"]) for name, part in process_parts(root_pid).items()}
+
+
+def cpu_parts(root_pid: int) -> dict[str, float]:
+    """CPU seconds of a server so far: ``api`` and ``engine``, as :func:`process_parts` splits them."""
+    return {name: part["cpu"] for name, part in process_parts(root_pid).items()}
 
 
 def tree_rss_bytes(root_pid: int) -> int:
@@ -390,7 +406,9 @@ def drained_metrics(url: str, timeout_s: float = 15.0) -> dict[str, float]:
 
 class RssSampler:
     """Background thread, every ``interval_s``: (seconds since start, server, tree RSS bytes), and
-    for the lookahead server (seconds, request states, drafter bytes) from /metrics."""
+    for the lookahead server (seconds, request states, drafter bytes) from /metrics. Every server's
+    /metrics is read at the same times (rendering it costs the API process ~15 ms of CPU), so the
+    sampling loads the servers alike."""
 
     def __init__(self, servers: list[Server], interval_s: float = 2.0) -> None:
         self.samples: list[tuple[float, str, int]] = []
@@ -405,17 +423,53 @@ class RssSampler:
             t = time.monotonic() - self._t0
             for s in servers:
                 self.samples.append((t, s.name, tree_rss_bytes(s.proc.pid)))
+                try:
+                    m = scrape(s.url)
+                except OSError:
+                    continue
                 if s.name == "lookahead":
-                    try:
-                        m = scrape(s.url)
-                    except OSError:
-                        continue
                     self.lookahead.append((t, m.get("lookahead_request_states", 0.0),
                                            m.get("lookahead_trie_bytes", 0.0)))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+# Where a segment's CPU time went: the serving server's API process and engine,
+# this client (the soak process: requests, sampler), and everything else on the
+# machine (busy jiffies less all of ours, the idle server included).
+SEGMENT_CPU_PARTS = ("api", "engine", "client", "other")
+
+
+def segment_cpu_marks(servers: list[Server]) -> dict[str, Any]:
+    """CPU counters at one moment: each server's parts, this process's, the machine's busy seconds."""
+    return {"servers": {s.name: cpu_parts(s.proc.pid) for s in servers},
+            "client": sum(os.times()[:2]), "busy": busy_seconds()}
+
+
+def segment_cpu(before: dict[str, Any], after: dict[str, Any], name: str) -> dict[str, float]:
+    """CPU seconds between two :func:`segment_cpu_marks` by part (:data:`SEGMENT_CPU_PARTS`),
+    for the segment server ``name`` served."""
+    spent = {n: {part: after["servers"][n][part] - before["servers"][n][part] for part in ("api", "engine")}
+             for n in after["servers"]}
+    client = after["client"] - before["client"]
+    ours = sum(sum(parts.values()) for parts in spent.values()) + client
+    return {"api": spent[name]["api"], "engine": spent[name]["engine"], "client": client,
+            "other": max(0.0, after["busy"] - before["busy"] - ours)}
+
+
+def paired_cpu_ratios(cpu: list[dict[str, float]], plain: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per CPU part that both servers used: the segment-paired ratios to plain's
+    (geometric mean, 95% interval) and the totals' ratio."""
+    out = {}
+    for part in SEGMENT_CPU_PARTS:
+        pairs = [(c[part], p[part]) for c, p in zip(cpu, plain) if c[part] > 0 and p[part] > 0]
+        if len(pairs) < 2:
+            continue
+        ratio, low, high = ratio_interval([c / p for c, p in pairs])
+        out[part] = {"geomean": ratio, "ci95": [low, high], "total": sum(c for c, _ in pairs) / sum(p for _, p in pairs)}
+    return out
 
 
 # ---------------------------------------------------------------- report
@@ -516,6 +570,11 @@ def print_report(result: dict[str, Any]) -> None:
             low, high = ratio["ci95"]
             print(f"[{name}] wall time {s['wall_s']:.0f} s = {ratio['total']:.3f}x plain's; per segment "
                   f"{ratio['geomean']:.3f}x" + (f" (95% CI {low:.3f}-{high:.3f}x)" if low is not None else ""))
+        if "cpu_s" in s:
+            cpu_ratio = s.get("cpu_ratio_to_plain", {})
+            print(f"[{name}] CPU seconds while it served: " + ", ".join(
+                f"{part} {s['cpu_s'][part]:.0f}" + (f" ({cpu_ratio[part]['total']:.3f}x plain's)" if part in cpu_ratio
+                                                   else "") for part in SEGMENT_CPU_PARTS))
         for e in s["error_samples"]:
             print(f"[{name}]   error {e}")
     la = result.get("lookahead_state")
@@ -569,6 +628,7 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
     segments = [sorted(s, key=lambda r: r.index) for s in segments]
     outcomes: dict[str, list[Outcome]] = {s.name: [] for s in servers}
     seconds: dict[str, list[float]] = {s.name: [] for s in servers}  # wall time per segment
+    cpu: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}  # CPU seconds per segment
     rss = {s.name: [rss_parts(s.proc.pid)] for s in servers}
     sampler = RssSampler(servers)
     t0 = time.monotonic()
@@ -582,10 +642,12 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
                         print(f"[soak {time.monotonic() - t0:6.0f} s] {s.name} segment {k + 1}/{len(segments)}: "
                               f"{len(done)}/{n} done, errors {errs}", file=sys.stderr, flush=True)
 
+                before = segment_cpu_marks(servers)
                 start = time.monotonic()
                 outcomes[s.name] += asyncio.run(run_requests(s.url, s.model, segment, args.concurrency, deadline,
                                                              progress))
                 seconds[s.name].append(time.monotonic() - start)
+                cpu[s.name].append(segment_cpu(before, segment_cpu_marks(servers), s.name))
             if k + 1 == len(segments) // 2:
                 for s in servers:
                     rss[s.name].append(rss_parts(s.proc.pid))
@@ -602,10 +664,13 @@ def run(args: argparse.Namespace, servers: list[Server], reqs: list[Req], config
     for s in servers:
         summary[s.name]["wall_s"] = sum(seconds[s.name])
         summary[s.name]["segment_wall_s"] = seconds[s.name]
+        summary[s.name]["segment_cpu_s"] = cpu[s.name]
+        summary[s.name]["cpu_s"] = {part: sum(c[part] for c in cpu[s.name]) for part in SEGMENT_CPU_PARTS}
         if s.name != "plain" and "plain" in seconds:
             ratio, low, high = ratio_interval([t / p for t, p in zip(seconds[s.name], seconds["plain"])])
             summary[s.name]["wall_ratio_to_plain"] = {"geomean": ratio, "ci95": [low, high],
                                                       "total": sum(seconds[s.name]) / sum(seconds["plain"])}
+            summary[s.name]["cpu_ratio_to_plain"] = paired_cpu_ratios(cpu[s.name], cpu["plain"])
     result: dict[str, Any] = {"servers": summary, "wall_s": time.monotonic() - t0, "rss_samples": sampler.samples}
     if "lookahead" in metrics:
         result["lookahead_state"] = lookahead_state(metrics["lookahead"], config)

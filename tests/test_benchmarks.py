@@ -100,6 +100,14 @@ def test_forward_cost_fixed_tree_has_the_asked_paths():
     assert bench_forward_cost.fixed_tree(8, 1).parents == tuple(range(-1, 7))  # a chain
 
 
+def test_forward_cost_plot_draws_the_prior_beside_the_measured_curve(tmp_path):
+    bench_forward_cost = _import_bench("bench_forward_cost")
+    rows = [{"nodes": n, "tokens_scored": 12 * (n + 1), "median_ms": 280.0 + 5 * n, "relative": 1.9 + 0.04 * n}
+            for n in (0, 1, 2, 4)]
+    bench_forward_cost.plot(rows, tmp_path / "cost.png", batch=12)
+    assert (tmp_path / "cost.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--paths", "2", "--nodes", "8", "--batch", "8"], "--paths measures one request"),
     (["--batch", "0"], "--batch=0: must be in"),
@@ -874,6 +882,35 @@ def test_bench_soak_splits_a_servers_memory_into_api_and_engine():
     assert report["parts"]["engine"]["growth_first_half_pct"] == pytest.approx(10.0)
     assert report["parts"]["engine"]["growth_second_half_pct"] == 0
     assert report["parts"]["api"]["growth_second_half_pct"] == pytest.approx(20.0)
+
+
+def test_bench_soak_charges_a_segments_cpu_to_the_server_that_served_it():
+    bench_soak = _import_bench("bench_soak")
+    # A busy child is counted in the engine part, not the API part.
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 1.0: pass\ntime.sleep(30)"])
+    try:
+        before = bench_soak.cpu_parts(os.getpid())
+        deadline = time.monotonic() + 20
+        while bench_soak.cpu_parts(os.getpid())["engine"] - before["engine"] < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = bench_soak.cpu_parts(os.getpid())
+        assert after["engine"] - before["engine"] >= 0.9
+        assert after["api"] - before["api"] < 0.9  # this process only waited
+    finally:
+        child.kill()
+        child.wait()
+    marks = [{"servers": {"plain": {"api": 1.0, "engine": 10.0}, "lookahead": {"api": 2.0, "engine": 20.0}},
+              "client": 5.0, "busy": 100.0},
+             {"servers": {"plain": {"api": 1.5, "engine": 10.5}, "lookahead": {"api": 4.0, "engine": 50.0}},
+              "client": 7.0, "busy": 140.0}]
+    got = bench_soak.segment_cpu(*marks, "lookahead")
+    # the idle plain server's 1 s counts as "other" for a segment lookahead served
+    assert got == pytest.approx({"api": 2.0, "engine": 30.0, "client": 2.0, "other": 5.0})
+    ratios = bench_soak.paired_cpu_ratios([{**got, "other": 0.0}, {**got, "engine": 33.0, "other": 0.0}],
+                                          [{**got, "engine": 30.0}, {**got, "engine": 30.0}])
+    assert ratios["engine"]["total"] == pytest.approx(63 / 60) and ratios["api"]["geomean"] == pytest.approx(1.0)
+    assert "other" not in ratios  # lookahead's segments had none to compare
 
 
 def test_bench_serve_prices_each_method_against_plain_sync_wave_by_wave():
