@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sim_acceptance import (batch1_cost, check_positive, plain_wave_forwards, save_rows, workload_parser,
-                            workloads)
+from sim_acceptance import batch1_cost
+from workloads import check_positive, plain_wave_forwards, save_rows, workload_parser, workloads
 
 
 def _accepted_from(source: np.ndarray, starts: np.ndarray, target: np.ndarray, period_end: int | None) -> int:

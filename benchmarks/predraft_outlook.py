@@ -33,7 +33,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sim_acceptance import check_positive, save_rows, simulate, workload_parser, workloads
+from sim_acceptance import simulate
+from workloads import check_positive, save_rows, workload_parser, workloads
 
 
 

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from sim_acceptance import check_positive, plain_wave_forwards, save_rows, workload_parser, workloads
+from workloads import check_positive, plain_wave_forwards, save_rows, workload_parser, workloads
 
 # vLLM 0.32.0's SpeculativeConfig defaults for method "suffix"
 # (suffix_decoding_*; a test holds them to the installed vLLM).

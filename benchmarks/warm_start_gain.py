@@ -1,7 +1,7 @@
 """What a warm start buys: cold vs warm drafting on the acceptance simulator.
 
 For each dataset class, the cached greedy outputs of ``2 * N`` dev prompts
-(``sim_acceptance.greedy_outputs``) are split in two halves. Fold A replays
+(``workloads.greedy_outputs``) are split in two halves. Fold A replays
 the first half cold (empty drafter) and warm (the drafter first learns the
 second half's outputs, as ``warm_start`` or a loaded snapshot would give it);
 fold B swaps the halves. Reported per class and variant: MAL and the modeled
@@ -24,7 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_acceptance import DEFAULT_CACHE, greedy_outputs, simulate  # noqa: E402
+from sim_acceptance import simulate  # noqa: E402
+from workloads import DEFAULT_CACHE, greedy_outputs  # noqa: E402
 
 from lookahead_vllm.core.config import resolve  # noqa: E402
 
