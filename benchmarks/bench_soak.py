@@ -429,7 +429,7 @@ class RssSampler:
                     continue
                 if s.name == "lookahead":
                     self.lookahead.append((t, m.get("lookahead_request_states", 0.0),
-                                           m.get("lookahead_trie_bytes", 0.0)))
+                                           m.get("lookahead_drafter_bytes", 0.0)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -542,7 +542,7 @@ def lookahead_state(m: dict[str, float], config: Any) -> dict[str, Any]:
         "source": config.source,
         "trie_nodes": m.get("lookahead_trie_nodes"),
         "trie_capacity": config.profile.trie_capacity if config.uses_trie else None,
-        "drafter_bytes": m.get("lookahead_trie_bytes"),  # draft index + trie (metrics.py: lookahead_trie_bytes)
+        "drafter_bytes": m.get("lookahead_drafter_bytes"),  # draft index + trie
         "index_corpus_bytes_cap": config.index_corpus_bytes if config.uses_index else None,
         "draft_tokens": m.get("lookahead_draft_tokens_total"),
         "accepted_tokens": m.get("lookahead_accepted_tokens_total"),

@@ -19,7 +19,7 @@ scheduler stats; ours take a simpler road that works for any process layout:
 
 Exposed series (all cumulative since the engine started, except gauges):
 
-  lookahead_trie_nodes, lookahead_trie_bytes      gauges (every 16 steps): trie nodes; estimated drafter
+  lookahead_trie_nodes, lookahead_drafter_bytes   gauges (every 16 steps): trie nodes; estimated drafter
                                                   memory (draft index and trie), bytes
   lookahead_load_budget                           gauge: per-request node budget after load adaptation
   lookahead_request_states                        gauge: requests the drafter holds state for now
@@ -106,7 +106,7 @@ class StepStats:
     """What one proposer publishes; mutated by the proposer's thread only."""
 
     trie_nodes: int = 0
-    trie_bytes: int = 0
+    drafter_bytes: int = 0
     load_budget: int = 0
     # The forward-cost model's live prices (core/prices.py): "pinned" by the
     # configuration, the platform's "prior", or "fitted" to step times.
@@ -171,11 +171,11 @@ class IntervalLogger:
         if steps <= 0:
             return
         self.logger.info(
-            "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes (%.1f MiB), "
+            "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes, drafter memory %.1f MiB, "
             "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f, "
             "draft setup %.3f, row %.3f forwards (%s, %d samples)",
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
-            stats.trie_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
+            stats.drafter_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
             stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_row,
             stats.price_source,
             stats.price_samples,
@@ -292,7 +292,7 @@ class StatsCollector:
 
         for name, key, doc in (
             ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
-            ("lookahead_trie_bytes", "trie_bytes", "Estimated drafter memory (draft index and trie), bytes."),
+            ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index and trie), bytes."),
             ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
             ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
         ):

@@ -637,7 +637,7 @@ class LookaheadProposer:
         so this does not wait for it."""
         trie = self.drafter.trie
         self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
-        self.metrics.trie_bytes = self.drafter.memory_bytes()
+        self.metrics.drafter_bytes = self.drafter.memory_bytes()
         self.metrics.draft_sharing = self.config.draft_sharing
         self.metrics.draft_partitions, self.metrics.corpus_bytes = self.drafter.partition_stats()
 

@@ -202,7 +202,7 @@ def test_metrics_move_by_what_responses_imply(lookahead, code_prompts):
     assert ours["lookahead_accepted_tokens_total"] - before.get("lookahead_accepted_tokens_total", 0.0) == accepted
     # We hand vLLM at least what it scheduled (it drops drafts past a request's end).
     assert ours["lookahead_draft_tokens_total"] - before.get("lookahead_draft_tokens_total", 0.0) >= drafts
-    assert ours["lookahead_trie_bytes"] > 0  # the drafter's memory (draft index, trie)
+    assert ours["lookahead_drafter_bytes"] > 0  # the drafter's memory (draft index, trie)
     assert ours["lookahead_drafter_seconds_count"] > before.get("lookahead_drafter_seconds_count", 0.0)
     assert ours["lookahead_draft_tokens_per_step_sum"] > before.get("lookahead_draft_tokens_per_step_sum", 0.0)
     assert ours["lookahead_accepted_tokens_per_step_count"] == ours["lookahead_steps_total"]

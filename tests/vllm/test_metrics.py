@@ -26,7 +26,7 @@ def _scrape(directory) -> dict[str, float]:
 
 
 def test_snapshots_of_live_processes_are_summed(tmp_path):
-    a, b = metrics.StepStats(trie_nodes=10, trie_bytes=2000), metrics.StepStats(trie_nodes=5, trie_bytes=1000)
+    a, b = metrics.StepStats(trie_nodes=10, drafter_bytes=2000), metrics.StepStats(trie_nodes=5, drafter_bytes=1000)
     a.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 1, "load": 0})
     a.record_step(draft_tokens=0, accepted=0, seconds=0.00005, skipped={"request": 0, "load": 2})
     b.record_step(draft_tokens=3, accepted=3, seconds=0.02, skipped={"request": 0, "load": 0})
@@ -34,7 +34,7 @@ def test_snapshots_of_live_processes_are_summed(tmp_path):
     metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-1.json"), b.snapshot())
     metrics.write_snapshot(str(tmp_path / "999999999-0.json"), a.snapshot())  # dead process: ignored
     got = _scrape(tmp_path)
-    assert got["lookahead_trie_nodes"] == 15 and got["lookahead_trie_bytes"] == 3000
+    assert got["lookahead_trie_nodes"] == 15 and got["lookahead_drafter_bytes"] == 3000
     assert got["lookahead_steps_total"] == 3
     assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_accepted_tokens_total"] == 7
     assert got["lookahead_skipped_request_steps_total{reason=request}"] == 1
@@ -73,7 +73,7 @@ def test_interval_logger_reports_per_step_means():
         def info(self, fmt, *args):
             lines.append(fmt % args)
 
-    stats = metrics.StepStats(trie_nodes=100, trie_bytes=3 * 2**20, load_budget=8)
+    stats = metrics.StepStats(trie_nodes=100, drafter_bytes=3 * 2**20, load_budget=8)
     stats.set_prices(SimpleNamespace(free_tokens=12, marginal_tokens=40.5, draft_setup=0.05, per_row=0.04), "fitted",
                      0.02, 320)
     log = metrics.IntervalLogger(Log(), interval_s=0.0)
@@ -81,7 +81,7 @@ def test_interval_logger_reports_per_step_means():
     stats.record_step(draft_tokens=4, accepted=0, seconds=0.003, skipped={})
     log.maybe_log(stats)
     assert lines == [
-        "lookahead: drafted 6.00 nodes/step, accepted 3.00 tok/step, trie 100 nodes (3.0 MiB), "
+        "lookahead: drafted 6.00 nodes/step, accepted 3.00 tok/step, trie 100 nodes, drafter memory 3.0 MiB, "
         "drafter 2.000 ms/step, load budget 8 nodes/request, token prices 12 free + 1 forward per 40.5, "
         "draft setup 0.050, row 0.040 forwards (fitted, 320 samples)"
     ]

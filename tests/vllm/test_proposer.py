@@ -431,15 +431,15 @@ def test_memory_gauge_is_refreshed_every_few_steps():
     p = make_proposer()
     first = p.drafter.memory_bytes()
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.metrics.trie_bytes == first > 0
+    assert p.metrics.drafter_bytes == first > 0
     rows = {"a": A + [1]}
     for i in range(1, MEMORY_GAUGE_EVERY):
         rows[f"r{i}"] = B + [7] * i  # more requests: the drafter grows
         step(p, rows, {r: len(A) if r == "a" else len(B) for r in rows})
-        assert p.metrics.trie_bytes == first  # not refreshed yet
+        assert p.metrics.drafter_bytes == first  # not refreshed yet
     before = p.drafter.memory_bytes()
     step(p, rows, {r: len(A) if r == "a" else len(B) for r in rows})
-    assert p.metrics.trie_bytes == before > first
+    assert p.metrics.drafter_bytes == before > first
 
 
 # ------------------------------------------------------ prices measured online
