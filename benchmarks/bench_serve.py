@@ -50,7 +50,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from baselines import baseline_config
 from paired import ratio_interval
@@ -220,26 +220,33 @@ def parse_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return totals
 
 
-def tree_cpu_seconds(root_pids: list[int]) -> float:
-    """CPU seconds (user + system) of the live processes under ``root_pids`` (inclusive)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents, cpu = {}, {}
+def proc_table() -> dict[int, tuple[int, float, int]]:
+    """Every live process: pid -> (parent pid, CPU seconds (user + system), resident bytes)."""
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    table = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            with open(f"/proc/{pid}/statm") as f:
+                rss = int(f.read().split()[1]) * page
+        except (OSError, IndexError, ValueError):
             continue
-        parents[int(pid)] = int(fields[1])
-        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
-    total = 0.0
-    for pid, seconds in cpu.items():
-        p = pid
-        while p and p not in root_pids:
-            p = parents.get(p, 0)
-        if p:
-            total += seconds
-    return total
+        table[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, rss)
+    return table
+
+
+def root_of(pid: int, roots: Collection[int], table: dict[int, tuple[int, float, int]]) -> int:
+    """The first of ``roots`` met walking up from ``pid`` (itself included) in ``table``; 0 if none."""
+    while pid and pid not in roots:
+        pid = table[pid][0] if pid in table else 0
+    return pid
+
+
+def tree_cpu_seconds(root_pids: list[int]) -> float:
+    """CPU seconds (user + system) of the live processes under ``root_pids`` (inclusive)."""
+    table = proc_table()
+    return sum(cpu for pid, (_, cpu, _) in table.items() if root_of(pid, root_pids, table))
 
 
 def busy_seconds() -> float:

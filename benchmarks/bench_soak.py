@@ -57,7 +57,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench_serve import busy_seconds, stop_servers  # benchmarks/ is the script's directory
+from bench_serve import busy_seconds, proc_table, root_of, stop_servers  # benchmarks/ is the script's directory
 from paired import ratio_interval
 from typing import Any
 
@@ -335,31 +335,19 @@ def healthy(url: str) -> bool:
         return False
 
 
-def process_parts(root_pid: int) -> dict[str, dict[str, float]]:
+def process_parts(root_pid: int, table: dict[int, tuple[int, float, int]] | None = None
+                  ) -> dict[str, dict[str, float]]:
     """Resident memory (VmRSS, bytes) and CPU time (user + system, seconds) of
     a server in two parts: ``api``, the process ``root_pid`` (vLLM's API
     server), and ``engine``, all its descendants (the engine core and its
-    helpers)."""
-    parents, rss, cpu = {}, {}, {}
-    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/statm") as f:
-                rss[int(pid)] = int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            continue
-        parents[int(pid)] = int(fields[1])
-        cpu[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
-    parts = {"api": {"rss": rss.get(root_pid, 0), "cpu": cpu.get(root_pid, 0.0)}, "engine": {"rss": 0, "cpu": 0.0}}
-    for pid, value in rss.items():
-        p = pid
-        while p and p != root_pid:
-            p = parents.get(p, 0)
-        if p and pid != root_pid:
-            parts["engine"]["rss"] += value
-            parts["engine"]["cpu"] += cpu.get(pid, 0.0)
+    helpers). ``table``: a :func:`bench_serve.proc_table` already read."""
+    table = proc_table() if table is None else table
+    parts = {"api": {"rss": 0, "cpu": 0.0}, "engine": {"rss": 0, "cpu": 0.0}}
+    for pid, (_, cpu, rss) in table.items():
+        if root_of(pid, (root_pid,), table):
+            part = parts["api" if pid == root_pid else "engine"]
+            part["rss"] += rss
+            part["cpu"] += cpu
     return parts
 
 
@@ -369,9 +357,9 @@ def rss_parts(root_pid: int) -> dict[str, int]:
     return {name: int(part["rss"]) for name, part in process_parts(root_pid).items()}
 
 
-def cpu_parts(root_pid: int) -> dict[str, float]:
+def cpu_parts(root_pid: int, table: dict[int, tuple[int, float, int]] | None = None) -> dict[str, float]:
     """CPU seconds of a server so far: ``api`` and ``engine``, as :func:`process_parts` splits them."""
-    return {name: part["cpu"] for name, part in process_parts(root_pid).items()}
+    return {name: part["cpu"] for name, part in process_parts(root_pid, table).items()}
 
 
 def tree_rss_bytes(root_pid: int) -> int:
@@ -444,7 +432,8 @@ SEGMENT_CPU_PARTS = ("api", "engine", "client", "other")
 
 def segment_cpu_marks(servers: list[Server]) -> dict[str, Any]:
     """CPU counters at one moment: each server's parts, this process's, the machine's busy seconds."""
-    return {"servers": {s.name: cpu_parts(s.proc.pid) for s in servers},
+    table = proc_table()  # one walk of /proc for every server
+    return {"servers": {s.name: cpu_parts(s.proc.pid, table) for s in servers},
             "client": sum(os.times()[:2]), "busy": busy_seconds()}
 
 
