@@ -47,9 +47,6 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-# A source named with this suffix runs the proposer's per-request path (the
-# array path's comparison: LookaheadProposer.batch_chains and batch_trees off).
-PER_REQUEST = ":per-request"
 # Prompts admitted one at a time into the running batch after the timed steps.
 ADMISSIONS = 5
 
@@ -63,17 +60,13 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
     from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core.config import PLATFORM_VALUES
 
-    name = source.removesuffix(PER_REQUEST)
     costs = {"cost_free_tokens": 0}
     if prices != "off":
         platform = PLATFORM_VALUES[prices]
         costs = {"cost_free_tokens": platform["free_tokens"], "cost_marginal_tokens": platform["marginal_tokens"]}
     knobs = {"load_shrink_above": 4096, "load_stop_at": 8192, "upkeep_thread": upkeep == "thread"}
-    settings = {"source": name, "draft_shape": draft_shape, "_profile": knobs, **costs}
-    proposer = standalone_proposer(k, max_len, settings)
-    proposer.batch_chains = proposer.batch_chains and not source.endswith(PER_REQUEST)
-    proposer.batch_trees = proposer.batch_trees and not source.endswith(PER_REQUEST)
-    return proposer
+    settings = {"source": source, "draft_shape": draft_shape, "_profile": knobs, **costs}
+    return standalone_proposer(k, max_len, settings)
 
 
 def verifiable_requests(proposer: Any, req_ids: list[str]) -> None:
@@ -198,7 +191,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
-        "native": proposer.drafter.native, "array_path": proposer.batch_chains or proposer.batch_trees,
+        "native": proposer.drafter.native, "planner": "chains" if proposer.chain_path else "trees",
         "accepted_per_request_step": accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
@@ -254,8 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompt-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--k", type=int, default=16, help="draft slots (num_speculative_tokens); default as `vllm serve`")
-    p.add_argument("--sources", nargs="+", default=["index", "index" + PER_REQUEST, "index+trie"],
-                   help=f"draft sources (config `source`); with {PER_REQUEST!r}: the proposer's per-request path")
+    p.add_argument("--sources", nargs="+", default=["index", "index+trie"],
+                   help="draft sources (config `source`)")
     p.add_argument("--prices", choices=["off", "gpu"], default="off",
                    help="off: the cost model off, every draft handed out and booked (the most work); gpu: "
                         "GPU token prices (few drafts pay at 64+ rows)")
@@ -283,8 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lookahead_vllm.core.config import SOURCES
 
     for source in args.sources:
-        if source.removesuffix(PER_REQUEST) not in SOURCES:
-            p.error(f"--sources {source!r}: must be one of {list(SOURCES)}, optionally with {PER_REQUEST!r}")
+        if source not in SOURCES:
+            p.error(f"--sources {source!r}: must be one of {list(SOURCES)}")
     from lookahead_lab.offline import apply_cpu_env
 
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")

@@ -410,7 +410,8 @@ void check_parents(const int32_t* parents, const int64_t* lens, int64_t rows, in
 py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handle raw_obj, py::handle lens_obj,
                         py::handle tree_ok_obj, py::handle edges_obj, py::handle factor_obj, int64_t budget,
                         int64_t num_rows, int64_t free_tokens, double marginal_tokens, double per_path,
-                        double path_setup, double draft_setup, py::handle out_rows_obj, int64_t num_out) {
+                        double path_setup, double draft_setup, py::handle out_rows_obj, int64_t num_out,
+                        py::handle kinds_obj) {
   const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
   const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
   const DoubleArray factor = DoubleArray::ensure(factor_obj);
@@ -433,6 +434,20 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   check_parents(parents.data(), lens.data(), rows, width);
   check_out_rows(out_rows, num_out);
   check_prices(free_tokens, marginal_tokens, draft_setup);
+  Int8Array kinds;
+  const bool given = !kinds_obj.is_none();
+  if (given) {
+    kinds = Int8Array::ensure(kinds_obj);
+    if (!kinds) throw py::type_error("kinds must be an int8 array [rows, width] or None");
+    check_rows("kinds", kinds, rows, width);
+    const int8_t* k = kinds.data();
+    for (int64_t i = 0; i < rows * width; ++i) {
+      if (k[i] < 0 || k[i] >= factor.shape(0)) {
+        throw py::value_error("kinds: " + std::to_string(k[i]) + " is not a calibration kind (0 to " +
+                              std::to_string(factor.shape(0) - 1) + ")");
+      }
+    }
+  }
   std::vector<int32_t> lens32(lens.data(), lens.data() + rows);
   py::array_t<int32_t> out_tokens({rows, width}), out_parents({rows, width});
   py::array_t<double> out_raw({rows, width}), calibrated({rows, width});
@@ -445,7 +460,8 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
   std::fill(out_kinds.mutable_data(), out_kinds.mutable_data() + rows * width, 0);
   const lookahead::TreeRows in{const_cast<int32_t*>(tokens.data()), const_cast<int32_t*>(parents.data()),
-                               const_cast<double*>(raw.data()), nullptr, rows, width};
+                               const_cast<double*>(raw.data()),
+                               given ? const_cast<int8_t*>(kinds.data()) : nullptr, rows, width};
   lookahead::TreeRows out{out_tokens.mutable_data(), out_parents.mutable_data(), out_raw.mutable_data(),
                           out_kinds.mutable_data(), rows, width};
   lookahead::plan_trees(in, lens32.data(), tree_ok.data(), edges.data(), edges.shape(0), factor.data(), budget,
@@ -670,7 +686,7 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),
         py::arg("tree_ok"), py::arg("edges"), py::arg("factor"), py::arg("budget"), py::arg("num_rows"),
         py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
-        py::arg("draft_setup"), py::arg("out_rows"), py::arg("num_out"));
+        py::arg("draft_setup"), py::arg("out_rows"), py::arg("num_out"), py::arg("kinds") = py::none());
   m.def("match_trees", &match_trees_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("offer_tokens"),
         py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"));
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),

@@ -39,14 +39,16 @@ void best_path(const int32_t* parents, const double* raw, int32_t n, std::vector
   }
 }
 
-// Row r of `in` into `out` as drafted (a tree_ok row or a chain) or as its
-// best path; returns the nodes written.
+// Row r of `in` into `out` as drafted (a tree_ok row, a chain, or any row
+// whose kinds `in` gives) or as its best path; returns the nodes written.
 int32_t offer_row(const TreeRows& in, int64_t r, int32_t n, bool tree_ok, TreeRows& out, std::vector<int8_t>& kinds,
                   std::vector<int32_t>& path) {
   const int64_t base = r * in.width;
   const int32_t* par = in.parents + base;
   kinds.resize(static_cast<size_t>(n));
-  const bool chain = index_kinds(par, n, kinds.data());
+  const bool given = in.kinds != nullptr;  // rows as offered, their kinds given
+  const bool chain = given || index_kinds(par, n, kinds.data());
+  if (given) std::copy(in.kinds + base, in.kinds + base + n, kinds.begin());
   if (tree_ok || chain) {
     std::copy(in.tokens + base, in.tokens + base + n, out.tokens + base);
     std::copy(par, par + n, out.parents + base);

@@ -53,10 +53,12 @@ struct TreeRows {
   int64_t width;
 };
 
-// Plans `in` (kinds ignored) into `out` (same shape; other cells untouched):
-// a row with tree_ok[r] == 0 that is not a chain becomes its best path (the
-// heaviest child from the root down), as a chain; kinds are those of the
-// drafted tree (kKindContext on its leading chain, else kKindBranch).
+// Plans `in` into `out` (same shape; other cells untouched). Index trees
+// (in.kinds null): a row with tree_ok[r] == 0 that is not a chain becomes
+// its best path (the heaviest child from the root down), as a chain; kinds
+// are those of the drafted tree (kKindContext on its leading chain, else
+// kKindBranch). Rows with their kinds given (merged sources, already cut to
+// what each request may verify) are planned as they are.
 // `factor [kinds, bins]` calibrates into `calibrated [rows, width]`; keep[r]
 // is the prefix row r keeps (at most `budget` nodes in all, < 0: no cap) and
 // carries_tree[r] whether that prefix is a tree (not a chain) of a tree_ok

@@ -69,12 +69,14 @@ class ConfidenceCalibrator:
     # BIN_EDGES as an array, for the native kernels.
     bin_edges = np.asarray(BIN_EDGES, np.float64)
 
-    def __init__(self, prior: float = 8.0, native: bool = False) -> None:
+    def __init__(self, prior: float = 8.0, native: bool = False, learns: bool = True) -> None:
         if prior <= 0:
             raise ValueError(f"prior={prior!r}: must be > 0")
         if native and load_extension() is None:
             raise ImportError("native=True: lookahead_vllm._draft_index is not built (pip install -e .)")
         self.prior = prior
+        # False: the factors stay 1 (raw confidences; profile calibrate_confidence off).
+        self.learns = learns
         # observe_chains through the native kernel (core/chain_plan.py).
         self.native = native
         shape = (len(KIND_NAMES), len(BIN_EDGES) + 1)
@@ -126,7 +128,7 @@ class ConfidenceCalibrator:
     def observe_nodes(self, kinds: np.ndarray, raw: np.ndarray, accepted: np.ndarray) -> None:
         """Learn from verified nodes, in order: their kinds, raw confidences
         and whether each was accepted (one step's drafts at once, or one draft)."""
-        if not len(kinds):
+        if not len(kinds) or not self.learns:
             return
         width = self.nodes.shape[1]
         cell = np.asarray(kinds, np.int64) * width + np.searchsorted(BIN_EDGES, raw, side="left")
@@ -145,6 +147,8 @@ class ConfidenceCalibrator:
         """:meth:`observe_nodes` for chains: row ``at[i]`` of ``raw [D, W]``
         had its first ``verified[i]`` nodes verified and the first
         ``accepted[i]`` of them accepted, all of ``kind``."""
+        if not self.learns:
+            return
         if self.native:
             load_extension().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                             kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
@@ -159,6 +163,8 @@ class ConfidenceCalibrator:
         """:meth:`observe_nodes` for drafts stored as rows (core/tree_plan.py):
         row ``at[i]`` of ``raw``/``kinds``/``accepted [D, W]`` had its first
         ``verified[i]`` nodes verified, in that order."""
+        if not self.learns:
+            return
         if self.native:
             load_extension().observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                            raw, kinds, accepted, at, verified, self.prior, float(HALF_LIFE_NODES))

@@ -86,10 +86,18 @@ class Drafter:
         self._trie_requests: dict[int, TrieRequest] = {}
         # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
         self._warm_slots = 0
+        if self.index is not None:
+            self._native = bool(getattr(self.index, "native", False))
+        else:
+            from lookahead_vllm.core.native import load_draft_index
+
+            self._native = native is not False and load_draft_index() is not None
 
     @property
     def native(self) -> bool:
-        return bool(getattr(self.index, "native", False))
+        """Whether the native extension drafts (the index, where the sources
+        have one) and plans (the proposer's kernels)."""
+        return self._native
 
     def num_requests(self) -> int:
         """Running requests holding drafting state."""
@@ -236,12 +244,12 @@ class Drafter:
         tok, _, conf, lens = self._index_rows(slots, budgets, floor, False)
         return tok, conf, lens
 
-    def draft_trees(self, slots: np.ndarray, budgets: np.ndarray, floor: float
+    def draft_trees(self, slots: np.ndarray, budgets: np.ndarray, floor: float, tree: bool = True
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`draft_chains` for trees (tree mode's batch path): ``tokens``,
-        ``parents`` (-1: the root; parents first), ``confidence [R, W]`` and
-        ``lengths [R]``."""
-        return self._index_rows(slots, budgets, floor, True)
+        """:meth:`draft_chains` with the nodes' parents (chains unless
+        ``tree``): ``tokens``, ``parents`` (-1: the root; parents first),
+        ``confidence [R, W]`` and ``lengths [R]``."""
+        return self._index_rows(slots, budgets, floor, tree)
 
     def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
-from lookahead_vllm.core.calibration import KIND_CONTEXT
+from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.chain_plan import verified_offers
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.drafter import index_kinds, index_tree
@@ -102,47 +102,66 @@ class TreeOffers:
         return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
 
     def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
-                hits: np.ndarray) -> int:
+                hits: np.ndarray) -> tuple[int, int]:
         """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into
         the calibrator (:meth:`match`'s results); returns how many accepted
-        nodes were context nodes."""
+        nodes were context nodes and how many Jacobi pool nodes."""
         calibrator.observe_trees(self.raw, self.kinds, hits, at, verified)
-        return int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT]))
+        return (int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT])),
+                int(np.count_nonzero(hits[self.kinds == KIND_POOL])))
 
 
 def plan_trees(
     tokens: np.ndarray, parents: np.ndarray, raw: np.ndarray, lengths: np.ndarray, tree_ok: np.ndarray,
     calibrator: "ConfidenceCalibrator", budget: int | None, num_rows: int, cost: ForwardCost,
-    slots: np.ndarray, out_rows: np.ndarray, num_out: int, native: bool,
+    slots: np.ndarray, out_rows: np.ndarray, num_out: int, native: bool, kinds: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
     """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
     index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
-    ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. Returns the
-    offers (each row's kept prefix), the calibrated confidences of the
-    offered rows (cells past a row's length are unspecified) and the
+    ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With
+    ``kinds [R, W]`` given (merged sources: :func:`pack_trees`), the rows are
+    planned as they are, already cut to what their requests may verify.
+    Returns the offers (each row's kept prefix), the calibrated confidences
+    of the offered rows (cells past a row's length are unspecified) and the
     ``num_out`` batch rows' drafts (``[]`` where none)."""
     tree_ok = np.asarray(tree_ok, bool)
     if native:
-        tok, par, conf, kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
+        tok, par, conf, out_kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
             tokens, parents, raw, lengths, tree_ok, calibrator.bin_edges, calibrator.factor_table(),
             -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
-            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out)
-        return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, kinds, keep, trees.astype(bool)), \
+            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out, kinds)
+        return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, out_kinds, keep, trees.astype(bool)), \
             calibrated, drafts
     return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,
-                                 slots, out_rows, num_out)
+                                 slots, out_rows, num_out, kinds)
+
+
+def pack_trees(trees: list[tuple[DraftTree, list[int]]], width: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Drafts with their nodes' calibration kinds as :func:`plan_trees`'s
+    rows: ``tokens``, ``parents``, ``raw`` confidences, ``kinds [R, W]`` and
+    ``lengths [R]`` (``W`` at least ``width``)."""
+    width = max([width, *(len(t) for t, _ in trees)])
+    tok, par = np.zeros((len(trees), width), np.int32), np.full((len(trees), width), -1, np.int32)
+    raw, kinds = np.zeros((len(trees), width)), np.zeros((len(trees), width), np.int8)
+    lens = np.zeros(len(trees), np.int64)
+    for r, (tree, k) in enumerate(trees):
+        n = lens[r] = len(tree)
+        tok[r, :n], par[r, :n], kinds[r, :n] = tree.tokens, tree.parents, k
+        raw[r, :n] = [tree.node_confidence(i) for i in range(n)]
+    return tok, par, raw, kinds, lens
 
 
 def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost, slots,
-                          out_rows, num_out) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
+                          out_rows, num_out, given=None) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
     """:func:`plan_trees` with DraftTree objects, request by request."""
     rows, width = raw.shape
     offers, confs, opens = [], [], []
     for r in range(rows):
         n = int(lengths[r])
         tree = index_tree(tokens[r, :n], parents[r, :n], raw[r, :n])
-        kinds = index_kinds(tree, n)
-        if not tree_ok[r] and not tree.is_chain():
+        kinds = index_kinds(tree, n) if given is None else given[r, :n].tolist()
+        if given is None and not tree_ok[r] and not tree.is_chain():
             kinds = [kinds[i] for i in tree.best_path()]
             tree = tree.best_path_tree()
         offers.append((tree, kinds))

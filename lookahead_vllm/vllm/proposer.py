@@ -12,14 +12,13 @@ Per step, for the request rows of the persistent batch that just sampled:
    flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
    ``tree_verify`` reads back.
 
-With the draft index as the only source and calibration on (the default),
-steps 2-3 run as a few batch calls into the native extension, without
-per-request Python objects: ``_propose_chains`` for chains (booking and
-planning in core/chain_plan.py; the drafts handed out are one
-:class:`ChainOffers`), ``_propose_index_trees`` in tree mode (core/tree_plan.py;
-one :class:`TreeOffers`, from which tree verification's plans are built when
-it asks). Other settings (the trie, the Jacobi window) go request by request
-(``_propose_trees``). Tests hold the paths to each other.
+Booking and planning run as a few batch calls into the native extension,
+whatever the settings: ``_propose_chains`` for the default (index chains;
+core/chain_plan.py; the drafts handed out are one :class:`ChainOffers`),
+``_propose_trees`` for everything else (core/tree_plan.py; one
+:class:`TreeOffers`, from which tree verification's plans are built when it
+asks). What stays per request is drafting from the sources that are Python
+structures (the trie, the Jacobi pool and window).
 
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
@@ -45,7 +44,6 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core.budget import (
     ForwardCost,
-    allocate_step_budget,
     confidence_floor,
     forward_cost,
     opens_path,
@@ -60,8 +58,8 @@ from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
-from lookahead_vllm.core.step_plan import StepPlan, accepted_path
-from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
+from lookahead_vllm.core.step_plan import StepPlan
+from lookahead_vllm.core.tree_plan import TreeOffers, pack_trees, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import TreeVerifier
@@ -150,14 +148,6 @@ class RequestState:
     # Jacobi window and n-gram pool (sources with "jacobi", tree-verifiable
     # sampling only).
     jacobi: JacobiRequest | None = None
-    # The draft handed out last step with its nodes' calibration kinds
-    # (booked against what verification accepted next step; per-request path
-    # only: the chain path's are one ChainOffers for the batch).
-    offered: tuple[DraftTree, list[int]] | None = None
-    # Its tree plan for tree_verify (tree mode only; None = a chain).
-    plan: StepPlan | None = None
-    # How many of this step's draft nodes are draft-index or context nodes.
-    context_nodes: int = 0
     # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable;
     # None until the runner knows the request). Fixed for its lifetime.
     verifiable: bool | None = None
@@ -240,11 +230,9 @@ class LookaheadProposer:
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
-        # The array paths (module docstring) where the settings allow them;
-        # tests set them False before the first step to run the per-request path.
-        array_path = self.config.sources == ("index",) and self.calibrator is not None
-        self.batch_chains = array_path and not self.tree_mode
-        self.batch_trees = array_path and self.tree_mode
+        # Index chains (the default) have a planner of their own (module
+        # docstring); tests set it False to hold it to the tree planner's.
+        self.chain_path = self.config.sources == ("index",) and not self.tree_mode
         self._offers = ChainOffers.none()
         # Tree mode's offers; this step's request ids by row and the rows
         # of the offers (offer d is request ids[rows[d]]); the plans built
@@ -252,6 +240,8 @@ class LookaheadProposer:
         self._trees = TreeOffers.none()
         self._tree_rows: tuple[list[str], list[int]] = ([], [])
         self._tree_plans: dict[str, StepPlan] | None = None
+        # This step's Jacobi windows' plans by request id (they replace the offers' plans).
+        self._window_plans: dict[str, StepPlan] = {}
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
         logger.info("lookahead proposer ready (%s draft index): %s",
@@ -335,11 +325,10 @@ class LookaheadProposer:
     @property
     def plans(self) -> dict[str, StepPlan]:
         """This step's tree plans by request id (read by tree_verify)."""
-        if not self.batch_trees:
-            return {r: st.plan for r, st in self._states.items() if st.plan is not None}
         if self._tree_plans is None:
             offers, (req_ids, rows) = self._trees, self._tree_rows
             self._tree_plans = {req_ids[rows[d]]: offers.plan(d) for d in np.flatnonzero(offers.trees).tolist()}
+            self._tree_plans.update(self._window_plans)
         return {r: plan for r, plan in self._tree_plans.items() if r in self._states}
 
     @property
@@ -366,9 +355,10 @@ class LookaheadProposer:
         """A fresh Drafter and the confidence calibrator that goes with it."""
         self.drafter = Drafter(self.config)
         # Draft confidences calibrated from what verification accepted
-        # (core/calibration.py).
-        self.calibrator = (ConfidenceCalibrator(native=self.drafter.native)
-                           if self.config.profile.calibrate_confidence else None)
+        # (core/calibration.py; raw ones, a calibrator that never learns,
+        # where the profile turns calibration off).
+        self.calibrator = ConfidenceCalibrator(native=self.drafter.native,
+                                               learns=self.config.profile.calibrate_confidence)
 
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
@@ -376,10 +366,10 @@ class LookaheadProposer:
         and are indexed anew on their next step."""
         self._new_drafter()
         for st in self._states.values():
-            st.length, st.jacobi, st.offered, st.plan = 0, None, None, None
+            st.length, st.jacobi = 0, None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
         self._offers = ChainOffers.none()
-        self._trees, self._tree_rows, self._tree_plans = TreeOffers.none(), ([], []), None
+        self._trees, self._tree_rows, self._tree_plans, self._window_plans = TreeOffers.none(), ([], []), None, {}
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -428,12 +418,10 @@ class LookaheadProposer:
         if self.metrics.steps % MEMORY_GAUGE_EVERY == 0:
             self._read_memory_gauges()
         sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
-        if self.batch_chains:
+        if self.chain_path:
             out = self._propose_chains(sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
-        elif self.batch_trees:
-            out = self._propose_index_trees(sampled_token_ids, sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
         else:
-            out = self._propose_trees(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, batch)
+            out = self._propose_trees(sampled_token_ids, sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
         drafts, num_rows, skipped, load_budget = out
         self._record_metrics(drafts, sampled_lens, num_rows, skipped, load_budget, start)
         draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
@@ -499,13 +487,14 @@ class LookaheadProposer:
             self.stats.context_accepted_tokens += int(accepted.sum())
             self.calibrator.observe_chains(offers.confidence, at, verified, accepted, KIND_CONTEXT)
 
-    def _propose_index_trees(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
-                             num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
-                             ) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """The array path in tree mode: the batch's index trees (a chain where
-        a request may not verify a tree), calibrated, cut by the forward-cost
-        model with their extra attention paths priced, without per-request
-        Python objects (core/tree_plan.py)."""
+    def _propose_trees(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
+                       num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
+                       ) -> tuple[list[list[int]], int, dict[str, int], int]:
+        """Every other setting (tree mode, the trie, the Jacobi window): the
+        batch's drafts as rows of one array (a chain where a request may not
+        verify a tree), calibrated and cut by the forward-cost model with
+        their extra attention paths priced in one :func:`plan_trees` call
+        (core/tree_plan.py); then the Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         row_list = rows.tolist()
@@ -516,19 +505,54 @@ class LookaheadProposer:
         self._book_trees(slots, req_ids, [sampled_token_ids[i] for i in row_list])
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
                                                 self._partitions(states))
+        if self.config.uses_jacobi:
+            self._track_windows(req_ids, states, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
         budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
-        tok, par, raw, lens = self.drafter.draft_trees(slots[drafting], budgets[drafting], floor)
-        self.stats.context_drafts += int(np.count_nonzero(lens))
         picked = drafting.tolist()
-        tree_ok = np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
-        self._trees, _, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                            self._step_budget(len(rows)), len(rows), self.cost.at_rows(len(rows)),
-                                            slots[drafting],
-                                            rows[drafting], num_out, self.drafter.native)
+        tree_ok = np.fromiter((self.tree_mode and self._verifiable(req_ids[j], states[j]) for j in picked), bool,
+                              len(picked))
+        if self.config.sources == ("index",):
+            tok, par, raw, lens = self.drafter.draft_trees(slots[drafting], budgets[drafting], floor, self.tree_mode)
+            kinds = None
+            self.stats.context_drafts += int(np.count_nonzero(lens))
+        else:
+            last = token_ids_cpu[rows[drafting], num_tokens[drafting].astype(np.int64) - 1]
+            tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
+                                                           floor, tree_ok, token_ids_cpu, rows, num_tokens, last)
+        self._trees, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
+                                                     self._step_budget(len(rows)), len(rows),
+                                                     self.cost.at_rows(len(rows)), slots[drafting],
+                                                     rows[drafting], num_out, self.drafter.native, kinds)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
+        if self.config.uses_jacobi:
+            self._window_plans = self._send_windows(drafts, calibrated, tree_ok, [req_ids[j] for j in picked],
+                                                    [states[j] for j in picked], rows[drafting], len(rows))
         return drafts, len(rows), skipped, load_budget
+
+    def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
+                     floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
+                     num_tokens: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The drafting rows' trees from every source (``Drafter.draft``: the
+        index's, then the trie's; the Jacobi pool's n-grams after them), each
+        cut to its best path where its request may not verify a tree, with
+        their nodes' calibration kinds, as :func:`pack_trees` rows."""
+        contexts = None
+        if self.drafter.trie is not None:
+            width = self.config.profile.max_match_length
+            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - width):int(num_tokens[j])].tolist()
+                        for j in picked]
+        offers = []
+        for d, (tree, kinds) in enumerate(self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode)):
+            st = states[picked[d]]
+            self.stats.context_drafts += KIND_CONTEXT in kinds
+            if st.jacobi is not None:
+                tree, kinds = self._with_pool(st, tree, kinds, int(budgets[d]), int(last[d]))
+            if not tree_ok[d] and not tree.is_chain():
+                kinds, tree = [kinds[i] for i in tree.best_path()], tree.best_path_tree()
+            offers.append((tree, kinds))
+        return pack_trees(offers, 1)
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
         """Whether the request may verify a tree (asked of the verifier once
@@ -542,8 +566,8 @@ class LookaheadProposer:
     def _book_trees(self, slots: np.ndarray, req_ids: list[str], emitted: list[list[int]]) -> None:
         """Book last step's :class:`TreeOffers` against what this step's rows
         emitted (``emitted[i]``: the accepted tokens, then the bonus), cut to
-        what the scheduler verified of them: context tokens accepted and the
-        calibrator's evidence (core/tree_plan.py)."""
+        what the scheduler verified of them: context and pool tokens accepted
+        and the calibrator's evidence (core/tree_plan.py)."""
         offers = self._trees
         if not len(offers.slots):
             return
@@ -551,57 +575,9 @@ class LookaheadProposer:
         verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
         at, verified, hits = offers.match(slots, verified, emitted, self.drafter.native)
         if len(at):
-            self.stats.context_accepted_tokens += offers.observe(self.calibrator, at, verified, hits)
-
-    def _propose_trees(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
-                       token_ids_cpu: np.ndarray, batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """The per-request path: any source, trees, the Jacobi window."""
-        rows = [
-            i for i, sampled in enumerate(sampled_token_ids)
-            if sampled and int(num_tokens_no_spec[i]) < self.max_model_len
-        ]
-        num_tokens = num_tokens_no_spec[rows]
-        states = [self._state(batch.req_ids[i]) for i in rows]
-        verified = []
-        for i, st in zip(rows, states):
-            scheduled = len(self._scheduled.get(batch.req_ids[i], ()))
-            verified.append(self._verified_offer(st, sampled_token_ids[i], scheduled))
-            st.plan, st.context_nodes = None, 0
-        self._book_offers(verified)
-        self.drafter.sync([st.slot for st in states], rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
-                          self._partitions(states))
-        for i, st, n in zip(rows, states, num_tokens):
-            self.stats.rewinds += int(n) < st.length
-            if self.config.uses_jacobi and (st.length == 0 or n < st.length):  # admitted or rewound
-                self._start_window(batch.req_ids[i], st, token_ids_cpu[i], int(batch.num_prompt_tokens[i]), int(n))
-            elif st.jacobi is not None:
-                st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
-            st.length = int(n)
-        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
-        budgets = budgets.tolist()
-        drafting = [j for j, b in enumerate(budgets) if b > 0]
-        floor = confidence_floor(self.config, len(drafting))
-        trees = [DraftTree.empty()] * len(sampled_token_ids)
-        kinds: list[list[int]] = [[] for _ in sampled_token_ids]
-        contexts = None
-        if self.drafter.trie is not None:
-            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - self.config.profile.max_match_length):
-                                      int(num_tokens[j])].tolist() for j in drafting]
-        results = self.drafter.draft([states[j].slot for j in drafting], contexts,
-                                     [budgets[j] for j in drafting], floor, self.tree_mode)
-        for j, (tree, k) in zip(drafting, results):
-            st = states[j]
-            st.context_nodes = sum(1 for x in k if x == KIND_CONTEXT)
-            self.stats.context_drafts += st.context_nodes > 0
-            if st.jacobi is not None:
-                tree, k = self._with_pool(st, tree, k, budgets[j], int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1]))
-            trees[rows[j]], kinds[rows[j]] = tree, k
-        row_states: list[RequestState | None] = [None] * len(sampled_token_ids)
-        for i, st in zip(rows, states):
-            row_states[i] = st
-        req_ids = list(batch.req_ids) + [None] * (len(trees) - len(batch.req_ids))
-        drafts = self._drafts_within_step_budget(trees, kinds, row_states, req_ids, len(rows))
-        return drafts, len(rows), skipped, load_budget
+            context, pool = offers.observe(self.calibrator, at, verified, hits)
+            self.stats.context_accepted_tokens += context
+            self.stats.pool_accepted_tokens += pool
 
     def _partitions(self, states: list[RequestState]) -> np.ndarray:
         """The rows' partitions (used where the Drafter admits a request)."""
@@ -609,14 +585,25 @@ class LookaheadProposer:
         return np.fromiter((default if st.partition is None else st.partition for st in states), np.int64,
                            len(states))
 
-    def _start_window(self, req_id: str, st: RequestState, tokens: np.ndarray, num_prompt: int, n: int) -> None:
-        """Open the Jacobi window of a request (on admission or after a rewind)."""
-        st.jacobi = None
-        if self.config.uses_jacobi and self.verifier.verifiable(req_id):
-            c = self.config.profile
-            st.jacobi = JacobiRequest.from_prompt(
-                tokens[:min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram, c.jacobi_guesses,
-                *self._window_prior)
+    def _track_windows(self, req_ids: list[str], states: list[RequestState], rows: np.ndarray,
+                       token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
+        """Open the Jacobi window of each request admitted or rewound (fewer
+        committed tokens than last step), on verifiable requests only; the
+        others' windows are marked off until their row drafts this step."""
+        for req_id, st, i, n, num_prompt in zip(req_ids, states, rows.tolist(), num_tokens.tolist(),
+                                                prompt_lens.tolist()):
+            if st.length == 0 or n < st.length:
+                st.jacobi = None
+                if not self._verifiable(req_id, st) and st.verifiable is None:
+                    continue  # the runner does not know the request yet: next step
+                if st.verifiable:
+                    c = self.config.profile
+                    st.jacobi = JacobiRequest.from_prompt(
+                        token_ids_cpu[i, :min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram,
+                        c.jacobi_guesses, *self._window_prior)
+            elif st.jacobi is not None:
+                st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
+            st.length = n
 
     def _with_pool(self, st: RequestState, tree: DraftTree, kinds: list[int], budget: int, last: int
                    ) -> tuple[DraftTree, list[int]]:
@@ -630,6 +617,42 @@ class LookaheadProposer:
         self.stats.pool_branches += len(branches)
         merged = merge_branches(tree, branches, budget)
         return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
+
+    def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
+                      req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int
+                      ) -> dict[str, StepPlan]:
+        """The Jacobi windows that go out this step, appended to their rows'
+        drafts (``drafts``, changed in place); returns their plans.
+
+        The step scores ``tokens`` tokens and is expected to emit ``gain``; a
+        window of ``w`` nodes must be expected to add more accepted tokens than
+        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
+        what its extra tokens and its W column paths cost at the step's rate
+        (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
+        path ``rounds``. The first draft of a step also pays the draft setup.
+        """
+        offers = self._trees
+        keep = offers.lengths.tolist()
+        rounds = max((sum(opens_path(offers.parents[d, :n].tolist())) for d, n in enumerate(keep) if tree_ok[d]),
+                     default=0)
+        tokens, extra, cost = num_rows + sum(keep), rounds, self.cost.at_rows(num_rows)
+        setup = cost.draft_setup if tokens == num_rows else 0.0
+        gain = num_rows + sum(float(calibrated[d, :n].sum()) for d, n in enumerate(keep))
+        candidates = [(d, st.jacobi) for d, st in enumerate(states)
+                      if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
+        plans = {}
+        for d, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
+            w, cols = jac.window.num_nodes, jac.window.window
+            need = gain * ((cost(tokens + w, extra + cols) + setup) / cost(tokens, extra) - 1.0)
+            if not jac.wants_window(need):
+                continue
+            tokens, extra, setup = tokens + w, extra + cols, 0.0
+            gain += jac.yield_est
+            plan = plans[req_ids[d]] = StepPlan(*with_lookahead(offers.tree(d), jac.window))
+            drafts[int(out_rows[d])] = list(plan.tree.tokens)
+            self.stats.jacobi_steps += 1
+            self.stats.jacobi_nodes += jac.window.num_nodes
+        return plans
 
     def _read_memory_gauges(self) -> None:
         """The drafter's size (the estimate walks every held sequence). Read
@@ -651,116 +674,6 @@ class LookaheadProposer:
         m.load_budget = load_budget
         m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
         self._interval_log.maybe_log(m)
-
-    def _drafts_within_step_budget(
-        self, trees: list[DraftTree], kinds: list[list[int]], states: list[RequestState | None],
-        req_ids: list[str | None], num_rows: int
-    ) -> list[list[int]]:
-        """Per request its tree (tree mode, verifiable sampling) or best chain,
-        cut to the prefix the forward-cost model and step_draft_budget allow
-        (judged by calibrated confidences); requests with a Jacobi window get
-        its lookahead nodes appended."""
-        offers = [self._offer(t, k, req_id) for t, k, req_id in zip(trees, kinds, req_ids)]
-        confs = [self._confidences(t, k) for t, k, _ in offers]
-        opens = [opens_path(t.parents) if is_tree else [False] * len(t) for t, _, is_tree in offers]
-        keep = allocate_step_budget(confs, self._step_budget(num_rows), num_rows, self.cost.at_rows(num_rows), opens)
-        kept = [t.truncate(n) for (t, _, _), n in zip(offers, keep)]
-        for st, t, (_, k, _), n in zip(states, kept, offers, keep):
-            if st is not None and n > 0:
-                st.offered = (t, k[:n])
-        drafts = [list(t.tokens) for t in kept]
-        if not self.tree_mode:
-            return drafts
-        rounds = max((sum(o[:n]) for o, n in zip(opens, keep)), default=0)
-        windows = self._windows_that_pay(offers, keep, confs, states, num_rows, rounds)
-        for row, (t, (_, _, is_tree), st) in enumerate(zip(kept, offers, states)):
-            if st is None:
-                continue
-            if row in windows:
-                jac = st.jacobi
-                st.plan = StepPlan(*with_lookahead(t, jac.window))
-                drafts[row] = list(st.plan.tree.tokens)
-                self.stats.jacobi_steps += 1
-                self.stats.jacobi_nodes += jac.window.num_nodes
-            elif len(t) and is_tree and not t.is_chain():
-                st.plan = StepPlan(t)
-        return drafts
-
-    def _offer(self, tree: DraftTree, kinds: list[int], req_id: str | None) -> tuple[DraftTree, list[int], bool]:
-        """What a request may draft: its whole tree (tree mode, verifiable
-        sampling) or the tree's best path as a chain; its nodes' calibration
-        kinds; whether it is the tree."""
-        if self.tree_mode and req_id is not None and self.verifier.verifiable(req_id):
-            return tree, kinds, True
-        if tree.is_chain():
-            return tree, kinds, False
-        return tree.best_path_tree(), [kinds[i] for i in tree.best_path()], False
-
-    def _confidences(self, tree: DraftTree, kinds: list[int]) -> list[float]:
-        if self.calibrator is None:
-            return [tree.node_confidence(i) for i in range(len(tree))]
-        return self.calibrator.calibrate(tree, kinds)
-
-    def _verified_offer(self, st: RequestState, sampled: list[int], scheduled: int
-                        ) -> tuple[DraftTree, list[int], list[int]] | None:
-        """The draft handed to this request last step, cut to what the
-        scheduler verified of it (``scheduled`` tokens), its nodes' kinds and
-        the nodes accepted (``sampled``: accepted tokens, then the bonus)."""
-        offered, st.offered = st.offered, None
-        if offered is None or not scheduled:
-            return None
-        tree, kinds = offered
-        verified = min(scheduled, len(tree))
-        tree, kinds = tree.truncate(verified), kinds[:verified]
-        return tree, kinds, accepted_path(tree, sampled)
-
-    def _book_offers(self, verified: list[tuple[DraftTree, list[int], list[int]] | None]) -> None:
-        """Book the step's verified drafts (``_verified_offer``): pool and
-        context tokens accepted, and the calibrator's evidence, in one batch."""
-        kinds: list[int] = []
-        raw: list[float] = []
-        hits: list[bool] = []
-        for item in verified:
-            if item is None:
-                continue
-            tree, k, accepted = item
-            self.stats.pool_accepted_tokens += sum(1 for n in accepted if k[n] == KIND_POOL)
-            self.stats.context_accepted_tokens += sum(1 for n in accepted if k[n] == KIND_CONTEXT)
-            hit = set(accepted)
-            kinds += k
-            raw += [tree.node_confidence(i) for i in range(len(k))]
-            hits += [i in hit for i in range(len(k))]
-        if self.calibrator is not None:
-            self.calibrator.observe_nodes(np.asarray(kinds, np.int64), np.asarray(raw, np.float64),
-                                          np.asarray(hits, bool))
-
-    def _windows_that_pay(self, offers, keep, confs, states, num_rows: int, rounds: int) -> set[int]:
-        """Rows whose Jacobi window goes out this step.
-
-        The step scores ``tokens`` tokens and is expected to emit ``gain``; a
-        window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
-        what its extra tokens and its W column paths cost at the step's rate
-        (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
-        path ``rounds``. The first draft of a step also pays the draft setup.
-        """
-        tokens, extra, cost = num_rows + sum(keep), rounds, self.cost.at_rows(num_rows)
-        setup = cost.draft_setup if tokens == num_rows else 0.0
-        gain = num_rows + sum(sum(c[:n]) for c, n in zip(confs, keep))
-        candidates = []
-        for row, ((_, _, is_tree), st) in enumerate(zip(offers, states)):
-            jac = st.jacobi if st is not None else None
-            if jac is not None and jac.x0 >= 0 and is_tree:
-                candidates.append((row, jac))
-        chosen = set()
-        for row, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
-            w, cols = jac.window.num_nodes, jac.window.window
-            need = gain * ((cost(tokens + w, extra + cols) + setup) / cost(tokens, extra) - 1.0)
-            if jac.wants_window(need):
-                chosen.add(row)
-                tokens, extra, setup = tokens + w, extra + cols, 0.0
-                gain += jac.yield_est
-        return chosen
 
     # ------------------------------------------- contract with tree_verify
     def on_tree_truncated(self, count: int) -> None:

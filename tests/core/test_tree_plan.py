@@ -4,9 +4,11 @@ Same inputs through both: each step's offers (best paths where a row may not
 verify a tree, kinds, kept prefixes, which rows carry a tree), calibrated
 confidences and drafts; the offers walked with what the rows emitted; and the
 calibrator's tables after the same bookings (bit for bit, half-life halvings
-included). The reference itself composes what the per-request path runs
-(DraftTree, ConfidenceCalibrator.calibrate, allocate_step_budget with
-opens_path, accepted_path, observe_nodes): checked here on small cases.
+included). Rows come as the draft index drafts them (kinds derived, best paths cut
+here) or with their kinds given (sources merged per request, already cut).
+The reference itself composes the pieces (DraftTree,
+ConfidenceCalibrator.calibrate, allocate_step_budget with opens_path,
+accepted_path, observe_nodes): checked here on small cases.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 
 from lookahead_vllm.core import calibration
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
-from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, ConfidenceCalibrator
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.native import load_extension
 from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
 
@@ -63,20 +65,33 @@ def trained_calibrator(history, native: bool = False) -> ConfidenceCalibrator:
 
 
 # Past bookings: (raw confidences, kind, accepted flags) per draft.
-history = st.lists(st.tuples(st.lists(confidence, min_size=1, max_size=8), st.sampled_from([KIND_CONTEXT, KIND_BRANCH]),
+ALL_KINDS = [KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_CONTEXT]
+history = st.lists(st.tuples(st.lists(confidence, min_size=1, max_size=8), st.sampled_from(ALL_KINDS),
                              st.lists(st.booleans(), min_size=8, max_size=8)).map(
                                  lambda h: (h[0], h[1], h[2][:len(h[0])])), max_size=6)
 
 
 @settings(max_examples=400, deadline=None)
-@given(step_trees(), history, st.one_of(st.none(), st.integers(0, 30)), st.integers(0, 8), st.sampled_from(COSTS))
-def test_plan_trees_equals_reference(trees, past, budget, extra_rows, cost):
+@given(step_trees(), history, st.one_of(st.none(), st.integers(0, 30)), st.integers(0, 8), st.sampled_from(COSTS),
+       st.one_of(st.none(), st.randoms(use_true_random=False)))
+def test_plan_trees_equals_reference(trees, past, budget, extra_rows, cost, given_kinds):
+    """Index rows, and rows with their kinds given (``given_kinds``: a
+    random source of kinds; such rows are planned as they come, trees where
+    tree_ok says no included)."""
     tokens, parents, raw, lens, tree_ok, slots, out_rows, num_out = trees
     calibrator = trained_calibrator(past)
     num_rows = len(lens) + extra_rows
+    kinds = None
+    if given_kinds is not None:
+        kinds = np.array([[given_kinds.choice(ALL_KINDS) for _ in range(tokens.shape[1])] for _ in lens],
+                         np.int8).reshape(tokens.shape)
     args = (tokens, parents, raw, lens, tree_ok, calibrator, budget, num_rows, cost, slots, out_rows, num_out)
-    want_offers, want_conf, want_drafts = plan_trees(*args, native=False)
-    got_offers, got_conf, got_drafts = plan_trees(*args, native=True)
+    want_offers, want_conf, want_drafts = plan_trees(*args, native=False, kinds=kinds)
+    got_offers, got_conf, got_drafts = plan_trees(*args, native=True, kinds=kinds)
+    if kinds is not None:  # planned as given: every row keeps a prefix of itself, its kinds
+        for r, n in enumerate(want_offers.lengths.tolist()):
+            assert want_offers.tokens[r, :n].tolist() == tokens[r, :n].tolist()
+            assert want_offers.kinds[r, :n].tolist() == kinds[r, :n].tolist()
     assert got_drafts == want_drafts
     for name in ("slots", "lengths", "trees", "tokens", "parents", "raw", "kinds"):
         assert getattr(got_offers, name).tolist() == getattr(want_offers, name).tolist(), name
@@ -199,5 +214,11 @@ def test_kernels_reject_bad_input():
     with pytest.raises(ValueError, match="draft_setup"):
         k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
                      -1.0, [0], 1)
+    with pytest.raises(ValueError, match="kinds: 4 is not a calibration kind"):
+        k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
+                     0.0, [0], 1, np.full((1, 2), 4, np.int8))
+    with pytest.raises(TypeError, match="kinds must be"):
+        k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
+                     0.0, [0], 1, np.zeros((2, 2), np.int8))
     with pytest.raises(ValueError, match="emitted"):
         k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [[5], [6]])

@@ -1,8 +1,9 @@
-"""The proposer's array path for chains equals its per-request path.
+"""The proposer's chain planner equals its tree planner on chains.
 
-Two proposers with the same settings, one on the array path (the default for
-the index source with chains) and one forced onto the per-request path, are
-driven the way the model runner drives them through a simulated workload:
+Two proposers with the same settings, one planning index chains with the
+chain planner (core/chain_plan.py, the default) and one with the planner
+every other setting uses (core/tree_plan.py, on chains), are driven the way
+the model runner drives them through a simulated workload:
 requests over real text (tests/data/real_text.md) whose outputs accept the drafts that
 match the text; admissions and finishes mid-run, per-request caps and
 opt-outs, the scheduler cutting drafts, a preemption that rewinds a request,
@@ -31,8 +32,8 @@ def _pair(**fields):
     from lookahead_lab.standalone import standalone_proposer
 
     fast, slow = (standalone_proposer(16, MAX_LEN, lookahead(**fields)) for _ in range(2))
-    assert fast.batch_chains and fast.drafter.native == slow.drafter.native
-    slow.batch_chains = False
+    assert fast.chain_path and fast.drafter.native == slow.drafter.native
+    slow.chain_path = False
     return fast, slow
 
 
@@ -134,7 +135,7 @@ def drive_pair(a, b, work: Workload, steps: int, tables=("predicted", "accepted"
     (2, {"step_draft_budget": 24, "cost_free_tokens": 16, "cost_marginal_tokens": 8.0}),
     (3, {"cost_free_tokens": 0, "min_draft_confidence": 0.0}),  # every drafted token kept
 ])
-def test_array_path_equals_per_request_path(seed, settings):
+def test_chain_planner_equals_tree_planner(seed, settings):
     fast, slow = _pair(**settings)
     handed = drive_pair(fast, slow, Workload(seed), 200)
     counters = fast.stats.counters(), slow.stats.counters()
@@ -162,7 +163,7 @@ def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
     fast = standalone_proposer(16, MAX_LEN, {})
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
     ref = standalone_proposer(16, MAX_LEN, {})
-    assert fast.drafter.native and not ref.drafter.native and ref.batch_chains and not ref.calibrator.native
+    assert fast.drafter.native and not ref.drafter.native and ref.chain_path and not ref.calibrator.native
     handed = drive_pair(fast, ref, Workload(4), 150, ("predicted", "accepted", "nodes", "_factor"))
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {

@@ -321,7 +321,11 @@ def test_calibration_learns_what_the_scheduler_verified_of_last_steps_draft():
     # The next one is verified in full and wholly rejected (9 is the bonus).
     step(p, {"a": A + [1, 2, 3, 7, 1, 9]}, {"a": len(A)}, sampled=[[9]], scheduled={"a": drafted})
     assert cal.nodes.sum() == 2 + len(drafted) and cal.accepted.sum() == 2
-    assert make_proposer(calibrate_confidence=False).calibrator is None
+    # With calibration off the same steps teach nothing: raw confidences.
+    off = make_proposer(k=4, min_draft_confidence=0.0, source="trie", calibrate_confidence=False)
+    assert step(off, {"a": A + [1]}, {"a": len(A)}) == [[2, 3, 4, 5]]
+    step(off, {"a": A + [1, 2, 3, 7]}, {"a": len(A)}, sampled=[[2, 3, 7]], scheduled={"a": [2, 3]})
+    assert off.calibrator.nodes.sum() == 0 and (off.calibrator.factor_table() == 1).all()
 
 
 def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():

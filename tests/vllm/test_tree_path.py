@@ -1,13 +1,15 @@
-"""The proposer's array path for trees equals its per-request path.
+"""The proposer's tree pipeline: native against its pure-Python reference.
 
-As tests/vllm/test_chain_path.py does for chains, in tree mode
-(``draft_shape`` ``hier``/``par``, the draft index alone): two proposers, one
-on the array path (core/tree_plan.py) and one forced onto the per-request
-path, driven through the same simulated workload. Verification walks each
-row's tree (its plan) with the text, so side branches get accepted; most
-requests may verify trees, some may not (a penalty: they get chains), some
-are unknown to the runner. Every step's drafts and plans, the calibrator's
-state and the counters must be equal.
+Every setting but index chains runs one pipeline (core/tree_plan.py): the
+draft index's trees natively, or the sources merged per request (the trie,
+the Jacobi pool and window) packed into the same rows. Two proposers, one
+with the native extension and one on the reference index and reference tree
+kernels (the extension hidden), are driven through the same simulated
+workload (tests/vllm/test_chain_path.py). Verification walks each row's tree
+(its plan, Jacobi lookahead nodes never accepted) with the text, so side
+branches get accepted; most requests may verify trees, some may not (a
+penalty: they get chains), some are unknown to the runner. Every step's
+drafts and plans, the calibrator's state and the counters must be equal.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class TreeWorkload(Workload):
         self.kinds = [SimpleNamespace(sampling_params=SamplingParams(temperature=0.0)),
                       SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, presence_penalty=0.5))]
         self.plans: dict = {}
+        # Requests whose plan carried the Jacobi window: the nodes accepted
+        # and the text that followed (the window's new tokens stand in).
+        self.windows: dict = {}
 
     def admit(self):
         new = super().admit()
@@ -45,18 +50,23 @@ class TreeWorkload(Workload):
 
     def accepted(self, req_id: str, draft: list[int], truth: list[int]) -> int:
         from lookahead_vllm.core.draft_tree import DraftTree
-        from lookahead_vllm.core.step_plan import accepted_path
+        from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
 
         plan = self.plans.get(req_id)
-        tree = plan.tree.truncate(len(draft)) if plan is not None else DraftTree.chain(draft)
-        assert list(tree.tokens) == draft
-        return len(accepted_path(tree, truth))
+        if plan is None:
+            return len(accepted_path(DraftTree.chain(draft), truth))
+        plan = StepPlan(plan.tree.truncate(len(draft)), plan.lookahead[:len(draft)])
+        assert list(plan.tree.tokens) == draft
+        targets = iter(truth)
+        nodes = walk_tree(plan, lambda _row: next(targets, -1))[0]
+        if plan.has_lookahead:
+            self.windows[req_id] = (nodes, truth)
+        return len(nodes)
 
 
 def _plans(p, drafted: set[str]) -> dict:
-    """The plans of the requests that drafted this step (the per-request path
-    keeps a row's last plan through a step in which it sampled nothing;
-    tree_verify reads plans of scheduled drafts only)."""
+    """The plans of the requests that drafted this step (tree_verify reads
+    plans of scheduled drafts only)."""
     return {r: (plan.tree, plan.lookahead) for r, plan in p.plans.items() if r in drafted}
 
 
@@ -66,10 +76,14 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
     out and the plans made."""
     handed = planned = 0
     for _ in range(steps):
+        work.windows = {}
         batch, finished, new, scheduled, sampled, num_tokens, table = work.step_inputs()
         outs = []
         for p in (a, b):
             p.on_step(batch, finished, scheduled)
+            width = p.config.profile.jacobi_window
+            for req_id, (nodes, truth) in work.windows.items():
+                p.on_lookahead_outputs(req_id, (truth * width)[:width], nodes)
             p.on_new_requests(new)
             outs.append(p.propose(sampled, num_tokens, table))
         assert outs[0] == outs[1]
@@ -86,53 +100,51 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
 
 # This CPU's prices keep few side branches (each opens a path: 0.09 + 0.02
 # forwards); cases 3 and 4 (no cost model; GPU-like cheap tokens and paths)
-# keep many. ``trees``: the fewest plans the case must make.
+# keep many; cases 5 to 9 merge sources per request (the trie, the Jacobi
+# pool and window; a trie in chain mode). ``trees``: the fewest plans the
+# case must make.
+CHEAP_PATHS = {"cost_free_tokens": 48, "cost_marginal_tokens": 32.0, "cost_per_path": 0.01, "path_setup": 0.02,
+               "min_draft_confidence": 0.0}
+
+
 @pytest.mark.parametrize("seed,settings,trees", [
     (0, {"draft_shape": "hier"}, 0),
     (1, {"draft_shape": "par", "load_shrink_above": 4, "load_stop_at": 12}, 0),
     (2, {"draft_shape": "hier", "step_draft_budget": 24, "cost_free_tokens": 16, "cost_marginal_tokens": 8.0}, 0),
     (3, {"draft_shape": "hier", "cost_free_tokens": 0, "min_draft_confidence": 0.0}, 500),
-    (4, {"draft_shape": "hier", "cost_free_tokens": 48, "cost_marginal_tokens": 32.0, "cost_per_path": 0.01,
-         "path_setup": 0.02, "min_draft_confidence": 0.0}, 200),
+    (4, {"draft_shape": "hier", **CHEAP_PATHS}, 200),
+    (5, {"draft_shape": "hier", "source": "trie", **CHEAP_PATHS}, 50),
+    (6, {"draft_shape": "hier", "source": "index+trie", **CHEAP_PATHS}, 50),
+    (7, {"draft_shape": "hier", "source": "index+jacobi", "cost_free_tokens": 0, "min_draft_confidence": 0.0}, 200),
+    (8, {"draft_shape": "hier", "source": "both", "cost_free_tokens": 0}, 200),
+    (9, {"draft_shape": "one", "source": "index+trie", "calibrate_confidence": False}, 0),
 ])
-def test_tree_array_path_equals_per_request_path(seed, settings, trees):
-    from lookahead_lab.standalone import standalone_proposer
-
-    fast, slow = (standalone_proposer(16, MAX_LEN, lookahead(**settings)) for _ in range(2))
-    assert fast.batch_trees and not fast.batch_chains
-    slow.batch_trees = False
-    requests: dict = {}
-    fast.verifier.runner_requests = slow.verifier.runner_requests = requests
-    handed, planned = drive_trees(fast, slow, TreeWorkload(seed, requests), 200)
-    counters = fast.stats.counters(), slow.stats.counters()
-    for key in ("request_steps", "rewinds", "context_drafts", "context_accepted_tokens", "draft_tokens",
-                "max_step_draft_tokens"):
-        assert counters[0][key] == counters[1][key], key
-    assert fast.metrics.skipped_request_steps == slow.metrics.skipped_request_steps
-    # The workload exercised what it claims: drafts accepted, rewinds, trees
-    # planned and their side branches booked (KIND_BRANCH evidence).
-    assert handed > 100 and counters[0]["context_accepted_tokens"] > 40 and counters[0]["rewinds"] > 0
-    assert planned >= trees and (not trees or fast.calibrator.nodes[1].sum() > 0)
-    assert set(fast.request_ids()) == set(slow.request_ids())
-
-
-def test_tree_array_path_without_the_extension_equals_the_native_one(monkeypatch):
-    """Where the extension is not built, the tree array path runs the
-    reference index and the reference tree kernels: the same drafts, plans,
-    calibrator tables and counters."""
+def test_tree_pipeline_native_equals_reference(monkeypatch, seed, settings, trees):
     from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core import native
 
-    settings = lookahead(draft_shape="hier", cost_free_tokens=48, cost_marginal_tokens=32.0, cost_per_path=0.01,
-                         path_setup=0.02, min_draft_confidence=0.0)
-    fast = standalone_proposer(16, MAX_LEN, settings)
+    fast = standalone_proposer(16, MAX_LEN, lookahead(**settings))
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
-    ref = standalone_proposer(16, MAX_LEN, settings)
-    assert fast.drafter.native and not ref.drafter.native and ref.batch_trees and not ref.calibrator.native
+    ref = standalone_proposer(16, MAX_LEN, lookahead(**settings))
+    assert fast.drafter.native and not ref.drafter.native and not ref.calibrator.native
+    assert not fast.chain_path and not ref.chain_path
     requests: dict = {}
     fast.verifier.runner_requests = ref.verifier.runner_requests = requests
-    handed, planned = drive_trees(fast, ref, TreeWorkload(5, requests), 150)
+    handed, planned = drive_trees(fast, ref, TreeWorkload(seed, requests), 200)
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
         k: v for k, v in counters[1].items() if k != "propose_ns"}
-    assert handed > 100 and planned > 10
+    assert fast.metrics.skipped_request_steps == ref.metrics.skipped_request_steps
+    # The workload exercised what it claims: drafts accepted, rewinds, trees
+    # planned and their side branches booked (KIND_BRANCH evidence), the
+    # Jacobi window sent and the pool's n-grams accepted where it is on.
+    c = counters[0]
+    assert handed > 100 and c["rewinds"] > 0 and set(fast.request_ids()) == set(ref.request_ids())
+    assert c["context_accepted_tokens"] + c["pool_accepted_tokens"] > 40 or "trie" in settings.get("source", "")
+    assert planned >= trees and (not trees or fast.calibrator.nodes[1:].sum() > 0)
+    if "jacobi" in settings.get("source", "") or settings.get("source") == "both":
+        assert c["jacobi_steps"] > 10 and c["pool_branches"] > 0
+    if settings.get("calibrate_confidence") is False:
+        assert fast.calibrator.nodes.sum() == 0 and (fast.calibrator.factor_table() == 1).all()
+    elif settings.get("draft_shape") == "one":
+        assert fast.calibrator.nodes.sum() > 100
