@@ -4,7 +4,7 @@
 reference documentation, whitespace-split words) spread round-robin over 1,
 16 or 256 partitions, after a warm corpus of finished outputs spread the same
 way. Every step each request commits 2 tokens and one ``Drafter.sync`` plus
-one ``Drafter.draft_chains`` cover the batch, as the proposer's array path
+one ``Drafter.draft_chains`` cover the batch, as the proposer's chain planner
 does per engine step (the native index, its back-off included). The
 partition counts are measured interleaved, round by round, so machine noise
 falls on all of them alike. Reports ms per step (median, p90) and the ratio

@@ -1,5 +1,5 @@
-// Tree kernels: the proposer's per-step tree math for a whole batch (the
-// array path in tree mode, index source), in a few calls. No Python here
+// Tree kernels: the proposer's per-step tree math for a whole batch (every
+// setting but index chains), in a few calls. No Python here
 // (bindings.cpp).
 //
 // Semantics are those of the pure-Python reference

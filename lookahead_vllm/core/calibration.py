@@ -27,7 +27,7 @@ overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
 nodes, so the correction follows a changing workload. Calibrated confidences
 never grow along a path (a node is accepted only with its parent).
 The proposer books one step's verified nodes at once (``observe_nodes``, or
-``observe_chains``/``observe_trees`` for the array path's chains and trees), so halving and the new
+``observe_chains``/``observe_trees`` for the planners' chains and trees), so halving and the new
 factors apply per step.
 """
 

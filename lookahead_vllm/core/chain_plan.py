@@ -1,4 +1,4 @@
-"""The array path's chain math for one engine step, over the whole batch.
+"""The chain planner: one engine step's chain math, over the whole batch.
 
 The proposer's default path (chains from the draft index, calibration on)
 does three things a step besides syncing and drafting:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ChainOffers:
-    """The chains the array path handed out in one step, one row per drafting
+    """The chains the chain planner handed out in one step, one row per drafting
     request: booked against what verification accepted in the next step,
     then replaced."""
 

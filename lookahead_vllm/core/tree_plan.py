@@ -1,9 +1,11 @@
-"""The array path's tree math for one engine step, over the whole batch.
+"""The tree planner: one engine step's tree math, over the whole batch.
 
-In tree mode (``draft_shape`` ``hier``/``par``) with the draft index as the
-only source and calibration on, the proposer drafts every row's tree with
-one ``draft_batch`` call (``tokens``/``parents``/``raw`` confidences
-``[R, W]``, ``lengths [R]``, parents first) and then, besides syncing:
+Every setting but index chains (tree mode, the trie, the Jacobi pool) plans
+here. The draft index drafts every row's tree with one ``draft_batch`` call
+(``tokens``/``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``,
+parents first); the other sources' trees come packed into the same rows
+with their nodes' calibration kinds (:func:`pack_trees`). Besides syncing,
+the proposer then:
 
 1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer
    the scheduler verified (a prefix of it) with the tokens its row emitted
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TreeOffers:
-    """The drafts the array path handed out in one step in tree mode, one row
+    """The drafts the tree planner handed out in one step, one row
     per drafting request (a tree, or a chain where its request may not verify
     one): booked against what verification accepted in the next step, then
     replaced."""

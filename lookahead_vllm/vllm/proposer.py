@@ -447,7 +447,7 @@ class LookaheadProposer:
 
     def _propose_chains(self, sampled_lens: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                         batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """The array path: the batch's chains from the draft index, calibrated,
+        """The default: the batch's chains from the draft index, calibrated,
         cut by the forward-cost model, without per-request Python objects
         (``sampled_lens``: the tokens each row emitted this step)."""
         num_out = len(sampled_lens)

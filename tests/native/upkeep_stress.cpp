@@ -6,7 +6,7 @@
 // cap so evictions happen, and batches big enough that draft_rows spreads its
 // rows over threads; every step's chains then go through the chain kernels
 // (plan, match against random outcomes, book into calibration tables) as
-// the proposer's array path does. Exits 1 on the first difference between
+// the proposer's chain planner does. Exits 1 on the first difference between
 // the two indexes or a kernel result out of its bounds; built
 // with -fsanitize=thread, ThreadSanitizer reports any data race between the
 // caller, the upkeep thread and the drafting threads; with

@@ -154,7 +154,7 @@ def test_chain_planner_equals_tree_planner(seed, settings):
 
 
 def test_array_path_without_the_extension_equals_the_native_one(monkeypatch):
-    """Where the extension is not built, the array path runs the reference
+    """Where the extension is not built, the chain planner runs the reference
     index and the reference chain kernels (core/chain_plan.py): the same
     drafts, calibrator tables and counters as the native path."""
     from lookahead_lab.standalone import standalone_proposer
