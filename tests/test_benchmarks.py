@@ -608,6 +608,19 @@ def test_bench_proposer_scale_reports_every_cell(tmp_path):
 
 
 @pytest.mark.vllm
+def test_bench_proposer_scale_planners_hand_out_the_same_chains(tmp_path):
+    """``--planners default trees``: index chains through either planner, runs
+    alternating, the same drafts and acceptance."""
+    bench = _import_bench("bench_proposer_scale")
+    cells = bench.main(["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--upkeep", "inline",
+                        "--sources", "index", "--planners", "default", "trees", "--repeats", "2",
+                        "--out", str(tmp_path / "planners.json")])["cells"]
+    assert [(c["planner"], c["repeats"]) for c in cells] == [("chains", 2), ("trees", 2)]
+    for key in ("accepted_per_request_step", "draft_tokens_per_step"):
+        assert cells[0][key] == cells[1][key] > 0, key
+
+
+@pytest.mark.vllm
 def test_bench_proposer_scale_drafts_trees(tmp_path):
     """``--draft-shape hier``: every request may verify a tree; the index
     alone and the index with the trie both plan trees and hand them out."""
