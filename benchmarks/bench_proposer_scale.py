@@ -52,13 +52,11 @@ ADMISSIONS = 5
 
 
 def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline",
-                  draft_shape: str = "one", planner: str = "default") -> Any:
+                  draft_shape: str = "one") -> Any:
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
     draft handed out) or a platform whose token prices it uses ("gpu");
     ``upkeep``: "inline" or "thread" (the profile's ``upkeep_thread``);
-    ``draft_shape``: the config's (``hier``/``par``: trees); ``planner``:
-    "default", or "trees" (index chains through the tree planner, which
-    gives the same drafts: LookaheadProposer.chain_path off)."""
+    ``draft_shape``: the config's (``hier``/``par``: trees)."""
     from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core.config import PLATFORM_VALUES
 
@@ -68,9 +66,7 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
         costs = {"cost_free_tokens": platform["free_tokens"], "cost_marginal_tokens": platform["marginal_tokens"]}
     knobs = {"load_shrink_above": 4096, "load_stop_at": 8192, "upkeep_thread": upkeep == "thread"}
     settings = {"source": source, "draft_shape": draft_shape, "_profile": knobs, **costs}
-    proposer = standalone_proposer(k, max_len, settings)
-    proposer.chain_path = proposer.chain_path and planner == "default"
-    return proposer
+    return standalone_proposer(k, max_len, settings)
 
 
 def verifiable_requests(proposer: Any, req_ids: list[str]) -> None:
@@ -156,13 +152,13 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
-             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one",
-             planner: str = "default") -> dict[str, Any]:
+             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one"
+             ) -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
-    proposer = make_proposer(source, k, max_len, prices, upkeep, draft_shape, planner)
+    proposer = make_proposer(source, k, max_len, prices, upkeep, draft_shape)
     verifiable_requests(proposer, [f"r{i}" for i in range(batch + ADMISSIONS)])
     flush = np.zeros(flush_mib << 17) if flush_mib else None  # float64: 2**17 per MiB
     runner = Batch(texts[:batch], prompt_tokens, max_len, flush)
@@ -195,7 +191,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
-        "native": proposer.drafter.native, "planner": "chains" if proposer.chain_path else "trees",
+        "native": proposer.drafter.native,
         "accepted_per_request_step": accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],
@@ -212,19 +208,7 @@ def repeated(run: Any, repeats: int) -> dict[str, Any]:
     """``run()`` ``repeats`` times: the first run's cell with the step and
     admission figures replaced by the median over the runs (the max: the
     largest), and every run's figures under ``runs``."""
-    return summarize([run() for _ in range(repeats)])
-
-
-def interleaved(runs: list[Any], repeats: int) -> list[dict[str, Any]]:
-    """:func:`repeated` for several cells whose runs alternate, round by
-    round (an A/B that machine drift cannot favour)."""
-    rounds = [[run() for run in runs] for _ in range(repeats)]
-    return [summarize([r[i] for r in rounds]) for i in range(len(runs))]
-
-
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One cell from its runs (see :func:`repeated`)."""
-    repeats = len(runs)
+    runs = [run() for _ in range(repeats)]
     cell = dict(runs[0])
     for key in ("step_ms_median", "step_ms_p99", "admit_ms_one_more_prompt", "admit_ms_per_prompt_batch_start"):
         cell[key] = statistics.median(r[key] for r in runs)
@@ -243,15 +227,11 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    def series(c):
-        return c["source"], c.get("upkeep", "inline"), c.get("planner", "")
-
-    for source, upkeep, planner in sorted({series(c) for c in cells}):
-        rows = [c for c in cells if series(c) == (source, upkeep, planner)]
+    for source, upkeep in sorted({(c["source"], c.get("upkeep", "inline")) for c in cells}):
+        rows = [c for c in cells if c["source"] == source and c.get("upkeep", "inline") == upkeep]
         labels = [f"{c['batch']}x{c['prompt_tokens']}" for c in rows]
-        name = f"{source} ({upkeep}, {planner} planner)"
-        ax.plot(labels, [c["step_ms_median"] for c in rows], "o-", label=f"{name} median")
-        ax.plot(labels, [c["step_ms_max"] for c in rows], "x--", label=f"{name} max")
+        ax.plot(labels, [c["step_ms_median"] for c in rows], "o-", label=f"{source} ({upkeep}) median")
+        ax.plot(labels, [c["step_ms_max"] for c in rows], "x--", label=f"{source} ({upkeep}) max")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_yscale("log")
     ax.set_ylabel("proposer ms per engine step")
@@ -277,9 +257,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--draft-shape", choices=["one", "hier", "par"], default="one",
                    help="the config's draft_shape: one (chains) or a tree shape, every request greedy (so each "
                         "may verify a tree)")
-    p.add_argument("--planners", nargs="+", choices=["default", "trees"], default=["default"],
-                   help="trees: index chains through the tree planner (the same drafts); several: cells whose "
-                        "runs alternate round by round")
     p.add_argument("--flush-mib", type=int, default=0,
                    help="stream this many MiB through the caches before each step, as a forward does between "
                         "two engine steps (0: warm caches, the proposer's own cost)")
@@ -308,16 +285,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cells = []
     grid = [(s, u, b, t) for s in args.sources for u in args.upkeep for b in args.batch for t in args.prompt_tokens]
     for source, upkeep, batch, tokens in grid:
-        runs = [lambda planner=planner: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
-                                                 args.flush_mib, upkeep, args.draft_shape, planner)
-                for planner in args.planners]
-        for cell in interleaved(runs, args.repeats):
-            cells.append(cell)
-            log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {cell['planner']:6s} {batch:4d} x {tokens:5d}: "
-                f"step {cell['step_ms_median']:.2f} ms median, "
-                f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
-                f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
-                f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
+        cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
+                                         args.flush_mib, upkeep, args.draft_shape), args.repeats)
+        cells.append(cell)
+        log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {batch:4d} x {tokens:5d}: "
+            f"step {cell['step_ms_median']:.2f} ms median, "
+            f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
+            f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
+            f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
         args.out.write_text(json.dumps(report, indent=1))
         plot(cells, args.out.with_suffix(".png"))

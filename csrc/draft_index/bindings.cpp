@@ -1,11 +1,11 @@
 // lookahead_vllm._draft_index: Python bindings of the native DraftIndex and
-// of the chain and tree kernels (chains.h, trees.h).
+// of the tree kernels (trees.h).
 //
 // Checks arguments, converts them, and calls the core; sync, draft_batch and
 // settle run without the GIL. The methods that settle in the reference
 // settle the core first (see its `upkeep`). A mutex per index serializes
-// calls (the GIL no longer does while sync/draft_batch run). The chain and
-// tree kernels keep the GIL: they run for microseconds and write into arrays
+// calls (the GIL no longer does while sync/draft_batch run). The tree
+// kernels keep the GIL: they run for microseconds and write into arrays
 // their Python caller owns.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "chains.h"
+#include "calibration.h"
 #include "draft_index.h"
 #include "trees.h"
 
@@ -226,7 +226,7 @@ std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>> draf
   return {std::move(tokens), std::move(parents), std::move(conf)};
 }
 
-// ------------------------------------------------------------ chain kernels
+// ------------------------------------------------------------ kernel helpers
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
@@ -238,22 +238,6 @@ py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
   py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
   std::copy(v.begin(), v.end(), out.mutable_data());
   return out;
-}
-
-py::tuple match_offers_py(py::handle offer_slots_obj, py::handle offer_lens_obj, py::handle slots_obj,
-                          py::handle scheduled_obj, py::handle emitted_obj) {
-  const IntArray offer_slots = int_array(offer_slots_obj, "offer_slots");
-  const IntArray offer_lens = int_array(offer_lens_obj, "offer_lens");
-  const IntArray slots = int_array(slots_obj, "slots"), scheduled = int_array(scheduled_obj, "scheduled");
-  const IntArray emitted = int_array(emitted_obj, "emitted");
-  check_same_length("offer_slots and offer_lens", offer_slots.shape(0), offer_lens.shape(0));
-  const int64_t rows = slots.shape(0);
-  check_same_length("slots, scheduled and emitted", rows, scheduled.shape(0));
-  check_same_length("slots, scheduled and emitted", rows, emitted.shape(0));
-  std::vector<int64_t> at, verified, accepted;
-  lookahead::match_offers(offer_slots.data(), offer_lens.data(), offer_slots.shape(0), slots.data(),
-                          scheduled.data(), emitted.data(), rows, at, verified, accepted);
-  return py::make_tuple(to_array(at), to_array(verified), to_array(accepted));
 }
 
 // A float64 C-contiguous writeable [kinds, bins] table, updated in place.
@@ -279,33 +263,6 @@ lookahead::CalibrationTables calibration_tables(py::array predicted, py::array a
                                       edges.data()};
 }
 
-void observe_chains_py(py::array predicted, py::array accepted_table, py::array nodes, py::array factor, py::handle edges_obj, int64_t kind, py::handle raw_obj,
-                       py::handle at_obj, py::handle verified_obj, py::handle accepted_obj, double prior,
-                       double half_life) {
-  const DoubleArray edges = DoubleArray::ensure(edges_obj), raw = DoubleArray::ensure(raw_obj);
-  if (!edges || edges.ndim() != 1) throw py::type_error("edges must be a 1-D float array");
-  if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [offers, width]");
-  const lookahead::CalibrationTables t = calibration_tables(predicted, accepted_table, nodes, factor, edges);
-  const int64_t kinds = t.kinds;
-  if (kind < 0 || kind >= kinds) {
-    throw py::value_error("kind=" + std::to_string(kind) + ": must be in [0, " + std::to_string(kinds) + ")");
-  }
-  const IntArray at = int_array(at_obj, "at"), verified = int_array(verified_obj, "verified");
-  const IntArray accepted = int_array(accepted_obj, "accepted");
-  const int64_t n = at.shape(0), width = raw.shape(1);
-  check_same_length("at, verified and accepted", n, verified.shape(0));
-  check_same_length("at, verified and accepted", n, accepted.shape(0));
-  for (int64_t i = 0; i < n; ++i) {
-    if (at.data()[i] < 0 || at.data()[i] >= raw.shape(0) || verified.data()[i] < 0 || verified.data()[i] > width) {
-      throw py::index_error("at[" + std::to_string(i) + "]=" + std::to_string(at.data()[i]) + ", verified=" +
-                            std::to_string(verified.data()[i]) + ": outside raw [" + std::to_string(raw.shape(0)) +
-                            ", " + std::to_string(width) + "]");
-    }
-  }
-  lookahead::observe_chains(t, kind, raw.data(), width, at.data(), verified.data(), accepted.data(), n, prior,
-                            half_life);
-}
-
 // Each batch row of `out_rows` in [0, num_out).
 void check_out_rows(const IntArray& out_rows, int64_t num_out) {
   for (int64_t r = 0; r < out_rows.shape(0); ++r) {
@@ -322,55 +279,6 @@ void check_prices(int64_t free_tokens, double marginal_tokens, double draft_setu
     throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
   }
   if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
-}
-
-py::tuple plan_chains_py(py::handle tokens_obj, py::handle raw_obj, py::handle lens_obj, py::handle edges_obj,
-                         py::handle factors_obj, int64_t budget, int64_t num_rows, int64_t free_tokens,
-                         double marginal_tokens, py::handle out_rows_obj, int64_t num_out, double draft_setup) {
-  const Int32Array tokens = Int32Array::ensure(tokens_obj), lens = Int32Array::ensure(lens_obj);
-  const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
-  const DoubleArray factors = DoubleArray::ensure(factors_obj);
-  if (!tokens || !raw || tokens.ndim() != 2 || raw.ndim() != 2 || tokens.shape(0) != raw.shape(0) ||
-      tokens.shape(1) != raw.shape(1)) {
-    throw py::type_error("tokens and raw must be 2-D arrays of one shape [rows, width]");
-  }
-  if (!edges || !factors || edges.ndim() != 1 || factors.ndim() != 1 || factors.shape(0) != edges.shape(0) + 1) {
-    throw py::type_error("edges and factors must be 1-D float arrays, factors one longer than edges");
-  }
-  const int64_t rows = raw.shape(0), width = raw.shape(1);
-  if (!lens || lens.ndim() != 1) throw py::type_error("lens must be a 1-D sequence of ints");
-  check_same_length("raw's rows and lens", rows, lens.shape(0));
-  const IntArray out_rows = int_array(out_rows_obj, "out_rows");
-  check_same_length("raw's rows and out_rows", rows, out_rows.shape(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    if (lens.data()[r] < 0 || lens.data()[r] > width) {
-      throw py::value_error("lens[" + std::to_string(r) + "]=" + std::to_string(lens.data()[r]) +
-                            ": must be in [0, " + std::to_string(width) + "]");
-    }
-  }
-  check_out_rows(out_rows, num_out);
-  check_prices(free_tokens, marginal_tokens, draft_setup);
-  py::array_t<int64_t> keep(rows);
-  py::array_t<double> calibrated({rows, width});
-  std::fill(calibrated.mutable_data(), calibrated.mutable_data() + rows * width, 0.0);
-  lookahead::plan_chains(raw.data(), lens.data(), rows, width, edges.data(), edges.shape(0), factors.data(), budget,
-                         num_rows, lookahead::ChainCost{free_tokens, marginal_tokens, draft_setup}, calibrated.mutable_data(),
-                         keep.mutable_data());
-  py::list drafts(num_out);
-  std::vector<bool> filled(num_out, false);
-  const int64_t* k = keep.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = out_rows.data()[r];
-    if (filled[row]) throw py::value_error("out_rows[" + std::to_string(r) + "]: a batch row given twice");
-    filled[row] = true;
-    py::list draft(k[r]);
-    for (int64_t j = 0; j < k[r]; ++j) draft[j] = py::int_(tokens.data()[r * width + j]);
-    drafts[row] = std::move(draft);
-  }
-  for (int64_t row = 0; row < num_out; ++row) {
-    if (!filled[row]) drafts[row] = py::list();
-  }
-  return py::make_tuple(keep, calibrated, drafts);
 }
 
 // ------------------------------------------------------------- tree kernels
@@ -681,8 +589,6 @@ PYBIND11_MODULE(_draft_index, m) {
            py::arg("prompt_lens"), py::arg("backoff") = py::none(), py::arg("partitions") = py::none())
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
-  m.def("match_offers", &match_offers_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("slots"),
-        py::arg("scheduled"), py::arg("emitted"));
   m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),
         py::arg("tree_ok"), py::arg("edges"), py::arg("factor"), py::arg("budget"), py::arg("num_rows"),
         py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
@@ -692,10 +598,4 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
         py::arg("factor"), py::arg("edges"), py::arg("raw"), py::arg("kinds"), py::arg("hits"), py::arg("at"),
         py::arg("verified"), py::arg("prior"), py::arg("half_life"));
-  m.def("observe_chains", &observe_chains_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
-        py::arg("factor"), py::arg("edges"), py::arg("kind"), py::arg("raw"), py::arg("at"), py::arg("verified"),
-        py::arg("accepted"), py::arg("prior"), py::arg("half_life"));
-  m.def("plan_chains", &plan_chains_py, py::arg("tokens"), py::arg("raw"), py::arg("lens"), py::arg("edges"),
-        py::arg("factors"), py::arg("budget"), py::arg("num_rows"), py::arg("free_tokens"),
-        py::arg("marginal_tokens"), py::arg("out_rows"), py::arg("num_out"), py::arg("draft_setup") = 0.0);
 }

@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "chains.h"
+#include "calibration.h"
 
 namespace lookahead {
 

@@ -210,37 +210,6 @@ def allocate_step_budget(
     return keep
 
 
-def allocate_chain_budget(
-    confidences: np.ndarray, lengths: np.ndarray, budget: int | None = None, num_rows: int | None = None,
-    cost: ForwardCost | None = None,
-) -> np.ndarray:
-    """:func:`allocate_step_budget` for chains, as arrays: ``confidences [R, W]``
-    (row ``r``'s first ``lengths[r]`` cells, never growing along the row, as
-    calibrated confidences are) -> prefix length to keep per row.
-
-    With confidences that never grow along a row, the most-confident-first
-    merge of the rows is a sort of all nodes by (-confidence, row, position),
-    and the best prefix of it is the first maximum of the expected throughput.
-    """
-    rows_n, width = confidences.shape
-    if budget is None and (cost is None or not cost.free_tokens):  # every node is free: keep them all
-        return np.asarray(lengths, np.int64).copy()
-    valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
-    row, pos = np.nonzero(valid)
-    conf = confidences[row, pos]
-    order = np.lexsort((pos, row, -conf))
-    limit = len(order) if budget is None else min(budget, len(order))
-    take = limit
-    if cost is not None and cost.free_tokens and limit:
-        rows = rows_n if num_rows is None else num_rows
-        gained = np.cumsum(conf[order[:limit]])
-        tokens = rows + np.arange(1, limit + 1)
-        rate = (rows + gained) / (cost.token_costs(tokens) + cost.draft_setup)
-        best = int(np.argmax(rate))
-        take = best + 1 if rate[best] > rows / cost(rows) else 0
-    return np.bincount(row[order[:take]], minlength=rows_n)
-
-
 def opens_path(parents: Sequence[int]) -> list[bool]:
     """Per node of a parent-first (DFS) tree: whether it starts a root-to-leaf
     path of its own, i.e. is not its parent's first child (``parents[i]`` is

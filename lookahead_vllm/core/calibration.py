@@ -27,7 +27,7 @@ overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
 nodes, so the correction follows a changing workload. Calibrated confidences
 never grow along a path (a node is accepted only with its parent).
 The proposer books one step's verified nodes at once (``observe_nodes``, or
-``observe_chains``/``observe_trees`` for the planners' chains and trees), so halving and the new
+``observe_trees`` for the planner's drafts), so halving and the new
 factors apply per step.
 """
 
@@ -77,7 +77,7 @@ class ConfidenceCalibrator:
         self.prior = prior
         # False: the factors stay 1 (raw confidences; profile calibrate_confidence off).
         self.learns = learns
-        # observe_chains through the native kernel (core/chain_plan.py).
+        # observe_trees through the native kernel (core/tree_plan.py).
         self.native = native
         shape = (len(KIND_NAMES), len(BIN_EDGES) + 1)
         self.predicted = np.zeros(shape)
@@ -97,13 +97,6 @@ class ConfidenceCalibrator:
             c = min(1.0, raw * self._factor[kind, self._bin(raw)])
             out.append(c if p < 0 else min(c, out[p]))
         return out
-
-    def calibrate_chains(self, raw: np.ndarray, kind: int) -> np.ndarray:
-        """:meth:`calibrate` for many chains at once: ``raw [R, W]`` holds each
-        row's node confidences (a chain's node ``j`` is the parent of ``j + 1``;
-        cells past a row's length are ignored by callers), all of ``kind``."""
-        factors = self._factor[kind][np.searchsorted(BIN_EDGES, raw, side="left")]
-        return np.minimum.accumulate(np.minimum(1.0, raw * factors), axis=1)
 
     def factors(self, kind: int) -> np.ndarray:
         """The current correction factor of each raw-confidence bin of ``kind`` (read-only)."""
@@ -141,22 +134,6 @@ class ConfidenceCalibrator:
         for arr in (self.predicted, self.accepted, self.nodes):
             arr[k[full], b[full]] /= 2
         self._factor[k, b] = (self.accepted[k, b] + self.prior) / (self.predicted[k, b] + self.prior)
-
-    def observe_chains(self, raw: np.ndarray, at: np.ndarray, verified: np.ndarray, accepted: np.ndarray,
-                       kind: int) -> None:
-        """:meth:`observe_nodes` for chains: row ``at[i]`` of ``raw [D, W]``
-        had its first ``verified[i]`` nodes verified and the first
-        ``accepted[i]`` of them accepted, all of ``kind``."""
-        if not self.learns:
-            return
-        if self.native:
-            load_extension().observe_chains(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
-                                            kind, raw, at, verified, accepted, self.prior, float(HALF_LIFE_NODES))
-            return
-        cols = np.arange(raw.shape[1])
-        nodes = cols < verified[:, None]
-        self.observe_nodes(np.full(int(verified.sum()), kind, np.int64), raw[at][nodes],
-                           (cols < accepted[:, None])[nodes])
 
     def observe_trees(self, raw: np.ndarray, kinds: np.ndarray, accepted: np.ndarray, at: np.ndarray,
                       verified: np.ndarray) -> None:

@@ -1,7 +1,7 @@
 """Native drafting core: loads ``lookahead_vllm._draft_index`` (C++,
 ``csrc/draft_index``, compiled by ``pip install -e .``) and picks it or the
 pure-Python reference ``DraftIndex``; both give identical drafts. The same
-extension holds the chain kernels (core/chain_plan.py).
+extension holds the planner's kernels (core/tree_plan.py).
 
 Never compiles anything: a missing extension means the reference is used
 (or, when the native core is required, an ImportError that says how to build it).
@@ -22,8 +22,8 @@ BUILD_HINT = ("build it with `pip install -e .` (or `python setup.py build_ext -
 
 @functools.cache
 def load_extension():
-    """The extension module (``DraftIndex`` and the chain kernels
-    ``match_offers``, ``observe_chains``, ``plan_chains``), or None if it is
+    """The extension module (``DraftIndex`` and the planner's kernels
+    ``plan_trees``, ``match_trees``, ``observe_trees``), or None if it is
     not built."""
     try:
         from lookahead_vllm import _draft_index

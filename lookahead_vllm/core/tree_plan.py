@@ -1,7 +1,7 @@
-"""The tree planner: one engine step's tree math, over the whole batch.
+"""The planner: one engine step's draft math, over the whole batch.
 
-Every setting but index chains (tree mode, the trie, the Jacobi pool) plans
-here. The draft index drafts every row's tree with one ``draft_batch`` call
+Every source and shape plans here; a chain is a tree whose node ``i`` has
+parent ``i - 1``. The draft index drafts every row's tree (or chain) with one ``draft_batch`` call
 (``tokens``/``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``,
 parents first); the other sources' trees come packed into the same rows
 with their nodes' calibration kinds (:func:`pack_trees`). Besides syncing,
@@ -39,13 +39,12 @@ the two to identical results, confidences bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
-from lookahead_vllm.core.chain_plan import verified_offers
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.drafter import index_kinds, index_tree
 from lookahead_vllm.core.native import load_extension
@@ -55,9 +54,23 @@ if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
 
 
+def verified_offers(offer_slots: np.ndarray, offer_lengths: np.ndarray, slots: np.ndarray, scheduled: np.ndarray
+                    ) -> Iterator[tuple[int, int, int]]:
+    """The reference matching of last step's offers (``offer_slots``,
+    ``offer_lengths``) with this step's rows (``slots``; ``scheduled``: draft
+    tokens the scheduler verified): per row that verified part of its offer,
+    in row order, the row, the offer's index and the nodes verified (at most
+    the offer's length)."""
+    where = {s: d for d, (s, n) in enumerate(zip(offer_slots.tolist(), offer_lengths.tolist())) if n > 0}
+    for i, (slot, sched) in enumerate(zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist())):
+        d = where.get(slot)
+        if d is not None and sched > 0:
+            yield i, d, min(sched, int(offer_lengths[d]))
+
+
 @dataclass(frozen=True, slots=True)
 class TreeOffers:
-    """The drafts the tree planner handed out in one step, one row
+    """The drafts the planner handed out in one step, one row
     per drafting request (a tree, or a chain where its request may not verify
     one): booked against what verification accepted in the next step, then
     replaced."""

@@ -13,12 +13,10 @@ Per step, for the request rows of the persistent batch that just sampled:
    ``tree_verify`` reads back.
 
 Booking and planning run as a few batch calls into the native extension,
-whatever the settings: ``_propose_chains`` for the default (index chains;
-core/chain_plan.py; the drafts handed out are one :class:`ChainOffers`),
-``_propose_trees`` for everything else (core/tree_plan.py; one
-:class:`TreeOffers`, from which tree verification's plans are built when it
-asks). What stays per request is drafting from the sources that are Python
-structures (the trie, the Jacobi pool and window).
+whatever the source and shape (core/tree_plan.py: the drafts handed out are
+one :class:`TreeOffers`, from which tree verification's plans are built when
+it asks). What stays per request is drafting from the sources that are
+Python structures (the trie, the Jacobi pool and window).
 
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
@@ -50,7 +48,6 @@ from lookahead_vllm.core.budget import (
     prices_pinned,
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
-from lookahead_vllm.core.chain_plan import ChainOffers, plan_chains
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
@@ -230,11 +227,7 @@ class LookaheadProposer:
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
-        # Index chains (the default) have a planner of their own (module
-        # docstring); tests set it False to hold it to the tree planner's.
-        self.chain_path = self.config.sources == ("index",) and not self.tree_mode
-        self._offers = ChainOffers.none()
-        # Tree mode's offers; this step's request ids by row and the rows
+        # The drafts handed out last step; this step's request ids by row and the rows
         # of the offers (offer d is request ids[rows[d]]); the plans built
         # from the offers (tree_verify asks once per step: ``plans``).
         self._trees = TreeOffers.none()
@@ -368,7 +361,6 @@ class LookaheadProposer:
         for st in self._states.values():
             st.length, st.jacobi = 0, None
         self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
-        self._offers = ChainOffers.none()
         self._trees, self._tree_rows, self._tree_plans, self._window_plans = TreeOffers.none(), ([], []), None, {}
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
@@ -418,11 +410,8 @@ class LookaheadProposer:
         if self.metrics.steps % MEMORY_GAUGE_EVERY == 0:
             self._read_memory_gauges()
         sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
-        if self.chain_path:
-            out = self._propose_chains(sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
-        else:
-            out = self._propose_trees(sampled_token_ids, sampled_lens, num_tokens_no_spec, token_ids_cpu, batch)
-        drafts, num_rows, skipped, load_budget = out
+        drafts, num_rows, skipped, load_budget = self._draft_and_plan(sampled_token_ids, sampled_lens,
+                                                                      num_tokens_no_spec, token_ids_cpu, batch)
         self._record_metrics(drafts, sampled_lens, num_rows, skipped, load_budget, start)
         draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
         return drafts
@@ -445,56 +434,14 @@ class LookaheadProposer:
                 skipped["request"] += cap == 0
         return budgets, skipped, load_budget
 
-    def _propose_chains(self, sampled_lens: np.ndarray, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
-                        batch: Any) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """The default: the batch's chains from the draft index, calibrated,
-        cut by the forward-cost model, without per-request Python objects
-        (``sampled_lens``: the tokens each row emitted this step)."""
-        num_out = len(sampled_lens)
-        rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
-        req_ids = [batch.req_ids[i] for i in rows.tolist()]
-        states = [self._states.get(r) or self._state(r) for r in req_ids]
-        slots = np.fromiter((st.slot for st in states), np.int64, len(states))
-        num_tokens = num_tokens_no_spec[rows]
-        self._book_chains(slots, req_ids, sampled_lens[rows])
-        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
-                                                self._partitions(states))
-        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
-        drafting = np.flatnonzero(budgets > 0)
-        floor = confidence_floor(self.config, len(drafting))
-        tok, raw, lens = self.drafter.draft_chains(slots[drafting], budgets[drafting], floor)
-        self.stats.context_drafts += int(np.count_nonzero(lens))
-        keep, _, drafts = plan_chains(tok, raw, lens, self.calibrator, KIND_CONTEXT,
-                                      self._step_budget(len(rows)), len(rows), self.cost.at_rows(len(rows)),
-                                      rows[drafting],
-                                      num_out, self.drafter.native)
-        self._offers = ChainOffers(slots[drafting], raw, keep)
-        return drafts, len(rows), skipped, load_budget
-
-    def _book_chains(self, slots: np.ndarray, req_ids: list[str], emitted_lens: np.ndarray) -> None:
-        """Book last step's chains (``ChainOffers``) against what this step's
-        rows emitted (``emitted_lens[i]`` tokens: the accepted ones, then the
-        bonus), cut to what the scheduler verified of them: accepted tokens
-        and the calibrator's evidence (core/chain_plan.py; the per-request
-        path, which also verifies trees, matches tokens: ``accepted_path``)."""
-        offers = self._offers
-        if not len(offers.slots):
-            return
-        scheduled = self._scheduled.get
-        verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
-        at, verified, accepted = offers.match(slots, verified, emitted_lens, self.drafter.native)
-        if len(at):
-            self.stats.context_accepted_tokens += int(accepted.sum())
-            self.calibrator.observe_chains(offers.confidence, at, verified, accepted, KIND_CONTEXT)
-
-    def _propose_trees(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
-                       num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
-                       ) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """Every other setting (tree mode, the trie, the Jacobi window): the
-        batch's drafts as rows of one array (a chain where a request may not
-        verify a tree), calibrated and cut by the forward-cost model with
-        their extra attention paths priced in one :func:`plan_trees` call
-        (core/tree_plan.py); then the Jacobi windows that pay."""
+    def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
+                        num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
+                        ) -> tuple[list[list[int]], int, dict[str, int], int]:
+        """Book last step's drafts, sync, and draft: the batch's drafts as
+        rows of one array (a chain unless the request may verify a tree),
+        calibrated and cut by the forward-cost model, extra attention paths
+        priced, in one :func:`plan_trees` call (core/tree_plan.py); then the
+        Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         row_list = rows.tolist()
@@ -511,8 +458,8 @@ class LookaheadProposer:
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
         picked = drafting.tolist()
-        tree_ok = np.fromiter((self.tree_mode and self._verifiable(req_ids[j], states[j]) for j in picked), bool,
-                              len(picked))
+        tree_ok = (np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
+                   if self.tree_mode else np.zeros(len(picked), bool))
         if self.config.sources == ("index",):
             tok, par, raw, lens = self.drafter.draft_trees(slots[drafting], budgets[drafting], floor, self.tree_mode)
             kinds = None

@@ -2,7 +2,7 @@
 
 ``tests/native/upkeep_stress.cpp`` runs the same random operations on an
 index pair whose upkeep runs on its own thread and on one that runs it
-inline, passes every step's chains through the chain kernels (plan, match,
+inline, passes every step's drafts through the tree kernels (plan, match,
 book: their results checked against their bounds), and exits non-zero on
 the first difference or violation. Built with
 ThreadSanitizer it also fails on any data race between the caller, the
@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = [REPO / "tests" / "native" / "upkeep_stress.cpp", REPO / "csrc" / "draft_index" / "draft_index.cpp",
-           REPO / "csrc" / "draft_index" / "chains.cpp"]
+           REPO / "csrc" / "draft_index" / "calibration.cpp", REPO / "csrc" / "draft_index" / "trees.cpp"]
 SANITIZERS = {"thread": ["-fsanitize=thread"],
               "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
 

@@ -4,9 +4,9 @@
 // token table, finishes, rewinds, batch drafts with a back-off index, settles, counts) on two index pairs:
 // one with the upkeep on its own thread and one inline, with a small corpus
 // cap so evictions happen, and batches big enough that draft_rows spreads its
-// rows over threads; every step's chains then go through the chain kernels
+// rows over threads; every step's drafts then go through the tree kernels
 // (plan, match against random outcomes, book into calibration tables) as
-// the proposer's chain planner does. Exits 1 on the first difference between
+// the proposer's planner does. Exits 1 on the first difference between
 // the two indexes or a kernel result out of its bounds; built
 // with -fsanitize=thread, ThreadSanitizer reports any data race between the
 // caller, the upkeep thread and the drafting threads; with
@@ -17,8 +17,9 @@
 #include <random>
 #include <vector>
 
-#include "chains.h"
+#include "calibration.h"
 #include "draft_index.h"
+#include "trees.h"
 
 using lookahead::DraftIndex;
 using lookahead::DraftIndexConfig;
@@ -64,55 +65,83 @@ Drafts draft(Pair& p, const std::vector<int64_t>& sids, const std::vector<int64_
   return d;
 }
 
-// The chain kernels on one step's chains (`d`): plan with a
-// random cost model and budget, then book random outcomes of the kept
-// drafts. Returns what is wrong, or nullptr.
-const char* chain_kernels(const Drafts& d, std::mt19937& rng, std::vector<double>& tables) {
+// The tree kernels on one step's drafts (`d`, chains or trees): plan with a
+// random cost model, budget and tree_ok rows, then walk random outcomes of
+// the kept drafts and book them. Returns what is wrong, or nullptr.
+const char* tree_kernels(const Drafts& d, std::mt19937& rng, std::vector<double>& tables) {
   const int64_t width = d.width;
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   const int64_t rows = static_cast<int64_t>(d.lengths.size());
   const std::vector<double> edges = {0.05, 0.1, 0.2, 0.4, 0.7};
-  const int64_t bins = static_cast<int64_t>(edges.size()) + 1;
-  std::vector<double> factors(bins);
-  for (auto& f : factors) f = 0.25 * uniform(1, 6);
+  const int64_t bins = static_cast<int64_t>(edges.size()) + 1, kinds = 4;
+  std::vector<double> factor(kinds * bins);
+  for (auto& f : factor) f = 0.25 * uniform(1, 6);
   const int64_t budget = uniform(0, 2) == 0 ? -1 : uniform(0, 40);
-  const lookahead::ChainCost cost{uniform(0, 1) * uniform(1, 64), 0.5 * uniform(1, 40)};
-  std::vector<double> calibrated(d.confidence.size(), 0.0);
+  const lookahead::TreeCost cost{uniform(0, 1) * uniform(1, 64), 0.5 * uniform(1, 40), 0.01 * uniform(0, 10),
+                                 0.01 * uniform(0, 10), 0.01 * uniform(0, 10)};
+  std::vector<uint8_t> tree_ok(rows);
+  for (auto& ok : tree_ok) ok = static_cast<uint8_t>(uniform(0, 1));
+  std::vector<int32_t> tokens(d.tokens), parents(d.parents), out_tokens(rows * width, 0), out_parents(rows * width, -1);
+  std::vector<double> raw(d.confidence), out_raw(rows * width, 0.0), calibrated(rows * width, 0.0);
+  std::vector<int8_t> out_kinds(rows * width, 0);
   std::vector<int64_t> keep(rows, -1);
-  lookahead::plan_chains(d.confidence.data(), d.lengths.data(), rows, width, edges.data(),
-                         static_cast<int64_t>(edges.size()), factors.data(), budget, rows, cost, calibrated.data(),
-                         keep.data());
+  std::vector<uint8_t> carries(rows, 0);
+  const lookahead::TreeRows in{tokens.data(), parents.data(), raw.data(), nullptr, rows, width};
+  lookahead::TreeRows out{out_tokens.data(), out_parents.data(), out_raw.data(), out_kinds.data(), rows, width};
+  lookahead::plan_trees(in, d.lengths.data(), tree_ok.data(), edges.data(), static_cast<int64_t>(edges.size()),
+                        factor.data(), budget, rows, cost, out, calibrated.data(), keep.data(), carries.data());
   int64_t kept = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    if (keep[r] < 0 || keep[r] > d.lengths[r]) return "plan_chains: a row keeps more than it drafted";
+    if (keep[r] < 0 || keep[r] > d.lengths[r]) return "plan_trees: a row keeps more than it drafted";
+    if (carries[r] && !tree_ok[r]) return "plan_trees: a tree for a row that may not verify one";
+    for (int64_t i = 0; i < keep[r]; ++i) {
+      const int32_t p = out_parents[r * width + i];
+      if (p < -1 || p >= i) return "plan_trees: a parent after its child";
+      if (out_kinds[r * width + i] < 0 || out_kinds[r * width + i] >= kinds) return "plan_trees: a kind out of range";
+    }
     kept += keep[r];
   }
-  if (budget >= 0 && kept > budget) return "plan_chains: more nodes kept than the budget";
-  // Offers: row r's kept chain; outcomes: some rows gone, the rest verified and accepted at random.
-  std::vector<int64_t> offer_slots(rows), slots, scheduled, emitted;
+  if (budget >= 0 && kept > budget) return "plan_trees: more nodes kept than the budget";
+  // Offers: row r's kept draft; outcomes: some rows gone, the rest verified in
+  // part, emitting the tokens of a random walk down the offer, then a bonus.
+  std::vector<int64_t> offer_slots(rows), slots, scheduled, emitted, starts = {0};
   for (int64_t r = 0; r < rows; ++r) {
     offer_slots[r] = r;
     if (uniform(0, 4) == 0) continue;
     slots.push_back(r);
     scheduled.push_back(uniform(0, static_cast<int>(keep[r]) + 1));
-    emitted.push_back(uniform(1, static_cast<int>(scheduled.back()) + 1));
+    int64_t node = -1;
+    while (uniform(0, 3) != 0) {
+      std::vector<int64_t> kids;
+      for (int64_t c = node + 1; c < keep[r]; ++c) {
+        if (out_parents[r * width + c] == node) kids.push_back(c);
+      }
+      if (kids.empty()) break;
+      node = kids[uniform(0, static_cast<int>(kids.size()) - 1)];
+      emitted.push_back(out_tokens[r * width + node]);
+    }
+    emitted.push_back(uniform(0, 50));
+    starts.push_back(static_cast<int64_t>(emitted.size()));
   }
-  std::vector<int64_t> at, verified, accepted;
-  lookahead::match_offers(offer_slots.data(), keep.data(), rows, slots.data(), scheduled.data(), emitted.data(),
-                          static_cast<int64_t>(slots.size()), at, verified, accepted);
+  std::vector<int64_t> at, verified;
+  std::vector<uint8_t> hits(rows * width, 0);
+  lookahead::match_trees(offer_slots.data(), keep.data(), out, slots.data(), scheduled.data(), emitted.data(),
+                         starts.data(), static_cast<int64_t>(slots.size()), at, verified, hits.data());
   for (size_t i = 0; i < at.size(); ++i) {
-    if (at[i] < 0 || at[i] >= rows || verified[i] > keep[at[i]] || accepted[i] > verified[i] || accepted[i] < 0) {
-      return "match_offers: a booking out of its offer";
+    if (at[i] < 0 || at[i] >= rows || verified[i] > keep[at[i]] || verified[i] <= 0) {
+      return "match_trees: a booking out of its offer";
+    }
+    for (int64_t j = verified[i]; j < width; ++j) {
+      if (hits[at[i] * width + j]) return "match_trees: a hit past what was verified";
     }
   }
-  const int64_t kinds = 2;
-  tables.resize(3 * kinds * bins + kinds * bins, 0.0);
+  tables.resize(4 * kinds * bins, 0.0);
   lookahead::CalibrationTables t{tables.data(), tables.data() + kinds * bins, tables.data() + 2 * kinds * bins,
                                  tables.data() + 3 * kinds * bins, kinds, bins, edges.data()};
-  lookahead::observe_chains(t, uniform(0, 1), d.confidence.data(), width, at.data(), verified.data(), accepted.data(),
-                            static_cast<int64_t>(at.size()), 1.0, 64.0);
+  lookahead::observe_trees(t, out, hits.data(), at.data(), verified.data(), static_cast<int64_t>(at.size()), 1.0,
+                           64.0);
   for (int64_t c = 0; c < kinds * bins; ++c) {
-    if (t.accepted[c] > t.nodes[c] + 1e-9 || t.nodes[c] < 0) return "observe_chains: more accepted than booked";
+    if (t.accepted[c] > t.nodes[c] + 1e-9 || t.nodes[c] < 0) return "observe_trees: more accepted than booked";
   }
   return nullptr;
 }
@@ -235,9 +264,7 @@ int main(int argc, char** argv) {
       if (std::memcmp(a.confidence.data(), b.confidence.data(), a.confidence.size() * sizeof(double)) != 0) {
         return fail("confidences", step);
       }
-      if (!tree) {
-        if (const char* wrong = chain_kernels(a, rng, tables)) return fail(wrong, step);
-      }
+      if (const char* wrong = tree_kernels(a, rng, tables)) return fail(wrong, step);
       if (uniform(0, 3) == 0) {
         // The same batch again, right away: it drafts while nothing but the
         // upkeep the first call started has happened in between.

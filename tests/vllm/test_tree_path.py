@@ -1,8 +1,8 @@
-"""The proposer's tree pipeline: native against its pure-Python reference.
+"""The proposer's trees and merged sources: native against the reference.
 
-Every setting but index chains runs one pipeline (core/tree_plan.py): the
-draft index's trees natively, or the sources merged per request (the trie,
-the Jacobi pool and window) packed into the same rows. Two proposers, one
+Every setting runs one pipeline (core/tree_plan.py): the draft index's
+trees natively, or the sources merged per request (the trie, the Jacobi
+pool and window) packed into the same rows. Two proposers, one
 with the native extension and one on the reference index and reference tree
 kernels (the extension hidden), are driven through the same simulated
 workload (tests/vllm/test_chain_path.py). Verification walks each row's tree
@@ -127,7 +127,6 @@ def test_tree_pipeline_native_equals_reference(monkeypatch, seed, settings, tree
     monkeypatch.setattr(native, "load_draft_index", lambda: None)
     ref = standalone_proposer(16, MAX_LEN, lookahead(**settings))
     assert fast.drafter.native and not ref.drafter.native and not ref.calibrator.native
-    assert not fast.chain_path and not ref.chain_path
     requests: dict = {}
     fast.verifier.runner_requests = ref.verifier.runner_requests = requests
     handed, planned = drive_trees(fast, ref, TreeWorkload(seed, requests), 200)
