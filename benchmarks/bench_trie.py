@@ -41,18 +41,17 @@ def replay(trie: TokenTrie, streams, accept_per_step: int) -> list[float]:
     """Per request-step microseconds of extend + retrieve."""
     cfg = trie.config
     times = []
-    for n, (prompt, output) in enumerate(streams):
-        rid = f"r{n}"
-        trie.add_request(rid, prompt)
+    for prompt, output in streams:
+        record = trie.add_request(prompt)
         seq = list(prompt)
         for lo in range(0, len(output), accept_per_step):
             new = output[lo:lo + accept_per_step]
             start = time.perf_counter_ns()
-            trie.extend(rid, new)
+            trie.extend(record, new)
             seq.extend(new)
-            trie.retrieve(seq[-cfg.profile.max_match_length:], req_id=rid)
+            trie.retrieve(seq[-cfg.profile.max_match_length:], request=record)
             times.append((time.perf_counter_ns() - start) / 1e3)
-        trie.finish_request(rid)
+        trie.finish_request(record)
     return times
 
 

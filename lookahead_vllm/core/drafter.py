@@ -37,7 +37,7 @@ from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.partitions import Partitions
-from lookahead_vllm.core.trie import TokenTrie
+from lookahead_vllm.core.trie import TokenTrie, TrieRecord
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
@@ -48,13 +48,14 @@ INDEX_WEIGHT = 1e18
 
 @dataclass(slots=True)
 class TrieRequest:
-    """What the trie source holds for one request: the tokens inserted so
-    far and its context index (profile ``context_match``); a request of
-    another partition than the default stays off the shared trie."""
+    """What the trie source holds for one request, in one record: the tokens
+    inserted so far, its place in the trie (None: a request of another
+    partition than the default stays off the shared trie) and its context
+    index (profile ``context_match``)."""
 
     inserted: int = 0
+    trie: TrieRecord | None = None
     context: ContextIndex | None = None
-    on_trie: bool = True
 
 
 def make_index(config: Settings, native: bool | None = None, ngram: int | None = None) -> Any:
@@ -109,10 +110,6 @@ class Drafter:
         """Context indexes held (trie source)."""
         return sum(req.context is not None for req in self._trie_requests.values())
 
-    def _on_trie(self, slot: int) -> bool:
-        req = self._trie_requests.get(slot)
-        return req is None or req.on_trie
-
     def context_index(self, slot: int) -> ContextIndex | None:
         req = self._trie_requests.get(slot)
         return None if req is None else req.context
@@ -161,7 +158,7 @@ class Drafter:
 
     def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int, partition: int = DEFAULT) -> bool:
         if partition != DEFAULT:  # the trie is shared: only the default partition's requests use it
-            self._trie_requests.setdefault(slot, TrieRequest(on_trie=False))
+            self._trie_requests.setdefault(slot, TrieRequest())
             return False
         req = self._trie_requests.get(slot)
         rewound = req is not None and n < req.inserted
@@ -170,12 +167,12 @@ class Drafter:
             req = None
         if req is None:
             prompt = tokens[:min(prompt_len, n)].tolist()
-            self.trie.add_request(slot, prompt)
             width = self.config.profile.context_match
-            req = self._trie_requests[slot] = TrieRequest(len(prompt), ContextIndex(width, prompt) if width else None)
+            req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt),
+                                                          ContextIndex(width, prompt) if width else None)
         if n > req.inserted:
             new = tokens[req.inserted:n].tolist()
-            self.trie.extend(slot, new)
+            self.trie.extend(req.trie, new)
             if req.context is not None:
                 req.context.extend(new)
             req.inserted = n
@@ -193,8 +190,8 @@ class Drafter:
 
     def _finish_trie(self, slot: int) -> None:
         req = self._trie_requests.pop(slot, None)
-        if req is not None and req.on_trie:
-            self.trie.finish_request(slot)
+        if req is not None and req.trie is not None:
+            self.trie.finish_request(req.trie)
 
     def warm(self, tokens: Sequence[int]) -> None:
         """Learn a past response (warm start): into the index's corpus as a
@@ -229,8 +226,10 @@ class Drafter:
                 t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
             n_index = len(t)
             context = 0
-            if self.trie is not None and budgets[i] > 0 and self._on_trie(int(slot)):
-                t, context = self._draft_trie(int(slot), contexts[i], int(budgets[i]), floor, t)
+            req = self._trie_requests.get(int(slot))
+            if self.trie is not None and budgets[i] > 0 and (req is None or req.trie is not None):
+                record = None if req is None else req.trie  # a slot never synced drafts with no prompt of its own
+                t, context = self._draft_trie(int(slot), record, contexts[i], int(budgets[i]), floor, t)
             kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
             out.append((t, kinds))
         return out
@@ -256,9 +255,9 @@ class Drafter:
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
-    def _draft_trie(self, slot: int, context: Sequence[int], budget: int, floor: float,
+    def _draft_trie(self, slot: int, record: TrieRecord | None, context: Sequence[int], budget: int, floor: float,
                     lead: DraftTree) -> tuple[DraftTree, int]:
-        trie_tree = self.trie.retrieve(list(context), budget=budget, req_id=slot, min_confidence=floor)
+        trie_tree = self.trie.retrieve(list(context), budget=budget, request=record, min_confidence=floor)
         if len(lead):
             return lead.merged(trie_tree, budget), 0
         index = self.context_index(slot)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -66,8 +66,13 @@ class _Node:
         return prompt_weight * own + (self.ptotal - own) + self.out
 
 
-@dataclass(slots=True)
-class _Request:
+@dataclass(eq=False, slots=True)
+class TrieRecord:
+    """One request's place in the trie (:meth:`TokenTrie.add_request`): held
+    by the caller's record of the request, handed back to extend, retrieve
+    and finish it; the trie keeps no table of requests."""
+
+    # The trie's serial for the request: the key of its prompt counts.
     slot: int
     # node -> prompt count this request added there (for elimination).
     prompt_nodes: dict[_Node, int] = field(default_factory=dict)
@@ -75,6 +80,7 @@ class _Request:
     window: list[int] = field(default_factory=list)
     # cursors[j] = node reached by the path window[j:].
     cursors: list[_Node] = field(default_factory=list)
+    finished: bool = False
 
 
 class TokenTrie:
@@ -87,7 +93,6 @@ class TokenTrie:
         self.num_nodes = 0  # root excluded
         self.num_prunes = 0
         self._serial = 0
-        self._requests: dict[Hashable, _Request] = {}
         self._next_slot = 0
 
     # ------------------------------------------------------------------ admin
@@ -95,45 +100,41 @@ class TokenTrie:
     def num_bytes(self) -> int:
         return self.num_nodes * BYTES_PER_NODE
 
-    @property
-    def active_requests(self) -> list[Hashable]:
-        return list(self._requests)
-
-    def add_request(self, req_id: Hashable, prompt: Sequence[int]) -> None:
-        """Admit a request: insert its prompt windows and open its output windows."""
-        if req_id in self._requests:
-            raise KeyError(f"request {req_id!r} is already in the trie")
-        st = _Request(slot=self._next_slot)
+    def add_request(self, prompt: Sequence[int]) -> TrieRecord:
+        """Admit a request: insert its prompt windows and open its output
+        windows; returns its record."""
+        st = TrieRecord(slot=self._next_slot)
         self._next_slot += 1
-        self._requests[req_id] = st
         if self.knobs.insert_prompt:
             self._insert_prompt(st, prompt)
         tail = list(prompt[-(self.knobs.branch_length - 1):])
         st.window = tail
         st.cursors = [self._walk(tail[j:], create=True) for j in range(len(tail))]
         self._maybe_prune()
+        return st
 
-    def finish_request(self, req_id: Hashable) -> None:
+    def finish_request(self, st: TrieRecord) -> None:
         """Eliminate a finished or aborted request's prompt counts (idempotent)."""
-        st = self._requests.pop(req_id, None)
-        if st is None:
+        if st.finished:
             return
+        st.finished = True
         for node, count in st.prompt_nodes.items():
             if node.prompt is not None and node.prompt.pop(st.slot, None) is not None:
                 node.ptotal -= count
         for node in sorted(st.prompt_nodes, key=_depth, reverse=True):
             self._drop_if_empty(node)
 
-    def extend(self, req_id: Hashable, tokens: Iterable[int]) -> None:
+    def extend(self, st: TrieRecord, tokens: Iterable[int]) -> None:
         """Insert newly generated tokens of a request (on-the-fly output insertion)."""
-        st = self._requests[req_id]
+        if st.finished:
+            raise ValueError("extend: the request has finished")
         for t in tokens:
             self._extend_one(st, int(t))
         self._maybe_prune()
 
     def insert_output(self, tokens: Sequence[int]) -> None:
         """Insert a whole text as output counts (warm-up with past responses)."""
-        st = _Request(slot=-1)
+        st = TrieRecord(slot=-1)
         for t in tokens:
             self._extend_one(st, int(t))
         self._maybe_prune()
@@ -143,13 +144,14 @@ class TokenTrie:
         self,
         context: Sequence[int],
         budget: int | None = None,
-        req_id: Hashable | None = None,
+        request: TrieRecord | None = None,
         shape: str | None = None,
         min_confidence: float | None = None,
     ) -> DraftTree:
         """Draft tree for the tokens that follow ``context`` (multi-stage matching).
 
-        ``context`` ends with the root (the last committed token); at most
+        ``context`` ends with the root (the last committed token); the
+        ``request``'s own prompt counts weigh ``prompt_weight``; at most
         ``budget`` nodes (default ``decoding_length``) are returned, none whose
         path confidence is below ``min_confidence`` (default
         ``min_draft_confidence``).
@@ -160,7 +162,7 @@ class TokenTrie:
         floor = cfg.min_draft_confidence if min_confidence is None else min_confidence
         if budget <= 0 or not context:
             return DraftTree.empty()
-        slot = self._requests[req_id].slot if req_id in self._requests else -1
+        slot = request.slot if request is not None and not request.finished else -1
         best = DraftTree.empty()
         longest = min(cfg.max_match_length, len(context))
         for m in range(longest, cfg.min_match_length - 1, -1):
@@ -298,7 +300,7 @@ class TokenTrie:
             node = nxt
         return node
 
-    def _insert_prompt(self, st: _Request, prompt: Sequence[int]) -> None:
+    def _insert_prompt(self, st: TrieRecord, prompt: Sequence[int]) -> None:
         lb = self.knobs.branch_length
         for i in range(len(prompt)):
             node = self.root
@@ -310,7 +312,7 @@ class TokenTrie:
                 node.ptotal += 1
                 st.prompt_nodes[node] = st.prompt_nodes.get(node, 0) + 1
 
-    def _extend_one(self, st: _Request, token: int) -> None:
+    def _extend_one(self, st: TrieRecord, token: int) -> None:
         cursors = []
         for j, node in enumerate(st.cursors):
             if not node.alive:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lookahead_vllm.core import TokenTrie
-from lookahead_vllm.core.trie import _iter_nodes
+from lookahead_vllm.core.trie import TrieRecord, _iter_nodes
 from tests.settings import lookahead_settings
 
 
@@ -45,7 +45,7 @@ def window_counts(seqs: list[list[int]], lb: int) -> Counter:
 
 def test_prompt_windows_counted():
     trie = make()
-    trie.add_request("a", [1, 2, 3, 1, 2, 4])
+    a = trie.add_request([1, 2, 3, 1, 2, 4])
     counts = path_counts(trie)
     assert counts[(1, 2)] == (2, 0.0)
     assert counts[(1, 2, 3, 1)] == (1, 0.0)
@@ -56,9 +56,9 @@ def test_prompt_windows_counted():
 
 def test_output_insertion_equals_window_counts():
     trie = make(branch_length=3)
-    trie.add_request("a", [])
-    trie.extend("a", [5, 6, 7])
-    trie.extend("a", [5, 6, 8])
+    a = trie.add_request([])
+    trie.extend(a, [5, 6, 7])
+    trie.extend(a, [5, 6, 8])
     expected = window_counts([[5, 6, 7, 5, 6, 8]], 3)
     got = {p: o for p, (_, o) in path_counts(trie).items()}
     assert got == {p: float(c) for p, c in expected.items()}
@@ -66,8 +66,8 @@ def test_output_insertion_equals_window_counts():
 
 def test_output_windows_continue_from_prompt_tail():
     trie = make(branch_length=3)
-    trie.add_request("a", [1, 2])
-    trie.extend("a", [3])
+    a = trie.add_request([1, 2])
+    trie.extend(a, [3])
     counts = path_counts(trie)
     assert counts[(1, 2, 3)] == (0, 1.0)  # window started in the prompt
     assert counts[(2, 3)] == (0, 1.0)
@@ -76,11 +76,11 @@ def test_output_windows_continue_from_prompt_tail():
 
 def test_retrieve_prefers_own_prompt_and_longest_match():
     trie = make(branch_length=5, max_match_length=2, min_retrieved_nodes=1)
-    trie.add_request("mine", [7, 1, 2, 3, 4])
-    trie.add_request("other", [8, 1, 2, 9, 9, 1, 2, 9, 9])
-    tree = trie.retrieve([7, 1, 2], req_id="mine", shape="one")
+    mine = trie.add_request([7, 1, 2, 3, 4])
+    other = trie.add_request([8, 1, 2, 9, 9, 1, 2, 9, 9])
+    tree = trie.retrieve([7, 1, 2], request=mine, shape="one")
     assert list(tree.tokens) == [3, 4]  # matched (1, 2): own prompt outweighs other
-    tree = trie.retrieve([8, 1, 2], req_id="other", shape="one")
+    tree = trie.retrieve([8, 1, 2], request=other, shape="one")
     assert list(tree.tokens)[:2] == [9, 9]
 
 
@@ -89,50 +89,52 @@ def test_retrieve_shortens_match_when_too_few_nodes():
     # "5 3" continues only with 9 1 3 (3 nodes within the 5-token window);
     # "3" alone continues with 9 1 3 4 or 4 6 7 8 (tie -> smaller token first).
     loose = make(branch_length=5, max_match_length=2, min_retrieved_nodes=3)
-    loose.add_request("a", prompt)
-    assert loose.retrieve([5, 3], req_id="a", shape="one").tokens == (9, 1, 3)
+    a = loose.add_request(prompt)
+    assert loose.retrieve([5, 3], request=a, shape="one").tokens == (9, 1, 3)
     strict = make(branch_length=5, max_match_length=2, min_retrieved_nodes=4)
-    strict.add_request("a", prompt)
-    assert strict.retrieve([5, 3], req_id="a", shape="one").tokens == (4, 6, 7, 8)
+    a = strict.add_request(prompt)
+    assert strict.retrieve([5, 3], request=a, shape="one").tokens == (4, 6, 7, 8)
 
 
 def test_hier_tree_merges_prefixes_and_par_does_not():
     trie = make(branch_length=4, max_match_length=1, decoding_length=6, min_retrieved_nodes=1)
-    trie.add_request("a", [0, 10, 11, 12, 0, 10, 11, 13, 0, 10, 14, 15])
-    hier = trie.retrieve([0], req_id="a", shape="hier")
+    a = trie.add_request([0, 10, 11, 12, 0, 10, 11, 13, 0, 10, 14, 15])
+    hier = trie.retrieve([0], request=a, shape="hier")
     assert hier.tokens[0] == 10 and hier.parents[0] == -1
     assert hier.tokens.count(10) == 1  # shared prefix merged
-    par = trie.retrieve([0], req_id="a", shape="par")
+    par = trie.retrieve([0], request=a, shape="par")
     assert par.tokens.count(10) >= 2  # each branch repeats the shared prefix
     assert len(hier) <= 6 and len(par) <= 6
 
 
 def test_finish_eliminates_prompt_counts():
     trie = make()
-    trie.add_request("a", [1, 2, 3])
+    a = trie.add_request([1, 2, 3])
     before = path_counts(trie)
-    trie.add_request("b", [1, 2, 3, 4, 5])
-    trie.finish_request("b")
+    b = trie.add_request([1, 2, 3, 4, 5])
+    trie.finish_request(b)
     assert path_counts(trie) == before
-    trie.finish_request("b")  # idempotent
-    trie.finish_request("a")
+    trie.finish_request(b)  # idempotent
+    trie.finish_request(a)
     assert trie.num_nodes == 0
 
 
-def test_duplicate_request_rejected():
+def test_a_finished_request_cannot_grow_and_loses_its_prompt_weight():
     trie = make()
-    trie.add_request("a", [1])
-    with pytest.raises(KeyError, match="already"):
-        trie.add_request("a", [1])
+    a = trie.add_request([1])
+    trie.finish_request(a)
+    with pytest.raises(ValueError, match="finished"):
+        trie.extend(a, [2])
+    assert trie.num_nodes == 0 and len(trie.retrieve([1], request=a)) == 0
 
 
 def test_prune_respects_capacity_and_keeps_active_prompt_when_possible():
     trie = make(branch_length=4, trie_capacity=64)
-    trie.add_request("a", [1, 2, 3, 4])
+    a = trie.add_request([1, 2, 3, 4])
     trie.insert_output(list(range(100, 400)))
     assert trie.num_nodes <= 64
     assert trie.num_prunes >= 1
-    assert trie.retrieve([1, 2], req_id="a", shape="one").tokens[:2] == (3, 4)
+    assert trie.retrieve([1, 2], request=a, shape="one").tokens[:2] == (3, 4)
 
 
 def test_min_draft_confidence_cuts_uncertain_continuations():
@@ -149,10 +151,10 @@ def test_min_draft_confidence_cuts_uncertain_continuations():
 
 def test_budget_zero_and_empty_context():
     trie = make()
-    trie.add_request("a", [1, 2, 3])
-    assert len(trie.retrieve([1], budget=0, req_id="a")) == 0
-    assert len(trie.retrieve([], req_id="a")) == 0
-    assert len(trie.retrieve([99], req_id="a")) == 0
+    a = trie.add_request([1, 2, 3])
+    assert len(trie.retrieve([1], budget=0, request=a)) == 0
+    assert len(trie.retrieve([], request=a)) == 0
+    assert len(trie.retrieve([99], request=a)) == 0
 
 
 # ------------------------------------------------------------------ properties
@@ -163,19 +165,20 @@ ops = st.lists(
 )
 
 
-def _run(trie: TokenTrie, program) -> dict[int, list[int]]:
-    """Apply a random program; return the live requests' prompts."""
+def _run(trie: TokenTrie, program) -> tuple[dict[int, list[int]], dict[int, TrieRecord]]:
+    """Apply a random program; return the live requests' prompts and records."""
     prompts: dict[int, list[int]] = {}
+    records: dict[int, TrieRecord] = {}
     for op, rid, toks in program:
         if op == "add" and rid not in prompts:
-            trie.add_request(rid, toks)
+            records[rid] = trie.add_request(toks)
             prompts[rid] = toks
         elif op == "extend" and rid in prompts:
-            trie.extend(rid, toks)
-        elif op == "finish":
-            trie.finish_request(rid)
+            trie.extend(records[rid], toks)
+        elif op == "finish" and rid in records:
+            trie.finish_request(records[rid])  # a second finish does nothing
             prompts.pop(rid, None)
-    return prompts
+    return prompts, {rid: records[rid] for rid in prompts}
 
 
 def _check_structure(trie: TokenTrie) -> None:
@@ -191,7 +194,7 @@ def _check_structure(trie: TokenTrie) -> None:
 @given(ops)
 def test_prompt_counts_equal_live_prompt_windows(program):
     trie = make(trie_capacity=1 << 20)  # no pruning: counts are exact
-    prompts = _run(trie, program)
+    prompts, _ = _run(trie, program)
     _check_structure(trie)
     expected = window_counts(list(prompts.values()), trie.knobs.branch_length)
     got = {p: c for p, (c, _) in path_counts(trie).items() if c}
@@ -204,8 +207,8 @@ def test_elimination_restores_prompt_counts(program, extra_prompt):
     trie = make(trie_capacity=1 << 20)
     _run(trie, program)
     before = {p: c for p, (c, _) in path_counts(trie).items()}
-    trie.add_request("new", extra_prompt)
-    trie.finish_request("new")
+    new = trie.add_request(extra_prompt)
+    trie.finish_request(new)
     after = {p: c for p, (c, _) in path_counts(trie).items()}
     assert {p: c for p, c in after.items() if c} == {p: c for p, c in before.items() if c}
 
@@ -224,9 +227,9 @@ def test_capacity_never_exceeded(program, capacity):
 @given(ops, st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(1, 12), st.sampled_from(["hier", "par", "one"]))
 def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, shape):
     trie = make(max_match_length=3, trie_capacity=1 << 20)
-    prompts = _run(trie, program)
-    rid = next(iter(prompts), None)
-    tree = trie.retrieve(context, budget=budget, req_id=rid, shape=shape)
+    _, records = _run(trie, program)
+    record = next(iter(records.values()), None)
+    tree = trie.retrieve(context, budget=budget, request=record, shape=shape)
     assert len(tree) <= budget
     depths = tree.depths
     assert all(d <= trie.knobs.branch_length - 1 for d in depths)
@@ -250,10 +253,10 @@ def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, sha
 @given(ops, st.lists(st.integers(0, 6), min_size=1, max_size=4), st.floats(0.0, 0.9))
 def test_confidence_floor_respected(program, context, floor):
     trie = make(max_match_length=3, trie_capacity=1 << 20)
-    prompts = _run(trie, program)
-    rid = next(iter(prompts), None)
+    _, records = _run(trie, program)
+    record = next(iter(records.values()), None)
     for shape in ("one", "hier", "par"):
-        tree = trie.retrieve(context, budget=8, req_id=rid, shape=shape, min_confidence=floor)
+        tree = trie.retrieve(context, budget=8, request=record, shape=shape, min_confidence=floor)
         assert all(tree.node_confidence(i) >= floor for i in range(len(tree)))
 
 
