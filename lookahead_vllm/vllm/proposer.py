@@ -465,9 +465,8 @@ class LookaheadProposer:
             kinds = None
             self.stats.context_drafts += int(np.count_nonzero(lens))
         else:
-            last = token_ids_cpu[rows[drafting], num_tokens[drafting].astype(np.int64) - 1]
             tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
-                                                           floor, tree_ok, token_ids_cpu, rows, num_tokens, last)
+                                                           floor, tree_ok, token_ids_cpu, rows, num_tokens)
         self._trees, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                      self._step_budget(len(rows)), len(rows),
                                                      self.cost.at_rows(len(rows)), slots[drafting],
@@ -480,7 +479,7 @@ class LookaheadProposer:
 
     def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
-                     num_tokens: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, ...]:
+                     num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
         """The drafting rows' trees from every source (``Drafter.draft``: the
         index's, then the trie's; the Jacobi pool's n-grams after them), each
         cut to its best path where its request may not verify a tree, with
@@ -492,10 +491,12 @@ class LookaheadProposer:
                         for j in picked]
         offers = []
         for d, (tree, kinds) in enumerate(self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode)):
-            st = states[picked[d]]
+            j = picked[d]
+            st = states[j]
             self.stats.context_drafts += KIND_CONTEXT in kinds
-            if st.jacobi is not None:
-                tree, kinds = self._with_pool(st, tree, kinds, int(budgets[d]), int(last[d]))
+            if st.jacobi is not None:  # keyed by the last committed token
+                last = int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1])
+                tree, kinds = self._with_pool(st, tree, kinds, int(budgets[d]), last)
             if not tree_ok[d] and not tree.is_chain():
                 kinds, tree = [kinds[i] for i in tree.best_path()], tree.best_path_tree()
             offers.append((tree, kinds))
@@ -541,13 +542,13 @@ class LookaheadProposer:
                                                 prompt_lens.tolist()):
             if st.length == 0 or n < st.length:
                 st.jacobi = None
-                if not self._verifiable(req_id, st) and st.verifiable is None:
-                    continue  # the runner does not know the request yet: next step
-                if st.verifiable:
+                if self._verifiable(req_id, st):
                     c = self.config.profile
                     st.jacobi = JacobiRequest.from_prompt(
                         token_ids_cpu[i, :min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram,
                         c.jacobi_guesses, *self._window_prior)
+                elif st.verifiable is None:
+                    continue  # the runner does not know the request yet: next step
             elif st.jacobi is not None:
                 st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
             st.length = n
