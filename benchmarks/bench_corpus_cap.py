@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, text: np.ndarray) -> dict[str, Any]:
     while finished < args.requests:
         start = time.perf_counter()
         drafter.sync(slots, rows, table, num, prompts)
-        drafter.draft_chains(slots, budgets, config.profile.min_draft_confidence)
+        drafter.draft_rows(slots, budgets, config.profile.min_draft_confidence, False)
         times.append(time.perf_counter() - start)
         num += args.tokens_per_step
         for row in np.flatnonzero(num >= plen + olen).tolist():

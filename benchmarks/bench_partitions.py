@@ -4,7 +4,7 @@
 reference documentation, whitespace-split words) spread round-robin over 1,
 16 or 256 partitions, after a warm corpus of finished outputs spread the same
 way. Every step each request commits 2 tokens and one ``Drafter.sync`` plus
-one ``Drafter.draft_chains`` cover the batch, as the proposer's chain planner
+one ``Drafter.draft_rows`` cover the batch, as the proposer
 does per engine step (the native index, its back-off included). The
 partition counts are measured interleaved, round by round, so machine noise
 falls on all of them alike. Reports ms per step (median, p90) and the ratio
@@ -73,7 +73,7 @@ class Cell:
         self.num += COMMIT_PER_STEP
         start = time.perf_counter()
         self.drafter.sync(self.slots, self.rows, self.table, self.num, self.prompt_lens, self.parts)
-        self.drafter.draft_chains(self.slots, self.budgets, 0.0)
+        self.drafter.draft_rows(self.slots, self.budgets, 0.0, False)
         return time.perf_counter() - start
 
 

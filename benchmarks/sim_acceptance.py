@@ -171,7 +171,7 @@ def _predicted_bonus(drafter: Drafter, slot: int, n: int) -> int:
     drafter that prepared the next step's draft while the forward runs, for
     the outcome "the whole draft accepted, then this token", would have had
     it right exactly when this is the bonus token."""
-    tokens, _, lengths = drafter.draft_chains(np.asarray([slot]), np.asarray([n + 1]), 0.0)
+    tokens, _, _, lengths = drafter.draft_rows(np.asarray([slot]), np.asarray([n + 1]), 0.0, False)
     return int(tokens[0, n]) if lengths[0] > n else -1
 
 

@@ -219,7 +219,7 @@ class Drafter:
         source only; None otherwise)."""
         out = []
         if self.index is not None:
-            tok, par, conf, lens = self._index_rows(slots, budgets, floor, tree)
+            tok, par, conf, lens = self.draft_rows(slots, budgets, floor, tree)
         for i, slot in enumerate(slots):
             t = DraftTree.empty()
             if self.index is not None and lens[i]:
@@ -234,24 +234,13 @@ class Drafter:
             out.append((t, kinds))
         return out
 
-    def draft_chains(self, slots: np.ndarray, budgets: np.ndarray, floor: float
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The index's chains for many requests as arrays (the proposer's batch
-        path; index source only): ``tokens [R, W]``, ``confidence [R, W]``,
-        ``lengths [R]``, row ``i`` holding ``lengths[i]`` nodes (the back-off
-        index's where the main one finds no candidate)."""
-        tok, _, conf, lens = self._index_rows(slots, budgets, floor, False)
-        return tok, conf, lens
-
-    def draft_trees(self, slots: np.ndarray, budgets: np.ndarray, floor: float, tree: bool = True
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`draft_chains` with the nodes' parents (chains unless
+    def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The index's drafts for many requests as arrays (chains unless
         ``tree``): ``tokens``, ``parents`` (-1: the root; parents first),
-        ``confidence [R, W]`` and ``lengths [R]``."""
-        return self._index_rows(slots, budgets, floor, tree)
-
-    def _index_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        ``confidence [R, W]`` and ``lengths [R]``, row ``i`` holding
+        ``lengths[i]`` nodes (the back-off index's where the main one finds no
+        candidate)."""
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 

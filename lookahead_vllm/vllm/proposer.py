@@ -461,7 +461,7 @@ class LookaheadProposer:
         tree_ok = (np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
                    if self.tree_mode else np.zeros(len(picked), bool))
         if self.config.sources == ("index",):
-            tok, par, raw, lens = self.drafter.draft_trees(slots[drafting], budgets[drafting], floor, self.tree_mode)
+            tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor, self.tree_mode)
             kinds = None
             self.stats.context_drafts += int(np.count_nonzero(lens))
         else:
