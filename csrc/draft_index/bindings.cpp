@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -21,6 +22,7 @@
 
 #include "calibration.h"
 #include "draft_index.h"
+#include "token_trie.h"
 #include "trees.h"
 
 namespace py = pybind11;
@@ -470,6 +472,222 @@ void observe_trees_py(py::array predicted, py::array accepted_table, py::array n
   lookahead::observe_trees(t, rows_in, hits.data(), at.data(), verified.data(), n, prior, half_life);
 }
 
+
+// ------------------------------------------------------------------- trie
+struct BoundTrie {
+  explicit BoundTrie(const lookahead::TrieConfig& config) : core(config) {}
+  lookahead::TokenTrie core;
+  std::mutex mu;
+};
+
+std::unique_ptr<BoundTrie> make_trie(py::handle branch_length, py::handle max_match_length,
+                                     py::handle min_match_length, py::handle min_retrieved_nodes,
+                                     py::handle trie_capacity, double prompt_weight, bool insert_prompt) {
+  lookahead::TrieConfig c;
+  c.branch_length = static_cast<int>(config_int("branch_length", branch_length, 2, 128));
+  c.max_match_length = static_cast<int>(config_int("max_match_length", max_match_length, 1, c.branch_length - 1));
+  c.min_match_length = static_cast<int>(config_int("min_match_length", min_match_length, 1, c.max_match_length));
+  c.min_retrieved_nodes = config_int("min_retrieved_nodes", min_retrieved_nodes, 1, 1 << 16);
+  c.capacity = config_int("trie_capacity", trie_capacity, 64, int64_t{1} << 26);
+  if (!(prompt_weight >= 0.0 && prompt_weight <= 1e9)) {
+    throw py::value_error("prompt_weight=" + std::to_string(prompt_weight) + ": must be in [0.0, 1e9]");
+  }
+  c.prompt_weight = prompt_weight;
+  c.insert_prompt = insert_prompt;
+  return std::make_unique<BoundTrie>(c);
+}
+
+lookahead::TrieShape trie_shape(const std::string& shape) {
+  if (shape == "one") return lookahead::TrieShape::kOne;
+  if (shape == "hier") return lookahead::TrieShape::kHier;
+  if (shape == "par") return lookahead::TrieShape::kPar;
+  throw py::value_error("shape='" + shape + "': must be one of 'one', 'hier', 'par'");
+}
+
+py::tuple flat_tuple(const lookahead::FlatTree& t) {
+  return py::make_tuple(py::cast(t.tokens), py::cast(t.parents), py::cast(t.weights), py::cast(t.conf));
+}
+
+// The trees of many requests as [R, W] arrays (W: the largest budget, at
+// least 1): request i drafts after contexts[i, :context_lens[i]] (its last
+// max_match_length tokens are read), for record handles[i] (-1: none).
+py::tuple retrieve_rows(BoundTrie& b, py::handle handles_obj, const py::array& contexts, py::handle lens_obj,
+                        py::handle budgets_obj, double floor, const std::string& shape) {
+  const lookahead::TrieShape s = trie_shape(shape);
+  const TokenTable table(contexts);
+  const IntArray handles = int_array(handles_obj, "handles"), lens = int_array(lens_obj, "context_lens");
+  const IntArray budgets = int_array(budgets_obj, "budgets");
+  const int64_t batch = handles.shape(0);
+  if (lens.shape(0) != batch || budgets.shape(0) != batch || table.rows != batch) {
+    throw py::value_error("handles, contexts, context_lens and budgets must have the same length");
+  }
+  const int64_t *num = lens.data(), *budget = budgets.data(), *handle = handles.data();
+  int64_t width = 1;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (num[i] < 0 || num[i] > table.cols) {
+      throw py::value_error("context_lens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
+                            ": must be in [0, " + std::to_string(table.cols) + "]");
+    }
+    if (budget[i] > INT32_MAX) throw py::value_error("budgets must be < 2**31");
+    width = std::max(width, budget[i]);
+  }
+  py::array_t<int32_t> tokens({batch, width}), parents({batch, width});
+  py::array_t<double> weights({batch, width}), conf({batch, width});
+  py::array_t<int64_t> lengths(batch);
+  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
+  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
+  int64_t* len = lengths.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    std::fill(tok, tok + batch * width, 0);
+    std::fill(par, par + batch * width, -1);
+    std::fill(wt, wt + batch * width, 0.0);
+    std::fill(cf, cf + batch * width, 0.0);
+    std::lock_guard<std::mutex> lock(b.mu);
+    const int64_t span = b.core.config().max_match_length;
+    std::vector<int32_t> context;
+    lookahead::FlatTree tree;
+    for (int64_t i = 0; i < batch; ++i) {
+      table.read(i, std::max<int64_t>(0, num[i] - span), num[i], context);
+      b.core.retrieve(context.data(), context.size(), budget[i], handle[i], s, floor, tree);
+      len[i] = static_cast<int64_t>(tree.size());
+      std::copy(tree.tokens.begin(), tree.tokens.end(), tok + i * width);
+      std::copy(tree.parents.begin(), tree.parents.end(), par + i * width);
+      std::copy(tree.weights.begin(), tree.weights.end(), wt + i * width);
+      std::copy(tree.conf.begin(), tree.conf.end(), cf + i * width);
+    }
+  }
+  return py::make_tuple(tokens, parents, weights, conf, lengths);
+}
+
+// Many requests' new tokens in one call: handles[i] gets
+// token_ids[rows[i], starts[i]:ends[i]] (rows whose handle is unknown: KeyError).
+void extend_rows(BoundTrie& b, py::handle handles_obj, const py::array& token_ids, py::handle rows_obj,
+                 py::handle starts_obj, py::handle ends_obj) {
+  const TokenTable table(token_ids);
+  const IntArray handles = int_array(handles_obj, "handles"), rows = int_array(rows_obj, "rows");
+  const IntArray starts = int_array(starts_obj, "starts"), ends = int_array(ends_obj, "ends");
+  const int64_t batch = handles.shape(0);
+  if (rows.shape(0) != batch || starts.shape(0) != batch || ends.shape(0) != batch) {
+    throw py::value_error("handles, rows, starts and ends must have the same length");
+  }
+  const int64_t *h = handles.data(), *row = rows.data(), *start = starts.data(), *end = ends.data();
+  std::lock_guard<std::mutex> lock(b.mu);
+  for (int64_t i = 0; i < batch; ++i) {
+    if (row[i] < 0 || row[i] >= table.rows || start[i] < 0 || start[i] > end[i] || end[i] > table.cols) {
+      throw py::index_error("rows[" + std::to_string(i) + "]=" + std::to_string(row[i]) + ", tokens " +
+                            std::to_string(start[i]) + ":" + std::to_string(end[i]) + ": outside token_ids");
+    }
+    if (!b.core.has_request(h[i])) {
+      throw py::key_error("handles[" + std::to_string(i) + "]=" + std::to_string(h[i]) + ": no such running request");
+    }
+  }
+  py::gil_scoped_release nogil;
+  std::vector<int32_t> tokens;
+  for (int64_t i = 0; i < batch; ++i) {
+    table.read(row[i], start[i], end[i], tokens);
+    b.core.extend(h[i], tokens.data(), tokens.size());
+  }
+}
+
+void bind_trie(py::module_& m) {
+  py::class_<BoundTrie>(m, "TokenTrie")
+      .def(py::init(&make_trie), py::arg("branch_length"), py::arg("max_match_length"), py::arg("min_match_length"),
+           py::arg("min_retrieved_nodes"), py::arg("trie_capacity"), py::arg("prompt_weight"),
+           py::arg("insert_prompt"))
+      .def_property_readonly("num_nodes",
+                             [](BoundTrie& b) {
+                               std::lock_guard<std::mutex> lock(b.mu);
+                               return b.core.num_nodes();
+                             })
+      .def_property_readonly("num_prunes",
+                             [](BoundTrie& b) {
+                               std::lock_guard<std::mutex> lock(b.mu);
+                               return b.core.num_prunes();
+                             })
+      .def("memory_bytes",
+           [](BoundTrie& b) {
+             std::lock_guard<std::mutex> lock(b.mu);
+             return b.core.memory_bytes();
+           })
+      .def(
+          "add_request",
+          [](BoundTrie& b, py::handle prompt) {
+            const std::vector<int32_t> t = token_vector(prompt);
+            std::lock_guard<std::mutex> lock(b.mu);
+            return b.core.add_request(t.data(), t.size());
+          },
+          py::arg("prompt"))
+      .def(
+          "finish_request",
+          [](BoundTrie& b, int64_t handle) {
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.finish_request(handle);
+          },
+          py::arg("handle"))
+      .def(
+          "extend",
+          [](BoundTrie& b, int64_t handle, py::handle tokens) {
+            const std::vector<int32_t> t = token_vector(tokens);
+            std::lock_guard<std::mutex> lock(b.mu);
+            if (!b.core.extend(handle, t.data(), t.size())) throw py::value_error("extend: the request has finished");
+          },
+          py::arg("handle"), py::arg("tokens"))
+      .def(
+          "insert_output",
+          [](BoundTrie& b, py::handle tokens) {
+            const std::vector<int32_t> t = token_vector(tokens);
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.insert_output(t.data(), t.size());
+          },
+          py::arg("tokens"))
+      .def(
+          "retrieve",
+          [](BoundTrie& b, py::handle context, int64_t budget, int64_t handle, const std::string& shape,
+             double floor) {
+            const std::vector<int32_t> t = token_vector(context);
+            const lookahead::TrieShape s = trie_shape(shape);
+            lookahead::FlatTree tree;
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.retrieve(t.data(), t.size(), budget, handle, s, floor, tree);
+            return flat_tuple(tree);
+          },
+          py::arg("context"), py::arg("budget"), py::arg("handle"), py::arg("shape"), py::arg("floor"))
+      .def("retrieve_rows", &retrieve_rows, py::arg("handles"), py::arg("contexts"), py::arg("context_lens"),
+           py::arg("budgets"), py::arg("floor"), py::arg("shape"))
+      .def("extend_rows", &extend_rows, py::arg("handles"), py::arg("token_ids"), py::arg("rows"), py::arg("starts"),
+           py::arg("ends"))
+      .def("output_counts",
+           [](BoundTrie& b) {
+             std::vector<int32_t> parents, tokens;
+             std::vector<double> counts;
+             {
+               std::lock_guard<std::mutex> lock(b.mu);
+               b.core.output_counts(parents, tokens, counts);
+             }
+             return py::make_tuple(py::cast(parents), py::cast(tokens), py::cast(counts));
+           })
+      .def(
+          "load_output_counts",
+          [](BoundTrie& b, py::handle parents_obj, py::handle tokens_obj, py::handle counts_obj) {
+            const std::vector<int32_t> parents = token_vector(parents_obj), tokens = token_vector(tokens_obj);
+            const DoubleArray counts = DoubleArray::ensure(counts_obj);
+            if (!counts || counts.ndim() != 1) throw py::type_error("counts must be a 1-D sequence of floats");
+            if (parents.size() != tokens.size() || static_cast<py::ssize_t>(tokens.size()) != counts.shape(0)) {
+              throw py::value_error("parents, tokens and counts must have the same length");
+            }
+            std::lock_guard<std::mutex> lock(b.mu);
+            if (!b.core.load_output_counts(parents.data(), tokens.data(), counts.data(), tokens.size())) {
+              throw py::value_error("parents: every row's parent must be -1 or an earlier row");
+            }
+          },
+          py::arg("parents"), py::arg("tokens"), py::arg("counts"))
+      .def("prune", [](BoundTrie& b) {
+        std::lock_guard<std::mutex> lock(b.mu);
+        b.core.prune();
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_draft_index, m) {
@@ -598,4 +816,5 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
         py::arg("factor"), py::arg("edges"), py::arg("raw"), py::arg("kinds"), py::arg("hits"), py::arg("at"),
         py::arg("verified"), py::arg("prior"), py::arg("half_life"));
+  bind_trie(m);
 }

@@ -5,8 +5,10 @@ It owns the sources that draft from text (``config.sources``):
   index  core/draft_index.py (native when built): the continuations of the
          longest earlier matches in the request's own text and in every
          request's output; one ``sync`` and one ``draft_batch`` per step.
-  trie   core/trie.py with the context chain of core/context_match.py (pure
-         Python, per request; the engine's older source).
+  trie   core/trie.py (native when built: csrc/draft_index/token_trie.h)
+         with the context chain of core/context_match.py; one ``extend_rows``
+         in ``sync`` and one ``retrieve_rows`` per step, the merge with the
+         index's tree or the context chain per request.
 
 Requests are named by integer *slots* the caller assigns (the proposer maps
 vLLM's request ids to slots). Per step the caller hands the runner's token
@@ -37,7 +39,7 @@ from lookahead_vllm.core.context_match import ContextIndex, with_context
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.partitions import Partitions
-from lookahead_vllm.core.trie import TokenTrie, TrieRecord
+from lookahead_vllm.core.trie import TrieRecord, make_trie, row_tree
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
@@ -54,7 +56,7 @@ class TrieRequest:
     index (profile ``context_match``)."""
 
     inserted: int = 0
-    trie: TrieRecord | None = None
+    trie: TrieRecord | int | None = None
     context: ContextIndex | None = None
 
 
@@ -79,7 +81,7 @@ class Drafter:
         self.backoff = None
         if config.uses_index and knobs.index_backoff:
             self.backoff = make_index(config, native, knobs.index_backoff)
-        self.trie = TokenTrie(config) if config.uses_trie else None
+        self.trie = make_trie(config, native) if config.uses_trie else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
@@ -152,30 +154,39 @@ class Drafter:
         if self.index is not None:  # and its back-off, in one call
             rewound.append(self.index.sync(*args, backoff=self.backoff, partitions=partitions))
         if self.trie is not None:
-            rewound.append(sum(self._sync_trie(int(slot), token_ids[int(row)], int(n), int(plen), int(part))
-                               for slot, row, n, plen, part in zip(*args[:2], *args[3:], partitions)))
+            rewound.append(self._sync_trie(args[0], args[1], token_ids, args[3], args[4], partitions))
         return int(rewound[0]) if rewound else 0
 
-    def _sync_trie(self, slot: int, tokens: np.ndarray, n: int, prompt_len: int, partition: int = DEFAULT) -> bool:
-        if partition != DEFAULT:  # the trie is shared: only the default partition's requests use it
-            self._trie_requests.setdefault(slot, TrieRequest())
-            return False
-        req = self._trie_requests.get(slot)
-        rewound = req is not None and n < req.inserted
-        if rewound:  # the runner rewound tokens: start over
-            self._finish_trie(slot)
-            req = None
-        if req is None:
-            prompt = tokens[:min(prompt_len, n)].tolist()
-            width = self.config.profile.context_match
-            req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt),
-                                                          ContextIndex(width, prompt) if width else None)
-        if n > req.inserted:
-            new = tokens[req.inserted:n].tolist()
-            self.trie.extend(req.trie, new)
-            if req.context is not None:
-                req.context.extend(new)
-            req.inserted = n
+    def _sync_trie(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+                   prompt_lens: np.ndarray, partitions: np.ndarray) -> int:
+        """The trie's side of :meth:`sync`: requests admitted (or started over
+        where the runner rewound them) one by one, then every request's new
+        tokens in one ``extend_rows`` call."""
+        rewound = 0
+        grown: list[tuple[TrieRecord | int, int, int, int]] = []  # (record, row, start, end)
+        width = self.config.profile.context_match
+        for slot, row, n, plen, part in zip(slots.tolist(), rows.tolist(), num_tokens.tolist(), prompt_lens.tolist(),
+                                            partitions.tolist()):
+            if part != DEFAULT:  # the trie is shared: only the default partition's requests use it
+                self._trie_requests.setdefault(slot, TrieRequest())
+                continue
+            req = self._trie_requests.get(slot)
+            if req is not None and n < req.inserted:  # the runner rewound tokens: start over
+                rewound += 1
+                self._finish_trie(slot)
+                req = None
+            if req is None:
+                prompt = token_ids[row, :min(plen, n)].tolist()
+                req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt),
+                                                              ContextIndex(width, prompt) if width else None)
+            if n > req.inserted:
+                grown.append((req.trie, row, req.inserted, n))
+                if req.context is not None:
+                    req.context.extend(token_ids[row, req.inserted:n].tolist())
+                req.inserted = n
+        if grown:
+            records, grown_rows, starts, ends = map(list, zip(*grown))
+            self.trie.extend_rows(records, token_ids, grown_rows, starts, ends)
         return rewound
 
     def _indexes(self) -> list[Any]:
@@ -220,19 +231,36 @@ class Drafter:
         out = []
         if self.index is not None:
             tok, par, conf, lens = self.draft_rows(slots, budgets, floor, tree)
+        if self.trie is not None:
+            trie_rows, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
         for i, slot in enumerate(slots):
             t = DraftTree.empty()
             if self.index is not None and lens[i]:
                 t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
             n_index = len(t)
             context = 0
-            req = self._trie_requests.get(int(slot))
-            if self.trie is not None and budgets[i] > 0 and (req is None or req.trie is not None):
-                record = None if req is None else req.trie  # a slot never synced drafts with no prompt of its own
-                t, context = self._draft_trie(int(slot), record, contexts[i], int(budgets[i]), floor, t)
+            if self.trie is not None and trie_budgets[i] > 0:
+                t, context = self._with_trie(int(slot), row_tree(trie_rows, i), int(budgets[i]), floor, t)
             kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
             out.append((t, kinds))
         return out
+
+    def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: Sequence[int],
+                   floor: float) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """The trie's trees for the rows, in one ``retrieve_rows`` call, and
+        the budgets they had (0 where a request of another partition stays
+        off the shared trie)."""
+        records, trie_budgets = [], np.zeros(len(slots), np.int64)
+        for i, slot in enumerate(slots):
+            req = self._trie_requests.get(int(slot))
+            if req is None or req.trie is not None:  # a slot never synced drafts with no prompt of its own
+                trie_budgets[i] = budgets[i]
+            records.append(None if req is None else req.trie)
+        lens = np.fromiter(map(len, contexts), np.int64, len(contexts))
+        padded = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
+        for i, context in enumerate(contexts):
+            padded[i, :lens[i]] = context
+        return self.trie.retrieve_rows(records, padded, lens, trie_budgets, floor), trie_budgets
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -244,9 +272,11 @@ class Drafter:
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
-    def _draft_trie(self, slot: int, record: TrieRecord | None, context: Sequence[int], budget: int, floor: float,
-                    lead: DraftTree) -> tuple[DraftTree, int]:
-        trie_tree = self.trie.retrieve(list(context), budget=budget, request=record, min_confidence=floor)
+    def _with_trie(self, slot: int, trie_tree: DraftTree, budget: int, floor: float, lead: DraftTree
+                   ) -> tuple[DraftTree, int]:
+        """The row's draft with the trie's tree merged after the index's
+        (``lead``) or, with no index draft, after the request's context chain;
+        and the context chain's length."""
         if len(lead):
             return lead.merged(trie_tree, budget), 0
         index = self.context_index(slot)

@@ -35,7 +35,9 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_tree import DraftTree
@@ -179,6 +181,29 @@ class TokenTrie:
                 if len(best) >= budget:
                     break
         return best
+
+    def retrieve_rows(self, records: Sequence["TrieRecord | None"], contexts: np.ndarray, context_lens: np.ndarray,
+                      budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
+        """:meth:`retrieve` for many requests as ``[R, W]`` arrays (``W`` the
+        largest budget, at least 1): request ``i`` drafts after
+        ``contexts[i, :context_lens[i]]`` for ``records[i]`` (None: no
+        record); ``tokens``, ``parents`` (-1: the root), ``weights``,
+        ``confidence`` and ``lengths [R]``."""
+        width = max([1, *map(int, budgets)])
+        out = rows_of(len(records), width)
+        span = self.knobs.max_match_length
+        for i, record in enumerate(records):
+            n = int(context_lens[i])
+            tree = self.retrieve(contexts[i, max(0, n - span):n].tolist(), int(budgets[i]), record, shape, floor)
+            fill_row(out, i, tree)
+        return out
+
+    def extend_rows(self, records: Sequence[TrieRecord], token_ids: np.ndarray, rows: Sequence[int],
+                    starts: Sequence[int], ends: Sequence[int]) -> None:
+        """:meth:`extend` for many requests: ``records[i]`` gets
+        ``token_ids[rows[i], starts[i]:ends[i]]``."""
+        for record, row, start, end in zip(records, rows, starts, ends):
+            self.extend(record, token_ids[int(row), int(start):int(end)].tolist())
 
     def _select(self, start: _Node, budget: int, max_depth: int, shape: str, slot: int, floor: float) -> DraftTree:
         if shape == "one":
@@ -457,3 +482,107 @@ def _draft_tree(
         tuple(picked[n] for n, _ in entries),
         tuple(confidence[n] for n, _ in entries),
     )
+
+
+def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
+    """Empty ``[count, width]`` draft rows: tokens, parents (-1), weights,
+    confidence, and the lengths."""
+    return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
+            np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
+
+
+def fill_row(rows: tuple[np.ndarray, ...], i: int, tree: DraftTree) -> None:
+    """Write ``tree`` into row ``i`` of :func:`rows_of`'s arrays."""
+    n = len(tree)
+    tokens, parents, weights, conf, lengths = rows
+    tokens[i, :n], parents[i, :n], weights[i, :n] = tree.tokens, tree.parents, tree.weights
+    conf[i, :n] = [tree.node_confidence(j) for j in range(n)]
+    lengths[i] = n
+
+
+def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
+    """Row ``i`` of draft rows as a :class:`DraftTree`."""
+    tokens, parents, weights, conf, lengths = rows
+    n = int(lengths[i])
+    return DraftTree(tuple(tokens[i, :n].tolist()), tuple(parents[i, :n].tolist()), tuple(weights[i, :n].tolist()),
+                     tuple(conf[i, :n].tolist()))
+
+
+class NativeTrie:
+    """The native trie (``csrc/draft_index/token_trie.h``) behind
+    :class:`TokenTrie`'s interface: the same trees, counts and tables
+    (tests hold the two together); a request's record is an int handle."""
+
+    native = True
+
+    def __init__(self, config: Settings, core: Any) -> None:
+        self.config = config
+        self.knobs = config.profile
+        self._core = core
+
+    @property
+    def num_nodes(self) -> int:
+        return self._core.num_nodes
+
+    @property
+    def num_prunes(self) -> int:
+        return self._core.num_prunes
+
+    @property
+    def num_bytes(self) -> int:
+        return self._core.memory_bytes()
+
+    def add_request(self, prompt: Sequence[int]) -> int:
+        return self._core.add_request(prompt)
+
+    def finish_request(self, record: int) -> None:
+        self._core.finish_request(record)
+
+    def extend(self, record: int, tokens: Iterable[int]) -> None:
+        self._core.extend(record, list(tokens))
+
+    def insert_output(self, tokens: Sequence[int]) -> None:
+        self._core.insert_output(tokens)
+
+    def retrieve(self, context: Sequence[int], budget: int | None = None, request: int | None = None,
+                 shape: str | None = None, min_confidence: float | None = None) -> DraftTree:
+        budget = self.config.decoding_length if budget is None else budget
+        floor = self.knobs.min_draft_confidence if min_confidence is None else min_confidence
+        tokens, parents, weights, conf = self._core.retrieve(
+            list(context), budget, -1 if request is None else request, shape or self.config.draft_shape, floor)
+        return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(conf))
+
+    def retrieve_rows(self, records: Sequence[int | None], contexts: np.ndarray, context_lens: np.ndarray,
+                      budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
+        handles = np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
+        return self._core.retrieve_rows(handles, contexts, context_lens, budgets, float(floor),
+                                        shape or self.config.draft_shape)
+
+    def extend_rows(self, records: Sequence[int], token_ids: np.ndarray, rows: Sequence[int], starts: Sequence[int],
+                    ends: Sequence[int]) -> None:
+        self._core.extend_rows(records, token_ids, rows, starts, ends)
+
+    def output_counts(self) -> tuple[list[int], list[int], list[float]]:
+        return self._core.output_counts()
+
+    def load_output_counts(self, parents: Sequence[int], tokens: Sequence[int], counts: Sequence[float]) -> None:
+        self._core.load_output_counts(parents, tokens, counts)
+
+    def prune(self) -> None:
+        self._core.prune()
+
+
+def make_trie(config: Settings, native: bool | None = None) -> "TokenTrie | NativeTrie":
+    """The trie for ``config``: native when built (``native=None``),
+    required (True: ImportError if not built) or the reference (False)."""
+    from lookahead_vllm.core.native import BUILD_HINT, load_extension
+
+    module = load_extension() if native is not False else None
+    if module is None:
+        if native:
+            raise ImportError(f"lookahead_vllm._draft_index is not built: {BUILD_HINT}")
+        return TokenTrie(config)
+    k = config.profile
+    core = module.TokenTrie(k.branch_length, k.max_match_length, k.min_match_length, k.min_retrieved_nodes,
+                            k.trie_capacity, float(k.prompt_weight), bool(k.insert_prompt))
+    return NativeTrie(config, core)

@@ -1,0 +1,543 @@
+// TokenTrie (token_trie.h): the reference lookahead_vllm/core/trie.py,
+// natively. Each function names the reference's it follows; where the order
+// of floating-point sums or of ties matters, it is the reference's.
+#include "token_trie.h"
+
+#include <algorithm>
+#include <functional>
+#include <queue>
+#include <tuple>
+
+namespace lookahead {
+
+namespace {
+
+constexpr double kPruneTarget = 0.75;  // trie.PRUNE_TARGET
+
+uint64_t edge_key(int32_t parent, int32_t token) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(parent)) << 32) | static_cast<uint32_t>(token);
+}
+
+}  // namespace
+
+void FlatTree::clear() {
+  tokens.clear();
+  parents.clear();
+  weights.clear();
+  conf.clear();
+}
+
+void FlatTree::push(int32_t token, int32_t parent, double weight, double confidence) {
+  tokens.push_back(token);
+  parents.push_back(parent);
+  weights.push_back(weight);
+  conf.push_back(confidence);
+}
+
+void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
+  // (parent, token) -> node; a repeated pair keeps its last node, as the
+  // reference's dict does.
+  std::unordered_map<uint64_t, int32_t> index;
+  for (size_t i = 0; i < self.size(); ++i) index[edge_key(self.parents[i], self.tokens[i])] = static_cast<int32_t>(i);
+  constexpr int32_t kUnmapped = INT32_MIN;
+  std::vector<int32_t> mapped(other.size(), kUnmapped);
+  for (size_t j = 0; j < other.size(); ++j) {
+    const int32_t parent = other.parents[j];
+    const int32_t at = parent < 0 ? -1 : mapped[parent];
+    if (at == kUnmapped) continue;  // its parent did not fit
+    const uint64_t key = edge_key(at, other.tokens[j]);
+    auto it = index.find(key);
+    if (it == index.end()) {
+      if (static_cast<int64_t>(self.size()) >= budget) continue;
+      it = index.emplace(key, static_cast<int32_t>(self.size())).first;
+      self.push(other.tokens[j], at, other.conf[j], other.conf[j]);
+    }
+    mapped[j] = it->second;
+  }
+}
+
+TokenTrie::TokenTrie(const TrieConfig& config) : config_(config) {
+  nodes_.emplace_back();
+  nodes_[0].token = -1;
+  nodes_[0].alive = true;
+}
+
+int64_t TokenTrie::memory_bytes() const {
+  int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t));
+  for (const Node& n : nodes_) {
+    total += static_cast<int64_t>(n.children.capacity() * sizeof(int32_t) +
+                                  n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
+  }
+  // Hash nodes (key, value, next pointer, cached hash) and buckets.
+  total += static_cast<int64_t>(edges_.size() * 32 + edges_.bucket_count() * sizeof(void*));
+  for (const auto& [handle, req] : requests_) {
+    total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt_nodes.capacity() * sizeof(NodeRef) +
+                                  req.prompt_counts.capacity() * sizeof(int64_t) +
+                                  req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
+  }
+  return total;
+}
+
+// _Node.weight
+double TokenTrie::weight(int32_t id, int64_t slot) const {
+  const Node& n = nodes_[id];
+  int64_t own = 0;
+  for (const auto& [s, c] : n.prompt) {
+    if (s == slot) {
+      own = c;
+      break;
+    }
+  }
+  return config_.prompt_weight * static_cast<double>(own) + static_cast<double>(n.ptotal - own) + n.out;
+}
+
+// _children_total: summed in insertion order, as the reference's sum() does.
+double TokenTrie::children_total(int32_t id) const {
+  double total = 0.0;
+  for (int32_t c : nodes_[id].children) total += raw(c);
+  return total;
+}
+
+// _is_empty
+bool TokenTrie::is_empty(int32_t id) const {
+  const Node& n = nodes_[id];
+  return n.children.empty() && n.ptotal == 0 && n.out < 1;
+}
+
+int TokenTrie::depth(int32_t id) const {
+  int d = 0;
+  while (nodes_[id].parent >= 0) {
+    id = nodes_[id].parent;
+    ++d;
+  }
+  return d;
+}
+
+int32_t TokenTrie::find_child(int32_t id, int32_t token) const {
+  const auto it = edges_.find(edge_key(id, token));
+  return it == edges_.end() ? -1 : it->second;
+}
+
+// _child
+int32_t TokenTrie::child(int32_t id, int32_t token) {
+  const int32_t found = find_child(id, token);
+  if (found >= 0) return found;
+  int32_t fresh;
+  if (!free_.empty()) {
+    fresh = free_.back();
+    free_.pop_back();
+  } else {
+    fresh = static_cast<int32_t>(nodes_.size());
+    nodes_.emplace_back();
+  }
+  Node& n = nodes_[fresh];
+  n.token = token;
+  n.parent = id;
+  n.serial = ++serial_;
+  n.out = 0.0;
+  n.ptotal = 0;
+  n.alive = true;
+  n.children.clear();
+  n.prompt.clear();
+  nodes_[id].children.push_back(fresh);
+  edges_.emplace(edge_key(id, token), fresh);
+  ++num_nodes_;
+  return fresh;
+}
+
+// _walk: the node the path reaches, or -1 (create=false and a token is missing).
+int32_t TokenTrie::walk(const int32_t* tokens, size_t n, bool create) {
+  int32_t node = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t next = find_child(node, tokens[i]);
+    if (next < 0) {
+      if (!create) return -1;
+      node = child(node, tokens[i]);
+    } else {
+      node = next;
+    }
+  }
+  return node;
+}
+
+// add_request
+int64_t TokenTrie::add_request(const int32_t* prompt, size_t n) {
+  const int64_t slot = next_slot_++;
+  Request& req = requests_[slot];
+  if (config_.insert_prompt) insert_prompt(slot, req, prompt, n);
+  const size_t open = std::min(n, static_cast<size_t>(config_.branch_length - 1));
+  req.window.assign(prompt + n - open, prompt + n);
+  for (size_t j = 0; j < open; ++j) req.cursors.push_back(ref(walk(req.window.data() + j, open - j, true)));
+  maybe_prune();
+  return slot;
+}
+
+// _insert_prompt
+void TokenTrie::insert_prompt(int64_t slot, Request& req, const int32_t* prompt, size_t n) {
+  const size_t lb = static_cast<size_t>(config_.branch_length);
+  std::unordered_map<int32_t, size_t> at;  // node -> its entry in req.prompt_nodes (no node dies meanwhile)
+  for (size_t i = 0; i < n; ++i) {
+    int32_t node = 0;
+    for (size_t k = i; k < std::min(n, i + lb); ++k) {
+      node = child(node, prompt[k]);
+      Node& nd = nodes_[node];
+      if (!nd.prompt.empty() && nd.prompt.back().first == slot) {
+        ++nd.prompt.back().second;  // this request counted here last
+      } else {
+        nd.prompt.emplace_back(slot, 1);
+      }
+      ++nd.ptotal;
+      const auto [it, fresh] = at.emplace(node, req.prompt_nodes.size());
+      if (fresh) {
+        req.prompt_nodes.push_back(ref(node));
+        req.prompt_counts.push_back(1);
+      } else {
+        ++req.prompt_counts[it->second];
+      }
+    }
+  }
+}
+
+// finish_request
+void TokenTrie::finish_request(int64_t handle) {
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) return;
+  Request req = std::move(it->second);
+  requests_.erase(it);
+  std::vector<std::pair<int, int32_t>> live_nodes;  // (depth, node), first-count order
+  for (size_t i = 0; i < req.prompt_nodes.size(); ++i) {
+    const NodeRef& r = req.prompt_nodes[i];
+    if (!live(r)) continue;  // pruned: its counts went with it
+    Node& n = nodes_[r.id];
+    for (size_t k = 0; k < n.prompt.size(); ++k) {
+      if (n.prompt[k].first == handle) {
+        n.prompt.erase(n.prompt.begin() + static_cast<std::ptrdiff_t>(k));
+        n.ptotal -= req.prompt_counts[i];
+        break;
+      }
+    }
+    live_nodes.emplace_back(depth(r.id), r.id);
+  }
+  // Deepest first (stable, as sorted(..., reverse=True) is).
+  std::stable_sort(live_nodes.begin(), live_nodes.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<int64_t> serials;
+  for (const auto& [d, id] : live_nodes) serials.push_back(nodes_[id].serial);
+  for (size_t i = 0; i < live_nodes.size(); ++i) {
+    const int32_t id = live_nodes[i].second;
+    if (live({id, serials[i]})) drop_if_empty(id);
+  }
+}
+
+bool TokenTrie::extend(int64_t handle, const int32_t* tokens, size_t n) {
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) return false;
+  for (size_t i = 0; i < n; ++i) extend_one(it->second, tokens[i]);
+  maybe_prune();
+  return true;
+}
+
+void TokenTrie::insert_output(const int32_t* tokens, size_t n) {
+  Request req;
+  for (size_t i = 0; i < n; ++i) extend_one(req, tokens[i]);
+  maybe_prune();
+}
+
+// _extend_one
+void TokenTrie::extend_one(Request& req, int32_t token) {
+  std::vector<NodeRef> cursors;
+  cursors.reserve(req.cursors.size() + 1);
+  for (size_t j = 0; j < req.cursors.size(); ++j) {
+    int32_t node = req.cursors[j].id;
+    if (!live(req.cursors[j])) node = walk(req.window.data() + j, req.window.size() - j, true);
+    const int32_t c = child(node, token);
+    nodes_[c].out += 1.0;
+    cursors.push_back(ref(c));
+  }
+  const int32_t first = child(0, token);
+  nodes_[first].out += 1.0;
+  cursors.push_back(ref(first));
+  req.window.push_back(token);
+  if (req.window.size() >= static_cast<size_t>(config_.branch_length)) {
+    req.window.erase(req.window.begin());
+    cursors.erase(cursors.begin());
+  }
+  req.cursors = std::move(cursors);
+}
+
+// _drop_if_empty
+void TokenTrie::drop_if_empty(int32_t id) {
+  while (id != 0 && nodes_[id].alive && is_empty(id)) {
+    const int32_t parent = nodes_[id].parent;
+    detach(id);
+    id = parent;
+  }
+}
+
+// _detach: the node and its subtree go; their slots are reused.
+void TokenTrie::detach(int32_t id) {
+  std::vector<int32_t>& siblings = nodes_[nodes_[id].parent].children;
+  siblings.erase(std::find(siblings.begin(), siblings.end(), id));
+  std::vector<int32_t> stack{id};
+  while (!stack.empty()) {
+    const int32_t n = stack.back();
+    stack.pop_back();
+    Node& nd = nodes_[n];
+    nd.alive = false;
+    edges_.erase(edge_key(nd.parent, nd.token));
+    stack.insert(stack.end(), nd.children.begin(), nd.children.end());
+    nd.children.clear();
+    nd.prompt.clear();
+    free_.push_back(n);
+    --num_nodes_;
+  }
+}
+
+void TokenTrie::maybe_prune() {
+  if (num_nodes_ > config_.capacity) prune();
+}
+
+// Every live node but the root, parents before their descendants.
+void TokenTrie::preorder(std::vector<int32_t>& out) const {
+  out.clear();
+  std::vector<int32_t> stack(nodes_[0].children.begin(), nodes_[0].children.end());
+  while (!stack.empty()) {
+    const int32_t n = stack.back();
+    stack.pop_back();
+    out.push_back(n);
+    stack.insert(stack.end(), nodes_[n].children.begin(), nodes_[n].children.end());
+  }
+}
+
+// prune
+void TokenTrie::prune() {
+  const int64_t target = static_cast<int64_t>(static_cast<double>(config_.capacity) * kPruneTarget);
+  std::vector<int32_t> order;
+  preorder(order);
+  for (int32_t n : order) nodes_[n].out *= 0.5;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    if (is_empty(*it)) detach(*it);  // bottom-up: a node's subtree went before it is asked
+  }
+  if (num_nodes_ > target) drop_lightest_leaves(num_nodes_ - target);
+  ++num_prunes_;
+}
+
+// _drop_lightest_leaves: lightest raw count first, ties by creation.
+void TokenTrie::drop_lightest_leaves(int64_t count) {
+  using Entry = std::tuple<double, int64_t, int32_t>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  std::vector<int32_t> order;
+  preorder(order);
+  for (int32_t n : order) {
+    if (nodes_[n].children.empty()) heap.emplace(raw(n), nodes_[n].serial, n);
+  }
+  while (!heap.empty() && count > 0) {
+    const int32_t n = std::get<2>(heap.top());
+    heap.pop();
+    const int32_t parent = nodes_[n].parent;
+    detach(n);
+    --count;
+    if (parent != 0 && nodes_[parent].children.empty()) heap.emplace(raw(parent), nodes_[parent].serial, parent);
+  }
+}
+
+// ------------------------------------------------------------- retrieval
+
+// retrieve
+void TokenTrie::retrieve(const int32_t* context, size_t n, int64_t budget, int64_t handle, TrieShape shape,
+                         double floor, FlatTree& out) {
+  out.clear();
+  if (budget <= 0 || n == 0) return;
+  const int64_t slot = requests_.count(handle) ? handle : -1;
+  FlatTree tree;
+  const int64_t longest = std::min<int64_t>(config_.max_match_length, static_cast<int64_t>(n));
+  for (int64_t m = longest; m >= config_.min_match_length; --m) {
+    const int32_t node = walk(context + n - m, static_cast<size_t>(m), false);
+    if (node < 0 || nodes_[node].children.empty()) continue;
+    const int64_t max_depth = config_.branch_length - m;
+    tree.clear();
+    if (shape == TrieShape::kOne) {
+      select_chain(node, std::min(budget, max_depth), slot, floor, tree);
+      if (tree.size() > out.size()) out = tree;
+      if (static_cast<int64_t>(tree.size()) >= std::min(config_.min_retrieved_nodes, budget)) break;
+    } else {
+      best_first(node, budget, max_depth, slot, floor);
+      if (shape == TrieShape::kHier) {
+        flatten_dfs(node, tree);
+      } else {
+        flatten_parallel(node, budget, tree);
+      }
+      if (out.size()) {
+        merge_tree(out, tree, budget);
+      } else {
+        out = tree;
+      }
+      if (static_cast<int64_t>(out.size()) >= budget) break;
+    }
+  }
+}
+
+// _select_chain: the heaviest child at every depth (ties: the lower token).
+void TokenTrie::select_chain(int32_t node, int64_t depth, int64_t slot, double floor, FlatTree& out) const {
+  double confidence = 1.0;
+  while (!nodes_[node].children.empty() && static_cast<int64_t>(out.size()) < depth) {
+    const int32_t parent = node;
+    int32_t best = -1;
+    double best_w = 0.0;
+    for (int32_t c : nodes_[parent].children) {
+      const double w = weight(c, slot);
+      if (best < 0 || w > best_w || (w == best_w && nodes_[c].token < nodes_[best].token)) {
+        best = c;
+        best_w = w;
+      }
+    }
+    node = best;
+    confidence *= raw(node) / (children_total(parent) + 1.0);
+    if (confidence <= 0 || confidence < floor) break;
+    out.push(nodes_[node].token, static_cast<int32_t>(out.size()) - 1, best_w, confidence);
+  }
+}
+
+// _best_first: up to `budget` heaviest nodes below `start`, connected.
+void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int64_t slot, double floor) {
+  picked_.clear();
+  picked_weight_.clear();
+  confidence_.clear();
+  confidence_[start] = 1.0;
+  // (-weight, token, push counter, node): the reference's heap entries.
+  using Entry = std::tuple<double, int32_t, int64_t, int32_t>;
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  std::unordered_map<int32_t, int64_t> depth_of{{start, 0}};
+  int64_t counter = 0;
+  std::vector<int32_t> kids;
+  std::vector<double> kid_weight;
+  auto push = [&](int32_t parent, int64_t depth) {
+    if (depth > max_depth) return;
+    const std::vector<int32_t>& children = nodes_[parent].children;
+    const double scale = confidence_[parent] / (children_total(parent) + 1.0);
+    kids.assign(children.begin(), children.end());
+    if (static_cast<int64_t>(kids.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
+      kid_weight.clear();
+      for (int32_t c : kids) kid_weight.push_back(weight(c, slot));
+      std::vector<size_t> idx(kids.size());
+      for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+      std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return kid_weight[a] > kid_weight[b]; });
+      std::vector<int32_t> top;
+      for (int64_t i = 0; i < budget; ++i) top.push_back(kids[idx[i]]);
+      kids.swap(top);
+    }
+    for (int32_t c : kids) {
+      const double conf = scale * raw(c);
+      confidence_[c] = conf;
+      if (conf <= 0 || conf < floor) continue;
+      heap.emplace(-weight(c, slot), nodes_[c].token, ++counter, c);
+    }
+  };
+  push(start, 1);
+  while (!heap.empty() && static_cast<int64_t>(picked_.size()) < budget) {
+    const auto [neg_w, token, count, node] = heap.top();
+    heap.pop();
+    picked_.push_back(node);
+    picked_weight_[node] = -neg_w;
+    const int64_t d = depth_of[nodes_[node].parent] + 1;
+    depth_of[node] = d;
+    push(node, d + 1);
+  }
+}
+
+// _ranked: the node's picked children, heaviest first (ties: lower token, then insertion order).
+void TokenTrie::ranked(int32_t id, std::vector<int32_t>& out) const {
+  out.clear();
+  for (int32_t c : nodes_[id].children) {
+    if (picked_weight_.count(c)) out.push_back(c);
+  }
+  std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) {
+    const double wa = picked_weight_.at(a), wb = picked_weight_.at(b);
+    if (wa != wb) return wa > wb;
+    return nodes_[a].token < nodes_[b].token;
+  });
+}
+
+// _flatten_dfs
+void TokenTrie::flatten_dfs(int32_t start, FlatTree& out) const {
+  std::vector<std::pair<int32_t, int32_t>> stack;  // (node, parent entry)
+  std::vector<int32_t> kids;
+  ranked(start, kids);
+  for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.emplace_back(*it, -1);
+  while (!stack.empty()) {
+    const auto [node, parent] = stack.back();
+    stack.pop_back();
+    const int32_t idx = static_cast<int32_t>(out.size());
+    out.push(nodes_[node].token, parent, picked_weight_.at(node), confidence_.at(node));
+    ranked(node, kids);
+    for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.emplace_back(*it, idx);
+  }
+}
+
+// _flatten_parallel: whole root-to-leaf branches, heaviest leaf first.
+void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) const {
+  std::vector<int32_t> leaves;
+  for (int32_t n : picked_) {
+    bool leaf = true;
+    for (int32_t c : nodes_[n].children) leaf = leaf && !picked_weight_.count(c);
+    if (leaf) leaves.push_back(n);
+  }
+  std::stable_sort(leaves.begin(), leaves.end(), [&](int32_t a, int32_t b) {
+    const double wa = picked_weight_.at(a), wb = picked_weight_.at(b);
+    if (wa != wb) return wa > wb;
+    return nodes_[a].token < nodes_[b].token;
+  });
+  std::vector<int32_t> path;
+  for (int32_t leaf : leaves) {
+    path.clear();
+    for (int32_t n = leaf; n != start; n = nodes_[n].parent) path.push_back(n);
+    const int64_t room = budget - static_cast<int64_t>(out.size());
+    int64_t j = 0;
+    for (auto it = path.rbegin(); it != path.rend() && j < room; ++it, ++j) {
+      out.push(nodes_[*it].token, j == 0 ? -1 : static_cast<int32_t>(out.size()) - 1, picked_weight_.at(*it),
+               confidence_.at(*it));
+    }
+  }
+}
+
+// ------------------------------------------------------------- snapshots
+
+// output_counts: pre-order, children in insertion order, subtrees holding no
+// output count left out.
+void TokenTrie::output_counts(std::vector<int32_t>& parents, std::vector<int32_t>& tokens,
+                              std::vector<double>& counts) const {
+  parents.clear();
+  tokens.clear();
+  counts.clear();
+  std::function<bool(int32_t, int32_t)> visit = [&](int32_t node, int32_t parent) {
+    const size_t row = tokens.size();
+    parents.push_back(parent);
+    tokens.push_back(nodes_[node].token);
+    counts.push_back(nodes_[node].out);
+    bool kept = false;
+    for (int32_t c : nodes_[node].children) kept = visit(c, static_cast<int32_t>(row)) || kept;
+    if (kept || nodes_[node].out > 0) return true;
+    parents.resize(row);
+    tokens.resize(row);
+    counts.resize(row);
+    return false;
+  };
+  for (int32_t c : nodes_[0].children) visit(c, -1);
+}
+
+bool TokenTrie::load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (parents[i] >= static_cast<int64_t>(i)) return false;
+  }
+  std::vector<int32_t> rows;
+  rows.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t node = child(parents[i] < 0 ? 0 : rows[parents[i]], tokens[i]);
+    nodes_[node].out += counts[i];
+    rows.push_back(node);
+  }
+  maybe_prune();
+  return true;
+}
+
+}  // namespace lookahead

@@ -1,0 +1,152 @@
+// TokenTrie: the engine-wide n-gram trie of prompt and output windows,
+// natively. No Python here (bindings.cpp).
+//
+// Semantics are those of the pure-Python reference
+// lookahead_vllm/core/trie.py (its module docstring defines windows, counts,
+// weights, confidences, retrieval and pruning); tests hold the two to
+// identical trees (weights and confidences bit for bit), node counts and
+// snapshot tables. Layout:
+//
+//   nodes     one array, node 0 the (token-less) root; a dead node's slot is
+//             reused by a later one, so whoever holds a node from one call to
+//             the next (a request's prompt nodes and cursors) holds a NodeRef,
+//             the node and its creation serial, and finds it dead when either
+//             differs. `children` keeps insertion order (the reference's dict
+//             order: ties and snapshot order follow it); `edges_` finds a
+//             child by (parent, token).
+//   prompt    per node the prompt counts by request slot (few entries: only
+//             the requests whose prompts hold that window) and their sum.
+//   requests  by handle (the reference's slot serial, never reused): the
+//             nodes its prompt counted (to eliminate them on finish), its
+//             open output windows (the last branch_length - 1 tokens) and
+//             the node each of them reached (its cursors).
+//
+// Not thread-safe: callers serialize (the bindings hold a mutex).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace lookahead {
+
+struct TrieConfig {
+  int branch_length = 12;
+  int max_match_length = 6;
+  int min_match_length = 1;
+  int64_t min_retrieved_nodes = 4;
+  int64_t capacity = 1 << 16;
+  double prompt_weight = 1e4;
+  bool insert_prompt = true;
+};
+
+// Draft shapes (config draft_shape): a chain, a DFS-ordered tree, whole
+// branches side by side.
+enum class TrieShape : int { kOne = 0, kHier = 1, kPar = 2 };
+
+// A DraftTree (core/draft_tree.py) as arrays: parents first, -1 the root.
+struct FlatTree {
+  std::vector<int32_t> tokens, parents;
+  std::vector<double> weights, conf;
+  std::size_t size() const { return tokens.size(); }
+  void clear();
+  void push(int32_t token, int32_t parent, double weight, double confidence);
+};
+
+// DraftTree.merged: `self` plus `other`'s nodes (same root), shared prefixes
+// merged, at most `budget` nodes; new nodes weigh their confidence.
+void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget);
+
+class TokenTrie {
+ public:
+  explicit TokenTrie(const TrieConfig& config);
+
+  const TrieConfig& config() const { return config_; }
+  int64_t num_nodes() const { return num_nodes_; }
+  int64_t num_prunes() const { return num_prunes_; }
+  int64_t memory_bytes() const;
+  bool has_request(int64_t handle) const { return requests_.count(handle) != 0; }
+
+  // Admit a request (its prompt windows, its open output windows); its handle.
+  int64_t add_request(const int32_t* prompt, std::size_t n);
+  // Eliminate its prompt counts; unknown handles are ignored.
+  void finish_request(int64_t handle);
+  // Insert its newly generated tokens; false if the handle is unknown.
+  bool extend(int64_t handle, const int32_t* tokens, std::size_t n);
+  // A whole text as output counts (warm start).
+  void insert_output(const int32_t* tokens, std::size_t n);
+  // The draft for the tokens after `context` (multi-stage matching); the
+  // request `handle`'s own prompt counts weigh prompt_weight (-1 or an
+  // unknown handle: none do).
+  void retrieve(const int32_t* context, std::size_t n, int64_t budget, int64_t handle, TrieShape shape, double floor,
+                FlatTree& out);
+  // The output counts as a pre-order node table (the reference's output_counts).
+  void output_counts(std::vector<int32_t>& parents, std::vector<int32_t>& tokens, std::vector<double>& counts) const;
+  // Add such a table; false (nothing added) if a parent is not an earlier row.
+  bool load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, std::size_t n);
+  void prune();
+
+ private:
+  struct Node {
+    int32_t token = 0;
+    int32_t parent = -1;
+    int64_t serial = 0;
+    double out = 0.0;
+    int64_t ptotal = 0;
+    bool alive = false;
+    std::vector<int32_t> children;                     // insertion order
+    std::vector<std::pair<int64_t, int64_t>> prompt;  // request slot -> prompt count
+  };
+  struct NodeRef {
+    int32_t id;
+    int64_t serial;
+  };
+  struct Request {
+    std::vector<NodeRef> prompt_nodes;  // in first-count order
+    std::vector<int64_t> prompt_counts;
+    std::vector<int32_t> window;
+    std::vector<NodeRef> cursors;
+  };
+
+  bool live(const NodeRef& r) const { return nodes_[r.id].alive && nodes_[r.id].serial == r.serial; }
+  NodeRef ref(int32_t id) const { return {id, nodes_[id].serial}; }
+  double raw(int32_t id) const { return static_cast<double>(nodes_[id].ptotal) + nodes_[id].out; }
+  double weight(int32_t id, int64_t slot) const;
+  double children_total(int32_t id) const;
+  bool is_empty(int32_t id) const;
+  int depth(int32_t id) const;
+  int32_t find_child(int32_t id, int32_t token) const;
+  int32_t child(int32_t id, int32_t token);  // found or created
+  int32_t walk(const int32_t* tokens, std::size_t n, bool create);
+  void insert_prompt(int64_t slot, Request& req, const int32_t* prompt, std::size_t n);
+  void extend_one(Request& req, int32_t token);
+  void drop_if_empty(int32_t id);
+  void detach(int32_t id);
+  void maybe_prune();
+  void drop_lightest_leaves(int64_t count);
+  void preorder(std::vector<int32_t>& out) const;
+
+  void select_chain(int32_t start, int64_t depth, int64_t slot, double floor, FlatTree& out) const;
+  void best_first(int32_t start, int64_t budget, int64_t max_depth, int64_t slot, double floor);
+  void flatten_dfs(int32_t start, FlatTree& out) const;
+  void flatten_parallel(int32_t start, int64_t budget, FlatTree& out) const;
+  void ranked(int32_t id, std::vector<int32_t>& out) const;
+
+  TrieConfig config_;
+  std::vector<Node> nodes_;
+  std::vector<int32_t> free_;
+  std::unordered_map<uint64_t, int32_t> edges_;  // (parent << 32 | token) -> child
+  std::unordered_map<int64_t, Request> requests_;
+  int64_t num_nodes_ = 0;  // root excluded
+  int64_t num_prunes_ = 0;
+  int64_t serial_ = 0;
+  int64_t next_slot_ = 0;
+  // best_first's results (scratch, reused): picked nodes in pick order with
+  // their weights; every visited node's path confidence.
+  std::vector<int32_t> picked_;
+  std::unordered_map<int32_t, double> picked_weight_, confidence_;
+};
+
+}  // namespace lookahead

@@ -1,0 +1,142 @@
+"""The native trie against its pure-Python reference (core/trie.py).
+
+Both get the same random programs (admit, extend, finish, warm texts, prunes
+at a small capacity, snapshot tables loaded back) and must answer every
+retrieval with the same tree, weights and confidences bit for bit, hold the
+same node counts, and write the same snapshot table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lookahead_vllm.core.native import load_extension
+from lookahead_vllm.core.trie import NativeTrie, TokenTrie, make_trie
+from tests.settings import lookahead_settings
+
+pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extension not built")
+
+tokens = st.lists(st.integers(0, 5), max_size=20)
+programs = st.lists(
+    st.tuples(st.sampled_from(["add", "extend", "extend", "finish", "warm", "retrieve", "rows", "prune"]),
+              st.integers(0, 3), tokens, st.integers(0, 10), st.sampled_from([0.0, 0.05, 0.3])),
+    max_size=40,
+)
+knobs = st.fixed_dictionaries({
+    "branch_length": st.integers(2, 6),
+    "trie_capacity": st.sampled_from([64, 96, 4096]),
+    "prompt_weight": st.sampled_from([0.0, 1.0, 1e4]),
+    "insert_prompt": st.booleans(),
+    "min_retrieved_nodes": st.integers(1, 4),
+})
+
+
+def pair(draft_shape: str, **kw) -> tuple[TokenTrie, NativeTrie]:
+    kw["max_match_length"] = min(kw.get("max_match_length", 3), kw["branch_length"] - 1)
+    config = lookahead_settings(decoding_length=8, draft_shape=draft_shape, **kw)
+    reference, native = make_trie(config, native=False), make_trie(config, native=True)
+    assert isinstance(reference, TokenTrie) and isinstance(native, NativeTrie)
+    return reference, native
+
+
+def same_trees(a, b) -> None:
+    assert a.tokens == b.tokens and a.parents == b.parents
+    assert a.weights == b.weights and a.confidence == b.confidence  # bit for bit
+
+
+def same_rows(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> None:
+    lens = a[4]
+    assert np.array_equal(lens, b[4])
+    for x, y in zip(a[:4], b[:4]):
+        for i, n in enumerate(lens):
+            assert np.array_equal(x[i, :n], y[i, :n])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.integers(0, 5), min_size=3, max_size=30), min_size=1, max_size=4), programs, knobs,
+       st.sampled_from(["one", "hier", "par"]))
+def test_native_trie_equals_reference(prompts, program, kw, shape):
+    tries = pair(shape, **kw)
+    records: list[dict[int, object]] = [{}, {}]
+    texts: dict[int, list[int]] = {}
+    program = [("add", rid, prompt, 0, 0.0) for rid, prompt in enumerate(prompts)] + program
+    for op, rid, toks, budget, floor in program:
+        for t, trie in enumerate(tries):
+            recs = records[t]
+            if op == "add" and rid not in recs:
+                recs[rid] = trie.add_request(toks)
+            elif op == "extend" and rid in recs:
+                trie.extend(recs[rid], toks)
+            elif op == "finish" and rid in recs:
+                trie.finish_request(recs.pop(rid))
+            elif op == "warm":
+                trie.insert_output(toks)
+            elif op == "prune":
+                trie.prune()
+        if op == "add":
+            texts.setdefault(rid, list(toks))
+        elif op == "extend" and rid in texts:
+            texts[rid] += toks
+        elif op == "finish":
+            texts.pop(rid, None)
+        if op == "retrieve":
+            context = (texts.get(rid) or toks)[-(budget % 4 + 1):]
+            got = [trie.retrieve(context, budget, recs.get(rid), min_confidence=floor)
+                   for trie, recs in zip(tries, records)]
+            same_trees(*got)
+        elif op == "rows":  # every live request plus one with no record, one call
+            rids = sorted(records[0])
+            contexts = [texts.get(r, []) for r in rids] + [toks]
+            lens = np.array([len(c) for c in contexts], np.int64)
+            padded = np.zeros((len(contexts), max(1, int(lens.max()))), np.int64)
+            for i, c in enumerate(contexts):
+                padded[i, :len(c)] = c
+            budgets = [budget + i % 3 for i in range(len(contexts))]
+            got = [trie.retrieve_rows([recs[r] for r in rids] + [None], padded, lens, budgets, floor)
+                   for trie, recs in zip(tries, records)]
+            same_rows(*got)
+        assert tries[0].num_nodes == tries[1].num_nodes
+        assert tries[0].num_prunes == tries[1].num_prunes
+    tables = [trie.output_counts() for trie in tries]
+    assert tables[0] == tuple(tables[1]) or list(tables[0]) == list(tables[1])
+    fresh = pair(shape, **kw)
+    for trie in fresh:
+        trie.load_output_counts(*tables[0])
+    assert fresh[0].num_nodes == fresh[1].num_nodes
+    assert list(fresh[0].output_counts()) == list(fresh[1].output_counts())
+    for rid, text in texts.items():
+        same_trees(*(trie.retrieve(text[-3:] or [0], 8) for trie in fresh))
+
+
+def test_extend_rows_equals_extend_one_by_one():
+    reference, native = pair("hier", branch_length=4)
+    table = np.array([[1, 2, 3, 1, 2, 4, 0, 0], [5, 1, 2, 3, 9, 9, 9, 9]], np.int32)
+    for trie in (reference, native):
+        a, b = trie.add_request([1, 2, 3]), trie.add_request([5, 1])
+        trie.extend_rows([a, b], table, [0, 1], [3, 2], [6, 8])
+    same_trees(reference.retrieve([1, 2], 8), native.retrieve([1, 2], 8))
+    assert reference.output_counts() == tuple(native.output_counts()) or \
+        list(reference.output_counts()) == list(native.output_counts())
+
+
+def test_native_errors_name_the_problem():
+    _, native = pair("hier", branch_length=4)
+    h = native.add_request([1, 2])
+    native.finish_request(h)
+    native.finish_request(h)  # idempotent, as the reference
+    with pytest.raises(ValueError, match="finished"):
+        native.extend(h, [3])
+    with pytest.raises(KeyError, match="no such running request"):
+        native.extend_rows([h], np.zeros((1, 4), np.int32), [0], [0], [2])
+    with pytest.raises(ValueError, match="earlier row"):
+        native.load_output_counts([0], [1], [1.0])
+    with pytest.raises(ValueError, match="shape='tree'"):
+        native.retrieve([1], 4, shape="tree")
+    with pytest.raises(ValueError, match="context_lens"):
+        native.retrieve_rows([None], np.zeros((1, 2), np.int64), np.array([3]), [4], 0.0)
+    module = load_extension()
+    with pytest.raises(ValueError, match=r"branch_length=1: must be an int in \[2, 128\]"):
+        module.TokenTrie(1, 1, 1, 4, 64, 1.0, True)
