@@ -63,7 +63,8 @@ TokenTrie::TokenTrie(const TrieConfig& config) : config_(config) {
 }
 
 int64_t TokenTrie::memory_bytes() const {
-  int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t));
+  int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t) +
+                                       prompt_at_.capacity() * sizeof(uint32_t) + taken_.capacity() * 32);
   for (const Node& n : nodes_) {
     total += static_cast<int64_t>(n.children.capacity() * sizeof(int32_t) +
                                   n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
@@ -72,7 +73,7 @@ int64_t TokenTrie::memory_bytes() const {
   total += static_cast<int64_t>(edges_.size() * 32 + edges_.bucket_count() * sizeof(void*));
   for (const auto& [handle, req] : requests_) {
     total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt_nodes.capacity() * sizeof(NodeRef) +
-                                  req.prompt_counts.capacity() * sizeof(int64_t) +
+                                  req.prompt_counts.capacity() * sizeof(int32_t) +
                                   req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
   }
   return total;
@@ -175,27 +176,32 @@ int64_t TokenTrie::add_request(const int32_t* prompt, size_t n) {
 // _insert_prompt
 void TokenTrie::insert_prompt(int64_t slot, Request& req, const int32_t* prompt, size_t n) {
   const size_t lb = static_cast<size_t>(config_.branch_length);
-  std::unordered_map<int32_t, size_t> at;  // node -> its entry in req.prompt_nodes (no node dies meanwhile)
   for (size_t i = 0; i < n; ++i) {
     int32_t node = 0;
     for (size_t k = i; k < std::min(n, i + lb); ++k) {
       node = child(node, prompt[k]);
       Node& nd = nodes_[node];
       if (!nd.prompt.empty() && nd.prompt.back().first == slot) {
-        ++nd.prompt.back().second;  // this request counted here last
+        ++nd.prompt.back().second;  // this request counted here last: its entry is the last one
       } else {
         nd.prompt.emplace_back(slot, 1);
       }
       ++nd.ptotal;
-      const auto [it, fresh] = at.emplace(node, req.prompt_nodes.size());
-      if (fresh) {
+      // The node's entry in the request's list (no node dies during an insertion).
+      if (prompt_at_.size() < nodes_.size()) prompt_at_.resize(nodes_.size(), 0);
+      uint32_t& at = prompt_at_[node];
+      if (at == 0) {
         req.prompt_nodes.push_back(ref(node));
         req.prompt_counts.push_back(1);
+        at = static_cast<uint32_t>(req.prompt_nodes.size());
       } else {
-        ++req.prompt_counts[it->second];
+        ++req.prompt_counts[at - 1];
       }
     }
   }
+  for (const NodeRef& r : req.prompt_nodes) prompt_at_[r.id] = 0;
+  req.prompt_nodes.shrink_to_fit();
+  req.prompt_counts.shrink_to_fit();
 }
 
 // finish_request
@@ -286,8 +292,8 @@ void TokenTrie::detach(int32_t id) {
     nd.alive = false;
     edges_.erase(edge_key(nd.parent, nd.token));
     stack.insert(stack.end(), nd.children.begin(), nd.children.end());
-    nd.children.clear();
-    nd.prompt.clear();
+    std::vector<int32_t>().swap(nd.children);  // a reused slot starts with no memory held
+    std::vector<std::pair<int64_t, int64_t>>().swap(nd.prompt);
     free_.push_back(n);
     --num_nodes_;
   }
@@ -401,20 +407,25 @@ void TokenTrie::select_chain(int32_t node, int64_t depth, int64_t slot, double f
 // _best_first: up to `budget` heaviest nodes below `start`, connected.
 void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int64_t slot, double floor) {
   picked_.clear();
-  picked_weight_.clear();
-  confidence_.clear();
-  confidence_[start] = 1.0;
+  ++stamp_;
+  if (taken_.size() < nodes_.size()) {
+    taken_.resize(nodes_.size(), 0);
+    conf_.resize(nodes_.size());
+    pick_w_.resize(nodes_.size());
+    depth_.resize(nodes_.size());
+  }
+  conf_[start] = 1.0;
+  depth_[start] = 0;
   // (-weight, token, push counter, node): the reference's heap entries.
   using Entry = std::tuple<double, int32_t, int64_t, int32_t>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  std::unordered_map<int32_t, int64_t> depth_of{{start, 0}};
   int64_t counter = 0;
   std::vector<int32_t> kids;
   std::vector<double> kid_weight;
   auto push = [&](int32_t parent, int64_t depth) {
     if (depth > max_depth) return;
     const std::vector<int32_t>& children = nodes_[parent].children;
-    const double scale = confidence_[parent] / (children_total(parent) + 1.0);
+    const double scale = conf_[parent] / (children_total(parent) + 1.0);
     kids.assign(children.begin(), children.end());
     if (static_cast<int64_t>(kids.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
       kid_weight.clear();
@@ -428,7 +439,7 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
     }
     for (int32_t c : kids) {
       const double conf = scale * raw(c);
-      confidence_[c] = conf;
+      conf_[c] = conf;
       if (conf <= 0 || conf < floor) continue;
       heap.emplace(-weight(c, slot), nodes_[c].token, ++counter, c);
     }
@@ -438,9 +449,10 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
     const auto [neg_w, token, count, node] = heap.top();
     heap.pop();
     picked_.push_back(node);
-    picked_weight_[node] = -neg_w;
-    const int64_t d = depth_of[nodes_[node].parent] + 1;
-    depth_of[node] = d;
+    taken_[node] = stamp_;
+    pick_w_[node] = -neg_w;
+    const int64_t d = depth_[nodes_[node].parent] + 1;
+    depth_[node] = d;
     push(node, d + 1);
   }
 }
@@ -449,10 +461,10 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
 void TokenTrie::ranked(int32_t id, std::vector<int32_t>& out) const {
   out.clear();
   for (int32_t c : nodes_[id].children) {
-    if (picked_weight_.count(c)) out.push_back(c);
+    if (taken_[c] == stamp_) out.push_back(c);
   }
   std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) {
-    const double wa = picked_weight_.at(a), wb = picked_weight_.at(b);
+    const double wa = pick_w_[a], wb = pick_w_[b];
     if (wa != wb) return wa > wb;
     return nodes_[a].token < nodes_[b].token;
   });
@@ -468,7 +480,7 @@ void TokenTrie::flatten_dfs(int32_t start, FlatTree& out) const {
     const auto [node, parent] = stack.back();
     stack.pop_back();
     const int32_t idx = static_cast<int32_t>(out.size());
-    out.push(nodes_[node].token, parent, picked_weight_.at(node), confidence_.at(node));
+    out.push(nodes_[node].token, parent, pick_w_[node], conf_[node]);
     ranked(node, kids);
     for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.emplace_back(*it, idx);
   }
@@ -479,11 +491,11 @@ void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) c
   std::vector<int32_t> leaves;
   for (int32_t n : picked_) {
     bool leaf = true;
-    for (int32_t c : nodes_[n].children) leaf = leaf && !picked_weight_.count(c);
+    for (int32_t c : nodes_[n].children) leaf = leaf && taken_[c] != stamp_;
     if (leaf) leaves.push_back(n);
   }
   std::stable_sort(leaves.begin(), leaves.end(), [&](int32_t a, int32_t b) {
-    const double wa = picked_weight_.at(a), wb = picked_weight_.at(b);
+    const double wa = pick_w_[a], wb = pick_w_[b];
     if (wa != wb) return wa > wb;
     return nodes_[a].token < nodes_[b].token;
   });
@@ -494,8 +506,7 @@ void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) c
     const int64_t room = budget - static_cast<int64_t>(out.size());
     int64_t j = 0;
     for (auto it = path.rbegin(); it != path.rend() && j < room; ++it, ++j) {
-      out.push(nodes_[*it].token, j == 0 ? -1 : static_cast<int32_t>(out.size()) - 1, picked_weight_.at(*it),
-               confidence_.at(*it));
+      out.push(nodes_[*it].token, j == 0 ? -1 : static_cast<int32_t>(out.size()) - 1, pick_w_[*it], conf_[*it]);
     }
   }
 }

@@ -105,7 +105,7 @@ class TokenTrie {
   };
   struct Request {
     std::vector<NodeRef> prompt_nodes;  // in first-count order
-    std::vector<int64_t> prompt_counts;
+    std::vector<int32_t> prompt_counts;
     std::vector<int32_t> window;
     std::vector<NodeRef> cursors;
   };
@@ -143,10 +143,15 @@ class TokenTrie {
   int64_t num_prunes_ = 0;
   int64_t serial_ = 0;
   int64_t next_slot_ = 0;
-  // best_first's results (scratch, reused): picked nodes in pick order with
-  // their weights; every visited node's path confidence.
+  std::vector<uint32_t> prompt_at_;  // insert_prompt's scratch: node -> entry + 1 (0: none)
+  // best_first's results (scratch, reused): picked nodes in pick order; per
+  // node, valid where taken_ holds this call's stamp_: its weight and depth;
+  // its path confidence (every node visited this call).
   std::vector<int32_t> picked_;
-  std::unordered_map<int32_t, double> picked_weight_, confidence_;
+  std::vector<uint64_t> taken_;
+  std::vector<double> conf_, pick_w_;
+  std::vector<int64_t> depth_;
+  uint64_t stamp_ = 0;
 };
 
 }  // namespace lookahead
