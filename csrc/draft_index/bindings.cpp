@@ -590,6 +590,102 @@ void extend_rows(BoundTrie& b, py::handle handles_obj, const py::array& token_id
   }
 }
 
+// A [rows, width] array's row r as a FlatTree's (tokens, parents, weights, conf) with n nodes.
+void read_row(lookahead::FlatTree& t, const int32_t* tok, const int32_t* par, const double* w, const double* cf,
+              int64_t r, int64_t width, int64_t n) {
+  const int64_t at = r * width;
+  t.tokens.assign(tok + at, tok + at + n);
+  t.parents.assign(par + at, par + at + n);
+  t.weights.assign(w + at, w + at + n);
+  t.conf.assign(cf + at, cf + at + n);
+}
+
+// merge_row for every row: the leads and the trie's trees as [rows, width]
+// arrays (tokens, parents, weights, confidence, lengths), lead_context[r]
+// (the lead is a context chain), budgets, cut[r] (None: no row is cut).
+py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::handle trie_obj, py::handle budgets_obj,
+                        py::handle cut_obj) {
+  const py::tuple lead = lead_obj.cast<py::tuple>(), trie = trie_obj.cast<py::tuple>();
+  if (lead.size() != 5 || trie.size() != 5) {
+    throw py::value_error("lead and trie must be (tokens, parents, weights, confidence, lengths)");
+  }
+  const IntArray budgets = int_array(budgets_obj, "budgets");
+  const int64_t rows = budgets.shape(0);
+  const Int32Array lt = Int32Array::ensure(lead[0]), lp = Int32Array::ensure(lead[1]);
+  const DoubleArray lw = DoubleArray::ensure(lead[2]), lc = DoubleArray::ensure(lead[3]);
+  const Int32Array tt = Int32Array::ensure(trie[0]), tp = Int32Array::ensure(trie[1]);
+  const DoubleArray tw = DoubleArray::ensure(trie[2]), tc = DoubleArray::ensure(trie[3]);
+  const int64_t lead_width = lt && lt.ndim() == 2 ? lt.shape(1) : -1, trie_width = tt && tt.ndim() == 2 ? tt.shape(1) : -1;
+  check_rows("lead tokens", lt, rows, lead_width);
+  check_rows("lead parents", lp, rows, lead_width);
+  check_rows("lead weights", lw, rows, lead_width);
+  check_rows("lead confidence", lc, rows, lead_width);
+  check_rows("trie tokens", tt, rows, trie_width);
+  check_rows("trie parents", tp, rows, trie_width);
+  check_rows("trie weights", tw, rows, trie_width);
+  check_rows("trie confidence", tc, rows, trie_width);
+  const IntArray lead_lens = int_array(lead[4], "lead lengths"), trie_lens = int_array(trie[4], "trie lengths");
+  check_same_length("budgets and lead lengths", rows, lead_lens.shape(0));
+  check_same_length("budgets and trie lengths", rows, trie_lens.shape(0));
+  check_lengths("lead lengths", lead_lens.data(), rows, lead_width);
+  check_lengths("trie lengths", trie_lens.data(), rows, trie_width);
+  const UInt8Array lead_context = UInt8Array::ensure(lead_context_obj);
+  if (!lead_context || lead_context.ndim() != 1 || lead_context.shape(0) != rows) {
+    throw py::type_error("lead_context must be a 1-D bool array [" + std::to_string(rows) + "]");
+  }
+  UInt8Array cut;
+  const bool cuts = !cut_obj.is_none();
+  if (cuts) {
+    cut = UInt8Array::ensure(cut_obj);
+    if (!cut || cut.ndim() != 1 || cut.shape(0) != rows) {
+      throw py::type_error("cut must be None or a 1-D bool array [" + std::to_string(rows) + "]");
+    }
+  }
+  const int64_t* budget = budgets.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    // Parents first: every parent an earlier node of its row (or -1).
+    for (const auto& [par, lens, width, what] :
+         {std::tuple{lp.data(), lead_lens.data(), lead_width, "lead"}, std::tuple{tp.data(), trie_lens.data(), trie_width, "trie"}}) {
+      for (int64_t j = 0; j < lens[r]; ++j) {
+        const int32_t p = par[r * width + j];
+        if (p < -1 || p >= j) {
+          throw py::value_error(std::string(what) + " parents[" + std::to_string(r) + ", " + std::to_string(j) +
+                                "]=" + std::to_string(p) + ": must be in [-1, " + std::to_string(j - 1) + "]");
+        }
+      }
+    }
+  }
+  int64_t width = 1;
+  for (int64_t r = 0; r < rows; ++r) width = std::max({width, budget[r], lead_lens.data()[r], trie_lens.data()[r]});
+  py::array_t<int32_t> tokens({rows, width}), parents({rows, width});
+  py::array_t<double> weights({rows, width}), conf({rows, width});
+  py::array_t<int8_t> kinds({rows, width});
+  py::array_t<int64_t> lengths(rows);
+  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
+  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
+  int8_t* kd = kinds.mutable_data();
+  int64_t* len = lengths.mutable_data();
+  std::fill(tok, tok + rows * width, 0);
+  std::fill(par, par + rows * width, -1);
+  std::fill(wt, wt + rows * width, 0.0);
+  std::fill(cf, cf + rows * width, 0.0);
+  std::fill(kd, kd + rows * width, 0);
+  lookahead::FlatTree a, b, out;
+  std::vector<int8_t> k;
+  for (int64_t r = 0; r < rows; ++r) {
+    read_row(a, lt.data(), lp.data(), lw.data(), lc.data(), r, lead_width, lead_lens.data()[r]);
+    read_row(b, tt.data(), tp.data(), tw.data(), tc.data(), r, trie_width, trie_lens.data()[r]);
+    lookahead::merge_row(a, lead_context.data()[r] != 0, b, budget[r], cuts && cut.data()[r] != 0, out, k);
+    len[r] = static_cast<int64_t>(out.size());
+    std::copy(out.tokens.begin(), out.tokens.end(), tok + r * width);
+    std::copy(out.parents.begin(), out.parents.end(), par + r * width);
+    std::copy(out.weights.begin(), out.weights.end(), wt + r * width);
+    std::copy(out.conf.begin(), out.conf.end(), cf + r * width);
+    std::copy(k.begin(), k.end(), kd + r * width);
+  }
+  return py::make_tuple(tokens, parents, weights, conf, kinds, lengths);
+}
+
 void bind_trie(py::module_& m) {
   py::class_<BoundTrie>(m, "TokenTrie")
       .def(py::init(&make_trie), py::arg("branch_length"), py::arg("max_match_length"), py::arg("min_match_length"),
@@ -686,6 +782,8 @@ void bind_trie(py::module_& m) {
         std::lock_guard<std::mutex> lock(b.mu);
         b.core.prune();
       });
+  m.def("merge_rows", &merge_rows_py, py::arg("lead"), py::arg("lead_context"), py::arg("trie"), py::arg("budgets"),
+        py::arg("cut") = py::none());
 }
 
 }  // namespace

@@ -56,6 +56,39 @@ void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
   }
 }
 
+void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, int64_t budget, bool cut,
+               FlatTree& out, std::vector<int8_t>& kinds) {
+  constexpr int8_t kChain = 0, kBranch = 1, kContext = 3;  // core/calibration.py KIND_*
+  out = lead.size() ? lead : trie;
+  if (lead.size() && trie.size()) merge_tree(out, trie, budget);
+  const size_t n = out.size(), n_lead = lead.size();
+  kinds.resize(n);
+  bool chain = true;
+  for (size_t i = 0; i < n; ++i) {
+    chain = chain && out.parents[i] == static_cast<int32_t>(i) - 1;
+    const int8_t kind = chain ? kChain : kBranch;
+    kinds[i] = i >= n_lead ? kind : lead_is_context ? kContext : chain ? kContext : kBranch;
+  }
+  bool is_chain = true;
+  for (size_t i = 0; i < n; ++i) is_chain = is_chain && out.parents[i] == static_cast<int32_t>(i) - 1;
+  if (!cut || is_chain) return;
+  // DraftTree.best_path: from the root, the first heaviest child at every depth.
+  FlatTree path;
+  std::vector<int8_t> path_kinds;
+  for (int32_t node = -1;;) {
+    int32_t best = -1;
+    for (size_t j = 0; j < n; ++j) {
+      if (out.parents[j] == node && (best < 0 || out.weights[j] > out.weights[best])) best = static_cast<int32_t>(j);
+    }
+    if (best < 0) break;
+    path.push(out.tokens[best], static_cast<int32_t>(path.size()) - 1, out.weights[best], out.conf[best]);
+    path_kinds.push_back(kinds[best]);
+    node = best;
+  }
+  out = std::move(path);
+  kinds = std::move(path_kinds);
+}
+
 TokenTrie::TokenTrie(const TrieConfig& config) : config_(config) {
   nodes_.emplace_back();
   nodes_[0].token = -1;

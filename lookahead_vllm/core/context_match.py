@@ -117,10 +117,3 @@ def match_confidence(length: int) -> float:
     """Per-token raw confidence of a context chain whose match is ``length``
     tokens long: ``length / (length + 1)``."""
     return length / (length + 1)
-
-
-def with_context(chain: DraftTree, tree: DraftTree, budget: int) -> DraftTree:
-    """The context ``chain`` first, then ``tree``'s nodes merged (shared
-    prefixes merged), at most ``budget`` nodes. The chain is nodes
-    ``0..len(chain)-1``."""
-    return chain.merged(tree, budget) if len(chain) else tree

@@ -152,3 +152,27 @@ class DraftTree:
     def truncate(self, k: int) -> "DraftTree":
         """The first ``k`` nodes (still a valid tree because parents come first)."""
         return DraftTree(self.tokens[:k], self.parents[:k], self.weights[:k], self.confidence[:k])
+
+
+def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
+    """Empty ``[count, width]`` draft rows, many requests' trees as arrays:
+    tokens, parents (-1: the root), weights, confidence, and the lengths."""
+    return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
+            np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
+
+
+def fill_row(rows: tuple[np.ndarray, ...], i: int, tree: DraftTree) -> None:
+    """Write ``tree`` into row ``i`` of :func:`rows_of`'s arrays."""
+    n = len(tree)
+    tokens, parents, weights, conf, lengths = rows
+    tokens[i, :n], parents[i, :n], weights[i, :n] = tree.tokens, tree.parents, tree.weights
+    conf[i, :n] = [tree.node_confidence(j) for j in range(n)]
+    lengths[i] = n
+
+
+def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
+    """Row ``i`` of draft rows as a :class:`DraftTree`."""
+    tokens, parents, weights, conf, lengths = rows
+    n = int(lengths[i])
+    return DraftTree(tuple(tokens[i, :n].tolist()), tuple(parents[i, :n].tolist()), tuple(weights[i, :n].tolist()),
+                     tuple(conf[i, :n].tolist()))

@@ -35,11 +35,11 @@ import numpy as np
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.context_match import ContextIndex, with_context
+from lookahead_vllm.core.context_match import ContextIndex
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
-from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.draft_tree import DraftTree, fill_row, row_tree, rows_of
 from lookahead_vllm.core.partitions import Partitions
-from lookahead_vllm.core.trie import TrieRecord, make_trie, row_tree
+from lookahead_vllm.core.trie import TrieRecord, make_trie
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
@@ -222,30 +222,37 @@ class Drafter:
             self.trie.insert_output(tokens)
 
     # ------------------------------------------------------------- drafting
-    def draft(self, slots: Sequence[int], contexts: Sequence[Sequence[int]] | None,
-              budgets: Sequence[int], floor: float, tree: bool) -> list[tuple[DraftTree, list[int]]]:
-        """Per request: its draft tree (at most ``budgets[i]`` nodes, none below
-        ``floor``; a chain unless ``tree``) and its nodes' calibration kinds.
+    def draft(self, slots: Sequence[int], contexts: Sequence[Sequence[int]] | None, budgets: Sequence[int],
+              floor: float, tree: bool, cut: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+        """Every request's draft as rows (a few batch calls): ``tokens``,
+        ``parents``, ``weights``, ``confidence``, calibration ``kinds [R, W]``
+        and ``lengths [R]``; row ``i`` at most ``budgets[i]`` nodes, none below
+        ``floor``, the index's tree (a chain unless ``tree``) or, where it has
+        none, the request's context chain, first, the trie's merged after it
+        (:func:`merge_rows`); cut to its best path where ``cut[i]``.
         ``contexts[i]``: the request's last ``max_match_length`` tokens (trie
         source only; None otherwise)."""
-        out = []
+        count = len(slots)
+        budgets = np.asarray(budgets, np.int64)
+        width = max(1, int(budgets.max(initial=0)))
         if self.index is not None:
             tok, par, conf, lens = self.draft_rows(slots, budgets, floor, tree)
+            lead = (tok, par, INDEX_WEIGHT * conf, conf, lens.astype(np.int64))
+        else:
+            lead = rows_of(count, width)
+        lead_context = np.zeros(count, bool)
+        trie = rows_of(count, 1)
         if self.trie is not None:
-            trie_rows, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
-        for i, slot in enumerate(slots):
-            t = DraftTree.empty()
-            if self.index is not None and lens[i]:
-                t = index_tree(tok[i, :lens[i]], par[i, :lens[i]], conf[i, :lens[i]])
-            n_index = len(t)
-            context = 0
-            if self.trie is not None and trie_budgets[i] > 0:
-                t, context = self._with_trie(int(slot), row_tree(trie_rows, i), int(budgets[i]), floor, t)
-            kinds = index_kinds(t, n_index) if n_index else node_kinds(t, context=context)
-            out.append((t, kinds))
-        return out
+            trie, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
+            for i in np.flatnonzero((lead[4] == 0) & (trie_budgets > 0)).tolist():
+                index = self.context_index(int(slots[i]))
+                chain = index.draft(int(budgets[i]), floor) if index is not None else DraftTree.empty()
+                if len(chain):
+                    fill_row(lead, i, chain)
+                    lead_context[i] = True
+        return merge_rows(lead, lead_context, trie, budgets, cut, self.native)
 
-    def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: Sequence[int],
+    def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: np.ndarray,
                    floor: float) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
         """The trie's trees for the rows, in one ``retrieve_rows`` call, and
         the budgets they had (0 where a request of another partition stays
@@ -271,17 +278,6 @@ class Drafter:
         candidate)."""
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
-
-    def _with_trie(self, slot: int, trie_tree: DraftTree, budget: int, floor: float, lead: DraftTree
-                   ) -> tuple[DraftTree, int]:
-        """The row's draft with the trie's tree merged after the index's
-        (``lead``) or, with no index draft, after the request's context chain;
-        and the context chain's length."""
-        if len(lead):
-            return lead.merged(trie_tree, budget), 0
-        index = self.context_index(slot)
-        chain = index.draft(budget, floor) if index is not None else DraftTree.empty()
-        return with_context(chain, trie_tree, budget), len(chain)
 
     # ------------------------------------------------------------ snapshots
     def snapshot(self, identity: dict, info: dict | None = None) -> "Snapshot":
@@ -329,6 +325,43 @@ class Drafter:
             self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
                                          snap.trie.counts.tolist())
         return snap
+
+
+def merge_rows(lead: tuple[np.ndarray, ...], lead_context: np.ndarray, trie: tuple[np.ndarray, ...],
+           budgets: np.ndarray, cut: np.ndarray | None, native: bool) -> tuple[np.ndarray, ...]:
+    """Row ``i``'s draft: ``lead``'s row (an index tree, or where
+    ``lead_context[i]`` the request's context chain) first, ``trie``'s row
+    merged after it (:meth:`DraftTree.merged`, at most ``budgets[i]``
+    nodes; no lead: the trie's tree as it is), its nodes' calibration kinds
+    (:func:`index_kinds`, or ``node_kinds`` with the context chain's
+    length), cut to its best path where ``cut[i]``. ``lead`` and ``trie``
+    are :func:`rows_of` arrays; returns ``tokens``, ``parents``,
+    ``weights``, ``confidence``, ``kinds`` and ``lengths``. Native
+    (csrc/draft_index/token_trie.cpp ``merge_row``) or this reference."""
+    if native:
+        from lookahead_vllm.core.native import load_extension
+
+        return load_extension().merge_rows(lead, np.asarray(lead_context, np.uint8), trie, budgets,
+                                           None if cut is None else np.asarray(cut, np.uint8))
+    count = len(budgets)
+    width = max([1, *map(int, budgets), *map(int, lead[4]), *map(int, trie[4])])
+    out, kinds = rows_of(count, width), np.zeros((count, width), np.int8)
+    for r in range(count):
+        a, b = row_tree(lead, r), row_tree(trie, r)
+        t = a.merged(b, int(budgets[r])) if len(a) and len(b) else a if len(a) else b
+        k = (node_kinds(t, context=len(a)) if lead_context[r] else index_kinds(t, len(a))) if len(a) else \
+            node_kinds(t)
+        if cut is not None and cut[r] and not t.is_chain():
+            k, t = [k[i] for i in t.best_path()], t.best_path_tree()
+        fill_row(out, r, t)
+        kinds[r, :len(t)] = k
+    return (*out[:4], kinds, out[4])
+
+
+def row_drafts(rows: tuple[np.ndarray, ...]) -> list[tuple[DraftTree, list[int]]]:
+    """:meth:`Drafter.draft`'s rows as one ``(DraftTree, kinds)`` per request."""
+    tok, par, weights, conf, kinds, lens = rows
+    return [(row_tree((tok, par, weights, conf, lens), i), kinds[i, :lens[i]].tolist()) for i in range(len(lens))]
 
 
 def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:

@@ -53,7 +53,7 @@ from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.draft_tree import DraftTree, row_tree
 from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.tree_plan import TreeOffers, pack_trees, plan_trees
@@ -480,26 +480,32 @@ class LookaheadProposer:
     def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The drafting rows' trees from every source (``Drafter.draft``: the
-        index's, then the trie's; the Jacobi pool's n-grams after them), each
-        cut to its best path where its request may not verify a tree, with
-        their nodes' calibration kinds, as :func:`pack_trees` rows."""
+        """The drafting rows' trees from every source as :func:`plan_trees`
+        rows with their nodes' calibration kinds (``Drafter.draft``: the
+        index's or the context chain, then the trie's, cut to the best path
+        where the request may not verify a tree); with the Jacobi pool, its
+        n-grams are merged after them row by row before the cut."""
         contexts = None
         if self.drafter.trie is not None:
             width = self.config.profile.max_match_length
             contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - width):int(num_tokens[j])].tolist()
                         for j in picked]
+        pool = self.config.uses_jacobi
+        tok, par, weights, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode,
+                                                                  None if pool else ~tree_ok)
+        self.stats.context_drafts += int(np.count_nonzero((kinds == KIND_CONTEXT).any(axis=1)))
+        if not pool:
+            return tok, par, conf, kinds, lens
         offers = []
-        for d, (tree, kinds) in enumerate(self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode)):
-            j = picked[d]
+        for d, j in enumerate(picked):
+            tree, k = row_tree((tok, par, weights, conf, lens), d), kinds[d, :lens[d]].tolist()
             st = states[j]
-            self.stats.context_drafts += KIND_CONTEXT in kinds
             if st.jacobi is not None:  # keyed by the last committed token
                 last = int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1])
-                tree, kinds = self._with_pool(st, tree, kinds, int(budgets[d]), last)
+                tree, k = self._with_pool(st, tree, k, int(budgets[d]), last)
             if not tree_ok[d] and not tree.is_chain():
-                kinds, tree = [kinds[i] for i in tree.best_path()], tree.best_path_tree()
-            offers.append((tree, kinds))
+                k, tree = [k[i] for i in tree.best_path()], tree.best_path_tree()
+            offers.append((tree, k))
         return pack_trees(offers, 1)
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, node_kinds
 from lookahead_vllm.core.context_match import (
-    RECENT_OCCURRENCES, ContextIndex, match_confidence, with_context,
+    RECENT_OCCURRENCES, ContextIndex, match_confidence,
 )
-from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import merge_rows, row_drafts
+from lookahead_vllm.core.native import load_extension
 
 A, B, C, D, X, Y, Z = 1, 2, 3, 4, 5, 6, 7
 
@@ -73,18 +76,30 @@ def test_floor_cuts_the_chain():
     assert index.draft(6, floor + 1e-9).tokens == full.tokens[:2]
 
 
-def test_chain_leads_and_trie_tree_merges_after_it():
+@pytest.mark.parametrize("native", [False, True])
+def test_chain_leads_and_trie_tree_merges_after_it(native):
+    if native and load_extension() is None:
+        pytest.skip("native extension not built")
     chain = ContextIndex(2, [A, B, C, D, X, A, B]).draft(3)  # C D X
     # Trie tree: C -> D -> Y (shares C D), and Z beside C.
     trie = DraftTree((C, D, Y, Z), (-1, 0, 1, -1), (5.0, 4.0, 3.0, 2.0), (0.6, 0.5, 0.4, 0.2))
-    tree = with_context(chain, trie, budget=5)
+
+    def merged(lead: DraftTree, budget: int, cut: bool = False) -> tuple[DraftTree, list[int]]:
+        rows = [rows_of(1, 5), rows_of(1, 5)]
+        fill_row(rows[0], 0, lead)
+        fill_row(rows[1], 0, trie)
+        out = merge_rows(rows[0], np.array([len(lead) > 0]), rows[1], np.array([budget]), np.array([cut]), native)
+        return row_drafts(out)[0]
+
+    tree, kinds = merged(chain, 5)
     assert tree.tokens == (C, D, X, Y, Z)
     assert tree.parents == (-1, 0, 1, 1, -1)
     assert tree.best_chain() == [C, D, X]  # chain mode follows the context chain
-    assert node_kinds(tree, context=len(chain)) == [KIND_CONTEXT] * 3 + [KIND_BRANCH, KIND_BRANCH]
-    assert with_context(DraftTree.empty(), trie, 5) is trie
-    assert node_kinds(trie) == [KIND_CHAIN] * 3 + [KIND_BRANCH]
-    assert len(with_context(chain, trie, budget=3)) == 3
+    assert kinds == [KIND_CONTEXT] * 3 + [KIND_BRANCH, KIND_BRANCH]
+    assert merged(chain, 5, cut=True) == (DraftTree((C, D, X), (-1, 0, 1), chain.weights, chain.confidence),
+                                          [KIND_CONTEXT] * 3)
+    assert merged(DraftTree.empty(), 5) == (trie, [KIND_CHAIN] * 3 + [KIND_BRANCH])
+    assert len(merged(chain, 3)[0]) == 3
 
 
 def test_longer_matches_draft_with_higher_confidence():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex)
-from lookahead_vllm.core.drafter import Drafter
+from lookahead_vllm.core.drafter import Drafter, row_drafts
 from tests.settings import index_config, lookahead_settings
 
 A, B, C, D, X = 1, 2, 3, 4, 9
@@ -158,7 +158,7 @@ def test_drafter_index_and_trie_sources():
     for source in ("index", "trie", "index+trie"):
         drafter = Drafter(lookahead_settings(source=source, min_draft_confidence=0.0), native=False)
         drafter.sync([0], [0], table, [len(text)], [len(text)])
-        ((tree, kinds),) = drafter.draft([0], [text[-6:]], [3], 0.0, tree=False)
+        ((tree, kinds),) = row_drafts(drafter.draft([0], [text[-6:]], [3], 0.0, tree=False))
         assert list(tree.tokens[:2]) == [D, X], source
         assert len(kinds) == len(tree)
         drafter.finish(0)
@@ -170,5 +170,5 @@ def test_drafter_warm_start_drafts_past_answers():
     drafter.warm([30, 31, 32, 33, 34, 35])
     table = np.array([[8, 8, 30, 31, 32]], np.int64)
     drafter.sync([0], [0], table, [5], [5])
-    ((tree, _),) = drafter.draft([0], None, [3], 0.0, tree=False)
+    ((tree, _),) = row_drafts(drafter.draft([0], None, [3], 0.0, tree=False))
     assert list(tree.tokens) == [33, 34, 35]

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lookahead_vllm.core.draft_tree import rows_of
+from lookahead_vllm.core.drafter import merge_rows
 from lookahead_vllm.core.native import load_extension
 from lookahead_vllm.core.trie import NativeTrie, TokenTrie, make_trie
 from tests.settings import lookahead_settings
@@ -140,3 +142,33 @@ def test_native_errors_name_the_problem():
     module = load_extension()
     with pytest.raises(ValueError, match=r"branch_length=1: must be an int in \[2, 128\]"):
         module.TokenTrie(1, 1, 1, 4, 64, 1.0, True)
+
+
+def random_rows(rng: np.random.Generator, count: int, width: int, weight: float) -> tuple[np.ndarray, ...]:
+    """Random trees (parents first, repeated tokens so that merges share prefixes) as rows."""
+    rows = rows_of(count, width)
+    for r in range(count):
+        n = int(rng.integers(0, width + 1))
+        for j in range(n):
+            rows[0][r, j] = rng.integers(0, 3)
+            rows[1][r, j] = rng.integers(-1, j) if j else -1
+            rows[3][r, j] = float(rng.choice([0.5, rng.random()]))  # ties too
+            rows[2][r, j] = weight * rows[3][r, j]
+        rows[4][r] = n
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.booleans())
+def test_native_merge_rows_equals_reference(seed, width, cuts):
+    rng = np.random.default_rng(seed)
+    count = 4
+    lead, trie = random_rows(rng, count, width, 1e18), random_rows(rng, count, width + 2, 3.0)
+    lead_context = rng.random(count) < 0.5
+    budgets = rng.integers(0, width + 4, count)
+    cut = rng.random(count) < 0.5 if cuts else None
+    native = merge_rows(lead, lead_context, trie, budgets, cut, native=True)
+    reference = merge_rows(lead, lead_context, trie, budgets, cut, native=False)
+    for a, b in zip(native, reference):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b)
