@@ -482,7 +482,8 @@ struct BoundTrie {
 
 std::unique_ptr<BoundTrie> make_trie(py::handle branch_length, py::handle max_match_length,
                                      py::handle min_match_length, py::handle min_retrieved_nodes,
-                                     py::handle trie_capacity, double prompt_weight, bool insert_prompt) {
+                                     py::handle trie_capacity, double prompt_weight, bool insert_prompt,
+                                     py::handle context_match) {
   lookahead::TrieConfig c;
   c.branch_length = static_cast<int>(config_int("branch_length", branch_length, 2, 128));
   c.max_match_length = static_cast<int>(config_int("max_match_length", max_match_length, 1, c.branch_length - 1));
@@ -494,6 +495,7 @@ std::unique_ptr<BoundTrie> make_trie(py::handle branch_length, py::handle max_ma
   }
   c.prompt_weight = prompt_weight;
   c.insert_prompt = insert_prompt;
+  c.context_match = static_cast<int>(config_int("context_match", context_match, 0, 64));
   return std::make_unique<BoundTrie>(c);
 }
 
@@ -556,6 +558,44 @@ py::tuple retrieve_rows(BoundTrie& b, py::handle handles_obj, const py::array& c
       std::copy(tree.weights.begin(), tree.weights.end(), wt + i * width);
       std::copy(tree.conf.begin(), tree.conf.end(), cf + i * width);
     }
+  }
+  return py::make_tuple(tokens, parents, weights, conf, lengths);
+}
+
+// The context chains of many requests as [R, W] draft rows (W: the largest
+// budget, at least 1); a handle with no chain (unknown, or context_match 0)
+// drafts nothing.
+py::tuple context_rows(BoundTrie& b, py::handle handles_obj, py::handle budgets_obj, double floor) {
+  const IntArray handles = int_array(handles_obj, "handles"), budgets = int_array(budgets_obj, "budgets");
+  const int64_t batch = handles.shape(0);
+  check_same_length("handles and budgets", batch, budgets.shape(0));
+  const int64_t *handle = handles.data(), *budget = budgets.data();
+  int64_t width = 1;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (budget[i] > INT32_MAX) throw py::value_error("budgets must be < 2**31");
+    width = std::max(width, budget[i]);
+  }
+  py::array_t<int32_t> tokens({batch, width}), parents({batch, width});
+  py::array_t<double> weights({batch, width}), conf({batch, width});
+  py::array_t<int64_t> lengths(batch);
+  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
+  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
+  int64_t* len = lengths.mutable_data();
+  std::fill(tok, tok + batch * width, 0);
+  std::fill(par, par + batch * width, -1);
+  std::fill(wt, wt + batch * width, 0.0);
+  std::fill(cf, cf + batch * width, 0.0);
+  std::lock_guard<std::mutex> lock(b.mu);
+  lookahead::FlatTree chain;
+  for (int64_t i = 0; i < batch; ++i) {
+    const lookahead::ContextChain* c = b.core.context(handle[i]);
+    chain.clear();
+    if (c != nullptr) c->draft(budget[i], floor, chain);
+    len[i] = static_cast<int64_t>(chain.size());
+    std::copy(chain.tokens.begin(), chain.tokens.end(), tok + i * width);
+    std::copy(chain.parents.begin(), chain.parents.end(), par + i * width);
+    std::copy(chain.weights.begin(), chain.weights.end(), wt + i * width);
+    std::copy(chain.conf.begin(), chain.conf.end(), cf + i * width);
   }
   return py::make_tuple(tokens, parents, weights, conf, lengths);
 }
@@ -690,7 +730,7 @@ void bind_trie(py::module_& m) {
   py::class_<BoundTrie>(m, "TokenTrie")
       .def(py::init(&make_trie), py::arg("branch_length"), py::arg("max_match_length"), py::arg("min_match_length"),
            py::arg("min_retrieved_nodes"), py::arg("trie_capacity"), py::arg("prompt_weight"),
-           py::arg("insert_prompt"))
+           py::arg("insert_prompt"), py::arg("context_match"))
       .def_property_readonly("num_nodes",
                              [](BoundTrie& b) {
                                std::lock_guard<std::mutex> lock(b.mu);
@@ -751,6 +791,15 @@ void bind_trie(py::module_& m) {
           py::arg("context"), py::arg("budget"), py::arg("handle"), py::arg("shape"), py::arg("floor"))
       .def("retrieve_rows", &retrieve_rows, py::arg("handles"), py::arg("contexts"), py::arg("context_lens"),
            py::arg("budgets"), py::arg("floor"), py::arg("shape"))
+      .def("context_rows", &context_rows, py::arg("handles"), py::arg("budgets"), py::arg("floor"))
+      .def(
+          "context_length",
+          [](BoundTrie& b, int64_t handle) -> int64_t {
+            std::lock_guard<std::mutex> lock(b.mu);
+            const lookahead::ContextChain* c = b.core.context(handle);
+            return c == nullptr ? -1 : static_cast<int64_t>(c->size());
+          },
+          py::arg("handle"))
       .def("extend_rows", &extend_rows, py::arg("handles"), py::arg("token_ids"), py::arg("rows"), py::arg("starts"),
            py::arg("ends"))
       .def("output_counts",

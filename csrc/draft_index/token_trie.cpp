@@ -4,6 +4,7 @@
 #include "token_trie.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <queue>
 #include <tuple>
@@ -56,6 +57,88 @@ void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
   }
 }
 
+int64_t ContextChain::memory_bytes() const {
+  int64_t total = static_cast<int64_t>(sizeof(ContextChain) + seq_.capacity() * sizeof(int32_t) +
+                                       next_.bucket_count() * sizeof(void*));
+  for (const auto& [key, groups] : next_) {
+    total += 48 + static_cast<int64_t>(groups.capacity() * sizeof(Group));
+    for (const Group& g : groups) total += static_cast<int64_t>(g.follows.capacity() * sizeof(int64_t));
+  }
+  return total;
+}
+
+uint64_t ContextChain::hash(int64_t end) const {
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (int64_t i = end - n_; i < end; ++i) {
+    h ^= static_cast<uint32_t>(seq_[i]);
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+  }
+  return h;
+}
+
+const ContextChain::Group* ContextChain::find(int64_t end) const {
+  const auto it = next_.find(hash(end));
+  if (it == next_.end()) return nullptr;
+  for (const Group& g : it->second) {
+    if (std::equal(seq_.begin() + (g.end - n_), seq_.begin() + g.end, seq_.begin() + (end - n_))) return &g;
+  }
+  return nullptr;
+}
+
+// ContextIndex.extend
+void ContextChain::extend(const int32_t* tokens, std::size_t k) {
+  const int64_t start = std::max<int64_t>(n_, static_cast<int64_t>(seq_.size()));
+  seq_.insert(seq_.end(), tokens, tokens + k);
+  for (int64_t p = start; p < static_cast<int64_t>(seq_.size()); ++p) {
+    std::vector<Group>& groups = next_[hash(p)];
+    Group* g = nullptr;
+    for (Group& c : groups) {
+      if (std::equal(seq_.begin() + (c.end - n_), seq_.begin() + c.end, seq_.begin() + (p - n_))) g = &c;
+    }
+    if (g == nullptr) g = &groups.emplace_back(Group{p, {}});
+    g->follows.push_back(p);
+    if (static_cast<int>(g->follows.size()) > kRecentOccurrences) g->follows.erase(g->follows.begin());
+  }
+}
+
+// ContextIndex.match: among the occurrences, latest first, the one whose
+// match extends furthest backwards.
+std::pair<int64_t, int64_t> ContextChain::match() const {
+  const int64_t end = static_cast<int64_t>(seq_.size());
+  if (end <= n_) return {-1, 0};
+  const Group* g = find(end);
+  if (g == nullptr) return {-1, 0};
+  int64_t best = -1, best_len = 0;
+  for (auto it = g->follows.rbegin(); it != g->follows.rend(); ++it) {
+    const int64_t p = *it;
+    int64_t length = n_;
+    while (length < kMaxMatch && p - length - 1 >= 0 && seq_[p - length - 1] == seq_[end - length - 1]) ++length;
+    if (length > best_len) {
+      best = p;
+      best_len = length;
+    }
+  }
+  return {best, best_len};
+}
+
+// ContextIndex.draft
+void ContextChain::draft(int64_t budget, double floor, FlatTree& out) const {
+  out.clear();
+  const auto [start, length] = match();
+  if (start < 0 || budget <= 0) return;
+  const int64_t end = static_cast<int64_t>(seq_.size());
+  const int64_t period = end - start;
+  std::vector<int32_t> tokens(seq_.begin() + start, seq_.begin() + std::min(end, start + budget));
+  while (static_cast<int64_t>(tokens.size()) < budget) tokens.push_back(tokens[tokens.size() - period]);
+  const double rate = static_cast<double>(length) / static_cast<double>(length + 1);
+  for (int64_t d = 1; d <= budget; ++d) {
+    const double c = std::pow(rate, static_cast<double>(d));
+    if (!(c >= floor)) break;  // the confidences fall with depth: the rest are below too
+    out.push(tokens[d - 1], static_cast<int32_t>(d) - 2, kWeight, c);
+  }
+}
+
 void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, int64_t budget, bool cut,
                FlatTree& out, std::vector<int8_t>& kinds) {
   constexpr int8_t kChain = 0, kBranch = 1, kContext = 3;  // core/calibration.py KIND_*
@@ -99,8 +182,7 @@ int64_t TokenTrie::memory_bytes() const {
   int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t) +
                                        prompt_at_.capacity() * sizeof(uint32_t) + taken_.capacity() * 32);
   for (const Node& n : nodes_) {
-    total += static_cast<int64_t>(n.children.capacity() * sizeof(int32_t) +
-                                  n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
+    total += static_cast<int64_t>(n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
   }
   // Hash nodes (key, value, next pointer, cached hash) and buckets.
   total += static_cast<int64_t>(edges_.size() * 32 + edges_.bucket_count() * sizeof(void*));
@@ -108,8 +190,14 @@ int64_t TokenTrie::memory_bytes() const {
     total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt_nodes.capacity() * sizeof(NodeRef) +
                                   req.prompt_counts.capacity() * sizeof(int32_t) +
                                   req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
+    if (req.context) total += req.context->memory_bytes();
   }
   return total;
+}
+
+const ContextChain* TokenTrie::context(int64_t handle) const {
+  const auto it = requests_.find(handle);
+  return it == requests_.end() ? nullptr : it->second.context.get();
 }
 
 // _Node.weight
@@ -128,14 +216,14 @@ double TokenTrie::weight(int32_t id, int64_t slot) const {
 // _children_total: summed in insertion order, as the reference's sum() does.
 double TokenTrie::children_total(int32_t id) const {
   double total = 0.0;
-  for (int32_t c : nodes_[id].children) total += raw(c);
+  for (int32_t c : kids(id)) total += raw(c);
   return total;
 }
 
 // _is_empty
 bool TokenTrie::is_empty(int32_t id) const {
   const Node& n = nodes_[id];
-  return n.children.empty() && n.ptotal == 0 && n.out < 1;
+  return n.first < 0 && n.ptotal == 0 && n.out < 1;
 }
 
 int TokenTrie::depth(int32_t id) const {
@@ -171,9 +259,16 @@ int32_t TokenTrie::child(int32_t id, int32_t token) {
   n.out = 0.0;
   n.ptotal = 0;
   n.alive = true;
-  n.children.clear();
   n.prompt.clear();
-  nodes_[id].children.push_back(fresh);
+  n.first = n.last = n.next = -1;
+  Node& p = nodes_[id];
+  n.prev = p.last;
+  if (p.last >= 0) {
+    nodes_[p.last].next = fresh;
+  } else {
+    p.first = fresh;
+  }
+  p.last = fresh;
   edges_.emplace(edge_key(id, token), fresh);
   ++num_nodes_;
   return fresh;
@@ -199,6 +294,10 @@ int64_t TokenTrie::add_request(const int32_t* prompt, size_t n) {
   const int64_t slot = next_slot_++;
   Request& req = requests_[slot];
   if (config_.insert_prompt) insert_prompt(slot, req, prompt, n);
+  if (config_.context_match > 0) {
+    req.context = std::make_unique<ContextChain>(config_.context_match);
+    req.context->extend(prompt, n);
+  }
   const size_t open = std::min(n, static_cast<size_t>(config_.branch_length - 1));
   req.window.assign(prompt + n - open, prompt + n);
   for (size_t j = 0; j < open; ++j) req.cursors.push_back(ref(walk(req.window.data() + j, open - j, true)));
@@ -272,6 +371,7 @@ bool TokenTrie::extend(int64_t handle, const int32_t* tokens, size_t n) {
   auto it = requests_.find(handle);
   if (it == requests_.end()) return false;
   for (size_t i = 0; i < n; ++i) extend_one(it->second, tokens[i]);
+  if (it->second.context) it->second.context->extend(tokens, n);
   maybe_prune();
   return true;
 }
@@ -315,18 +415,20 @@ void TokenTrie::drop_if_empty(int32_t id) {
 
 // _detach: the node and its subtree go; their slots are reused.
 void TokenTrie::detach(int32_t id) {
-  std::vector<int32_t>& siblings = nodes_[nodes_[id].parent].children;
-  siblings.erase(std::find(siblings.begin(), siblings.end(), id));
+  Node& d = nodes_[id];
+  Node& p = nodes_[d.parent];
+  (d.prev >= 0 ? nodes_[d.prev].next : p.first) = d.next;
+  (d.next >= 0 ? nodes_[d.next].prev : p.last) = d.prev;
   std::vector<int32_t> stack{id};
   while (!stack.empty()) {
     const int32_t n = stack.back();
     stack.pop_back();
+    for (int32_t c : kids(n)) stack.push_back(c);
     Node& nd = nodes_[n];
     nd.alive = false;
     edges_.erase(edge_key(nd.parent, nd.token));
-    stack.insert(stack.end(), nd.children.begin(), nd.children.end());
-    std::vector<int32_t>().swap(nd.children);  // a reused slot starts with no memory held
-    std::vector<std::pair<int64_t, int64_t>>().swap(nd.prompt);
+    nd.first = nd.last = -1;
+    std::vector<std::pair<int64_t, int64_t>>().swap(nd.prompt);  // a reused slot starts with no memory held
     free_.push_back(n);
     --num_nodes_;
   }
@@ -339,12 +441,13 @@ void TokenTrie::maybe_prune() {
 // Every live node but the root, parents before their descendants.
 void TokenTrie::preorder(std::vector<int32_t>& out) const {
   out.clear();
-  std::vector<int32_t> stack(nodes_[0].children.begin(), nodes_[0].children.end());
+  std::vector<int32_t> stack;
+  for (int32_t c : kids(0)) stack.push_back(c);
   while (!stack.empty()) {
     const int32_t n = stack.back();
     stack.pop_back();
     out.push_back(n);
-    stack.insert(stack.end(), nodes_[n].children.begin(), nodes_[n].children.end());
+    for (int32_t c : kids(n)) stack.push_back(c);
   }
 }
 
@@ -368,7 +471,7 @@ void TokenTrie::drop_lightest_leaves(int64_t count) {
   std::vector<int32_t> order;
   preorder(order);
   for (int32_t n : order) {
-    if (nodes_[n].children.empty()) heap.emplace(raw(n), nodes_[n].serial, n);
+    if (leaf(n)) heap.emplace(raw(n), nodes_[n].serial, n);
   }
   while (!heap.empty() && count > 0) {
     const int32_t n = std::get<2>(heap.top());
@@ -376,7 +479,7 @@ void TokenTrie::drop_lightest_leaves(int64_t count) {
     const int32_t parent = nodes_[n].parent;
     detach(n);
     --count;
-    if (parent != 0 && nodes_[parent].children.empty()) heap.emplace(raw(parent), nodes_[parent].serial, parent);
+    if (parent != 0 && leaf(parent)) heap.emplace(raw(parent), nodes_[parent].serial, parent);
   }
 }
 
@@ -392,7 +495,7 @@ void TokenTrie::retrieve(const int32_t* context, size_t n, int64_t budget, int64
   const int64_t longest = std::min<int64_t>(config_.max_match_length, static_cast<int64_t>(n));
   for (int64_t m = longest; m >= config_.min_match_length; --m) {
     const int32_t node = walk(context + n - m, static_cast<size_t>(m), false);
-    if (node < 0 || nodes_[node].children.empty()) continue;
+    if (node < 0 || leaf(node)) continue;
     const int64_t max_depth = config_.branch_length - m;
     tree.clear();
     if (shape == TrieShape::kOne) {
@@ -419,11 +522,11 @@ void TokenTrie::retrieve(const int32_t* context, size_t n, int64_t budget, int64
 // _select_chain: the heaviest child at every depth (ties: the lower token).
 void TokenTrie::select_chain(int32_t node, int64_t depth, int64_t slot, double floor, FlatTree& out) const {
   double confidence = 1.0;
-  while (!nodes_[node].children.empty() && static_cast<int64_t>(out.size()) < depth) {
+  while (!leaf(node) && static_cast<int64_t>(out.size()) < depth) {
     const int32_t parent = node;
     int32_t best = -1;
     double best_w = 0.0;
-    for (int32_t c : nodes_[parent].children) {
+    for (int32_t c : kids(parent)) {
       const double w = weight(c, slot);
       if (best < 0 || w > best_w || (w == best_w && nodes_[c].token < nodes_[best].token)) {
         best = c;
@@ -453,24 +556,24 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
   using Entry = std::tuple<double, int32_t, int64_t, int32_t>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
   int64_t counter = 0;
-  std::vector<int32_t> kids;
+  std::vector<int32_t> order;
   std::vector<double> kid_weight;
   auto push = [&](int32_t parent, int64_t depth) {
     if (depth > max_depth) return;
-    const std::vector<int32_t>& children = nodes_[parent].children;
     const double scale = conf_[parent] / (children_total(parent) + 1.0);
-    kids.assign(children.begin(), children.end());
-    if (static_cast<int64_t>(kids.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
+    order.clear();
+    for (int32_t c : kids(parent)) order.push_back(c);
+    if (static_cast<int64_t>(order.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
       kid_weight.clear();
-      for (int32_t c : kids) kid_weight.push_back(weight(c, slot));
-      std::vector<size_t> idx(kids.size());
+      for (int32_t c : order) kid_weight.push_back(weight(c, slot));
+      std::vector<size_t> idx(order.size());
       for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
       std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return kid_weight[a] > kid_weight[b]; });
       std::vector<int32_t> top;
-      for (int64_t i = 0; i < budget; ++i) top.push_back(kids[idx[i]]);
-      kids.swap(top);
+      for (int64_t i = 0; i < budget; ++i) top.push_back(order[idx[i]]);
+      order.swap(top);
     }
-    for (int32_t c : kids) {
+    for (int32_t c : order) {
       const double conf = scale * raw(c);
       conf_[c] = conf;
       if (conf <= 0 || conf < floor) continue;
@@ -493,7 +596,7 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
 // _ranked: the node's picked children, heaviest first (ties: lower token, then insertion order).
 void TokenTrie::ranked(int32_t id, std::vector<int32_t>& out) const {
   out.clear();
-  for (int32_t c : nodes_[id].children) {
+  for (int32_t c : kids(id)) {
     if (taken_[c] == stamp_) out.push_back(c);
   }
   std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) {
@@ -506,16 +609,16 @@ void TokenTrie::ranked(int32_t id, std::vector<int32_t>& out) const {
 // _flatten_dfs
 void TokenTrie::flatten_dfs(int32_t start, FlatTree& out) const {
   std::vector<std::pair<int32_t, int32_t>> stack;  // (node, parent entry)
-  std::vector<int32_t> kids;
-  ranked(start, kids);
-  for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.emplace_back(*it, -1);
+  std::vector<int32_t> picked;
+  ranked(start, picked);
+  for (auto it = picked.rbegin(); it != picked.rend(); ++it) stack.emplace_back(*it, -1);
   while (!stack.empty()) {
     const auto [node, parent] = stack.back();
     stack.pop_back();
     const int32_t idx = static_cast<int32_t>(out.size());
     out.push(nodes_[node].token, parent, pick_w_[node], conf_[node]);
-    ranked(node, kids);
-    for (auto it = kids.rbegin(); it != kids.rend(); ++it) stack.emplace_back(*it, idx);
+    ranked(node, picked);
+    for (auto it = picked.rbegin(); it != picked.rend(); ++it) stack.emplace_back(*it, idx);
   }
 }
 
@@ -523,9 +626,9 @@ void TokenTrie::flatten_dfs(int32_t start, FlatTree& out) const {
 void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) const {
   std::vector<int32_t> leaves;
   for (int32_t n : picked_) {
-    bool leaf = true;
-    for (int32_t c : nodes_[n].children) leaf = leaf && taken_[c] != stamp_;
-    if (leaf) leaves.push_back(n);
+    bool is_leaf = true;
+    for (int32_t c : kids(n)) is_leaf = is_leaf && taken_[c] != stamp_;
+    if (is_leaf) leaves.push_back(n);
   }
   std::stable_sort(leaves.begin(), leaves.end(), [&](int32_t a, int32_t b) {
     const double wa = pick_w_[a], wb = pick_w_[b];
@@ -559,14 +662,14 @@ void TokenTrie::output_counts(std::vector<int32_t>& parents, std::vector<int32_t
     tokens.push_back(nodes_[node].token);
     counts.push_back(nodes_[node].out);
     bool kept = false;
-    for (int32_t c : nodes_[node].children) kept = visit(c, static_cast<int32_t>(row)) || kept;
+    for (int32_t c : kids(node)) kept = visit(c, static_cast<int32_t>(row)) || kept;
     if (kept || nodes_[node].out > 0) return true;
     parents.resize(row);
     tokens.resize(row);
     counts.resize(row);
     return false;
   };
-  for (int32_t c : nodes_[0].children) visit(c, -1);
+  for (int32_t c : kids(0)) visit(c, -1);
 }
 
 bool TokenTrie::load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, size_t n) {

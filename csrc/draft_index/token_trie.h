@@ -11,7 +11,7 @@
 //             reused by a later one, so whoever holds a node from one call to
 //             the next (a request's prompt nodes and cursors) holds a NodeRef,
 //             the node and its creation serial, and finds it dead when either
-//             differs. `children` keeps insertion order (the reference's dict
+//             differs. Children keep insertion order (the reference's dict
 //             order: ties and snapshot order follow it); `edges_` finds a
 //             child by (parent, token).
 //   prompt    per node the prompt counts by request slot (few entries: only
@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -40,6 +41,7 @@ struct TrieConfig {
   int64_t capacity = 1 << 16;
   double prompt_weight = 1e4;
   bool insert_prompt = true;
+  int context_match = 3;  // 0: no context chains
 };
 
 // Draft shapes (config draft_shape): a chain, a DFS-ordered tree, whole
@@ -58,6 +60,39 @@ struct FlatTree {
 // DraftTree.merged: `self` plus `other`'s nodes (same root), shared prefixes
 // merged, at most `budget` nodes; new nodes weigh their confidence.
 void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget);
+
+// The context chain of one request (core/context_match.py ContextIndex): its
+// tokens and, per `min_match`-gram, the most recent positions (at most
+// kRecentOccurrences, ascending) of the token that followed it. An n-gram's
+// positions are found by a hash of its tokens and confirmed by comparing them
+// (colliding n-grams stay apart).
+class ContextChain {
+ public:
+  static constexpr int kRecentOccurrences = 8;  // context_match.RECENT_OCCURRENCES
+  static constexpr int kMaxMatch = 32;          // context_match.MAX_MATCH
+  static constexpr double kWeight = 1e18;       // context_match.CONTEXT_WEIGHT
+
+  explicit ContextChain(int min_match) : n_(min_match) {}
+  std::size_t size() const { return seq_.size(); }
+  int64_t memory_bytes() const;
+  void extend(const int32_t* tokens, std::size_t k);
+  // (position where the continuation starts, match length), or (-1, 0).
+  std::pair<int64_t, int64_t> match() const;
+  // The chain: at most `budget` nodes, confidence >= floor.
+  void draft(int64_t budget, double floor, FlatTree& out) const;
+
+ private:
+  struct Group {
+    int64_t end;                  // seq_[end - n, end) is the n-gram
+    std::vector<int64_t> follows;  // positions that followed it, ascending
+  };
+  uint64_t hash(int64_t end) const;
+  const Group* find(int64_t end) const;
+
+  int n_;
+  std::vector<int32_t> seq_;
+  std::unordered_map<uint64_t, std::vector<Group>> next_;
+};
 
 // A row's draft from its lead and the trie's tree (core/drafter.py,
 // Drafter.draft): the lead (an index tree, or with `lead_is_context` the
@@ -78,6 +113,8 @@ class TokenTrie {
   int64_t num_prunes() const { return num_prunes_; }
   int64_t memory_bytes() const;
   bool has_request(int64_t handle) const { return requests_.count(handle) != 0; }
+  // The request's context chain (nullptr: unknown handle, or context_match 0).
+  const ContextChain* context(int64_t handle) const;
 
   // Admit a request (its prompt windows, its open output windows); its handle.
   int64_t add_request(const int32_t* prompt, std::size_t n);
@@ -106,9 +143,29 @@ class TokenTrie {
     double out = 0.0;
     int64_t ptotal = 0;
     bool alive = false;
-    std::vector<int32_t> children;                     // insertion order
+    // Children in insertion order: a list through the siblings (unlinked in O(1)).
+    int32_t first = -1, last = -1, prev = -1, next = -1;
     std::vector<std::pair<int64_t, int64_t>> prompt;  // request slot -> prompt count
   };
+  // The children of a node, in insertion order: for (int32_t c : kids(id)).
+  struct Kids {
+    const std::vector<Node>* nodes;
+    int32_t first;
+    struct It {
+      const std::vector<Node>* nodes;
+      int32_t at;
+      int32_t operator*() const { return at; }
+      It& operator++() {
+        at = (*nodes)[at].next;
+        return *this;
+      }
+      bool operator!=(const It& o) const { return at != o.at; }
+    };
+    It begin() const { return {nodes, first}; }
+    It end() const { return {nodes, -1}; }
+  };
+  Kids kids(int32_t id) const { return {&nodes_, nodes_[id].first}; }
+  bool leaf(int32_t id) const { return nodes_[id].first < 0; }
   struct NodeRef {
     int32_t id;
     int64_t serial;
@@ -118,6 +175,7 @@ class TokenTrie {
     std::vector<int32_t> prompt_counts;
     std::vector<int32_t> window;
     std::vector<NodeRef> cursors;
+    std::unique_ptr<ContextChain> context;  // context_match > 0
   };
 
   bool live(const NodeRef& r) const { return nodes_[r.id].alive && nodes_[r.id].serial == r.serial; }

@@ -35,7 +35,6 @@ import numpy as np
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.context_match import ContextIndex
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, row_tree, rows_of
 from lookahead_vllm.core.partitions import Partitions
@@ -51,13 +50,12 @@ INDEX_WEIGHT = 1e18
 @dataclass(slots=True)
 class TrieRequest:
     """What the trie source holds for one request, in one record: the tokens
-    inserted so far, its place in the trie (None: a request of another
-    partition than the default stays off the shared trie) and its context
-    index (profile ``context_match``)."""
+    inserted so far and its place in the trie, which holds its context chain
+    too (profile ``context_match``; None: a request of another partition than
+    the default stays off the shared trie)."""
 
     inserted: int = 0
     trie: TrieRecord | int | None = None
-    context: ContextIndex | None = None
 
 
 def make_index(config: Settings, native: bool | None = None, ngram: int | None = None) -> Any:
@@ -109,12 +107,15 @@ class Drafter:
         return len(self._trie_requests)
 
     def num_context_indexes(self) -> int:
-        """Context indexes held (trie source)."""
-        return sum(req.context is not None for req in self._trie_requests.values())
+        """Context chains held (trie source)."""
+        if self.trie is None or not self.config.profile.context_match:
+            return 0
+        return sum(req.trie is not None for req in self._trie_requests.values())
 
-    def context_index(self, slot: int) -> ContextIndex | None:
+    def context_length(self, slot: int) -> int:
+        """Tokens in the request's context chain (-1: it has none)."""
         req = self._trie_requests.get(slot)
-        return None if req is None else req.context
+        return -1 if req is None or req.trie is None else self.trie.context_length(req.trie)
 
     def memory_bytes(self) -> int:
         total = sum(index.memory_bytes() for index in self._indexes())
@@ -164,7 +165,6 @@ class Drafter:
         tokens in one ``extend_rows`` call."""
         rewound = 0
         grown: list[tuple[TrieRecord | int, int, int, int]] = []  # (record, row, start, end)
-        width = self.config.profile.context_match
         for slot, row, n, plen, part in zip(slots.tolist(), rows.tolist(), num_tokens.tolist(), prompt_lens.tolist(),
                                             partitions.tolist()):
             if part != DEFAULT:  # the trie is shared: only the default partition's requests use it
@@ -177,12 +177,9 @@ class Drafter:
                 req = None
             if req is None:
                 prompt = token_ids[row, :min(plen, n)].tolist()
-                req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt),
-                                                              ContextIndex(width, prompt) if width else None)
+                req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt))
             if n > req.inserted:
                 grown.append((req.trie, row, req.inserted, n))
-                if req.context is not None:
-                    req.context.extend(token_ids[row, req.inserted:n].tolist())
                 req.inserted = n
         if grown:
             records, grown_rows, starts, ends = map(list, zip(*grown))
@@ -243,20 +240,25 @@ class Drafter:
         lead_context = np.zeros(count, bool)
         trie = rows_of(count, 1)
         if self.trie is not None:
-            trie, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
-            for i in np.flatnonzero((lead[4] == 0) & (trie_budgets > 0)).tolist():
-                index = self.context_index(int(slots[i]))
-                chain = index.draft(int(budgets[i]), floor) if index is not None else DraftTree.empty()
-                if len(chain):
-                    fill_row(lead, i, chain)
-                    lead_context[i] = True
+            trie, records, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
+            # Where the index has no draft, the request's context chain leads.
+            need = np.flatnonzero((lead[4] == 0) & (trie_budgets > 0))
+            if len(need):
+                chains = self.trie.context_rows([records[i] for i in need.tolist()], budgets[need], floor)
+                n = chains[0].shape[1]
+                for a, b in zip(lead, chains):
+                    if a.ndim == 2:
+                        a[need, :n] = b
+                    else:
+                        a[need] = b
+                lead_context[need] = chains[4] > 0
         return merge_rows(lead, lead_context, trie, budgets, cut, self.native)
 
     def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: np.ndarray,
-                   floor: float) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-        """The trie's trees for the rows, in one ``retrieve_rows`` call, and
-        the budgets they had (0 where a request of another partition stays
-        off the shared trie)."""
+                   floor: float) -> tuple[tuple[np.ndarray, ...], list, np.ndarray]:
+        """The trie's trees for the rows, in one ``retrieve_rows`` call, the
+        rows' trie records and the budgets they had (0 where a request of
+        another partition stays off the shared trie)."""
         records, trie_budgets = [], np.zeros(len(slots), np.int64)
         for i, slot in enumerate(slots):
             req = self._trie_requests.get(int(slot))
@@ -267,7 +269,7 @@ class Drafter:
         padded = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
         for i, context in enumerate(contexts):
             padded[i, :lens[i]] = context
-        return self.trie.retrieve_rows(records, padded, lens, trie_budgets, floor), trie_budgets
+        return self.trie.retrieve_rows(records, padded, lens, trie_budgets, floor), records, trie_budgets
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -28,6 +28,12 @@ Worked example (branch_length 4): after prompt ``a b c a b d`` the trie holds
 When the node count exceeds ``trie_capacity`` the trie decays output counts by
 half, drops nodes whose weight fell below one, and if still too large drops the
 lightest leaves until it is at ``PRUNE_TARGET`` of capacity.
+
+``TokenTrie`` is the pure-Python reference; the engine drafts from
+:class:`NativeTrie` (``csrc/draft_index/token_trie.h``, :func:`make_trie`),
+whose trees, counts and snapshot tables tests hold to it. Both take a batch's
+new tokens in one ``extend_rows`` call and draft a batch's rows in one
+``retrieve_rows`` call.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from lookahead_vllm.core.config import Settings
+from lookahead_vllm.core.context_match import ContextIndex
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,8 @@ class TrieRecord:
     # cursors[j] = node reached by the path window[j:].
     cursors: list[_Node] = field(default_factory=list)
     finished: bool = False
+    # Its context chain (profile context_match; None where it is 0).
+    context: ContextIndex | None = None
 
 
 class TokenTrie:
@@ -109,6 +118,8 @@ class TokenTrie:
         self._next_slot += 1
         if self.knobs.insert_prompt:
             self._insert_prompt(st, prompt)
+        if self.knobs.context_match:
+            st.context = ContextIndex(self.knobs.context_match, prompt)
         tail = list(prompt[-(self.knobs.branch_length - 1):])
         st.window = tail
         st.cursors = [self._walk(tail[j:], create=True) for j in range(len(tail))]
@@ -130,8 +141,11 @@ class TokenTrie:
         """Insert newly generated tokens of a request (on-the-fly output insertion)."""
         if st.finished:
             raise ValueError("extend: the request has finished")
+        tokens = [int(t) for t in tokens]
         for t in tokens:
-            self._extend_one(st, int(t))
+            self._extend_one(st, t)
+        if st.context is not None:
+            st.context.extend(tokens)
         self._maybe_prune()
 
     def insert_output(self, tokens: Sequence[int]) -> None:
@@ -197,6 +211,21 @@ class TokenTrie:
             tree = self.retrieve(contexts[i, max(0, n - span):n].tolist(), int(budgets[i]), record, shape, floor)
             fill_row(out, i, tree)
         return out
+
+    def context_rows(self, records: Sequence[TrieRecord | None], budgets: Sequence[int], floor: float
+                     ) -> tuple[np.ndarray, ...]:
+        """Many requests' context chains (core/context_match.py) as draft
+        rows (``[R, W]``, ``W`` the largest budget, at least 1); a record with
+        none drafts nothing."""
+        out = rows_of(len(records), max([1, *map(int, budgets)]))
+        for i, record in enumerate(records):
+            if record is not None and record.context is not None:
+                fill_row(out, i, record.context.draft(int(budgets[i]), floor))
+        return out
+
+    def context_length(self, record: TrieRecord) -> int:
+        """Tokens in the request's context chain (-1: it has none)."""
+        return -1 if record.context is None else len(record.context)
 
     def extend_rows(self, records: Sequence[TrieRecord], token_ids: np.ndarray, rows: Sequence[int],
                     starts: Sequence[int], ends: Sequence[int]) -> None:
@@ -538,6 +567,14 @@ class NativeTrie:
                     ends: Sequence[int]) -> None:
         self._core.extend_rows(records, token_ids, rows, starts, ends)
 
+    def context_rows(self, records: Sequence[int | None], budgets: Sequence[int], floor: float
+                     ) -> tuple[np.ndarray, ...]:
+        handles = np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
+        return self._core.context_rows(handles, budgets, float(floor))
+
+    def context_length(self, record: int) -> int:
+        return self._core.context_length(record)
+
     def output_counts(self) -> tuple[list[int], list[int], list[float]]:
         return self._core.output_counts()
 
@@ -560,5 +597,5 @@ def make_trie(config: Settings, native: bool | None = None) -> "TokenTrie | Nati
         return TokenTrie(config)
     k = config.profile
     core = module.TokenTrie(k.branch_length, k.max_match_length, k.min_match_length, k.min_retrieved_nodes,
-                            k.trie_capacity, float(k.prompt_weight), bool(k.insert_prompt))
+                            k.trie_capacity, float(k.prompt_weight), bool(k.insert_prompt), k.context_match)
     return NativeTrie(config, core)

@@ -33,6 +33,7 @@ knobs = st.fixed_dictionaries({
     "prompt_weight": st.sampled_from([0.0, 1.0, 1e4]),
     "insert_prompt": st.booleans(),
     "min_retrieved_nodes": st.integers(1, 4),
+    "context_match": st.integers(0, 3),
 })
 
 
@@ -100,6 +101,11 @@ def test_native_trie_equals_reference(prompts, program, kw, shape):
             got = [trie.retrieve_rows([recs[r] for r in rids] + [None], padded, lens, budgets, floor)
                    for trie, recs in zip(tries, records)]
             same_rows(*got)
+            chains = [trie.context_rows([recs[r] for r in rids] + [None], budgets, floor)
+                      for trie, recs in zip(tries, records)]
+            same_rows(*chains)
+            for r in rids:
+                assert tries[0].context_length(records[0][r]) == tries[1].context_length(records[1][r])
         assert tries[0].num_nodes == tries[1].num_nodes
         assert tries[0].num_prunes == tries[1].num_prunes
     tables = [trie.output_counts() for trie in tries]
@@ -141,7 +147,9 @@ def test_native_errors_name_the_problem():
         native.retrieve_rows([None], np.zeros((1, 2), np.int64), np.array([3]), [4], 0.0)
     module = load_extension()
     with pytest.raises(ValueError, match=r"branch_length=1: must be an int in \[2, 128\]"):
-        module.TokenTrie(1, 1, 1, 4, 64, 1.0, True)
+        module.TokenTrie(1, 1, 1, 4, 64, 1.0, True, 3)
+    with pytest.raises(ValueError, match=r"context_match=65: must be an int in \[0, 64\]"):
+        module.TokenTrie(4, 3, 1, 4, 64, 1.0, True, 65)
 
 
 def random_rows(rng: np.random.Generator, count: int, width: int, weight: float) -> tuple[np.ndarray, ...]:

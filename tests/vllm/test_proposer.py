@@ -384,7 +384,7 @@ def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
     from lookahead_vllm.core.calibration import KIND_CONTEXT
 
     assert p.calibrator.nodes[KIND_CONTEXT].sum() == 8 and p.calibrator.accepted[KIND_CONTEXT].sum() == 5
-    assert len(p.drafter.context_index(p.request_state("a").slot)) == len(grown)
+    assert p.drafter.context_length(p.request_state("a").slot) == len(grown)
     # Finished requests drop their index; reset drops all.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
     assert p.drafter.num_context_indexes() == 1
