@@ -203,13 +203,10 @@ const ContextChain* TokenTrie::context(int64_t handle) const {
 // _Node.weight
 double TokenTrie::weight(int32_t id, int64_t slot) const {
   const Node& n = nodes_[id];
-  int64_t own = 0;
-  for (const auto& [s, c] : n.prompt) {
-    if (s == slot) {
-      own = c;
-      break;
-    }
-  }
+  // Entries are in admission order, so by slot (finishing one keeps the order).
+  const auto it = std::lower_bound(n.prompt.begin(), n.prompt.end(), slot,
+                                   [](const std::pair<int64_t, int64_t>& e, int64_t s) { return e.first < s; });
+  const int64_t own = it != n.prompt.end() && it->first == slot ? it->second : 0;
   return config_.prompt_weight * static_cast<double>(own) + static_cast<double>(n.ptotal - own) + n.out;
 }
 
@@ -438,27 +435,20 @@ void TokenTrie::maybe_prune() {
   if (num_nodes_ > config_.capacity) prune();
 }
 
-// Every live node but the root, parents before their descendants.
-void TokenTrie::preorder(std::vector<int32_t>& out) const {
-  out.clear();
-  std::vector<int32_t> stack;
-  for (int32_t c : kids(0)) stack.push_back(c);
-  while (!stack.empty()) {
-    const int32_t n = stack.back();
-    stack.pop_back();
-    out.push_back(n);
-    for (int32_t c : kids(n)) stack.push_back(c);
-  }
-}
-
-// prune
+// prune. The reference walks the tree; this scans the node array (cache
+// friendly), which removes the same nodes: a node goes in the first pass iff
+// its whole subtree is empty after the halving (the reference, bottom-up,
+// asks each node once its subtree went; here each empty leaf goes and takes
+// its parents that it leaves empty), and the lightest leaves are ranked by
+// (count, creation serial), which no order of discovery changes.
 void TokenTrie::prune() {
   const int64_t target = static_cast<int64_t>(static_cast<double>(config_.capacity) * kPruneTarget);
-  std::vector<int32_t> order;
-  preorder(order);
-  for (int32_t n : order) nodes_[n].out *= 0.5;
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    if (is_empty(*it)) detach(*it);  // bottom-up: a node's subtree went before it is asked
+  const int32_t size = static_cast<int32_t>(nodes_.size());
+  for (int32_t n = 1; n < size; ++n) {
+    if (nodes_[n].alive) nodes_[n].out *= 0.5;
+  }
+  for (int32_t n = 1; n < size; ++n) {
+    if (nodes_[n].alive && is_empty(n)) drop_if_empty(n);
   }
   if (num_nodes_ > target) drop_lightest_leaves(num_nodes_ - target);
   ++num_prunes_;
@@ -467,12 +457,11 @@ void TokenTrie::prune() {
 // _drop_lightest_leaves: lightest raw count first, ties by creation.
 void TokenTrie::drop_lightest_leaves(int64_t count) {
   using Entry = std::tuple<double, int64_t, int32_t>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
-  std::vector<int32_t> order;
-  preorder(order);
-  for (int32_t n : order) {
-    if (leaf(n)) heap.emplace(raw(n), nodes_[n].serial, n);
+  std::vector<Entry> leaves;
+  for (int32_t n = 1; n < static_cast<int32_t>(nodes_.size()); ++n) {
+    if (nodes_[n].alive && leaf(n)) leaves.emplace_back(raw(n), nodes_[n].serial, n);
   }
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap(std::greater<Entry>(), std::move(leaves));
   while (!heap.empty() && count > 0) {
     const int32_t n = std::get<2>(heap.top());
     heap.pop();
@@ -568,7 +557,10 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
       for (int32_t c : order) kid_weight.push_back(weight(c, slot));
       std::vector<size_t> idx(order.size());
       for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-      std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return kid_weight[a] > kid_weight[b]; });
+      // The `budget` heaviest, ties in insertion order (a stable sort's first `budget`).
+      std::partial_sort(idx.begin(), idx.begin() + budget, idx.end(), [&](size_t a, size_t b) {
+        return kid_weight[a] > kid_weight[b] || (kid_weight[a] == kid_weight[b] && a < b);
+      });
       std::vector<int32_t> top;
       for (int64_t i = 0; i < budget; ++i) top.push_back(order[idx[i]]);
       order.swap(top);

@@ -194,7 +194,6 @@ class TokenTrie {
   void detach(int32_t id);
   void maybe_prune();
   void drop_lightest_leaves(int64_t count);
-  void preorder(std::vector<int32_t>& out) const;
 
   void select_chain(int32_t start, int64_t depth, int64_t slot, double floor, FlatTree& out) const;
   void best_first(int32_t start, int64_t budget, int64_t max_depth, int64_t slot, double floor);
