@@ -14,7 +14,7 @@ drafts and every draft is handed out and booked: the most work the proposer
 does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
 tokens: from 64 rows on no draft pays, and the proposer only indexes).
 Reports per source (``index``: native draft index; ``index+trie``: plus the
-pure-Python trie) and index upkeep (``--upkeep``: ``inline`` at the end of
+trie, native when built) and index upkeep (``--upkeep``: ``inline`` at the end of
 the batch call, the CPU platform's default; ``thread``: on the index's own
 thread while the forward, here the flush and the batch's bookkeeping, runs,
 the GPU default) the milliseconds per engine step (median, p99, max), the

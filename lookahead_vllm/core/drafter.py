@@ -6,9 +6,14 @@ It owns the sources that draft from text (``config.sources``):
          longest earlier matches in the request's own text and in every
          request's output; one ``sync`` and one ``draft_batch`` per step.
   trie   core/trie.py (native when built: csrc/draft_index/token_trie.h)
-         with the context chain of core/context_match.py; one ``extend_rows``
-         in ``sync`` and one ``retrieve_rows`` per step, the merge with the
-         index's tree or the context chain per request.
+         with each request's context chain (core/context_match.py) in its
+         record: one ``extend_rows`` in ``sync``, one ``retrieve_rows`` and
+         one ``context_rows`` per step.
+
+A step's drafts are rows of arrays from a few batch calls: the index's, the
+trie's and the context chains', then one ``merge_rows`` (native, or its
+reference here) that puts each row's lead first and the trie's nodes after
+it, with every node's calibration kind.
 
 Requests are named by integer *slots* the caller assigns (the proposer maps
 vLLM's request ids to slots). Per step the caller hands the runner's token
@@ -330,7 +335,7 @@ class Drafter:
 
 
 def merge_rows(lead: tuple[np.ndarray, ...], lead_context: np.ndarray, trie: tuple[np.ndarray, ...],
-           budgets: np.ndarray, cut: np.ndarray | None, native: bool) -> tuple[np.ndarray, ...]:
+               budgets: np.ndarray, cut: np.ndarray | None, native: bool) -> tuple[np.ndarray, ...]:
     """Row ``i``'s draft: ``lead``'s row (an index tree, or where
     ``lead_context[i]`` the request's context chain) first, ``trie``'s row
     merged after it (:meth:`DraftTree.merged`, at most ``budgets[i]``

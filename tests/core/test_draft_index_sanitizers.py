@@ -1,4 +1,4 @@
-"""The native draft index under sanitizers, without Python in the way.
+"""The native draft index and trie under sanitizers, without Python in the way.
 
 ``tests/native/upkeep_stress.cpp`` runs the same random operations on an
 index pair whose upkeep runs on its own thread and on one that runs it
@@ -9,6 +9,8 @@ ThreadSanitizer it also fails on any data race between the caller, the
 upkeep thread and draft_rows' drafting threads (a draft_rows that did not
 wait for the upkeep is reported: checked by hand); built with
 AddressSanitizer and UBSan, on any memory error or undefined behaviour.
+``tests/native/trie_stress.cpp`` does the same for the native trie (one
+thread: AddressSanitizer and UBSan).
 """
 
 from __future__ import annotations
@@ -51,3 +53,23 @@ def test_upkeep_thread_matches_inline_under_sanitizers(tmp_path, sanitizer, seed
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stdout.startswith("ok: 2000 steps"), proc.stdout
+
+
+def test_trie_under_address_and_undefined_sanitizers(tmp_path):
+    """``tests/native/trie_stress.cpp``: random operations on the native trie
+    (prunes reusing node slots all the time, context chains, merges,
+    snapshot tables), every tree checked against its bounds."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "trie_stress"
+    sources = [REPO / "tests" / "native" / "trie_stress.cpp", REPO / "csrc" / "draft_index" / "token_trie.cpp"]
+    flags = ["-std=c++17", "-O1", "-g", *SANITIZERS["address,undefined"], f"-I{REPO / 'csrc' / 'draft_index'}"]
+    proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(exe)], capture_output=True, text=True)
+    if proc.returncode != 0 and "cannot find" in proc.stderr and "san" in proc.stderr:
+        pytest.skip(f"the sanitizer runtime is not installed: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run([str(exe), "1", "3000"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "Sanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr[-4000:]
+    assert run.stdout.startswith("ok: 3000 steps") and " 0 prunes" not in run.stdout, run.stdout
