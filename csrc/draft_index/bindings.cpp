@@ -644,31 +644,52 @@ void read_row(lookahead::FlatTree& t, const int32_t* tok, const int32_t* par, co
 // arrays (tokens, parents, weights, confidence, lengths), lead_context[r]
 // (the lead is a context chain), budgets, cut[r] (None: no row is cut).
 py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::handle trie_obj, py::handle budgets_obj,
-                        py::handle cut_obj) {
+                        py::handle cut_obj, py::handle pool_obj) {
   const py::tuple lead = lead_obj.cast<py::tuple>(), trie = trie_obj.cast<py::tuple>();
-  if (lead.size() != 5 || trie.size() != 5) {
-    throw py::value_error("lead and trie must be (tokens, parents, weights, confidence, lengths)");
+  const py::tuple pool = pool_obj.is_none() ? py::tuple() : pool_obj.cast<py::tuple>();
+  if (lead.size() != 5 || trie.size() != 5 || (!pool_obj.is_none() && pool.size() != 5)) {
+    throw py::value_error("lead, trie and pool must be (tokens, parents, weights, confidence, lengths)");
   }
   const IntArray budgets = int_array(budgets_obj, "budgets");
   const int64_t rows = budgets.shape(0);
-  const Int32Array lt = Int32Array::ensure(lead[0]), lp = Int32Array::ensure(lead[1]);
-  const DoubleArray lw = DoubleArray::ensure(lead[2]), lc = DoubleArray::ensure(lead[3]);
-  const Int32Array tt = Int32Array::ensure(trie[0]), tp = Int32Array::ensure(trie[1]);
-  const DoubleArray tw = DoubleArray::ensure(trie[2]), tc = DoubleArray::ensure(trie[3]);
-  const int64_t lead_width = lt && lt.ndim() == 2 ? lt.shape(1) : -1, trie_width = tt && tt.ndim() == 2 ? tt.shape(1) : -1;
-  check_rows("lead tokens", lt, rows, lead_width);
-  check_rows("lead parents", lp, rows, lead_width);
-  check_rows("lead weights", lw, rows, lead_width);
-  check_rows("lead confidence", lc, rows, lead_width);
-  check_rows("trie tokens", tt, rows, trie_width);
-  check_rows("trie parents", tp, rows, trie_width);
-  check_rows("trie weights", tw, rows, trie_width);
-  check_rows("trie confidence", tc, rows, trie_width);
-  const IntArray lead_lens = int_array(lead[4], "lead lengths"), trie_lens = int_array(trie[4], "trie lengths");
-  check_same_length("budgets and lead lengths", rows, lead_lens.shape(0));
-  check_same_length("budgets and trie lengths", rows, trie_lens.shape(0));
-  check_lengths("lead lengths", lead_lens.data(), rows, lead_width);
-  check_lengths("trie lengths", trie_lens.data(), rows, trie_width);
+  // Each set of rows checked: [rows, width] arrays, lengths, parents first.
+  struct RowSet {
+    Int32Array tok, par;
+    DoubleArray w, cf;
+    IntArray lens;
+    int64_t width = 0;
+  };
+  auto row_set = [&](const py::tuple& t, const std::string& what) {
+    RowSet r;
+    if (t.size() == 0) {  // no pool: every row empty
+      r.lens = IntArray(rows);
+      std::fill(r.lens.mutable_data(), r.lens.mutable_data() + rows, 0);
+      return r;
+    }
+    r.tok = Int32Array::ensure(t[0]);
+    r.par = Int32Array::ensure(t[1]);
+    r.w = DoubleArray::ensure(t[2]);
+    r.cf = DoubleArray::ensure(t[3]);
+    r.width = r.tok && r.tok.ndim() == 2 ? r.tok.shape(1) : -1;
+    check_rows((what + " tokens").c_str(), r.tok, rows, r.width);
+    check_rows((what + " parents").c_str(), r.par, rows, r.width);
+    check_rows((what + " weights").c_str(), r.w, rows, r.width);
+    check_rows((what + " confidence").c_str(), r.cf, rows, r.width);
+    r.lens = int_array(t[4], (what + " lengths").c_str());
+    check_same_length(("budgets and " + what + " lengths").c_str(), rows, r.lens.shape(0));
+    check_lengths((what + " lengths").c_str(), r.lens.data(), rows, r.width);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < r.lens.data()[i]; ++j) {
+        const int32_t p = r.par.data()[i * r.width + j];
+        if (p < -1 || p >= j) {
+          throw py::value_error(what + " parents[" + std::to_string(i) + ", " + std::to_string(j) + "]=" +
+                                std::to_string(p) + ": must be in [-1, " + std::to_string(j - 1) + "]");
+        }
+      }
+    }
+    return r;
+  };
+  const RowSet sets[3] = {row_set(lead, "lead"), row_set(trie, "trie"), row_set(pool, "pool")};
   const UInt8Array lead_context = UInt8Array::ensure(lead_context_obj);
   if (!lead_context || lead_context.ndim() != 1 || lead_context.shape(0) != rows) {
     throw py::type_error("lead_context must be a 1-D bool array [" + std::to_string(rows) + "]");
@@ -682,21 +703,10 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
     }
   }
   const int64_t* budget = budgets.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    // Parents first: every parent an earlier node of its row (or -1).
-    for (const auto& [par, lens, width, what] :
-         {std::tuple{lp.data(), lead_lens.data(), lead_width, "lead"}, std::tuple{tp.data(), trie_lens.data(), trie_width, "trie"}}) {
-      for (int64_t j = 0; j < lens[r]; ++j) {
-        const int32_t p = par[r * width + j];
-        if (p < -1 || p >= j) {
-          throw py::value_error(std::string(what) + " parents[" + std::to_string(r) + ", " + std::to_string(j) +
-                                "]=" + std::to_string(p) + ": must be in [-1, " + std::to_string(j - 1) + "]");
-        }
-      }
-    }
-  }
   int64_t width = 1;
-  for (int64_t r = 0; r < rows; ++r) width = std::max({width, budget[r], lead_lens.data()[r], trie_lens.data()[r]});
+  for (int64_t r = 0; r < rows; ++r) {
+    width = std::max({width, budget[r], sets[0].lens.data()[r], sets[1].lens.data()[r], sets[2].lens.data()[r]});
+  }
   py::array_t<int32_t> tokens({rows, width}), parents({rows, width});
   py::array_t<double> weights({rows, width}), conf({rows, width});
   py::array_t<int8_t> kinds({rows, width});
@@ -710,12 +720,19 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
   std::fill(wt, wt + rows * width, 0.0);
   std::fill(cf, cf + rows * width, 0.0);
   std::fill(kd, kd + rows * width, 0);
-  lookahead::FlatTree a, b, out;
+  lookahead::FlatTree in[3], out;
   std::vector<int8_t> k;
   for (int64_t r = 0; r < rows; ++r) {
-    read_row(a, lt.data(), lp.data(), lw.data(), lc.data(), r, lead_width, lead_lens.data()[r]);
-    read_row(b, tt.data(), tp.data(), tw.data(), tc.data(), r, trie_width, trie_lens.data()[r]);
-    lookahead::merge_row(a, lead_context.data()[r] != 0, b, budget[r], cuts && cut.data()[r] != 0, out, k);
+    for (int s = 0; s < 3; ++s) {
+      const RowSet& set = sets[s];
+      if (set.width > 0) {
+        read_row(in[s], set.tok.data(), set.par.data(), set.w.data(), set.cf.data(), r, set.width, set.lens.data()[r]);
+      } else {
+        in[s].clear();
+      }
+    }
+    lookahead::merge_row(in[0], lead_context.data()[r] != 0, in[1], in[2], budget[r], cuts && cut.data()[r] != 0,
+                         out, k);
     len[r] = static_cast<int64_t>(out.size());
     std::copy(out.tokens.begin(), out.tokens.end(), tok + r * width);
     std::copy(out.parents.begin(), out.parents.end(), par + r * width);
@@ -832,7 +849,7 @@ void bind_trie(py::module_& m) {
         b.core.prune();
       });
   m.def("merge_rows", &merge_rows_py, py::arg("lead"), py::arg("lead_context"), py::arg("trie"), py::arg("budgets"),
-        py::arg("cut") = py::none());
+        py::arg("cut") = py::none(), py::arg("pool") = py::none());
 }
 
 }  // namespace

@@ -139,18 +139,20 @@ void ContextChain::draft(int64_t budget, double floor, FlatTree& out) const {
   }
 }
 
-void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, int64_t budget, bool cut,
-               FlatTree& out, std::vector<int8_t>& kinds) {
-  constexpr int8_t kChain = 0, kBranch = 1, kContext = 3;  // core/calibration.py KIND_*
+void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, const FlatTree& pool,
+               int64_t budget, bool cut, FlatTree& out, std::vector<int8_t>& kinds) {
+  constexpr int8_t kChain = 0, kBranch = 1, kPool = 2, kContext = 3;  // core/calibration.py KIND_*
   out = lead.size() ? lead : trie;
   if (lead.size() && trie.size()) merge_tree(out, trie, budget);
-  const size_t n = out.size(), n_lead = lead.size();
+  const size_t pool_from = out.size(), n_lead = lead.size();
+  if (pool.size()) merge_tree(out, pool, budget);
+  const size_t n = out.size();
   kinds.resize(n);
   bool chain = true;
   for (size_t i = 0; i < n; ++i) {
     chain = chain && out.parents[i] == static_cast<int32_t>(i) - 1;
     const int8_t kind = chain ? kChain : kBranch;
-    kinds[i] = i >= n_lead ? kind : lead_is_context ? kContext : chain ? kContext : kBranch;
+    kinds[i] = i >= pool_from ? kPool : i >= n_lead ? kind : lead_is_context ? kContext : chain ? kContext : kBranch;
   }
   bool is_chain = true;
   for (size_t i = 0; i < n; ++i) is_chain = is_chain && out.parents[i] == static_cast<int32_t>(i) - 1;

@@ -94,15 +94,16 @@ class ContextChain {
   std::unordered_map<uint64_t, std::vector<Group>> next_;
 };
 
-// A row's draft from its lead and the trie's tree (core/drafter.py,
-// Drafter.draft): the lead (an index tree, or with `lead_is_context` the
-// request's context chain) first and the trie's nodes merged after it (no
-// lead: the trie's tree as it is); every node's calibration kind (an index
-// lead's nodes context on its leading chain and branch off it, a context
-// chain's context, the rest chain on the leading chain and branch off it);
-// then, with `cut`, the best path alone (the heaviest child from the root on).
-void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, int64_t budget, bool cut,
-               FlatTree& out, std::vector<int8_t>& kinds);
+// A row's draft from its lead, the trie's tree and the Jacobi pool's
+// branches (core/drafter.py merge_rows): the lead (an index tree, or with
+// `lead_is_context` the request's context chain) first, the trie's nodes
+// merged after it (no lead: the trie's tree as it is), the pool's after
+// those; every node's calibration kind (an index lead's nodes context on its
+// leading chain and branch off it, a context chain's context, the pool's
+// pool, the rest chain on the leading chain and branch off it); then, with
+// `cut`, the best path alone (the heaviest child from the root on).
+void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie, const FlatTree& pool,
+               int64_t budget, bool cut, FlatTree& out, std::vector<int8_t>& kinds);
 
 class TokenTrie {
  public:

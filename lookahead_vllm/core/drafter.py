@@ -225,13 +225,16 @@ class Drafter:
 
     # ------------------------------------------------------------- drafting
     def draft(self, slots: Sequence[int], contexts: Sequence[Sequence[int]] | None, budgets: Sequence[int],
-              floor: float, tree: bool, cut: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+              floor: float, tree: bool, cut: np.ndarray | None = None, pool: tuple[np.ndarray, ...] | None = None
+              ) -> tuple[np.ndarray, ...]:
         """Every request's draft as rows (a few batch calls): ``tokens``,
         ``parents``, ``weights``, ``confidence``, calibration ``kinds [R, W]``
         and ``lengths [R]``; row ``i`` at most ``budgets[i]`` nodes, none below
         ``floor``, the index's tree (a chain unless ``tree``) or, where it has
-        none, the request's context chain, first, the trie's merged after it
-        (:func:`merge_rows`); cut to its best path where ``cut[i]``.
+        none, the request's context chain, first, the trie's merged after it,
+        then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of`
+        arrays; the caller's) (:func:`merge_rows`); cut to its best path where
+        ``cut[i]``.
         ``contexts[i]``: the request's last ``max_match_length`` tokens (trie
         source only; None otherwise)."""
         count = len(slots)
@@ -257,7 +260,7 @@ class Drafter:
                     else:
                         a[need] = b
                 lead_context[need] = chains[4] > 0
-        return merge_rows(lead, lead_context, trie, budgets, cut, self.native)
+        return merge_rows(lead, lead_context, trie, budgets, cut, self.native, pool)
 
     def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: np.ndarray,
                    floor: float) -> tuple[tuple[np.ndarray, ...], list, np.ndarray]:
@@ -335,29 +338,35 @@ class Drafter:
 
 
 def merge_rows(lead: tuple[np.ndarray, ...], lead_context: np.ndarray, trie: tuple[np.ndarray, ...],
-               budgets: np.ndarray, cut: np.ndarray | None, native: bool) -> tuple[np.ndarray, ...]:
+               budgets: np.ndarray, cut: np.ndarray | None, native: bool, pool: tuple[np.ndarray, ...] | None = None
+               ) -> tuple[np.ndarray, ...]:
     """Row ``i``'s draft: ``lead``'s row (an index tree, or where
     ``lead_context[i]`` the request's context chain) first, ``trie``'s row
     merged after it (:meth:`DraftTree.merged`, at most ``budgets[i]``
-    nodes; no lead: the trie's tree as it is), its nodes' calibration kinds
-    (:func:`index_kinds`, or ``node_kinds`` with the context chain's
-    length), cut to its best path where ``cut[i]``. ``lead`` and ``trie``
-    are :func:`rows_of` arrays; returns ``tokens``, ``parents``,
-    ``weights``, ``confidence``, ``kinds`` and ``lengths``. Native
-    (csrc/draft_index/token_trie.cpp ``merge_row``) or this reference."""
+    nodes; no lead: the trie's tree as it is), ``pool``'s row (the Jacobi
+    pool's branches) merged after those; its nodes' calibration kinds
+    (:func:`index_kinds`, or ``node_kinds`` with the context chain's length
+    and where the pool's nodes start), cut to its best path where
+    ``cut[i]``. ``lead``, ``trie`` and ``pool`` are :func:`rows_of` arrays;
+    returns ``tokens``, ``parents``, ``weights``, ``confidence``, ``kinds``
+    and ``lengths``. Native (csrc/draft_index/token_trie.cpp ``merge_row``)
+    or this reference."""
     if native:
         from lookahead_vllm.core.native import load_extension
 
         return load_extension().merge_rows(lead, np.asarray(lead_context, np.uint8), trie, budgets,
-                                           None if cut is None else np.asarray(cut, np.uint8))
+                                           None if cut is None else np.asarray(cut, np.uint8), pool)
     count = len(budgets)
-    width = max([1, *map(int, budgets), *map(int, lead[4]), *map(int, trie[4])])
+    pool = rows_of(count, 1) if pool is None else pool
+    width = max([1, *map(int, budgets), *map(int, lead[4]), *map(int, trie[4]), *map(int, pool[4])])
     out, kinds = rows_of(count, width), np.zeros((count, width), np.int8)
     for r in range(count):
-        a, b = row_tree(lead, r), row_tree(trie, r)
+        a, b, c = row_tree(lead, r), row_tree(trie, r), row_tree(pool, r)
         t = a.merged(b, int(budgets[r])) if len(a) and len(b) else a if len(a) else b
-        k = (node_kinds(t, context=len(a)) if lead_context[r] else index_kinds(t, len(a))) if len(a) else \
-            node_kinds(t)
+        pool_from = len(t)
+        t = t.merged(c, int(budgets[r])) if len(c) else t
+        k = (node_kinds(t, pool_from, len(a)) if lead_context[r] else index_kinds(t, len(a), pool_from)) if len(a) \
+            else node_kinds(t, pool_from)
         if cut is not None and cut[r] and not t.is_chain():
             k, t = [k[i] for i in t.best_path()], t.best_path_tree()
         fill_row(out, r, t)
@@ -378,10 +387,11 @@ def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> Dra
                      tuple([INDEX_WEIGHT * c for c in confs]), confs)
 
 
-def index_kinds(tree: DraftTree, n_index: int) -> list[int]:
+def index_kinds(tree: DraftTree, n_index: int, pool_from: int | None = None) -> list[int]:
     """Calibration kinds: index nodes are KIND_CONTEXT on the leading chain and
-    KIND_BRANCH off it; nodes merged after them (trie) follow node_kinds."""
-    kinds = node_kinds(tree)
+    KIND_BRANCH off it; nodes merged after them (trie, and the Jacobi pool's
+    from ``pool_from`` on) follow node_kinds."""
+    kinds = node_kinds(tree, pool_from)
     chain = True
     for i in range(n_index):
         chain = chain and tree.parents[i] == i - 1

@@ -134,12 +134,10 @@ class JacobiWindow:
         return grams
 
 
-def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], budget: int) -> DraftTree:
-    """``tree`` plus ``branches`` from the root, shared prefixes merged, at most ``budget`` nodes.
-
-    The tree's own nodes keep their order, weights and confidences; new nodes
-    follow them (parents first) with confidence ``POOL_CONFIDENCE ** depth``.
-    """
+def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
+    """Pool continuations as branches from the root, side by side (merged
+    after a row's other nodes, shared prefixes merged: core/drafter.py
+    merge_rows), each node at confidence and weight ``POOL_CONFIDENCE ** depth``."""
     tokens: list[int] = []
     parents: list[int] = []
     confs: list[float] = []
@@ -148,8 +146,7 @@ def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], budget: i
             parents.append(-1 if depth == 1 else len(tokens) - 1)
             tokens.append(int(token))
             confs.append(POOL_CONFIDENCE ** depth)
-    pool = DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
-    return tree.merged(pool, budget)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
 
 
 def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:

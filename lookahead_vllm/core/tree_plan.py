@@ -3,8 +3,8 @@
 Every source and shape plans here; a chain is a tree whose node ``i`` has
 parent ``i - 1``. The draft index drafts every row's tree (or chain) with one ``draft_batch`` call
 (``tokens``/``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``,
-parents first); the other sources' trees come packed into the same rows
-with their nodes' calibration kinds (:func:`pack_trees`). Besides syncing,
+parents first); merged sources come as the same rows with their nodes'
+calibration kinds (``Drafter.draft``: core/drafter.py). Besides syncing,
 the proposer then:
 
 1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer
@@ -134,7 +134,7 @@ def plan_trees(
     """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
     index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
     ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With
-    ``kinds [R, W]`` given (merged sources: :func:`pack_trees`), the rows are
+    ``kinds [R, W]`` given (merged sources: ``Drafter.draft``), the rows are
     planned as they are, already cut to what their requests may verify.
     Returns the offers (each row's kept prefix), the calibrated confidences
     of the offered rows (cells past a row's length are unspecified) and the
@@ -149,22 +149,6 @@ def plan_trees(
             calibrated, drafts
     return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,
                                  slots, out_rows, num_out, kinds)
-
-
-def pack_trees(trees: list[tuple[DraftTree, list[int]]], width: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Drafts with their nodes' calibration kinds as :func:`plan_trees`'s
-    rows: ``tokens``, ``parents``, ``raw`` confidences, ``kinds [R, W]`` and
-    ``lengths [R]`` (``W`` at least ``width``)."""
-    width = max([width, *(len(t) for t, _ in trees)])
-    tok, par = np.zeros((len(trees), width), np.int32), np.full((len(trees), width), -1, np.int32)
-    raw, kinds = np.zeros((len(trees), width)), np.zeros((len(trees), width), np.int8)
-    lens = np.zeros(len(trees), np.int64)
-    for r, (tree, k) in enumerate(trees):
-        n = lens[r] = len(tree)
-        tok[r, :n], par[r, :n], kinds[r, :n] = tree.tokens, tree.parents, k
-        raw[r, :n] = [tree.node_confidence(i) for i in range(n)]
-    return tok, par, raw, kinds, lens
 
 
 def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost, slots,

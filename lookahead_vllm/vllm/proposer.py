@@ -53,10 +53,10 @@ from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.draft_tree import DraftTree, row_tree
-from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, merge_branches, with_lookahead
+from lookahead_vllm.core.draft_tree import fill_row, rows_of
+from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, branch_tree, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan
-from lookahead_vllm.core.tree_plan import TreeOffers, pack_trees, plan_trees
+from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import TreeVerifier
@@ -482,31 +482,48 @@ class LookaheadProposer:
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
         """The drafting rows' trees from every source as :func:`plan_trees`
         rows with their nodes' calibration kinds (``Drafter.draft``: the
-        index's or the context chain, then the trie's, cut to the best path
-        where the request may not verify a tree); with the Jacobi pool, its
-        n-grams are merged after them row by row before the cut."""
+        index's or the context chain, then the trie's, then the Jacobi pool's
+        branches keyed by the row's last token, cut to the best path where
+        the request may not verify a tree)."""
         contexts = None
         if self.drafter.trie is not None:
             width = self.config.profile.max_match_length
             contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - width):int(num_tokens[j])].tolist()
                         for j in picked]
-        pool = self.config.uses_jacobi
-        tok, par, weights, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode,
-                                                                  None if pool else ~tree_ok)
+        pool = self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens) \
+            if self.config.uses_jacobi else None
+        tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode, ~tree_ok,
+                                                            pool)
         self.stats.context_drafts += int(np.count_nonzero((kinds == KIND_CONTEXT).any(axis=1)))
-        if not pool:
-            return tok, par, conf, kinds, lens
-        offers = []
+        if pool is not None:  # where each row's pool nodes start: the window credits what they get accepted
+            pool_from = lens - np.count_nonzero(kinds == KIND_POOL, axis=1)
+            for d, j in enumerate(picked):
+                if states[j].jacobi is not None:
+                    states[j].jacobi.pool_from = int(pool_from[d])
+        return tok, par, conf, kinds, lens
+
+    def _pool_rows(self, states: list[RequestState], picked: list[int], budgets: np.ndarray,
+                   token_ids_cpu: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per drafting row with a Jacobi window, the pool's n-grams keyed by
+        its last committed token as branches from the root (confidence
+        ``POOL_CONFIDENCE ** depth``), :func:`rows_of` arrays; the window
+        rides along only with the full budget (no load shrink, no per-request
+        cap): x0 = -1 marks rows without it this step."""
+        guesses = self.config.profile.jacobi_guesses
+        found = []
         for d, j in enumerate(picked):
-            tree, k = row_tree((tok, par, weights, conf, lens), d), kinds[d, :lens[d]].tolist()
-            st = states[j]
-            if st.jacobi is not None:  # keyed by the last committed token
-                last = int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1])
-                tree, k = self._with_pool(st, tree, k, int(budgets[d]), last)
-            if not tree_ok[d] and not tree.is_chain():
-                k, tree = [k[i] for i in tree.best_path()], tree.best_path_tree()
-            offers.append((tree, k))
-        return pack_trees(offers, 1)
+            jac = states[j].jacobi
+            if jac is None:
+                found.append(())
+                continue
+            last = int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1])
+            jac.x0 = last if budgets[d] == self.config.decoding_length else -1
+            found.append(jac.pool.get(last, guesses))
+            self.stats.pool_branches += len(found[-1])
+        out = rows_of(len(picked), max([1, *(sum(map(len, b)) for b in found)]))
+        for d, branches in enumerate(found):
+            fill_row(out, d, branch_tree(branches))
+        return out
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
         """Whether the request may verify a tree (asked of the verifier once
@@ -558,19 +575,6 @@ class LookaheadProposer:
             elif st.jacobi is not None:
                 st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
             st.length = n
-
-    def _with_pool(self, st: RequestState, tree: DraftTree, kinds: list[int], budget: int, last: int
-                   ) -> tuple[DraftTree, list[int]]:
-        """Merge the Jacobi pool's n-grams keyed by the last token after the tree."""
-        jac = st.jacobi
-        # The window rides along only with the full budget (no load shrink,
-        # no per-request cap); x0 = -1 marks rows without it this step.
-        jac.x0 = last if budget == self.config.decoding_length else -1
-        jac.pool_from = len(tree)
-        branches = jac.pool.get(last, self.config.profile.jacobi_guesses)
-        self.stats.pool_branches += len(branches)
-        merged = merge_branches(tree, branches, budget)
-        return merged, kinds + [KIND_POOL] * (len(merged) - len(tree))
 
     def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
                       req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int

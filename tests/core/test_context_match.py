@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, node_kinds
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT
 from lookahead_vllm.core.context_match import (
     RECENT_OCCURRENCES, ContextIndex, match_confidence,
 )

@@ -5,14 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
+from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import merge_rows, row_drafts
 from lookahead_vllm.core.jacobi import (
     JacobiWindow,
     NgramPool,
-    merge_branches,
+    branch_tree,
     output_nodes,
     with_lookahead,
 )
+from lookahead_vllm.core.native import load_extension
 from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
 
 
@@ -21,7 +24,7 @@ def digest_plan(W=5, N=4, G=2):
     rows = [[i for i in range(1, W)]] + [[1000 * l + i for i in range(W)] for l in range(1, N - 1)]
     window = JacobiWindow(W, N, rows)
     cands = [tuple(200 + 10 * g + j for j in range(N - 1)) for g in range(G)]
-    verify = merge_branches(DraftTree.empty(), cands, budget=G * (N - 1))
+    verify = DraftTree.empty().merged(branch_tree(cands), G * (N - 1))
     tree, flags = with_lookahead(verify, window)
     return StepPlan(tree, flags), cands
 
@@ -116,13 +119,21 @@ def test_pool_is_lru_per_key():
         pool.add((1, 2))
 
 
-def test_pool_branches_merge_into_the_trie_tree():
+@pytest.mark.parametrize("native", [False, True])
+def test_pool_branches_merge_into_the_trie_tree(native):
+    if native and load_extension() is None:
+        pytest.skip("native extension not built")
     trie_tree = DraftTree((5, 6, 7), (-1, 0, -1), (3.0, 2.0, 1.0), (0.9, 0.8, 0.1))
-    merged = merge_branches(trie_tree, [(5, 6, 9), (8, 1)], budget=5)
+    rows = [rows_of(1, 5) for _ in range(3)]
+    fill_row(rows[1], 0, trie_tree)
+    fill_row(rows[2], 0, branch_tree([(5, 6, 9), (8, 1)]))
+    out = merge_rows(rows[0], np.zeros(1, bool), rows[1], np.array([5]), None, native, rows[2])
+    ((merged, kinds),) = row_drafts(out)
     assert merged.tokens[:3] == (5, 6, 7) and merged.confidence[:3] == (0.9, 0.8, 0.1)
     # (5, 6) shared; 9 hangs under 6; (8, 1) is cut by the budget after 8.
     assert merged.tokens[3:] == (9, 8) and merged.parents[3:] == (1, -1)
     assert merged.confidence[3:] == (0.125, 0.5)
+    assert kinds == [KIND_CHAIN, KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_POOL]
 
 
 def test_window_goes_out_while_it_pays_and_is_probed_when_not():

@@ -172,11 +172,12 @@ def test_native_merge_rows_equals_reference(seed, width, cuts):
     rng = np.random.default_rng(seed)
     count = 4
     lead, trie = random_rows(rng, count, width, 1e18), random_rows(rng, count, width + 2, 3.0)
+    pool = random_rows(rng, count, 6, 1.0) if rng.random() < 0.7 else None
     lead_context = rng.random(count) < 0.5
     budgets = rng.integers(0, width + 4, count)
     cut = rng.random(count) < 0.5 if cuts else None
-    native = merge_rows(lead, lead_context, trie, budgets, cut, native=True)
-    reference = merge_rows(lead, lead_context, trie, budgets, cut, native=False)
+    native = merge_rows(lead, lead_context, trie, budgets, cut, True, pool)
+    reference = merge_rows(lead, lead_context, trie, budgets, cut, False, pool)
     for a, b in zip(native, reference):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert np.array_equal(a, b)

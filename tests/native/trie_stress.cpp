@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
           c->draft(budget, floor, chain);
           if (!valid(chain, budget, floor)) return fail("context chain out of bounds", step);
         }
-        lookahead::merge_row(chain, true, tree, budget, pick(2) == 0, merged, kinds);
+        const FlatTree none;
+        lookahead::merge_row(chain, true, tree, pick(3) == 0 ? chain : none, budget, pick(2) == 0, merged, kinds);
         if (!valid(merged, budget, floor) || kinds.size() != merged.size()) return fail("merged row", step);
         for (int8_t k : kinds) {
           if (k < 0 || k > 3) return fail("kind out of range", step);
