@@ -182,15 +182,14 @@ TokenTrie::TokenTrie(const TrieConfig& config) : config_(config) {
 
 int64_t TokenTrie::memory_bytes() const {
   int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t) +
-                                       prompt_at_.capacity() * sizeof(uint32_t) + taken_.capacity() * 32);
+                                       taken_.capacity() * 32);
   for (const Node& n : nodes_) {
     total += static_cast<int64_t>(n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
   }
   // Hash nodes (key, value, next pointer, cached hash) and buckets.
   total += static_cast<int64_t>(edges_.size() * 32 + edges_.bucket_count() * sizeof(void*));
   for (const auto& [handle, req] : requests_) {
-    total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt_nodes.capacity() * sizeof(NodeRef) +
-                                  req.prompt_counts.capacity() * sizeof(int32_t) +
+    total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt.capacity() * sizeof(int32_t) +
                                   req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
     if (req.context) total += req.context->memory_bytes();
   }
@@ -304,9 +303,11 @@ int64_t TokenTrie::add_request(const int32_t* prompt, size_t n) {
   return slot;
 }
 
-// _insert_prompt
+// _insert_prompt. The request keeps its prompt, not the nodes it counted:
+// finish_request walks the same windows again to find them.
 void TokenTrie::insert_prompt(int64_t slot, Request& req, const int32_t* prompt, size_t n) {
   const size_t lb = static_cast<size_t>(config_.branch_length);
+  req.prompt.assign(prompt, prompt + n);
   for (size_t i = 0; i < n; ++i) {
     int32_t node = 0;
     for (size_t k = i; k < std::min(n, i + lb); ++k) {
@@ -318,50 +319,42 @@ void TokenTrie::insert_prompt(int64_t slot, Request& req, const int32_t* prompt,
         nd.prompt.emplace_back(slot, 1);
       }
       ++nd.ptotal;
-      // The node's entry in the request's list (no node dies during an insertion).
-      if (prompt_at_.size() < nodes_.size()) prompt_at_.resize(nodes_.size(), 0);
-      uint32_t& at = prompt_at_[node];
-      if (at == 0) {
-        req.prompt_nodes.push_back(ref(node));
-        req.prompt_counts.push_back(1);
-        at = static_cast<uint32_t>(req.prompt_nodes.size());
-      } else {
-        ++req.prompt_counts[at - 1];
-      }
     }
   }
-  for (const NodeRef& r : req.prompt_nodes) prompt_at_[r.id] = 0;
-  req.prompt_nodes.shrink_to_fit();
-  req.prompt_counts.shrink_to_fit();
 }
 
-// finish_request
+// finish_request. The nodes still holding the request's prompt counts are
+// on its prompt windows' paths (a node dies with its subtree, and one
+// created later on such a path holds no count of it), met in the order the
+// insertion counted them first: each gives up its count at the first
+// meeting; then the emptied ones go, deepest first (stable, as the
+// reference's sorted(..., reverse=True)).
 void TokenTrie::finish_request(int64_t handle) {
   auto it = requests_.find(handle);
   if (it == requests_.end()) return;
   Request req = std::move(it->second);
   requests_.erase(it);
-  std::vector<std::pair<int, int32_t>> live_nodes;  // (depth, node), first-count order
-  for (size_t i = 0; i < req.prompt_nodes.size(); ++i) {
-    const NodeRef& r = req.prompt_nodes[i];
-    if (!live(r)) continue;  // pruned: its counts went with it
-    Node& n = nodes_[r.id];
-    for (size_t k = 0; k < n.prompt.size(); ++k) {
-      if (n.prompt[k].first == handle) {
-        n.prompt.erase(n.prompt.begin() + static_cast<std::ptrdiff_t>(k));
-        n.ptotal -= req.prompt_counts[i];
-        break;
-      }
+  const size_t n = req.prompt.size(), lb = static_cast<size_t>(config_.branch_length);
+  std::vector<std::pair<int, int32_t>> counted;  // (depth, node)
+  for (size_t i = 0; i < n; ++i) {
+    int32_t node = 0;
+    for (size_t k = i; k < std::min(n, i + lb); ++k) {
+      node = find_child(node, req.prompt[k]);
+      if (node < 0) break;
+      Node& nd = nodes_[node];
+      const auto e = std::lower_bound(nd.prompt.begin(), nd.prompt.end(), handle,
+                                      [](const std::pair<int64_t, int64_t>& x, int64_t s) { return x.first < s; });
+      if (e == nd.prompt.end() || e->first != handle) continue;
+      nd.ptotal -= e->second;
+      nd.prompt.erase(e);
+      counted.emplace_back(static_cast<int>(k - i + 1), node);
     }
-    live_nodes.emplace_back(depth(r.id), r.id);
   }
-  // Deepest first (stable, as sorted(..., reverse=True) is).
-  std::stable_sort(live_nodes.begin(), live_nodes.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::stable_sort(counted.begin(), counted.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<int64_t> serials;
-  for (const auto& [d, id] : live_nodes) serials.push_back(nodes_[id].serial);
-  for (size_t i = 0; i < live_nodes.size(); ++i) {
-    const int32_t id = live_nodes[i].second;
+  for (const auto& [d, id] : counted) serials.push_back(nodes_[id].serial);
+  for (size_t i = 0; i < counted.size(); ++i) {
+    const int32_t id = counted[i].second;
     if (live({id, serials[i]})) drop_if_empty(id);
   }
 }

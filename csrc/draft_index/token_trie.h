@@ -9,17 +9,19 @@
 //
 //   nodes     one array, node 0 the (token-less) root; a dead node's slot is
 //             reused by a later one, so whoever holds a node from one call to
-//             the next (a request's prompt nodes and cursors) holds a NodeRef,
-//             the node and its creation serial, and finds it dead when either
-//             differs. Children keep insertion order (the reference's dict
-//             order: ties and snapshot order follow it); `edges_` finds a
-//             child by (parent, token).
+//             the next (a request's cursors) holds a NodeRef, the node and
+//             its creation serial, and finds it dead when either differs.
+//             Children keep insertion order (the reference's dict order:
+//             ties and snapshot order follow it); `edges_` finds a child by
+//             (parent, token).
 //   prompt    per node the prompt counts by request slot (few entries: only
 //             the requests whose prompts hold that window) and their sum.
-//   requests  by handle (the reference's slot serial, never reused): the
-//             nodes its prompt counted (to eliminate them on finish), its
-//             open output windows (the last branch_length - 1 tokens) and
-//             the node each of them reached (its cursors).
+//   requests  by handle (the reference's slot serial, never reused): its
+//             prompt (finishing walks its windows again to take its counts
+//             back: 4 bytes a token, where a list of the nodes counted would
+//             cost 20 bytes a window node), its open output windows (the last
+//             branch_length - 1 tokens), the node each of them reached (its
+//             cursors) and its context chain.
 //
 // Not thread-safe: callers serialize (the bindings hold a mutex).
 #pragma once
@@ -172,8 +174,7 @@ class TokenTrie {
     int64_t serial;
   };
   struct Request {
-    std::vector<NodeRef> prompt_nodes;  // in first-count order
-    std::vector<int32_t> prompt_counts;
+    std::vector<int32_t> prompt;  // as inserted (insert_prompt): its windows hold its counts
     std::vector<int32_t> window;
     std::vector<NodeRef> cursors;
     std::unique_ptr<ContextChain> context;  // context_match > 0
@@ -211,7 +212,6 @@ class TokenTrie {
   int64_t num_prunes_ = 0;
   int64_t serial_ = 0;
   int64_t next_slot_ = 0;
-  std::vector<uint32_t> prompt_at_;  // insert_prompt's scratch: node -> entry + 1 (0: none)
   // best_first's results (scratch, reused): picked nodes in pick order; per
   // node, valid where taken_ holds this call's stamp_: its weight and depth;
   // its path confidence (every node visited this call).
