@@ -510,6 +510,35 @@ py::tuple flat_tuple(const lookahead::FlatTree& t) {
   return py::make_tuple(py::cast(t.tokens), py::cast(t.parents), py::cast(t.weights), py::cast(t.conf));
 }
 
+// [rows, width] draft rows to return (tokens 0, parents -1, weights and
+// confidence 0, lengths): made with the GIL, written without it.
+struct OutRows {
+  OutRows(int64_t rows, int64_t width)
+      : tokens({rows, width}), parents({rows, width}), weights({rows, width}), conf({rows, width}), lengths(rows),
+        width(width), tok(tokens.mutable_data()), par(parents.mutable_data()), wt(weights.mutable_data()),
+        cf(conf.mutable_data()), len(lengths.mutable_data()) {
+    std::fill(tok, tok + rows * width, 0);
+    std::fill(par, par + rows * width, -1);
+    std::fill(wt, wt + rows * width, 0.0);
+    std::fill(cf, cf + rows * width, 0.0);
+    std::fill(len, len + rows, 0);
+  }
+  void set(int64_t r, const lookahead::FlatTree& t) {
+    len[r] = static_cast<int64_t>(t.size());
+    std::copy(t.tokens.begin(), t.tokens.end(), tok + r * width);
+    std::copy(t.parents.begin(), t.parents.end(), par + r * width);
+    std::copy(t.weights.begin(), t.weights.end(), wt + r * width);
+    std::copy(t.conf.begin(), t.conf.end(), cf + r * width);
+  }
+  py::array_t<int32_t> tokens, parents;
+  py::array_t<double> weights, conf;
+  py::array_t<int64_t> lengths;
+  int64_t width;
+  int32_t *tok, *par;
+  double *wt, *cf;
+  int64_t* len;
+};
+
 // The trees of many requests as [R, W] arrays (W: the largest budget, at
 // least 1): request i drafts after contexts[i, :context_lens[i]] (its last
 // max_match_length tokens are read), for record handles[i] (-1: none).
@@ -533,18 +562,9 @@ py::tuple retrieve_rows(BoundTrie& b, py::handle handles_obj, const py::array& c
     if (budget[i] > INT32_MAX) throw py::value_error("budgets must be < 2**31");
     width = std::max(width, budget[i]);
   }
-  py::array_t<int32_t> tokens({batch, width}), parents({batch, width});
-  py::array_t<double> weights({batch, width}), conf({batch, width});
-  py::array_t<int64_t> lengths(batch);
-  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
-  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
-  int64_t* len = lengths.mutable_data();
+  OutRows out(batch, width);
   {
     py::gil_scoped_release nogil;
-    std::fill(tok, tok + batch * width, 0);
-    std::fill(par, par + batch * width, -1);
-    std::fill(wt, wt + batch * width, 0.0);
-    std::fill(cf, cf + batch * width, 0.0);
     std::lock_guard<std::mutex> lock(b.mu);
     const int64_t span = b.core.config().max_match_length;
     std::vector<int32_t> context;
@@ -552,14 +572,10 @@ py::tuple retrieve_rows(BoundTrie& b, py::handle handles_obj, const py::array& c
     for (int64_t i = 0; i < batch; ++i) {
       table.read(i, std::max<int64_t>(0, num[i] - span), num[i], context);
       b.core.retrieve(context.data(), context.size(), budget[i], handle[i], s, floor, tree);
-      len[i] = static_cast<int64_t>(tree.size());
-      std::copy(tree.tokens.begin(), tree.tokens.end(), tok + i * width);
-      std::copy(tree.parents.begin(), tree.parents.end(), par + i * width);
-      std::copy(tree.weights.begin(), tree.weights.end(), wt + i * width);
-      std::copy(tree.conf.begin(), tree.conf.end(), cf + i * width);
+      out.set(i, tree);
     }
   }
-  return py::make_tuple(tokens, parents, weights, conf, lengths);
+  return py::make_tuple(out.tokens, out.parents, out.weights, out.conf, out.lengths);
 }
 
 // The context chains of many requests as [R, W] draft rows (W: the largest
@@ -575,29 +591,16 @@ py::tuple context_rows(BoundTrie& b, py::handle handles_obj, py::handle budgets_
     if (budget[i] > INT32_MAX) throw py::value_error("budgets must be < 2**31");
     width = std::max(width, budget[i]);
   }
-  py::array_t<int32_t> tokens({batch, width}), parents({batch, width});
-  py::array_t<double> weights({batch, width}), conf({batch, width});
-  py::array_t<int64_t> lengths(batch);
-  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
-  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
-  int64_t* len = lengths.mutable_data();
-  std::fill(tok, tok + batch * width, 0);
-  std::fill(par, par + batch * width, -1);
-  std::fill(wt, wt + batch * width, 0.0);
-  std::fill(cf, cf + batch * width, 0.0);
+  OutRows out(batch, width);
   std::lock_guard<std::mutex> lock(b.mu);
   lookahead::FlatTree chain;
   for (int64_t i = 0; i < batch; ++i) {
     const lookahead::ContextChain* c = b.core.context(handle[i]);
     chain.clear();
     if (c != nullptr) c->draft(budget[i], floor, chain);
-    len[i] = static_cast<int64_t>(chain.size());
-    std::copy(chain.tokens.begin(), chain.tokens.end(), tok + i * width);
-    std::copy(chain.parents.begin(), chain.parents.end(), par + i * width);
-    std::copy(chain.weights.begin(), chain.weights.end(), wt + i * width);
-    std::copy(chain.conf.begin(), chain.conf.end(), cf + i * width);
+    out.set(i, chain);
   }
-  return py::make_tuple(tokens, parents, weights, conf, lengths);
+  return py::make_tuple(out.tokens, out.parents, out.weights, out.conf, out.lengths);
 }
 
 // Many requests' new tokens in one call: handles[i] gets
@@ -707,20 +710,11 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
   for (int64_t r = 0; r < rows; ++r) {
     width = std::max({width, budget[r], sets[0].lens.data()[r], sets[1].lens.data()[r], sets[2].lens.data()[r]});
   }
-  py::array_t<int32_t> tokens({rows, width}), parents({rows, width});
-  py::array_t<double> weights({rows, width}), conf({rows, width});
+  OutRows out(rows, width);
   py::array_t<int8_t> kinds({rows, width});
-  py::array_t<int64_t> lengths(rows);
-  int32_t *tok = tokens.mutable_data(), *par = parents.mutable_data();
-  double *wt = weights.mutable_data(), *cf = conf.mutable_data();
   int8_t* kd = kinds.mutable_data();
-  int64_t* len = lengths.mutable_data();
-  std::fill(tok, tok + rows * width, 0);
-  std::fill(par, par + rows * width, -1);
-  std::fill(wt, wt + rows * width, 0.0);
-  std::fill(cf, cf + rows * width, 0.0);
   std::fill(kd, kd + rows * width, 0);
-  lookahead::FlatTree in[3], out;
+  lookahead::FlatTree in[3], merged;
   std::vector<int8_t> k;
   for (int64_t r = 0; r < rows; ++r) {
     for (int s = 0; s < 3; ++s) {
@@ -732,15 +726,20 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
       }
     }
     lookahead::merge_row(in[0], lead_context.data()[r] != 0, in[1], in[2], budget[r], cuts && cut.data()[r] != 0,
-                         out, k);
-    len[r] = static_cast<int64_t>(out.size());
-    std::copy(out.tokens.begin(), out.tokens.end(), tok + r * width);
-    std::copy(out.parents.begin(), out.parents.end(), par + r * width);
-    std::copy(out.weights.begin(), out.weights.end(), wt + r * width);
-    std::copy(out.conf.begin(), out.conf.end(), cf + r * width);
+                         merged, k);
+    out.set(r, merged);
     std::copy(k.begin(), k.end(), kd + r * width);
   }
-  return py::make_tuple(tokens, parents, weights, conf, kinds, lengths);
+  return py::make_tuple(out.tokens, out.parents, out.weights, out.conf, kinds, out.lengths);
+}
+
+// `f(core)` under the trie's lock, as a method of the bound trie.
+template <class F>
+auto locked(F f) {
+  return [f](BoundTrie& b) {
+    std::lock_guard<std::mutex> lock(b.mu);
+    return f(b.core);
+  };
 }
 
 void bind_trie(py::module_& m) {
@@ -748,21 +747,9 @@ void bind_trie(py::module_& m) {
       .def(py::init(&make_trie), py::arg("branch_length"), py::arg("max_match_length"), py::arg("min_match_length"),
            py::arg("min_retrieved_nodes"), py::arg("trie_capacity"), py::arg("prompt_weight"),
            py::arg("insert_prompt"), py::arg("context_match"))
-      .def_property_readonly("num_nodes",
-                             [](BoundTrie& b) {
-                               std::lock_guard<std::mutex> lock(b.mu);
-                               return b.core.num_nodes();
-                             })
-      .def_property_readonly("num_prunes",
-                             [](BoundTrie& b) {
-                               std::lock_guard<std::mutex> lock(b.mu);
-                               return b.core.num_prunes();
-                             })
-      .def("memory_bytes",
-           [](BoundTrie& b) {
-             std::lock_guard<std::mutex> lock(b.mu);
-             return b.core.memory_bytes();
-           })
+      .def_property_readonly("num_nodes", locked([](lookahead::TokenTrie& t) { return t.num_nodes(); }))
+      .def_property_readonly("num_prunes", locked([](lookahead::TokenTrie& t) { return t.num_prunes(); }))
+      .def("memory_bytes", locked([](lookahead::TokenTrie& t) { return t.memory_bytes(); }))
       .def(
           "add_request",
           [](BoundTrie& b, py::handle prompt) {
@@ -844,10 +831,7 @@ void bind_trie(py::module_& m) {
             }
           },
           py::arg("parents"), py::arg("tokens"), py::arg("counts"))
-      .def("prune", [](BoundTrie& b) {
-        std::lock_guard<std::mutex> lock(b.mu);
-        b.core.prune();
-      });
+      .def("prune", locked([](lookahead::TokenTrie& t) { t.prune(); }));
   m.def("merge_rows", &merge_rows_py, py::arg("lead"), py::arg("lead_context"), py::arg("trie"), py::arg("budgets"),
         py::arg("cut") = py::none(), py::arg("pool") = py::none());
 }
