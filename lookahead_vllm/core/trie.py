@@ -32,8 +32,10 @@ lightest leaves until it is at ``PRUNE_TARGET`` of capacity.
 ``TokenTrie`` is the pure-Python reference; the engine drafts from
 :class:`NativeTrie` (``csrc/draft_index/token_trie.h``, :func:`make_trie`),
 whose trees, counts and snapshot tables tests hold to it. Both take a batch's
-new tokens in one ``extend_rows`` call and draft a batch's rows in one
-``retrieve_rows`` call.
+new tokens in one ``extend_rows`` call, draft a batch's rows in one
+``retrieve_rows`` call, and its requests' context chains
+(core/context_match.py, kept in each request's record) in one
+``context_rows`` call.
 """
 
 from __future__ import annotations

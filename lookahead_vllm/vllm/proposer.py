@@ -573,7 +573,7 @@ class LookaheadProposer:
                 elif st.verifiable is None:
                     continue  # the runner does not know the request yet: next step
             elif st.jacobi is not None:
-                st.jacobi.x0 = -1  # set again by _with_pool for the rows that draft this step
+                st.jacobi.x0 = -1  # set again by _pool_rows for the rows that draft this step
             st.length = n
 
     def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
