@@ -44,7 +44,6 @@ from lookahead_vllm.core.budget import (
     ForwardCost,
     confidence_floor,
     forward_cost,
-    opens_path,
     prices_pinned,
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
@@ -590,12 +589,14 @@ class LookaheadProposer:
         path ``rounds``. The first draft of a step also pays the draft setup.
         """
         offers = self._trees
-        keep = offers.lengths.tolist()
-        rounds = max((sum(opens_path(offers.parents[d, :n].tolist())) for d, n in enumerate(keep) if tree_ok[d]),
-                     default=0)
-        tokens, extra, cost = num_rows + sum(keep), rounds, self.cost.at_rows(num_rows)
+        cols = np.arange(offers.parents.shape[1])
+        kept = cols < offers.lengths[:, None]
+        # A tree's extra attention paths: its kept nodes that are not their parent's first child (opens_path).
+        opens = np.count_nonzero((offers.parents + 1 != cols) & kept, axis=1)
+        rounds = int(opens[tree_ok].max(initial=0))
+        tokens, extra, cost = num_rows + int(offers.lengths.sum()), rounds, self.cost.at_rows(num_rows)
         setup = cost.draft_setup if tokens == num_rows else 0.0
-        gain = num_rows + sum(float(calibrated[d, :n].sum()) for d, n in enumerate(keep))
+        gain = num_rows + float(np.where(kept, calibrated, 0.0).sum())
         candidates = [(d, st.jacobi) for d, st in enumerate(states)
                       if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
         plans = {}
