@@ -561,8 +561,7 @@ class NativeTrie:
 
     def retrieve_rows(self, records: Sequence[int | None], contexts: np.ndarray, context_lens: np.ndarray,
                       budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        handles = np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
-        return self._core.retrieve_rows(handles, contexts, context_lens, budgets, float(floor),
+        return self._core.retrieve_rows(_handles(records), contexts, context_lens, budgets, float(floor),
                                         shape or self.config.draft_shape)
 
     def extend_rows(self, records: Sequence[int], token_ids: np.ndarray, rows: Sequence[int], starts: Sequence[int],
@@ -571,8 +570,7 @@ class NativeTrie:
 
     def context_rows(self, records: Sequence[int | None], budgets: Sequence[int], floor: float
                      ) -> tuple[np.ndarray, ...]:
-        handles = np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
-        return self._core.context_rows(handles, budgets, float(floor))
+        return self._core.context_rows(_handles(records), budgets, float(floor))
 
     def context_length(self, record: int) -> int:
         return self._core.context_length(record)
@@ -585,6 +583,11 @@ class NativeTrie:
 
     def prune(self) -> None:
         self._core.prune()
+
+
+def _handles(records: Sequence[int | None]) -> np.ndarray:
+    """Native record handles as an array (None: no record, -1)."""
+    return np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
 
 
 def make_trie(config: Settings, native: bool | None = None) -> "TokenTrie | NativeTrie":
