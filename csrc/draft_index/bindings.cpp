@@ -321,7 +321,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
                         py::handle tree_ok_obj, py::handle edges_obj, py::handle factor_obj, int64_t budget,
                         int64_t num_rows, int64_t free_tokens, double marginal_tokens, double per_path,
                         double path_setup, double draft_setup, py::handle out_rows_obj, int64_t num_out,
-                        py::handle kinds_obj) {
+                        py::handle kinds_obj, py::handle entry_obj) {
   const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
   const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
   const DoubleArray factor = DoubleArray::ensure(factor_obj);
@@ -344,6 +344,18 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   check_parents(parents.data(), lens.data(), rows, width);
   check_out_rows(out_rows, num_out);
   check_prices(free_tokens, marginal_tokens, draft_setup);
+  DoubleArray entry;
+  const bool priced = !entry_obj.is_none();
+  if (priced) {
+    entry = DoubleArray::ensure(entry_obj);
+    if (!entry || entry.ndim() != 1) throw py::type_error("entry must be a 1-D float array [rows] or None");
+    check_same_length("raw's rows and entry", rows, entry.shape(0));
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!(entry.data()[r] >= 0.0)) {
+        throw py::value_error("entry[" + std::to_string(r) + "]=" + std::to_string(entry.data()[r]) + ": must be >= 0");
+      }
+    }
+  }
   Int8Array kinds;
   const bool given = !kinds_obj.is_none();
   if (given) {
@@ -375,8 +387,9 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   lookahead::TreeRows out{out_tokens.mutable_data(), out_parents.mutable_data(), out_raw.mutable_data(),
                           out_kinds.mutable_data(), rows, width};
   lookahead::plan_trees(in, lens32.data(), tree_ok.data(), edges.data(), edges.shape(0), factor.data(), budget,
-                        num_rows, lookahead::TreeCost{free_tokens, marginal_tokens, per_path, path_setup, draft_setup}, out,
-                        calibrated.mutable_data(), keep.mutable_data(), carries.mutable_data());
+                        num_rows, lookahead::TreeCost{free_tokens, marginal_tokens, per_path, path_setup, draft_setup},
+                        priced ? entry.data() : nullptr, out, calibrated.mutable_data(), keep.mutable_data(),
+                        carries.mutable_data());
   py::list drafts(num_out);
   std::vector<bool> filled(num_out, false);
   for (int64_t r = 0; r < rows; ++r) {
@@ -958,7 +971,8 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),
         py::arg("tree_ok"), py::arg("edges"), py::arg("factor"), py::arg("budget"), py::arg("num_rows"),
         py::arg("free_tokens"), py::arg("marginal_tokens"), py::arg("per_path"), py::arg("path_setup"),
-        py::arg("draft_setup"), py::arg("out_rows"), py::arg("num_out"), py::arg("kinds") = py::none());
+        py::arg("draft_setup"), py::arg("out_rows"), py::arg("num_out"), py::arg("kinds") = py::none(),
+        py::arg("entry") = py::none());
   m.def("match_trees", &match_trees_py, py::arg("offer_slots"), py::arg("offer_lens"), py::arg("offer_tokens"),
         py::arg("offer_parents"), py::arg("slots"), py::arg("scheduled"), py::arg("emitted"));
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),

@@ -85,16 +85,85 @@ double step_cost(const TreeCost& cost, int64_t tokens, int64_t paths) {
   return 1.0 + static_cast<double>(std::max<int64_t>(0, tokens - cost.free_tokens)) / cost.marginal_tokens + extra;
 }
 
+// Empties (size 0) every row whose draft, all of it, is expected to emit no
+// more tokens than its entry buys at `rate` tokens per forward.
+void drop_unpaid(const double* calibrated, int64_t width, const double* entry, double rate,
+                 std::vector<int32_t>& sizes) {
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    if (entry[r] <= 0.0) continue;
+    double sum = 0.0;
+    for (int32_t i = 0; i < sizes[r]; ++i) sum += calibrated[static_cast<int64_t>(r) * width + i];
+    if (!(sum > entry[r] * rate)) sizes[r] = 0;
+  }
+}
+
+// Fills keep[r] with the prefix each row keeps: the merged order of the rows'
+// draft-order heads (most confident first) cut to `budget` nodes (< 0: no
+// cap) and, with a cost model, to the prefix with the best expected tokens
+// per forward (a node that is not its parent's first child opens an
+// attention path, the step pays for the most paths any row opens, a drafted
+// step the draft setup once, a row its entry with its first node). Returns
+// that best rate (the draftless rate when nothing pays; 0 without a cost model).
+double best_prefix(const double* calibrated, int64_t width, const std::vector<int32_t>& sizes,
+                   const uint8_t* tree_ok, const int32_t* parents, const double* entry, int64_t budget,
+                   int64_t num_rows, const TreeCost& cost, int64_t* keep) {
+  const int64_t rows = static_cast<int64_t>(sizes.size());
+  int64_t total = 0;
+  for (const int32_t n : sizes) total += n;
+  const int64_t limit = budget < 0 ? total : std::min(budget, total);
+  std::vector<Head> heap;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (sizes[r]) heap.push_back({calibrated[r * width], static_cast<int32_t>(r), 0});
+  }
+  std::make_heap(heap.begin(), heap.end(), lower);
+  std::vector<int32_t> order;
+  order.reserve(static_cast<size_t>(limit));
+  while (static_cast<int64_t>(order.size()) < limit) {
+    std::pop_heap(heap.begin(), heap.end(), lower);
+    Head h = heap.back();
+    heap.pop_back();
+    order.push_back(h.row);
+    if (++h.pos < sizes[h.row]) {
+      h.conf = calibrated[h.row * width + h.pos];
+      heap.push_back(h);
+      std::push_heap(heap.begin(), heap.end(), lower);
+    }
+  }
+  int64_t take = limit;
+  double best = 0.0;
+  std::fill(keep, keep + rows, 0);
+  if (cost.free_tokens != 0) {
+    const double base = static_cast<double>(num_rows);
+    double gained = 0.0, fees = 0.0;
+    best = base / step_cost(cost, num_rows, 0);
+    std::vector<int64_t> paths(static_cast<size_t>(rows), 0);
+    int64_t rounds = 0;
+    take = 0;
+    for (int64_t m = 0; m < limit; ++m) {
+      const int32_t r = order[m];
+      const int64_t at = r * width + keep[r];
+      gained += calibrated[at];
+      if (tree_ok[r] && parents[at] + 1 != keep[r]) rounds = std::max(rounds, ++paths[r]);
+      if (entry != nullptr && keep[r] == 0) fees += entry[r];
+      ++keep[r];
+      const double rate = (base + gained) / (step_cost(cost, num_rows + m + 1, rounds) + cost.draft_setup + fees);
+      if (rate > best) best = rate, take = m + 1;
+    }
+    std::fill(keep, keep + rows, 0);
+  }
+  for (int64_t m = 0; m < take; ++m) ++keep[order[m]];
+  return best;
+}
+
 }  // namespace
 
 void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok, const double* edges,
                 int64_t num_edges, const double* factor, int64_t budget, int64_t num_rows, TreeCost cost,
-                TreeRows& out, double* calibrated, int64_t* keep, uint8_t* carries_tree) {
+                const double* entry, TreeRows& out, double* calibrated, int64_t* keep, uint8_t* carries_tree) {
   const int64_t rows = in.rows, width = in.width, bins = num_edges + 1;
   std::vector<int32_t> sizes(static_cast<size_t>(rows));
   std::vector<int8_t> kinds;
   std::vector<int32_t> path;
-  int64_t total = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t n = offer_row(in, r, lens[r], tree_ok[r] != 0, out, kinds, path);
     const int64_t base = r * width;
@@ -108,54 +177,28 @@ void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok,
     }
     sizes[r] = n;
     keep[r] = n;
-    total += n;
   }
   if (budget >= 0 || cost.free_tokens != 0) {
-    // The merged order's first `limit` nodes: always the most confident of
-    // the rows' next nodes in draft order.
-    const int64_t limit = budget < 0 ? total : std::min(budget, total);
-    std::vector<Head> heap;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (sizes[r]) heap.push_back({calibrated[r * width], static_cast<int32_t>(r), 0});
-    }
-    std::make_heap(heap.begin(), heap.end(), lower);
-    std::vector<int32_t> order;
-    order.reserve(static_cast<size_t>(limit));
-    while (static_cast<int64_t>(order.size()) < limit) {
-      std::pop_heap(heap.begin(), heap.end(), lower);
-      Head h = heap.back();
-      heap.pop_back();
-      order.push_back(h.row);
-      if (++h.pos < sizes[h.row]) {
-        h.conf = calibrated[h.row * width + h.pos];
-        heap.push_back(h);
-        std::push_heap(heap.begin(), heap.end(), lower);
+    const double draftless = static_cast<double>(num_rows) / step_cost(cost, num_rows, 0);
+    if (entry == nullptr || cost.free_tokens == 0) {
+      best_prefix(calibrated, width, sizes, tree_ok, out.parents, nullptr, budget, num_rows, cost, keep);
+    } else {
+      // A row whose expected tokens cannot buy its entry at a rate the step
+      // already reaches would only dilute it: first at the draftless rate,
+      // then again at the rate the first plan reached, keeping the better.
+      std::vector<int32_t> first(sizes), second(sizes);
+      drop_unpaid(calibrated, width, entry, draftless, first);
+      const double rate =
+          best_prefix(calibrated, width, first, tree_ok, out.parents, entry, budget, num_rows, cost, keep);
+      drop_unpaid(calibrated, width, entry, rate, second);
+      if (second != first) {
+        std::vector<int64_t> other(static_cast<size_t>(rows));
+        if (best_prefix(calibrated, width, second, tree_ok, out.parents, entry, budget, num_rows, cost,
+                        other.data()) > rate) {
+          std::copy(other.begin(), other.end(), keep);
+        }
       }
     }
-    int64_t take = limit;
-    std::fill(keep, keep + rows, 0);
-    if (cost.free_tokens != 0) {
-      // Keep the prefix with the best expected tokens per forward; a node
-      // that is not its parent's first child opens an attention path, the
-      // step pays for the most paths any row opens, and a drafted step pays
-      // the draft setup once.
-      const double base = static_cast<double>(num_rows);
-      double best = base / step_cost(cost, num_rows, 0), gained = 0.0;
-      std::vector<int64_t> paths(static_cast<size_t>(rows), 0);
-      int64_t rounds = 0;
-      take = 0;
-      for (int64_t m = 0; m < limit; ++m) {
-        const int32_t r = order[m];
-        const int64_t at = r * width + keep[r];
-        gained += calibrated[at];
-        if (tree_ok[r] && out.parents[at] + 1 != keep[r]) rounds = std::max(rounds, ++paths[r]);
-        ++keep[r];
-        const double rate = (base + gained) / (step_cost(cost, num_rows + m + 1, rounds) + cost.draft_setup);
-        if (rate > best) best = rate, take = m + 1;
-      }
-      std::fill(keep, keep + rows, 0);
-    }
-    for (int64_t m = 0; m < take; ++m) ++keep[order[m]];
   }
   for (int64_t r = 0; r < rows; ++r) {
     bool tree = false;

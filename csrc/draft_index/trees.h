@@ -62,10 +62,12 @@ struct TreeRows {
 // `factor [kinds, bins]` calibrates into `calibrated [rows, width]`; keep[r]
 // is the prefix row r keeps (at most `budget` nodes in all, < 0: no cap) and
 // carries_tree[r] whether that prefix is a tree (not a chain) of a tree_ok
-// row.
+// row. `entry[r]` (null: none) is what row r pays, in forwards, once it keeps
+// any node (its context's attention); a row whose whole draft is expected to
+// emit fewer tokens than its entry buys at the draftless rate keeps none.
 void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok, const double* edges,
                 int64_t num_edges, const double* factor, int64_t budget, int64_t num_rows, TreeCost cost,
-                TreeRows& out, double* calibrated, int64_t* keep, uint8_t* carries_tree);
+                const double* entry, TreeRows& out, double* calibrated, int64_t* keep, uint8_t* carries_tree);
 
 // Offers (`offer_slots[D]`, `offer_lens[D]`, their rows `offers`) against this
 // step's rows (`slots[R]`, `scheduled[R]`, and the tokens each emitted:

@@ -8,6 +8,11 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
 and every row past the first adds ``per_row`` whatever its tokens, which a
 step's planning folds into the other prices (:meth:`ForwardCost.at_rows`).
+A row that carries draft tokens also pays ``per_context`` for every thousand
+tokens of its context (:meth:`ForwardCost.entry`): on the CPU a row that
+scores more than one token leaves the decode attention path, and at 2048
+tokens of context 8 rows drafting one token each cost 1.72x the draftless
+step of 8 rows (0.15-0.2 forwards a row), at 512 tokens 1.24x.
 
 The defaults per platform are the profile's ``free_tokens`` and
 ``marginal_tokens`` (core/config.py ``PLATFORM_VALUES``); the engine starts
@@ -79,6 +84,10 @@ class ForwardCost:
     # a step of R rows and T tokens costs 1 + per_row * (R - 1) + the token
     # price. The planners see it through :meth:`at_rows`.
     per_row: float = 0.0
+    # Extra cost, in forwards, of a row that carries any draft token, per
+    # thousand tokens of its context (the attention of a many-token row);
+    # the planners see it through :meth:`entry`.
+    per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
         """This model for one step of ``rows`` rows, in units of that step's
@@ -91,7 +100,12 @@ class ForwardCost:
             return self
         base = 1.0 + self.per_row * (rows - 1)
         return ForwardCost(self.free_tokens, self.marginal_tokens * base, self.per_path / base,
-                           self.path_setup / base, self.draft_setup / base)
+                           self.path_setup / base, self.draft_setup / base, 0.0, self.per_context / base)
+
+    def entry(self, context: np.ndarray) -> np.ndarray:
+        """What each row pays, in forwards, for carrying any draft token at
+        ``context`` tokens of context (its first kept node pays it)."""
+        return np.asarray(context, np.float64) * (self.per_context / 1000.0)
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra
@@ -130,8 +144,8 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
     if paths:
-        return ForwardCost(free, marginal, p.cost_per_path, p.path_setup, p.draft_setup, p.row_price)
-    return ForwardCost(free, marginal, draft_setup=p.draft_setup, per_row=p.row_price)
+        return ForwardCost(free, marginal, p.cost_per_path, p.path_setup, p.draft_setup, p.row_price, p.context_price)
+    return ForwardCost(free, marginal, draft_setup=p.draft_setup, per_row=p.row_price, per_context=p.context_price)
 
 
 def prices_pinned(config: "Settings") -> bool:
@@ -182,32 +196,65 @@ def allocate_step_budget(
     num_rows: int | None = None,
     cost: ForwardCost | None = None,
     new_paths: Sequence[Sequence[bool]] | None = None,
+    entry: Sequence[float] | None = None,
 ) -> list[int]:
     """Prefix length to keep per request: at most ``budget`` tokens in all
     (None = no cap), and, given ``cost``, the count that maximises expected
     tokens per forward for ``num_rows`` requests in the step (default: one per
     confidence list). ``new_paths[r][i]``: whether request ``r``'s node ``i``
-    opens a root-to-leaf path (see :func:`opens_path`; default: none does)."""
+    opens a root-to-leaf path (see :func:`opens_path`; default: none does).
+    ``entry[r]``: what request ``r`` pays, in forwards, once it keeps any node
+    (:meth:`ForwardCost.entry`). A request whose whole draft is expected to
+    emit no more tokens than its entry buys at a rate the step already
+    reaches would only dilute it: such requests keep nothing, judged first at
+    the draftless rate, then at the rate that first plan reached (the better
+    of the two plans stands)."""
+    rows = len(confidences) if num_rows is None else num_rows
+    if cost is None or not cost.free_tokens or entry is None:
+        return _best_prefix(confidences, budget, rows, cost, new_paths, None)[1]
+
+    def paid(rate: float) -> list[bool]:
+        return [e <= 0 or sum(c) > e * rate for c, e in zip(confidences, entry)]
+
+    def rows_of(mask: list[bool]) -> list[Sequence[float]]:
+        return [c if ok else [] for c, ok in zip(confidences, mask)]
+
+    first = paid(rows / cost(rows))
+    rate, keep = _best_prefix(rows_of(first), budget, rows, cost, new_paths, entry)
+    second = paid(rate)
+    if second != first:
+        other_rate, other = _best_prefix(rows_of(second), budget, rows, cost, new_paths, entry)
+        if other_rate > rate:
+            keep = other
+    return keep
+
+
+def _best_prefix(confidences: Sequence[Sequence[float]], budget: int | None, rows: int, cost: ForwardCost | None,
+                 new_paths: Sequence[Sequence[bool]] | None, entry: Sequence[float] | None) -> tuple[float, list[int]]:
+    """:func:`allocate_step_budget` over the rows as given: the best rate
+    (the draftless one when nothing pays; 0 without a cost model) and the
+    prefix each row keeps."""
     order = _merged_order(confidences)
     limit = len(order) if budget is None else min(budget, len(order))
-    take = limit
+    take, best = limit, 0.0
     if cost is not None and cost.free_tokens:
-        rows = len(confidences) if num_rows is None else num_rows
-        best, gained = rows / cost(rows), 0.0
+        best, gained, fees = rows / cost(rows), 0.0, 0.0
         take, kept, paths, rounds = 0, [0] * len(confidences), [0] * len(confidences), 0
         for m, (conf, req) in enumerate(order[:limit], start=1):
             gained += conf
             if new_paths is not None and new_paths[req][kept[req]]:
                 paths[req] += 1
                 rounds = max(rounds, paths[req])
+            if entry is not None and not kept[req]:
+                fees += entry[req]
             kept[req] += 1
-            rate = (rows + gained) / cost.drafted(rows + m, rounds)
+            rate = (rows + gained) / (cost.drafted(rows + m, rounds) + fees)
             if rate > best:
                 best, take = rate, m
     keep = [0] * len(confidences)
     for _, req in order[:take]:
         keep[req] += 1
-    return keep
+    return best, keep
 
 
 def opens_path(parents: Sequence[int]) -> list[bool]:

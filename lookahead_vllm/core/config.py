@@ -235,6 +235,10 @@ class Profile:
     # the prior of the online fit. It makes draft tokens relatively cheaper
     # in a step of many rows (core/budget.py ForwardCost.at_rows).
     row_price: float
+    # Extra cost, in forwards, of a row that carries draft tokens, per
+    # thousand tokens of its context (core/budget.py ForwardCost.entry): the
+    # prior of the online fit.
+    context_price: float
     # Load adaptation (core/load.py): above load_shrink_above running
     # requests the per-request budget shrinks linearly, at load_stop_at
     # nothing is drafted.
@@ -365,18 +369,25 @@ class Profile:
 # contexts) put 8 rows of one token at 123 ms against ~102 ms for one row of
 # 8 tokens (76 ms for one token): ~3 ms, 0.04 forwards, a row; on the H200
 # the cost part's steps of 1, 8 and 32 rows fell on one curve of total
-# tokens (0 there).
+# tokens (0 there). context_price: on the CPU (SmolLM2, eager, 2 threads),
+# 8 rows of 512-token contexts drafting one token each cost 1.24x the
+# draftless step of 8 rows, of 2048-token contexts 1.72x, and one row at 2048
+# tokens 1.2-1.3x with 1-4 draft tokens against 1.0-1.06x at 256: about 0.08
+# forwards per drafted row per thousand tokens beyond the token prices; not
+# measured on a GPU (0 there: the online fit learns it).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
-                draft_setup=0.05, row_price=0.04, load_shrink_above=8, load_stop_at=16, upkeep_thread=False),
+                draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
+                upkeep_thread=False),
     "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
-                draft_setup=0.0, row_price=0.0, load_shrink_above=32, load_stop_at=128, upkeep_thread=True),
+                draft_setup=0.0, row_price=0.0, context_price=0.0, load_shrink_above=32, load_stop_at=128,
+                upkeep_thread=True),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 # Knob ranges (the bool ones: any bool).
 _PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
     free_tokens=(1, 1 << 16), marginal_tokens=(1.0, 1e6), path_setup=(0.0, 100.0), cost_per_path=(0.0, 100.0),
-    draft_setup=(0.0, 10.0), row_price=(0.0, 1.0),
+    draft_setup=(0.0, 10.0), row_price=(0.0, 1.0), context_price=(0.0, 2.0),
     load_shrink_above=(0, 1 << 16), load_stop_at=(1, (1 << 16) + 1), upkeep_thread=(False, True),
     branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
     trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),

@@ -12,18 +12,21 @@ start of the next, as ``benchmarks/bench_forward_cost.py`` times
 ``engine.step()``. A step that carries draft tokens builds speculative
 metadata and runs the rejection sampler; one that carries none runs as plain
 decoding (``patches.patch_draftless_steps``) and is cheaper by a fixed
-amount, the price ``draft_setup`` (in forwards). The fit is the four prices
-whose curve, scaled by a free per-step time ``t0``, best explains the
-samples::
+amount, the price ``draft_setup`` (in forwards); and every row that carries
+drafts pays ``context_price`` per thousand tokens of its context (on the CPU
+such a row leaves the decode attention path: ``K`` below is the drafted rows'
+context, in thousands of tokens). The fit is the five prices whose curve,
+scaled by a free per-step time ``t0``, best explains the samples::
 
-    seconds(T, R) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted)
+    seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
 Without the row price, steps with more rows (and so more tokens) look like
 dearer tokens: at batch 8 the tokens' fitted price came out 1.7x the
 offline curve's.
 
-* **Robust.** Samples go into buckets by ``T`` and by ``R`` (one per count
-  up to 64, then ~6% wide; drafted and draftless steps apart); a bucket
+* **Robust.** Samples go into buckets by ``T``, by ``R`` (one per count
+  up to 64, then ~6% wide) and by ``K`` (25% wide; drafted and draftless
+  steps apart); a bucket
   keeps its last :data:`RING` samples and enters the fit by their median, so
   a stall or a preempted step moves nothing. Residuals are taken in log
   time, so the fit is scale-free.
@@ -39,8 +42,8 @@ offline curve's.
   the row price normal, :data:`SETUP_WIDTH` and :data:`ROW_WIDTH` wide),
   which holds them where the samples say nothing: a batch that never scored
   more than 17 tokens does not tell what 64 cost, without draftless steps
-  nothing tells the setup from ``t0``, and with one row count nothing tells
-  the row price.
+  nothing tells the setup from ``t0``, with one row count nothing tells
+  the row price, and with one context bucket nothing tells the context price.
 * **Deterministic.** The same samples give the same prices bit for bit, and
   tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
   every rank drafts the same tokens.
@@ -83,11 +86,18 @@ FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
 ROW_BOUNDS = (0.0, 1.0)
+CONTEXT_BOUNDS = (0.0, 2.0)
 # Widths of the normal priors on the draft setup and the row price (in
 # forwards): a setup SETUP_WIDTH from the prior costs as much as a price a
 # factor of 2 off.
 SETUP_WIDTH = 0.25
 ROW_WIDTH = 0.1
+CONTEXT_WIDTH = 0.1
+# Drafted rows' context, in thousands of tokens: buckets CONTEXT_GROWTH wide
+# from CONTEXT_FIRST up (below it, one bucket).
+CONTEXT_FIRST = 0.125
+CONTEXT_GROWTH = 1.25
+CONTEXT_BUCKETS = 48
 # The weight that holds a price the samples cannot tell (or one at its bound).
 HELD = 1e6
 # Buckets kept at once (each a ring of RING samples): memory stays bounded
@@ -106,6 +116,13 @@ def bucket_of(tokens: int) -> int:
     return min(b, NUM_BUCKETS - 1)
 
 
+def context_bucket(kilotokens: float) -> int:
+    """The bucket of a step's drafted-row context (thousands of tokens, >= 0)."""
+    if kilotokens < CONTEXT_FIRST:
+        return 0
+    return min(CONTEXT_BUCKETS - 1, 1 + int(math.log(kilotokens / CONTEXT_FIRST) / math.log(CONTEXT_GROWTH)))
+
+
 @dataclass(frozen=True, slots=True)
 class Prices:
     """One fit: the cost model's prices and what they rest on."""
@@ -116,6 +133,8 @@ class Prices:
     draft_setup: float = 0.0
     # Forwards every row of a step past the first adds.
     row_price: float = 0.0
+    # Forwards a row that carries drafts adds per thousand tokens of its context.
+    context_price: float = 0.0
     # Seconds of a draftless step within the free tokens (the fit's t0; 0 = prior only).
     step_seconds: float = 0.0
     # Buckets and samples the fit used (0 = the prior alone).
@@ -127,20 +146,23 @@ class OnlinePrices:
     """Step-time samples by scored tokens and rows, and the prices they imply (module docstring)."""
 
     def __init__(self, prior: tuple[float, ...]) -> None:
-        free, marginal, setup, row = (*prior, 0.0, 0.0)[:4]
+        free, marginal, setup, row, context = (*prior, 0.0, 0.0, 0.0)[:5]
         if (free < 1 or not MARGINAL_BOUNDS[0] <= marginal <= MARGINAL_BOUNDS[1]
-                or not SETUP_BOUNDS[0] <= setup <= SETUP_BOUNDS[1] or not ROW_BOUNDS[0] <= row <= ROW_BOUNDS[1]):
+                or not SETUP_BOUNDS[0] <= setup <= SETUP_BOUNDS[1] or not ROW_BOUNDS[0] <= row <= ROW_BOUNDS[1]
+                or not CONTEXT_BOUNDS[0] <= context <= CONTEXT_BOUNDS[1]):
             raise ValueError(f"prior={prior!r}: free tokens must be >= 1, marginal tokens in {list(MARGINAL_BOUNDS)}, "
-                             f"the draft setup in {list(SETUP_BOUNDS)} and the row price in {list(ROW_BOUNDS)}")
-        self.prior = Prices(int(free), float(marginal), float(setup), float(row))
+                             f"the draft setup in {list(SETUP_BOUNDS)}, the row price in {list(ROW_BOUNDS)} "
+                             f"and the context price in {list(CONTEXT_BOUNDS)}")
+        self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
         # Up to MAX_BUCKETS buckets live at once, each a ring of samples:
         # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted) to
         # its row in the arrays; the least recently visited one makes room.
-        self._slot: dict[tuple[int, int, bool], int] = {}
-        self._key: list[tuple[int, int, bool]] = []
+        self._slot: dict[tuple[int, int, bool, int], int] = {}
+        self._key: list[tuple[int, int, bool, int]] = []
         self._tokens = np.zeros((MAX_BUCKETS, RING))  # the samples' scored tokens
         self._rows = np.zeros((MAX_BUCKETS, RING))
+        self._context = np.zeros((MAX_BUCKETS, RING))  # drafted rows' context, thousands of tokens
         self._seconds = np.zeros((MAX_BUCKETS, RING))
         self._count = np.zeros(MAX_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
         self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
@@ -150,18 +172,22 @@ class OnlinePrices:
         # The candidates, the prior's own prices among them.
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
 
-    def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1) -> bool:
+    def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1, context: int = 0) -> bool:
         """One pure decode step of ``rows`` requests that scored ``tokens``
-        tokens in ``seconds`` (``drafted``: it carried draft tokens); True when
-        the prices were refitted (every :data:`REFIT_EVERY` samples)."""
-        if tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds):
+        tokens in ``seconds`` (``drafted``: it carried draft tokens, in rows
+        whose contexts sum to ``context`` tokens); True when the prices were
+        refitted (every :data:`REFIT_EVERY` samples)."""
+        if (tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds)
+                or not context >= 0):
             return False
-        key = (bucket_of(tokens), bucket_of(rows), bool(drafted))
+        kilo = context / 1000.0 if drafted else 0.0
+        key = (bucket_of(tokens), bucket_of(rows), bool(drafted), context_bucket(kilo))
         b = self._slot.get(key)
         if b is None:
             b = self._new_slot(key)
         pos = self._count[b] % RING
         self._tokens[b, pos], self._rows[b, pos], self._seconds[b, pos] = tokens, rows, seconds
+        self._context[b, pos] = kilo
         self._count[b] += 1
         self._last_seen[b] = self.observed
         self.observed += 1
@@ -172,7 +198,7 @@ class OnlinePrices:
         self.prices = self.fit()
         return True
 
-    def _new_slot(self, key: tuple[int, int, bool]) -> int:
+    def _new_slot(self, key: tuple[int, int, bool, int]) -> int:
         """A row of the arrays for a new bucket: a free one, else the least
         recently visited bucket's."""
         if len(self._key) < MAX_BUCKETS:
@@ -186,72 +212,79 @@ class OnlinePrices:
         self._count[b], self._drafted[b] = 0, key[2]
         return b
 
-    def buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def buckets(self) -> tuple[np.ndarray, ...]:
         """The buckets that enter the fit: median scored tokens, median rows,
-        median seconds, sample count and whether the steps were drafted, of each."""
+        median seconds, sample count, whether the steps were drafted and the
+        median drafted-row context (thousands of tokens), of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
         return (_ring_median(self._tokens[idx], n[idx]), _ring_median(self._rows[idx], n[idx]),
-                _ring_median(self._seconds[idx], n[idx]), n[idx], self._drafted[idx])
+                _ring_median(self._seconds[idx], n[idx]), n[idx], self._drafted[idx],
+                _ring_median(self._context[idx], n[idx]))
 
     def fit(self) -> Prices:
         """The prices that best explain the live buckets, under the prior.
 
         For every candidate ``free``, the model is linear in ``(t0, t0 *
-        row_price, t0 / marginal, t0 * draft_setup)``: a weighted least
+        row_price, t0 / marginal, t0 * draft_setup, t0 * context_price)``: a weighted least
         squares on relative errors (each bucket weighted by its samples), the
         prior as pseudo-observations, gives them in closed form; the best
         ``free`` (residuals plus its own prior) wins. A price the samples
         cannot tell from ``t0`` is held at the prior: the setup without both
-        drafted and draftless steps, the row price with a single row count;
-        one the solution puts past its bounds is held at the bound."""
-        tokens, rows, seconds, weight, drafted = self.buckets()
+        drafted and draftless steps, the row price with a single row count,
+        the context price with drafted steps of one context bucket; one the
+        solution puts past its bounds is held at the bound."""
+        tokens, rows, seconds, weight, drafted, context = self.buckets()
         if len(tokens) < 2:
             return self.prior
         p = self.prior
-        # Per price (row, 1/marginal, setup): prior value, prior weight, bounds.
-        prior = np.array([p.row_price, 1.0 / p.marginal_tokens, p.draft_setup])
-        strength = PRIOR_WEIGHT / np.array([ROW_WIDTH, math.log(2), SETUP_WIDTH]) ** 2
+        # Per price (row, 1/marginal, setup, context): prior value, prior weight, bounds.
+        prior = np.array([p.row_price, 1.0 / p.marginal_tokens, p.draft_setup, p.context_price])
+        strength = PRIOR_WEIGHT / np.array([ROW_WIDTH, math.log(2), SETUP_WIDTH, CONTEXT_WIDTH]) ** 2
         if np.ptp(rows) == 0:  # one row count: nothing tells the row price from t0
             strength[0] = HELD
         if drafted.all() or not drafted.any():  # one kind of step: nothing tells the setup from t0
             strength[2] = HELD
-        lower = np.array([ROW_BOUNDS[0], 1.0 / MARGINAL_BOUNDS[1], SETUP_BOUNDS[0]])
-        upper = np.array([ROW_BOUNDS[1], 1.0 / MARGINAL_BOUNDS[0], SETUP_BOUNDS[1]])
+        if len(np.unique(np.round(context[drafted], 3))) < 2:  # one context: nothing tells its price from the setup
+            strength[3] = HELD
+        lower = np.array([ROW_BOUNDS[0], 1.0 / MARGINAL_BOUNDS[1], SETUP_BOUNDS[0], CONTEXT_BOUNDS[0]])
+        upper = np.array([ROW_BOUNDS[1], 1.0 / MARGINAL_BOUNDS[0], SETUP_BOUNDS[1], CONTEXT_BOUNDS[1]])
         best = None
-        x = np.stack([np.ones_like(tokens), rows - 1.0, tokens, drafted.astype(np.float64)], axis=1)
+        x = np.stack([np.ones_like(tokens), rows - 1.0, tokens, drafted.astype(np.float64), context], axis=1)
         for free in self._free_grid:
             x[:, 2] = np.maximum(0.0, tokens - free)  # the only column that depends on the candidate
             theta, sse = _solve(x, seconds, weight, prior, strength, lower, upper)
             score = sse + PRIOR_WEIGHT * (math.log(free / p.free_tokens) / math.log(2)) ** 2
             if best is None or score < best[0]:
                 best = (score, free, theta)
-        _, free, (t0, row, inv_marginal, setup) = best
+        _, free, (t0, row, inv_marginal, setup, per_context) = best
         marginal = min(MARGINAL_BOUNDS[1], 1.0 / inv_marginal)
         return Prices(int(free), round(float(marginal), 2), round(float(setup), 3), round(float(row), 4),
-                      float(t0), len(tokens), int(weight.sum()))
+                      round(float(per_context), 4), float(t0), len(tokens), int(weight.sum()))
 
 
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
-           lower: np.ndarray, upper: np.ndarray) -> tuple[tuple[float, float, float, float], float]:
-    """``seconds ~= t0 * x @ (1, c1, c2, c3)`` on relative errors weighted by
-    ``weight``: the row price ``c1``, ``1 / marginal`` ``c2`` and the setup
-    ``c3``, each pulled towards ``prior[j]`` with ``strength[j]`` (normal
-    priors, ``c2``'s log-normal) and kept within ``[lower, upper]``.
+           lower: np.ndarray, upper: np.ndarray) -> tuple[tuple[float, ...], float]:
+    """``seconds ~= t0 * x @ (1, c1, c2, c3, c4)`` on relative errors weighted by
+    ``weight``: the row price ``c1``, ``1 / marginal`` ``c2``, the setup
+    ``c3`` and the context price ``c4``, each pulled towards ``prior[j]`` with
+    ``strength[j]`` (normal priors, ``c2``'s log-normal) and kept within
+    ``[lower, upper]``.
 
-    Linear in ``theta = t0 * (1, c1, c2, c3)`` once each prior is a
+    Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a
     pseudo-observation ``(theta_j - target_j * theta_0) / t0`` with the last
     pass's ``t0`` (and ``c2``'s log-normal prior a normal one around the last
     pass's ``c2``): three passes; a price past its bounds is held at the
-    bound from the next pass on. Returns ``(t0, c1, c2, c3)`` and the
+    bound from the next pass on. Returns ``(t0, c1, ..., c4)`` and the
     weighted sum of squared relative residuals plus the priors' penalty on
     the prices they do not hold."""
     sw = np.sqrt(weight) / seconds
     c = prior.copy()
     t0 = float(np.median(seconds / (x @ np.concatenate([[1.0], c]))))
-    bound = np.zeros(3, bool)
-    pseudo = np.zeros((3, 4))
-    pseudo[[0, 1, 2], [1, 2, 3]] = 1.0
+    k = len(prior)
+    bound = np.zeros(k, bool)
+    pseudo = np.zeros((k, k + 1))
+    pseudo[np.arange(k), np.arange(1, k + 1)] = 1.0
     for _ in range(3):
         target, pull = prior.copy(), strength.copy()
         # log-normal around the last c2: penalty s * log(c2 / prior)^2 ~ s / c^2 * (c2 - target)^2
@@ -259,13 +292,14 @@ def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.nda
         target, pull = np.where(bound, c, target), np.where(bound, HELD, pull)
         pseudo[:, 0] = -target
         a = np.concatenate([x * sw[:, None], pseudo * (np.sqrt(pull) / t0)[:, None]])
-        theta = np.linalg.lstsq(a, np.concatenate([seconds * sw, np.zeros(3)]), rcond=None)[0]
+        theta = np.linalg.lstsq(a, np.concatenate([seconds * sw, np.zeros(k)]), rcond=None)[0]
         t0 = float(theta[0])
         c = theta[1:] / t0
         bound |= (c < lower) | (c > upper)
         c = np.clip(c, lower, upper)
     resid = (seconds - t0 * (x @ np.concatenate([[1.0], c]))) / seconds
-    penalty = strength * np.array([(c[0] - prior[0]) ** 2, math.log(c[1] / prior[1]) ** 2, (c[2] - prior[2]) ** 2])
+    penalty = strength * (c - prior) ** 2
+    penalty[1] = strength[1] * math.log(c[1] / prior[1]) ** 2
     return (t0, *map(float, c)), float(weight @ resid ** 2 + penalty[strength < HELD].sum())
 
 

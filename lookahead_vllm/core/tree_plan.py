@@ -130,12 +130,15 @@ def plan_trees(
     tokens: np.ndarray, parents: np.ndarray, raw: np.ndarray, lengths: np.ndarray, tree_ok: np.ndarray,
     calibrator: "ConfidenceCalibrator", budget: int | None, num_rows: int, cost: ForwardCost,
     slots: np.ndarray, out_rows: np.ndarray, num_out: int, native: bool, kinds: np.ndarray | None = None,
+    entry: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
     """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
     index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
     ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With
     ``kinds [R, W]`` given (merged sources: ``Drafter.draft``), the rows are
     planned as they are, already cut to what their requests may verify.
+    ``entry [R]``: what a row pays, in forwards, once it keeps any node
+    (``ForwardCost.entry`` of its context; None: nothing).
     Returns the offers (each row's kept prefix), the calibrated confidences
     of the offered rows (cells past a row's length are unspecified) and the
     ``num_out`` batch rows' drafts (``[]`` where none)."""
@@ -144,15 +147,15 @@ def plan_trees(
         tok, par, conf, out_kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
             tokens, parents, raw, lengths, tree_ok, calibrator.bin_edges, calibrator.factor_table(),
             -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
-            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out, kinds)
+            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out, kinds, entry)
         return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, out_kinds, keep, trees.astype(bool)), \
             calibrated, drafts
     return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,
-                                 slots, out_rows, num_out, kinds)
+                                 slots, out_rows, num_out, kinds, entry)
 
 
 def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost, slots,
-                          out_rows, num_out, given=None) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
+                          out_rows, num_out, given=None, entry=None) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
     """:func:`plan_trees` with DraftTree objects, request by request."""
     rows, width = raw.shape
     offers, confs, opens = [], [], []
@@ -166,7 +169,7 @@ def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, bu
         offers.append((tree, kinds))
         confs.append(calibrator.calibrate(tree, kinds))
         opens.append(opens_path(tree.parents) if tree_ok[r] else [False] * len(tree))
-    keep = allocate_step_budget(confs, budget, num_rows, cost, opens)
+    keep = allocate_step_budget(confs, budget, num_rows, cost, opens, None if entry is None else entry.tolist())
     out_tok, out_par = np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32)
     out_raw, calibrated = np.zeros((rows, width)), np.zeros((rows, width))
     out_kinds, trees = np.zeros((rows, width), np.int8), np.zeros(rows, bool)

@@ -29,6 +29,7 @@ Exposed series (all cumulative since the engine started, except gauges):
   lookahead_price_marginal_tokens                 gauge: past those, tokens that cost one more forward
   lookahead_price_draft_setup                     gauge: forwards a drafted step costs over a draftless one
   lookahead_price_row                             gauge: forwards each row of a step past the first adds
+  lookahead_price_context                         gauge: forwards a drafted row adds per 1000 context tokens
   lookahead_price_step_seconds                    gauge: fitted time of a step within the free tokens
                                                   (0 until fitted); the prices are averaged, not summed,
                                                   over processes
@@ -114,6 +115,7 @@ class StepStats:
     price_marginal_tokens: float = 0.0
     price_draft_setup: float = 0.0
     price_row: float = 0.0
+    price_context: float = 0.0
     price_step_seconds: float = 0.0
     price_samples: int = 0
     price_source: str = "pinned"
@@ -145,7 +147,7 @@ class StepStats:
     def set_prices(self, cost: Any, source: str, step_seconds: float = 0.0, samples: int = 0) -> None:
         """The prices of ``cost`` (a budget.ForwardCost) are live from now on."""
         self.price_free_tokens, self.price_marginal_tokens = cost.free_tokens, cost.marginal_tokens
-        self.price_draft_setup, self.price_row = cost.draft_setup, cost.per_row
+        self.price_draft_setup, self.price_row, self.price_context = cost.draft_setup, cost.per_row, cost.per_context
         self.price_step_seconds, self.price_samples, self.price_source = step_seconds, samples, source
 
     def snapshot(self) -> dict[str, Any]:
@@ -173,11 +175,11 @@ class IntervalLogger:
         self.logger.info(
             "lookahead: drafted %.2f nodes/step, accepted %.2f tok/step, trie %d nodes, drafter memory %.1f MiB, "
             "drafter %.3f ms/step, load budget %d nodes/request, token prices %d free + 1 forward per %.1f, "
-            "draft setup %.3f, row %.3f forwards (%s, %d samples)",
+            "draft setup %.3f, row %.3f, context %.3f/1k forwards (%s, %d samples)",
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.drafter_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
             stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_row,
-            stats.price_source,
+            stats.price_context, stats.price_source,
             stats.price_samples,
         )
 
@@ -306,6 +308,8 @@ class StatsCollector:
              "Forwards a step with drafts costs over one without (forward-cost model, live)."),
             ("lookahead_price_row", "price_row",
              "Forwards each row of a step past the first adds, whatever its tokens (forward-cost model, live)."),
+            ("lookahead_price_context", "price_context",
+             "Forwards a row with drafts adds per 1000 tokens of its context (forward-cost model, live)."),
             ("lookahead_price_step_seconds", "price_step_seconds",
              "Fitted seconds of a step within the free tokens (0 until fitted)."),
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),

@@ -222,7 +222,8 @@ class LookaheadProposer:
         # unless the configuration pins them or turns the cost model off.
         p = self.config.profile
         self.prices = (None if prices_pinned(self.config)
-                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price)))
+                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price,
+                                          p.context_price)))
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
@@ -275,7 +276,7 @@ class LookaheadProposer:
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
-        if self.prices.observe(last[0].tokens, now - last[1], last[0].drafted, last[0].rows):
+        if self.prices.observe(last[0].tokens, now - last[1], last[0].drafted, last[0].rows, last[0].context):
             self._adopt_prices()
 
     def _adopt_prices(self) -> None:
@@ -284,9 +285,9 @@ class LookaheadProposer:
         same step everywhere: the samples' count depends on the schedule
         alone)."""
         fit = self.prices.prices
-        free, marginal, setup, row = _shared_across_ranks((fit.free_tokens, fit.marginal_tokens, fit.draft_setup,
-                                                           fit.row_price))
-        self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup, row)
+        free, marginal, setup, row, context = _shared_across_ranks(
+            (fit.free_tokens, fit.marginal_tokens, fit.draft_setup, fit.row_price, fit.context_price))
+        self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup, row, context)
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
@@ -466,14 +467,17 @@ class LookaheadProposer:
         else:
             tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
                                                            floor, tree_ok, token_ids_cpu, rows, num_tokens)
+        cost = self.cost.at_rows(len(rows))
+        entry = cost.entry(num_tokens[drafting]) if cost.per_context else None
         self._trees, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                                     self._step_budget(len(rows)), len(rows),
-                                                     self.cost.at_rows(len(rows)), slots[drafting],
-                                                     rows[drafting], num_out, self.drafter.native, kinds)
+                                                     self._step_budget(len(rows)), len(rows), cost,
+                                                     slots[drafting], rows[drafting], num_out,
+                                                     self.drafter.native, kinds, entry)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
         if self.config.uses_jacobi:
             self._window_plans = self._send_windows(drafts, calibrated, tree_ok, [req_ids[j] for j in picked],
-                                                    [states[j] for j in picked], rows[drafting], len(rows))
+                                                    [states[j] for j in picked], rows[drafting], len(rows),
+                                                    np.zeros(len(picked)) if entry is None else entry)
         return drafts, len(rows), skipped, load_budget
 
     def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
@@ -576,8 +580,8 @@ class LookaheadProposer:
             st.length = n
 
     def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
-                      req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int
-                      ) -> dict[str, StepPlan]:
+                      req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int,
+                      entry: np.ndarray) -> dict[str, StepPlan]:
         """The Jacobi windows that go out this step, appended to their rows'
         drafts (``drafts``, changed in place); returns their plans.
 
@@ -586,7 +590,8 @@ class LookaheadProposer:
         ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
         what its extra tokens and its W column paths cost at the step's rate
         (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
-        path ``rounds``. The first draft of a step also pays the draft setup.
+        path ``rounds``. The first draft of a step also pays the draft setup,
+        and a window on a row that kept no node its row's ``entry``.
         """
         offers = self._trees
         cols = np.arange(offers.parents.shape[1])
@@ -596,16 +601,18 @@ class LookaheadProposer:
         rounds = int(opens[tree_ok].max(initial=0))
         tokens, extra, cost = num_rows + int(offers.lengths.sum()), rounds, self.cost.at_rows(num_rows)
         setup = cost.draft_setup if tokens == num_rows else 0.0
+        fees = float(entry[offers.lengths > 0].sum())
         gain = num_rows + float(np.where(kept, calibrated, 0.0).sum())
         candidates = [(d, st.jacobi) for d, st in enumerate(states)
                       if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
         plans = {}
         for d, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
             w, cols = jac.window.num_nodes, jac.window.window
-            need = gain * ((cost(tokens + w, extra + cols) + setup) / cost(tokens, extra) - 1.0)
+            fee = float(entry[d]) if offers.lengths[d] == 0 else 0.0
+            need = gain * ((cost(tokens + w, extra + cols) + setup + fees + fee) / (cost(tokens, extra) + fees) - 1.0)
             if not jac.wants_window(need):
                 continue
-            tokens, extra, setup = tokens + w, extra + cols, 0.0
+            tokens, extra, setup, fees = tokens + w, extra + cols, 0.0, fees + fee
             gain += jac.yield_est
             plan = plans[req_ids[d]] = StepPlan(*with_lookahead(offers.tree(d), jac.window))
             drafts[int(out_rows[d])] = list(plan.tree.tokens)
@@ -681,6 +688,9 @@ class StepShape:
     drafted: bool = True
     # Requests in the step.
     rows: int = 1
+    # Context tokens of the requests that carry drafts, summed (each row's
+    # tokens computed before this step).
+    context: int = 0
 
     @classmethod
     def of(cls, scheduler_output: Any) -> "StepShape":
@@ -688,11 +698,16 @@ class StepShape:
         rows = len(scheduler_output.num_scheduled_tokens)
         tokens = scheduler_output.total_num_scheduled_tokens
         drafts = sum(map(len, spec.values()))
+        cached = scheduler_output.scheduled_cached_reqs
+        context = 0
+        if drafts:
+            computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+            context = sum(computed.get(req_id, 0) for req_id, d in spec.items() if d)
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
-                   bool(scheduler_output.scheduled_cached_reqs.req_ids), drafts > 0, rows)
+                   bool(cached.req_ids), drafts > 0, rows, context)
 
 
-def _shared_across_ranks(prices: tuple[int, float, float, float]) -> tuple[int, float, float, float]:
+def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tuple[int, float, float, float, float]:
     """Tensor-parallel rank 0's prices on every rank (the same values where
     there is one rank)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group

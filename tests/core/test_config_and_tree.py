@@ -212,13 +212,13 @@ def test_forward_cost_platform_defaults_and_overrides():
 
     default = resolve()
     assert (default.cost_free_tokens, default.cost_marginal_tokens) == (-1, -1.0)
-    assert forward_cost(default, paths=False) == ForwardCost(5, 20.0, draft_setup=0.05, per_row=0.04)
+    assert forward_cost(default, paths=False) == ForwardCost(5, 20.0, draft_setup=0.05, per_row=0.04, per_context=0.08)
     assert forward_cost(default, paths=False).drafted(6) == pytest.approx(1.1)  # 1 + 1/20 + the setup
     gpu = forward_cost(resolve(platform="gpu"))
     assert (gpu.free_tokens, gpu.marginal_tokens, gpu.per_path) == (32, 675.0, 0.0) and gpu(32) == 1.0 < gpu(33)
     # Trees on the CPU pay its path rounds (the profile's path_setup, cost_per_path).
     assert forward_cost(default) == ForwardCost(5, 20.0, per_path=0.02, path_setup=0.09, draft_setup=0.05,
-                                                per_row=0.04)
+                                                per_row=0.04, per_context=0.08)
     mine = resolve({"cost_free_tokens": 0, "cost_marginal_tokens": 7, PROFILE_KEY: {"cost_per_path": 0.5}},
                    platform="gpu")
     assert forward_cost(mine) == ForwardCost(0, 7, per_path=0.5, path_setup=0.0)

@@ -86,7 +86,7 @@ def test_stale_buckets_leave_the_fit():
     feed(fitter, ForwardCost(4, 4.0), 500, 32, t0=0.05)  # an old, busy workload up to 31 tokens
     for _ in range(P.MAX_AGE_STEPS + P.REFIT_EVERY):
         fitter.observe(40, 0.01)  # then only 40-token steps: one bucket
-    tokens, _, _, _, drafted = fitter.buckets()
+    tokens, _, _, _, drafted, _ = fitter.buckets()
     assert tokens.tolist() == [40.0] and drafted.tolist() == [True]
     assert fitter.prices == fitter.prior  # one live bucket cannot place a curve
 

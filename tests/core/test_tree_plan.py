@@ -73,12 +73,14 @@ history = st.lists(st.tuples(st.lists(confidence, min_size=1, max_size=8), st.sa
 
 @settings(max_examples=400, deadline=None)
 @given(step_trees(), history, st.one_of(st.none(), st.integers(0, 30)), st.integers(0, 8), st.sampled_from(COSTS),
-       st.one_of(st.none(), st.randoms(use_true_random=False)))
-def test_plan_trees_equals_reference(trees, past, budget, extra_rows, cost, given_kinds):
+       st.one_of(st.none(), st.randoms(use_true_random=False)),
+       st.one_of(st.none(), st.lists(st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.8, 2.0]), min_size=10, max_size=10)))
+def test_plan_trees_equals_reference(trees, past, budget, extra_rows, cost, given_kinds, fees):
     """Index rows, and rows with their kinds given (``given_kinds``: a
     random source of kinds; such rows are planned as they come, trees where
-    tree_ok says no included)."""
+    tree_ok says no included); with or without rows' entry fees."""
     tokens, parents, raw, lens, tree_ok, slots, out_rows, num_out = trees
+    entry = None if fees is None else np.array(fees[:len(lens)])
     calibrator = trained_calibrator(past)
     num_rows = len(lens) + extra_rows
     kinds = None
@@ -86,8 +88,8 @@ def test_plan_trees_equals_reference(trees, past, budget, extra_rows, cost, give
         kinds = np.array([[given_kinds.choice(ALL_KINDS) for _ in range(tokens.shape[1])] for _ in lens],
                          np.int8).reshape(tokens.shape)
     args = (tokens, parents, raw, lens, tree_ok, calibrator, budget, num_rows, cost, slots, out_rows, num_out)
-    want_offers, want_conf, want_drafts = plan_trees(*args, native=False, kinds=kinds)
-    got_offers, got_conf, got_drafts = plan_trees(*args, native=True, kinds=kinds)
+    want_offers, want_conf, want_drafts = plan_trees(*args, native=False, kinds=kinds, entry=entry)
+    got_offers, got_conf, got_drafts = plan_trees(*args, native=True, kinds=kinds, entry=entry)
     if kinds is not None:  # planned as given: every row keeps a prefix of itself, its kinds
         for r, n in enumerate(want_offers.lengths.tolist()):
             assert want_offers.tokens[r, :n].tolist() == tokens[r, :n].tolist()

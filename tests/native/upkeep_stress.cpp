@@ -86,10 +86,13 @@ const char* tree_kernels(const Drafts& d, std::mt19937& rng, std::vector<double>
   std::vector<int8_t> out_kinds(rows * width, 0);
   std::vector<int64_t> keep(rows, -1);
   std::vector<uint8_t> carries(rows, 0);
+  std::vector<double> entry(rows);
+  for (auto& e : entry) e = 0.05 * uniform(0, 8);
   const lookahead::TreeRows in{tokens.data(), parents.data(), raw.data(), nullptr, rows, width};
   lookahead::TreeRows out{out_tokens.data(), out_parents.data(), out_raw.data(), out_kinds.data(), rows, width};
   lookahead::plan_trees(in, d.lengths.data(), tree_ok.data(), edges.data(), static_cast<int64_t>(edges.size()),
-                        factor.data(), budget, rows, cost, out, calibrated.data(), keep.data(), carries.data());
+                        factor.data(), budget, rows, cost, uniform(0, 1) ? entry.data() : nullptr, out,
+                        calibrated.data(), keep.data(), carries.data());
   int64_t kept = 0;
   for (int64_t r = 0; r < rows; ++r) {
     if (keep[r] < 0 || keep[r] > d.lengths[r]) return "plan_trees: a row keeps more than it drafted";

@@ -50,9 +50,11 @@ def test_snapshots_of_live_processes_are_summed(tmp_path):
 
 def test_live_prices_are_averaged_over_processes(tmp_path):
     a, b = metrics.StepStats(), metrics.StepStats()
-    a.set_prices(SimpleNamespace(free_tokens=8, marginal_tokens=30.0, draft_setup=0.1, per_row=0.06), "fitted", 0.04,
+    a.set_prices(SimpleNamespace(free_tokens=8, marginal_tokens=30.0, draft_setup=0.1, per_row=0.06,
+                                 per_context=0.1), "fitted", 0.04,
                  200)
-    b.set_prices(SimpleNamespace(free_tokens=4, marginal_tokens=10.0, draft_setup=0.0, per_row=0.02), "prior")
+    b.set_prices(SimpleNamespace(free_tokens=4, marginal_tokens=10.0, draft_setup=0.0, per_row=0.02,
+                                 per_context=0.0), "prior")
     metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-0.json"), a.snapshot())
     metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-1.json"), b.snapshot())
     got = _scrape(tmp_path)
@@ -60,6 +62,7 @@ def test_live_prices_are_averaged_over_processes(tmp_path):
     assert got["lookahead_price_step_seconds"] == pytest.approx(0.02) and got["lookahead_price_samples"] == 100
     assert got["lookahead_price_draft_setup"] == pytest.approx(0.05)
     assert got["lookahead_price_row"] == pytest.approx(0.04)
+    assert got["lookahead_price_context"] == pytest.approx(0.05)
 
 
 def test_no_snapshot_no_series(tmp_path):
@@ -74,7 +77,8 @@ def test_interval_logger_reports_per_step_means():
             lines.append(fmt % args)
 
     stats = metrics.StepStats(trie_nodes=100, drafter_bytes=3 * 2**20, load_budget=8)
-    stats.set_prices(SimpleNamespace(free_tokens=12, marginal_tokens=40.5, draft_setup=0.05, per_row=0.04), "fitted",
+    stats.set_prices(SimpleNamespace(free_tokens=12, marginal_tokens=40.5, draft_setup=0.05, per_row=0.04,
+                                     per_context=0.08), "fitted",
                      0.02, 320)
     log = metrics.IntervalLogger(Log(), interval_s=0.0)
     stats.record_step(draft_tokens=8, accepted=6, seconds=0.001, skipped={})
@@ -83,7 +87,7 @@ def test_interval_logger_reports_per_step_means():
     assert lines == [
         "lookahead: drafted 6.00 nodes/step, accepted 3.00 tok/step, trie 100 nodes, drafter memory 3.0 MiB, "
         "drafter 2.000 ms/step, load budget 8 nodes/request, token prices 12 free + 1 forward per 40.5, "
-        "draft setup 0.050, row 0.040 forwards (fitted, 320 samples)"
+        "draft setup 0.050, row 0.040, context 0.080/1k forwards (fitted, 320 samples)"
     ]
     log.maybe_log(stats)  # no step since: no line
     assert len(lines) == 1

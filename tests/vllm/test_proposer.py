@@ -447,26 +447,31 @@ def test_memory_gauge_is_refreshed_every_few_steps():
 
 
 # ------------------------------------------------------ prices measured online
-def _shape(tokens: int, pure: bool = True, continuing: bool = True, drafted: bool = True, rows: int = 1):
+def _shape(tokens: int, pure: bool = True, continuing: bool = True, drafted: bool = True, rows: int = 1,
+           context: int = 0):
     from lookahead_vllm.vllm.proposer import StepShape
 
-    return StepShape(tokens, pure, continuing, drafted, rows)
+    return StepShape(tokens, pure, continuing, drafted, rows, context)
 
 
 def test_step_shape_reads_the_scheduler_output():
     from lookahead_vllm.vllm.proposer import StepShape
 
-    def out(new, cached, num_scheduled, spec):
-        return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=SimpleNamespace(req_ids=cached),
+    def out(new, cached, num_scheduled, spec, computed=(300, 2000, 50)):
+        return SimpleNamespace(scheduled_new_reqs=new,
+                               scheduled_cached_reqs=SimpleNamespace(req_ids=cached,
+                                                                     num_computed_tokens=list(computed[:len(cached)])),
                                num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
                                scheduled_spec_decode_tokens=spec)
 
     decode = out([], ["a", "b"], {"a": 4, "b": 1}, {"a": [5, 6, 7]})
-    assert StepShape.of(decode) == StepShape(5, True, True, True, 2)
+    assert StepShape.of(decode) == StepShape(5, True, True, True, 2, 300)  # a's context: it carries the drafts
+    both = out([], ["a", "b", "c"], {"a": 4, "b": 2, "c": 1}, {"a": [5, 6, 7], "b": [9], "c": []})
+    assert StepShape.of(both) == StepShape(7, True, True, True, 3, 2300)
     draftless = out([], ["a", "b"], {"a": 1, "b": 1}, {})
     assert StepShape.of(draftless) == StepShape(2, True, True, False, 2)
     chunk = out([], ["a", "b"], {"a": 4, "b": 64}, {"a": [5, 6, 7]})  # b prefills a chunk
-    assert StepShape.of(chunk) == StepShape(68, False, True, True, 2)
+    assert StepShape.of(chunk) == StepShape(68, False, True, True, 2, 300)
     fresh = out([SimpleNamespace(req_id="c")], [], {"c": 12}, {})
     assert StepShape.of(fresh) == StepShape(12, False, False, False, 1)
 
@@ -502,7 +507,7 @@ def test_only_pure_decode_steps_without_idle_gaps_are_priced():
     assert p.prices.observed == REFIT_EVERY * 2 - 1  # the decode steps only (the first has no start)
     p._time_step(_shape(3, continuing=False), now + 100.0)  # the engine idled 100 s: no sample
     assert p.prices.observed == REFIT_EVERY * 2 - 1
-    tokens, _, seconds, _, _ = p.prices.buckets()
+    tokens, _, seconds, _, _, _ = p.prices.buckets()
     assert seconds.max() < 0.02
     p._time_step(_shape(4, drafted=False), now + 100.01)  # the 3-token step before it: one sample
     assert p.prices.observed == REFIT_EVERY * 2
@@ -554,6 +559,35 @@ def test_steps_of_many_rows_teach_the_row_price():
     assert p.cost.at_rows(1) is p.cost and ForwardCost(5, 20.0).at_rows(8) == ForwardCost(5, 20.0)
 
 
+def test_long_contexts_teach_the_context_price():
+    """A row that carries drafts pays for its context (here 0.15 forwards per
+    thousand tokens): the fit learns it from drafted steps at several
+    contexts, and the planner then drops a long-context row's draft that a
+    short-context row with the same confidences keeps."""
+    from lookahead_vllm.core.prices import REFIT_EVERY
+
+    p = make_proposer(cost_free_tokens=-1)
+    assert p.cost.per_context == 0.08  # the CPU prior
+    now = 0.0
+    for i in range(REFIT_EVERY * 12 + 1):
+        drafted = i % 4 != 0
+        rows = 1 + i % 4
+        context = 1000 * (1 + (i // 4) % 5) * rows if drafted else 0  # every drafted row 1-5k tokens
+        tokens = rows + (2 * rows if drafted else 0)
+        p._time_step(_shape(tokens, drafted=drafted, rows=rows, context=context), now)
+        now += 0.01 * (1 + 0.04 * (rows - 1) + max(0, tokens - 5) / 20 + (0.05 + 0.15 * context / 1000) * drafted)
+    fit = p.prices.prices
+    assert fit.context_price == pytest.approx(0.15, abs=0.03) and p.cost.per_context == fit.context_price
+    assert p.metrics.snapshot()["price_context"] == fit.context_price
+    entry = p.cost.entry(np.array([500, 4000]))
+    assert entry.tolist() == pytest.approx([0.075, 0.6], abs=0.02)
+    from lookahead_vllm.core.budget import allocate_step_budget
+
+    # Two rows with the same 3-node draft (0.6, 0.4, 0.2 expected): the 500-token row keeps it, the 4000-token one not.
+    assert allocate_step_budget([[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]], None, 2, p.cost, entry=entry.tolist()) == [3, 0]
+    assert allocate_step_budget([[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]], None, 2, p.cost) == [3, 3]
+
+
 def test_pinned_prices_are_not_fitted():
     for pinned in ({"cost_free_tokens": 8}, {"cost_marginal_tokens": 30.0}, {"cost_free_tokens": 0}):
         p = make_proposer(**pinned)
@@ -576,7 +610,7 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
     class Group:
         def broadcast_object(self, obj, src=0):
             sent.append((obj, src))
-            return (7, 11.0, 0.125, 0.03)  # rank 0's prices
+            return (7, 11.0, 0.125, 0.03, 0.2)  # rank 0's prices
 
     monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_tp_group", lambda: Group())
@@ -587,7 +621,8 @@ def test_ranks_take_rank_zeros_prices(monkeypatch):
         now += 0.01
     p._time_step(_shape(1), now)
     assert sent and sent[0][1] == 0
-    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.cost.draft_setup, p.cost.per_row) == (7, 11.0, 0.125, 0.03)
+    assert (p.cost.free_tokens, p.cost.marginal_tokens, p.cost.draft_setup, p.cost.per_row,
+            p.cost.per_context) == (7, 11.0, 0.125, 0.03, 0.2)
 
 
 def test_graph_tokens_read_from_the_compilation_config():
