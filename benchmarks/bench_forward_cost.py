@@ -19,6 +19,16 @@ the per-path cost (``cost_per_path``).
 
     python benchmarks/bench_forward_cost.py --nodes 8 --paths 1 2 3 4 8 \\
         --out benchmarks/results/path_cost.json
+
+``--drafting`` measures what a row that carries drafts costs at a given
+context length: ``--batch`` requests of each ``--contexts`` length decode
+together, and in each configuration ``RxN`` the first ``R`` of them draft
+``N`` tokens (``DraftingRowsProposer``). Configurations run in blocks of
+steps, in a shuffled order per round, and only steps inside a block are
+timed (a step that follows another configuration is not).
+
+    python benchmarks/bench_forward_cost.py --drafting 0x0 1x1 4x1 8x1 8x2 8x4 \\
+        --batch 8 --contexts 512 2048 --out benchmarks/results/context_cost.json
 """
 
 from __future__ import annotations
@@ -62,6 +72,122 @@ class VariableProposer(FixedProposer):
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
         return [[0] * VariableProposer.n if s else [] for s in sampled_token_ids]
+
+
+class DraftingRowsProposer(FixedProposer):
+    """The first ``DraftingRowsProposer.rows`` rows draft ``DraftingRowsProposer.n``
+    copies of token 0, the others nothing (``--drafting``)."""
+
+    rows = 0
+    n = 0
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        cls = DraftingRowsProposer
+        return [[0] * cls.n if s and i < cls.rows else [] for i, s in enumerate(sampled_token_ids)]
+
+
+def drafting_step_times(llm, contexts: list[list[int]], configs: list[tuple[int, int]], rounds: int,
+                        block: int = 6, warm: int = 2, seed: int = 0) -> dict[tuple[int, int], list[float]]:
+    """Step times of ``len(contexts)`` requests per configuration ``(rows, n)``
+    (the first ``rows`` rows draft ``n`` tokens), in one engine whose proposer
+    is :class:`DraftingRowsProposer`: each round runs every configuration for
+    ``block`` steps in a shuffled order; a block's first ``warm`` steps (which
+    verify or follow another configuration) are not timed."""
+    import importlib
+
+    from vllm import SamplingParams
+
+    # The class vLLM built the proposer from (by path): not this module's when it runs as __main__.
+    proposer = importlib.import_module("benchmarks.bench_forward_cost").DraftingRowsProposer
+    rng = np.random.default_rng(seed)
+    plan: list[tuple[tuple[int, int], bool]] = []
+    for _ in range(rounds):
+        for i in rng.permutation(len(configs)):
+            plan += [(configs[i], j >= warm) for j in range(block)]
+    engine = llm.llm_engine
+    most = max(n for _, n in configs) + 1
+    room = engine.model_config.max_model_len - max(map(len, contexts)) - 1
+    params = SamplingParams(temperature=0.0, max_tokens=min(len(plan) * most + 4, room), ignore_eos=True)
+    ids = prefill(engine, contexts, params)
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+    for i, (config, timed) in enumerate(plan):
+        # This step verifies what the step before drafted; set what it drafts for the next one.
+        proposer.rows, proposer.n = plan[min(i + 1, len(plan) - 1)][0]
+        start = time.perf_counter()
+        engine.step()
+        if timed:
+            times[config].append(time.perf_counter() - start)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    proposer.rows = proposer.n = 0
+    return times
+
+
+def main_drafting(args: argparse.Namespace, model: str) -> None:
+    """``--drafting``: step time per configuration and context length (module docstring)."""
+    from vllm import LLM
+
+    configs = [parse_drafting(c, args.batch) for c in args.drafting]
+    if (0, 0) not in configs:
+        configs.insert(0, (0, 0))
+    kwargs = variable_kwargs(max(n for _, n in configs) or 1, max_model_len=max(args.contexts) + 512)
+    kwargs["speculative_config"]["model"] = "benchmarks.bench_forward_cost.DraftingRowsProposer"
+    llm = LLM(model=model, **kwargs)
+    rng = np.random.default_rng(0)
+    cells = []
+    for context in args.contexts:
+        contexts = [rng.integers(100, 20000, size=context).tolist() for _ in range(args.batch)]
+        times = drafting_step_times(llm, contexts, configs, args.rounds)
+        base = statistics.median(times[(0, 0)])
+        cell = {"context": context, "batch": args.batch, "draftless_ms": round(1e3 * base, 3), "configs": []}
+        for (rows, n), ts in times.items():
+            ms = 1e3 * statistics.median(ts)
+            cell["configs"].append({"drafting_rows": rows, "draft_tokens": n, "median_ms": round(ms, 3),
+                                    "relative": round(ms / (1e3 * base), 3), "steps": len(ts)})
+        cells.append(cell)
+        print(f"batch {args.batch}, context {context}: draftless {1e3 * base:.1f} ms; " + ", ".join(
+            f"{c['drafting_rows']}x{c['draft_tokens']} {c['relative']:.3f}" for c in cell["configs"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": model, "batch": args.batch, "rounds": args.rounds, "cells": cells},
+                                   indent=1))
+    plot_drafting(cells, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+
+
+def parse_drafting(text: str, batch: int) -> tuple[int, int]:
+    """``"RxN"``: R rows (<= batch) drafting N tokens each."""
+    try:
+        rows, n = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--drafting {text!r}: must be RxN (rows x draft tokens), e.g. 4x1") from None
+    if not 0 <= rows <= batch or n < 0 or (rows == 0) != (n == 0):
+        raise SystemExit(f"--drafting {text!r}: rows must be in [0, --batch={batch}], tokens >= 0, "
+                         "and both 0 or both positive")
+    return rows, n
+
+
+def plot_drafting(cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [f"{c['drafting_rows']}x{c['draft_tokens']}" for c in cells[0]["configs"]]
+    width = 0.8 / len(cells)
+    for i, cell in enumerate(cells):
+        ax.bar(np.arange(len(labels)) + i * width, [c["relative"] for c in cell["configs"]], width,
+               label=f"context {cell['context']}")
+    ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2, labels)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("rows drafting x draft tokens each")
+    ax.set_ylabel("step time / draftless step")
+    ax.set_title(f"Cost of drafting rows by context, batch {cells[0]['batch']}, SmolLM2 fp32, CPU", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def variable_kwargs(max_nodes: int, **overrides) -> dict:
@@ -185,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paths", nargs="+", type=int, default=None,
                    help="tree mode: root branches per fixed tree of --nodes nodes (1 = chain)")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together, each drafting --nodes tokens")
+    p.add_argument("--drafting", nargs="+", default=None,
+                   help="drafting-rows mode: configurations RxN (R of --batch rows draft N tokens each)")
+    p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048], help="--drafting: context lengths")
+    p.add_argument("--rounds", type=int, default=4, help="--drafting: blocks of each configuration")
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/forward_cost.json")
     args = p.parse_args(argv)
@@ -204,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     contexts = [rng.integers(100, 20000, size=args.context).tolist() for _ in range(args.batch)]
     if args.paths:
         return main_paths(args, model, contexts[0])
+    if args.drafting:
+        return main_drafting(args, model)
     # The unit is always one request's plain decode step, so batch curves
     # read in the forward-cost model's units (core/budget.py).
     base = 1e3 * statistics.median(step_times(model, 0, contexts[:1], args.steps))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 
 from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, resolve
@@ -106,6 +108,20 @@ def test_forward_cost_plot_draws_the_prior_beside_the_measured_curve(tmp_path):
             for n in (0, 1, 2, 4)]
     bench_forward_cost.plot(rows, tmp_path / "cost.png", batch=12)
     assert (tmp_path / "cost.png").stat().st_size > 1000
+
+
+def test_forward_cost_drafting_mode_parses_and_plots(tmp_path):
+    bench_forward_cost = _import_bench("bench_forward_cost")
+    assert bench_forward_cost.parse_drafting("4x1", 8) == (4, 1)
+    assert bench_forward_cost.parse_drafting("0X0", 8) == (0, 0)
+    for bad, message in (("9x1", "rows must be in [0, --batch=8]"), ("4x0", "both 0 or both positive"),
+                         ("four", "must be RxN")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            bench_forward_cost.parse_drafting(bad, 8)
+    cells = [{"context": c, "batch": 8, "configs": [{"drafting_rows": r, "draft_tokens": n, "relative": 1 + 0.1 * r}
+                                                    for r, n in ((0, 0), (1, 1), (8, 1))]} for c in (512, 2048)]
+    bench_forward_cost.plot_drafting(cells, tmp_path / "ctx.png")
+    assert (tmp_path / "ctx.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("argv,message", [
