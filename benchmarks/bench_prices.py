@@ -68,32 +68,36 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
         llm.generate(prompts[used:used + 4 * batch], params, use_tqdm=False)
         used += 4 * batch
     fit = proposer.prices.fit()
-    tokens, rows, seconds, count, drafted = proposer.prices.buckets()
+    tokens, rows, seconds, count, drafted, context = proposer.prices.buckets()
     return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens, "draft_setup": fit.draft_setup,
-            "row_price": fit.row_price,
+            "row_price": fit.row_price, "context_price": fit.context_price,
             "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "buckets": fit.buckets,
             "timed_steps": proposer.prices.observed, "prompts": used,
             "tokens_seen": [int(tokens.min()), int(tokens.max())] if len(tokens) else None,
             "rows_seen": [int(rows.min()), int(rows.max())] if len(rows) else None,
             "prior": [proposer.prices.prior.free_tokens, proposer.prices.prior.marginal_tokens,
-                      proposer.prices.prior.draft_setup, proposer.prices.prior.row_price],
-            # The live buckets the fit rests on (median tokens, rows, ms; samples; drafted), to refit offline.
-            "buckets": [[float(t), float(r), round(float(s) * 1e3, 3), int(n), bool(d)]
-                        for t, r, s, n, d in zip(tokens, rows, seconds, count, drafted)]}
+                      proposer.prices.prior.draft_setup, proposer.prices.prior.row_price,
+                      proposer.prices.prior.context_price],
+            # The live buckets the fit rests on (median tokens, rows, ms; samples; drafted; drafted rows'
+            # context in thousands of tokens), to refit offline.
+            "buckets": [[float(t), float(r), round(float(s) * 1e3, 3), int(n), bool(d), round(float(k), 3)]
+                        for t, r, s, n, d, k in zip(tokens, rows, seconds, count, drafted, context)]}
 
 
-def compare(curve: dict[int, float], fit: dict[str, Any], batch: int) -> dict[str, Any]:
-    """Fitted vs offline cost at every offline point (``batch`` rows each),
-    relative to the smallest."""
+def compare(curve: dict[int, float], fit: dict[str, Any], batch: int, context: int = 0) -> dict[str, Any]:
+    """Fitted vs offline cost at every offline point (``batch`` rows each, of
+    ``context`` tokens; past the smallest point every row drafts and pays its
+    entry), relative to the smallest."""
     from lookahead_vllm.core.budget import ForwardCost
 
     cost = ForwardCost(fit["free_tokens"], fit["marginal_tokens"], draft_setup=fit.get("draft_setup", 0.0),
-                       per_row=fit.get("row_price", 0.0)).at_rows(batch)
+                       per_row=fit.get("row_price", 0.0), per_context=fit.get("context_price", 0.0)).at_rows(batch)
+    entry = batch * float(cost.entry(context))
     base_t = min(curve)
     rows = []
     for t in sorted(curve):
         offline = curve[t] / curve[base_t]
-        fitted = cost.drafted(t) / cost.drafted(base_t)
+        fitted = (cost.drafted(t) + (entry if t > base_t else 0.0)) / cost.drafted(base_t)
         rows.append({"tokens": t, "offline_ms": round(curve[t] * 1e3, 3), "offline_relative": round(offline, 4),
                      "fitted_relative": round(fitted, 4), "error": round(fitted / offline - 1, 4)})
     lo, hi = fit["tokens_seen"] or (0, 0)
@@ -116,7 +120,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         fit = res["online"]
         ax.plot(t, [r["fitted_relative"] for r in rows], "s--",
                 label=f"online fit: {fit['free_tokens']} free, +1 per {fit['marginal_tokens']:.1f}, "
-                      f"setup {fit.get('draft_setup', 0.0):.3f}, row {fit.get('row_price', 0.0):.3f}")
+                      f"setup {fit.get('draft_setup', 0.0):.3f}, row {fit.get('row_price', 0.0):.3f}, "
+                      f"context {fit.get('context_price', 0.0):.3f}")
         if fit["tokens_seen"]:
             ax.axvspan(*fit["tokens_seen"], alpha=0.12, label="tokens the online steps scored")
         ax.set_xscale("log", base=2)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {batch}: online fit {online}", flush=True)
         after = offline_curve(fixed, batch, args.context, args.nodes, args.curve_steps)
         curve = {t: (before[t] + after[t]) / 2 for t in before}
-        comparison = compare(curve, online, batch)
+        comparison = compare(curve, online, batch, args.context)
         print(f"batch {batch}: max error {comparison['max_error_in_range']} in the online range, "
               f"{comparison['max_error']} over all points", flush=True)
         results.append({"batch": batch, "online": online, "comparison": comparison,

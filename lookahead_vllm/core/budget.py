@@ -10,9 +10,10 @@ and every row past the first adds ``per_row`` whatever its tokens, which a
 step's planning folds into the other prices (:meth:`ForwardCost.at_rows`).
 A row that carries draft tokens also pays ``per_context`` for every thousand
 tokens of its context (:meth:`ForwardCost.entry`): on the CPU a row that
-scores more than one token leaves the decode attention path, and at 2048
-tokens of context 8 rows drafting one token each cost 1.72x the draftless
-step of 8 rows (0.15-0.2 forwards a row), at 512 tokens 1.24x.
+scores more than one token leaves the decode attention path, and 8 rows
+drafting one token each cost 1.26x the draftless step of 8 rows at 256
+tokens of context, 1.90x at 2048, while a second draft token a row costs the
+same at both (``benchmarks/results/context_cost.json``).
 
 The defaults per platform are the profile's ``free_tokens`` and
 ``marginal_tokens`` (core/config.py ``PLATFORM_VALUES``); the engine starts

@@ -369,12 +369,13 @@ class Profile:
 # contexts) put 8 rows of one token at 123 ms against ~102 ms for one row of
 # 8 tokens (76 ms for one token): ~3 ms, 0.04 forwards, a row; on the H200
 # the cost part's steps of 1, 8 and 32 rows fell on one curve of total
-# tokens (0 there). context_price: on the CPU (SmolLM2, eager, 2 threads),
-# 8 rows of 512-token contexts drafting one token each cost 1.24x the
-# draftless step of 8 rows, of 2048-token contexts 1.72x, and one row at 2048
-# tokens 1.2-1.3x with 1-4 draft tokens against 1.0-1.06x at 256: about 0.08
-# forwards per drafted row per thousand tokens beyond the token prices; not
-# measured on a GPU (0 there: the online fit learns it).
+# tokens (0 there). context_price: on the CPU (SmolLM2, eager, 2 threads;
+# bench_forward_cost.py --drafting, benchmarks/results/context_cost.json) 8
+# rows drafting one token each cost 1.26x the draftless step of 8 rows at 256
+# tokens of context and 1.90x at 2048, a second token a row ~2 ms at both:
+# past the token prices, 0.03-0.09 forwards per drafted row per thousand
+# tokens (more at 2048 than at 512-1024); not measured on a GPU (0 there: the
+# online fit learns it).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
