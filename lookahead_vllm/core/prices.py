@@ -156,7 +156,8 @@ class OnlinePrices:
         self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
         # Up to MAX_BUCKETS buckets live at once, each a ring of samples:
-        # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted) to
+        # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted,
+        # context bucket) to
         # its row in the arrays; the least recently visited one makes room.
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
