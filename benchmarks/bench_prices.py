@@ -71,7 +71,7 @@ def online_fit(llm: Any, prompts: list[str], batch: int, steps: int, max_tokens:
     tokens, rows, seconds, count, drafted, context = proposer.prices.buckets()
     return {"free_tokens": fit.free_tokens, "marginal_tokens": fit.marginal_tokens, "draft_setup": fit.draft_setup,
             "row_price": fit.row_price, "context_price": fit.context_price,
-            "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "buckets": fit.buckets,
+            "step_ms": round(fit.step_seconds * 1e3, 3), "samples": fit.samples, "fit_buckets": fit.buckets,
             "timed_steps": proposer.prices.observed, "prompts": used,
             "tokens_seen": [int(tokens.min()), int(tokens.max())] if len(tokens) else None,
             "rows_seen": [int(rows.min()), int(rows.max())] if len(rows) else None,
