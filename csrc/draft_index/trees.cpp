@@ -179,13 +179,13 @@ void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok,
     keep[r] = n;
   }
   if (budget >= 0 || cost.free_tokens != 0) {
-    const double draftless = static_cast<double>(num_rows) / step_cost(cost, num_rows, 0);
     if (entry == nullptr || cost.free_tokens == 0) {
       best_prefix(calibrated, width, sizes, tree_ok, out.parents, nullptr, budget, num_rows, cost, keep);
     } else {
       // A row whose expected tokens cannot buy its entry at a rate the step
       // already reaches would only dilute it: first at the draftless rate,
       // then again at the rate the first plan reached, keeping the better.
+      const double draftless = static_cast<double>(num_rows) / step_cost(cost, num_rows, 0);
       std::vector<int32_t> first(sizes), second(sizes);
       drop_unpaid(calibrated, width, entry, draftless, first);
       const double rate =

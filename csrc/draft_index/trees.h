@@ -64,7 +64,9 @@ struct TreeRows {
 // carries_tree[r] whether that prefix is a tree (not a chain) of a tree_ok
 // row. `entry[r]` (null: none) is what row r pays, in forwards, once it keeps
 // any node (its context's attention); a row whose whole draft is expected to
-// emit fewer tokens than its entry buys at the draftless rate keeps none.
+// emit no more tokens than its entry buys at the draftless rate keeps none,
+// and the plan is made again without the rows that cannot pay at the rate
+// the first plan reached, the better of the two plans standing.
 void plan_trees(const TreeRows& in, const int32_t* lens, const uint8_t* tree_ok, const double* edges,
                 int64_t num_edges, const double* factor, int64_t budget, int64_t num_rows, TreeCost cost,
                 const double* entry, TreeRows& out, double* calibrated, int64_t* keep, uint8_t* carries_tree);

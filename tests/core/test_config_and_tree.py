@@ -225,6 +225,33 @@ def test_forward_cost_platform_defaults_and_overrides():
     assert forward_cost(mine)(1000, paths=3) == 1.0  # cost_free_tokens=0: the model is off
 
 
+def test_a_row_that_cannot_pay_its_entry_at_the_steps_rate_keeps_nothing():
+    """Entries (what a drafted row's context costs): two rows with the same
+    draft, the second's entry 10x the first's. At the draftless rate (2
+    tokens a forward) the second row's 1.2 expected tokens pay its 0.5
+    forwards, and the plan with both reaches 2.51 tokens a forward; at that
+    rate they do not, and the plan without it reaches 2.91: that one stands."""
+    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+
+    cost = ForwardCost(5, 20.0, draft_setup=0.05)
+    confs = [[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]]
+
+    def rate(keep, entry):
+        gained = sum(sum(c[:k]) for c, k in zip(confs, keep))
+        fees = sum(e for e, k in zip(entry, keep) if k)
+        return (2 + gained) / (cost.drafted(2 + sum(keep)) + fees)
+
+    entry = [0.05, 0.5]
+    assert 1.2 > 0.5 * 2 / cost(2) and rate([3, 3], entry) == pytest.approx(2.514, abs=1e-3)
+    assert allocate_step_budget(confs, None, 2, cost, entry=entry) == [3, 0]
+    assert rate([3, 0], entry) == pytest.approx(2.909, abs=1e-3)
+    # Without entries both keep their drafts; with a small one as well; an
+    # entry no draft can pay at the draftless rate empties its row at once.
+    assert allocate_step_budget(confs, None, 2, cost) == [3, 3]
+    assert allocate_step_budget(confs, None, 2, cost, entry=[0.05, 0.05]) == [3, 3]
+    assert allocate_step_budget(confs, None, 2, cost, entry=[0.05, 0.6]) == [3, 0]
+
+
 def test_cost_model_keeps_only_paying_draft_tokens():
     from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
 
