@@ -579,11 +579,12 @@ def test_long_contexts_teach_the_context_price():
     fit = p.prices.prices
     assert fit.context_price == pytest.approx(0.15, abs=0.03) and p.cost.per_context == fit.context_price
     assert p.metrics.snapshot()["price_context"] == fit.context_price
-    entry = p.cost.entry(np.array([500, 4000]))
-    assert entry.tolist() == pytest.approx([0.075, 0.6], abs=0.02)
+    entry = p.cost.entry(np.array([500, 6000]))
+    assert entry.tolist() == pytest.approx([0.5 * fit.context_price, 6.0 * fit.context_price], rel=1e-9)
     from lookahead_vllm.core.budget import allocate_step_budget
 
-    # Two rows with the same 3-node draft (0.6, 0.4, 0.2 expected): the 500-token row keeps it, the 4000-token one not.
+    # Two rows with the same 3-node draft (1.2 tokens expected): the 500-token row keeps it, the 6000-token one
+    # (entry ~0.9 forwards, 1.8 tokens at the draftless rate) not.
     assert allocate_step_budget([[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]], None, 2, p.cost, entry=entry.tolist()) == [3, 0]
     assert allocate_step_budget([[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]], None, 2, p.cost) == [3, 3]
 
