@@ -93,34 +93,53 @@ def drafting_step_times(llm, contexts: list[list[int]], configs: list[tuple[int,
     is :class:`DraftingRowsProposer`: each round runs every configuration for
     ``block`` steps in a shuffled order; a block's first ``warm`` steps (which
     verify or follow another configuration) are not timed."""
-    import importlib
-
-    from vllm import SamplingParams
-
-    # The class vLLM built the proposer from (by path): not this module's when it runs as __main__.
-    proposer = importlib.import_module("benchmarks.bench_forward_cost").DraftingRowsProposer
+    proposer = _built("DraftingRowsProposer")
     rng = np.random.default_rng(seed)
-    plan: list[tuple[tuple[int, int], bool]] = []
+    schedule: list[tuple[int, int]] = []
     for _ in range(rounds):
         for i in rng.permutation(len(configs)):
-            plan += [(configs[i], j >= warm) for j in range(block)]
+            schedule += [configs[i]] * block
+    timed = [i % block >= warm for i in range(len(schedule))]
+
+    def draft(config: tuple[int, int]) -> None:
+        proposer.rows, proposer.n = config
+
+    return timed_schedule(llm, contexts, configs, schedule, timed, max(n for _, n in configs) + 1, draft, (0, 0))
+
+
+def _built(name: str) -> type:
+    """This module's proposer class ``name`` as vLLM built it (by path: not
+    this module's own when it runs as ``__main__``)."""
+    import importlib
+
+    return getattr(importlib.import_module("benchmarks.bench_forward_cost"), name)
+
+
+def timed_schedule(llm, contexts: list[list[int]], labels: list, schedule: list, timed: list[bool], most: int,
+                   draft, idle) -> dict:
+    """Decodes one request per context for ``len(schedule)`` steps: before
+    step ``i``, ``draft(schedule[i + 1])`` sets what it drafts (the next step
+    verifies it), so step ``i``'s time is booked to ``schedule[i]`` where
+    ``timed[i]``; ``most`` bounds the tokens a step emits per request. Per
+    label (in ``labels``' order), the times; the requests are then aborted
+    and ``draft(idle)`` called."""
+    from vllm import SamplingParams
+
     engine = llm.llm_engine
-    most = max(n for _, n in configs) + 1
     room = engine.model_config.max_model_len - max(map(len, contexts)) - 1
-    params = SamplingParams(temperature=0.0, max_tokens=min(len(plan) * most + 4, room), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=min(len(schedule) * most + 4, room), ignore_eos=True)
     ids = prefill(engine, contexts, params)
-    times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
-    for i, (config, timed) in enumerate(plan):
-        # This step verifies what the step before drafted; set what it drafts for the next one.
-        proposer.rows, proposer.n = plan[min(i + 1, len(plan) - 1)][0]
+    times: dict = {label: [] for label in labels}
+    for i, label in enumerate(schedule):
+        draft(schedule[min(i + 1, len(schedule) - 1)])
         start = time.perf_counter()
         engine.step()
-        if timed:
-            times[config].append(time.perf_counter() - start)
+        if timed[i]:
+            times[label].append(time.perf_counter() - start)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    proposer.rows = proposer.n = 0
+    draft(idle)
     return times
 
 
@@ -220,31 +239,15 @@ def sweep_step_times(llm, contexts: list[list[int]], nodes: list[int], steps: in
     run one after another (the first two steps of each untimed), or with ``interleave`` change
     every step, cycling through ``nodes`` (the first two steps untimed), so that the machine's
     drift falls on every size alike."""
-    from vllm import SamplingParams
-
     if interleave:
         verified = [nodes[i % len(nodes)] for i in range(len(nodes) * steps + 2)]
         timed = [i >= 2 for i in range(len(verified))]
     else:
         verified = [n for n in nodes for _ in range(steps + 2)]
         timed = [i % (steps + 2) >= 2 for i in range(len(verified))]
-    engine = llm.llm_engine
-    room = engine.model_config.max_model_len - max(map(len, contexts)) - 1
-    params = SamplingParams(temperature=0.0, max_tokens=min(len(verified) * (max(nodes) + 1) + 4, room),
-                            ignore_eos=True)
-    ids = prefill(engine, contexts, params)
-    times: dict[int, list[float]] = {n: [] for n in nodes}
-    for i, size in enumerate(verified):
-        VariableProposer.n = verified[min(i + 1, len(verified) - 1)]  # what the next step verifies
-        start = time.perf_counter()
-        engine.step()
-        if timed[i]:
-            times[size].append(time.perf_counter() - start)
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    VariableProposer.n = 0
-    return times
+    proposer = _built("VariableProposer")
+    return timed_schedule(llm, contexts, nodes, verified, timed, max(nodes) + 1,
+                          lambda n: setattr(proposer, "n", n), 0)
 
 
 def fixed_tree(nodes: int, paths: int) -> DraftTree:
