@@ -63,7 +63,11 @@ PROMPTS_FILE = REPO / "benchmarks" / "data" / "gpu_prompts.json"
 PARTS = ("kernels", "identity", "speed", "cost")
 # Lookahead variants measured (method name -> additional_config["lookahead"]).
 VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
-            "index+jacobi": {"source": "index+jacobi"}}
+            "index+jacobi": {"source": "index+jacobi"},
+            # chains as they were before uniform steps: every row's planned draft alone, so most
+            # steps are not uniform and run piecewise (--variants picks it)
+            "chain-ragged": {"draft_shape": "one", "_profile": {"uniform_steps": False}}}
+DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")
 # CUDA-graph sizes captured per engine: fewer than vLLM's default list, so engines start faster.
@@ -97,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--datasets", nargs="+", default=None, help="default: all six classes")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--ngram", nargs="+", default=["ngram8-w2-4", "ngram16-w2-4"],
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
+                   help="lookahead configurations measured (identity and speed)")
+    p.add_argument("--ngram", nargs="*", default=["ngram8-w2-4", "ngram16-w2-4"],
                    help="vLLM ngram configs (bench_offline names); the best per cell is reported")
     p.add_argument("--gpu-mem", type=float, default=0.07, help="gpu_memory_utilization per engine (several live)")
     p.add_argument("--engine-processes", default="auto", choices=["auto", "on", "off"],
@@ -189,8 +195,8 @@ def free_engines(engines: dict[str, Any]) -> None:
         torch.cuda.empty_cache()
 
 
-def lookahead_methods() -> list[str]:
-    return [f"lookahead:{n}" for n in VARIANTS]
+def lookahead_methods(args: argparse.Namespace) -> list[str]:
+    return [f"lookahead:{n}" for n in args.variants]
 
 
 # -------------------------------------------------------------------- kernels
@@ -262,7 +268,7 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
     if "graphs" not in modes:
         result["graphs_skipped"] = "CUDA graphs need a GPU" if args.dry or not on_gpu() else "--identity-modes"
     for mode in modes:
-        engines = state["engines"] = build_engines(["plain", *lookahead_methods()], args, graphs=mode == "graphs")
+        engines = state["engines"] = build_engines(["plain", *lookahead_methods(args)], args, graphs=mode == "graphs")
         for bs in batch_sizes:
             result["cells"].append(identity_cell(engines, prompts, params, bs, mode))
             state["save"]()
@@ -366,10 +372,10 @@ def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     from vllm import SamplingParams
 
     baselines, skipped = speed_baselines(args)
-    engines = state.get("engines") or build_engines(["plain", *lookahead_methods()], args, graphs=not args.dry)
+    engines = state.get("engines") or build_engines(["plain", *lookahead_methods(args)], args, graphs=not args.dry)
     engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu()))
     state["engines"] = engines
-    methods = ["plain", *baselines, *lookahead_methods()]
+    methods = ["plain", *baselines, *lookahead_methods(args)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tokenizer = offline.tokenizer_for(args.model)
     result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])

@@ -272,6 +272,12 @@ class Profile:
     min_draft_confidence: float = 0.025
     # Draft tokens per step across the batch (0 = no cap).
     step_draft_budget: int = 0
+    # Where the engine captured full CUDA graphs, fill every row's chain to
+    # exactly k draft tokens when the whole step then fits the largest graph:
+    # vLLM replays a full graph only for a step whose every request scores
+    # 1 + k tokens, and runs any other step piecewise (an H200 step of
+    # SmolLM2 took 9-20 ms piecewise, 2.7 ms as a full graph).
+    uniform_steps: bool = True
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True
     # Draft index: key length, back-off key length (0 = none), how far
@@ -393,6 +399,7 @@ _PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
     branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
     trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),
     context_match=(0, 64), min_draft_confidence=(0.0, 1.0), step_draft_budget=(0, 1 << 16),
+    uniform_steps=(False, True),
     calibrate_confidence=(False, True), index_ngram=(1, 4), index_backoff=(0, 3), index_max_match=(1, 1 << 16),
     index_candidates=(1, 1024), index_occurrences=(1, 1024), index_threads=(0, 256), jacobi_window=(1, 64),
     jacobi_ngram=(2, 16), jacobi_guesses=(1, 64),

@@ -97,6 +97,10 @@ class ProposerStats:
     # accepted tokens that came from context chains.
     context_drafts: int = 0
     context_accepted_tokens: int = 0
+    # Uniform steps (profile uniform_steps): steps whose rows were filled to
+    # exactly k draft tokens, and the tokens added past the planned drafts.
+    uniform_steps: int = 0
+    fill_tokens: int = 0
 
     def counters(self) -> dict[str, int]:
         """Every raw counter (summable across proposers), ``propose_ns`` included."""
@@ -167,6 +171,14 @@ def graph_tokens(vllm_config: Any) -> int:
     return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
 
 
+def full_graph_tokens(vllm_config: Any) -> int:
+    """The most tokens a step may score and still replay a full CUDA graph (0 where the engine
+    captured none: no graphs, piecewise only, as tree verification makes it)."""
+    tokens = graph_tokens(vllm_config)
+    mode = vllm_config.compilation_config.cudagraph_mode if tokens else None
+    return tokens if mode is not None and mode.has_full_cudagraphs() else 0
+
+
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
@@ -216,6 +228,11 @@ class LookaheadProposer:
         # every request.
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         self.tree_mode = guards.is_tree_mode(self.config)
+        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA
+        # graph; vLLM runs any other step piecewise (0: fill nothing). Chains only: tree
+        # verification makes the engine's graphs piecewise.
+        self._uniform_tokens = (full_graph_tokens(vllm_config)
+                                if self.config.profile.uniform_steps and not self.tree_mode else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py),
@@ -474,11 +491,42 @@ class LookaheadProposer:
                                                      slots[drafting], rows[drafting], num_out,
                                                      self.drafter.native, kinds, entry)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
+        if self._uniform_tokens:
+            self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
         if self.config.uses_jacobi:
             self._window_plans = self._send_windows(drafts, calibrated, tree_ok, [req_ids[j] for j in picked],
                                                     [states[j] for j in picked], rows[drafting], len(rows),
                                                     np.zeros(len(picked)) if entry is None else entry)
         return drafts, len(rows), skipped, load_budget
+
+    def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
+                      lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Fill every row's chain to exactly k tokens (in place) where the step then replays a
+        full CUDA graph: every batch row decodes, each has room for k more tokens, and the
+        step's (1 + k) tokens a row fit the largest graph. A row's fill is its draft's
+        unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix
+        of), then its last token repeated. Verification keeps the output identical; the
+        booking reads only the planned part (``TreeOffers.match``)."""
+        k = self.k
+        if (len(rows) != len(drafts) or len(rows) * (1 + k) > self._uniform_tokens
+                or not len(rows) or int(num_tokens.max()) + k >= self.max_model_len):
+            return
+        raw = {int(r): tok[j, :lens[j]] for j, r in enumerate(drafted_rows.tolist())}
+        added = 0
+        for i, r in enumerate(rows.tolist()):
+            chain = drafts[r]
+            if len(chain) >= k:
+                continue
+            more = raw.get(r)
+            fill = list(chain)
+            if more is not None and len(more) > len(chain) and more[:len(chain)].tolist() == chain:
+                fill += more[len(chain):k].tolist()
+            last = fill[-1] if fill else int(token_ids_cpu[r, num_tokens[i] - 1])
+            fill += [last] * (k - len(fill))
+            added += k - len(chain)
+            drafts[r] = fill
+        self.stats.uniform_steps += 1
+        self.stats.fill_tokens += added
 
     def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
