@@ -171,12 +171,20 @@ def graph_tokens(vllm_config: Any) -> int:
     return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
 
 
-def full_graph_tokens(vllm_config: Any) -> int:
-    """The most tokens a step may score and still replay a full CUDA graph (0 where the engine
-    captured none: no graphs, piecewise only, as tree verification makes it)."""
-    tokens = graph_tokens(vllm_config)
-    mode = vllm_config.compilation_config.cudagraph_mode if tokens else None
-    return tokens if mode is not None and mode.has_full_cudagraphs() else 0
+def full_graph_tokens(vllm_config: Any, k: int) -> int:
+    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a
+    full CUDA graph (0 where the engine captures none: no graphs, or piecewise only, as tree
+    verification makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and
+    drops those past the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``),
+    after this proposer is built: the same rounding here."""
+    largest = graph_tokens(vllm_config)
+    compilation = vllm_config.compilation_config if largest else None
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or not mode.has_full_cudagraphs():
+        return 0
+    q = 1 + k
+    sizes = [-(-s // q) * q for s in (getattr(compilation, "cudagraph_capture_sizes", None) or [largest])]
+    return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
 
 
 class LookaheadProposer:
@@ -231,7 +239,7 @@ class LookaheadProposer:
         # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA
         # graph; vLLM runs any other step piecewise (0: fill nothing). Chains only: tree
         # verification makes the engine's graphs piecewise.
-        self._uniform_tokens = (full_graph_tokens(vllm_config)
+        self._uniform_tokens = (full_graph_tokens(vllm_config, self.k)
                                 if self.config.profile.uniform_steps and not self.tree_mode else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)

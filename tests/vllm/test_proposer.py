@@ -654,3 +654,46 @@ def test_drafts_stop_at_the_largest_cuda_graph():
     both = make_proposer(k=8, step_draft_budget=3)
     both._graph_tokens = 10
     assert both._step_budget(4) == 3
+
+
+def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
+    """vLLM 0.32 rounds capture sizes up to multiples of 1 + k and drops those past the largest:
+    with the sizes bench_gpu captures and k = 16, the largest full graph holds 391 tokens, not 512."""
+    from lookahead_vllm.vllm.proposer import full_graph_tokens
+
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+
+    def config(full, eager=False):
+        mode = SimpleNamespace(name="FULL_AND_PIECEWISE" if full else "PIECEWISE", has_full_cudagraphs=lambda: full)
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=512,
+                                                                  cudagraph_capture_sizes=sizes))
+
+    assert full_graph_tokens(config(True), 16) == 391  # round_up(384, 17); round_up(512, 17) = 527 > 512
+    assert full_graph_tokens(config(True), 8) == 387  # round_up(384, 9)
+    assert full_graph_tokens(config(True), 1) == 512
+    assert full_graph_tokens(config(False), 16) == 0  # piecewise only (tree verification's engines)
+    assert full_graph_tokens(config(True, eager=True), 16) == 0
+
+
+def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():
+    """Where a full graph holds the step, every row carries exactly k tokens, its planned draft
+    first; where rows x (1 + k) would not fit, the drafts stay as planned."""
+    k = 8
+    rows = {"a": A, "b": [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 9, 2, 3], "c": [7, 8, 9, 10]}
+    lens = {r: 3 for r in rows}
+    planned = step(make_proposer(k=k), rows, lens)
+    assert any(0 < len(d) < k for d in planned) and any(len(d) == 0 for d in planned)
+    filled_proposer = make_proposer(k=k)
+    filled_proposer._uniform_tokens = 3 * (1 + k)
+    filled = step(filled_proposer, rows, lens)
+    assert [len(d) for d in filled] == [k, k, k]
+    for plan, fill, committed in zip(planned, filled, rows.values()):
+        assert fill[:len(plan)] == plan
+        # a row with no draft repeats its last token
+        assert plan or fill == [committed[-1]] * k
+    assert filled_proposer.stats.uniform_steps == 1
+    assert filled_proposer.stats.fill_tokens == sum(k - len(d) for d in planned)
+    too_small = make_proposer(k=k)
+    too_small._uniform_tokens = 3 * (1 + k) - 1
+    assert step(too_small, rows, lens) == planned and too_small.stats.uniform_steps == 0
