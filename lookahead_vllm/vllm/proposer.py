@@ -215,8 +215,9 @@ class LookaheadProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         # The largest step CUDA graphs cover (0: no graphs, as on the CPU). On an H200 a step
         # past it ran eager at 2-3x the time of one inside it (benchmarks/results/gpu_h200.json,
-        # cost part): drafts stop short of it.
-        self._graph_tokens = graph_tokens(vllm_config)
+        # cost part): drafts stop short of it. With full graphs vLLM rounds every capture size to
+        # a multiple of 1 + k (full_graph_tokens), piecewise ones too.
+        self._graph_tokens = full_graph_tokens(vllm_config, self.k) or graph_tokens(vllm_config)
         self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
