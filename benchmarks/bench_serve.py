@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -303,6 +304,17 @@ def acceptance(spec: dict[str, float]) -> dict[str, float | None]:
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
+def paired_wave_ratios(values: list[float], plain: list[float], c: int) -> list[float]:
+    """Per wave (``c`` requests, in prompt order for every method), the geometric mean of each
+    request's value over plain's for the same prompt; requests with a zero on either side skipped."""
+    ratios = []
+    for lo in range(0, min(len(values), len(plain)), c):
+        logs = [math.log(v / p) for v, p in zip(values[lo:lo + c], plain[lo:lo + c]) if v > 0 and p > 0]
+        if logs:
+            ratios.append(math.exp(statistics.fmean(logs)))
+    return ratios
+
+
 def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
     out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "wall_s": cell.wall_s,
                            "other_cpu_s": sum(cell.other_cpu_s),
@@ -313,6 +325,8 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
         ratios = [(t / s) / (pt / ps) for t, s, pt, ps in
                   zip(cell.tokens[name], cell.seconds[name], cell.tokens["plain"], cell.seconds["plain"])]
         geomean, low, high = ratio_interval(ratios)
+        ttft_ratio, ttft_low, ttft_high = ratio_interval(paired_wave_ratios(cell.ttft[name], cell.ttft["plain"], c))
+        lat_ratio, lat_low, lat_high = ratio_interval(paired_wave_ratios(cell.latency[name], cell.latency["plain"], c))
         out["methods"][name] = {
             "output_tok_s": tok_s,
             "speedup": tok_s / plain_tok_s,
@@ -323,6 +337,10 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
             "latency_p50_s": percentile(cell.latency[name], 0.5),
             "latency_p99_s": percentile(cell.latency[name], 0.99),
             "ttft_p50_s": percentile(cell.ttft[name], 0.5),
+            # Paired with plain request by request (same prompt, same wave), each wave's geometric
+            # mean, then the interval over waves: tells a TTFT or latency change from prompt mix.
+            "ttft_ratio_geomean": ttft_ratio, "ttft_ratio_ci95": [ttft_low, ttft_high],
+            "latency_ratio_geomean": lat_ratio, "latency_ratio_ci95": [lat_low, lat_high],
             "tokens": sum(cell.tokens[name]),
             "seconds": sum(cell.seconds[name]),
             "requests": len(cell.latency[name]),
@@ -364,6 +382,10 @@ def print_table(cells: list[dict[str, Any]]) -> None:
                   f"{m['latency_p99_s']:>7.2f} {m['ttft_p50_s']:>8.3f} {'-' if mal is None else f'{mal:.2f}':>5} "
                   f"{'-' if rate is None else f'{rate:.2f}':>5} {m['mismatches']:>8}")
         for name, m in cell["methods"].items():
+            if name != "plain" and m.get("ttft_ratio_geomean") is not None:
+                print(f"  {name} paired with plain: TTFT {m['ttft_ratio_geomean']:.3f}x "
+                      f"{_interval(m['ttft_ratio_ci95'])}, latency {m['latency_ratio_geomean']:.3f}x "
+                      f"{_interval(m['latency_ratio_ci95'])}")
             if "vs_plain_sync" in m:
                 r = m["vs_plain_sync"]
                 print(f"  {name} over plain-sync: {r['geomean']:.3f}x {_interval(r['ci95'])}")

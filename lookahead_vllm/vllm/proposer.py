@@ -500,7 +500,7 @@ class LookaheadProposer:
                                                      slots[drafting], rows[drafting], num_out,
                                                      self.drafter.native, kinds, entry)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
-        if self._uniform_tokens:
+        if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
             self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
         if self.config.uses_jacobi:
             self._window_plans = self._send_windows(drafts, calibrated, tree_ok, [req_ids[j] for j in picked],
@@ -511,8 +511,9 @@ class LookaheadProposer:
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
         """Fill every row's chain to exactly k tokens (in place) where the step then replays a
-        full CUDA graph: every batch row decodes, each has room for k more tokens, and the
-        step's (1 + k) tokens a row fit the largest graph. A row's fill is its draft's
+        full CUDA graph: every batch row decodes, each has room for k more tokens (and no
+        request's own draft cap is below k: the caller checks), and the step's (1 + k) tokens a
+        row fit the largest graph. A row's fill is its draft's
         unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix
         of), then its last token repeated. Verification keeps the output identical; the
         booking reads only the planned part (``TreeOffers.match``)."""

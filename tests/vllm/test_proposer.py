@@ -697,3 +697,15 @@ def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():
     too_small = make_proposer(k=k)
     too_small._uniform_tokens = 3 * (1 + k) - 1
     assert step(too_small, rows, lens) == planned and too_small.stats.uniform_steps == 0
+
+
+def test_uniform_steps_leave_a_request_capped_below_k_alone():
+    """A request's own cap (``lookahead_max_draft_tokens``, ``lookahead_enabled``) wins over the
+    graph: such a step cannot be uniform, so nothing is filled."""
+    p = make_proposer(k=4)
+    p._uniform_tokens = 2 * (1 + 4)
+    p.on_new_requests([
+        SimpleNamespace(req_id="b", sampling_params=SimpleNamespace(extra_args={"lookahead_max_draft_tokens": 2})),
+    ])
+    drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
+    assert [len(d) for d in drafts] == [4, 2] and p.stats.uniform_steps == 0
