@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CUDA-graph engines' torch.compile backend: '' is vLLM's default (Inductor, 30-53 s an "
                         "engine on the H200); 'eager' keeps Dynamo's piecewise split and the CUDA graphs without "
                         "Inductor's kernels (every method alike), so seven engines fit a 15-minute session")
+    p.add_argument("--cudagraph-mode", default="", choices=["", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
+                   help="every CUDA-graph engine's cudagraph_mode ('' is vLLM's default, FULL_AND_PIECEWISE: full "
+                        "graphs for uniform decode steps only). FULL: every step up to the largest size replays "
+                        "a full graph, ragged speculative steps too (FlashAttention 3); tree engines still go "
+                        "piecewise")
     p.add_argument("--cost-models", nargs="+", default=[str(KIT_CONFIGS / m) for m in COST_MODELS])
     p.add_argument("--cost-nodes", nargs="+", type=int, default=[0, 1, 3, 7, 15, 31, 63])
     p.add_argument("--cost-rows", nargs="+", type=int, default=[1, 8, 32])
@@ -170,6 +175,8 @@ def engine_overrides(args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
         overrides["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
         if args.compile_backend:
             overrides["compilation_config"]["backend"] = args.compile_backend
+        if args.cudagraph_mode:
+            overrides["compilation_config"]["cudagraph_mode"] = args.cudagraph_mode
     return overrides
 
 

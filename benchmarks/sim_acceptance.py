@@ -61,7 +61,7 @@ import numpy as np
 
 from lookahead_vllm.core.calibration import ConfidenceCalibrator
 from lookahead_vllm.core.config import LookaheadConfig, Settings, resolve
-from lookahead_vllm.core.drafter import Drafter, row_drafts
+from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.step_plan import accepted_path
 from workloads import check_positive, plain_wave_forwards, workload_parser, workloads
@@ -110,7 +110,7 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
             floor = confidence_floor(config, len(running))
             for r in running:
                 drafter.sync([r], [0], np.asarray([seqs[r]], np.int64), [len(seqs[r])], [len(prompts[r])])
-            contexts = [seqs[r][-config.profile.max_match_length:] for r in running]
+            contexts = padded_contexts([seqs[r][-config.profile.max_match_length:] for r in running])
             budget = load_scaled_budget(config, len(running))  # as the proposer: load adaptation
             cut = np.full(len(running), not tree_mode)  # chain mode: the best path, as the proposer drafts
             drafts = row_drafts(drafter.draft(running, contexts, [budget] * len(running), floor, tree_mode, cut))

@@ -82,3 +82,24 @@ def test_first_divergence_finds_where_outputs_part():
     assert bench_gpu.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert bench_gpu.first_divergence([1, 2, 3], [1, 2]) == 2  # a shorter output diverges where it stops
     assert bench_gpu.first_divergence([], [7]) == 0
+
+
+def test_engine_settings_of_the_graph_and_variant_arguments():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+
+    args = bench_gpu.parse_args(["--cudagraph-mode", "FULL", "--compile-backend", "eager",
+                                 "--variants", "chain", "chain-ragged", "--ngram"])
+    graphs = bench_gpu.engine_overrides(args, graphs=True)
+    assert graphs["compilation_config"] == {"cudagraph_capture_sizes": bench_gpu.CAPTURE_SIZES,
+                                            "backend": "eager", "cudagraph_mode": "FULL"}
+    assert graphs["enforce_eager"] is False and graphs["dtype"] == "bfloat16"
+    assert "compilation_config" not in bench_gpu.engine_overrides(args, graphs=False)
+    assert bench_gpu.lookahead_methods(args) == ["lookahead:chain", "lookahead:chain-ragged"]
+    assert args.ngram == []
+    assert bench_gpu.VARIANTS["chain-ragged"]["_profile"] == {"uniform_steps": False}
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--variants", "tree"])

@@ -272,11 +272,13 @@ class Profile:
     min_draft_confidence: float = 0.025
     # Draft tokens per step across the batch (0 = no cap).
     step_draft_budget: int = 0
-    # Where the engine captured full CUDA graphs, fill every row's chain to
-    # exactly k draft tokens when the whole step then fits the largest graph:
-    # vLLM replays a full graph only for a step whose every request scores
-    # 1 + k tokens, and runs any other step piecewise (an H200 step of
-    # SmolLM2 took 9-20 ms piecewise, 2.7 ms as a full graph).
+    # Where the engine captured full CUDA graphs for decode steps apart from
+    # the rest (cudagraph_mode FULL_AND_PIECEWISE, vLLM's default, or
+    # FULL_DECODE_ONLY), fill every row's chain to exactly k draft tokens when
+    # the whole step then fits the largest graph: vLLM replays those graphs
+    # only for a step whose every request scores 1 + k tokens and runs any
+    # other step piecewise (on an H200, SmolLM2 steps of suffix and lookahead
+    # took 9-21 ms, ngram's uniform ones 2.7-4.4 ms).
     uniform_steps: bool = True
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True

@@ -73,6 +73,26 @@ def make_index(config: Settings, native: bool | None = None, ngram: int | None =
     return make_draft_index(config.index_config(ngram), native, config.profile.upkeep_thread)
 
 
+
+def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's last ``width`` tokens (``token_ids[rows[i], :ends[i]]``'s tail) as
+    :meth:`Drafter.draft`'s ``contexts``, gathered in one indexing call."""
+    ends = np.asarray(ends, np.int64)
+    lens = np.minimum(ends, width)
+    inside = np.arange(width) < lens[:, None]
+    cols = np.where(inside, ends[:, None] - lens[:, None] + np.arange(width), 0)
+    return np.where(inside, token_ids[np.asarray(rows, np.int64)[:, None], cols], 0).astype(np.int64), lens
+
+
+def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists as :meth:`Drafter.draft`'s ``contexts``: ``(tokens [R, W], lengths [R])``."""
+    lens = np.fromiter(map(len, contexts), np.int64, len(contexts))
+    padded = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
+    for i, context in enumerate(contexts):
+        padded[i, :lens[i]] = context
+    return padded, lens
+
 class Drafter:
     """See the module docstring."""
 
@@ -224,7 +244,7 @@ class Drafter:
             self.trie.insert_output(tokens)
 
     # ------------------------------------------------------------- drafting
-    def draft(self, slots: Sequence[int], contexts: Sequence[Sequence[int]] | None, budgets: Sequence[int],
+    def draft(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray] | None, budgets: Sequence[int],
               floor: float, tree: bool, cut: np.ndarray | None = None, pool: tuple[np.ndarray, ...] | None = None
               ) -> tuple[np.ndarray, ...]:
         """Every request's draft as rows (a few batch calls): ``tokens``,
@@ -235,8 +255,10 @@ class Drafter:
         then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of`
         arrays; the caller's) (:func:`merge_rows`); cut to its best path where
         ``cut[i]``.
-        ``contexts[i]``: the request's last ``max_match_length`` tokens (trie
-        source only; None otherwise)."""
+        ``contexts``: the requests' last ``max_match_length`` tokens as
+        ``(tokens [R, W], lengths [R])``, row ``i``'s first ``lengths[i]``
+        columns (trie source only; None otherwise; :func:`padded_contexts`
+        builds it from lists)."""
         count = len(slots)
         budgets = np.asarray(budgets, np.int64)
         width = max(1, int(budgets.max(initial=0)))
@@ -262,7 +284,7 @@ class Drafter:
                 lead_context[need] = chains[4] > 0
         return merge_rows(lead, lead_context, trie, budgets, cut, self.native, pool)
 
-    def _trie_rows(self, slots: Sequence[int], contexts: Sequence[Sequence[int]], budgets: np.ndarray,
+    def _trie_rows(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray], budgets: np.ndarray,
                    floor: float) -> tuple[tuple[np.ndarray, ...], list, np.ndarray]:
         """The trie's trees for the rows, in one ``retrieve_rows`` call, the
         rows' trie records and the budgets they had (0 where a request of
@@ -273,10 +295,7 @@ class Drafter:
             if req is None or req.trie is not None:  # a slot never synced drafts with no prompt of its own
                 trie_budgets[i] = budgets[i]
             records.append(None if req is None else req.trie)
-        lens = np.fromiter(map(len, contexts), np.int64, len(contexts))
-        padded = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
-        for i, context in enumerate(contexts):
-            padded[i, :lens[i]] = context
+        padded, lens = contexts
         return self.trie.retrieve_rows(records, padded, lens, trie_budgets, floor), records, trie_budgets
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool

@@ -48,7 +48,7 @@ from lookahead_vllm.core.budget import (
 )
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.drafter import Drafter
+from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
@@ -187,6 +187,14 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
     return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
 
 
+def uniform_graph_tokens(vllm_config: Any, k: int) -> int:
+    """:func:`full_graph_tokens` where decode steps have full graphs apart from the rest
+    (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``): only a step whose every row scores 1 + k
+    tokens replays one. 0 otherwise (with ``FULL`` any step does; with none, none does)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return full_graph_tokens(vllm_config, k) if mode is not None and mode.separate_routine() else 0
+
+
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
@@ -238,9 +246,11 @@ class LookaheadProposer:
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         self.tree_mode = guards.is_tree_mode(self.config)
         # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA
-        # graph; vLLM runs any other step piecewise (0: fill nothing). Chains only: tree
+        # graph; vLLM runs any other step piecewise (0: fill nothing). Only where decode steps
+        # have graphs of their own (FULL_AND_PIECEWISE, FULL_DECODE_ONLY): with cudagraph_mode
+        # FULL every step up to the largest size replays one, ragged or not. Chains only: tree
         # verification makes the engine's graphs piecewise.
-        self._uniform_tokens = (full_graph_tokens(vllm_config, self.k)
+        self._uniform_tokens = (uniform_graph_tokens(vllm_config, self.k)
                                 if self.config.profile.uniform_steps and not self.tree_mode else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
@@ -548,9 +558,8 @@ class LookaheadProposer:
         the request may not verify a tree)."""
         contexts = None
         if self.drafter.trie is not None:
-            width = self.config.profile.max_match_length
-            contexts = [token_ids_cpu[rows[j], max(0, int(num_tokens[j]) - width):int(num_tokens[j])].tolist()
-                        for j in picked]
+            contexts = trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
+                                         self.config.profile.max_match_length)
         pool = self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens) \
             if self.config.uses_jacobi else None
         tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode, ~tree_ok,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex)
-from lookahead_vllm.core.drafter import Drafter, row_drafts
+from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
 from tests.settings import index_config, lookahead_settings
 
 A, B, C, D, X = 1, 2, 3, 4, 9
@@ -158,7 +158,7 @@ def test_drafter_index_and_trie_sources():
     for source in ("index", "trie", "index+trie"):
         drafter = Drafter(lookahead_settings(source=source, min_draft_confidence=0.0), native=False)
         drafter.sync([0], [0], table, [len(text)], [len(text)])
-        ((tree, kinds),) = row_drafts(drafter.draft([0], [text[-6:]], [3], 0.0, tree=False))
+        ((tree, kinds),) = row_drafts(drafter.draft([0], padded_contexts([text[-6:]]), [3], 0.0, tree=False))
         assert list(tree.tokens[:2]) == [D, X], source
         assert len(kinds) == len(tree)
         drafter.finish(0)
@@ -172,3 +172,21 @@ def test_drafter_warm_start_drafts_past_answers():
     drafter.sync([0], [0], table, [5], [5])
     ((tree, _),) = row_drafts(drafter.draft([0], None, [3], 0.0, tree=False))
     assert list(tree.tokens) == [33, 34, 35]
+
+
+def test_trailing_contexts_gather_each_rows_last_tokens():
+    """The proposer's trie contexts in one gather, held to the list slices they replace."""
+    from lookahead_vllm.core.drafter import padded_contexts, trailing_contexts
+
+    rng = np.random.default_rng(0)
+    table = rng.integers(1, 1000, size=(6, 40))
+    for width in (1, 3, 6):
+        rows = np.array([5, 0, 2, 3])
+        ends = np.array([40, 1, 4, 0])
+        got = trailing_contexts(table, rows, ends, width)
+        want = padded_contexts([table[r, max(0, e - width):e].tolist() for r, e in zip(rows, ends)])
+        assert got[1].tolist() == want[1].tolist()
+        for g, w, n in zip(got[0], want[0], want[1]):
+            assert g[:n].tolist() == w[:n].tolist()
+    empty = trailing_contexts(table, np.array([], np.int64), np.array([], np.int64), 4)
+    assert empty[0].shape == (0, 4) and empty[1].shape == (0,)

@@ -12,7 +12,7 @@ import pytest
 
 from lookahead_vllm.core import native, snapshot
 from lookahead_vllm.core.draft_index import DraftIndex
-from lookahead_vllm.core.drafter import Drafter, row_drafts
+from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
 from lookahead_vllm.core.snapshot import SnapshotError, identity_of, read_snapshot
 from tests.settings import index_config, lookahead_settings
 
@@ -48,7 +48,7 @@ def _drafts(drafter: Drafter, probes, tree: bool) -> list[tuple]:
     for slot, probe in enumerate(probes, 10_000 + 1000 * tree):  # finished slots stay taken
         drafter.sync([slot], [0], np.asarray([probe], np.int64), [len(probe)], [len(probe) - 2])
         context = probe[-drafter.config.profile.max_match_length:]
-        (t, _), = row_drafts(drafter.draft([slot], [context], [8], 0.0, tree))
+        (t, _), = row_drafts(drafter.draft([slot], padded_contexts([context]), [8], 0.0, tree))
         out.append((t.tokens, t.parents, t.weights, t.confidence))
         drafter.finish(slot)
     return out

@@ -664,7 +664,8 @@ def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
     def config(full, eager=False):
-        mode = SimpleNamespace(name="FULL_AND_PIECEWISE" if full else "PIECEWISE", has_full_cudagraphs=lambda: full)
+        mode = SimpleNamespace(name="FULL_AND_PIECEWISE" if full else "PIECEWISE", has_full_cudagraphs=lambda: full,
+                               separate_routine=lambda: full)
         return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
                                compilation_config=SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=512,
                                                                   cudagraph_capture_sizes=sizes))
@@ -674,6 +675,15 @@ def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
     assert full_graph_tokens(config(True), 1) == 512
     assert full_graph_tokens(config(False), 16) == 0  # piecewise only (tree verification's engines)
     assert full_graph_tokens(config(True, eager=True), 16) == 0
+    # Uniform steps only where decode steps have graphs apart from the rest: with FULL every
+    # step replays one (FlashAttention 3 captures ragged batches too) and nothing is filled.
+    from lookahead_vllm.vllm.proposer import uniform_graph_tokens
+
+    assert uniform_graph_tokens(config(True), 16) == 391
+    single = config(True)
+    single.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL", has_full_cudagraphs=lambda: True,
+                                                               separate_routine=lambda: False)
+    assert full_graph_tokens(single, 16) == 391 and uniform_graph_tokens(single, 16) == 0
 
 
 def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():
