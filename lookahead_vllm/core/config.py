@@ -41,9 +41,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from lookahead_vllm.core.draft_index import DraftIndexConfig
 
 DRAFT_SHAPES = ("hier", "par", "one")
 # Draft sources (see ``source`` below): "+"-joined names; "both" = "trie+jacobi".
