@@ -48,7 +48,8 @@ def test_filled_steps_carry_k_tokens_a_row_and_keep_the_output(engines, prompts,
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     filled = after["uniform_steps"] - before["uniform_steps"]
     assert filled > 0 and after["fill_tokens"] > before["fill_tokens"]
-    # A filled step's drafts reach the scheduler whole: every row k tokens.
+    # A filled step's drafts reach the scheduler whole: every row k tokens (the last filled
+    # step's drafts may never be scheduled: its requests can finish on that step).
     uniform = [s for s in steps if s and s[0] == k]
     assert len(uniform) >= filled - 1 and all(set(s) == {k} for s in uniform)
     # Booking reads only the planned part: acceptance stays that of real drafts.
