@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import platform
 import shutil
@@ -309,9 +308,9 @@ def paired_wave_ratios(values: list[float], plain: list[float], c: int) -> list[
     request's value over plain's for the same prompt; requests with a zero on either side skipped."""
     ratios = []
     for lo in range(0, min(len(values), len(plain)), c):
-        logs = [math.log(v / p) for v, p in zip(values[lo:lo + c], plain[lo:lo + c]) if v > 0 and p > 0]
-        if logs:
-            ratios.append(math.exp(statistics.fmean(logs)))
+        wave = [v / p for v, p in zip(values[lo:lo + c], plain[lo:lo + c]) if v > 0 and p > 0]
+        if wave:
+            ratios.append(statistics.geometric_mean(wave))
     return ratios
 
 

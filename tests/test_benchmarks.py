@@ -941,3 +941,11 @@ def test_bench_serve_prices_each_method_against_plain_sync_wave_by_wave():
     alone = {"methods": {"plain": {"speedup_waves": [1.0]}, "lookahead": {"speedup_waves": [1.2]}}}
     bench_serve.against_plain_sync(alone)
     assert "vs_plain_sync" not in alone["methods"]["lookahead"]
+
+
+def test_bench_serve_pairs_each_wave_request_by_request():
+    bench_serve = _import_bench("bench_serve")
+    # Waves of 2: (2/1, 4/1) -> sqrt(8); (1/1) with a zero request skipped -> 1.
+    ratios = bench_serve.paired_wave_ratios([2.0, 4.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], 2)
+    assert ratios == pytest.approx([8 ** 0.5, 1.0])
+    assert bench_serve.paired_wave_ratios([0.0], [1.0], 1) == []

@@ -73,7 +73,6 @@ def make_index(config: Settings, native: bool | None = None, ngram: int | None =
     return make_draft_index(config.index_config(ngram), native, config.profile.upkeep_thread)
 
 
-
 def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Each row's last ``width`` tokens (``token_ids[rows[i], :ends[i]]``'s tail) as
@@ -92,6 +91,7 @@ def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.n
     for i, context in enumerate(contexts):
         padded[i, :lens[i]] = context
     return padded, lens
+
 
 class Drafter:
     """See the module docstring."""

@@ -157,8 +157,8 @@ class OnlinePrices:
         self.prices = self.prior
         # Up to MAX_BUCKETS buckets live at once, each a ring of samples:
         # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted,
-        # context bucket) to
-        # its row in the arrays; the least recently visited one makes room.
+        # context bucket) to its row in the arrays; the least recently
+        # visited one makes room.
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
         self._tokens = np.zeros((MAX_BUCKETS, RING))  # the samples' scored tokens
