@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, text: np.ndarray) -> dict[str, Any]:
 
     config = resolve({"index_corpus_bytes": args.cap_mib << 20,
                       "_profile": {"upkeep_thread": args.upkeep == "thread"}}, platform="gpu")
-    drafter = Drafter(config, native=True)
+    drafter = Drafter(config)
     indexes = [ix for ix in (drafter.index, drafter.backoff) if ix is not None]
     batch, plen, olen = args.batch, args.prompt_tokens, args.output_tokens
     width = plen + olen + args.tokens_per_step

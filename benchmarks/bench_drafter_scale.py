@@ -55,10 +55,12 @@ def rss_mb() -> float:
 
 
 def make_index(core: str):
+    from lookahead_lab.reference.draft_index import DraftIndex
     from lookahead_vllm.core.config import resolve
     from lookahead_vllm.core.native import make_draft_index
 
-    return make_draft_index(resolve().index_config(), native=core == "native")
+    config = resolve().index_config()
+    return make_draft_index(config) if core == "native" else DraftIndex(config)
 
 
 def warm_corpus(index, text: np.ndarray, rng: np.random.Generator) -> None:

@@ -47,7 +47,7 @@ class Cell:
         from lookahead_vllm.core.drafter import Drafter
 
         self.partitions = partitions
-        self.drafter = Drafter(resolve(), native=True)
+        self.drafter = Drafter(resolve())
         salts = [f"tenant-{p}" for p in range(partitions)]
         rng = np.random.default_rng(0)
         for i in range(WARM_SEQUENCES):  # finished outputs of every tenant

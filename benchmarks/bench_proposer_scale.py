@@ -14,7 +14,7 @@ drafts and every draft is handed out and booked: the most work the proposer
 does per step. ``--prices gpu`` prices tokens as on a GPU instead (64 free
 tokens: from 64 rows on no draft pays, and the proposer only indexes).
 Reports per source (``index``: native draft index; ``index+trie``: plus the
-trie, native when built) and index upkeep (``--upkeep``: ``inline`` at the end of
+trie, native) and index upkeep (``--upkeep``: ``inline`` at the end of
 the batch call, the CPU platform's default; ``thread``: on the index's own
 thread while the forward, here the flush and the batch's bookkeeping, runs,
 the GPU default) the milliseconds per engine step (median, p99, max), the
@@ -191,7 +191,6 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
-        "native": proposer.drafter.native,
         "accepted_per_request_step": accepted / (batch * (steps + 1)),
         "step_ms_median": 1e3 * statistics.median(times),
         "step_ms_p99": 1e3 * times_sorted[min(len(times) - 1, int(0.99 * len(times)))],

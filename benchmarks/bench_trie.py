@@ -19,7 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
-from lookahead_vllm.core import TokenTrie, resolve
+from lookahead_lab.reference.trie import TokenTrie
+from lookahead_vllm.core import resolve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

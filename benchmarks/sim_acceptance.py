@@ -59,9 +59,10 @@ from lookahead_vllm.core.budget import (
 )
 import numpy as np
 
-from lookahead_vllm.core.calibration import ConfidenceCalibrator
 from lookahead_vllm.core.config import LookaheadConfig, Settings, resolve
-from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
+from lookahead_lab.reference import ReferenceCalibrator as ConfidenceCalibrator
+from lookahead_lab.reference import drafter as make_drafter
+from lookahead_lab.reference import padded_contexts, row_drafts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.step_plan import accepted_path
 from workloads import check_positive, plain_wave_forwards, workload_parser, workloads
@@ -83,7 +84,7 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
     steps are timed at ("cpu": this machine's; "gpu": the GPU defaults, paths
     free, as with the CUDA kernel)."""
     config = resolve(config, platform=platform)
-    drafter = Drafter(config, native)
+    drafter = make_drafter(config, native is not False)
     for ids in warm:
         drafter.warm(ids)
     cost, timing = batch1_cost(config, paths), batch1_cost(resolve(platform=platform), paths)
@@ -163,7 +164,7 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
             "raw_calibration": audit.summary()}
 
 
-def _predicted_bonus(drafter: Drafter, slot: int, n: int) -> int:
+def _predicted_bonus(drafter: Any, slot: int, n: int) -> int:
     """The token the draft index expects after a request's first ``n`` draft
     tokens: its chain one token longer, no confidence floor (-1: none). A
     drafter that prepared the next step's draft while the forward runs, for

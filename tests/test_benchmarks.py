@@ -59,7 +59,7 @@ def test_bench_offline_runs_and_reports(tiny_llama_dir, tmp_path):
 
 def test_trie_replay_measures_every_step():
     bench_trie = _import_bench("bench_trie")
-    from lookahead_vllm.core import TokenTrie
+    from lookahead_lab.reference.trie import TokenTrie
 
     streams = [([1, 2, 3, 4], [5, 6, 7, 8, 9]), ([1, 2, 3], [4, 5])]
     times = bench_trie.replay(TokenTrie(resolve()), streams, accept_per_step=2)

@@ -1,7 +1,6 @@
-"""Pure-Python drafting core: no torch, no vLLM."""
+"""The drafting core: no torch, no vLLM (the native index and trie under it: csrc/draft_index)."""
 
 from lookahead_vllm.core.config import DRAFT_SHAPES, LookaheadConfig, Settings, resolve
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.trie import TokenTrie
 
-__all__ = ["DRAFT_SHAPES", "DraftTree", "LookaheadConfig", "Settings", "TokenTrie", "resolve"]
+__all__ = ["DRAFT_SHAPES", "DraftTree", "LookaheadConfig", "Settings", "resolve"]

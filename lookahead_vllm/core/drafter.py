@@ -2,18 +2,17 @@
 
 It owns the sources that draft from text (``config.sources``):
 
-  index  core/draft_index.py (native when built): the continuations of the
+  index  core/draft_index.py (native): the continuations of the
          longest earlier matches in the request's own text and in every
          request's output; one ``sync`` and one ``draft_batch`` per step.
-  trie   core/trie.py (native when built: csrc/draft_index/token_trie.h)
-         with each request's context chain (core/context_match.py) in its
-         record: one ``extend_rows`` in ``sync``, one ``retrieve_rows`` and
-         one ``context_rows`` per step.
+  trie   core/trie.py (native: csrc/draft_index/token_trie.h) with each
+         request's context chain in its record: one ``extend_rows`` in
+         ``sync``, one ``retrieve_rows`` and one ``context_rows`` per step.
 
 A step's drafts are rows of arrays from a few batch calls: the index's, the
-trie's and the context chains', then one ``merge_rows`` (native, or its
-reference here) that puts each row's lead first and the trie's nodes after
-it, with every node's calibration kind.
+trie's and the context chains', then one native ``merge_rows`` that puts
+each row's lead first and the trie's nodes after it, with every node's
+calibration kind.
 
 Requests are named by integer *slots* the caller assigns (the proposer maps
 vLLM's request ids to slots). Per step the caller hands the runner's token
@@ -38,12 +37,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CONTEXT, node_kinds
+from lookahead_vllm.core import native
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, row_tree, rows_of
+from lookahead_vllm.core.draft_tree import DraftTree, rows_of
 from lookahead_vllm.core.partitions import Partitions
-from lookahead_vllm.core.trie import TrieRecord, make_trie
+from lookahead_vllm.core.trie import make_trie
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
@@ -60,17 +59,14 @@ class TrieRequest:
     the default stays off the shared trie)."""
 
     inserted: int = 0
-    trie: TrieRecord | int | None = None
+    trie: int | None = None
 
 
-def make_index(config: Settings, native: bool | None = None, ngram: int | None = None) -> Any:
-    """The draft index for ``config`` (keyed by ``ngram`` tokens, default the
-    profile's ``index_ngram``): native when built (``native=None``), required
-    (True) or the pure-Python reference (False); the native index's upkeep
-    runs on a thread of its own where the profile says it pays."""
-    from lookahead_vllm.core.native import make_draft_index
-
-    return make_draft_index(config.index_config(ngram), native, config.profile.upkeep_thread)
+def make_index(config: Settings, ngram: int | None = None) -> Any:
+    """The native draft index for ``config`` (keyed by ``ngram`` tokens,
+    default the profile's ``index_ngram``), its upkeep on a thread of its own
+    where the profile says it pays."""
+    return native.make_draft_index(config.index_config(ngram), config.profile.upkeep_thread)
 
 
 def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
@@ -84,27 +80,18 @@ def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray,
     return np.where(inside, token_ids[np.asarray(rows, np.int64)[:, None], cols], 0).astype(np.int64), lens
 
 
-def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists as :meth:`Drafter.draft`'s ``contexts``: ``(tokens [R, W], lengths [R])``."""
-    lens = np.fromiter(map(len, contexts), np.int64, len(contexts))
-    padded = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
-    for i, context in enumerate(contexts):
-        padded[i, :lens[i]] = context
-    return padded, lens
-
-
 class Drafter:
     """See the module docstring."""
 
-    def __init__(self, config: Settings, native: bool | None = None) -> None:
+    def __init__(self, config: Settings) -> None:
         self.config = config
         knobs = config.profile
-        self.index = make_index(config, native) if config.uses_index else None
+        self.index = make_index(config) if config.uses_index else None
         # Back-off index (shorter key): drafts where the main index has no match.
         self.backoff = None
         if config.uses_index and knobs.index_backoff:
-            self.backoff = make_index(config, native, knobs.index_backoff)
-        self.trie = make_trie(config, native) if config.uses_trie else None
+            self.backoff = make_index(config, knobs.index_backoff)
+        self.trie = make_trie(config) if config.uses_trie else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
@@ -112,18 +99,6 @@ class Drafter:
         self._trie_requests: dict[int, TrieRequest] = {}
         # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
         self._warm_slots = 0
-        if self.index is not None:
-            self._native = bool(getattr(self.index, "native", False))
-        else:
-            from lookahead_vllm.core.native import load_draft_index
-
-            self._native = native is not False and load_draft_index() is not None
-
-    @property
-    def native(self) -> bool:
-        """Whether the native extension drafts (the index, where the sources
-        have one) and plans (the proposer's kernels)."""
-        return self._native
 
     def num_requests(self) -> int:
         """Running requests holding drafting state."""
@@ -189,7 +164,7 @@ class Drafter:
         where the runner rewound them) one by one, then every request's new
         tokens in one ``extend_rows`` call."""
         rewound = 0
-        grown: list[tuple[TrieRecord | int, int, int, int]] = []  # (record, row, start, end)
+        grown: list[tuple[int, int, int, int]] = []  # (record, row, start, end)
         for slot, row, n, plen, part in zip(slots.tolist(), rows.tolist(), num_tokens.tolist(), prompt_lens.tolist(),
                                             partitions.tolist()):
             if part != DEFAULT:  # the trie is shared: only the default partition's requests use it
@@ -253,12 +228,11 @@ class Drafter:
         ``floor``, the index's tree (a chain unless ``tree``) or, where it has
         none, the request's context chain, first, the trie's merged after it,
         then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of`
-        arrays; the caller's) (:func:`merge_rows`); cut to its best path where
+        arrays; the caller's) (the native ``merge_rows``); cut to its best path where
         ``cut[i]``.
         ``contexts``: the requests' last ``max_match_length`` tokens as
         ``(tokens [R, W], lengths [R])``, row ``i``'s first ``lengths[i]``
-        columns (trie source only; None otherwise; :func:`padded_contexts`
-        builds it from lists)."""
+        columns (trie source only; None otherwise)."""
         count = len(slots)
         budgets = np.asarray(budgets, np.int64)
         width = max(1, int(budgets.max(initial=0)))
@@ -282,7 +256,8 @@ class Drafter:
                     else:
                         a[need] = b
                 lead_context[need] = chains[4] > 0
-        return merge_rows(lead, lead_context, trie, budgets, cut, self.native, pool)
+        return native.extension().merge_rows(lead, lead_context.astype(np.uint8), trie, budgets,
+                                             None if cut is None else np.asarray(cut, np.uint8), pool)
 
     def _trie_rows(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray], budgets: np.ndarray,
                    floor: float) -> tuple[tuple[np.ndarray, ...], list, np.ndarray]:
@@ -356,63 +331,8 @@ class Drafter:
         return snap
 
 
-def merge_rows(lead: tuple[np.ndarray, ...], lead_context: np.ndarray, trie: tuple[np.ndarray, ...],
-               budgets: np.ndarray, cut: np.ndarray | None, native: bool, pool: tuple[np.ndarray, ...] | None = None
-               ) -> tuple[np.ndarray, ...]:
-    """Row ``i``'s draft: ``lead``'s row (an index tree, or where
-    ``lead_context[i]`` the request's context chain) first, ``trie``'s row
-    merged after it (:meth:`DraftTree.merged`, at most ``budgets[i]``
-    nodes; no lead: the trie's tree as it is), ``pool``'s row (the Jacobi
-    pool's branches) merged after those; its nodes' calibration kinds
-    (:func:`index_kinds`, or ``node_kinds`` with the context chain's length
-    and where the pool's nodes start), cut to its best path where
-    ``cut[i]``. ``lead``, ``trie`` and ``pool`` are :func:`rows_of` arrays;
-    returns ``tokens``, ``parents``, ``weights``, ``confidence``, ``kinds``
-    and ``lengths``. Native (csrc/draft_index/token_trie.cpp ``merge_row``)
-    or this reference."""
-    if native:
-        from lookahead_vllm.core.native import load_extension
-
-        return load_extension().merge_rows(lead, np.asarray(lead_context, np.uint8), trie, budgets,
-                                           None if cut is None else np.asarray(cut, np.uint8), pool)
-    count = len(budgets)
-    pool = rows_of(count, 1) if pool is None else pool
-    width = max([1, *map(int, budgets), *map(int, lead[4]), *map(int, trie[4]), *map(int, pool[4])])
-    out, kinds = rows_of(count, width), np.zeros((count, width), np.int8)
-    for r in range(count):
-        a, b, c = row_tree(lead, r), row_tree(trie, r), row_tree(pool, r)
-        t = a.merged(b, int(budgets[r])) if len(a) and len(b) else a if len(a) else b
-        pool_from = len(t)
-        t = t.merged(c, int(budgets[r])) if len(c) else t
-        k = (node_kinds(t, pool_from, len(a)) if lead_context[r] else index_kinds(t, len(a), pool_from)) if len(a) \
-            else node_kinds(t, pool_from)
-        if cut is not None and cut[r] and not t.is_chain():
-            k, t = [k[i] for i in t.best_path()], t.best_path_tree()
-        fill_row(out, r, t)
-        kinds[r, :len(t)] = k
-    return (*out[:4], kinds, out[4])
-
-
-def row_drafts(rows: tuple[np.ndarray, ...]) -> list[tuple[DraftTree, list[int]]]:
-    """:meth:`Drafter.draft`'s rows as one ``(DraftTree, kinds)`` per request."""
-    tok, par, weights, conf, kinds, lens = rows
-    return [(row_tree((tok, par, weights, conf, lens), i), kinds[i, :lens[i]].tolist()) for i in range(len(lens))]
-
-
 def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:
     """A draft index row as a :class:`DraftTree`."""
     confs = tuple(np.asarray(conf, np.float64).tolist())
     return DraftTree(tuple(np.asarray(tokens).tolist()), tuple(np.asarray(parents).tolist()),
                      tuple([INDEX_WEIGHT * c for c in confs]), confs)
-
-
-def index_kinds(tree: DraftTree, n_index: int, pool_from: int | None = None) -> list[int]:
-    """Calibration kinds: index nodes are KIND_CONTEXT on the leading chain and
-    KIND_BRANCH off it; nodes merged after them (trie, and the Jacobi pool's
-    from ``pool_from`` on) follow node_kinds."""
-    kinds = node_kinds(tree, pool_from)
-    chain = True
-    for i in range(n_index):
-        chain = chain and tree.parents[i] == i - 1
-        kinds[i] = KIND_CONTEXT if chain else KIND_BRANCH
-    return kinds

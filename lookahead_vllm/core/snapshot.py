@@ -8,7 +8,7 @@ Terms:
              that order into an empty index rebuilds its corpus exactly, under
              whatever index settings the new engine runs (they are raw tokens).
   trie table the trie's output counts as a node table in pre-order
-             (``TokenTrie.output_counts``): ``parents[i]`` indexes an earlier
+             (``NativeTrie.output_counts``): ``parents[i]`` indexes an earlier
              row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its
              output count. Prompt counts belong to running requests and are
              not stored.

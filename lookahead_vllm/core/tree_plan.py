@@ -15,7 +15,7 @@ the proposer then:
 2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
    not verify a tree keeps its best path as a chain (``DraftTree.best_path``);
    every node gets its calibration kind (``KIND_CONTEXT`` on the drafted
-   tree's leading chain, ``KIND_BRANCH`` off it: ``drafter.index_kinds``) and
+   tree's leading chain, ``KIND_BRANCH`` off it) and
    calibrated confidence (``ConfidenceCalibrator.calibrate``); the batch keeps
    the prefix of the merged draft-order heads that maximises the expected
    tokens per forward, a node that opens an attention path priced as such,
@@ -30,42 +30,29 @@ confidences ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with
 factor 1 and no cost model, a budget of 2 keeps ``a, b`` (a chain: no plan),
 a budget of 3 all three (a tree: ``c`` opens a second path).
 
-``native=True`` runs each step as one call into ``lookahead_vllm._draft_index``
-(csrc/draft_index/trees.cpp); ``native=False`` runs the pure-Python reference
-below, which composes DraftTree, the calibrator and the allocator. Tests hold
-the two to identical results, confidences bit for bit.
+Each runs as one call into ``lookahead_vllm._draft_index``
+(csrc/draft_index/trees.cpp); tests hold the calls to the pure-Python
+reference ``lookahead_lab.reference.planner`` (built from DraftTree, the
+calibration rule and ``budget.allocate_step_budget``), confidences bit for
+bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_vllm.core import native
+from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.drafter import index_kinds, index_tree
-from lookahead_vllm.core.native import load_extension
-from lookahead_vllm.core.step_plan import StepPlan, accepted_path
+from lookahead_vllm.core.drafter import index_tree
+from lookahead_vllm.core.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
-
-
-def verified_offers(offer_slots: np.ndarray, offer_lengths: np.ndarray, slots: np.ndarray, scheduled: np.ndarray
-                    ) -> Iterator[tuple[int, int, int]]:
-    """The reference matching of last step's offers (``offer_slots``,
-    ``offer_lengths``) with this step's rows (``slots``; ``scheduled``: draft
-    tokens the scheduler verified): per row that verified part of its offer,
-    in row order, the row, the offer's index and the nodes verified (at most
-    the offer's length)."""
-    where = {s: d for d, (s, n) in enumerate(zip(offer_slots.tolist(), offer_lengths.tolist())) if n > 0}
-    for i, (slot, sched) in enumerate(zip(np.asarray(slots).tolist(), np.asarray(scheduled).tolist())):
-        d = where.get(slot)
-        if d is not None and sched > 0:
-            yield i, d, min(sched, int(offer_lengths[d]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +85,15 @@ class TreeOffers:
         """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
         return StepPlan(self.tree(d))
 
-    def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]], native: bool
+    def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This step's rows (``slots``; ``scheduled``: draft tokens the
         scheduler verified; ``emitted``: the tokens each row emitted) against
         the offers. Per row that verified part of its offer, in row order:
         the offer's index and the nodes verified (at most the offer's
         length); and ``hits [D, W]``: the verified nodes accepted."""
-        if native:
-            return load_extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
-                                                scheduled, emitted)
-        at, verified = [], []
-        hits = np.zeros(self.tokens.shape, np.uint8)
-        for i, d, v in verified_offers(self.slots, self.lengths, slots, scheduled):
-            at.append(d)
-            verified.append(v)
-            hits[d, accepted_path(self.tree(d).truncate(v), emitted[i])] = 1
-        return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
+        return native.extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
+                                              scheduled, emitted)
 
     def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
                 hits: np.ndarray) -> tuple[int, int]:
@@ -129,7 +108,7 @@ class TreeOffers:
 def plan_trees(
     tokens: np.ndarray, parents: np.ndarray, raw: np.ndarray, lengths: np.ndarray, tree_ok: np.ndarray,
     calibrator: "ConfidenceCalibrator", budget: int | None, num_rows: int, cost: ForwardCost,
-    slots: np.ndarray, out_rows: np.ndarray, num_out: int, native: bool, kinds: np.ndarray | None = None,
+    slots: np.ndarray, out_rows: np.ndarray, num_out: int, kinds: np.ndarray | None = None,
     entry: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
     """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
@@ -142,46 +121,9 @@ def plan_trees(
     Returns the offers (each row's kept prefix), the calibrated confidences
     of the offered rows (cells past a row's length are unspecified) and the
     ``num_out`` batch rows' drafts (``[]`` where none)."""
-    tree_ok = np.asarray(tree_ok, bool)
-    if native:
-        tok, par, conf, out_kinds, keep, calibrated, trees, drafts = load_extension().plan_trees(
-            tokens, parents, raw, lengths, tree_ok, calibrator.bin_edges, calibrator.factor_table(),
-            -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
-            float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out, kinds, entry)
-        return TreeOffers(np.asarray(slots, np.int64), tok, par, conf, out_kinds, keep, trees.astype(bool)), \
-            calibrated, drafts
-    return _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost,
-                                 slots, out_rows, num_out, kinds, entry)
-
-
-def _plan_trees_reference(tokens, parents, raw, lengths, tree_ok, calibrator, budget, num_rows, cost, slots,
-                          out_rows, num_out, given=None, entry=None) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
-    """:func:`plan_trees` with DraftTree objects, request by request."""
-    rows, width = raw.shape
-    offers, confs, opens = [], [], []
-    for r in range(rows):
-        n = int(lengths[r])
-        tree = index_tree(tokens[r, :n], parents[r, :n], raw[r, :n])
-        kinds = index_kinds(tree, n) if given is None else given[r, :n].tolist()
-        if given is None and not tree_ok[r] and not tree.is_chain():
-            kinds = [kinds[i] for i in tree.best_path()]
-            tree = tree.best_path_tree()
-        offers.append((tree, kinds))
-        confs.append(calibrator.calibrate(tree, kinds))
-        opens.append(opens_path(tree.parents) if tree_ok[r] else [False] * len(tree))
-    keep = allocate_step_budget(confs, budget, num_rows, cost, opens, None if entry is None else entry.tolist())
-    out_tok, out_par = np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32)
-    out_raw, calibrated = np.zeros((rows, width)), np.zeros((rows, width))
-    out_kinds, trees = np.zeros((rows, width), np.int8), np.zeros(rows, bool)
-    drafts: list[list[int]] = [[] for _ in range(num_out)]
-    for r, ((tree, kinds), c, n) in enumerate(zip(offers, confs, keep)):
-        m = len(tree)
-        out_tok[r, :m], out_par[r, :m], out_kinds[r, :m] = tree.tokens, tree.parents, kinds
-        out_raw[r, :m] = [tree.node_confidence(i) for i in range(m)]
-        calibrated[r, :m] = c
-        kept = tree.truncate(n)
-        trees[r] = bool(tree_ok[r]) and n > 0 and not kept.is_chain()
-        drafts[int(out_rows[r])] = list(kept.tokens)
-    offered = TreeOffers(np.asarray(slots, np.int64), out_tok, out_par, out_raw, out_kinds,
-                         np.asarray(keep, np.int64), trees)
-    return offered, calibrated, drafts
+    tok, par, conf, out_kinds, keep, calibrated, trees, drafts = native.extension().plan_trees(
+        tokens, parents, raw, lengths, np.asarray(tree_ok, bool), calibrator.bin_edges, calibrator.factor_table(),
+        -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),
+        float(cost.per_path), float(cost.path_setup), float(cost.draft_setup), out_rows, num_out, kinds, entry)
+    offers = TreeOffers(np.asarray(slots, np.int64), tok, par, conf, out_kinds, keep, trees.astype(bool))
+    return offers, calibrated, drafts

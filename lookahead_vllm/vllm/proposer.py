@@ -5,8 +5,8 @@ Per step, for the request rows of the persistent batch that just sampled:
 1. one ``Drafter.sync`` over the runner's token table admits new requests,
    appends every committed token not yet seen (robust to steps in which vLLM
    skipped drafting) and re-indexes rewound ones (core/drafter.py),
-2. one ``Drafter.draft`` returns every drafting row's tree (the draft index,
-   natively, by default), the Jacobi pool's n-grams are merged in where that
+2. one ``Drafter.draft`` returns every drafting row's tree (the native index
+   and trie), the Jacobi pool's n-grams are merged in where that
    source is on, and the forward-cost model cuts the batch's drafts,
 3. vLLM gets each row's best chain (``draft_shape="one"``) or its whole tree
    flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
@@ -15,8 +15,7 @@ Per step, for the request rows of the persistent batch that just sampled:
 Booking and planning run as a few batch calls into the native extension,
 whatever the source and shape (core/tree_plan.py: the drafts handed out are
 one :class:`TreeOffers`, from which tree verification's plans are built when
-it asks). What stays per request is drafting from the sources that are
-Python structures (the trie, the Jacobi pool and window).
+it asks). What stays per request is the Jacobi pool and window (Python).
 
 A request's drafting state is one :class:`RequestState`: created when the
 runner admits it (its per-request options), dropped in one place when it
@@ -273,8 +272,7 @@ class LookaheadProposer:
         self._window_plans: dict[str, StepPlan] = {}
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
-        logger.info("lookahead proposer ready (%s draft index): %s",
-                    "native" if self.drafter.native else "pure-Python", self.config)
+        logger.info("lookahead proposer ready: %s", self.config)
         # Warm start and snapshot (config warm_start, snapshot_path): learned
         # now; the snapshot is written again on shutdown (close()).
         self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
@@ -386,8 +384,7 @@ class LookaheadProposer:
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py; raw ones, a calibrator that never learns,
         # where the profile turns calibration off).
-        self.calibrator = ConfidenceCalibrator(native=self.drafter.native,
-                                               learns=self.config.profile.calibrate_confidence)
+        self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
 
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
@@ -507,8 +504,7 @@ class LookaheadProposer:
         entry = cost.entry(num_tokens[drafting]) if cost.per_context else None
         self._trees, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                      self._step_budget(len(rows)), len(rows), cost,
-                                                     slots[drafting], rows[drafting], num_out,
-                                                     self.drafter.native, kinds, entry)
+                                                     slots[drafting], rows[drafting], num_out, kinds, entry)
         self._tree_rows, self._tree_plans = (req_ids, picked), None
         if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
             self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
@@ -614,7 +610,7 @@ class LookaheadProposer:
             return
         scheduled = self._scheduled.get
         verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
-        at, verified, hits = offers.match(slots, verified, emitted, self.drafter.native)
+        at, verified, hits = offers.match(slots, verified, emitted)
         if len(at):
             context, pool = offers.observe(self.calibrator, at, verified, hits)
             self.stats.context_accepted_tokens += context

@@ -1,12 +1,14 @@
-"""Online confidence calibration: node kinds, the walk it learns from, the correction it applies."""
+"""Online confidence calibration: node kinds, the walk it learns from, the
+correction it applies (stated on the pure-Python reference, which the native
+kernels are held to in test_tree_plan.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lookahead_vllm.core.calibration import (
-    HALF_LIFE_NODES, KIND_BRANCH, KIND_CHAIN, KIND_POOL, ConfidenceCalibrator, node_kinds,
-)
+from lookahead_lab.reference import ReferenceCalibrator as ConfidenceCalibrator
+from lookahead_lab.reference.planner import node_kinds
+from lookahead_vllm.core.calibration import HALF_LIFE_NODES, KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.step_plan import accepted_path
 

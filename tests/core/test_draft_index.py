@@ -1,12 +1,14 @@
-"""DraftIndex (pure-Python reference) and the Drafter around it."""
+"""DraftIndex (its pure-Python reference, lookahead_lab.reference) and the Drafter around it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.draft_index import (ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE, DraftIndex)
-from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
+from lookahead_lab.reference import padded_contexts, row_drafts
+from lookahead_lab.reference.draft_index import DraftIndex
+from lookahead_vllm.core.draft_index import ENTRY_CHARGE, KEY_CHARGE, SEQUENCE_CHARGE, TOKEN_CHARGE
+from lookahead_vllm.core.drafter import Drafter
 from tests.settings import index_config, lookahead_settings
 
 A, B, C, D, X = 1, 2, 3, 4, 9
@@ -156,7 +158,7 @@ def test_drafter_index_and_trie_sources():
     text = [A, B, C, D, X, A, B, C]
     table[0, :len(text)] = text
     for source in ("index", "trie", "index+trie"):
-        drafter = Drafter(lookahead_settings(source=source, min_draft_confidence=0.0), native=False)
+        drafter = Drafter(lookahead_settings(source=source, min_draft_confidence=0.0))
         drafter.sync([0], [0], table, [len(text)], [len(text)])
         ((tree, kinds),) = row_drafts(drafter.draft([0], padded_contexts([text[-6:]]), [3], 0.0, tree=False))
         assert list(tree.tokens[:2]) == [D, X], source
@@ -166,7 +168,7 @@ def test_drafter_index_and_trie_sources():
 
 
 def test_drafter_warm_start_drafts_past_answers():
-    drafter = Drafter(lookahead_settings(), native=False)
+    drafter = Drafter(lookahead_settings())
     drafter.warm([30, 31, 32, 33, 34, 35])
     table = np.array([[8, 8, 30, 31, 32]], np.int64)
     drafter.sync([0], [0], table, [5], [5])
@@ -176,7 +178,7 @@ def test_drafter_warm_start_drafts_past_answers():
 
 def test_trailing_contexts_gather_each_rows_last_tokens():
     """The proposer's trie contexts in one gather, held to the list slices they replace."""
-    from lookahead_vllm.core.drafter import padded_contexts, trailing_contexts
+    from lookahead_vllm.core.drafter import trailing_contexts
 
     rng = np.random.default_rng(0)
     table = rng.integers(1, 1000, size=(6, 40))

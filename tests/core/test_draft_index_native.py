@@ -4,7 +4,7 @@ parents, confidences bit for bit) and counts."""
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lookahead_vllm
+from lookahead_lab.reference.draft_index import DraftIndex
 from lookahead_vllm.core import native
-from lookahead_vllm.core.draft_index import DraftIndex, DraftIndexConfig
+from lookahead_vllm.core.draft_index import DraftIndexConfig
 from tests.settings import index_config
 
-NativeDraftIndex = native.load_draft_index()
-if NativeDraftIndex is None and not os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIVE"):
-    pytest.skip("native extension lookahead_vllm._draft_index is not built (pip install -e .)",
-                allow_module_level=True)
+NativeDraftIndex = native.extension().DraftIndex
 
 SIDS = range(6)
 # Real text that stays put (a past README of this project), unlike the README itself.
@@ -27,7 +26,7 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "real_text.md"
 
 
 def _pair(cfg: DraftIndexConfig, upkeep_thread: bool = False):
-    return DraftIndex(cfg), native.make_draft_index(cfg, native=True, upkeep_thread=upkeep_thread)
+    return DraftIndex(cfg), native.make_draft_index(cfg, upkeep_thread=upkeep_thread)
 
 
 def _same_outcome(ref, nat, method: str, *args, **kwargs):
@@ -179,7 +178,7 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
 def test_backoff_drafts_only_where_the_main_index_has_no_candidate():
     """A row whose candidates the floor cuts keeps its empty draft; a row
     with none takes the back-off index's (reference and native alike)."""
-    for make in (DraftIndex, lambda c: native.make_draft_index(c, native=True)):
+    for make in (DraftIndex, native.make_draft_index):
         main, back = make(index_config(ngram=2)), make(index_config(ngram=1))
         for index in (main, back):
             index.add(0, [1, 2, 3, 9, 5, 1, 2, 4, 7, 1, 2], 0)  # key (1, 2): two continuations, 3 and 4
@@ -198,7 +197,7 @@ def test_upkeep_pushes_before_it_evicts(make):
     oldest entry of a full key (one occurrence kept) before the eviction
     removes that output, so the key ends up empty."""
     cfg = index_config(ngram=2, max_occurrences=1, corpus_bytes=200)
-    ix = DraftIndex(cfg) if make == "reference" else native.make_draft_index(cfg, True, make == "native-thread")
+    ix = DraftIndex(cfg) if make == "reference" else native.make_draft_index(cfg, make == "native-thread")
     ix.add(0, [7, 1, 2, 5], 1)  # running; its output 1 2 5 follows 1 2 with 5
     ix.add(1, [3, 1, 2], 3)  # drafts from the corpus
     ix.add(2, [8], 1)
@@ -247,7 +246,7 @@ def test_real_text_stream_matches_reference(upkeep_thread):
 
 
 def test_worked_example():
-    nat = native.make_draft_index(index_config(ngram=2), native=True)
+    nat = native.make_draft_index(index_config(ngram=2))
     nat.add(0, [1, 2, 3, 4, 9, 1, 2], 7)
     assert nat.draft(0, 3) == ([3, 4, 9], [-1, 0, 1], [2 / 3, (2 / 3) ** 2, (2 / 3) ** 2 * (2 / 3)])
 
@@ -256,7 +255,7 @@ def test_match_stops_at_the_text_start():
     """A corpus occurrence at output position 3 of ``7 5 7 8`` against the
     two-token text ``5 7``: the match is 2 (the text has no token before
     ``5``), not 3 from comparing ``7`` with text[-1]."""
-    nat = native.make_draft_index(index_config(ngram=1, max_match=8), native=True)
+    nat = native.make_draft_index(index_config(ngram=1, max_match=8))
     nat.add(1, [7, 5, 7, 8], 0)
     nat.finish(1)
     nat.add(2, [5, 7], 2)
@@ -299,7 +298,7 @@ def test_max_match_below_ngram():
 
 
 def test_lifecycle_errors():
-    nat = native.make_draft_index(index_config(), native=True)
+    nat = native.make_draft_index(index_config())
     nat.add(1, [1, 2, 3], 1)
     with pytest.raises(KeyError):
         nat.add(1, [1], 0)
@@ -327,7 +326,7 @@ def test_lifecycle_errors():
 
 
 def test_memory_bytes_follows_the_held_tokens():
-    nat = native.make_draft_index(index_config(corpus_bytes=0), native=True)
+    nat = native.make_draft_index(index_config(corpus_bytes=0))
     empty = nat.memory_bytes()
     nat.add(0, list(range(4096)), 2048)
     held = nat.memory_bytes()
@@ -336,14 +335,13 @@ def test_memory_bytes_follows_the_held_tokens():
     assert nat.num_sequences() == 0 and nat.memory_bytes() < held
 
 
-def test_make_draft_index_choice(monkeypatch):
+def test_make_draft_index_is_native_and_a_missing_build_says_how_to_build(monkeypatch):
     cfg = index_config(ngram=2)
     assert native.make_draft_index(cfg).native and native.make_draft_index(cfg).config == cfg
-    assert not native.make_draft_index(cfg, native=False).native
-    monkeypatch.setattr(native, "load_draft_index", lambda: None)
-    assert not native.make_draft_index(cfg).native
+    monkeypatch.delattr(lookahead_vllm, "_draft_index")
+    monkeypatch.setitem(sys.modules, "lookahead_vllm._draft_index", None)  # as if never built
     with pytest.raises(ImportError, match="pip install -e"):
-        native.make_draft_index(cfg, native=True)
+        native.extension.__wrapped__()
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -6,27 +6,25 @@ index (when built) are held to the same results."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lookahead_lab.reference.draft_index import DraftIndex
 from lookahead_vllm.core import native
-from lookahead_vllm.core.draft_index import (DEFAULT, MAX_PARTITION, PRIVATE, SEQUENCE_CHARGE, DraftIndex,
-                                             DraftIndexConfig)
+from lookahead_vllm.core.draft_index import DEFAULT, MAX_PARTITION, PRIVATE, SEQUENCE_CHARGE, DraftIndexConfig
 from tests.settings import index_config
 
-NATIVE = native.load_draft_index() is not None or bool(os.environ.get("LOOKAHEAD_VLLM_REQUIRE_NATIVE"))
-KINDS = ["reference"] + (["native"] if NATIVE else [])
+KINDS = ["reference", "native"]
 PARTS = [PRIVATE, DEFAULT, 1, 2]
 # Partition p's texts use tokens VOCAB * (p + 1) .. VOCAB * (p + 2) - 1 (PRIVATE: 0 ..).
 VOCAB = 3
 
 
 def _make(kind: str, cfg: DraftIndexConfig = index_config(ngram=2)):
-    return native.make_draft_index(cfg, native=kind == "native")
+    return native.make_draft_index(cfg) if kind == "native" else DraftIndex(cfg)
 
 
 def _text(rng: np.random.Generator, part: int, n: int) -> list[int]:
@@ -186,9 +184,7 @@ def test_random_partitioned_operations(corpus, upkeep_thread, data):
     """Drafts never leave a partition, and the native index matches the
     reference: drafts, each partition's corpus and charge, the total."""
     cfg = index_config(ngram=2, max_match=5, max_occurrences=3, max_candidates=4, corpus_bytes=corpus)
-    indexes = [DraftIndex(cfg)]
-    if NATIVE:
-        indexes.append(native.make_draft_index(cfg, native=True, upkeep_thread=upkeep_thread))
+    indexes = [DraftIndex(cfg), native.make_draft_index(cfg, upkeep_thread=upkeep_thread)]
     _partitioned_ops(data, indexes, PARTS)
     ref = indexes[0]
     for index in indexes[1:]:

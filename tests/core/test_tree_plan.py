@@ -1,4 +1,4 @@
-"""The native tree kernels equal their pure-Python reference (core/tree_plan.py).
+"""The native tree kernels equal their pure-Python reference (lookahead_lab.reference.planner).
 
 Same inputs through both: each step's offers (best paths where a row may not
 verify a tree, kinds, kept prefixes, which rows carry a tree), calibrated
@@ -6,9 +6,9 @@ confidences and drafts; the offers walked with what the rows emitted; and the
 calibrator's tables after the same bookings (bit for bit, half-life halvings
 included). Rows come as the draft index drafts them (kinds derived, best paths cut
 here) or with their kinds given (sources merged per request, already cut).
-The reference itself composes the pieces (DraftTree,
-ConfidenceCalibrator.calibrate, allocate_step_budget with opens_path,
-accepted_path, observe_nodes): checked here on small cases.
+The reference itself composes the pieces (DraftTree, the calibration
+rule, allocate_step_budget with opens_path, accepted_path, observe_nodes):
+checked here on small cases.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from hypothesis import strategies as st
 
 from lookahead_vllm.core import calibration
 from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_lab.reference import ReferenceCalibrator, match, plan_trees
+from lookahead_vllm.core import native as core_native
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
-from lookahead_vllm.core.native import load_extension
-from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
-
-pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extension not built (pip install -e .)")
+from lookahead_vllm.core.tree_plan import TreeOffers
 
 # Confidences with ties and bin edges among them.
 confidence = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.02, 0.1, 0.5, 0.9, 1.0]))
@@ -56,9 +55,9 @@ def step_trees(draw):
     return tokens, parents, raw, lens, tree_ok, slots, out_rows, num_out
 
 
-def trained_calibrator(history, native: bool = False) -> ConfidenceCalibrator:
+def trained_calibrator(history) -> ConfidenceCalibrator:
     """A calibrator whose factors moved away from 1 for both index kinds."""
-    calibrator = ConfidenceCalibrator(prior=2.0, native=native)
+    calibrator = ReferenceCalibrator(prior=2.0)
     for raw, kind, hits in history:
         calibrator.observe_nodes(np.full(len(raw), kind, np.int64), np.asarray(raw), np.asarray(hits, bool))
     return calibrator
@@ -112,13 +111,13 @@ def test_plan_trees_worked_example():
     calibrator = ConfidenceCalibrator()
     for budget, kept, tree in ((2, [1, 2], False), (3, [1, 2, 3], True)):
         offers, conf, drafts = plan_trees(tokens, parents, raw, np.array([3], np.int32), np.array([True]), calibrator,
-                                          budget, 1, ForwardCost(0, 1.0), np.array([5]), np.array([0]), 1, True)
+                                          budget, 1, ForwardCost(0, 1.0), np.array([5]), np.array([0]), 1, native=True)
         assert drafts == [kept] and offers.trees.tolist() == [tree]
         assert offers.kinds[0].tolist() == [KIND_CONTEXT, KIND_CONTEXT, KIND_BRANCH]
         assert conf[0].tolist() == [0.8, 0.5, 0.3]
     # A row that may not verify a tree keeps its best path (the heavier child: a, then b).
     offers, _, drafts = plan_trees(tokens, parents, raw, np.array([3], np.int32), np.array([False]), calibrator,
-                                   None, 1, ForwardCost(0, 1.0), np.array([5]), np.array([0]), 1, True)
+                                   None, 1, ForwardCost(0, 1.0), np.array([5]), np.array([0]), 1, native=True)
     assert drafts == [[1, 2]] and offers.parents[0, :2].tolist() == [-1, 0] and not offers.trees[0]
 
 
@@ -137,7 +136,7 @@ def test_reference_composes_the_per_request_pieces():
                                     [opens_path([-1, 0, -1]), opens_path([-1, 0])]))
         for native in (False, True):
             offers, _, _ = plan_trees(tokens, parents, raw, lens, np.array([True, True]), calibrator, None, 2, cost,
-                                      np.array([0, 1]), np.array([0, 1]), 2, native)
+                                      np.array([0, 1]), np.array([0, 1]), 2, native=native)
             assert offers.lengths.tolist() == keep
     # Free paths: every node pays; a dear path: node 2 (a second path) is cut, and
     # the step's dearer tokens cut row 1's weaker node too.
@@ -173,8 +172,8 @@ def offers_and_rows(draw):
 @given(offers_and_rows())
 def test_match_trees_equals_reference(case):
     offers, slots, scheduled, emitted = case
-    want = offers.match(slots, scheduled, emitted, native=False)
-    got = offers.match(slots, scheduled, emitted, native=True)
+    want = match(offers, slots, scheduled, emitted, native=False)
+    got = offers.match(slots, scheduled, emitted)
     for w, g in zip(want, got):
         assert g.tolist() == w.tolist()
     at, verified, hits = want
@@ -190,9 +189,9 @@ def test_observe_trees_equals_reference(steps, half_life):
     mp = pytest.MonkeyPatch()
     mp.setattr(calibration, "HALF_LIFE_NODES", half_life)
     try:
-        ref, nat = ConfidenceCalibrator(prior=2.0), ConfidenceCalibrator(prior=2.0, native=True)
+        ref, nat = ReferenceCalibrator(prior=2.0), ConfidenceCalibrator(prior=2.0)
         for offers, slots, scheduled, emitted in steps:
-            at, verified, hits = offers.match(slots, scheduled, emitted, native=False)
+            at, verified, hits = match(offers, slots, scheduled, emitted, native=False)
             assert offers.observe(nat, at, verified, hits) == offers.observe(ref, at, verified, hits)
             for name in ("predicted", "accepted", "nodes", "_factor"):
                 np.testing.assert_array_equal(getattr(nat, name), getattr(ref, name), err_msg=name)
@@ -201,7 +200,7 @@ def test_observe_trees_equals_reference(steps, half_life):
 
 
 def test_kernels_reject_bad_input():
-    k = load_extension()
+    k = core_native.extension()
     edges, factor = ConfidenceCalibrator.bin_edges, np.ones((4, 12))
     tok, raw = np.zeros((1, 2), np.int32), np.zeros((1, 2))
     with pytest.raises(ValueError, match="parents"):  # a parent after its child

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lookahead_vllm.core import TokenTrie
-from lookahead_vllm.core.trie import TrieRecord, _iter_nodes
+from lookahead_lab.reference.trie import TokenTrie
+from lookahead_lab.reference.trie import TrieRecord, _iter_nodes
 from tests.settings import lookahead_settings
 
 

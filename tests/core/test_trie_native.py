@@ -1,4 +1,4 @@
-"""The native trie against its pure-Python reference (core/trie.py).
+"""The native trie against its pure-Python reference (lookahead_lab.reference.trie).
 
 Both get the same random programs (admit, extend, finish, warm texts, prunes
 at a small capacity, snapshot tables loaded back) and must answer every
@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lookahead_vllm.core.draft_tree import rows_of
-from lookahead_vllm.core.drafter import merge_rows
-from lookahead_vllm.core.native import load_extension
-from lookahead_vllm.core.trie import NativeTrie, TokenTrie, make_trie
+from lookahead_lab.reference import merge_rows
+from lookahead_lab.reference.trie import TokenTrie
+from lookahead_vllm.core import native as core_native
+from lookahead_vllm.core.trie import NativeTrie, make_trie
 from tests.settings import lookahead_settings
 
-pytestmark = pytest.mark.skipif(load_extension() is None, reason="native extension not built")
 
 tokens = st.lists(st.integers(0, 5), max_size=20)
 programs = st.lists(
@@ -40,7 +40,7 @@ knobs = st.fixed_dictionaries({
 def pair(draft_shape: str, **kw) -> tuple[TokenTrie, NativeTrie]:
     kw["max_match_length"] = min(kw.get("max_match_length", 3), kw["branch_length"] - 1)
     config = lookahead_settings(decoding_length=8, draft_shape=draft_shape, **kw)
-    reference, native = make_trie(config, native=False), make_trie(config, native=True)
+    reference, native = TokenTrie(config), make_trie(config)
     assert isinstance(reference, TokenTrie) and isinstance(native, NativeTrie)
     return reference, native
 
@@ -153,7 +153,7 @@ def test_native_errors_name_the_problem():
         native.retrieve([1], 4, shape="tree")
     with pytest.raises(ValueError, match="context_lens"):
         native.retrieve_rows([None], np.zeros((1, 2), np.int64), np.array([3]), [4], 0.0)
-    module = load_extension()
+    module = core_native.extension()
     with pytest.raises(ValueError, match=r"branch_length=1: must be an int in \[2, 128\]"):
         module.TokenTrie(1, 1, 1, 4, 64, 1.0, True, 3)
     with pytest.raises(ValueError, match=r"context_match=65: must be an int in \[0, 64\]"):

@@ -1,8 +1,8 @@
 """The proposer with index chains (the default): native against its reference.
 
 Two proposers with the same settings, one with the native extension and one
-on the reference index and reference planner kernels (the extension
-hidden), are driven the way the model runner drives them through a
+on the references of the index, trie and planner kernels
+(lookahead_lab.reference), are driven the way the model runner drives them through a
 simulated workload:
 requests over real text (tests/data/real_text.md) whose outputs accept the drafts that
 match the text; admissions and finishes mid-run, per-request caps and
@@ -126,17 +126,15 @@ def drive_pair(a, b, work: Workload, steps: int, tables=("predicted", "accepted"
     (2, {"step_draft_budget": 24, "cost_free_tokens": 16, "cost_marginal_tokens": 8.0}),
     (3, {"cost_free_tokens": 0, "min_draft_confidence": 0.0}),  # every drafted token kept
 ])
-def test_chains_native_equal_reference(monkeypatch, seed, settings):
-    """Where the extension is not built, the proposer runs the reference
-    index and the reference planner (core/tree_plan.py): the same drafts,
-    calibrator tables and counters as the native ones."""
+def test_chains_native_equal_reference(seed, settings):
+    """A proposer on the references drafts what the native one drafts: the
+    same drafts, calibrator tables and counters."""
+    from lookahead_lab.reference import on_reference
     from lookahead_lab.standalone import standalone_proposer
-    from lookahead_vllm.core import native
 
     fast = standalone_proposer(16, MAX_LEN, lookahead(**settings))
-    monkeypatch.setattr(native, "load_draft_index", lambda: None)
-    ref = standalone_proposer(16, MAX_LEN, lookahead(**settings))
-    assert fast.drafter.native and not ref.drafter.native and not ref.calibrator.native and not fast.tree_mode
+    ref = on_reference(lambda: standalone_proposer(16, MAX_LEN, lookahead(**settings)))
+    assert fast.drafter.index.native and not ref.drafter.index.native and not fast.tree_mode
     handed = drive_pair(fast, ref, Workload(seed), 200, ("predicted", "accepted", "nodes", "_factor"))
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
@@ -162,7 +160,7 @@ def test_upkeep_on_its_thread_equals_inline():
     settings = {"index_corpus_bytes": 48_000}  # 24,000 bytes for each of the index and its back-off
     threaded = standalone_proposer(16, MAX_LEN, lookahead(**settings, upkeep_thread=True))
     inline = standalone_proposer(16, MAX_LEN, lookahead(**settings, upkeep_thread=False))
-    assert threaded.drafter.native and threaded.drafter.index.config.corpus_bytes == 24_000
+    assert threaded.drafter.index.native and threaded.drafter.index.config.corpus_bytes == 24_000
     work = Workload(5)
     handed = drive_pair(threaded, inline, work, 150)
     assert threaded.stats.counters()["draft_tokens"] == inline.stats.counters()["draft_tokens"]

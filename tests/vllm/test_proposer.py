@@ -93,8 +93,6 @@ def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep,
     GPUs, inline on the CPU; after a reset too. The drafts are the same."""
     on_platform(monkeypatch, platform)
     p = make_proposer(**upkeep)
-    if not p.drafter.native:
-        pytest.skip("native extension not built: the reference has no upkeep thread")
     assert p.drafter.index.upkeep_thread is thread and p.drafter.backoff.upkeep_thread is thread
     assert step(p, {"a": A + [1, 2]}, {"a": len(A)}) == [[3, 4, 5, 1]]
     p.reset()
@@ -332,7 +330,6 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     from vllm import SamplingParams
 
     from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN
-    from lookahead_vllm.core.draft_tree import DraftTree
 
     prompt = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9]  # after "1 2": 3 twice, 4 once
     # Four tokens free, then 20 per forward: the runner-up "4" (raw confidence
@@ -343,9 +340,10 @@ def test_calibrated_confidences_drop_side_branches_that_never_get_accepted():
     rows, lens = {"a": prompt + [1]}, {"a": len(prompt)}
     assert step(p, rows, lens)[0] == [2, 3, 9, 4]
     # Verification then shows side branches of that confidence are never accepted.
-    side = DraftTree((5, 6), (-1, -1), (1.0, 1.0), (0.5, 0.22))
+    # (A tree of two roots, raw 0.5 and 0.22: the first accepted, the side branch never.)
+    raw, kinds = np.array([[0.5, 0.22]]), np.array([[KIND_CHAIN, KIND_BRANCH]], np.int8)
     for _ in range(100):
-        p.calibrator.observe(side, [KIND_CHAIN, KIND_BRANCH], accepted=[0])
+        p.calibrator.observe_trees(raw, kinds, np.array([[1, 0]], np.uint8), np.array([0]), np.array([2]))
     assert step(p, rows, lens)[0] == [2, 3, 9]
 
 

@@ -3,8 +3,8 @@
 Every setting runs one pipeline (core/tree_plan.py): the draft index's
 trees natively, or the sources merged per request (the trie, the Jacobi
 pool and window) packed into the same rows. Two proposers, one
-with the native extension and one on the reference index and reference tree
-kernels (the extension hidden), are driven through the same simulated
+with the native extension and one on the references of the index, trie and
+planner kernels (lookahead_lab.reference), are driven through the same simulated
 workload (tests/vllm/test_chain_path.py). Verification walks each row's tree
 (its plan, Jacobi lookahead nodes never accepted) with the text, so side
 branches get accepted; most requests may verify trees, some may not (a
@@ -119,14 +119,15 @@ CHEAP_PATHS = {"cost_free_tokens": 48, "cost_marginal_tokens": 32.0, "cost_per_p
     (8, {"draft_shape": "hier", "source": "both", "cost_free_tokens": 0}, 200),
     (9, {"draft_shape": "one", "source": "index+trie", "calibrate_confidence": False}, 0),
 ])
-def test_tree_pipeline_native_equals_reference(monkeypatch, seed, settings, trees):
+def test_tree_pipeline_native_equals_reference(seed, settings, trees):
+    from lookahead_lab.reference import on_reference
     from lookahead_lab.standalone import standalone_proposer
-    from lookahead_vllm.core import native
 
     fast = standalone_proposer(16, MAX_LEN, lookahead(**settings))
-    monkeypatch.setattr(native, "load_draft_index", lambda: None)
-    ref = standalone_proposer(16, MAX_LEN, lookahead(**settings))
-    assert fast.drafter.native and not ref.drafter.native and not ref.calibrator.native
+    ref = on_reference(lambda: standalone_proposer(16, MAX_LEN, lookahead(**settings)))
+    trie = ref.drafter.trie
+    assert ref.drafter.index is None or not ref.drafter.index.native
+    assert trie is None or type(trie._core).__module__ == "lookahead_lab.reference"
     requests: dict = {}
     fast.verifier.runner_requests = ref.verifier.runner_requests = requests
     handed, planned = drive_trees(fast, ref, TreeWorkload(seed, requests), 200)

@@ -1,0 +1,228 @@
+"""Pure-Python references of the native drafting core, the oracles tests hold
+``lookahead_vllm._draft_index`` to (the plugin itself always runs the native
+core).
+
+:data:`extension` has the extension module's interface: ``DraftIndex`` and
+``TokenTrie`` with the native constructors and methods, and the planner's
+batch kernels (``merge_rows``, ``plan_trees``, ``match_trees``,
+``observe_trees``). :func:`use_reference` swaps it in for the extension
+(``lookahead_vllm.core.native.extension``), so a whole proposer can run on it
+beside a native one and the two be compared step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+
+from lookahead_vllm.core import calibration
+from lookahead_vllm.core.calibration import ConfidenceCalibrator
+from lookahead_vllm.core.draft_index import DraftIndexConfig
+from lookahead_vllm.core.draft_tree import DraftTree, row_tree
+from lookahead_lab.reference import planner
+from lookahead_lab.reference.draft_index import DraftIndex as ReferenceDraftIndex
+from lookahead_lab.reference.trie import TokenTrie, TrieRecord
+
+
+def _draft_index(ngram: int, max_match: int, max_occurrences: int, max_candidates: int, corpus_bytes: int,
+                 upkeep_thread: bool = False) -> ReferenceDraftIndex:
+    return ReferenceDraftIndex(DraftIndexConfig(ngram, max_match, max_occurrences, max_candidates, corpus_bytes))
+
+
+class _TrieCore:
+    """The native trie core's interface over the reference :class:`TokenTrie`:
+    requests are int handles into a table of :class:`TrieRecord`."""
+
+    def __init__(self, branch_length: int, max_match_length: int, min_match_length: int, min_retrieved_nodes: int,
+                 trie_capacity: int, prompt_weight: float, insert_prompt: bool, context_match: int) -> None:
+        knobs = SimpleNamespace(branch_length=branch_length, max_match_length=max_match_length,
+                                min_match_length=min_match_length, min_retrieved_nodes=min_retrieved_nodes,
+                                trie_capacity=trie_capacity, prompt_weight=prompt_weight,
+                                insert_prompt=insert_prompt, context_match=context_match, min_draft_confidence=0.0)
+        self.trie = TokenTrie(SimpleNamespace(profile=knobs, decoding_length=0, draft_shape="hier"))
+        self._records: dict[int, TrieRecord] = {}
+
+    num_nodes = property(lambda self: self.trie.num_nodes)
+    num_prunes = property(lambda self: self.trie.num_prunes)
+
+    def _records_of(self, handles: Sequence[int]) -> list[TrieRecord | None]:
+        return [self._records.get(int(h)) for h in handles]
+
+    def memory_bytes(self) -> int:
+        return self.trie.num_bytes
+
+    def add_request(self, prompt: Sequence[int]) -> int:
+        record = self.trie.add_request(list(prompt))
+        self._records[record.slot] = record
+        return record.slot
+
+    def finish_request(self, handle: int) -> None:
+        self.trie.finish_request(self._records.pop(handle))
+
+    def extend(self, handle: int, tokens: Sequence[int]) -> None:
+        self.trie.extend(self._records[handle], tokens)
+
+    def insert_output(self, tokens: Sequence[int]) -> None:
+        self.trie.insert_output(list(tokens))
+
+    def retrieve(self, context, budget, handle, shape, floor):
+        tree = self.trie.retrieve(list(context), budget, self._records.get(handle), shape, floor)
+        return tree.tokens, tree.parents, tree.weights, tree.confidence
+
+    def retrieve_rows(self, handles, contexts, lens, budgets, floor, shape):
+        return self.trie.retrieve_rows(self._records_of(handles), contexts, lens, budgets, floor, shape)
+
+    def extend_rows(self, handles, token_ids, rows, starts, ends) -> None:
+        self.trie.extend_rows(self._records_of(handles), token_ids, rows, starts, ends)
+
+    def context_rows(self, handles, budgets, floor):
+        return self.trie.context_rows(self._records_of(handles), budgets, floor)
+
+    def context_length(self, handle: int) -> int:
+        return self.trie.context_length(self._records[handle])
+
+    def output_counts(self):
+        return self.trie.output_counts()
+
+    def load_output_counts(self, parents, tokens, counts) -> None:
+        self.trie.load_output_counts(parents, tokens, counts)
+
+    def prune(self) -> None:
+        self.trie.prune()
+
+
+# The extension module's interface, in Python.
+extension = SimpleNamespace(
+    DraftIndex=_draft_index, TokenTrie=_TrieCore, merge_rows=planner.merge_rows, plan_trees=planner.plan_trees,
+    match_trees=planner.match_trees, observe_trees=planner.observe_trees,
+)
+
+
+def use_reference(monkeypatch) -> None:
+    """Objects built after this call (pytest ``monkeypatch``) draft and plan
+    with the references instead of the extension."""
+    from lookahead_vllm.core import native
+
+    monkeypatch.setattr(native, "extension", lambda: extension)
+
+
+def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists as ``Drafter.draft``'s ``contexts``: ``(tokens [R, W], lengths [R])``."""
+    lens = np.fromiter((len(c) for c in contexts), np.int64, len(contexts))
+    out = np.zeros((len(contexts), max(1, int(lens.max(initial=0)))), np.int64)
+    for i, c in enumerate(contexts):
+        out[i, :len(c)] = c
+    return out, lens
+
+
+def row_drafts(rows: tuple[np.ndarray, ...]) -> list[tuple[DraftTree, list[int]]]:
+    """``Drafter.draft``'s rows as one ``(DraftTree, kinds)`` per request."""
+    tok, par, weights, conf, kinds, lens = rows
+    return [(row_tree((tok, par, weights, conf, lens), i), kinds[i, :lens[i]].tolist()) for i in range(len(lens))]
+
+
+def kernels(native: bool):
+    """The extension (``native``) or :data:`extension`."""
+    from lookahead_vllm.core import native as core_native
+
+    return core_native.extension() if native else extension
+
+
+def merge_rows(lead, lead_context, trie, budgets, cut, native: bool, pool=None) -> tuple[np.ndarray, ...]:
+    """``merge_rows`` of the extension or of the reference, its arguments
+    converted as ``Drafter.draft`` converts them."""
+    return kernels(native).merge_rows(lead, np.asarray(lead_context, np.uint8), trie, np.asarray(budgets, np.int64),
+                                      None if cut is None else np.asarray(cut, np.uint8), pool)
+
+
+@contextlib.contextmanager
+def reference_core():
+    """Within the block, everything reaches :data:`extension` instead of the
+    extension (:func:`use_reference` without pytest)."""
+    from lookahead_vllm.core import native as core_native
+
+    saved = core_native.extension
+    core_native.extension = lambda: extension
+    try:
+        yield
+    finally:
+        core_native.extension = saved
+
+
+def plan_trees(*args, native: bool, **kwargs):
+    """``tree_plan.plan_trees`` on the extension or on the reference."""
+    from lookahead_vllm.core.tree_plan import plan_trees as plan
+
+    if native:
+        return plan(*args, **kwargs)
+    with reference_core():
+        return plan(*args, **kwargs)
+
+
+def drafter(config, native: bool):
+    """A ``Drafter`` whose index and trie are native or the references
+    (merging is native either way)."""
+    from lookahead_vllm.core.drafter import Drafter
+
+    if native:
+        return Drafter(config)
+    with reference_core():
+        return Drafter(config)
+
+
+def match(offers, slots, scheduled, emitted, native: bool):
+    """``TreeOffers.match`` on the extension or on the reference."""
+    return kernels(native).match_trees(offers.slots, offers.lengths, offers.tokens, offers.parents, slots,
+                                       scheduled, emitted)
+
+
+class ReferenceCalibrator(ConfidenceCalibrator):
+    """``ConfidenceCalibrator`` booking through the reference kernels, with
+    the per-tree forms tests state the rule in (``calibrate``, ``observe``)."""
+
+    def calibrate(self, tree: DraftTree, kinds: Sequence[int]) -> list[float]:
+        return planner.calibrate(tree, kinds, self._factor)
+
+    def observe_nodes(self, kinds, raw, accepted) -> None:
+        if self.learns:
+            planner.observe_nodes(self.predicted, self.accepted, self.nodes, self._factor, np.asarray(kinds, np.int64),
+                                  np.asarray(raw, np.float64), np.asarray(accepted, bool), self.prior,
+                                  float(calibration.HALF_LIFE_NODES))
+
+    def observe(self, tree: DraftTree, kinds: Sequence[int], accepted: Sequence[int]) -> None:
+        hit = set(accepted)
+        self.observe_nodes(kinds, [tree.node_confidence(i) for i in range(len(kinds))],
+                           [i in hit for i in range(len(kinds))])
+
+    def observe_trees(self, raw, kinds, accepted, at, verified) -> None:
+        if self.learns:
+            planner.observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges, raw, kinds,
+                                  accepted, at, verified, self.prior, float(calibration.HALF_LIFE_NODES))
+
+
+class OnReference:
+    """``obj`` whose every method call runs inside :func:`reference_core`
+    (attributes pass through): a proposer built so runs its whole pipeline
+    on the references beside a native one."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._obj, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with reference_core():
+                return attr(*args, **kwargs)
+        return call
+
+
+def on_reference(build):
+    """``build()`` made inside :func:`reference_core`, as an :class:`OnReference`."""
+    with reference_core():
+        return OnReference(build())
