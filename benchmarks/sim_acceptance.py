@@ -63,6 +63,7 @@ from lookahead_vllm.core.config import LookaheadConfig, Settings, resolve
 from lookahead_lab.reference import ReferenceCalibrator as ConfidenceCalibrator
 from lookahead_lab.reference import drafter as make_drafter
 from lookahead_lab.reference import padded_contexts, row_drafts
+from lookahead_lab.reference.planner import best_path
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.step_plan import accepted_path
 from workloads import check_positive, plain_wave_forwards, workload_parser, workloads
@@ -140,7 +141,7 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
                 if predicts and len(accepted) == len(tree) and i + len(tree) < len(out):
                     whole += 1
                     hits += _predicted_bonus(drafter, r, len(tree)) == out[i + len(tree)]
-                off = bool(accepted) and accepted[-1] not in tree.best_path()
+                off = bool(accepted) and accepted[-1] not in best_path(tree)
                 n = min(len(accepted) + 1, len(out) - i)  # + bonus token
                 seqs[r].extend(out[i:i + n])
                 pos[r] = i + n

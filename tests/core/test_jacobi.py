@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lookahead_lab.reference.planner import merged
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_lab.reference import merge_rows, row_drafts
@@ -23,7 +24,7 @@ def digest_plan(W=5, N=4, G=2):
     rows = [[i for i in range(1, W)]] + [[1000 * l + i for i in range(W)] for l in range(1, N - 1)]
     window = JacobiWindow(W, N, rows)
     cands = [tuple(200 + 10 * g + j for j in range(N - 1)) for g in range(G)]
-    verify = DraftTree.empty().merged(branch_tree(cands), G * (N - 1))
+    verify = merged(DraftTree.empty(), branch_tree(cands), G * (N - 1))
     tree, flags = with_lookahead(verify, window)
     return StepPlan(tree, flags), cands
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lookahead_lab.reference.planner import best_chain
 from lookahead_lab.reference.trie import TokenTrie
 from lookahead_lab.reference.trie import TrieRecord, _iter_nodes
 from tests.settings import lookahead_settings
@@ -269,5 +270,5 @@ def test_tree_adds_shorter_matches_branches_chain_keeps_the_longest():
     tree = trie.retrieve([1, 2], shape="hier")
     # The "1 2" match's branch first, then "2"'s other branch below it, shared prefix (3 4) merged.
     assert tree.tokens == (3, 4, 7, 8) and tree.parents == (-1, 0, -1, 2)
-    assert tree.best_chain() == [3, 4]
+    assert best_chain(tree) == [3, 4]
     assert len(trie.retrieve([1, 2], shape="hier", budget=3)) == 3

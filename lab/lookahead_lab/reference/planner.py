@@ -20,6 +20,59 @@ from lookahead_vllm.core.drafter import index_tree
 from lookahead_vllm.core.step_plan import accepted_path
 
 
+# --------------------------------------------------------------- tree algebra
+def best_path(tree: DraftTree) -> list[int]:
+    """Node indices of the path that follows the heaviest child from the root."""
+    kids = tree.children()
+    path: list[int] = []
+    node = -1
+    while kids[node]:
+        node = max(kids[node], key=lambda c: tree.weights[c])
+        path.append(node)
+    return path
+
+
+def best_chain(tree: DraftTree) -> list[int]:
+    """Tokens of :func:`best_path`."""
+    return [tree.tokens[i] for i in best_path(tree)]
+
+
+def best_path_tree(tree: DraftTree) -> DraftTree:
+    """:func:`best_path` as a chain tree, its nodes' weights and confidences kept."""
+    path = best_path(tree)
+    return DraftTree(
+        tuple(tree.tokens[i] for i in path), tuple(range(-1, len(path) - 1)),
+        tuple(tree.weights[i] for i in path), tuple(tree.node_confidence(i) for i in path) if path else (),
+    )
+
+
+def merged(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
+    """``tree`` plus ``other``'s nodes (same root), shared prefixes merged, at
+    most ``budget`` nodes: ``tree``'s nodes keep their order and values;
+    ``other``'s new nodes follow, parents first, with their confidence as
+    weight, so they rank below ``tree``'s nodes (whose weights are counts
+    >= 1) in :func:`best_path`."""
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    weights = list(tree.weights)
+    confs = [tree.node_confidence(i) for i in range(len(tree))]
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    mapped: dict[int, int] = {-1: -1}
+    for j, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+        if parent not in mapped:
+            continue  # its parent did not fit
+        key = (mapped[parent], token)
+        if key not in index:
+            if len(tokens) >= budget:
+                continue
+            index[key] = len(tokens)
+            tokens.append(token)
+            parents.append(key[0])
+            weights.append(other.node_confidence(j))
+            confs.append(other.node_confidence(j))
+        mapped[j] = index[key]
+    return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
+
+
 # --------------------------------------------------------------- node kinds
 def node_kinds(tree: DraftTree, pool_from: int | None = None, context: int = 0) -> list[int]:
     """Per node: KIND_CONTEXT for the first ``context`` nodes (the context
@@ -102,13 +155,13 @@ def merge_rows(lead, lead_context, trie, budgets, cut, pool=None) -> tuple[np.nd
     out, kinds = rows_of(count, width), np.zeros((count, width), np.int8)
     for r in range(count):
         a, b, c = row_tree(lead, r), row_tree(trie, r), row_tree(pool, r)
-        t = a.merged(b, int(budgets[r])) if len(a) and len(b) else a if len(a) else b
+        t = merged(a, b, int(budgets[r])) if len(a) and len(b) else a if len(a) else b
         pool_from = len(t)
-        t = t.merged(c, int(budgets[r])) if len(c) else t
+        t = merged(t, c, int(budgets[r])) if len(c) else t
         k = (node_kinds(t, pool_from, len(a)) if lead_context[r] else index_kinds(t, len(a), pool_from)) if len(a) \
             else node_kinds(t, pool_from)
         if cut is not None and cut[r] and not t.is_chain():
-            k, t = [k[i] for i in t.best_path()], t.best_path_tree()
+            k, t = [k[i] for i in best_path(t)], best_path_tree(t)
         fill_row(out, r, t)
         kinds[r, :len(t)] = k
     return (*out[:4], kinds, out[4])
@@ -160,8 +213,8 @@ def plan_trees(tokens, parents, raw, lengths, tree_ok, bin_edges, factors, budge
         tree = index_tree(tokens[r, :n], parents[r, :n], raw[r, :n])
         kinds = index_kinds(tree, n) if given is None else given[r, :n].tolist()
         if given is None and not tree_ok[r] and not tree.is_chain():
-            kinds = [kinds[i] for i in tree.best_path()]
-            tree = tree.best_path_tree()
+            kinds = [kinds[i] for i in best_path(tree)]
+            tree = best_path_tree(tree)
         offers.append((tree, kinds))
         confs.append(calibrate(tree, kinds, factors))
         opens.append(opens_path(tree.parents) if tree_ok[r] else [False] * len(tree))

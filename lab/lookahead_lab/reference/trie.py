@@ -21,6 +21,7 @@ import numpy as np
 
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_lab.reference.planner import merged
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class TokenTrie:
                 if len(tree) >= min(cfg.min_retrieved_nodes, budget):
                     break
             else:  # trees: shorter matches add branches below the longer ones' until full
-                best = best.merged(tree, budget) if len(best) else tree
+                best = merged(best, tree, budget) if len(best) else tree
                 if len(best) >= budget:
                     break
         return best
