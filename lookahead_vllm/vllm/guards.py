@@ -24,6 +24,7 @@ Plain vLLM (no lookahead) is never touched by any guard.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Iterable
 
@@ -185,7 +186,7 @@ def backend_problems(names: Iterable[str]) -> list[str]:
 def check_attention_backends(backends: Iterable[type], what: str) -> None:
     """Refuse the engine if vLLM picked an attention backend (``AttentionGroup.backend`` classes)
     tree_verify does not wrap; judged by implementation class, so a subclass of a wrapped impl is fine."""
-    wrapped = tuple(_wrapped_impls())
+    wrapped = tuple(wrapped_attention_impls())
     bad = [b.get_name() for b in backends if not issubclass(b.get_impl_cls(), wrapped)]
     problems = backend_problems(bad)
     if bad and not problems:  # a wrapped name whose impl is not ours (re-registered backend)
@@ -205,20 +206,15 @@ def check_attention_layers(impls: Iterable[Any], what: str) -> None:
             raise ValueError(f"lookahead {what}: {exc} (found in this model's attention layers)") from None
 
 
-def attention_impl_targets() -> list[tuple[str, str]]:
-    """(module, class) of the attention implementations whose ``forward`` tree_verify
-    wraps (patch ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
+def wrapped_attention_impls() -> list[type]:
+    """The attention implementations whose ``forward`` tree_verify wraps (patch
+    ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
     from vllm.platforms import current_platform
 
     targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
     if current_platform.is_cuda():
         targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
-    return targets
-
-
-def _wrapped_impls() -> Iterable[type]:
-    for module, cls in attention_impl_targets():
-        yield getattr(__import__(module, fromlist=[cls]), cls)
+    return [getattr(importlib.import_module(module), cls) for module, cls in targets]
 
 
 # ---------------------------------------------------------------- CUDA graphs

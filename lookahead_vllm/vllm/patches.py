@@ -42,7 +42,6 @@ remembered, and plain vLLM keeps working; when lookahead is selected,
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -51,7 +50,6 @@ from vllm.logger import init_logger
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
-from lookahead_vllm.vllm.guards import attention_impl_targets
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
 from lookahead_vllm.vllm.wrap import check_params as _check_params
@@ -99,11 +97,9 @@ def require(names: Iterable[str], what: str) -> None:
     missing = [name for name in names if not apply(name)]
     if not missing:
         return
-    import vllm
-
     reasons = "; ".join(f"{name} ({_failed.get(name, 'not applied')})" for name in missing)
     raise RuntimeError(
-        f"{what} cannot start: vLLM {getattr(vllm, '__version__', '?')} failed lookahead-vllm's "
+        f"{what} cannot start: vLLM {guards.vllm_version()} failed lookahead-vllm's "
         f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
         "without speculative_config method 'lookahead' plain vLLM is unaffected"
     )
@@ -322,7 +318,7 @@ def patch_tree_verification() -> bool:
 
     targets = [(GPUModelRunner, "_prepare_inputs", make_prepare), (GPUModelRunner, "_sample", make_sample),
                (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
-    targets += [(getattr(importlib.import_module(m), c), "forward", make_forward) for m, c in attention_impl_targets()]
+    targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
     for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
         _check_params(owner, attr, TREE_PARAMS[attr])
     for owner, attr, make in targets:
