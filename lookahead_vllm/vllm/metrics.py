@@ -293,9 +293,8 @@ class StatsCollector:
             ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
         ):
             yield CounterMetricFamily(name, doc, value=total(key))
-        skipped = CounterMetricFamily(
-            "lookahead_skipped_request_steps", "Request-steps not drafted, by reason.", labels=["reason"]
-        )
+        skipped = CounterMetricFamily("lookahead_skipped_request_steps", "Request-steps not drafted, by reason.",
+                                      labels=["reason"])
         for reason in SKIP_REASONS:
             skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in snaps))
         yield skipped
