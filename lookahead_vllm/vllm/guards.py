@@ -177,10 +177,8 @@ def _requested_backends(vllm_config: Any) -> list[str]:
 def backend_problems(names: Iterable[str]) -> list[str]:
     """An entry per attention backend (by name) whose forward tree_verify does not wrap."""
     bad = sorted({n for n in names if n not in TREE_BACKENDS})
-    if not bad:
-        return []
     return [f"attention backend {', '.join(bad)} (tree attention is wired into {', '.join(TREE_BACKENDS)} only: "
-            f"pass --attention-backend FLASH_ATTN on GPUs)"]
+            f"pass --attention-backend FLASH_ATTN on GPUs)"] if bad else []
 
 
 def check_attention_backends(backends: Iterable[type], what: str) -> None:
@@ -209,10 +207,8 @@ def check_attention_layers(impls: Iterable[Any], what: str) -> None:
 def wrapped_attention_impls() -> list[type]:
     """The attention implementations whose ``forward`` tree_verify wraps (patch
     ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
-    from vllm.platforms import current_platform
-
     targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
-    if current_platform.is_cuda():
+    if _on_cuda():
         targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
     return [getattr(importlib.import_module(module), cls) for module, cls in targets]
 
@@ -227,8 +223,7 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
     if mode is None or not mode.has_full_cudagraphs():
         return
     needs_full = []
-    spec = vllm_config.speculative_config
-    if getattr(spec, "enable_adaptive_verification", False):
+    if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
         needs_full.append("speculative_config.enable_adaptive_verification")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         needs_full.append("dual batch overlap (--enable-dbo)")
