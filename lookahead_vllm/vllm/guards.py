@@ -2,47 +2,29 @@
 
 Terms: *tree mode* is lookahead with ``draft_shape != "one"`` or a Jacobi
 source (``source="jacobi"``/``"both"``): drafts are verified as trees through
-the ``tree_verification`` patches (positions, the attention backend's
-``forward``, the sampler). Chain mode hands vLLM plain chains.
+the ``tree_verification`` patches. Chain mode hands vLLM plain chains.
 
-Guards only check: they read the config and vLLM's state and raise; they
-apply no patch and change no setting. What lookahead changes (the patches,
-the switch from full CUDA graphs to piecewise) is in ``patches``, which calls
-the guards; the guards import no other module of this package but
-``tree_verify`` (what tree attention supports).
+Guards only read the config and vLLM's state and raise ``ValueError`` naming
+the setting and the fix; what lookahead changes (patches, full CUDA graphs to
+piecewise) is in ``patches``, which calls them. They run at three moments:
 
-Three moments, on GPU and CPU alike:
+``on_config``                 ``VllmConfig.__post_init__`` (patch ``lookahead_validation``),
+                              before any model loads: Model Runner V2; in tree mode async
+                              scheduling, fp8 KV, M-RoPE, an attention backend we do not
+                              wrap, CUDA without ``LOOKAHEAD_VLLM_GPU_TREES=1`` (docs/gpu.md)
+                              and features that need full CUDA graphs.
+``check_engine_start``        ``LookaheadProposer.__init__``, in every worker: the same
+                              checks again, for what slipped past the config hook.
+``check_attention_backends``  ``GPUModelRunner.initialize_attn_backend`` (patch
+                              ``tree_verification``): the backends vLLM actually picked.
 
-``on_config``            ``VllmConfig.__post_init__`` (patch
-                         ``lookahead_validation``), in the process that builds
-                         the config, before any model is loaded. Refuses Model
-                         Runner V2, and tree mode with async scheduling, fp8
-                         KV, M-RoPE or an attention backend we do not wrap,
-                         and on CUDA unless ``LOOKAHEAD_VLLM_GPU_TREES=1``
-                         (its GPU identity does not hold yet: docs/gpu.md)
-                         (an untested vLLM is refused earlier, by the
-                         ``speculative_method`` patch). The patch then switches
-                         full CUDA graphs to piecewise
-                         (``patches.make_cudagraphs_piecewise``, refused here
-                         by :func:`check_full_graph_features` where a feature
-                         needs full graphs).
-``check_engine_start``   ``LookaheadProposer.__init__`` (in every worker): the
-                         vLLM-side checks run again, refusing (too late to
-                         adjust) what slipped through. The patches the worker
-                         needs are applied there too, by
-                         ``patches.prepare_engine`` (which the plugin hands the
-                         proposer), not by a guard.
-``check_attention_backends``
-                         ``GPUModelRunner.initialize_attn_backend`` (part of
-                         the ``tree_verification`` patch): the backends vLLM
-                         actually picked, before the KV cache is allocated.
-
-Every message names the setting and the fix. Plain vLLM (no lookahead) is
-never touched by any guard.
+An untested vLLM is refused earlier, by the ``speculative_method`` patch.
+Plain vLLM (no lookahead) is never touched by any guard.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Iterable
 
@@ -70,6 +52,8 @@ TESTED_TORCH = {
     "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
 }
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
+# Opt-in for tree verification on CUDA until its greedy identity with plain vLLM holds there.
+GPU_TREES_ENV = "LOOKAHEAD_VLLM_GPU_TREES"
 
 # Attention backends whose ``forward`` tree_verify wraps (patch tree_verification).
 TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
@@ -85,9 +69,7 @@ def is_tree_mode(config: Settings) -> bool:
 
 def tree_mode_label(config: Settings) -> str:
     """The setting that selects tree mode, for messages."""
-    if config.uses_jacobi:
-        return f"source={config.source!r}"
-    return f"draft_shape={config.draft_shape!r}"
+    return f"source={config.source!r}" if config.uses_jacobi else f"draft_shape={config.draft_shape!r}"
 
 
 # ---------------------------------------------------------------- vLLM version
@@ -105,20 +87,14 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
-def torch_accepted(vllm: str, torch: str) -> bool:
-    """Whether ``torch`` is a build :data:`TESTED_TORCH` lists for vLLM release ``vllm``."""
-    accepted = TESTED_TORCH.get(vllm.split("+")[0], {})
-    return torch in accepted or torch.split("+")[0] in accepted
-
-
 def stack_problem(vllm: str, torch: str) -> str | None:
-    """Why lookahead refuses this vLLM / torch pair (None: a tested pair)."""
+    """Why lookahead refuses this vLLM / torch pair (None: a pair :data:`TESTED_TORCH` lists)."""
     base = vllm.split("+")[0]
     if base not in TESTED_VLLM:
         return f"vLLM {vllm} is not a tested release (tested: {', '.join(TESTED_VLLM)})"
-    if not torch_accepted(vllm, torch):
-        return (f"vLLM {vllm} is untested over torch {torch} "
-                f"(tested: {', '.join(TESTED_TORCH.get(base, {})) or 'none'})")
+    accepted = TESTED_TORCH.get(base, {})
+    if torch not in accepted and torch.split("+")[0] not in accepted:
+        return f"vLLM {vllm} is untested over torch {torch} (tested: {', '.join(accepted) or 'none'})"
     return None
 
 
@@ -139,10 +115,6 @@ def check_vllm_version(version: str | None = None, torch: str | None = None) -> 
 
 
 # ---------------------------------------------------------------- config guards
-
-
-# Opt-in for tree verification on CUDA until its greedy identity with plain vLLM holds there.
-GPU_TREES_ENV = "LOOKAHEAD_VLLM_GPU_TREES"
 
 
 def on_config(vllm_config: Any, config: Settings) -> None:
@@ -182,11 +154,12 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     if method != "standard":  # 'synthetic', 0.33's lossy 'fly': chain rows would not match the tree walk
         problems.append(f"speculative_config.rejection_sample_method={method!r} (use 'standard')")
     problems += backend_problems(_requested_backends(vllm_config))
+    _refuse_unsupported(what, problems)
+
+
+def _refuse_unsupported(what: str, problems: list[str]) -> None:
     if problems:
-        raise ValueError(
-            f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; "
-            f"{CHAIN_FIX}"
-        )
+        raise ValueError(f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; {CHAIN_FIX}")
 
 
 def _on_cuda() -> bool:
@@ -204,26 +177,19 @@ def _requested_backends(vllm_config: Any) -> list[str]:
 def backend_problems(names: Iterable[str]) -> list[str]:
     """An entry per attention backend (by name) whose forward tree_verify does not wrap."""
     bad = sorted({n for n in names if n not in TREE_BACKENDS})
-    if not bad:
-        return []
     return [f"attention backend {', '.join(bad)} (tree attention is wired into {', '.join(TREE_BACKENDS)} only: "
-            f"pass --attention-backend FLASH_ATTN on GPUs)"]
+            f"pass --attention-backend FLASH_ATTN on GPUs)"] if bad else []
 
 
 def check_attention_backends(backends: Iterable[type], what: str) -> None:
-    """Refuse the engine if vLLM picked an attention backend tree_verify does not wrap.
-
-    ``backends``: attention backend classes (``AttentionGroup.backend``). A
-    backend counts by its implementation class: a subclass of a wrapped impl
-    (for instance an overriding CPU backend) is fine.
-    """
-    wrapped = tuple(_wrapped_impls())
+    """Refuse the engine if vLLM picked an attention backend (``AttentionGroup.backend`` classes)
+    tree_verify does not wrap; judged by implementation class, so a subclass of a wrapped impl is fine."""
+    wrapped = tuple(wrapped_attention_impls())
     bad = [b.get_name() for b in backends if not issubclass(b.get_impl_cls(), wrapped)]
-    problems = backend_problems(bad or ())
+    problems = backend_problems(bad)
     if bad and not problems:  # a wrapped name whose impl is not ours (re-registered backend)
         problems = [f"attention backend {', '.join(bad)} with an implementation tree_verify does not wrap"]
-    if problems:
-        raise ValueError(f"lookahead {what} (tree verification) does not support {'; '.join(problems)}; {CHAIN_FIX}")
+    _refuse_unsupported(what, problems)
 
 
 def check_attention_layers(impls: Iterable[Any], what: str) -> None:
@@ -238,20 +204,13 @@ def check_attention_layers(impls: Iterable[Any], what: str) -> None:
             raise ValueError(f"lookahead {what}: {exc} (found in this model's attention layers)") from None
 
 
-def attention_impl_targets() -> list[tuple[str, str]]:
-    """(module, class) of the attention implementations whose ``forward`` tree_verify
-    wraps (patch ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
-    from vllm.platforms import current_platform
-
+def wrapped_attention_impls() -> list[type]:
+    """The attention implementations whose ``forward`` tree_verify wraps (patch
+    ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
     targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
-    if current_platform.is_cuda():
+    if _on_cuda():
         targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
-    return targets
-
-
-def _wrapped_impls() -> Iterable[type]:
-    for module, cls in attention_impl_targets():
-        yield getattr(__import__(module, fromlist=[cls]), cls)
+    return [getattr(importlib.import_module(module), cls) for module, cls in targets]
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -264,8 +223,7 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
     if mode is None or not mode.has_full_cudagraphs():
         return
     needs_full = []
-    spec = vllm_config.speculative_config
-    if getattr(spec, "enable_adaptive_verification", False):
+    if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
         needs_full.append("speculative_config.enable_adaptive_verification")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         needs_full.append("dual batch overlap (--enable-dbo)")
@@ -290,12 +248,7 @@ def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
 
 
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
-    """Everything lookahead needs, checked where the proposer is built (every worker).
-
-    Raises ValueError naming a setting. The patches the worker needs are not
-    a guard's business: ``patches.prepare_engine`` applies them (or raises
-    RuntimeError naming them) before this runs.
-    """
+    """Everything lookahead needs, checked again where the proposer is built (every worker)."""
     check_vllm_version()
     check_runner(vllm_config)
     if is_tree_mode(config):

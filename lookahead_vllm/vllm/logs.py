@@ -1,10 +1,7 @@
 """Route this package's log records through vLLM's logging setup.
 
-vLLM configures only the ``vllm`` logger (handler, format, level from
-``VLLM_LOGGING_LEVEL``); records of ``lookahead_vllm.*`` loggers would reach
-Python's last-resort handler, which drops INFO. Sharing vLLM's handlers and
-level makes the plugin's lines (patches applied, the proposer's periodic
-``lookahead: ...`` stats line) appear in the server log like vLLM's own.
+vLLM configures only the ``vllm`` logger; records of ``lookahead_vllm.*``
+loggers would reach Python's last-resort handler, which drops INFO.
 """
 
 from __future__ import annotations

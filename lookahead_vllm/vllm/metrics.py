@@ -17,41 +17,12 @@ scheduler stats; ours take a simpler road that works for any process layout:
 3. On every scrape, :class:`StatsCollector` reads the snapshots of live
    processes and sums them into Prometheus families.
 
-Exposed series (all cumulative since the engine started, except gauges):
-
-  lookahead_trie_nodes, lookahead_drafter_bytes   gauges (every 16 steps): trie nodes; estimated drafter
-                                                  memory (draft index and trie), bytes
-  lookahead_load_budget                           gauge: per-request node budget after load adaptation
-  lookahead_request_states                        gauge: requests the drafter holds state for now
-                                                  (the proposer's ``num_request_states()``; 0 once
-                                                  the engine drained, whatever was aborted)
-  lookahead_price_free_tokens                     gauge: tokens a forward scores for the price of one
-  lookahead_price_marginal_tokens                 gauge: past those, tokens that cost one more forward
-  lookahead_price_draft_setup                     gauge: forwards a drafted step costs over a draftless one
-  lookahead_price_row                             gauge: forwards each row of a step past the first adds
-  lookahead_price_context                         gauge: forwards a drafted row adds per 1000 context tokens
-  lookahead_price_step_seconds                    gauge: fitted time of a step within the free tokens
-                                                  (0 until fitted); the prices are averaged, not summed,
-                                                  over processes
-  lookahead_price_samples                         gauge: step-time samples the live prices rest on
-                                                  (0 = platform prior or pinned by configuration)
-  lookahead_draft_partitions{sharing}             gauge: draft index partitions holding a request or an
-                                                  output (tenant isolation, config draft_sharing)
-  lookahead_corpus_bytes{sharing}                 gauge: the draft index corpus's charge over all
-                                                  partitions (what index_corpus_bytes caps), bytes
-  lookahead_steps_total                           engine steps the drafter ran
-  lookahead_draftless_steps_total                 steps with no draft token in the batch, run
-                                                  as plain decoding (no speculative metadata,
-                                                  no rejection sampler)
-  lookahead_draft_tokens_total                    draft nodes handed to vLLM
-  lookahead_accepted_tokens_total                 draft tokens the target accepted
-  lookahead_skipped_request_steps_total{reason}   request-steps not drafted: "request"
-                                                  (per-request off/cap 0), "load" (load
-                                                  adaptation) or "cost" (at this batch size
-                                                  no draft token can pay, by the cost model)
-  lookahead_drafter_seconds                       histogram: drafter wall time per step
-  lookahead_draft_tokens_per_step                 histogram: draft nodes per step (whole batch)
-  lookahead_accepted_tokens_per_step              histogram: accepted draft tokens per step
+The series are listed, with their help strings, in :class:`StatsCollector` and
+in the README's metrics table (``tests/test_readme.py`` keeps the two in step):
+gauges of the drafter's state, of tenant partitions (by ``draft_sharing``
+policy) and of the forward-cost model's live prices (core/prices.py); counters
+of steps, draftless steps, draft and accepted tokens and request-steps not
+drafted, by reason; histograms per engine step.
 
 Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
 tokens accepted ``m - 1`` drafts of the previous step.
@@ -179,8 +150,7 @@ class IntervalLogger:
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.drafter_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
             stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_row,
-            stats.price_context, stats.price_source,
-            stats.price_samples,
+            stats.price_context, stats.price_source, stats.price_samples,
         )
 
 
@@ -195,15 +165,13 @@ class StatsPublisher:
     def __init__(self, owner: object, stats: StepStats) -> None:
         self.path = None
         directory = os.environ.get(STATS_DIR_ENV)
-        if not directory or not os.path.isdir(directory) or _tp_rank() != 0:
+        if not directory or not os.path.isdir(directory) or tp_rank() != 0:
             return
         self.path = os.path.join(directory, f"{os.getpid()}-{next(_counter)}.json")
         stop = threading.Event()
         states = weakref.WeakMethod(owner.num_request_states) if hasattr(owner, "num_request_states") else None
-        thread = threading.Thread(
-            target=_publish_loop, args=(self.path, stats, stop, states), name="lookahead-stats", daemon=True
-        )
-        thread.start()
+        threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states), name="lookahead-stats",
+                         daemon=True).start()
         # The owner (the proposer) going away stops the thread and removes its file.
         weakref.finalize(owner, _stop_publishing, stop, self.path)
 
@@ -240,7 +208,8 @@ def _stop_publishing(stop: threading.Event, path: str) -> None:
             pass
 
 
-def _tp_rank() -> int:
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 without distributed state)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -268,8 +237,8 @@ def _alive(pid: str) -> bool:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, owned by another user
+        pass
     return True
 
 
@@ -314,7 +283,7 @@ class StatsCollector:
              "Fitted seconds of a step within the free tokens (0 until fitted)."),
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
         ):
-            yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))
+            yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))  # prices: averaged, not summed
         yield from _partition_gauges(GaugeMetricFamily, snaps)
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
@@ -324,9 +293,8 @@ class StatsCollector:
             ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
         ):
             yield CounterMetricFamily(name, doc, value=total(key))
-        skipped = CounterMetricFamily(
-            "lookahead_skipped_request_steps", "Request-steps not drafted, by reason.", labels=["reason"]
-        )
+        skipped = CounterMetricFamily("lookahead_skipped_request_steps", "Request-steps not drafted, by reason.",
+                                      labels=["reason"])
         for reason in SKIP_REASONS:
             skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in snaps))
         yield skipped
@@ -361,12 +329,8 @@ def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) ->
     bounds = hists[0]["bounds"]
     counts = [sum(h["counts"][i] for h in hists) for i in range(len(bounds) + 1)]
     cumulative = list(itertools.accumulate(counts))
-    buckets = [(_le(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    buckets = [(str(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
     return family(name, doc, buckets=buckets, sum_value=sum(h["total"] for h in hists))
-
-
-def _le(bound: float) -> str:
-    return str(float(bound))
 
 
 def setup_process() -> None:

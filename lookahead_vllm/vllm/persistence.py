@@ -3,22 +3,16 @@
 ``Persistence`` does, for one proposer, what the config's ``warm_start`` and
 ``snapshot_path`` ask for:
 
-  start   load the snapshot (core/snapshot.py) if its file exists; a corrupt,
-          truncated or foreign one is refused with a warning naming the file
-          and the reason, and drafting starts cold. Then tokenize the
-          ``warm_start`` file (core/warm_start.py) with the model's tokenizer
-          and learn its texts, unless the loaded snapshot was written with
-          the same file (it already holds them).
+  start   load the snapshot (core/snapshot.py) if its file exists (a corrupt,
+          truncated or foreign one is refused with a warning; drafting starts
+          cold), then learn the ``warm_start`` texts (core/warm_start.py) with
+          the model's tokenizer, unless the snapshot was written with that file.
   close   write the snapshot (atomically) once: on engine shutdown, from the
           proposer's ``close()``, its finalizer or ``atexit``.
 
-Tensor-parallel ranks hold identical drafters and write the same bytes to
-the same path (each through its own temporary file, so the file stays whole);
-separate engines given one path leave the last writer's snapshot.
-
-The tokenizer (``model_config.tokenizer``, via transformers) is loaded only
-when one of the two is set: it also names the snapshot's identity (model
-folder name and vocabulary size).
+Tensor-parallel ranks hold identical drafters and write the same bytes, each
+through its own temporary file. The tokenizer (loaded only when one of the two
+is set) also names the snapshot's identity: folder name and vocabulary size.
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ class Persistence:
     def __init__(self, config: Settings, model_config: Any) -> None:
         self.config = config
         self.model_config = model_config
-        self.enabled = bool(config.warm_start or config.snapshot_path)
         self._tokenizer: Any = None
         self._identity: dict | None = None
         self._warm_digest = ""
@@ -57,8 +50,6 @@ class Persistence:
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
         """Learn the snapshot, then the warm-start texts (see the module docstring)."""
-        if not self.enabled:
-            return
         if self.config.warm_start and os.path.isfile(self.config.warm_start):
             self._warm_digest = file_digest(self.config.warm_start)
         snap = self._load_snapshot(drafter)
@@ -120,11 +111,9 @@ class Persistence:
     # ------------------------------------------------------------- shutdown
     def close(self, drafter: Any) -> None:
         """Write the snapshot (once; later calls do nothing). Never raises."""
-        if self.closed or not self.config.snapshot_path:
-            self.closed = True
-            return
-        self.closed = True
-        self.save(drafter)
+        closed, self.closed = self.closed, True
+        if not closed and self.config.snapshot_path:
+            self.save(drafter)
 
     def save(self, drafter: Any) -> Snapshot | None:
         """Write the snapshot now (a failure is logged, not raised)."""

@@ -1,19 +1,12 @@
-"""Named patches for serving (registered in :mod:`.patches`; wrapped, like
-every patch, through the signature-checked :func:`.wrap.wrap`).
+"""Named patches for serving (registered in :mod:`.patches`).
 
-request_options          ``SamplingParams`` validates the per-request
-                         lookahead keys of ``extra_args`` (see
-                         :mod:`lookahead_vllm.core.request_options`) where it
-                         validates its own fields: offline that raises at
-                         construction, in the API server the request gets an
-                         HTTP 400 before it reaches the engine.
-cli_speculative_model    vLLM's argument parser accepts the removed flag
-                         ``--speculative-model lookahead`` (only that value;
-                         it sets ``--spec-model``, which our
-                         ``speculative_method`` patch routes to the proposer)
-                         and ``--num-speculative-tokens`` as an alias of
-                         ``--spec-tokens``. Applies to ``vllm serve`` and to
-                         ``lookahead-vllm-serve``.
+request_options          ``SamplingParams._verify_args`` validates the per-request lookahead
+                         keys of ``extra_args`` (core/request_options.py): offline that raises
+                         at construction, in the API server the request gets an HTTP 400.
+cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model lookahead``
+                         (only that value; it sets ``--spec-model``, which the
+                         ``speculative_method`` patch routes to the proposer) and
+                         ``--num-speculative-tokens``, an alias of ``--spec-tokens``.
 """
 
 from __future__ import annotations

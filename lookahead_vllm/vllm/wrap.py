@@ -21,8 +21,7 @@ class PatchTargetChanged(RuntimeError):
 
 
 def _target(owner: type, attr: str) -> tuple[Callable, type | None]:
-    """``owner.attr`` as a plain function, and its descriptor kind (classmethod,
-    staticmethod; None for a plain method)."""
+    """``owner.attr`` as a plain function, and its kind (classmethod, staticmethod; None: a method)."""
     static = inspect.getattr_static(owner, attr)
     if isinstance(static, (classmethod, staticmethod)):
         return static.__func__, type(static)

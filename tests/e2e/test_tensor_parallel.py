@@ -95,7 +95,7 @@ def test_one_trace_is_not_a_comparison(tmp_path):
 
 
 def test_record_writes_one_line_per_step_only_when_enabled(tmp_path, monkeypatch):
-    monkeypatch.setattr(draft_trace, "_tp_rank", lambda: 0)  # no vLLM import here
+    monkeypatch.setattr(draft_trace, "tp_rank", lambda: 0)  # no vLLM import here
     monkeypatch.delenv(draft_trace.TRACE_DIR_ENV, raising=False)
     draft_trace.record(1, ["a"], [[1, 2]])
     assert not list(tmp_path.iterdir())

@@ -306,9 +306,10 @@ def test_engine_refuses_picked_backend_it_does_not_wrap(tiny_llama_dir, monkeypa
     from vllm import LLM
 
     from lookahead_lab.offline import engine_kwargs
-    from lookahead_vllm.vllm import guards
+    from lookahead_vllm.vllm import guards, patches
 
-    monkeypatch.setattr(guards, "_wrapped_impls", lambda: ())  # as if CPU_ATTN's forward were not wrapped
+    assert patches.apply("tree_verification")  # forward wrapped first: the stub below fools only the check
+    monkeypatch.setattr(guards, "wrapped_attention_impls", lambda: [])  # as if CPU_ATTN's forward were not wrapped
     with pytest.raises(Exception, match=r"attention backend CPU_ATTN with an implementation tree_verify does not wrap"):
         LLM(model=tiny_llama_dir, **engine_kwargs("lookahead", lookahead=TREE, max_model_len=256))
 
