@@ -1,52 +1,32 @@
 """Token prices the engine measures itself: the forward-cost model fitted online.
 
 The forward-cost model (core/budget.py) prices a step that scores ``T``
-tokens at ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens``
-single-token forwards, and every row past the first adds ``row_price``
-whatever its tokens (per-sequence attention, sampling and bookkeeping). The
-prices depend on the machine, the model, the context lengths and what else
-the host is doing, so :class:`OnlinePrices` fits them from the engine's own
-steps: every pure decode step (no prefill in it) gives one sample ``(T,
-rows, seconds, drafted)``, the wall time from the start of that step to the
-start of the next, as ``benchmarks/bench_forward_cost.py`` times
-``engine.step()``. A step that carries draft tokens builds speculative
-metadata and runs the rejection sampler; one that carries none runs as plain
-decoding (``patches.patch_draftless_steps``) and is cheaper by a fixed
-amount, the price ``draft_setup`` (in forwards); and every row that carries
-drafts pays ``context_price`` per thousand tokens of its context (on the CPU
-such a row leaves the decode attention path: ``K`` below is the drafted rows'
-context, in thousands of tokens). The fit is the five prices whose curve,
-scaled by a free per-step time ``t0``, best explains the samples::
+tokens in ``R`` rows at ``cost(T) = 1 + max(0, T - free_tokens) /
+marginal_tokens`` single-token forwards plus ``row_price`` per row past the
+first; a step that carries drafts adds ``draft_setup`` (a draftless one runs as
+plain decoding), and each drafted row ``context_price`` per thousand tokens of
+its context (``K``: the drafted rows' context in thousands). Every pure decode
+step (no prefill) is a sample ``(T, R, K, seconds, drafted)``: the wall time to
+the start of the next step, as ``benchmarks/bench_forward_cost.py`` times
+``engine.step()``. :class:`OnlinePrices` fits the five prices and a per-step
+time ``t0`` (docs/prices.md tells why each price is there)::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
-Without the row price, steps with more rows (and so more tokens) look like
-dearer tokens: at batch 8 the tokens' fitted price came out 1.7x the
-offline curve's.
-
-* **Robust.** Samples go into buckets by ``T``, by ``R`` (one per count
-  up to 64, then ~6% wide) and by ``K`` (25% wide; drafted and draftless
-  steps apart); a bucket
-  keeps its last :data:`RING` samples and enters the fit by their median, so
-  a stall or a preempted step moves nothing. Residuals are taken in log
-  time, so the fit is scale-free.
-* **Bounded.** :data:`MAX_BUCKETS` x :data:`RING` samples at most (the least
-  recently visited bucket makes room), whatever the traffic; a fit is a
-  grid search.
-* **Adaptive.** Rings forget old samples, and a bucket that has not been
-  visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
-  a change of load or machine.
-* **Prior.** The platform's defaults (the profile's ``free_tokens``,
-  ``marginal_tokens``, ``draft_setup`` and ``row_price``, core/config.py)
-  are a prior on the prices (log-normal, a factor of 2 wide; the setup and
-  the row price normal, :data:`SETUP_WIDTH` and :data:`ROW_WIDTH` wide),
-  which holds them where the samples say nothing: a batch that never scored
-  more than 17 tokens does not tell what 64 cost, without draftless steps
-  nothing tells the setup from ``t0``, with one row count nothing tells
-  the row price, and with one context bucket nothing tells the context price.
-* **Deterministic.** The same samples give the same prices bit for bit, and
-  tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
-  every rank drafts the same tokens.
+* **Robust.** Samples go into buckets by ``T``, ``R`` (one per count up to 64,
+  then ~6% wide), ``K`` (25% wide) and drafted or not; a bucket keeps its last
+  :data:`RING` samples and enters the fit by their median, so a stall moves
+  nothing. Residuals are relative, so the fit is scale-free.
+* **Bounded.** At most :data:`MAX_BUCKETS` x :data:`RING` samples (the least
+  recently visited bucket makes room); a fit is a grid search over ``free``.
+* **Adaptive.** Rings forget, and a bucket unvisited for :data:`MAX_AGE_STEPS`
+  steps leaves the fit, so the prices follow a change of load or machine.
+* **Prior.** The profile's prices (core/config.py) are a prior (log-normal, a
+  factor of 2 wide, on the token prices; normal on the others) that holds
+  them where the samples say nothing: one row count says nothing of the row
+  price, no draftless step nothing of the setup.
+* **Deterministic.** The same samples give the same prices bit for bit (and
+  tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
 
 Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior
 (5, 20): a flat start then 0.6 forwards over 12 tokens: ``free`` near 5 and
