@@ -342,7 +342,8 @@ class Profile:
 # so load adaptation starts there. "gpu": one H200 (gpu_h200.json, a
 # Llama-3-8B shape, bf16): 32 tokens free and 675 more per forward, steps of
 # 1, 8 and 32 rows on one curve (row price 0); the CUDA kernel runs all paths in
-# one launch (no path price); draft setup and context price unmeasured (0).
+# one launch (no path price); draft setup and context price unmeasured (0); load
+# adaptation from 32 to 128 rows (the cost model keeps no draft from ~64 on).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
