@@ -70,12 +70,10 @@ class ForwardCost:
     per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
-        """This model for one step of ``rows`` rows, in units of that step's
-        draftless base ``1 + per_row * (rows - 1)``: the row part does not
-        change with the drafts, so dividing every price by it leaves a model
-        without one that ranks the step's drafts the same way (throughputs are
-        ratios of costs). The more rows a step has, the cheaper its draft
-        tokens are relative to it."""
+        """This model for one step of ``rows`` rows, in units of its draftless base
+        ``1 + per_row * (rows - 1)``: the row part does not change with the drafts,
+        so the scaled model ranks the step's drafts the same way (throughputs are
+        ratios of costs)."""
         if not self.per_row or rows <= 1 or not self.free_tokens:
             return self
         base = 1.0 + self.per_row * (rows - 1)
@@ -169,15 +167,12 @@ def allocate_step_budget(
 ) -> list[int]:
     """Prefix length to keep per request: at most ``budget`` tokens in all
     (None = no cap), and, given ``cost``, the count that maximises expected
-    tokens per forward for ``num_rows`` requests in the step (default: one per
-    confidence list). ``new_paths[r][i]``: whether request ``r``'s node ``i``
-    opens a root-to-leaf path (see :func:`opens_path`; default: none does).
-    ``entry[r]``: what request ``r`` pays, in forwards, once it keeps any node
-    (:meth:`ForwardCost.entry`). A request whose whole draft is expected to
-    emit no more tokens than its entry buys at a rate the step already
-    reaches would only dilute it: such requests keep nothing, judged first at
-    the draftless rate, then at the rate that first plan reached (the better
-    of the two plans stands)."""
+    tokens per forward for ``num_rows`` requests (default: one per confidence
+    list). ``new_paths[r][i]``: whether request ``r``'s node ``i`` opens a path
+    (:func:`opens_path`). ``entry[r]``: what request ``r`` pays once it keeps any
+    node (:meth:`ForwardCost.entry`); a request whose whole draft would not win
+    back its entry at the step's rate keeps nothing, judged at the draftless
+    rate, then at the rate that plan reached (the better plan stands)."""
     rows = len(confidences) if num_rows is None else num_rows
     if cost is None or not cost.free_tokens or entry is None:
         return _best_prefix(confidences, budget, rows, cost, new_paths, None)[1]

@@ -5,32 +5,25 @@ vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
 keeps its :class:`StepPlan`. Next step, four hooks make the forward pass and
 the acceptance treat those tokens as a tree:
 
-``tree_positions``   ``GPUModelRunner._prepare_inputs``: after vLLM has
-                     computed positions and the (linear) slot mapping, the
-                     tree rows' positions become root + depth, so RoPE sees
-                     each node at its depth while node ``i`` still writes its
-                     K/V to slot ``C + 1 + i`` (no collisions).
+``tree_positions``   ``GPUModelRunner._prepare_inputs``: tree rows' positions
+                     become root + depth, so RoPE sees each node at its depth,
+                     while node ``i`` still writes its K/V to slot ``C + 1 + i``.
 ``tree_attention``   the attention backend's ``forward``: after the stock
                      kernel, tree rows off the leading chain are recomputed
-                     with the tree mask (committed context + root + ancestors)
-                     over the paged cache: on CPU with vLLM's own kernel, one
-                     root-to-leaf path per call (``LOOKAHEAD_TREE_ATTENTION=
-                     reference``: the pure-torch reference); on GPU the same
-                     path rounds through vLLM's FlashAttention (``=kernel``:
-                     the csrc kernel, every tree of the step in one launch,
-                     whose bf16 rounding differs from FlashAttention's).
-``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
-                     of tree requests are replaced by a tree walk (greedy
-                     argmax, or a sample with the request's own temperature,
-                     top-k, top-p and generator at each reached node), written
-                     as ``[accepted..., bonus, -1...]`` exactly like a chain
-                     result, so vLLM's bookkeeping (EOS, stop strings,
-                     max_tokens, streaming, metrics, ``num_computed_tokens``
-                     rollback) is unchanged. Then the accepted path's K/V is
-                     *compacted*: node at slot ``C + 1 + n_j`` moves to ``C + j``
-                     in every layer, so rejected nodes never stay in the
-                     committed sequence (and never reach the prefix cache,
-                     which only hashes committed blocks).
+                     with the tree mask (context + root + ancestors): by
+                     default one root-to-leaf path per round through vLLM's own
+                     kernel (CPU attention, or FlashAttention on GPU);
+                     ``LOOKAHEAD_TREE_ATTENTION=reference`` (CPU) the pure-torch
+                     reference, ``=kernel`` (GPU) the csrc kernel in one launch.
+``tree_acceptance``  ``GPUModelRunner._sample``: tree requests' rejection-sampler
+                     rows are replaced by a tree walk (greedy, or sampled with the
+                     request's temperature, top-k, top-p and generator at each
+                     reached node), written as ``[accepted..., bonus, -1...]``
+                     like a chain result, so vLLM's bookkeeping is unchanged.
+                     Then the accepted path's K/V is *compacted*: node at slot
+                     ``C + 1 + n_j`` moves to ``C + j`` in every layer, so
+                     rejected nodes never stay in the committed sequence (nor
+                     reach the prefix cache, which hashes committed blocks).
 
 Requests whose sampling needs the token history along the draft (penalties,
 bad words, min_tokens, logprobs, structured output, ...) get chains from the
