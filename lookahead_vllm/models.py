@@ -44,18 +44,12 @@ def package_data_file(dist: str, suffix: str, install_hint: str) -> Path:
     try:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
-        raise MissingPackageError(
-            f"package {dist!r} is not installed; install it with: {install_hint}"
-        ) from None
+        raise MissingPackageError(f"package {dist!r} is not installed; install it with: {install_hint}") from None
     for entry in files:
-        if entry.as_posix().endswith(suffix):
-            path = Path(entry.locate())
-            if path.is_file():
-                return path
-    raise MissingPackageError(
-        f"file '*{suffix}' not found in installed package {dist!r}; "
-        f"reinstall it with: {install_hint}"
-    )
+        if entry.as_posix().endswith(suffix) and Path(entry.locate()).is_file():
+            return Path(entry.locate())
+    raise MissingPackageError(f"file '*{suffix}' not found in installed package {dist!r}; "
+                              f"reinstall it with: {install_hint}")
 
 
 def default_cache_dir() -> Path:
@@ -71,9 +65,7 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def build_atomically(
-    target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool
-) -> Path:
+def build_atomically(target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool) -> Path:
     """Run ``build(tmp_dir)`` and rename the result to ``target`` (unless already built).
 
     ``info`` is written as the marker; a later call with the same ``info`` returns at once.
@@ -82,6 +74,7 @@ def build_atomically(
     if not force and _read_marker(target) == info:
         logger.debug("%s is up to date", target)
         return target
+    logger.info("building %s", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp creates 0700
@@ -118,10 +111,8 @@ def set_rope_theta(config_file: Path, rope_theta: float) -> None:
 
 
 def save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
-    """Save ``tokenizer`` with ``tokenizer_class: PreTrainedTokenizerFast``.
-
-    transformers 5 writes its alias ``TokenizersBackend``, which 4.x cannot load.
-    """
+    """Save ``tokenizer`` with ``tokenizer_class: PreTrainedTokenizerFast`` (transformers 5
+    writes its alias ``TokenizersBackend``, which 4.x cannot load)."""
     tokenizer.save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
@@ -163,11 +154,8 @@ def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(out)
     set_rope_theta(out / "config.json", _gguf_rope_theta(gguf_path))
     special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    fast = fast_tokenizer(
-        tok.backend_tokenizer, special, chat_template=tok.chat_template,
-        model_max_length=config.max_position_embeddings,
-    )
-    save_fast_tokenizer(fast, out)
+    save_fast_tokenizer(fast_tokenizer(tok.backend_tokenizer, special, chat_template=tok.chat_template,
+                                       model_max_length=config.max_position_embeddings), out)
 
 
 def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) -> Path:
@@ -175,8 +163,6 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) ->
     gguf_path = package_data_file(*_SMOLLM2_GGUF)
     target = Path(cache_dir or default_cache_dir()) / SMOLLM2_DIR
     info = {"source": gguf_path.name, "size": gguf_path.stat().st_size, "format": _FORMAT}
-    if force or _read_marker(target) != info:
-        logger.info("converting %s -> %s", gguf_path, target)
     start = time.perf_counter()
     path = build_atomically(target, info, lambda out: _convert_smollm2(gguf_path, out), force)
     logger.info("SmolLM2 ready at %s (%.1f s)", path, time.perf_counter() - start)
@@ -186,10 +172,8 @@ def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) ->
 def main(argv: list[str] | None = None) -> None:
     """CLI: prepare SmolLM2 and print its folder as the last stdout line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cache-dir", type=Path, default=None,
-        help="default: $LOOKAHEAD_VLLM_CACHE or ~/.cache/lookahead_vllm",
-    )
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="default: $LOOKAHEAD_VLLM_CACHE or ~/.cache/lookahead_vllm")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -6,46 +6,30 @@ costs real time. The forward-cost model (:class:`ForwardCost`) says how much::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
 
-and every row past the first adds ``per_row`` whatever its tokens, which a
-step's planning folds into the other prices (:meth:`ForwardCost.at_rows`).
-A row that carries draft tokens also pays ``per_context`` for every thousand
-tokens of its context (:meth:`ForwardCost.entry`): on the CPU a row that
-scores more than one token leaves the decode attention path, and 8 rows
-drafting one token each cost 1.26x the draftless step of 8 rows at 256
-tokens of context, 1.90x at 2048, while a second draft token a row costs the
-same at both (``benchmarks/results/context_cost.json``).
-
-The defaults per platform are the profile's ``free_tokens`` and
-``marginal_tokens`` (core/config.py ``PLATFORM_VALUES``); the engine starts
-from them and fits its own prices from its steps' times (core/prices.py) unless
-the configuration pins them (:func:`prices_pinned`). On this
-project's 2-core CPU with SmolLM2-135M three measurements gave 1.05-1.16
-forwards at T = 9, 1.28-1.49 at 17, 1.90 at 25, 2.18-2.22 at 33 and 3.93 at
-65, with T <= 5 no dearer than one token; ``free_tokens=5, marginal_tokens=20``
-give 1.20, 1.60, 2.00, 2.40, 4.00: a little dear between 9 and 17 tokens,
-which also keeps batch-8 steps, already past the free region, from
-over-drafting.
+Every row past the first adds ``per_row`` (folded into the other prices by
+:meth:`ForwardCost.at_rows`), a row that carries drafts ``per_context`` per
+thousand tokens of its context (:meth:`ForwardCost.entry`), and a step that
+carries any draft ``draft_setup`` (a draftless step runs as plain decoding).
+The prices are the profile's prior (core/config.py), fitted online by
+core/prices.py unless pinned (:func:`prices_pinned`); docs/prices.md and
+docs/how-it-works.md hold the measurements behind them.
 
 Every request offers its draft nodes in draft order, each with its path
-confidence: the estimated probability that the node is accepted. The expected
-number of tokens a request emits is ``1 + sum(confidence of its nodes)`` (the
-accepted nodes form one path, and the bonus token is always emitted), so a
-step with ``R`` requests that keeps draft nodes of total confidence ``S``
-emits ``R + S`` tokens in ``cost(R + kept) + draft_setup`` forwards, where
-``draft_setup`` is what any drafted step costs over a draftless one (the
-speculative metadata and the rejection sampler; a step without drafts runs as
-plain decoding). The planner merges the requests' nodes most-confident-first
-(each request keeps a prefix of its draft order) and keeps the prefix of that
-merged order with the best throughput ``(R + S) / (cost(R + kept) +
-draft_setup)``, capped at ``budget`` tokens, or nothing where no prefix beats
-``R / cost(R)``.
+confidence: the estimated probability that the node is accepted. A request
+emits ``1 + sum(confidence of its nodes)`` tokens in expectation (the accepted
+nodes form one path, and the bonus token is always emitted), so a step with
+``R`` requests that keeps nodes of total confidence ``S`` emits ``R + S``
+tokens in ``cost(R + kept) + draft_setup`` forwards. The planner merges the
+requests' nodes most-confident-first (each request keeps a prefix of its
+draft order) and keeps the prefix of that merged order with the best
+throughput ``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget``
+tokens, or nothing where no prefix beats ``R / cost(R)``.
 
 Where tree attention runs each extra root-to-leaf path separately (the CPU
 path rounds), a node that opens a new path (a parent's second or later child)
-also costs ``per_path``, and the first such node of the step ``path_setup``
-(gathering, restoring and scattering the rounds' rows); the rounds are shared
-by the batch, so a prefix costs ``path_setup + per_path * rounds`` with
-``rounds`` the most paths any one request opens.
+also costs ``per_path``, and the step's first such node ``path_setup``; the
+rounds are shared by the batch, so a prefix pays ``path_setup + per_path *
+rounds`` with ``rounds`` the most paths any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep
 ``[0.9]`` + ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
@@ -70,33 +54,26 @@ class ForwardCost:
     free_tokens: int
     # Past ``free_tokens``, this many more tokens cost one more forward.
     marginal_tokens: float
-    # Extra cost of each additional root-to-leaf path the tree attention runs
+    # Extra cost, in forwards, of each root-to-leaf path the tree attention runs
     # separately (the CPU path rounds; 0 where one kernel launch covers all),
     # and the fixed cost of a step that runs any.
     per_path: float = 0.0
     path_setup: float = 0.0
-    # Extra cost, in forwards, of a step that carries any draft token over one
-    # that carries none: a drafted step builds speculative metadata and runs
-    # the rejection sampler, a draftless one runs as plain decoding
-    # (patches.patch_draftless_steps). The first kept draft token pays it.
+    # Extra cost of a step that carries any draft token over a draftless one
+    # (patches.patch_draftless_steps); the first kept draft token pays it.
     draft_setup: float = 0.0
-    # Extra cost, in forwards, of every row of the step past the first,
-    # whatever its tokens (per-sequence attention, sampling and bookkeeping):
-    # a step of R rows and T tokens costs 1 + per_row * (R - 1) + the token
-    # price. The planners see it through :meth:`at_rows`.
+    # Extra cost of every row of the step past the first, whatever its tokens
+    # (per-sequence attention, sampling, bookkeeping); see :meth:`at_rows`.
     per_row: float = 0.0
-    # Extra cost, in forwards, of a row that carries any draft token, per
-    # thousand tokens of its context (the attention of a many-token row);
-    # the planners see it through :meth:`entry`.
+    # Extra cost of a row that carries any draft token, per thousand tokens
+    # of its context; see :meth:`entry`.
     per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
-        """This model for one step of ``rows`` rows, in units of that step's
-        draftless base ``1 + per_row * (rows - 1)``: the row part does not
-        change with the drafts, so dividing every price by it leaves a model
-        without one that ranks the step's drafts the same way (throughputs are
-        ratios of costs). The more rows a step has, the cheaper its draft
-        tokens are relative to it."""
+        """This model for one step of ``rows`` rows, in units of its draftless base
+        ``1 + per_row * (rows - 1)``: the row part does not change with the drafts,
+        so the scaled model ranks the step's drafts the same way (throughputs are
+        ratios of costs)."""
         if not self.per_row or rows <= 1 or not self.free_tokens:
             return self
         base = 1.0 + self.per_row * (rows - 1)
@@ -123,18 +100,11 @@ class ForwardCost:
 
     def draft_pays(self, rows: int) -> bool:
         """Whether any draft token can raise the expected throughput of a step
-        of ``rows`` rows (each scoring one token). Not once the step is past
-        the free tokens and further tokens cost at least their share of them
-        (``marginal_tokens <= free_tokens``): then ``t / cost(t)`` no longer
-        grows with ``t``, so ``m`` tokens gaining at most ``m`` (confidences
-        are at most 1) never beat ``rows / cost(rows)``. Extra paths and the
-        draft setup only add cost. The allocators keep no token then; callers skip drafting."""
+        of ``rows`` one-token rows. Not once the step is past the free tokens
+        and ``marginal_tokens <= free_tokens``: then ``t / cost(t)`` no longer
+        grows with ``t``, so ``m`` tokens gaining at most ``m`` never beat
+        ``rows / cost(rows)`` (paths and the setup only add cost)."""
         return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
-
-    def token_costs(self, tokens: np.ndarray) -> np.ndarray:
-        """:meth:`__call__` for many token counts at once, no extra paths
-        (``free_tokens > 0``)."""
-        return 1.0 + np.maximum(0, tokens - self.free_tokens) / self.marginal_tokens
 
 
 def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
@@ -165,14 +135,10 @@ def confidence_floor(config: "Settings", drafting: int) -> float:
     """Path confidence below which a step's drafts are cut: ``min_draft_confidence``.
 
     The forward-cost model (on unless ``cost_free_tokens=0``) already prices
-    every node against the step's load, so the floor stays flat. Without it,
-    the floor is the load's only check: it scales with the requests drafting
-    in the step (a draft token's worth shrinks with the batch, its cost does
-    not), at most :data:`MAX_CONFIDENCE_FLOOR`. Replayed on the dev splits at
-    batch 8, the flat floor gave the same modeled speed at this CPU's prices
-    (1.00-1.01x) and 1.03-1.11x at the GPU's, where a batch of 8 still
-    verifies ~64 tokens for the price of one and the scaled floor (0.2) cut
-    free drafts."""
+    every node against the step's load, so the floor stays flat (a floor scaled
+    with the batch cut free drafts at the GPU's prices). Without the model the
+    floor is the load's only check: it scales with the requests drafting in the
+    step, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)
 
@@ -201,15 +167,12 @@ def allocate_step_budget(
 ) -> list[int]:
     """Prefix length to keep per request: at most ``budget`` tokens in all
     (None = no cap), and, given ``cost``, the count that maximises expected
-    tokens per forward for ``num_rows`` requests in the step (default: one per
-    confidence list). ``new_paths[r][i]``: whether request ``r``'s node ``i``
-    opens a root-to-leaf path (see :func:`opens_path`; default: none does).
-    ``entry[r]``: what request ``r`` pays, in forwards, once it keeps any node
-    (:meth:`ForwardCost.entry`). A request whose whole draft is expected to
-    emit no more tokens than its entry buys at a rate the step already
-    reaches would only dilute it: such requests keep nothing, judged first at
-    the draftless rate, then at the rate that first plan reached (the better
-    of the two plans stands)."""
+    tokens per forward for ``num_rows`` requests (default: one per confidence
+    list). ``new_paths[r][i]``: whether request ``r``'s node ``i`` opens a path
+    (:func:`opens_path`). ``entry[r]``: what request ``r`` pays once it keeps any
+    node (:meth:`ForwardCost.entry`); a request whose whole draft would not win
+    back its entry at the step's rate keeps nothing, judged at the draftless
+    rate, then at the rate that plan reached (the better plan stands)."""
     rows = len(confidences) if num_rows is None else num_rows
     if cost is None or not cost.free_tokens or entry is None:
         return _best_prefix(confidences, budget, rows, cost, new_paths, None)[1]

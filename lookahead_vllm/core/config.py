@@ -73,15 +73,11 @@ class LookaheadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    # Where drafts come from: "index" (core/draft_index.py: the continuations
-    # of the longest earlier matches in the request's own text and in every
-    # request's output; native, batched), "trie" (the n-gram trie of
-    # core/trie.py with the context chain of core/context_match.py), "jacobi"
-    # (the Jacobi n-gram pool and 2D lookahead window, core/jacobi.py), or
-    # several merged into one tree in that order ("index+trie",
-    # "index+jacobi"; "both" = trie and Jacobi). Jacobi sources add the window
-    # (W * (N - 1) - 1 nodes) to every step on top of decoding_length and
-    # need tree verification.
+    # Where drafts come from: "index" (core/draft_index.py: continuations of the
+    # longest earlier matches in the request's text and all outputs), "trie"
+    # (core/trie.py, core/context_match.py), "jacobi" (core/jacobi.py), or several
+    # merged into one tree in that order ("both" = trie and Jacobi). Jacobi adds
+    # its window (W * (N - 1) - 1 nodes) on top of decoding_length and needs trees.
     source: Literal[SOURCES] = "index"
     # "one" drafts a chain; "hier" a token tree with shared prefixes merged,
     # "par" whole branches side by side; trees are verified in one forward
@@ -95,27 +91,21 @@ class LookaheadConfig(BaseModel):
     # charge in bytes (an output token is charged 80-190 of it), split evenly
     # between the index and its back-off; the oldest finished outputs go first.
     index_corpus_bytes: int = Field(128 << 20, ge=0, le=1 << 40)
-    # A file of past responses or a corpus, learned at engine start (.jsonl:
-    # one object a line with a "text", "response", "output" or "completion"
-    # string; any other file: plain text, paragraphs split on blank lines).
-    # "" = none.
+    # A file of past responses or a corpus, learned at engine start (formats:
+    # core/warm_start.py). "" = none.
     warm_start: str = ""
     # What the drafter learned (core/snapshot.py): loaded on start when the
     # file exists, written on shutdown (atomically); a corrupt or foreign file
     # is refused with a warning and the engine starts cold. "" = none.
     snapshot_path: str = ""
-    # Tenant isolation (core/partitions.py): which finished outputs a request
-    # drafts from besides its own text. "per-salt": a request carrying vLLM's
-    # cache_salt drafts only from outputs of requests with the same salt,
-    # requests without one share a default partition; "per-salt-saved": the
-    # same, and the snapshot also keeps the salted partitions (each under its
-    # salt's SHA-256); "all": salts ignored; "none": no cross-request drafting.
+    # Tenant isolation (core/partitions.py): whose outputs a request drafts from.
+    # "per-salt": only same-cache_salt requests' (unsalted ones share one
+    # partition); "per-salt-saved": the same, and the snapshot keeps the salted
+    # partitions too; "all": salts ignored; "none": no cross-request drafting.
     draft_sharing: Literal[DRAFT_SHARINGS] = "per-salt"
-    # Forward-cost model (core/budget.py): a forward scoring up to
-    # cost_free_tokens tokens costs about one token's forward; past that,
-    # cost_marginal_tokens more tokens cost one more. -1 (both) = measured
-    # online from the engine's own step times (core/prices.py), starting from
-    # the platform's prior. Either one >= 0 pins both (the other at the
+    # Forward-cost model (core/budget.py): up to cost_free_tokens tokens cost one
+    # forward, each cost_marginal_tokens more one more. -1 (both) = fitted online
+    # (core/prices.py); either >= 0 pins both (the other at the platform's
     # prior); cost_free_tokens=0 turns the model off.
     cost_free_tokens: int = Field(-1, ge=-1, le=1 << 16)
     cost_marginal_tokens: float = Field(-1.0, ge=-1.0, le=1e6)
@@ -215,42 +205,31 @@ class Profile:
     """Internal tuning knobs: one set of defaults, per-platform values in
     :data:`PLATFORM_VALUES`. Build with :meth:`for_platform`."""
 
-    # ---- per platform (PLATFORM_VALUES)
+    # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
     # "cpu" or "gpu": what the values below were chosen for.
     platform: str
-    # The token-price prior of the forward-cost model (core/budget.py): a
-    # forward scores free_tokens tokens for the price of one, and
-    # marginal_tokens more cost one more forward; the online fit
-    # (core/prices.py) starts here, a pinned price replaces it.
+    # Token prices (core/budget.py): a forward scores free_tokens tokens for
+    # the price of one; marginal_tokens more cost one more forward.
     free_tokens: int
     marginal_tokens: float
-    # Extra cost, in forwards, of a tree step that runs separate root-to-leaf
-    # attention paths (the CPU path rounds; the CUDA kernel does all paths in
-    # one launch): path_setup once, cost_per_path per path.
+    # Forwards a tree step pays for running separate root-to-leaf attention
+    # paths (the CPU path rounds): path_setup once, cost_per_path per path.
     path_setup: float
     cost_per_path: float
-    # Extra cost, in forwards, of a step that carries any draft over one that
-    # carries none (speculative metadata and the rejection sampler; a
-    # draftless step runs as plain decoding): the prior of the online fit.
+    # Forwards a step with any draft costs over a draftless one (speculative
+    # metadata and the rejection sampler; a draftless step runs as plain decoding).
     draft_setup: float
-    # Extra cost, in forwards, of every row of a step past the first,
-    # whatever its tokens (per-sequence attention, sampling, bookkeeping):
-    # the prior of the online fit. It makes draft tokens relatively cheaper
-    # in a step of many rows (core/budget.py ForwardCost.at_rows).
+    # Forwards every row of a step past the first adds, whatever its tokens.
     row_price: float
-    # Extra cost, in forwards, of a row that carries draft tokens, per
-    # thousand tokens of its context (core/budget.py ForwardCost.entry): the
-    # prior of the online fit.
+    # Forwards a row that carries drafts adds per thousand tokens of its context.
     context_price: float
-    # Load adaptation (core/load.py): above load_shrink_above running
-    # requests the per-request budget shrinks linearly, at load_stop_at
-    # nothing is drafted.
+    # Load adaptation (core/load.py): the per-request budget shrinks above
+    # load_shrink_above running requests; nothing is drafted at load_stop_at.
     load_shrink_above: int
     load_stop_at: int
-    # The native index's upkeep (corpus pushes, evictions) on a thread of its
-    # own while the forward runs (GPUs: the CPU waits out the forward there),
-    # or inline at the end of the batch call (the CPU, where the forward keeps
-    # the cores busy). The drafts are the same either way.
+    # The native index's upkeep on a thread of its own while the forward runs
+    # (GPUs), or inline after the batch call (the CPU, whose cores the forward
+    # keeps busy). The drafts are the same either way.
     upkeep_thread: bool
 
     # ---- one default everywhere
@@ -275,13 +254,10 @@ class Profile:
     min_draft_confidence: float = 0.025
     # Draft tokens per step across the batch (0 = no cap).
     step_draft_budget: int = 0
-    # Where the engine captured full CUDA graphs for decode steps apart from
-    # the rest (cudagraph_mode FULL_AND_PIECEWISE, vLLM's default, or
-    # FULL_DECODE_ONLY), fill every row's chain to exactly k draft tokens when
-    # the whole step then fits the largest graph: vLLM replays those graphs
-    # only for a step whose every request scores 1 + k tokens and runs any
-    # other step piecewise (on an H200, SmolLM2 steps of suffix and lookahead
-    # took 9-21 ms, ngram's uniform ones 2.7-4.4 ms).
+    # Under full decode CUDA graphs (cudagraph_mode FULL_AND_PIECEWISE or
+    # FULL_DECODE_ONLY), fill every row's chain to exactly k draft tokens when the
+    # step then fits the largest graph: vLLM replays them only for uniform 1 + k
+    # steps (on an H200, piecewise SmolLM2 steps took 9-21 ms, uniform 2.7-4.4 ms).
     uniform_steps: bool = True
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True
@@ -357,36 +333,17 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# Where CPU and GPU differ. "cpu": this project's 2-core host: prices fitted
-# to its measured forward curves (5 tokens free, 20 more per forward,
-# core/budget.py); tree verification's path rounds (vllm/tree_verify.py) cost
-# 0.09 forwards for a step that runs any (rows gathered, overwritten slots
-# restored, outputs scattered, once per layer) and 0.02 per round (SmolLM2,
-# bench_forward_cost.py --nodes 8 16 --paths 1 2 3 4 8: 8 nodes in 1/2/3/4/8
-# root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
-# 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free
-# tokens, so load adaptation starts there. The CUDA kernel runs all paths in
-# one launch: no path price on GPUs. "gpu": measured on an H200
-# (benchmarks/results/gpu_h200.json, cost part: a Llama-3-8B-shaped model,
-# dummy weights, bf16, piecewise CUDA graphs, 512-token contexts, 1/8/32
-# rows x 1-64 tokens each): 32 tokens cost one forward and each 675 more one
-# more forward, within 7.4% of every step up to 512 tokens (a Qwen2.5-1.5B
-# shape was flatter still). Load adaptation keeps its earlier limits: the
-# budget shrinks from 32 running requests and stops at 128. draft_setup: on
-# the CPU, SmolLM2 at batch 8 (mixed dev prompts), sampling took 4.3 ms in a
-# drafted step against 0.7 ms in a draftless one, about 0.05 of a one-token
-# forward (~70 ms); not measured on a GPU (0 there: the online fit learns it).
-# row_price: on the CPU, bench_prices.py's offline curves (SmolLM2, 288-token
-# contexts) put 8 rows of one token at 123 ms against ~102 ms for one row of
-# 8 tokens (76 ms for one token): ~3 ms, 0.04 forwards, a row; on the H200
-# the cost part's steps of 1, 8 and 32 rows fell on one curve of total
-# tokens (0 there). context_price: on the CPU (SmolLM2, eager, 2 threads;
-# bench_forward_cost.py --drafting, benchmarks/results/context_cost.json) 8
-# rows drafting one token each cost 1.26x the draftless step of 8 rows at 256
-# tokens of context and 1.90x at 2048, a second token a row ~2 ms at both:
-# past the token prices, 0.03-0.09 forwards per drafted row per thousand
-# tokens (more at 2048 than at 512-1024); not measured on a GPU (0 there: the
-# online fit learns it).
+# Where CPU and GPU differ (measurements: docs/prices.md, docs/gpu.md). "cpu":
+# this project's 2-core host with SmolLM2: 5 tokens free and 20 more per
+# forward; the path rounds cost 0.09 forwards for a step that runs any and 0.02
+# per round (bench_forward_cost.py --nodes 8 16 --paths 1 2 3 4 8: 8 nodes in
+# 1/2/3/4/8 root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
+# 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free tokens,
+# so load adaptation starts there. "gpu": one H200 (gpu_h200.json, a
+# Llama-3-8B shape, bf16): 32 tokens free and 675 more per forward, steps of
+# 1, 8 and 32 rows on one curve (row price 0); the CUDA kernel runs all paths in
+# one launch (no path price); draft setup and context price unmeasured (0); load
+# adaptation from 32 to 128 rows (the cost model keeps no draft from ~64 on).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,

@@ -135,9 +135,8 @@ class JacobiWindow:
 
 
 def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
-    """Pool continuations as branches from the root, side by side (merged
-    after a row's other nodes, shared prefixes merged: core/drafter.py
-    merge_rows), each node at confidence and weight ``POOL_CONFIDENCE ** depth``."""
+    """Pool continuations as branches from the root, side by side, each node at
+    confidence and weight ``POOL_CONFIDENCE ** depth`` (merged by core/drafter.py)."""
     tokens: list[int] = []
     parents: list[int] = []
     confs: list[float] = []
@@ -177,11 +176,9 @@ MAX_PROBE_EVERY = 512
 class JacobiRequest:
     """One request's Jacobi state in the proposer: its window and n-gram pool.
 
-    The window pays for itself or stays off: the proposer sends it when the
-    expected yield (``yield_est``: accepted tokens from pool nodes per step
-    with the window) beats what the window's extra tokens cost the step
-    (core/budget.py), or as a probe after ``PROBE_EVERY`` steps without it.
-    The pool keeps serving verify branches either way.
+    The window is sent when its expected yield (``yield_est``: accepted pool
+    tokens per step with the window) pays for its tokens (core/budget.py), or
+    as a probe; the pool serves verify branches either way.
     """
 
     window: JacobiWindow
@@ -219,9 +216,8 @@ class JacobiRequest:
         cls, prompt: Sequence[int], window: int, ngram: int, guesses: int,
         yield_est: float = YIELD_PRIOR, probe_every: int = PROBE_EVERY,
     ) -> "JacobiRequest":
-        """Window deterministic in the prompt, so a recomputed request gets the
-        same one; ``yield_est`` and ``probe_every``: where the window policy
-        starts (the proposer passes what earlier requests learned)."""
+        """Window deterministic in the prompt (a recomputed request gets the same one);
+        ``yield_est``, ``probe_every``: what earlier requests learned."""
         seed = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt))
         return cls(JacobiWindow.from_prompt(prompt, window, ngram, seed), NgramPool(ngram, guesses),
                    yield_est=yield_est, probe_every=probe_every)

@@ -18,11 +18,8 @@ from lookahead_vllm.core.config import Settings
 
 
 def load_scaled_budget(config: Settings, num_running: int) -> int:
-    """Draft nodes per request when ``num_running`` requests share the step
-    (the limits: the profile's ``load_shrink_above`` and ``load_stop_at``;
-    "cpu": 8 and 16, a batch of 8 already scores past the ~5 tokens a forward
-    takes for the price of one; "gpu": 32 and 128, the cost model keeps no
-    draft from ~64 rows on at the GPU's prices)."""
+    """Draft nodes per request when ``num_running`` requests share the step (the
+    limits: the profile's ``load_shrink_above`` and ``load_stop_at``, core/config.py)."""
     full = config.decoding_length
     shrink_above, stop_at = config.profile.load_shrink_above, config.profile.load_stop_at
     if num_running <= shrink_above:

@@ -1,52 +1,32 @@
 """Token prices the engine measures itself: the forward-cost model fitted online.
 
 The forward-cost model (core/budget.py) prices a step that scores ``T``
-tokens at ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens``
-single-token forwards, and every row past the first adds ``row_price``
-whatever its tokens (per-sequence attention, sampling and bookkeeping). The
-prices depend on the machine, the model, the context lengths and what else
-the host is doing, so :class:`OnlinePrices` fits them from the engine's own
-steps: every pure decode step (no prefill in it) gives one sample ``(T,
-rows, seconds, drafted)``, the wall time from the start of that step to the
-start of the next, as ``benchmarks/bench_forward_cost.py`` times
-``engine.step()``. A step that carries draft tokens builds speculative
-metadata and runs the rejection sampler; one that carries none runs as plain
-decoding (``patches.patch_draftless_steps``) and is cheaper by a fixed
-amount, the price ``draft_setup`` (in forwards); and every row that carries
-drafts pays ``context_price`` per thousand tokens of its context (on the CPU
-such a row leaves the decode attention path: ``K`` below is the drafted rows'
-context, in thousands of tokens). The fit is the five prices whose curve,
-scaled by a free per-step time ``t0``, best explains the samples::
+tokens in ``R`` rows at ``cost(T) = 1 + max(0, T - free_tokens) /
+marginal_tokens`` single-token forwards plus ``row_price`` per row past the
+first; a step that carries drafts adds ``draft_setup`` (a draftless one runs as
+plain decoding), and each drafted row ``context_price`` per thousand tokens of
+its context (``K``: the drafted rows' context in thousands). Every pure decode
+step (no prefill) is a sample ``(T, R, K, seconds, drafted)``: the wall time to
+the start of the next step, as ``benchmarks/bench_forward_cost.py`` times
+``engine.step()``. :class:`OnlinePrices` fits the five prices and a per-step
+time ``t0`` (docs/prices.md tells why each price is there)::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
-Without the row price, steps with more rows (and so more tokens) look like
-dearer tokens: at batch 8 the tokens' fitted price came out 1.7x the
-offline curve's.
-
-* **Robust.** Samples go into buckets by ``T``, by ``R`` (one per count
-  up to 64, then ~6% wide) and by ``K`` (25% wide; drafted and draftless
-  steps apart); a bucket
-  keeps its last :data:`RING` samples and enters the fit by their median, so
-  a stall or a preempted step moves nothing. Residuals are taken in log
-  time, so the fit is scale-free.
-* **Bounded.** :data:`MAX_BUCKETS` x :data:`RING` samples at most (the least
-  recently visited bucket makes room), whatever the traffic; a fit is a
-  grid search.
-* **Adaptive.** Rings forget old samples, and a bucket that has not been
-  visited for :data:`MAX_AGE_STEPS` steps leaves the fit, so the prices follow
-  a change of load or machine.
-* **Prior.** The platform's defaults (the profile's ``free_tokens``,
-  ``marginal_tokens``, ``draft_setup`` and ``row_price``, core/config.py)
-  are a prior on the prices (log-normal, a factor of 2 wide; the setup and
-  the row price normal, :data:`SETUP_WIDTH` and :data:`ROW_WIDTH` wide),
-  which holds them where the samples say nothing: a batch that never scored
-  more than 17 tokens does not tell what 64 cost, without draftless steps
-  nothing tells the setup from ``t0``, with one row count nothing tells
-  the row price, and with one context bucket nothing tells the context price.
-* **Deterministic.** The same samples give the same prices bit for bit, and
-  tensor-parallel ranks share rank 0's prices besides (vllm/proposer.py), so
-  every rank drafts the same tokens.
+* **Robust.** Samples go into buckets by ``T``, ``R`` (one per count up to 64,
+  then ~6% wide), ``K`` (25% wide) and drafted or not; a bucket keeps its last
+  :data:`RING` samples and enters the fit by their median, so a stall moves
+  nothing. Residuals are relative, so the fit is scale-free.
+* **Bounded.** At most :data:`MAX_BUCKETS` x :data:`RING` samples (the least
+  recently visited bucket makes room); a fit is a grid search over ``free``.
+* **Adaptive.** Rings forget, and a bucket unvisited for :data:`MAX_AGE_STEPS`
+  steps leaves the fit, so the prices follow a change of load or machine.
+* **Prior.** The profile's prices (core/config.py) are a prior (log-normal, a
+  factor of 2 wide, on the token prices; normal on the others) that holds
+  them where the samples say nothing: one row count says nothing of the row
+  price, no draftless step nothing of the setup.
+* **Deterministic.** The same samples give the same prices bit for bit (and
+  tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
 
 Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior
 (5, 20): a flat start then 0.6 forwards over 12 tokens: ``free`` near 5 and
@@ -73,11 +53,9 @@ GROWTH = 1.0625
 MAX_TOKENS = 1 << 16
 NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
 # Prior strength: a price a factor of 2 from the prior costs as much as a
-# log-time residual of 0.5 on one sample (0.09 on every sample of a full
-# bucket). A busy 2-core CPU's steps scatter by ~20%, the median of a full
-# bucket by ~0.04 in log time: noise alone does not move a price the samples
-# cannot tell apart, while a real slope over several buckets does (steps at
-# 17 tokens 60% dearer than at 5 differ from a flat curve by ~0.5 per sample).
+# log-time residual of 0.5 on one sample. A full bucket's median scatters by
+# ~0.04 on a busy 2-core CPU, so noise alone does not move a price, while a real
+# slope does (17 tokens 60% dearer than 5 is ~0.5 per sample off a flat curve).
 PRIOR_WEIGHT = 0.25
 # The candidate free-token counts: every count up to 16, then 25% apart up
 # to 4096. For each, the other prices have a closed form (a weighted least
@@ -87,9 +65,8 @@ MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
 ROW_BOUNDS = (0.0, 1.0)
 CONTEXT_BOUNDS = (0.0, 2.0)
-# Widths of the normal priors on the draft setup and the row price (in
-# forwards): a setup SETUP_WIDTH from the prior costs as much as a price a
-# factor of 2 off.
+# Widths of the normal priors (in forwards): a setup SETUP_WIDTH from its
+# prior costs as much as a token price a factor of 2 off.
 SETUP_WIDTH = 0.25
 ROW_WIDTH = 0.1
 CONTEXT_WIDTH = 0.1
@@ -155,16 +132,12 @@ class OnlinePrices:
                              f"and the context price in {list(CONTEXT_BOUNDS)}")
         self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
-        # Up to MAX_BUCKETS buckets live at once, each a ring of samples:
-        # ``_slot`` maps a bucket's key (token bucket, row bucket, drafted,
-        # context bucket) to its row in the arrays; the least recently
-        # visited one makes room.
+        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in
+        # the arrays (at most MAX_BUCKETS; the least recently visited makes room).
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
-        self._tokens = np.zeros((MAX_BUCKETS, RING))  # the samples' scored tokens
-        self._rows = np.zeros((MAX_BUCKETS, RING))
-        self._context = np.zeros((MAX_BUCKETS, RING))  # drafted rows' context, thousands of tokens
-        self._seconds = np.zeros((MAX_BUCKETS, RING))
+        # Per sample: scored tokens, rows, seconds, drafted rows' context (thousands of tokens).
+        self._samples = np.zeros((MAX_BUCKETS, RING, 4))
         self._count = np.zeros(MAX_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
         self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
         self._drafted = np.zeros(MAX_BUCKETS, bool)
@@ -187,8 +160,7 @@ class OnlinePrices:
         if b is None:
             b = self._new_slot(key)
         pos = self._count[b] % RING
-        self._tokens[b, pos], self._rows[b, pos], self._seconds[b, pos] = tokens, rows, seconds
-        self._context[b, pos] = kilo
+        self._samples[b, pos] = tokens, rows, seconds, kilo
         self._count[b] += 1
         self._last_seen[b] = self.observed
         self.observed += 1
@@ -200,8 +172,7 @@ class OnlinePrices:
         return True
 
     def _new_slot(self, key: tuple[int, int, bool, int]) -> int:
-        """A row of the arrays for a new bucket: a free one, else the least
-        recently visited bucket's."""
+        """A row of the arrays for a new bucket: a free one, else the least recently visited's."""
         if len(self._key) < MAX_BUCKETS:
             b = len(self._key)
             self._key.append(key)
@@ -219,22 +190,15 @@ class OnlinePrices:
         median drafted-row context (thousands of tokens), of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
-        return (_ring_median(self._tokens[idx], n[idx]), _ring_median(self._rows[idx], n[idx]),
-                _ring_median(self._seconds[idx], n[idx]), n[idx], self._drafted[idx],
-                _ring_median(self._context[idx], n[idx]))
+        tokens, rows, seconds, context = _ring_median(self._samples[idx], n[idx]).T
+        return tokens, rows, seconds, n[idx], self._drafted[idx], context
 
     def fit(self) -> Prices:
         """The prices that best explain the live buckets, under the prior.
 
-        For every candidate ``free``, the model is linear in ``(t0, t0 *
-        row_price, t0 / marginal, t0 * draft_setup, t0 * context_price)``: a weighted least
-        squares on relative errors (each bucket weighted by its samples), the
-        prior as pseudo-observations, gives them in closed form; the best
-        ``free`` (residuals plus its own prior) wins. A price the samples
-        cannot tell from ``t0`` is held at the prior: the setup without both
-        drafted and draftless steps, the row price with a single row count,
-        the context price with drafted steps of one context bucket; one the
-        solution puts past its bounds is held at the bound."""
+        For every candidate ``free`` the other prices come in closed form
+        (:func:`_solve`); the best ``free`` (residuals plus its own prior) wins.
+        A price the samples cannot tell from ``t0`` is held at the prior."""
         tokens, rows, seconds, weight, drafted, context = self.buckets()
         if len(tokens) < 2:
             return self.prior
@@ -305,8 +269,8 @@ def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.nda
 
 
 def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Per row of ``rings [B, RING]``, the median of its first ``n[b]`` cells."""
-    filled = np.where(np.arange(rings.shape[1]) < n[:, None], rings, np.inf)
+    """Per row of ``rings [B, RING, F]``, the median of its first ``n[b]`` samples: ``[B, F]``."""
+    filled = np.where((np.arange(rings.shape[1]) < n[:, None])[:, :, None], rings, np.inf)
     ordered = np.sort(filled, axis=1)
     rows = np.arange(len(n))
     return (ordered[rows, (n - 1) // 2] + ordered[rows, n // 2]) / 2

@@ -33,9 +33,7 @@ def draft_cap(extra_args: Mapping[str, Any] | None) -> int | None:
 
     Raises ``ValueError`` naming the key, the value and what is allowed.
     """
-    if not extra_args:
-        return None
-    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith("lookahead")}
+    ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("lookahead")}
     if not ours:
         return None
     unknown = sorted(set(ours) - set(KEYS))

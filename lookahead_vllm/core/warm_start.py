@@ -45,9 +45,7 @@ def read_warm_texts(path: str | os.PathLike) -> WarmTexts:
 def _jsonl_texts(data: str) -> WarmTexts:
     out = WarmTexts()
     for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        text = _text_of(line)
+        text = _text_of(line) if line.strip() else ""
         if text is None:
             out.skipped_lines.append(lineno)
         elif text:
@@ -62,7 +60,4 @@ def _text_of(line: str) -> str | None:
         return None
     if not isinstance(obj, dict):
         return None
-    for name in TEXT_FIELDS:
-        if isinstance(obj.get(name), str):
-            return obj[name]
-    return None
+    return next((obj[name] for name in TEXT_FIELDS if isinstance(obj.get(name), str)), None)

