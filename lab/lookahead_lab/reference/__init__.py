@@ -5,9 +5,10 @@ core).
 :data:`extension` has the extension module's interface: ``DraftIndex`` and
 ``TokenTrie`` with the native constructors and methods, and the planner's
 batch kernels (``merge_rows``, ``plan_trees``, ``match_trees``,
-``observe_trees``). :func:`use_reference` swaps it in for the extension
-(``lookahead_vllm.core.native.extension``), so a whole proposer can run on it
-beside a native one and the two be compared step by step.
+``observe_trees``). :func:`reference_core` swaps it in for the extension
+(``lookahead_vllm.core.native.extension``) within a block, and
+:func:`on_reference` builds a whole proposer that runs on it, to drive beside
+a native one and compare step by step.
 """
 
 from __future__ import annotations
@@ -101,14 +102,6 @@ extension = SimpleNamespace(
 )
 
 
-def use_reference(monkeypatch) -> None:
-    """Objects built after this call (pytest ``monkeypatch``) draft and plan
-    with the references instead of the extension."""
-    from lookahead_vllm.core import native
-
-    monkeypatch.setattr(native, "extension", lambda: extension)
-
-
 def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists as ``Drafter.draft``'s ``contexts``: ``(tokens [R, W], lengths [R])``."""
     lens = np.fromiter((len(c) for c in contexts), np.int64, len(contexts))
@@ -140,8 +133,7 @@ def merge_rows(lead, lead_context, trie, budgets, cut, native: bool, pool=None) 
 
 @contextlib.contextmanager
 def reference_core():
-    """Within the block, everything reaches :data:`extension` instead of the
-    extension (:func:`use_reference` without pytest)."""
+    """Within the block, everything reaches :data:`extension` instead of the extension."""
     from lookahead_vllm.core import native as core_native
 
     saved = core_native.extension
