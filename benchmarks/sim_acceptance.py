@@ -50,13 +50,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lookahead_vllm.core.budget import (
-    ForwardCost,
-    allocate_step_budget,
-    confidence_floor,
-    forward_cost,
-    opens_path,
-)
+from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost
+from lookahead_lab.reference.planner import allocate_step_budget, opens_path
 import numpy as np
 
 from lookahead_vllm.core.config import LookaheadConfig, Settings, resolve

@@ -94,7 +94,7 @@ def test_plot_sweep_groups_variants_by_shape_and_axis(tmp_path):
 
 def test_forward_cost_fixed_tree_has_the_asked_paths():
     bench_forward_cost = _import_bench("bench_forward_cost")
-    from lookahead_vllm.core.budget import opens_path
+    from lookahead_lab.reference.planner import opens_path
 
     tree = bench_forward_cost.fixed_tree(8, 3)
     assert len(tree) == 8 and tree.parents == (-1, 0, 1, -1, 3, 4, -1, 6)

@@ -33,13 +33,16 @@ rounds`` with ``rounds`` the most paths any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep
 ``[0.9]`` + ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
+
+The allocation runs natively inside the planner's ``plan_trees``
+(core/tree_plan.py); its pure-Python reference is
+``lookahead_lab.reference.planner.allocate_step_budget``.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -141,88 +144,3 @@ def confidence_floor(config: "Settings", drafting: int) -> float:
     step, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)
-
-
-def _merged_order(confidences: Sequence[Sequence[float]]) -> list[tuple[float, int]]:
-    """(confidence, request) in the order nodes are kept: always the most
-    confident next node among the requests' draft-order heads."""
-    heap = [(-confs[0], req, 0) for req, confs in enumerate(confidences) if confs]
-    heapq.heapify(heap)
-    order = []
-    while heap:
-        neg, req, pos = heapq.heappop(heap)
-        order.append((-neg, req))
-        if pos + 1 < len(confidences[req]):
-            heapq.heappush(heap, (-confidences[req][pos + 1], req, pos + 1))
-    return order
-
-
-def allocate_step_budget(
-    confidences: Sequence[Sequence[float]],
-    budget: int | None = None,
-    num_rows: int | None = None,
-    cost: ForwardCost | None = None,
-    new_paths: Sequence[Sequence[bool]] | None = None,
-    entry: Sequence[float] | None = None,
-) -> list[int]:
-    """Prefix length to keep per request: at most ``budget`` tokens in all
-    (None = no cap), and, given ``cost``, the count that maximises expected
-    tokens per forward for ``num_rows`` requests (default: one per confidence
-    list). ``new_paths[r][i]``: whether request ``r``'s node ``i`` opens a path
-    (:func:`opens_path`). ``entry[r]``: what request ``r`` pays once it keeps any
-    node (:meth:`ForwardCost.entry`); a request whose whole draft would not win
-    back its entry at the step's rate keeps nothing, judged at the draftless
-    rate, then at the rate that plan reached (the better plan stands)."""
-    rows = len(confidences) if num_rows is None else num_rows
-    if cost is None or not cost.free_tokens or entry is None:
-        return _best_prefix(confidences, budget, rows, cost, new_paths, None)[1]
-
-    def paid(rate: float) -> list[bool]:
-        return [e <= 0 or sum(c) > e * rate for c, e in zip(confidences, entry)]
-
-    def rows_of(mask: list[bool]) -> list[Sequence[float]]:
-        return [c if ok else [] for c, ok in zip(confidences, mask)]
-
-    first = paid(rows / cost(rows))
-    rate, keep = _best_prefix(rows_of(first), budget, rows, cost, new_paths, entry)
-    second = paid(rate)
-    if second != first:
-        other_rate, other = _best_prefix(rows_of(second), budget, rows, cost, new_paths, entry)
-        if other_rate > rate:
-            keep = other
-    return keep
-
-
-def _best_prefix(confidences: Sequence[Sequence[float]], budget: int | None, rows: int, cost: ForwardCost | None,
-                 new_paths: Sequence[Sequence[bool]] | None, entry: Sequence[float] | None) -> tuple[float, list[int]]:
-    """:func:`allocate_step_budget` over the rows as given: the best rate
-    (the draftless one when nothing pays; 0 without a cost model) and the
-    prefix each row keeps."""
-    order = _merged_order(confidences)
-    limit = len(order) if budget is None else min(budget, len(order))
-    take, best = limit, 0.0
-    if cost is not None and cost.free_tokens:
-        best, gained, fees = rows / cost(rows), 0.0, 0.0
-        take, kept, paths, rounds = 0, [0] * len(confidences), [0] * len(confidences), 0
-        for m, (conf, req) in enumerate(order[:limit], start=1):
-            gained += conf
-            if new_paths is not None and new_paths[req][kept[req]]:
-                paths[req] += 1
-                rounds = max(rounds, paths[req])
-            if entry is not None and not kept[req]:
-                fees += entry[req]
-            kept[req] += 1
-            rate = (rows + gained) / (cost.drafted(rows + m, rounds) + fees)
-            if rate > best:
-                best, take = rate, m
-    keep = [0] * len(confidences)
-    for _, req in order[:take]:
-        keep[req] += 1
-    return best, keep
-
-
-def opens_path(parents: Sequence[int]) -> list[bool]:
-    """Per node of a parent-first (DFS) tree: whether it starts a root-to-leaf
-    path of its own, i.e. is not its parent's first child (``parents[i]`` is
-    ``-1`` for the root's children; the root's first child continues the root)."""
-    return [p + 1 != i for i, p in enumerate(parents)]

@@ -75,7 +75,7 @@ class LookaheadConfig(BaseModel):
 
     # Where drafts come from: "index" (core/draft_index.py: continuations of the
     # longest earlier matches in the request's text and all outputs), "trie"
-    # (core/trie.py, core/context_match.py), "jacobi" (core/jacobi.py), or several
+    # (core/trie.py, with each request's context chain), "jacobi" (core/jacobi.py), or several
     # merged into one tree in that order ("both" = trie and Jacobi). Jacobi adds
     # its window (W * (N - 1) - 1 nodes) on top of decoding_length and needs trees.
     source: Literal[SOURCES] = "index"
@@ -245,7 +245,7 @@ class Profile:
     trie_capacity: int = 1 << 16
     prompt_weight: float = 1e4
     insert_prompt: bool = True
-    # Context match (core/context_match.py, source "trie"): the continuation
+    # Context match (core/trie.py, source "trie"): the continuation
     # of the last earlier occurrence of the request's last context_match
     # tokens leads its draft. 0 = off.
     context_match: int = 3

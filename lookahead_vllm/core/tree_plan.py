@@ -11,16 +11,15 @@ the proposer then:
    the scheduler verified (a prefix of it) with the tokens its row emitted
    (the accepted nodes' tokens, then the bonus: ``step_plan.accepted_path``),
    and :meth:`TreeOffers.observe` books the verified nodes into the
-   calibrator (``ConfidenceCalibrator.observe_nodes``);
+   calibrator (``ConfidenceCalibrator.observe_trees``);
 2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
    not verify a tree keeps its best path as a chain (the heaviest child at every depth);
    every node gets its calibration kind (``KIND_CONTEXT`` on the drafted
    tree's leading chain, ``KIND_BRANCH`` off it) and
-   calibrated confidence (``ConfidenceCalibrator.calibrate``); the batch keeps
+   calibrated confidence (core/calibration.py); the batch keeps
    the prefix of the merged draft-order heads that maximises the expected
    tokens per forward, a node that opens an attention path priced as such,
-   a drafted step's setup once (``budget.allocate_step_budget`` with
-   ``opens_path``);
+   a drafted step's setup once (core/budget.py);
 3. keeps what it handed out as the next :class:`TreeOffers`, from which
    tree verification's :class:`StepPlan` of each row that carries a tree is
    built when asked (:meth:`TreeOffers.plan`).
@@ -33,7 +32,7 @@ a budget of 3 all three (a tree: ``c`` opens a second path).
 Each runs as one call into ``lookahead_vllm._draft_index``
 (csrc/draft_index/trees.cpp); tests hold the calls to the pure-Python
 reference ``lookahead_lab.reference.planner`` (built from DraftTree, the
-calibration rule and ``budget.allocate_step_budget``), confidences bit for
+calibration rule and the step allocation of core/budget.py), confidences bit for
 bit.
 """
 

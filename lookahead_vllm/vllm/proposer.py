@@ -659,7 +659,7 @@ class LookaheadProposer:
         offers = self._trees
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
-        # A tree's extra attention paths: its kept nodes that are not their parent's first child (opens_path).
+        # A tree's extra attention paths: its kept nodes that are not their parent's first child.
         opens = np.count_nonzero((offers.parents + 1 != cols) & kept, axis=1)
         rounds = int(opens[tree_ok].max(initial=0))
         tokens, extra, cost = num_rows + int(offers.lengths.sum()), rounds, self.cost.at_rows(num_rows)

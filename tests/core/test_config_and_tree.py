@@ -164,7 +164,7 @@ def test_chain_tree():
 
 
 def test_step_budget_keeps_most_confident_prefixes():
-    from lookahead_vllm.core.budget import allocate_step_budget
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     assert allocate_step_budget([[0.9, 0.5, 0.2], [0.8, 0.7]], 3) == [1, 2]
     assert allocate_step_budget([[0.9, 0.5], [0.8]], 10) == [2, 1]
@@ -174,7 +174,7 @@ def test_step_budget_keeps_most_confident_prefixes():
 def test_step_budget_properties():
     import random
 
-    from lookahead_vllm.core.budget import allocate_step_budget
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     rng = random.Random(0)
     for _ in range(300):
@@ -232,7 +232,8 @@ def test_a_row_that_cannot_pay_its_entry_at_the_steps_rate_keeps_nothing():
     tokens a forward) the second row's 1.2 expected tokens pay its 0.5
     forwards, and the plan with both reaches 2.51 tokens a forward; at that
     rate they do not, and the plan without it reaches 2.91: that one stands."""
-    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     cost = ForwardCost(5, 20.0, draft_setup=0.05)
     confs = [[0.6, 0.4, 0.2], [0.6, 0.4, 0.2]]
@@ -254,7 +255,8 @@ def test_a_row_that_cannot_pay_its_entry_at_the_steps_rate_keeps_nothing():
 
 
 def test_cost_model_keeps_only_paying_draft_tokens():
-    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     cost = ForwardCost(free_tokens=12, marginal_tokens=18)
     # One request: 1 + 8 tokens fit in the free region, so everything is kept.
@@ -268,7 +270,7 @@ def test_cost_model_keeps_only_paying_draft_tokens():
 
 
 def test_opens_path_marks_every_child_but_the_first():
-    from lookahead_vllm.core.budget import opens_path
+    from lookahead_lab.reference.planner import opens_path
 
     # root -> 0 -> 1 -> 2, 0 -> 3, root -> 4 -> 5, 4 -> 6
     parents = [-1, 0, 1, 0, -1, 4, 4]
@@ -280,7 +282,8 @@ def test_opens_path_marks_every_child_but_the_first():
 
 
 def test_cost_model_prices_extra_tree_paths():
-    from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     # Chain 0.9 -> 0.5, and a side branch of 0.2 from the root (a second path).
     confs, opens = [[0.9, 0.5, 0.2]], [[False, False, True]]
@@ -299,7 +302,8 @@ def test_cost_model_prices_extra_tree_paths():
 def test_cost_model_picks_the_best_prefix_of_the_merged_order():
     import random
 
-    from lookahead_vllm.core.budget import ForwardCost, _merged_order, allocate_step_budget
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_lab.reference.planner import _merged_order, allocate_step_budget
 
     rng = random.Random(1)
     for _ in range(200):

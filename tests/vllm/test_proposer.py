@@ -579,7 +579,7 @@ def test_long_contexts_teach_the_context_price():
     assert p.metrics.snapshot()["price_context"] == fit.context_price
     entry = p.cost.entry(np.array([500, 6000]))
     assert entry.tolist() == pytest.approx([0.5 * fit.context_price, 6.0 * fit.context_price], rel=1e-9)
-    from lookahead_vllm.core.budget import allocate_step_budget
+    from lookahead_lab.reference.planner import allocate_step_budget
 
     # Two rows with the same 3-node draft (1.2 tokens expected): the 500-token row keeps it, the 6000-token one
     # (entry ~0.9 forwards, 1.8 tokens at the draftless rate) not.
