@@ -60,8 +60,10 @@ class _TrieCore:
         self._records[record.slot] = record
         return record.slot
 
-    def finish_request(self, handle: int) -> None:
-        self.trie.finish_request(self._records.pop(handle))
+    def finish_request(self, handle: int) -> None:  # idempotent, as the native core's
+        record = self._records.pop(handle, None)
+        if record is not None:
+            self.trie.finish_request(record)
 
     def extend(self, handle: int, tokens: Sequence[int]) -> None:
         self.trie.extend(self._records[handle], tokens)
