@@ -833,6 +833,32 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
     assert wide_low < 0.9 and wide_high > 1.1  # single waves swinging 20% make a wide interval
 
 
+def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
+    """The README's load curve: a concurrency's paired waves from several runs pooled into one interval."""
+    import math
+
+    plot_load_curve = _import_bench("plot_load_curve")
+
+    def run(path, concurrency, waves):
+        cell = {"concurrency": concurrency, "methods": {"plain": {"speedup_waves": [1.0] * len(waves)},
+                                                        "lookahead": {"speedup_waves": waves}}}
+        path.write_text(json.dumps({"cells": [cell]}))
+        return path
+
+    a, b = run(tmp_path / "a.json", 32, [0.9, 1.0]), run(tmp_path / "b.json", 32, [1.1, 1.0])
+    curve = plot_load_curve.main([f"32={a},{b}", f"1={run(tmp_path / 'c.json', 1, [1.5])}",
+                                  "--out", str(tmp_path / "curve.json")])
+    pooled = curve[32]["lookahead"]
+    assert pooled["waves"] == 4 and "plain" not in curve[32]
+    assert pooled["speedup"] == pytest.approx(math.exp(sum(map(math.log, [0.9, 1.0, 1.1, 1.0])) / 4))
+    assert pooled["ci95"][0] < 1.0 < pooled["ci95"][1]
+    assert curve[1]["lookahead"]["ci95"] == [None, None]  # one wave: no interval
+    assert (tmp_path / "curve.png").stat().st_size > 0
+    assert json.loads((tmp_path / "curve.json").read_text())["cells"]["32"]["lookahead"]["waves"] == 4
+    with pytest.raises(SystemExit, match="no cell at concurrency 8"):
+        plot_load_curve.main([f"8={a}", "--out", str(tmp_path / "x.json")])
+
+
 def test_bench_serve_waves_and_the_mixed_class():
     from lookahead_lab.datasets import DATASETS, load_split
 

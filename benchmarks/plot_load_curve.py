@@ -1,0 +1,86 @@
+"""The serving load curve from ``bench_serve.py`` results: every method's tok/s
+over plain against concurrency, each cell's paired waves pooled over the files
+given for it (geometric mean, 95% t interval: ``paired.ratio_interval``).
+
+    python benchmarks/plot_load_curve.py \\
+        1=benchmarks/results/serve_mixed_c1_40waves.json \\
+        32=benchmarks/results/serve_mixed_c32_9waves.json,benchmarks/results/serve_mixed_c32_9waves_run2.json \\
+        --out benchmarks/results/serve_load_curve.json
+
+writes the pooled table as JSON and the plot next to it (``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from paired import ratio_interval
+
+
+def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
+    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled."""
+    waves: dict[str, list[float]] = {}
+    for path in files:
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["concurrency"] == concurrency]
+        if not cells:
+            raise SystemExit(f"{path}: no cell at concurrency {concurrency}")
+        for name, row in cells[0]["methods"].items():
+            if name != "plain":
+                waves.setdefault(name, []).extend(row["speedup_waves"])
+    out = {}
+    for name, ratios in waves.items():
+        mean, low, high = ratio_interval(ratios)
+        out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios)}
+    return out
+
+
+def plot(curve: dict[int, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    levels = sorted(curve)
+    methods = sorted({m for cell in curve.values() for m in cell}, key=lambda m: (m == "lookahead", m))
+    for j, name in enumerate(methods):
+        xs = [i + 0.08 * (j - (len(methods) - 1) / 2) for i, c in enumerate(levels) if name in curve[c]]
+        rows = [curve[c][name] for c in levels if name in curve[c]]
+        ys = [r["speedup"] for r in rows]
+        bounds = [(r["ci95"][0] or y, r["ci95"][1] or y) for y, r in zip(ys, rows)]  # one wave: no interval
+        err = [[y - lo for y, (lo, _) in zip(ys, bounds)], [hi - y for y, (_, hi) in zip(ys, bounds)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name, lw=2 if name == "lookahead" else 1)
+    ax.axhline(1.0, ls="--", color="gray", lw=0.8)
+    ax.set_xticks(range(len(levels)), [f"c={c}" for c in levels])
+    ax.set_ylabel("output tok/s over plain (95% interval)")
+    ax.set_title("serving load curve, mixed test traffic")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[str, dict]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cells", nargs="+", metavar="C=FILE[,FILE...]",
+                        help="a concurrency and the bench_serve.py results whose waves it pools")
+    parser.add_argument("--out", type=Path, required=True, help="JSON path (the plot: the same name, .png)")
+    args = parser.parse_args(argv)
+    curve = {}
+    for spec in args.cells:
+        level, _, files = spec.partition("=")
+        if not level.isdigit() or not files:
+            parser.error(f"{spec!r}: expected C=FILE[,FILE...], C a concurrency")
+        curve[int(level)] = pooled(int(level), [Path(f) for f in files.split(",")])
+    args.out.write_text(json.dumps({"cells": {str(c): curve[c] for c in sorted(curve)}, "sources": args.cells},
+                                   indent=2) + "\n")
+    plot(curve, args.out.with_suffix(".png"))
+    for c in sorted(curve):
+        print(f"c={c}: " + ", ".join(f"{m} {r['speedup']:.2f}x ({r['ci95'][0] or 0:.2f}-{r['ci95'][1] or 0:.2f}, "
+                                     f"{r['waves']} waves)" for m, r in curve[c].items()))
+    return curve
+
+
+if __name__ == "__main__":
+    main()
