@@ -186,12 +186,12 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
     return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
 
 
-def uniform_graph_tokens(vllm_config: Any, k: int) -> int:
-    """:func:`full_graph_tokens` where decode steps have full graphs apart from the rest
-    (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``): only a step whose every row scores 1 + k
-    tokens replays one. 0 otherwise (with ``FULL`` any step does; with none, none does)."""
+def separate_decode_graphs(vllm_config: Any) -> bool:
+    """Whether decode steps have full graphs apart from the rest (``FULL_AND_PIECEWISE``,
+    ``FULL_DECODE_ONLY``): only a step whose every row scores 1 + k tokens replays one (with
+    ``FULL`` any step does; with none, none does)."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return full_graph_tokens(vllm_config, k) if mode is not None and mode.separate_routine() else 0
+    return mode is not None and mode.separate_routine()
 
 
 class LookaheadProposer:
@@ -224,7 +224,8 @@ class LookaheadProposer:
         # past it ran eager at 2-3x the time of one inside it (benchmarks/results/gpu_h200.json,
         # cost part): drafts stop short of it. With full graphs vLLM rounds every capture size to
         # a multiple of 1 + k (full_graph_tokens), piecewise ones too.
-        self._graph_tokens = full_graph_tokens(vllm_config, self.k) or graph_tokens(vllm_config)
+        full = full_graph_tokens(vllm_config, self.k)
+        self._graph_tokens = full or graph_tokens(vllm_config)
         self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
@@ -249,8 +250,8 @@ class LookaheadProposer:
         # have graphs of their own (FULL_AND_PIECEWISE, FULL_DECODE_ONLY): with cudagraph_mode
         # FULL every step up to the largest size replays one, ragged or not. Chains only: tree
         # verification makes the engine's graphs piecewise.
-        self._uniform_tokens = (uniform_graph_tokens(vllm_config, self.k)
-                                if self.config.profile.uniform_steps and not self.tree_mode else 0)
+        self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
+                                and separate_decode_graphs(vllm_config) else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py),

@@ -675,13 +675,13 @@ def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
     assert full_graph_tokens(config(True, eager=True), 16) == 0
     # Uniform steps only where decode steps have graphs apart from the rest: with FULL every
     # step replays one (FlashAttention 3 captures ragged batches too) and nothing is filled.
-    from lookahead_vllm.vllm.proposer import uniform_graph_tokens
+    from lookahead_vllm.vllm.proposer import separate_decode_graphs
 
-    assert uniform_graph_tokens(config(True), 16) == 391
+    assert separate_decode_graphs(config(True))
     single = config(True)
     single.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL", has_full_cudagraphs=lambda: True,
                                                                separate_routine=lambda: False)
-    assert full_graph_tokens(single, 16) == 391 and uniform_graph_tokens(single, 16) == 0
+    assert full_graph_tokens(single, 16) == 391 and not separate_decode_graphs(single)
 
 
 def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():

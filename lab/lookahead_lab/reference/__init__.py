@@ -199,8 +199,9 @@ class ReferenceCalibrator(ConfidenceCalibrator):
 
 class OnReference:
     """``obj`` whose every method call runs inside :func:`reference_core`
-    (attributes pass through): a proposer built so runs its whole pipeline
-    on the references beside a native one."""
+    (attributes pass through unwrapped, so calls on them do not): a proposer
+    built so runs its whole pipeline on the references beside a native one
+    when driven through its own methods, as the runner drives it."""
 
     def __init__(self, obj) -> None:
         self._obj = obj
