@@ -1,4 +1,5 @@
-"""Drafter cost: TokenTrie retrieve + update time per request-step, pure Python.
+"""The pure-Python reference trie's cost (lookahead_lab.reference; the engine runs the native one):
+TokenTrie retrieve + update time per request-step.
 
 Replays real token streams (HumanEval prompts and their canonical solutions,
 tokenized with the bundled SmolLM2 tokenizer) through the trie the way the

@@ -24,8 +24,10 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
     waves: dict[str, list[float]] = {}
     for path in files:
         cells = [c for c in json.loads(path.read_text())["cells"] if c["concurrency"] == concurrency]
-        if not cells:
-            raise SystemExit(f"{path}: no cell at concurrency {concurrency}")
+        if len(cells) != 1:
+            raise SystemExit(f"{path}: {len(cells) or 'no'} cells at concurrency {concurrency} (one class a file)")
+        if "plain" not in cells[0]["methods"]:
+            raise SystemExit(f"{path}: no plain row at concurrency {concurrency} to pair with")
         for name, row in cells[0]["methods"].items():
             if name != "plain":
                 waves.setdefault(name, []).extend(row["speedup_waves"])
@@ -64,21 +66,23 @@ def plot(curve: dict[int, dict[str, dict]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[int, dict[str, dict]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cells", nargs="+", metavar="C=FILE[,FILE...]",
-                        help="a concurrency and the bench_serve.py results whose waves it pools")
+                        help="a concurrency and the bench_serve.py results whose waves it pools (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="JSON path (the plot: the same name, .png)")
     args = parser.parse_args(argv)
-    curve = {}
-    for spec in args.cells:
-        level, _, files = spec.partition("=")
-        if not level.isdigit() or not files:
+    files: dict[int, list[Path]] = {}
+    for spec in args.cells:  # a concurrency given twice pools both specs' files
+        level, _, names = spec.partition("=")
+        if not level.isdigit() or not names:
             parser.error(f"{spec!r}: expected C=FILE[,FILE...], C a concurrency")
-        curve[int(level)] = pooled(int(level), [Path(f) for f in files.split(",")])
+        files.setdefault(int(level), []).extend(Path(f) for f in names.split(","))
+    curve = {level: pooled(level, paths) for level, paths in files.items()}
     args.out.write_text(json.dumps({"cells": {str(c): curve[c] for c in sorted(curve)}, "sources": args.cells},
                                    indent=2) + "\n")
     plot(curve, args.out.with_suffix(".png"))
     for c in sorted(curve):
-        print(f"c={c}: " + ", ".join(f"{m} {r['speedup']:.2f}x ({r['ci95'][0] or 0:.2f}-{r['ci95'][1] or 0:.2f}, "
-                                     f"{r['waves']} waves)" for m, r in curve[c].items()))
+        print(f"c={c}: " + ", ".join(f"{m} {r['speedup']:.2f}x ("
+                                     + (f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, " if r['waves'] > 1 else "")
+                                     + f"{r['waves']} waves)" for m, r in curve[c].items()))
     return curve
 
 

@@ -9,7 +9,7 @@ proposer's trie on them for any number of config variants in seconds:
 
   step     context = prompt + output[:i]; the context chain and the trie
            draft a tree (budget after load adaptation, shape, confidence
-           floor as the proposer would, core/context_match.py leading); the
+           floor as the proposer would, the context chain leading); the
            step emits ``accepted + 1`` tokens (the bonus); the trie learns
            them; i advances.
   MAL      emitted tokens / steps (the first token, from prefill, excluded).

@@ -1,6 +1,6 @@
 """lookahead-vllm: lossless lookahead drafting for vLLM speculative decoding.
 
-Layers (imports point one way): ``core`` (pure Python/NumPy) -> ``ops`` (torch)
+Layers (imports point one way): ``core`` (NumPy over the C++ drafting core) -> ``ops`` (torch)
 -> ``vllm`` (the only package that imports vLLM).
 """
 

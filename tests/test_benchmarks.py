@@ -846,7 +846,7 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
         return path
 
     a, b = run(tmp_path / "a.json", 32, [0.9, 1.0]), run(tmp_path / "b.json", 32, [1.1, 1.0])
-    curve = plot_load_curve.main([f"32={a},{b}", f"1={run(tmp_path / 'c.json', 1, [1.5])}",
+    curve = plot_load_curve.main([f"32={a}", f"32={b}", f"1={run(tmp_path / 'c.json', 1, [1.5])}",
                                   "--out", str(tmp_path / "curve.json")])
     pooled = curve[32]["lookahead"]
     assert pooled["waves"] == 4 and "plain" not in curve[32]
@@ -855,7 +855,7 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     assert curve[1]["lookahead"]["ci95"] == [None, None]  # one wave: no interval
     assert (tmp_path / "curve.png").stat().st_size > 0
     assert json.loads((tmp_path / "curve.json").read_text())["cells"]["32"]["lookahead"]["waves"] == 4
-    with pytest.raises(SystemExit, match="no cell at concurrency 8"):
+    with pytest.raises(SystemExit, match="no cells at concurrency 8"):
         plot_load_curve.main([f"8={a}", "--out", str(tmp_path / "x.json")])
 
 

@@ -1,4 +1,4 @@
-// TokenTrie (token_trie.h): the reference lookahead_vllm/core/trie.py,
+// TokenTrie (token_trie.h): the reference lab/lookahead_lab/reference/trie.py,
 // natively. Each function names the reference's it follows; where the order
 // of floating-point sums or of ties matters, it is the reference's.
 #include "token_trie.h"

@@ -2,8 +2,8 @@
 // natively. No Python here (bindings.cpp).
 //
 // Semantics are those of the pure-Python reference
-// lookahead_vllm/core/trie.py (its module docstring defines windows, counts,
-// weights, confidences, retrieval and pruning); tests hold the two to
+// lab/lookahead_lab/reference/trie.py (lookahead_vllm/core/trie.py's docstring
+// defines windows, counts, weights, confidences, retrieval and pruning); tests hold the two to
 // identical trees (weights and confidences bit for bit), node counts and
 // snapshot tables. Layout:
 //
@@ -59,20 +59,20 @@ struct FlatTree {
   void push(int32_t token, int32_t parent, double weight, double confidence);
 };
 
-// DraftTree.merged: `self` plus `other`'s nodes (same root), shared prefixes
+// merged (lab reference planner.py): `self` plus `other`'s nodes (same root), shared prefixes
 // merged, at most `budget` nodes; new nodes weigh their confidence.
 void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget);
 
-// The context chain of one request (core/context_match.py ContextIndex): its
+// The context chain of one request (lab reference trie.py ContextIndex): its
 // tokens and, per `min_match`-gram, the most recent positions (at most
 // kRecentOccurrences, ascending) of the token that followed it. An n-gram's
 // positions are found by a hash of its tokens and confirmed by comparing them
 // (colliding n-grams stay apart).
 class ContextChain {
  public:
-  static constexpr int kRecentOccurrences = 8;  // context_match.RECENT_OCCURRENCES
-  static constexpr int kMaxMatch = 32;          // context_match.MAX_MATCH
-  static constexpr double kWeight = 1e18;       // context_match.CONTEXT_WEIGHT
+  static constexpr int kRecentOccurrences = 8;  // reference trie.py RECENT_OCCURRENCES
+  static constexpr int kMaxMatch = 32;          // reference trie.py MAX_MATCH
+  static constexpr double kWeight = 1e18;       // reference trie.py CONTEXT_WEIGHT
 
   explicit ContextChain(int min_match) : n_(min_match) {}
   std::size_t size() const { return seq_.size(); }
@@ -97,7 +97,7 @@ class ContextChain {
 };
 
 // A row's draft from its lead, the trie's tree and the Jacobi pool's
-// branches (core/drafter.py merge_rows): the lead (an index tree, or with
+// branches (lab reference planner.py merge_rows): the lead (an index tree, or with
 // `lead_is_context` the request's context chain) first, the trie's nodes
 // merged after it (no lead: the trie's tree as it is), the pool's after
 // those; every node's calibration kind (an index lead's nodes context on its

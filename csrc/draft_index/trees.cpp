@@ -1,4 +1,4 @@
-// Tree kernels (trees.h); reference: lookahead_vllm/core/tree_plan.py.
+// Tree kernels (trees.h); reference: lab/lookahead_lab/reference/planner.py.
 #include "trees.h"
 
 #include <algorithm>

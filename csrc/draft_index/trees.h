@@ -3,9 +3,9 @@
 // (bindings.cpp).
 //
 // Semantics are those of the pure-Python reference
-// lookahead_vllm/core/tree_plan.py (DraftTree, ConfidenceCalibrator.calibrate,
-// budget.allocate_step_budget with opens_path, step_plan.accepted_path,
-// ConfidenceCalibrator.observe_nodes); tests hold the two to identical
+// lab/lookahead_lab/reference/planner.py (DraftTree, calibrate,
+// allocate_step_budget with opens_path, step_plan.accepted_path,
+// observe_nodes); tests hold the two to identical
 // results, confidences bit for bit:
 //
 //   plan_trees     this step's raw index trees: rows that may not verify a

@@ -32,7 +32,7 @@ a budget of 3 all three (a tree: ``c`` opens a second path).
 Each runs as one call into ``lookahead_vllm._draft_index``
 (csrc/draft_index/trees.cpp); tests hold the calls to the pure-Python
 reference ``lookahead_lab.reference.planner`` (built from DraftTree, the
-calibration rule and the step allocation of core/budget.py), confidences bit for
+calibration rule and the step allocation core/budget.py defines), confidences bit for
 bit.
 """
 

@@ -2,7 +2,7 @@
 
 vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
 (parent-first DFS order, so any prefix the scheduler keeps is still a tree) and
-keeps its :class:`StepPlan`. Next step, four hooks make the forward pass and
+keeps its :class:`StepPlan`. Next step, three hooks make the forward pass and
 the acceptance treat those tokens as a tree:
 
 ``tree_positions``   ``GPUModelRunner._prepare_inputs``: tree rows' positions

@@ -1,4 +1,4 @@
-"""DraftIndex (its pure-Python reference, lookahead_lab.reference) and the Drafter around it."""
+"""DraftIndex (its pure-Python reference, lookahead_lab.reference) and the native Drafter around it."""
 
 from __future__ import annotations
 

@@ -335,7 +335,7 @@ def test_memory_bytes_follows_the_held_tokens():
     assert nat.num_sequences() == 0 and nat.memory_bytes() < held
 
 
-def test_make_draft_index_is_native_and_a_missing_build_says_how_to_build(monkeypatch):
+def test_make_draft_index_is_native_and_loading_a_missing_build_says_how_to_build(monkeypatch):
     cfg = index_config(ngram=2)
     assert native.make_draft_index(cfg).native and native.make_draft_index(cfg).config == cfg
     monkeypatch.delattr(lookahead_vllm, "_draft_index")

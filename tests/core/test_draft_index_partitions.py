@@ -2,10 +2,9 @@
 drafts from its own text and its own partition's outputs only, PRIVATE ones
 from their own text alone; the corpus cap holds over all partitions and
 evicts the partition charged the most first. The reference and the native
-index (when built) are held to the same results."""
+index are held to the same results."""
 
 from __future__ import annotations
-
 
 import numpy as np
 import pytest

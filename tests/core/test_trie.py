@@ -46,7 +46,7 @@ def window_counts(seqs: list[list[int]], lb: int) -> Counter:
 
 def test_prompt_windows_counted():
     trie = make()
-    a = trie.add_request([1, 2, 3, 1, 2, 4])
+    trie.add_request([1, 2, 3, 1, 2, 4])
     counts = path_counts(trie)
     assert counts[(1, 2)] == (2, 0.0)
     assert counts[(1, 2, 3, 1)] == (1, 0.0)

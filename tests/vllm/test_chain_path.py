@@ -129,13 +129,17 @@ def drive_pair(a, b, work: Workload, steps: int, tables=("predicted", "accepted"
 def test_chains_native_equal_reference(seed, settings):
     """A proposer on the references drafts what the native one drafts: the
     same drafts, calibrator tables and counters."""
+    from lookahead_lab import reference
     from lookahead_lab.reference import on_reference
     from lookahead_lab.standalone import standalone_proposer
 
     fast = standalone_proposer(16, MAX_LEN, lookahead(**settings))
     ref = on_reference(lambda: standalone_proposer(16, MAX_LEN, lookahead(**settings)))
+    before = dict(reference.calls)
     assert fast.drafter.index.native and not ref.drafter.index.native and not fast.tree_mode
     handed = drive_pair(fast, ref, Workload(seed), 200, ("predicted", "accepted", "nodes", "_factor"))
+    for kernel in ("plan_trees", "match_trees", "observe_trees"):  # the reference side ran the reference planner
+        assert reference.calls[kernel] > before.get(kernel, 0), kernel
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
         k: v for k, v in counters[1].items() if k != "propose_ns"}

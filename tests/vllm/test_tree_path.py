@@ -120,17 +120,24 @@ CHEAP_PATHS = {"cost_free_tokens": 48, "cost_marginal_tokens": 32.0, "cost_per_p
     (9, {"draft_shape": "one", "source": "index+trie", "calibrate_confidence": False}, 0),
 ])
 def test_tree_pipeline_native_equals_reference(seed, settings, trees):
+    from lookahead_lab import reference
     from lookahead_lab.reference import on_reference
     from lookahead_lab.standalone import standalone_proposer
 
     fast = standalone_proposer(16, MAX_LEN, lookahead(**settings))
     ref = on_reference(lambda: standalone_proposer(16, MAX_LEN, lookahead(**settings)))
+    before = dict(reference.calls)
     trie = ref.drafter.trie
     assert ref.drafter.index is None or not ref.drafter.index.native
     assert trie is None or type(trie._core).__module__ == "lookahead_lab.reference"
     requests: dict = {}
     fast.verifier.runner_requests = ref.verifier.runner_requests = requests
     handed, planned = drive_trees(fast, ref, TreeWorkload(seed, requests), 200)
+    # The reference side ran the reference kernels (merging where sources merge, booking where it learns).
+    kernels = ["plan_trees", "match_trees"] + (["merge_rows"] if settings.get("source", "index") != "index" else [])
+    kernels += ["observe_trees"] if settings.get("calibrate_confidence", True) else []
+    for kernel in kernels:
+        assert reference.calls[kernel] > before.get(kernel, 0), kernel
     counters = fast.stats.counters(), ref.stats.counters()
     assert {k: v for k, v in counters[0].items() if k != "propose_ns"} == {
         k: v for k, v in counters[1].items() if k != "propose_ns"}

@@ -14,6 +14,8 @@ a native one and compare step by step.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import Counter
 from types import SimpleNamespace
 from typing import Sequence
 
@@ -97,11 +99,23 @@ class _TrieCore:
         self.trie.prune()
 
 
+# Calls into :data:`extension` by name, so a test can check that the reference side ran each kernel.
+calls: Counter = Counter()
+
+
+def _counted(name: str, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
 # The extension module's interface, in Python.
-extension = SimpleNamespace(
-    DraftIndex=_draft_index, TokenTrie=_TrieCore, merge_rows=planner.merge_rows, plan_trees=planner.plan_trees,
-    match_trees=planner.match_trees, observe_trees=planner.observe_trees,
-)
+extension = SimpleNamespace(**{name: _counted(name, fn) for name, fn in (
+    ("DraftIndex", _draft_index), ("TokenTrie", _TrieCore), ("merge_rows", planner.merge_rows),
+    ("plan_trees", planner.plan_trees), ("match_trees", planner.match_trees), ("observe_trees", planner.observe_trees),
+)})
 
 
 def padded_contexts(contexts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +149,9 @@ def merge_rows(lead, lead_context, trie, budgets, cut, native: bool, pool=None) 
 
 @contextlib.contextmanager
 def reference_core():
-    """Within the block, everything reaches :data:`extension` instead of the extension."""
+    """Within the block, everything reaches :data:`extension` instead of the extension. The
+    swap is process-wide (a module attribute): not for threads that call the extension meanwhile
+    (the native core's upkeep thread is C++ and does not)."""
     from lookahead_vllm.core import native as core_native
 
     saved = core_native.extension

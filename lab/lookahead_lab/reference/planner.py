@@ -2,7 +2,7 @@
 (``csrc/draft_index/trees.cpp``, ``token_trie.cpp``): ``merge_rows``,
 ``plan_trees``, ``match_trees`` and ``observe_trees``, with the extension's
 array signatures, built from :class:`DraftTree`, the calibration rule and the
-step allocator (core/budget.py). Tests hold the native kernels to these,
+step allocator core/budget.py defines. Tests hold the native kernels to these,
 confidences bit for bit.
 """
 

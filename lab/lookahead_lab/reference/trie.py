@@ -262,7 +262,7 @@ class TokenTrie:
 
     def context_rows(self, records: Sequence[TrieRecord | None], budgets: Sequence[int], floor: float
                      ) -> tuple[np.ndarray, ...]:
-        """Many requests' context chains (core/context_match.py) as draft
+        """Many requests' context chains (:class:`ContextIndex`) as draft
         rows (``[R, W]``, ``W`` the largest budget, at least 1); a record with
         none drafts nothing."""
         out = rows_of(len(records), max([1, *map(int, budgets)]))
