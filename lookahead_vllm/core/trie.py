@@ -62,8 +62,6 @@ class NativeTrie:
     """The native trie (``csrc/draft_index/token_trie.h``); a request's
     record is an int handle."""
 
-    native = True
-
     def __init__(self, config: Settings, core: Any) -> None:
         self.config = config
         self.knobs = config.profile

@@ -166,9 +166,7 @@ def plan_trees(*args, native: bool, **kwargs):
     """``tree_plan.plan_trees`` on the extension or on the reference."""
     from lookahead_vllm.core.tree_plan import plan_trees as plan
 
-    if native:
-        return plan(*args, **kwargs)
-    with reference_core():
+    with contextlib.nullcontext() if native else reference_core():
         return plan(*args, **kwargs)
 
 
@@ -177,9 +175,7 @@ def drafter(config, native: bool):
     (merging is native either way)."""
     from lookahead_vllm.core.drafter import Drafter
 
-    if native:
-        return Drafter(config)
-    with reference_core():
+    with contextlib.nullcontext() if native else reference_core():
         return Drafter(config)
 
 
