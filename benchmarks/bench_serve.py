@@ -187,12 +187,21 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int)
     return time.perf_counter() - start, ttft or 0.0, tokens, text
 
 
-async def run_wave(server: Server, prompts: list[str], max_tokens: int) -> tuple[float, list]:
+async def run_wave(server: Server, prompts: list[str], max_tokens: int, in_flight: int | None = None
+                   ) -> tuple[float, list]:
+    """Send ``prompts`` with at most ``in_flight`` requests out at once (None: all at once);
+    the wave's wall seconds and each request's result, in prompt order."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
+    slots = asyncio.Semaphore(in_flight or len(prompts))
+
+    async def limited(prompt: str) -> tuple[float, float, int, str]:
+        async with slots:
+            return await one_request(client, server, prompt, max_tokens)
+
     start = time.perf_counter()
-    results = await asyncio.gather(*(one_request(client, server, p, max_tokens) for p in prompts))
+    results = await asyncio.gather(*(limited(p) for p in prompts))
     wall = time.perf_counter() - start
     await client.close()
     return wall, results
@@ -256,17 +265,19 @@ def busy_seconds() -> float:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int) -> Cell:
+def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int, depth: int = 1) -> Cell:
+    """Waves of ``c * depth`` prompts, at most ``c`` requests in flight; every method runs each wave."""
     cell = Cell()
     roots = [os.getpid()] + [s.proc.pid for s in servers]
     spec_before = {s.name: spec_counters(s) for s in servers}
     start = time.perf_counter()
-    for w, lo in enumerate(range(0, len(prompts), c)):
-        wave = prompts[lo:lo + c]
+    size = c * depth
+    for w, lo in enumerate(range(0, len(prompts), size)):
+        wave = prompts[lo:lo + size]
         order = servers[w % len(servers):] + servers[:w % len(servers)]
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            wall, results = asyncio.run(run_wave(s, wave, max_tokens))
+            wall, results = asyncio.run(run_wave(s, wave, max_tokens, c))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -303,19 +314,19 @@ def acceptance(spec: dict[str, float]) -> dict[str, float | None]:
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
-def paired_wave_ratios(values: list[float], plain: list[float], c: int) -> list[float]:
-    """Per wave (``c`` requests, in prompt order for every method), the geometric mean of each
+def paired_wave_ratios(values: list[float], plain: list[float], size: int) -> list[float]:
+    """Per wave (``size`` requests, in prompt order for every method), the geometric mean of each
     request's value over plain's for the same prompt; requests with a zero on either side skipped."""
     ratios = []
-    for lo in range(0, min(len(values), len(plain)), c):
-        wave = [v / p for v, p in zip(values[lo:lo + c], plain[lo:lo + c]) if v > 0 and p > 0]
+    for lo in range(0, min(len(values), len(plain)), size):
+        wave = [v / p for v, p in zip(values[lo:lo + size], plain[lo:lo + size]) if v > 0 and p > 0]
         if wave:
             ratios.append(statistics.geometric_mean(wave))
     return ratios
 
 
-def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "wall_s": cell.wall_s,
+def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any]:
+    out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "depth": depth, "wall_s": cell.wall_s,
                            "other_cpu_s": sum(cell.other_cpu_s),
                            "other_cores_busy": sum(cell.other_cpu_s) / cell.wall_s, "methods": {}}
     plain_tok_s = sum(cell.tokens["plain"]) / sum(cell.seconds["plain"])
@@ -324,8 +335,9 @@ def summarize(cell: Cell, c: int, dataset: str) -> dict[str, Any]:
         ratios = [(t / s) / (pt / ps) for t, s, pt, ps in
                   zip(cell.tokens[name], cell.seconds[name], cell.tokens["plain"], cell.seconds["plain"])]
         geomean, low, high = ratio_interval(ratios)
-        ttft_ratio, ttft_low, ttft_high = ratio_interval(paired_wave_ratios(cell.ttft[name], cell.ttft["plain"], c))
-        lat_ratio, lat_low, lat_high = ratio_interval(paired_wave_ratios(cell.latency[name], cell.latency["plain"], c))
+        size = c * depth
+        ttft_ratio, ttft_low, ttft_high = ratio_interval(paired_wave_ratios(cell.ttft[name], cell.ttft["plain"], size))
+        lat_ratio, lat_low, lat_high = ratio_interval(paired_wave_ratios(cell.latency[name], cell.latency["plain"], size))
         out["methods"][name] = {
             "output_tok_s": tok_s,
             "speedup": tok_s / plain_tok_s,
@@ -450,7 +462,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, nargs="+", default=[8, 8, 16],
                         help="prompts per concurrency (one value, or one per --concurrency)")
     parser.add_argument("--waves", type=int, default=None,
-                        help="waves per cell: each concurrency c takes c * WAVES prompts (instead of --num-prompts)")
+                        help="waves per cell: each concurrency c takes c * DEPTH * WAVES prompts (instead of --num-prompts)")
+    parser.add_argument("--depth", type=int, default=1,
+                        help="requests per in-flight slot in a wave: 1 (default) sends a wave's c requests at once; "
+                             "N > 1 sends c * N with at most c in flight (sustained load, one drain per wave)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
@@ -488,10 +503,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--methods {args.methods}: each method once")
     if any(m.startswith("suffix") for m in args.methods) and importlib.util.find_spec("arctic_inference") is None:
         parser.error("--methods 'suffix': needs arctic_inference.suffix_decoding; install it with scripts/setup.sh")
+    if args.depth < 1:
+        parser.error(f"--depth {args.depth}: must be >= 1")
     if args.waves is not None:
         if args.waves < 1:
             parser.error(f"--waves {args.waves}: must be >= 1")
-        args.num_prompts = [c * args.waves for c in args.concurrency]
+        args.num_prompts = [c * args.depth * args.waves for c in args.concurrency]
     for name in ("concurrency", "num_prompts"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: every value must be >= 1")
@@ -561,8 +578,8 @@ def main(argv: list[str] | None = None) -> None:
             first = 0
             for c, n in zip(args.concurrency, args.counts):
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
-                cell = run_cell(servers, prompts[dataset][first:first + n], c, args.max_tokens)
-                cells.append(summarize(cell, c, dataset))
+                cell = run_cell(servers, prompts[dataset][first:first + n], c, args.max_tokens, args.depth)
+                cells.append(summarize(cell, c, dataset, args.depth))
                 first += n
                 # After every cell, so a run cut off (a time limit, a crash) keeps what it measured.
                 args.out.write_text(json.dumps({"partial": True, "args": {k: str(v) for k, v in vars(args).items()},

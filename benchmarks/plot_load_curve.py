@@ -20,21 +20,27 @@ from paired import ratio_interval
 
 
 def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
-    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled."""
+    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled
+    (files of one wave kind only: bursts, or sustained waves of one ``--depth``)."""
     waves: dict[str, list[float]] = {}
+    depths: dict[int, Path] = {}
     for path in files:
         cells = [c for c in json.loads(path.read_text())["cells"] if c["concurrency"] == concurrency]
         if len(cells) != 1:
             raise SystemExit(f"{path}: {len(cells) or 'no'} cells at concurrency {concurrency} (one class a file)")
         if "plain" not in cells[0]["methods"]:
             raise SystemExit(f"{path}: no plain row at concurrency {concurrency} to pair with")
+        depths.setdefault(cells[0].get("depth", 1), path)
+        if len(depths) > 1:
+            raise SystemExit(f"concurrency {concurrency}: waves of --depth {sorted(depths)} "
+                             f"({', '.join(map(str, depths.values()))}); pool one kind of wave")
         for name, row in cells[0]["methods"].items():
             if name != "plain":
                 waves.setdefault(name, []).extend(row["speedup_waves"])
     out = {}
     for name, ratios in waves.items():
         mean, low, high = ratio_interval(ratios)
-        out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios)}
+        out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios), "depth": next(iter(depths))}
     return out
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -773,6 +775,7 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--variant", "x={oops"], "--variant 'x={oops': not JSON"),
     (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
     (["--waves", "0"], "--waves 0: must be >= 1"),
+    (["--waves", "2", "--depth", "0"], "--depth 0: must be >= 1"),
 ])
 def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     bench_serve = _import_bench("bench_serve")
@@ -857,6 +860,11 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     assert json.loads((tmp_path / "curve.json").read_text())["cells"]["32"]["lookahead"]["waves"] == 4
     with pytest.raises(SystemExit, match="no cells at concurrency 8"):
         plot_load_curve.main([f"8={a}", "--out", str(tmp_path / "x.json")])
+    sustained = tmp_path / "d.json"
+    sustained.write_text(json.dumps({"cells": [{**json.loads(a.read_text())["cells"][0], "depth": 4}]}))
+    assert plot_load_curve.main([f"32={sustained}", "--out", str(tmp_path / "y.json")])[32]["lookahead"]["depth"] == 4
+    with pytest.raises(SystemExit, match=r"--depth \[1, 4\]"):  # bursts and sustained waves are not pooled
+        plot_load_curve.main([f"32={a},{sustained}", "--out", str(tmp_path / "z.json")])
 
 
 def test_bench_serve_waves_and_the_mixed_class():
@@ -967,6 +975,32 @@ def test_bench_serve_prices_each_method_against_plain_sync_wave_by_wave():
     alone = {"methods": {"plain": {"speedup_waves": [1.0]}, "lookahead": {"speedup_waves": [1.2]}}}
     bench_serve.against_plain_sync(alone)
     assert "vs_plain_sync" not in alone["methods"]["lookahead"]
+
+
+def test_bench_serve_sustained_waves_keep_c_requests_in_flight(monkeypatch):
+    bench_serve = _import_bench("bench_serve")
+    args = bench_serve.parse_args(["--methods", "plain", "--concurrency", "1", "8", "--waves", "2", "--depth", "3"])
+    assert args.counts == [6, 48]  # c * depth * waves
+    live, peak, order = [0], [0], []
+
+    async def fake_request(client, server, prompt, max_tokens):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        order.append(prompt)
+        await asyncio.sleep(0.01 * (int(prompt) % 3))
+        live[0] -= 1
+        return 0.1, 0.01, max_tokens, f"out {prompt}"
+
+    monkeypatch.setattr(bench_serve, "one_request", fake_request)
+    server = types.SimpleNamespace(url="http://127.0.0.1:9")
+    prompts = [str(i) for i in range(12)]
+    _, results = asyncio.run(bench_serve.run_wave(server, prompts, 5, in_flight=3))
+    assert peak[0] == 3  # never more than c out at once, and c kept busy
+    assert order[:3] == ["0", "1", "2"] and sorted(order) == sorted(prompts)
+    assert [r[3] for r in results] == [f"out {p}" for p in prompts]  # results in prompt order
+    peak[0] = 0
+    asyncio.run(bench_serve.run_wave(server, prompts, 5))  # a burst: all at once
+    assert peak[0] == 12
 
 
 def test_bench_serve_pairs_each_wave_request_by_request():
