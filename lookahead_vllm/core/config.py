@@ -1,39 +1,16 @@
 """Lookahead configuration: the public fields, the internal profile, the resolved settings.
 
-Three objects, one direction:
-
-  LookaheadConfig   the public fields (a pydantic model, at most ten): what a
-                    user must choose. ``additional_config={"lookahead": {...}}``
-                    takes exactly these keys.
-  Profile           every tuning knob (a frozen dataclass, internal): one set
-                    of defaults; where CPU and GPU differ, the per-platform
-                    values of :data:`PLATFORM_VALUES`.
-  Settings          what the engine runs on: the public fields with
-                    ``decoding_length`` resolved, and the profile. Built once,
-                    by :func:`resolve`, where the engine's config is built;
-                    carried to the workers inside that config
+  LookaheadConfig   the public fields (a pydantic model): exactly the keys of
+                    ``additional_config={"lookahead": {...}}``.
+  Profile           every tuning knob (a frozen dataclass, internal): one set of
+                    defaults, per-platform values in :data:`PLATFORM_VALUES`; set
+                    by developers under the ``"_profile"`` key.
+  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve`
+                    where the engine's config is built and carried to the workers
                     (:meth:`Settings.to_carried` / :meth:`Settings.from_carried`).
 
-Terms:
-  decoding length   node budget per step: how many draft tokens (tree nodes,
-                    root excluded) one request may put into one forward.
-  branch length     maximum depth of a trie branch; also the window size used
-                    when prompt and output n-grams are inserted into the trie.
-  match length      how many trailing context tokens are matched against the
-                    trie before drafting; retrieval tries the longest first and
-                    shortens it while the matched sub-trie has fewer than
-                    ``min_retrieved_nodes`` candidates (multi-stage matching).
-  draft shape       ``hier``: shared prefixes merged into a token tree (seed 000
-                    Fig. 2c); ``par``: whole branches side by side, no merging
-                    below the root (Fig. 2b); ``one``: a single best branch.
-
-Developers (tests, benchmarks) set profile knobs through one explicit key,
-``"_profile"``, next to the public fields: ``resolve({"source": "trie",
-"_profile": {"branch_length": 4}})``. It is not part of the public schema.
-
-Example: ``resolve({"draft_shape": "hier"}, platform="gpu",
-num_speculative_tokens=16)`` gives ``decoding_length=16``, the GPU's load
-limits (32, 128) and its token-price prior (32, 675).
+Fields, knobs and terms (decoding, branch and match length; draft shapes):
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -169,14 +146,11 @@ def check_field_names(values: Mapping[str, Any]) -> None:
 
 def _explain(err: ValidationError) -> str:
     """One line per failed field: its name, its value and what is allowed."""
-    lines = []
-    for e in err.errors(include_url=False):
-        if e["type"] == "value_error" and not e["loc"]:  # _known_fields
-            lines.append(str(e["ctx"]["error"]))
-            continue
-        name = str(e["loc"][0])
-        lines.append(f"{name}={e['input']!r}: {_allowed(name, e)}")
-    return "; ".join(lines)
+    return "; ".join(
+        str(e["ctx"]["error"]) if e["type"] == "value_error" and not e["loc"]  # _known_fields
+        else f"{e['loc'][0]}={e['input']!r}: {_allowed(str(e['loc'][0]), e)}"
+        for e in err.errors(include_url=False)
+    )
 
 
 def _allowed(name: str, error: Mapping[str, Any]) -> str:
