@@ -16,20 +16,12 @@ from lookahead_vllm.vllm.config import METHOD
 from lookahead_vllm.vllm.wrap import wrap
 
 
-def _validation_error():
-    """``VLLMValidationError`` that is also a ``ValueError`` (HTTP 400 in the server)."""
-    from vllm.exceptions import VLLMValidationError
-
-    class LookaheadRequestError(VLLMValidationError, ValueError):
-        pass
-
-    return LookaheadRequestError
-
-
 def patch_request_options() -> bool:
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    error = _validation_error()
+    class LookaheadRequestError(VLLMValidationError, ValueError):
+        """Also a ``ValueError``: HTTP 400 in the server."""
 
     def make(original):
         def _verify_args(self) -> None:
@@ -37,7 +29,7 @@ def patch_request_options() -> bool:
             try:
                 draft_cap(self.extra_args)
             except ValueError as e:
-                raise error(str(e), parameter="vllm_xargs") from None
+                raise LookaheadRequestError(str(e), parameter="vllm_xargs") from None
 
         return _verify_args
 
