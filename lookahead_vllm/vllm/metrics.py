@@ -1,28 +1,13 @@
 """Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
 
-The proposer runs in the worker process (in a server: API server -> engine
-core -> worker, three processes), while ``/metrics`` is served by the API
-server's Prometheus registry. vLLM ships its own figures through the
-scheduler stats; ours take a simpler road that works for any process layout:
-
-1. :func:`setup_process` (called by the plugin in every process) makes sure
-   ``$LOOKAHEAD_VLLM_STATS_DIR`` names a directory; the first process (the
-   API server, or the offline ``LLM``'s process) creates a temporary one, and
-   every process it starts inherits the variable. It also registers
-   :class:`StatsCollector` with ``prometheus_client``'s default registry.
-2. Each proposer owns a :class:`StepStats` (cumulative counters, gauges and
-   histograms) and a :class:`StatsPublisher`, a daemon thread that writes a
-   JSON snapshot to ``<dir>/<pid>-<n>.json`` twice a second (atomically:
-   write + rename). Only tensor-parallel rank 0 publishes.
-3. On every scrape, :class:`StatsCollector` reads the snapshots of live
-   processes and sums them into Prometheus families.
-
-The series are listed, with their help strings, in :class:`StatsCollector` and
-in the README's metrics table (``tests/test_readme.py`` keeps the two in step):
-gauges of the drafter's state, of tenant partitions (by ``draft_sharing``
-policy) and of the forward-cost model's live prices (core/prices.py); counters
-of steps, draftless steps, draft and accepted tokens and request-steps not
-drafted, by reason; histograms per engine step.
+The proposer runs in a worker, ``/metrics`` in the API server: each proposer's
+:class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of
+its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (made by the first
+process, :func:`setup_process`; inherited by the rest), and
+:class:`StatsCollector` sums the live processes' snapshots at each scrape,
+whatever the process layout (docs/how-it-works.md, "How serving works"). The
+series and their help strings are in :class:`StatsCollector` and the README's
+metrics table (tests/test_readme.py keeps the two in step).
 
 Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
 tokens accepted ``m - 1`` drafts of the previous step.
@@ -31,6 +16,7 @@ tokens accepted ``m - 1`` drafts of the previous step.
 from __future__ import annotations
 
 import atexit
+import bisect
 import itertools
 import json
 import os
@@ -54,23 +40,18 @@ _setup_done = False
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative histogram: ``counts[i]`` observations <= ``bounds[i]``, last = +Inf."""
+    """``counts[i]``: observations <= ``bounds[i]`` and above the bound before (last: +Inf)."""
 
     bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = field(init=False)
     total: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
 
 
 @dataclass(slots=True)
@@ -190,6 +171,7 @@ def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
+    """Write ``snapshot`` to ``path`` atomically (write, then rename)."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:
