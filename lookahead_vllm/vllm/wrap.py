@@ -6,12 +6,14 @@ method whose parameters changed raises :class:`PatchTargetChanged` and is left
 alone. Plain methods, classmethods and staticmethods alike: the wrapper is put
 back as the same kind (``make`` gets the plain function, ``cls`` first for a
 classmethod). The wrapper keeps the original's name and docstring and the
-original as ``__lookahead_original__``.
+original as ``__lookahead_original__``. :func:`method_patch` makes a named
+patch of one such ``make``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Callable
 
@@ -48,3 +50,18 @@ def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: t
     functools.update_wrapper(wrapped, original)
     wrapped.__lookahead_original__ = original
     setattr(owner, attr, kind(wrapped) if kind is not None else wrapped)
+
+
+def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
+    """Decorator: ``make`` becomes a named patch (``() -> True``) wrapping ``attr`` of the class
+    ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
+
+    def decorate(make: Callable[[Callable], Callable]) -> Callable[[], bool]:
+        def apply() -> bool:
+            module, _, name = owner.rpartition(".")
+            wrap(getattr(importlib.import_module(module), name), attr, make, params)
+            return True
+
+        return apply
+
+    return decorate
