@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -266,7 +267,18 @@ class StatsCollector:
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
         ):
             yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))  # prices: averaged, not summed
-        yield from _partition_gauges(GaugeMetricFamily, snaps)
+        for name, key, doc in (  # summed per draft_sharing policy
+            ("lookahead_draft_partitions", "draft_partitions",
+             "Draft index partitions holding a request or an output, by draft_sharing policy."),
+            ("lookahead_corpus_bytes", "corpus_bytes",
+             "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
+        ):
+            gauge, by_policy = GaugeMetricFamily(name, doc, labels=["sharing"]), Counter()
+            for snap in snaps:
+                by_policy[snap.get("draft_sharing") or "per-salt"] += snap.get(key, 0)
+            for policy, value in sorted(by_policy.items()):
+                gauge.add_metric([policy], value)
+            yield gauge
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
             ("lookahead_draftless_steps", "draftless_steps",
@@ -287,24 +299,6 @@ class StatsCollector:
              "Accepted lookahead draft tokens per engine step."),
         ):
             yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in snaps])
-
-
-def _partition_gauges(family: Any, snaps: list[dict[str, Any]]) -> Iterator[Any]:
-    """Partitions and corpus bytes, summed per draft_sharing policy."""
-    for name, key, doc in (
-        ("lookahead_draft_partitions", "draft_partitions",
-         "Draft index partitions holding a request or an output, by draft_sharing policy."),
-        ("lookahead_corpus_bytes", "corpus_bytes",
-         "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
-    ):
-        gauge = family(name, doc, labels=["sharing"])
-        by_policy: dict[str, float] = {}
-        for snap in snaps:
-            policy = snap.get("draft_sharing") or "per-salt"
-            by_policy[policy] = by_policy.get(policy, 0) + snap.get(key, 0)
-        for policy, value in sorted(by_policy.items()):
-            gauge.add_metric([policy], value)
-        yield gauge
 
 
 def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:
