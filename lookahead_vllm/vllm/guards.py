@@ -214,17 +214,15 @@ def wrapped_attention_impls() -> list[type]:
 
 
 def check_full_graph_features(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs on and a feature that needs them: the switch to piecewise
-    graphs (``patches.make_cudagraphs_piecewise``) cannot be made, refused."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is None or not mode.has_full_cudagraphs():
-        return
+    """Called by ``patches.make_cudagraphs_piecewise`` with full CUDA graphs on: a feature that needs
+    them means the switch to piecewise graphs cannot be made, refused."""
     needs_full = []
     if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
         needs_full.append("speculative_config.enable_adaptive_verification")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         needs_full.append("dual batch overlap (--enable-dbo)")
     if needs_full:
+        mode = vllm_config.compilation_config.cudagraph_mode
         raise ValueError(
             f"lookahead {what} (tree verification) needs piecewise CUDA graphs, but "
             f"{', '.join(needs_full)} needs full graphs (cudagraph_mode={mode.name}): turn it off, {CHAIN_FIX}"
