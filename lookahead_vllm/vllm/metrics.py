@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import itertools
 import json
 import os
@@ -174,21 +175,17 @@ def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
     """Write ``snapshot`` to ``path`` atomically (write, then rename)."""
     tmp = f"{path}.tmp"
-    try:
+    with contextlib.suppress(OSError):  # the directory went away at shutdown
         with open(tmp, "w") as f:
             json.dump(snapshot, f)
         os.replace(tmp, path)
-    except OSError:  # the directory went away at shutdown
-        pass
 
 
 def _stop_publishing(stop: threading.Event, path: str) -> None:
     stop.set()
     for p in (path, f"{path}.tmp"):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(p)
-        except OSError:
-            pass
 
 
 def tp_rank() -> int:
@@ -207,11 +204,8 @@ def read_snapshots(directory: str) -> list[dict[str, Any]]:
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
             continue
-        try:
-            with open(os.path.join(directory, name)) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as f:
+            out.append(json.load(f))
     return out
 
 
