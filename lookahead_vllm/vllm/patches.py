@@ -8,8 +8,7 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
                        mode, full CUDA graphs become piecewise (in a full graph our Python
                        wrap of attention ``forward`` never runs: nodes would see siblings).
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
-                       the proposer the input batch, finished request ids and the step's
-                       scheduled drafts.
+                       the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
 request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
                        (scheduler-side only in vLLM) to the proposer's partitions
@@ -70,8 +69,7 @@ TREE_PATCHES = ("tree_verification",)
 
 
 def apply(name: str) -> bool:
-    """Apply one named patch once; a failure is logged and remembered, never raised
-    (plain vLLM must keep working; :func:`require` fails closed for lookahead)."""
+    """Apply one named patch once; a failure is logged and remembered, never raised (failing closed, above)."""
     if name in _applied:
         return True
     try:
