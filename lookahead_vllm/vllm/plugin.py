@@ -12,18 +12,16 @@ process; greedy plain output is unchanged (tested with the plugin filtered out).
 
 from __future__ import annotations
 
+import functools
+
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_registered = False
 
-
+@functools.cache  # once per process (a call that raised runs again)
 def register() -> None:
     """Apply the plugin's patches (idempotent)."""
-    global _registered
-    if _registered:
-        return
     from lookahead_vllm.vllm import guards, logs, metrics, patches
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
@@ -35,4 +33,3 @@ def register() -> None:
     patches.apply_all()
     LookaheadProposer.prepare_engine = staticmethod(patches.prepare_engine)
     metrics.setup_process()  # lookahead_* series on /metrics (see metrics.py)
-    _registered = True

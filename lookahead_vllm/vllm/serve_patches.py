@@ -13,59 +13,42 @@ from __future__ import annotations
 
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.vllm.config import METHOD
-from lookahead_vllm.vllm.wrap import wrap
+from lookahead_vllm.vllm.wrap import method_patch
 
 
-def _validation_error():
-    """``VLLMValidationError`` that is also a ``ValueError`` (HTTP 400 in the server)."""
+@method_patch("vllm.sampling_params.SamplingParams", "_verify_args", ("self",))
+def patch_request_options(original):
     from vllm.exceptions import VLLMValidationError
 
     class LookaheadRequestError(VLLMValidationError, ValueError):
-        pass
+        """Also a ``ValueError``: HTTP 400 in the server."""
 
-    return LookaheadRequestError
+    def _verify_args(self) -> None:
+        original(self)
+        try:
+            draft_cap(self.extra_args)
+        except ValueError as e:
+            raise LookaheadRequestError(str(e), parameter="vllm_xargs") from None
 
-
-def patch_request_options() -> bool:
-    from vllm.sampling_params import SamplingParams
-
-    error = _validation_error()
-
-    def make(original):
-        def _verify_args(self) -> None:
-            original(self)
-            try:
-                draft_cap(self.extra_args)
-            except ValueError as e:
-                raise error(str(e), parameter="vllm_xargs") from None
-
-        return _verify_args
-
-    wrap(SamplingParams, "_verify_args", make, ("self",))
-    return True
+    return _verify_args
 
 
-def patch_cli_speculative_model() -> bool:
-    from vllm.engine.arg_utils import EngineArgs
+@method_patch("vllm.engine.arg_utils.EngineArgs", "add_cli_args", ("parser",))  # a staticmethod, put back as one
+def patch_cli_speculative_model(original):
+    def add_cli_args(parser):
+        parser = original(parser)
+        known = set(parser._option_string_actions)
+        if "--speculative-model" not in known:
+            parser.add_argument(
+                "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
+                help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
+                "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
+            )
+        if "--num-speculative-tokens" not in known:
+            parser.add_argument(
+                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                help="Alias of --spec-tokens (restored by lookahead-vllm).",
+            )
+        return parser
 
-    def make(original):
-        def add_cli_args(parser):
-            parser = original(parser)
-            known = set(parser._option_string_actions)
-            if "--speculative-model" not in known:
-                parser.add_argument(
-                    "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
-                    help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
-                    "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
-                )
-            if "--num-speculative-tokens" not in known:
-                parser.add_argument(
-                    "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
-                    help="Alias of --spec-tokens (restored by lookahead-vllm).",
-                )
-            return parser
-
-        return add_cli_args
-
-    wrap(EngineArgs, "add_cli_args", make, ("parser",))  # a staticmethod, put back as one
-    return True
+    return add_cli_args

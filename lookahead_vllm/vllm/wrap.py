@@ -1,17 +1,9 @@
-"""The checked wrapper every named patch (patches.py, serve_patches.py) goes through.
-
-:func:`wrap` replaces a vLLM method by ``make(original)`` after checking that
-the original's leading parameters are the ones the wrapper passes on; a
-method whose parameters changed raises :class:`PatchTargetChanged` and is left
-alone. Plain methods, classmethods and staticmethods alike: the wrapper is put
-back as the same kind (``make`` gets the plain function, ``cls`` first for a
-classmethod). The wrapper keeps the original's name and docstring and the
-original as ``__lookahead_original__``.
-"""
+"""The checked wrapper every named patch (patches.py, serve_patches.py) goes through."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Callable
 
@@ -40,11 +32,29 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
 
 
 def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.attr`` by ``make(original)``; ``params``: the leading
-    parameters the wrapper passes on, checked against the original's."""
+    """Replace ``owner.attr`` by ``make(original)``, after checking that the original's leading
+    parameters are ``params``, the ones the wrapper passes on (else :class:`PatchTargetChanged`, and
+    the method is left alone). Plain methods, classmethods and staticmethods alike: the wrapper is put
+    back as the same kind (``make`` gets the plain function, ``cls`` first for a classmethod). The
+    wrapper keeps the original's name and docstring and the original as ``__lookahead_original__``."""
     check_params(owner, attr, params)
     original, kind = _target(owner, attr)
     wrapped = make(original)
     functools.update_wrapper(wrapped, original)
     wrapped.__lookahead_original__ = original
     setattr(owner, attr, kind(wrapped) if kind is not None else wrapped)
+
+
+def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
+    """Decorator: ``make`` becomes a named patch (``() -> True``) wrapping ``attr`` of the class
+    ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
+
+    def decorate(make: Callable[[Callable], Callable]) -> Callable[[], bool]:
+        def apply() -> bool:
+            module, _, name = owner.rpartition(".")
+            wrap(getattr(importlib.import_module(module), name), attr, make, params)
+            return True
+
+        return apply
+
+    return decorate
