@@ -55,6 +55,7 @@ def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callabl
             wrap(getattr(importlib.import_module(module), name), attr, make, params)
             return True
 
+        apply.__name__, apply.__qualname__, apply.__doc__ = make.__name__, make.__qualname__, make.__doc__
         return apply
 
     return decorate

@@ -32,7 +32,9 @@ def server_env(**extra: str) -> dict[str, str]:
     """Environment for a server subprocess: this checkout first on the path, 1 thread each."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update({"OMP_NUM_THREADS": "1", "VLLM_LOG_STATS_INTERVAL": "2", "HF_HUB_OFFLINE": "1"})
+    # INFO: tests read the servers' log lines (a benchmark imported into this process may set WARNING).
+    env.update({"OMP_NUM_THREADS": "1", "VLLM_LOG_STATS_INTERVAL": "2", "HF_HUB_OFFLINE": "1",
+                "VLLM_LOGGING_LEVEL": "INFO"})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server needs its engine process
     env.pop("LOOKAHEAD_VLLM_STATS_DIR", None)  # each server makes its own
     env.update(extra)
