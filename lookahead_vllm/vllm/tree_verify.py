@@ -1,37 +1,22 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner).
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the picture
+and what it is proven against: docs/how-it-works.md, "Tree verification".
 
-vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
-(parent-first DFS order, so any prefix the scheduler keeps is still a tree) and
-keeps its :class:`StepPlan`. Next step, three hooks make the forward pass and
-the acceptance treat those tokens as a tree:
+The proposer hands vLLM a flattened draft tree (parent-first DFS order, so any
+prefix the scheduler keeps is still a tree) and keeps its :class:`StepPlan`. Next
+step three hooks make the forward and the acceptance treat it as a tree:
+``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
+sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
+after the attention backend's stock ``forward``, rows off the leading chain are
+recomputed with the tree mask (:data:`TREE_ATTENTION`); ``GPUModelRunner._sample``
+replaces tree requests' rejection-sampler rows by a tree walk written as
+``[accepted..., bonus, -1...]`` like a chain result (vLLM's bookkeeping unchanged),
+then compacts the accepted path's K/V (slot ``C + 1 + n_j`` to ``C + j``), so
+rejected nodes never stay in the committed sequence (nor reach the prefix cache).
 
-``tree_positions``   ``GPUModelRunner._prepare_inputs``: tree rows' positions
-                     become root + depth, so RoPE sees each node at its depth,
-                     while node ``i`` still writes its K/V to slot ``C + 1 + i``.
-``tree_attention``   the attention backend's ``forward``: after the stock
-                     kernel, tree rows off the leading chain are recomputed
-                     with the tree mask (context + root + ancestors): by
-                     default one root-to-leaf path per round through vLLM's own
-                     kernel (CPU attention, or FlashAttention on GPU);
-                     ``LOOKAHEAD_TREE_ATTENTION=reference`` (CPU) the pure-torch
-                     reference, ``=kernel`` (GPU) the csrc kernel in one launch.
-``tree_acceptance``  ``GPUModelRunner._sample``: tree requests' rejection-sampler
-                     rows are replaced by a tree walk (greedy, or sampled with the
-                     request's temperature, top-k, top-p and generator at each
-                     reached node), written as ``[accepted..., bonus, -1...]``
-                     like a chain result, so vLLM's bookkeeping is unchanged.
-                     Then the accepted path's K/V is *compacted*: node at slot
-                     ``C + 1 + n_j`` moves to ``C + j`` in every layer, so
-                     rejected nodes never stay in the committed sequence (nor
-                     reach the prefix cache, which hashes committed blocks).
-
-Requests whose sampling needs the token history along the draft (penalties,
-bad words, min_tokens, logprobs, structured output, ...) get chains from the
-proposer (:func:`tree_verifiable`); if one still carries a tree, only its
-leading chain is verified.
-
-Debug switches (the profile's ``debug_disable``) turn off ``positions``,
-``mask`` or ``compaction`` so tests can prove each piece is needed.
+Requests whose sampling needs the token history along the draft get chains
+(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is
+verified. The profile's ``debug_disable`` turns off ``positions``, ``mask`` or
+``compaction`` so tests can prove each piece is needed.
 """
 
 from __future__ import annotations
@@ -263,17 +248,16 @@ class TreeVerifier:
         results = []
         for req in step.requests:
             first = cu_sampled[req.row] - req.num_rows
+            req_logits = logits[first : first + req.num_rows]
             if req.walk:
-                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, logits[first : first + req.num_rows]))
+                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, req_logits))
             else:
                 nodes, tokens = _leading_chain_result(req, sampled[req.row])
             row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
             row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
             sampled[req.row] = row.to(sampled.device)
             moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-            window = None
-            if req.plan.has_lookahead:
-                window = _window_outputs(runner.drafter.config, req, logits[first : first + req.num_rows])
+            window = _window_outputs(runner.drafter.config, req, req_logits) if req.plan.has_lookahead else None
             results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
         runner.drafter.on_tree_results(results)
         if moves and "compaction" not in step.disabled:
@@ -382,7 +366,8 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
     write(key.index_select(0, plan.restore_rows), value.index_select(0, plan.restore_rows), plan.restore_slots)
 
 
-def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
+def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
+                  out: torch.Tensor) -> None:
     """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the
     rows off each request's leading chain are written back.
 
@@ -449,25 +434,21 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
     for j in range(max(len(p) for p in per_request)):
-        kv_rows, slots, query_rows, qsl, lens, tables = [], [], [], [0], [], []
+        kv0, q0, slots, qsl, lens, tables = len(all_kv), len(all_q), [], [0], [], []
         for req, paths in zip(step.requests, per_request):
             if j >= len(paths):
                 continue
             path, tail = paths[j]
-            kv_rows += [req.start + r for r in path]
+            all_kv += [req.start + r for r in path]
             restore.update(req.start + i for i in range(len(path)))
             slots.append(step.slot_mapping[req.start : req.start + len(path)])
-            query_rows += [req.start + r for r in path[-tail:]]
+            all_q += [req.start + r for r in path[-tail:]]
             qsl.append(qsl[-1] + tail)
             lens.append(seq_lens[req.row] - req.num_rows + len(path))
             tables.append(metadata.block_table[req.row])
-        kv = slice(len(all_kv), len(all_kv) + len(kv_rows))
-        q = slice(len(all_q), len(all_q) + len(query_rows))
-        all_kv += kv_rows
-        all_q += query_rows
         rounds.append(PathRound(
-            kv, torch.cat(slots), q, torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-            torch.stack(tables),
+            slice(kv0, len(all_kv)), torch.cat(slots), slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
         ))
     restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
     step.path_plan = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
