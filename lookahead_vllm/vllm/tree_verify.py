@@ -84,10 +84,9 @@ class TreeStep:
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
     # Built lazily, shared by all layers: path rounds (and their copy on the GPU),
-    # every tree row, the csrc kernel's arguments.
+    # the csrc kernel's arguments.
     path_plan: PathPlan | None = None
     device_path_plan: PathPlan | None = None
-    all_rows: torch.Tensor | None = None
     kernel_args: tuple | None = None
 
 
@@ -109,22 +108,12 @@ class TreeResult:
 
 def tree_verifiable(sp: Any) -> bool:
     """Whether a request's sampling is per-row (no history along the draft)."""
-    return (
-        sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and sp.min_p == 0.0
-        and sp.min_tokens == 0
-        and sp.logprobs is None
-        and sp.logprob_token_ids is None
-        and not sp.logit_bias
-        and sp.allowed_token_ids is None
-        and not sp.bad_words
-        and sp.structured_outputs is None
-        and not getattr(sp, "watermarking", None)
-        and getattr(sp, "thinking_token_budget", None) is None
-        and getattr(sp, "repetition_detection", None) is None
-    )
+    return (sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
+            and sp.min_p == 0.0 and sp.min_tokens == 0 and sp.logprobs is None and sp.logprob_token_ids is None
+            and not sp.logit_bias and sp.allowed_token_ids is None and not sp.bad_words
+            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
+            and getattr(sp, "thinking_token_budget", None) is None
+            and getattr(sp, "repetition_detection", None) is None)
 
 
 # ---------------------------------------------------------------- the verifier
@@ -135,7 +124,7 @@ class TreeVerifier:
 
     The runner patches reach it through ``runner.drafter``, the attention wrapper through
     the layer impls (:data:`IMPL_ATTR`). It verifies the proposer's ``plans`` and hands
-    back :class:`TreeResult`\ s.
+    back one :class:`TreeResult` per verified tree.
     """
 
     def __init__(self) -> None:
@@ -143,9 +132,6 @@ class TreeVerifier:
         self.current: TreeStep | None = None
         # Request-steps whose scheduled drafts differed from the kept plan (verified as chains).
         self.plan_mismatches = 0
-        # Tests set a list here to receive, per verified tree: context ids (root last), plan,
-        # node logits and the committed K/V per layer after compaction (test_tree_oracle.py).
-        self.recorder: list[dict[str, Any]] | None = None
         # The runner's request states by id (bound by begin_step; tests bind their own).
         self.runner_requests: dict[str, Any] = {}
 
@@ -183,10 +169,6 @@ class TreeVerifier:
             start = int(starts[row])
             visible = torch.from_numpy(plan.visibility())
             requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
-            if self.recorder is not None:
-                num_tokens = int(runner.input_batch.num_tokens_no_spec[row])
-                context = runner.input_batch.token_ids_cpu[row, :num_tokens].tolist()
-                self.recorder.append({"req_id": req_id, "context": context, "plan": plan})
             if "positions" not in disabled:
                 offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
                 rows = slice(start, start + plan.num_nodes + 1)
@@ -195,7 +177,6 @@ class TreeVerifier:
             drafter.on_tree_truncated(truncated)
         if requests:
             self.current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
-            self.current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
 
     def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
         """Count (and log at the first and every 1000th) a request-step whose scheduled drafts
@@ -262,18 +243,6 @@ class TreeVerifier:
         runner.drafter.on_tree_results(results)
         if moves and "compaction" not in step.disabled:
             _compact(step, moves)
-        if self.recorder is not None:
-            self._record(step, logits, cu_sampled, sampled)
-
-    def _record(self, step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled: torch.Tensor) -> None:
-        entries = {e["req_id"]: e for e in self.recorder[-len(step.requests):]}
-        for req in step.requests:
-            first = cu_sampled[req.row] - req.num_rows
-            entry = entries[req.req_id]
-            entry["logits"] = logits[first : first + req.num_rows].float().clone()
-            entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
-            committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
-            entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
 
 # ---------------------------------------------------------------- attention
@@ -283,15 +252,11 @@ def _cpu_path_rounds(
     step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
 ) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time.
-
-    The stock causal call already got the root and the leading chain right
-    (there the tree mask is causal). In round ``j`` every tree request writes
-    the K/V of its ``j``-th other root-to-leaf path into its next slots and
-    runs the path's not-yet-computed rows as the tail of a causal query: for
-    them that is exactly tree attention. Afterwards the overwritten slots get
-    their own rows' K/V back.
-    """
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time. The stock
+    causal call already got the root and the leading chain right (there the tree mask is
+    causal). In round ``j`` every tree request writes the K/V of its ``j``-th other path into
+    its next slots and runs the path's new rows as the tail of a causal query: for them that is
+    exactly tree attention. Then the overwritten slots get their own rows' K/V back."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -381,7 +346,7 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         reqs, device = step.requests, query.device
         q_max = max(r.num_rows for r in reqs)
         masks = [torch.nn.functional.pad(r.visible, (0, q_max - r.num_rows)) for r in reqs]
-        rows = step.all_rows.to(device)
+        rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in reqs]).to(device)
         req_rows = torch.tensor([r.row for r in reqs], device=device)
         qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # Kernel output rows to write back: each request's rows past root + leading chain.
@@ -457,12 +422,9 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
 
 
 def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
-    """Root-to-leaf paths (rows, root = 0) still needing attention after the
-    stock causal call, each with how many trailing rows are new.
-
-    The root and the leading chain are already right; every other row is
-    computed once, on the first path through it.
-    """
+    """Root-to-leaf paths (rows, root = 0) still needing attention after the stock causal call
+    (which got the root and the leading chain right), each with how many trailing rows are new:
+    every other row is computed once, on the first path through it."""
     kids = plan.tree.children()
     done = set(range(plan.chain_prefix_length() + 1))
     out = []
