@@ -183,11 +183,9 @@ class TreeVerifier:
         are not its plan's tokens; vLLM's stock path verifies them as a chain, losslessly."""
         self.plan_mismatches += 1
         if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
-            logger.warning(
-                "lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a chain "
-                "(%d such request-steps so far)", req_id, list(draft)[:16], list(plan.tree.tokens)[:16],
-                self.plan_mismatches,
-            )
+            logger.warning("lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a "
+                           "chain (%d such request-steps so far)", req_id, list(draft)[:16],
+                           list(plan.tree.tokens)[:16], self.plan_mismatches)
 
     def fix_tree_rows(
         self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -234,9 +232,8 @@ class TreeVerifier:
                 nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, req_logits))
             else:
                 nodes, tokens = _leading_chain_result(req, sampled[req.row])
-            row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
-            row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
-            sampled[req.row] = row.to(sampled.device)
+            padded = tokens + [-1] * (sampled.shape[1] - len(tokens))  # [accepted..., bonus, -1...]
+            sampled[req.row] = torch.tensor(padded, dtype=sampled.dtype, device=sampled.device)
             moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
             window = _window_outputs(runner.drafter.config, req, req_logits) if req.plan.has_lookahead else None
             results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
