@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from itertools import repeat
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
@@ -26,12 +25,7 @@ import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import (
-    ForwardCost,
-    confidence_floor,
-    forward_cost,
-    prices_pinned,
-)
+from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost, prices_pinned
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import Drafter, trailing_contexts
@@ -335,9 +329,8 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state (0 once the engine drained). A
-        request's state is its ``RequestState``: the Drafter's record of its
-        slot is made and dropped only through it (``sync``, ``finish``)."""
+        """Requests holding drafting state (0 once the engine drained). A request's state is its
+        ``RequestState``: the Drafter's slot record is made and dropped only through it (sync, finish)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
@@ -506,10 +499,10 @@ class LookaheadProposer:
         """Fill every row's chain to exactly k tokens (in place) where the step then replays a
         full CUDA graph: every batch row decodes, each has room for k more tokens (and no
         request's own draft cap is below k: the caller checks), and the step's (1 + k) tokens a
-        row fit the largest graph. A row's fill is its draft's
-        unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix
-        of), then its last token repeated. Verification keeps the output identical; the
-        booking reads only the planned part (``TreeOffers.match``)."""
+        row fit the largest graph. A row's fill is its draft's unplanned continuation
+        (``tok[j, :lens[j]]``, which the planned chain is a prefix of), then its last token
+        repeated. Verification keeps the output identical; the booking reads only the planned
+        part (``TreeOffers.match``)."""
         k = self.k
         if (len(rows) != len(drafts) or len(rows) * (1 + k) > self._uniform_tokens
                 or not len(rows) or int(num_tokens.max()) + k >= self.max_model_len):
@@ -591,8 +584,7 @@ class LookaheadProposer:
         offers = self._trees
         if not len(offers.slots):
             return
-        scheduled = self._scheduled.get
-        verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
+        verified = np.fromiter((len(self._scheduled.get(r, ())) for r in req_ids), np.int64, len(req_ids))
         at, verified, hits = offers.match(slots, verified, emitted)
         if len(at):
             context, pool = offers.observe(self.calibrator, at, verified, hits)
@@ -622,17 +614,13 @@ class LookaheadProposer:
     def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
                       req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int,
                       entry: np.ndarray) -> dict[str, StepPlan]:
-        """The Jacobi windows that go out this step, appended to their rows'
-        drafts (``drafts``, changed in place); returns their plans.
-
-        The step scores ``tokens`` tokens and is expected to emit ``gain``; a
-        window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
-        what its extra tokens and its W column paths cost at the step's rate
-        (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
-        path ``rounds``. The first draft of a step also pays the draft setup,
-        and a window on a row that kept no node its row's ``entry``.
-        """
+        """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
+        changed in place); returns their plans. The step scores ``tokens`` tokens and is expected
+        to emit ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
+        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens
+        and its W column paths cost at the step's rate (see JacobiRequest.wants_window); ``extra``
+        starts at the trees' own path ``rounds``. The first draft of a step also pays the draft
+        setup, and a window on a row that kept no node its row's ``entry``."""
         offers = self._trees
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
