@@ -6,6 +6,7 @@
   generation with acceptance counts, the engine's proposers).
 * ``standalone``: a ``LookaheadProposer`` without an engine.
 * ``models``: a tiny random Llama for fast tests.
+* ``tree_recorder``: what tree verification did with each tree (oracle tests).
 
 Installed by ``scripts/setup.sh`` (``pip install -e lab/``); the plugin never imports it.
 """

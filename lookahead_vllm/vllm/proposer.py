@@ -1,50 +1,31 @@
 """``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
 
-Per step, for the request rows of the persistent batch that just sampled:
+Per step, for the rows that just sampled: book last step's drafts, one
+``Drafter.sync`` (appends every committed token not yet seen, so it is robust
+to steps in which vLLM skipped drafting, and re-indexes rewound requests), one
+``Drafter.draft`` and one ``plan_trees`` call for the whole batch, then the
+Jacobi windows that pay (docs/how-it-works.md, "The drafting pipeline"). vLLM
+gets each row's best chain (``draft_shape="one"``) or its whole tree flattened
+parent-first, whose :class:`StepPlan` ``tree_verify`` reads back.
 
-1. one ``Drafter.sync`` over the runner's token table admits new requests,
-   appends every committed token not yet seen (robust to steps in which vLLM
-   skipped drafting) and re-indexes rewound ones (core/drafter.py),
-2. one ``Drafter.draft`` returns every drafting row's tree (the native index
-   and trie), the Jacobi pool's n-grams are merged in where that
-   source is on, and the forward-cost model cuts the batch's drafts,
-3. vLLM gets each row's best chain (``draft_shape="one"``) or its whole tree
-   flattened parent-first (``hier``/``par``), whose :class:`StepPlan`
-   ``tree_verify`` reads back.
-
-Booking and planning run as a few batch calls into the native extension,
-whatever the source and shape (core/tree_plan.py: the drafts handed out are
-one :class:`TreeOffers`, from which tree verification's plans are built when
-it asks). What stays per request is the Jacobi pool and window (Python).
-
-A request's drafting state is one :class:`RequestState`: created when the
-runner admits it (its per-request options), dropped in one place when it
-finishes or aborts (``finish``); a rewind (preemption) re-indexes its tokens
-and keeps its options.
-
-The proposer checks (``guards``) but patches nothing: the patches the worker
-needs are applied by :attr:`LookaheadProposer.prepare_engine`, which the
-plugin sets to ``patches.prepare_engine`` (``patches`` imports this module,
-never the reverse).
+A request's drafting state is one :class:`RequestState`, dropped in one place
+(``finish``); a rewind (preemption) keeps its options. The proposer checks
+(``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine`
+applies the worker's patches (``patches`` imports this module, never the reverse).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from itertools import repeat
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
+import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 
-from lookahead_vllm.core.budget import (
-    ForwardCost,
-    confidence_floor,
-    forward_cost,
-    prices_pinned,
-)
+from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost, prices_pinned
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import Drafter, trailing_contexts
@@ -110,23 +91,15 @@ class ProposerStats:
 
     def as_dict(self) -> dict[str, float]:
         c = self.counters()
-        per_req = c["request_steps"] or 1
+        ms = c["propose_ns"] / 1e6
         return {
-            "steps": c["steps"],
-            "request_steps": c["request_steps"],
-            "draft_tokens": c["draft_tokens"],
-            "max_step_draft_tokens": c["max_step_draft_tokens"],
-            "drafter_ms_per_step": c["propose_ns"] / 1e6 / (c["steps"] or 1),
-            "drafter_ms_per_request_step": c["propose_ns"] / 1e6 / per_req,
+            **{k: c[k] for k in ("steps", "request_steps", "draft_tokens", "max_step_draft_tokens")},
+            "drafter_ms_per_step": ms / (c["steps"] or 1),
+            "drafter_ms_per_request_step": ms / (c["request_steps"] or 1),
             "tree_request_steps": c["tree_request_steps"],
             "tree_tokens_per_request_step": c["tree_tokens"] / (c["tree_request_steps"] or 1),
-            "tree_off_chain_accepts": c["tree_off_chain_accepts"],
-            "jacobi_steps": c["jacobi_steps"],
-            "pool_ngrams_added": c["pool_ngrams_added"],
-            "pool_branches": c["pool_branches"],
-            "pool_accepted_tokens": c["pool_accepted_tokens"],
-            "context_drafts": c["context_drafts"],
-            "context_accepted_tokens": c["context_accepted_tokens"],
+            **{k: c[k] for k in ("tree_off_chain_accepts", "jacobi_steps", "pool_ngrams_added", "pool_branches",
+                                 "pool_accepted_tokens", "context_drafts", "context_accepted_tokens")},
         }
 
 
@@ -204,8 +177,7 @@ class LookaheadProposer:
     prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        spec = vllm_config.speculative_config
-        self.k = spec.num_speculative_tokens
+        self.k = vllm_config.speculative_config.num_speculative_tokens
         # Resolved once where the engine's config was built, carried in it.
         self.config = engine_settings(vllm_config)
         # Before any step: the patches this worker needs (applied, or the
@@ -217,8 +189,14 @@ class LookaheadProposer:
             raise RuntimeError("lookahead cannot start: lookahead-vllm's plugin is not registered in this process "
                                "(vLLM's general plugin 'lookahead'; VLLM_PLUGINS, if set, must name it)")
         guards.check_engine_start(vllm_config, self.config)
-        if guards.is_tree_mode(self.config):
-            _prepare_kernels()
+        self.tree_mode = guards.is_tree_mode(self.config)
+        if self.tree_mode:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda():  # load (or build) the CUDA kernels now, not in the first tree step
+                from lookahead_vllm.ops import cuda as la_cuda
+
+                la_cuda.prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
         # The largest step CUDA graphs cover (0: no graphs, as on the CPU). On an H200 a step
         # past it ran eager at 2-3x the time of one inside it (benchmarks/results/gpu_h200.json,
@@ -226,25 +204,20 @@ class LookaheadProposer:
         # a multiple of 1 + k (full_graph_tokens), piecewise ones too.
         full = full_graph_tokens(vllm_config, self.k)
         self._graph_tokens = full or graph_tokens(vllm_config)
-        self._new_drafter()
         self._input_batch: Any = None
         # request id -> its drafting state (the only per-request store).
         self._states: dict[str, RequestState] = {}
         self._next_slot = 0
+        # The Drafter, calibrator, window prior and last step's drafts (see reset).
+        self.reset()
         # Prometheus lookahead_* series and the periodic log line (metrics.py).
         self.metrics = metrics.StepStats()
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
-        self._interval_log = metrics.IntervalLogger(logger, _log_interval_s())
+        self._interval_log = metrics.IntervalLogger(logger, float(envs.VLLM_LOG_STATS_INTERVAL))
         # Tree verification's state in this worker (tree_verify.TreeVerifier):
         # the runner patches and the attention wrapper reach it from here.
         self.verifier = TreeVerifier()
-        # What the Jacobi window last yielded (pool tokens per window step)
-        # and the probe interval it had reached: new requests start there, so
-        # a workload where the window does not pay stops probing it anew for
-        # every request.
-        self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
-        self.tree_mode = guards.is_tree_mode(self.config)
         # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA
         # graph; vLLM runs any other step piecewise (0: fill nothing). Only where decode steps
         # have graphs of their own (FULL_AND_PIECEWISE, FULL_DECODE_ONLY): with cudagraph_mode
@@ -263,24 +236,15 @@ class LookaheadProposer:
         # The last step's shape and start time (on_step), for the fit.
         self._last_step: tuple[StepShape, float] | None = None
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
-        # The drafts handed out last step; this step's request ids by row and the rows
-        # of the offers (offer d is request ids[rows[d]]); the plans built
-        # from the offers (tree_verify asks once per step: ``plans``).
-        self._trees = TreeOffers.none()
-        self._tree_rows: tuple[list[str], list[int]] = ([], [])
-        self._tree_plans: dict[str, StepPlan] | None = None
-        # This step's Jacobi windows' plans by request id (they replace the offers' plans).
-        self._window_plans: dict[str, StepPlan] = {}
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
         logger.info("lookahead proposer ready: %s", self.config)
-        # Warm start and snapshot (config warm_start, snapshot_path): learned
-        # now; the snapshot is written again on shutdown (close()).
+        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot
+        # is written again when the engine shuts down (patch runner_shutdown, applied by
+        # prepare_engine: close()), else at exit.
         self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
         self._persistence.start(self.drafter)
         if self.config.snapshot_path:
-            # Written when the engine shuts down (patch runner_shutdown,
-            # applied by prepare_engine), else at exit.
             persistence.close_at_exit(self)
 
     def load_model(self, *args, **kwargs) -> None:
@@ -365,9 +329,8 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state (0 once the engine drained). A
-        request's state is its ``RequestState``: the Drafter's record of its
-        slot is made and dropped only through it (``sync``, ``finish``)."""
+        """Requests holding drafting state (0 once the engine drained). A request's state is its
+        ``RequestState``: the Drafter's slot record is made and dropped only through it (sync, finish)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
@@ -379,23 +342,30 @@ class LookaheadProposer:
             budget = room if budget is None else min(budget, room)
         return budget
 
-    def _new_drafter(self) -> None:
-        """A fresh Drafter and the confidence calibrator that goes with it."""
+    def reset(self) -> None:
+        """Forget everything learned: a fresh Drafter, calibration and window
+        policy (benchmarks' cold start). Running requests keep their options
+        and are indexed anew on their next step."""
         self.drafter = Drafter(self.config)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py; raw ones, a calibrator that never learns,
         # where the profile turns calibration off).
         self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
-
-    def reset(self) -> None:
-        """Forget everything learned: a fresh Drafter, calibration and window
-        policy (benchmarks' cold start). Running requests keep their options
-        and are indexed anew on their next step."""
-        self._new_drafter()
         for st in self._states.values():
             st.length, st.jacobi = 0, None
-        self._window_prior = (YIELD_PRIOR, PROBE_EVERY)
-        self._trees, self._tree_rows, self._tree_plans, self._window_plans = TreeOffers.none(), ([], []), None, {}
+        # What the Jacobi window last yielded (pool tokens per window step)
+        # and the probe interval it had reached: new requests start there, so
+        # a workload where the window does not pay stops probing it anew for
+        # every request.
+        self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
+        # The drafts handed out last step; this step's request ids by row and the rows
+        # of the offers (offer d is request ids[rows[d]]); the plans built
+        # from the offers (tree_verify asks once per step: ``plans``).
+        self._trees = TreeOffers.none()
+        self._tree_rows: tuple[list[str], list[int]] = ([], [])
+        self._tree_plans: dict[str, StepPlan] | None = None
+        # This step's Jacobi windows' plans by request id (they replace the offers' plans).
+        self._window_plans: dict[str, StepPlan] = {}
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -446,7 +416,13 @@ class LookaheadProposer:
         sampled_lens = np.fromiter(map(len, sampled_token_ids), np.int64, len(sampled_token_ids))
         drafts, num_rows, skipped, load_budget = self._draft_and_plan(sampled_token_ids, sampled_lens,
                                                                       num_tokens_no_spec, token_ids_cpu, batch)
-        self._record_metrics(drafts, sampled_lens, num_rows, skipped, load_budget, start)
+        accepted = int(sampled_lens.sum()) - int(np.count_nonzero(sampled_lens))  # the bonus tokens are not
+        step_tokens = sum(map(len, drafts))
+        self.stats.request_steps += num_rows
+        self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
+        self.metrics.load_budget = load_budget
+        self.metrics.record_step(step_tokens, accepted, (time.perf_counter_ns() - start) / 1e9, skipped)
+        self._interval_log.maybe_log(self.metrics)
         draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
         return drafts
 
@@ -480,12 +456,15 @@ class LookaheadProposer:
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         row_list = rows.tolist()
         req_ids = [batch.req_ids[i] for i in row_list]
-        states = [self._states.get(r) or self._state(r) for r in req_ids]
+        states = [self._state(r) for r in req_ids]
         slots = np.fromiter((st.slot for st in states), np.int64, len(states))
         num_tokens = num_tokens_no_spec[rows]
         self._book_trees(slots, req_ids, [sampled_token_ids[i] for i in row_list])
+        default = self.drafter.partition(None)  # where the Drafter admits a request: its partition
+        partitions = np.fromiter((default if st.partition is None else st.partition for st in states), np.int64,
+                                 len(states))
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
-                                                self._partitions(states))
+                                                partitions)
         if self.config.uses_jacobi:
             self._track_windows(req_ids, states, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
         budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
@@ -520,10 +499,10 @@ class LookaheadProposer:
         """Fill every row's chain to exactly k tokens (in place) where the step then replays a
         full CUDA graph: every batch row decodes, each has room for k more tokens (and no
         request's own draft cap is below k: the caller checks), and the step's (1 + k) tokens a
-        row fit the largest graph. A row's fill is its draft's
-        unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix
-        of), then its last token repeated. Verification keeps the output identical; the
-        booking reads only the planned part (``TreeOffers.match``)."""
+        row fit the largest graph. A row's fill is its draft's unplanned continuation
+        (``tok[j, :lens[j]]``, which the planned chain is a prefix of), then its last token
+        repeated. Verification keeps the output identical; the booking reads only the planned
+        part (``TreeOffers.match``)."""
         k = self.k
         if (len(rows) != len(drafts) or len(rows) * (1 + k) > self._uniform_tokens
                 or not len(rows) or int(num_tokens.max()) + k >= self.max_model_len):
@@ -534,10 +513,8 @@ class LookaheadProposer:
             chain = drafts[r]
             if len(chain) >= k:
                 continue
-            more = raw.get(r)
-            fill = list(chain)
-            if more is not None and len(more) > len(chain) and more[:len(chain)].tolist() == chain:
-                fill += more[len(chain):k].tolist()
+            more = raw[r].tolist() if r in raw else []
+            fill = chain + (more[len(chain):k] if more[:len(chain)] == chain else [])
             last = fill[-1] if fill else int(token_ids_cpu[r, num_tokens[i] - 1])
             fill += [last] * (k - len(fill))
             added += k - len(chain)
@@ -553,14 +530,12 @@ class LookaheadProposer:
         index's or the context chain, then the trie's, then the Jacobi pool's
         branches keyed by the row's last token, cut to the best path where
         the request may not verify a tree)."""
-        contexts = None
-        if self.drafter.trie is not None:
-            contexts = trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
-                                         self.config.profile.max_match_length)
-        pool = self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens) \
-            if self.config.uses_jacobi else None
-        tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode, ~tree_ok,
-                                                            pool)
+        contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
+                                      self.config.profile.max_match_length) if self.drafter.trie is not None else None)
+        pool = (self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens)
+                if self.config.uses_jacobi else None)
+        tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode,
+                                                            ~tree_ok, pool)
         self.stats.context_drafts += int(np.count_nonzero((kinds == KIND_CONTEXT).any(axis=1)))
         if pool is not None:  # where each row's pool nodes start: the window credits what they get accepted
             pool_from = lens - np.count_nonzero(kinds == KIND_POOL, axis=1)
@@ -609,19 +584,12 @@ class LookaheadProposer:
         offers = self._trees
         if not len(offers.slots):
             return
-        scheduled = self._scheduled.get
-        verified = np.fromiter(map(len, map(scheduled, req_ids, repeat(()))), np.int64, len(req_ids))
+        verified = np.fromiter((len(self._scheduled.get(r, ())) for r in req_ids), np.int64, len(req_ids))
         at, verified, hits = offers.match(slots, verified, emitted)
         if len(at):
             context, pool = offers.observe(self.calibrator, at, verified, hits)
             self.stats.context_accepted_tokens += context
             self.stats.pool_accepted_tokens += pool
-
-    def _partitions(self, states: list[RequestState]) -> np.ndarray:
-        """The rows' partitions (used where the Drafter admits a request)."""
-        default = self.drafter.partition(None)
-        return np.fromiter((default if st.partition is None else st.partition for st in states), np.int64,
-                           len(states))
 
     def _track_windows(self, req_ids: list[str], states: list[RequestState], rows: np.ndarray,
                        token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
@@ -646,17 +614,13 @@ class LookaheadProposer:
     def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
                       req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int,
                       entry: np.ndarray) -> dict[str, StepPlan]:
-        """The Jacobi windows that go out this step, appended to their rows'
-        drafts (``drafts``, changed in place); returns their plans.
-
-        The step scores ``tokens`` tokens and is expected to emit ``gain``; a
-        window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
-        what its extra tokens and its W column paths cost at the step's rate
-        (see JacobiRequest.wants_window); ``extra`` starts at the trees' own
-        path ``rounds``. The first draft of a step also pays the draft setup,
-        and a window on a row that kept no node its row's ``entry``.
-        """
+        """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
+        changed in place); returns their plans. The step scores ``tokens`` tokens and is expected
+        to emit ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
+        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens
+        and its W column paths cost at the step's rate (see JacobiRequest.wants_window); ``extra``
+        starts at the trees' own path ``rounds``. The first draft of a step also pays the draft
+        setup, and a window on a row that kept no node its row's ``entry``."""
         offers = self._trees
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
@@ -694,17 +658,6 @@ class LookaheadProposer:
         self.metrics.draft_sharing = self.config.draft_sharing
         self.metrics.draft_partitions, self.metrics.corpus_bytes = self.drafter.partition_stats()
 
-    def _record_metrics(self, drafts, sampled_lens: np.ndarray, num_rows: int, skipped: dict[str, int],
-                        load_budget: int, start_ns: int) -> None:
-        accepted = int(sampled_lens.sum()) - int(np.count_nonzero(sampled_lens))  # the bonus tokens are not
-        step_tokens = sum(map(len, drafts))
-        self.stats.request_steps += num_rows
-        self.stats.max_step_draft_tokens = max(self.stats.max_step_draft_tokens, step_tokens)
-        m = self.metrics
-        m.load_budget = load_budget
-        m.record_step(step_tokens, accepted, (time.perf_counter_ns() - start_ns) / 1e9, skipped)
-        self._interval_log.maybe_log(m)
-
     # ------------------------------------------- contract with tree_verify
     def on_tree_truncated(self, count: int) -> None:
         """``count`` trees of this step were cut by the scheduler's token budget."""
@@ -733,7 +686,6 @@ class LookaheadProposer:
         self.stats.pool_ngrams_added += jac.update(new_tokens)
         jac.credit(sum(1 for n in accepted_nodes if n >= jac.pool_from))
         self._window_prior = (jac.yield_est, jac.probe_every)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -782,20 +734,3 @@ def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tupl
     except AssertionError:  # no distributed state (unit tests): a single rank
         return prices
     return tuple(get_tp_group().broadcast_object(prices, src=0))
-
-
-def _log_interval_s() -> float:
-    import vllm.envs as envs
-
-    return float(envs.VLLM_LOG_STATS_INTERVAL)
-
-
-def _prepare_kernels() -> None:
-    """Tree mode on a CUDA platform: load (or build) the CUDA kernels at engine
-    start, not in the first tree step (ops/cuda.py)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        from lookahead_vllm.ops import cuda as la_cuda
-
-        la_cuda.prepare_kernels()

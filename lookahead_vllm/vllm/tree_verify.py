@@ -1,37 +1,22 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner).
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the picture
+and what it is proven against: docs/how-it-works.md, "Tree verification".
 
-vLLM verifies drafts as chains. The proposer hands vLLM a flattened draft tree
-(parent-first DFS order, so any prefix the scheduler keeps is still a tree) and
-keeps its :class:`StepPlan`. Next step, three hooks make the forward pass and
-the acceptance treat those tokens as a tree:
+The proposer hands vLLM a flattened draft tree (parent-first DFS order, so any
+prefix the scheduler keeps is still a tree) and keeps its :class:`StepPlan`. Next
+step three hooks make the forward and the acceptance treat it as a tree:
+``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
+sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
+after the attention backend's stock ``forward``, rows off the leading chain are
+recomputed with the tree mask (:data:`TREE_ATTENTION`); ``GPUModelRunner._sample``
+replaces tree requests' rejection-sampler rows by a tree walk written as
+``[accepted..., bonus, -1...]`` like a chain result (vLLM's bookkeeping unchanged),
+then compacts the accepted path's K/V (slot ``C + 1 + n_j`` to ``C + j``), so
+rejected nodes never stay in the committed sequence (nor reach the prefix cache).
 
-``tree_positions``   ``GPUModelRunner._prepare_inputs``: tree rows' positions
-                     become root + depth, so RoPE sees each node at its depth,
-                     while node ``i`` still writes its K/V to slot ``C + 1 + i``.
-``tree_attention``   the attention backend's ``forward``: after the stock
-                     kernel, tree rows off the leading chain are recomputed
-                     with the tree mask (context + root + ancestors): by
-                     default one root-to-leaf path per round through vLLM's own
-                     kernel (CPU attention, or FlashAttention on GPU);
-                     ``LOOKAHEAD_TREE_ATTENTION=reference`` (CPU) the pure-torch
-                     reference, ``=kernel`` (GPU) the csrc kernel in one launch.
-``tree_acceptance``  ``GPUModelRunner._sample``: tree requests' rejection-sampler
-                     rows are replaced by a tree walk (greedy, or sampled with the
-                     request's temperature, top-k, top-p and generator at each
-                     reached node), written as ``[accepted..., bonus, -1...]``
-                     like a chain result, so vLLM's bookkeeping is unchanged.
-                     Then the accepted path's K/V is *compacted*: node at slot
-                     ``C + 1 + n_j`` moves to ``C + j`` in every layer, so
-                     rejected nodes never stay in the committed sequence (nor
-                     reach the prefix cache, which hashes committed blocks).
-
-Requests whose sampling needs the token history along the draft (penalties,
-bad words, min_tokens, logprobs, structured output, ...) get chains from the
-proposer (:func:`tree_verifiable`); if one still carries a tree, only its
-leading chain is verified.
-
-Debug switches (the profile's ``debug_disable``) turn off ``positions``,
-``mask`` or ``compaction`` so tests can prove each piece is needed.
+Requests whose sampling needs the token history along the draft get chains
+(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is
+verified. The profile's ``debug_disable`` turns off ``positions``, ``mask`` or
+``compaction`` so tests can prove each piece is needed.
 """
 
 from __future__ import annotations
@@ -99,10 +84,9 @@ class TreeStep:
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
     # Built lazily, shared by all layers: path rounds (and their copy on the GPU),
-    # every tree row, the csrc kernel's arguments.
+    # the csrc kernel's arguments.
     path_plan: PathPlan | None = None
     device_path_plan: PathPlan | None = None
-    all_rows: torch.Tensor | None = None
     kernel_args: tuple | None = None
 
 
@@ -124,22 +108,12 @@ class TreeResult:
 
 def tree_verifiable(sp: Any) -> bool:
     """Whether a request's sampling is per-row (no history along the draft)."""
-    return (
-        sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-        and sp.repetition_penalty == 1.0
-        and sp.min_p == 0.0
-        and sp.min_tokens == 0
-        and sp.logprobs is None
-        and sp.logprob_token_ids is None
-        and not sp.logit_bias
-        and sp.allowed_token_ids is None
-        and not sp.bad_words
-        and sp.structured_outputs is None
-        and not getattr(sp, "watermarking", None)
-        and getattr(sp, "thinking_token_budget", None) is None
-        and getattr(sp, "repetition_detection", None) is None
-    )
+    return (sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
+            and sp.min_p == 0.0 and sp.min_tokens == 0 and sp.logprobs is None and sp.logprob_token_ids is None
+            and not sp.logit_bias and sp.allowed_token_ids is None and not sp.bad_words
+            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
+            and getattr(sp, "thinking_token_budget", None) is None
+            and getattr(sp, "repetition_detection", None) is None)
 
 
 # ---------------------------------------------------------------- the verifier
@@ -150,7 +124,7 @@ class TreeVerifier:
 
     The runner patches reach it through ``runner.drafter``, the attention wrapper through
     the layer impls (:data:`IMPL_ATTR`). It verifies the proposer's ``plans`` and hands
-    back :class:`TreeResult`\ s.
+    back one :class:`TreeResult` per verified tree.
     """
 
     def __init__(self) -> None:
@@ -158,9 +132,6 @@ class TreeVerifier:
         self.current: TreeStep | None = None
         # Request-steps whose scheduled drafts differed from the kept plan (verified as chains).
         self.plan_mismatches = 0
-        # Tests set a list here to receive, per verified tree: context ids (root last), plan,
-        # node logits and the committed K/V per layer after compaction (test_tree_oracle.py).
-        self.recorder: list[dict[str, Any]] | None = None
         # The runner's request states by id (bound by begin_step; tests bind their own).
         self.runner_requests: dict[str, Any] = {}
 
@@ -198,10 +169,6 @@ class TreeVerifier:
             start = int(starts[row])
             visible = torch.from_numpy(plan.visibility())
             requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
-            if self.recorder is not None:
-                num_tokens = int(runner.input_batch.num_tokens_no_spec[row])
-                context = runner.input_batch.token_ids_cpu[row, :num_tokens].tolist()
-                self.recorder.append({"req_id": req_id, "context": context, "plan": plan})
             if "positions" not in disabled:
                 offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
                 rows = slice(start, start + plan.num_nodes + 1)
@@ -210,18 +177,15 @@ class TreeVerifier:
             drafter.on_tree_truncated(truncated)
         if requests:
             self.current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
-            self.current.all_rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in requests])
 
     def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
         """Count (and log at the first and every 1000th) a request-step whose scheduled drafts
         are not its plan's tokens; vLLM's stock path verifies them as a chain, losslessly."""
         self.plan_mismatches += 1
         if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
-            logger.warning(
-                "lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a chain "
-                "(%d such request-steps so far)", req_id, list(draft)[:16], list(plan.tree.tokens)[:16],
-                self.plan_mismatches,
-            )
+            logger.warning("lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a "
+                           "chain (%d such request-steps so far)", req_id, list(draft)[:16],
+                           list(plan.tree.tokens)[:16], self.plan_mismatches)
 
     def fix_tree_rows(
         self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -263,33 +227,19 @@ class TreeVerifier:
         results = []
         for req in step.requests:
             first = cu_sampled[req.row] - req.num_rows
+            req_logits = logits[first : first + req.num_rows]
             if req.walk:
-                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, logits[first : first + req.num_rows]))
+                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, req_logits))
             else:
                 nodes, tokens = _leading_chain_result(req, sampled[req.row])
-            row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
-            row[: len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
-            sampled[req.row] = row.to(sampled.device)
+            padded = tokens + [-1] * (sampled.shape[1] - len(tokens))  # [accepted..., bonus, -1...]
+            sampled[req.row] = torch.tensor(padded, dtype=sampled.dtype, device=sampled.device)
             moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-            window = None
-            if req.plan.has_lookahead:
-                window = _window_outputs(runner.drafter.config, req, logits[first : first + req.num_rows])
+            window = _window_outputs(runner.drafter.config, req, req_logits) if req.plan.has_lookahead else None
             results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
         runner.drafter.on_tree_results(results)
         if moves and "compaction" not in step.disabled:
             _compact(step, moves)
-        if self.recorder is not None:
-            self._record(step, logits, cu_sampled, sampled)
-
-    def _record(self, step: TreeStep, logits: torch.Tensor, cu_sampled: list[int], sampled: torch.Tensor) -> None:
-        entries = {e["req_id"]: e for e in self.recorder[-len(step.requests):]}
-        for req in step.requests:
-            first = cu_sampled[req.row] - req.num_rows
-            entry = entries[req.req_id]
-            entry["logits"] = logits[first : first + req.num_rows].float().clone()
-            entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
-            committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
-            entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
 
 # ---------------------------------------------------------------- attention
@@ -299,15 +249,11 @@ def _cpu_path_rounds(
     step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
 ) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time.
-
-    The stock causal call already got the root and the leading chain right
-    (there the tree mask is causal). In round ``j`` every tree request writes
-    the K/V of its ``j``-th other root-to-leaf path into its next slots and
-    runs the path's not-yet-computed rows as the tail of a causal query: for
-    them that is exactly tree attention. Afterwards the overwritten slots get
-    their own rows' K/V back.
-    """
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time. The stock
+    causal call already got the root and the leading chain right (there the tree mask is
+    causal). In round ``j`` every tree request writes the K/V of its ``j``-th other path into
+    its next slots and runs the path's new rows as the tail of a causal query: for them that is
+    exactly tree attention. Then the overwritten slots get their own rows' K/V back."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -382,7 +328,8 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
     write(key.index_select(0, plan.restore_rows), value.index_select(0, plan.restore_rows), plan.restore_slots)
 
 
-def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any, out: torch.Tensor) -> None:
+def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
+                  out: torch.Tensor) -> None:
     """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the
     rows off each request's leading chain are written back.
 
@@ -396,7 +343,7 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         reqs, device = step.requests, query.device
         q_max = max(r.num_rows for r in reqs)
         masks = [torch.nn.functional.pad(r.visible, (0, q_max - r.num_rows)) for r in reqs]
-        rows = step.all_rows.to(device)
+        rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in reqs]).to(device)
         req_rows = torch.tensor([r.row for r in reqs], device=device)
         qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # Kernel output rows to write back: each request's rows past root + leading chain.
@@ -449,25 +396,21 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
     for j in range(max(len(p) for p in per_request)):
-        kv_rows, slots, query_rows, qsl, lens, tables = [], [], [], [0], [], []
+        kv0, q0, slots, qsl, lens, tables = len(all_kv), len(all_q), [], [0], [], []
         for req, paths in zip(step.requests, per_request):
             if j >= len(paths):
                 continue
             path, tail = paths[j]
-            kv_rows += [req.start + r for r in path]
+            all_kv += [req.start + r for r in path]
             restore.update(req.start + i for i in range(len(path)))
             slots.append(step.slot_mapping[req.start : req.start + len(path)])
-            query_rows += [req.start + r for r in path[-tail:]]
+            all_q += [req.start + r for r in path[-tail:]]
             qsl.append(qsl[-1] + tail)
             lens.append(seq_lens[req.row] - req.num_rows + len(path))
             tables.append(metadata.block_table[req.row])
-        kv = slice(len(all_kv), len(all_kv) + len(kv_rows))
-        q = slice(len(all_q), len(all_q) + len(query_rows))
-        all_kv += kv_rows
-        all_q += query_rows
         rounds.append(PathRound(
-            kv, torch.cat(slots), q, torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-            torch.stack(tables),
+            slice(kv0, len(all_kv)), torch.cat(slots), slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
         ))
     restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
     step.path_plan = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
@@ -476,12 +419,9 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
 
 
 def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
-    """Root-to-leaf paths (rows, root = 0) still needing attention after the
-    stock causal call, each with how many trailing rows are new.
-
-    The root and the leading chain are already right; every other row is
-    computed once, on the first path through it.
-    """
+    """Root-to-leaf paths (rows, root = 0) still needing attention after the stock causal call
+    (which got the root and the leading chain right), each with how many trailing rows are new:
+    every other row is computed once, on the first path through it."""
     kids = plan.tree.children()
     done = set(range(plan.chain_prefix_length() + 1))
     out = []

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lookahead_lab.offline import find_proposers, generate
+from lookahead_lab.tree_recorder import recording
 
 pytestmark = pytest.mark.vllm
 
@@ -37,12 +38,9 @@ def _record(engines, prompts, name, **lookahead):
 
     llm = engines.get(name, lookahead={"draft_shape": "hier", **lookahead})
     (verifier,) = [p.verifier for p in find_proposers(llm)]
-    verifier.recorder = []
-    try:
+    with recording(verifier) as entries:
         generate(llm, prompts["humaneval"][:3], SamplingParams(temperature=0.0, max_tokens=40), 1)
-        return [e for e in verifier.recorder if "logits" in e]
-    finally:
-        verifier.recorder = None
+    return [e for e in entries if "logits" in e]
 
 
 @torch.no_grad()

@@ -104,7 +104,6 @@ def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
     table, seq_len = torch.tensor([[3, 1]], dtype=torch.int32), context + plan.num_nodes + 1
     req = tree_verify.TreeRequest("a", 0, start, plan, torch.from_numpy(plan.visibility()), True, None)
     step = tree_verify.TreeStep([req], start + req.num_rows, frozenset())
-    step.all_rows = torch.arange(start, start + req.num_rows)
     query = torch.randn(start + req.num_rows, H, D, generator=gen)
     out = torch.full_like(query, 7.0)  # what the stock kernel wrote
     metadata = SimpleNamespace(block_table=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32),
