@@ -6,6 +6,7 @@
   generation with acceptance counts, the engine's proposers).
 * ``standalone``: a ``LookaheadProposer`` without an engine.
 * ``models``: a tiny random Llama for fast tests.
+* ``draft_traces``: compares the per-rank draft traces of a tensor-parallel run.
 
 Installed by ``scripts/setup.sh`` (``pip install -e lab/``); the plugin never imports it.
 """
