@@ -63,12 +63,6 @@ class ConfidenceCalibrator:
         self.nodes = np.zeros(shape)
         self._factor = np.ones(shape)
 
-    def factors(self, kind: int) -> np.ndarray:
-        """The current correction factor of each raw-confidence bin of ``kind`` (read-only)."""
-        view = self._factor[kind]
-        view.flags.writeable = False
-        return view
-
     def factor_table(self) -> np.ndarray:
         """The current correction factors, ``[kinds, bins]`` (read-only)."""
         view = self._factor.view()
