@@ -128,15 +128,8 @@ class Drafter:
     def partition_stats(self) -> tuple[int, int]:
         """(partitions holding a request or an output, the corpus's charge in
         bytes over all of them, back-off index included)."""
-        if self.index is None:
-            return 0, 0
-        parts = set()
-        total = 0
-        for index in self._indexes():
-            charge = index.partition_bytes()
-            parts.update(charge)
-            total += sum(charge.values())
-        return len(parts), total
+        charges = [index.partition_bytes() for index in self._indexes()]
+        return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
     # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
