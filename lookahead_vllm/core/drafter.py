@@ -88,9 +88,7 @@ class Drafter:
         knobs = config.profile
         self.index = make_index(config) if config.uses_index else None
         # Back-off index (shorter key): drafts where the main index has no match.
-        self.backoff = None
-        if config.uses_index and knobs.index_backoff:
-            self.backoff = make_index(config, knobs.index_backoff)
+        self.backoff = make_index(config, knobs.index_backoff) if config.uses_index and knobs.index_backoff else None
         self.trie = make_trie(config) if config.uses_trie else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
