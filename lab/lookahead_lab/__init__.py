@@ -7,6 +7,7 @@
 * ``standalone``: a ``LookaheadProposer`` without an engine.
 * ``models``: a tiny random Llama for fast tests.
 * ``tree_recorder``: what tree verification did with each tree (oracle tests).
+* ``draft_traces``: compares the per-rank draft traces of a tensor-parallel run.
 
 Installed by ``scripts/setup.sh`` (``pip install -e lab/``); the plugin never imports it.
 """

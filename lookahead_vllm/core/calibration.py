@@ -4,15 +4,11 @@ The forward-cost model (core/budget.py) keeps a draft node only while its
 confidence (the estimated probability that it is accepted) pays for its
 cost, so the confidences must be probabilities, not just a ranking. The
 trie's are products of smoothed ``P(child | parent)`` counts: about right on
-a tree's leading chain, but far too high off it. Replaying 32 prompts per
-dataset (``sim_acceptance``, benchmarks/results/sim_acceptance_calibration.json),
-side-branch nodes the trie rated 0.2-0.4 were accepted 10-13% of the time,
-leading-chain nodes in the same range 24-35%.
-The counts mix many contexts, while the target keeps repeating its own
-favourite continuation, so the runner-up is rarely right. The Jacobi pool's
-n-grams and the context chain's tokens (core/trie.py) have only
-priors (``POOL_CONFIDENCE ** depth``; ``(m / (m + 1)) ** depth`` for a context
-match of ``m`` tokens).
+a tree's leading chain, but far too high off it (docs/how-it-works.md,
+"Forward-cost model", has the measurements). The Jacobi pool's n-grams and
+the context chain's tokens (core/trie.py) have only priors
+(``POOL_CONFIDENCE ** depth``; ``(m / (m + 1)) ** depth`` for a context match
+of ``m`` tokens).
 
 The calibrator learns a correction per node *kind* (leading chain, side
 branch, pool, context chain) and raw-confidence bin from what verification
@@ -62,12 +58,6 @@ class ConfidenceCalibrator:
         self.accepted = np.zeros(shape)
         self.nodes = np.zeros(shape)
         self._factor = np.ones(shape)
-
-    def factors(self, kind: int) -> np.ndarray:
-        """The current correction factor of each raw-confidence bin of ``kind`` (read-only)."""
-        view = self._factor[kind]
-        view.flags.writeable = False
-        return view
 
     def factor_table(self) -> np.ndarray:
         """The current correction factors, ``[kinds, bins]`` (read-only)."""

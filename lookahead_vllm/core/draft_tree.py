@@ -117,11 +117,3 @@ def fill_row(rows: tuple[np.ndarray, ...], i: int, tree: DraftTree) -> None:
     tokens[i, :n], parents[i, :n], weights[i, :n] = tree.tokens, tree.parents, tree.weights
     conf[i, :n] = [tree.node_confidence(j) for j in range(n)]
     lengths[i] = n
-
-
-def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
-    """Row ``i`` of draft rows as a :class:`DraftTree`."""
-    tokens, parents, weights, conf, lengths = rows
-    n = int(lengths[i])
-    return DraftTree(tuple(tokens[i, :n].tolist()), tuple(parents[i, :n].tolist()), tuple(weights[i, :n].tolist()),
-                     tuple(conf[i, :n].tolist()))

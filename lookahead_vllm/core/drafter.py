@@ -88,9 +88,7 @@ class Drafter:
         knobs = config.profile
         self.index = make_index(config) if config.uses_index else None
         # Back-off index (shorter key): drafts where the main index has no match.
-        self.backoff = None
-        if config.uses_index and knobs.index_backoff:
-            self.backoff = make_index(config, knobs.index_backoff)
+        self.backoff = make_index(config, knobs.index_backoff) if config.uses_index and knobs.index_backoff else None
         self.trie = make_trie(config) if config.uses_trie else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
@@ -128,15 +126,8 @@ class Drafter:
     def partition_stats(self) -> tuple[int, int]:
         """(partitions holding a request or an output, the corpus's charge in
         bytes over all of them, back-off index included)."""
-        if self.index is None:
-            return 0, 0
-        parts = set()
-        total = 0
-        for index in self._indexes():
-            charge = index.partition_bytes()
-            parts.update(charge)
-            total += sum(charge.values())
-        return len(parts), total
+        charges = [index.partition_bytes() for index in self._indexes()]
+        return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
     # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,

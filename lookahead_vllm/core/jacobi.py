@@ -63,12 +63,10 @@ class NgramPool:
             raise ValueError(f"n-gram {tuple(ngram)} has {len(ngram)} tokens; the pool holds {self.n}-grams")
         entries = self._pool.setdefault(int(ngram[0]), OrderedDict())
         cont = tuple(int(t) for t in ngram[1:])
-        if cont in entries:
-            entries.move_to_end(cont)
-        else:
-            entries[cont] = None
-            if len(entries) > self.max_per_key:
-                entries.popitem(last=False)
+        entries[cont] = None
+        entries.move_to_end(cont)  # most recently seen last
+        if len(entries) > self.max_per_key:
+            entries.popitem(last=False)
         self.num_added += 1
 
     def get(self, key: int, limit: int | None = None) -> list[tuple[int, ...]]:

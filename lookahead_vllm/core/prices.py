@@ -13,20 +13,10 @@ time ``t0`` (docs/prices.md tells why each price is there)::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
-* **Robust.** Samples go into buckets by ``T``, ``R`` (one per count up to 64,
-  then ~6% wide), ``K`` (25% wide) and drafted or not; a bucket keeps its last
-  :data:`RING` samples and enters the fit by their median, so a stall moves
-  nothing. Residuals are relative, so the fit is scale-free.
-* **Bounded.** At most :data:`MAX_BUCKETS` x :data:`RING` samples (the least
-  recently visited bucket makes room); a fit is a grid search over ``free``.
-* **Adaptive.** Rings forget, and a bucket unvisited for :data:`MAX_AGE_STEPS`
-  steps leaves the fit, so the prices follow a change of load or machine.
-* **Prior.** The profile's prices (core/config.py) are a prior (log-normal, a
-  factor of 2 wide, on the token prices; normal on the others) that holds
-  them where the samples say nothing: one row count says nothing of the row
-  price, no draftless step nothing of the setup.
-* **Deterministic.** The same samples give the same prices bit for bit (and
-  tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
+How it buckets the samples (by ``T``, ``R``, ``K`` and drafted or not, each
+by the median of its ring) and holds the profile's prices as a prior is in
+docs/prices.md ("What is measured"). The same samples give the same prices bit
+for bit (and tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
 
 Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior
 (5, 20): a flat start then 0.6 forwards over 12 tokens: ``free`` near 5 and

@@ -45,6 +45,7 @@ and drafts exactly as the old one did from its corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -172,16 +173,12 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> int:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # best effort: not every file system syncs a folder
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # -------------------------------------------------------------------- read

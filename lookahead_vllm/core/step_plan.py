@@ -58,7 +58,7 @@ class StepPlan:
     def is_chain(self) -> bool:
         """True if every node's parent is the previous node (plain causal rows)
         and every node may be accepted (vLLM's chain verification applies)."""
-        return not self.has_lookahead and all(p == i - 1 for i, p in enumerate(self.tree.parents))
+        return not self.has_lookahead and self.tree.is_chain()
 
     def chain_prefix_length(self) -> int:
         """Number of leading nodes that form a chain from the root."""

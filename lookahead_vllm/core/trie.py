@@ -64,7 +64,6 @@ class NativeTrie:
 
     def __init__(self, config: Settings, core: Any) -> None:
         self.config = config
-        self.knobs = config.profile
         self._core = core
 
     @property
@@ -94,7 +93,7 @@ class NativeTrie:
     def retrieve(self, context: Sequence[int], budget: int | None = None, request: int | None = None,
                  shape: str | None = None, min_confidence: float | None = None) -> DraftTree:
         budget = self.config.decoding_length if budget is None else budget
-        floor = self.knobs.min_draft_confidence if min_confidence is None else min_confidence
+        floor = self.config.profile.min_draft_confidence if min_confidence is None else min_confidence
         tokens, parents, weights, conf = self._core.retrieve(
             list(context), budget, -1 if request is None else request, shape or self.config.draft_shape, floor)
         return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(conf))

@@ -1,15 +1,9 @@
-"""Build the CUDA kernels in ``csrc/``; nothing here runs at import.
+"""Build the CUDA kernels in ``csrc/``; nothing here runs at import (csrc/README.md, "Build").
 
 * :func:`load_extension` (GPU machines): JIT-builds ``csrc/*.cu`` and the torch
   bindings into one library and loads it, registering ``torch.ops.lookahead_vllm.*``.
-  Archs come from ``TORCH_CUDA_ARCH_LIST`` (default: the visible GPUs'); the build
-  is cached under ``LOOKAHEAD_VLLM_KERNEL_DIR`` (default: torch's extensions dir).
 * :func:`compile_objects` (any machine with nvcc, CI included): ``nvcc -c`` of each
-  ``.cu`` for sm_90a and sm_80, and ``g++ -fsyntax-only`` of the bindings against
-  the installed torch headers, so the kernels cannot rot without a GPU.
-
-CLI: ``lookahead-vllm-build-kernels`` (GPU) or ``... --check`` (compile-only).
-Needs a source checkout (``pip install -e .``): the wheel does not ship ``csrc/``.
+  ``.cu`` and a syntax check of the bindings, so the kernels cannot rot without a GPU.
 """
 
 from __future__ import annotations
@@ -106,10 +100,9 @@ def _run(source: Path, output: Path | None, command: list[str]) -> CompileResult
                          proc.stdout + proc.stderr)
 
 
-def compile_object(source: Path, out_dir: Path, archs: tuple[str, ...] = CI_ARCHS,
-                   nvcc: str | None = None) -> CompileResult:
+def compile_object(source: Path, out_dir: Path, archs: tuple[str, ...] = CI_ARCHS) -> CompileResult:
     """``nvcc -c`` one ``.cu`` file into ``out_dir/<name>.o``."""
-    nvcc = nvcc or find_nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     output = Path(out_dir) / (Path(source).stem + ".o")
@@ -178,10 +171,8 @@ def load_extension(verbose: bool = False) -> str:
     path = cpp_extension.load(
         name=EXTENSION_NAME, sources=[str(src / BINDINGS_SOURCE), *(str(src / s) for s in CUDA_SOURCES)],
         extra_include_paths=[str(src)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
-        # Link the shared libstdc++ by file name: a toolchain whose own library folder holds
-        # only libstdc++.a (seen: the g++ wrapper on the GPU machines) links it statically,
-        # giving the extension a private iostream whose locale torch never initialised; the
-        # first TORCH_CHECK message that formats an integer then crashed the process.
+        # Link the shared libstdc++ by file name: a static one (the GPU machines' g++ wrapper) gave the
+        # extension a private iostream, and the first TORCH_CHECK formatting an integer crashed (csrc/README.md).
         extra_ldflags=["-l:libstdc++.so.6"], build_directory=build_dir, is_python_module=False, verbose=verbose,
     )
     logger.info("lookahead_vllm kernels loaded from %s in %.1f s", path, time.perf_counter() - start)

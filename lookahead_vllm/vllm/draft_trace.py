@@ -14,14 +14,10 @@ engine step at the end of ``LookaheadProposer.propose``) appends one line to
 
 where ``digest`` is a 16-hex-digit BLAKE2b hash of the step's request ids and
 drafts (so two ranks with the same drafts write the same line). Unset, it
-costs one dictionary lookup per step. :func:`compare_traces` reads every
-trace of a directory and reports the first step where two traces differ::
+costs one dictionary lookup per step. The lab's comparer reports the first
+step where two traces of a directory differ (exit status 1 if ranks differ)::
 
-    python -m lookahead_vllm.vllm.draft_trace DIR   # exit status 1 if ranks differ
-
-Example: rank 0 writes ``7 3f2a9c0d1e4b5a69 2 9`` and rank 1 ``7 8c1d... 2 9``
-for step 7: ``compare_traces`` returns a :class:`TraceComparison` whose
-``divergence`` names step 7 and both files.
+    python -m lookahead_lab.draft_traces DIR
 """
 
 from __future__ import annotations
@@ -29,9 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 from lookahead_vllm.vllm.metrics import tp_rank
@@ -65,74 +58,3 @@ def _writer(directory: str) -> Any:
         path = os.path.join(directory, f"rank{tp_rank()}-{os.getpid()}{SUFFIX}")
         _writers[key] = open(path, "a", buffering=1)  # line-buffered: readable while the engine runs
     return _writers[key]
-
-
-def read_trace(path: str | Path) -> dict[int, str]:
-    """step -> digest (the whole line after the step) of one trace file."""
-    steps: dict[int, str] = {}
-    for line in Path(path).read_text().splitlines():
-        step, _, rest = line.partition(" ")
-        if rest:
-            steps[int(step)] = rest
-    return steps
-
-
-@dataclass(slots=True)
-class TraceComparison:
-    # Trace files compared (sorted by name: rank order).
-    files: list[str]
-    # Steps every trace recorded.
-    steps: int = 0
-    # First difference, or None: (step, file a, its line, file b, its line);
-    # a missing step reads as "missing".
-    divergence: tuple[int, str, str, str, str] | None = None
-    # Steps at which some trace differs from the first one.
-    differing_steps: list[int] = field(default_factory=list)
-
-    @property
-    def identical(self) -> bool:
-        return len(self.files) >= 2 and self.divergence is None and self.steps > 0
-
-
-def compare_traces(directory: str | Path) -> TraceComparison:
-    """Compare every ``*.trace`` of ``directory`` with the first one, step by step."""
-    paths = sorted(Path(directory).glob(f"*{SUFFIX}"))
-    result = TraceComparison(files=[p.name for p in paths])
-    if not paths:
-        return result
-    traces = [read_trace(p) for p in paths]
-    ref = traces[0]
-    all_steps = sorted(set().union(*traces))
-    result.steps = sum(all(s in t for t in traces) for s in all_steps)
-    for step in all_steps:
-        for path, trace in zip(paths[1:], traces[1:]):
-            a, b = ref.get(step, "missing"), trace.get(step, "missing")
-            if a != b:
-                if result.divergence is None:
-                    result.divergence = (step, paths[0].name, a, path.name, b)
-                if not result.differing_steps or result.differing_steps[-1] != step:
-                    result.differing_steps.append(step)
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print(f"usage: python -m lookahead_vllm.vllm.draft_trace DIR   (traces written under ${TRACE_DIR_ENV})",
-              file=sys.stderr)
-        return 2
-    cmp = compare_traces(args[0])
-    if len(cmp.files) < 2:
-        print(f"{len(cmp.files)} trace file(s) in {args[0]}: nothing to compare", file=sys.stderr)
-        return 2
-    if cmp.divergence is None:
-        print(f"{len(cmp.files)} traces identical over {cmp.steps} steps")
-        return 0
-    step, fa, la, fb, lb = cmp.divergence
-    print(f"drafts differ at step {step}: {fa} '{la}' vs {fb} '{lb}' "
-          f"({len(cmp.differing_steps)} differing steps)")
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,8 @@ a script: one ``LLM`` per process, its own environment), SmolLM2-135M fp32:
   that drafts branch);
 * the per-rank draft traces (:mod:`lookahead_vllm.vllm.draft_trace`) of a
   TP=2 run are identical step by step;
-* the comparer catches a rank whose drafts differ (unit tests, no vLLM).
+* the comparer (:mod:`lookahead_lab.draft_traces`) catches a rank whose
+  drafts differ (unit tests, no vLLM).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from lookahead_lab import draft_traces
 from lookahead_vllm.vllm import draft_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,9 +62,9 @@ STEPS = [(["a", "b"], [[1, 2, 3], []]), (["a", "b"], [[4], [5, 6]]), (["b"], [[7
 def test_identical_ranks_compare_equal(tmp_path):
     for rank in (0, 1):
         _write_rank(tmp_path, rank, STEPS)
-    cmp = draft_trace.compare_traces(tmp_path)
+    cmp = draft_traces.compare_traces(tmp_path)
     assert cmp.identical and cmp.steps == 3 and cmp.divergence is None
-    assert draft_trace.main([str(tmp_path)]) == 0
+    assert draft_traces.main([str(tmp_path)]) == 0
 
 
 @pytest.mark.parametrize("changed", [
@@ -73,25 +75,25 @@ def test_identical_ranks_compare_equal(tmp_path):
 def test_a_rank_with_a_different_draft_is_detected(tmp_path, changed):
     _write_rank(tmp_path, 0, STEPS)
     _write_rank(tmp_path, 1, [STEPS[0], changed, STEPS[2]])
-    cmp = draft_trace.compare_traces(tmp_path)
+    cmp = draft_traces.compare_traces(tmp_path)
     assert not cmp.identical
     assert cmp.divergence[0] == 2 and cmp.differing_steps == [2]
     assert cmp.divergence[1].startswith("rank0") and cmp.divergence[3].startswith("rank1")
-    assert draft_trace.main([str(tmp_path)]) == 1
+    assert draft_traces.main([str(tmp_path)]) == 1
 
 
 def test_a_rank_missing_a_step_is_detected(tmp_path):
     _write_rank(tmp_path, 0, STEPS)
     _write_rank(tmp_path, 1, STEPS[:2])
-    cmp = draft_trace.compare_traces(tmp_path)
-    assert cmp.divergence == (3, cmp.files[0], draft_trace.read_trace(tmp_path / cmp.files[0])[3],
+    cmp = draft_traces.compare_traces(tmp_path)
+    assert cmp.divergence == (3, cmp.files[0], draft_traces.read_trace(tmp_path / cmp.files[0])[3],
                               cmp.files[1], "missing")
 
 
 def test_one_trace_is_not_a_comparison(tmp_path):
     _write_rank(tmp_path, 0, STEPS)
-    assert not draft_trace.compare_traces(tmp_path).identical
-    assert draft_trace.main([str(tmp_path)]) == 2
+    assert not draft_traces.compare_traces(tmp_path).identical
+    assert draft_traces.main([str(tmp_path)]) == 2
 
 
 def test_record_writes_one_line_per_step_only_when_enabled(tmp_path, monkeypatch):
@@ -104,7 +106,7 @@ def test_record_writes_one_line_per_step_only_when_enabled(tmp_path, monkeypatch
     draft_trace.record(2, ["a"], [[3]])
     (path,) = (tmp_path / "traces").iterdir()
     assert path.name == f"rank0-{os.getpid()}{draft_trace.SUFFIX}"
-    trace = draft_trace.read_trace(path)
+    trace = draft_traces.read_trace(path)
     assert trace == {1: f"{draft_trace.draft_digest(['a', None], [[1, 2], []])} 2 2",
                      2: f"{draft_trace.draft_digest(['a'], [[3]])} 1 1"}
 
@@ -175,7 +177,7 @@ def test_lookahead_tp2_greedy_identical(tp_runs, shape):
 @pytest.mark.parametrize("shape", ["one", "hier"])
 def test_every_rank_drafts_the_same(tp_runs, shape):
     trace_dir = tp_runs[f"{shape}-tp2"]["trace_dir"]
-    cmp = draft_trace.compare_traces(trace_dir)
+    cmp = draft_traces.compare_traces(trace_dir)
     assert sorted(f.split("-")[0] for f in cmp.files) == ["rank0", "rank1"]
     assert cmp.identical, f"ranks drafted differently: {cmp.divergence}"
     drafted = sum(int(line.split()[3]) for line in (trace_dir / cmp.files[0]).read_text().splitlines())

@@ -16,9 +16,17 @@ import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, row_tree, rows_of
+from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
 from lookahead_vllm.core.step_plan import accepted_path
+
+
+def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
+    """Row ``i`` of draft rows (``core.draft_tree.rows_of``) as a :class:`DraftTree`."""
+    tokens, parents, weights, conf, lengths = rows
+    n = int(lengths[i])
+    return DraftTree(tuple(tokens[i, :n].tolist()), tuple(parents[i, :n].tolist()), tuple(weights[i, :n].tolist()),
+                     tuple(conf[i, :n].tolist()))
 
 
 # --------------------------------------------------------------- step allocation
