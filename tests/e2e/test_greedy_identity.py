@@ -6,10 +6,6 @@ batch 8, plus a floor on mean acceptance length so the drafts are really used.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
