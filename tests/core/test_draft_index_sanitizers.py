@@ -15,6 +15,7 @@ thread: AddressSanitizer and UBSan).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,6 +27,12 @@ SOURCES = [REPO / "tests" / "native" / "upkeep_stress.cpp", REPO / "csrc" / "dra
            REPO / "csrc" / "draft_index" / "calibration.cpp", REPO / "csrc" / "draft_index" / "trees.cpp"]
 SANITIZERS = {"thread": ["-fsanitize=thread"],
               "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]}
+
+
+def _no_preload() -> dict[str, str]:
+    """This environment without LD_PRELOAD: ASan must come first in a sanitized binary's library
+    list, and an engine started earlier in this process may have put tcmalloc or OpenMP there."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
 def _build(tmp_path: Path, sanitizer: str) -> Path:
@@ -47,7 +54,7 @@ def _build(tmp_path: Path, sanitizer: str) -> Path:
 @pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
 def test_upkeep_thread_matches_inline_under_sanitizers(tmp_path, sanitizer, seed):
     exe = _build(tmp_path, sanitizer)
-    proc = subprocess.run([str(exe), str(seed), "2000"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([str(exe), str(seed), "2000"], capture_output=True, text=True, timeout=300, env=_no_preload())
     if "unexpected memory mapping" in proc.stderr:  # the kernel's address layout, before any of our code runs
         pytest.skip(f"ThreadSanitizer cannot run on this kernel: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -69,7 +76,7 @@ def test_trie_under_address_and_undefined_sanitizers(tmp_path):
     if proc.returncode != 0 and "cannot find" in proc.stderr and "san" in proc.stderr:
         pytest.skip(f"the sanitizer runtime is not installed: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = subprocess.run([str(exe), "1", "3000"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(exe), "1", "3000"], capture_output=True, text=True, timeout=300, env=_no_preload())
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "Sanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr[-4000:]
     assert run.stdout.startswith("ok: 3000 steps") and " 0 prunes" not in run.stdout, run.stdout
