@@ -209,26 +209,6 @@ def _engine_main(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps({"token_ids": ids, "spec": _spec_counters(llm)}))
 
 
-def _trace_drafts_in_workers() -> None:
-    """Until ``LookaheadProposer.propose`` calls ``draft_trace.record`` itself, wrap it so that it
-    does. Runs in each worker: vLLM spawns them, and a spawned process imports this script (the
-    parent's ``__main__``) as ``__mp_main__`` first."""
-    import inspect
-
-    from lookahead_vllm.vllm.proposer import LookaheadProposer
-
-    original = LookaheadProposer.propose
-    if "draft_trace.record" in inspect.getsource(original):
-        return
-
-    def propose(self, *args, **kwargs):
-        drafts = original(self, *args, **kwargs)
-        draft_trace.record(self.metrics.steps, self._input_batch.req_ids, drafts)
-        return drafts
-
-    LookaheadProposer.propose = propose
-
-
 def _spec_counters(llm) -> dict[str, float]:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
     out = {}
@@ -238,7 +218,5 @@ def _spec_counters(llm) -> dict[str, float]:
     return out
 
 
-if __name__ == "__mp_main__" and os.environ.get(draft_trace.TRACE_DIR_ENV):
-    _trace_drafts_in_workers()
 if __name__ == "__main__":
     _engine_main(json.loads(sys.argv[1]))
