@@ -261,7 +261,7 @@ class Profile:
         object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
         for f in dataclasses.fields(self):  # bool knobs: any bool; the others: their _knob range
             value, within = getattr(self, f.name), f.metadata.get("within")
-            if f.type == "bool" and not isinstance(value, bool):
+            if f.type in ("bool", bool) and not isinstance(value, bool):  # the annotation, a string here
                 raise ValueError(f"{PROFILE_KEY}.{f.name}={value!r}: must be true or false")
             if within is not None:
                 (lo, hi), number = within, isinstance(within[0], float)
