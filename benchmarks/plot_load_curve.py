@@ -63,7 +63,9 @@ def plot(curve: dict[int, dict[str, dict]], path: Path) -> None:
     ax.axhline(1.0, ls="--", color="gray", lw=0.8)
     ax.set_xticks(range(len(levels)), [f"c={c}" for c in levels])
     ax.set_ylabel("output tok/s over plain (95% interval)")
-    ax.set_title("serving load curve, mixed test traffic")
+    depths = {row.get("depth", 1) for cell in curve.values() for row in cell.values()}
+    kind = "bursts of c requests" if depths == {1} else "sustained, at most c in flight"
+    ax.set_title(f"serving load curve, mixed test traffic ({kind})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
