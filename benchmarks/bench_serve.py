@@ -114,6 +114,9 @@ class Cell:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
     texts: dict[str, dict[int, str]] = field(default_factory=dict)
+    # Per method, per request in prompt order: its tokens and when it was sent (s from its wave's start).
+    request_tokens: dict[str, list[int]] = field(default_factory=dict)
+    sent: dict[str, list[float]] = field(default_factory=dict)
     spec: dict[str, dict[str, float]] = field(default_factory=dict)
     other_cpu_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
@@ -191,15 +194,17 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int)
 async def run_wave(server: Server, prompts: list[str], max_tokens: int, in_flight: int | None = None
                    ) -> tuple[float, list]:
     """Send ``prompts`` with at most ``in_flight`` requests out at once (None: all at once);
-    the wave's wall seconds and each request's result, in prompt order."""
+    the wave's wall seconds and each request's result (latency, TTFT, tokens, text, seconds
+    from the wave's start to its sending), in prompt order."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
     slots = asyncio.Semaphore(in_flight or len(prompts))
 
-    async def limited(prompt: str) -> tuple[float, float, int, str]:
+    async def limited(prompt: str) -> tuple[float, float, int, str, float]:
         async with slots:
-            return await one_request(client, server, prompt, max_tokens)
+            sent = time.perf_counter() - start
+            return (*await one_request(client, server, prompt, max_tokens), sent)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(p) for p in prompts))
@@ -283,6 +288,8 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int,
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
             cell.ttft.setdefault(s.name, []).extend(r[1] for r in results)
+            cell.request_tokens.setdefault(s.name, []).extend(r[2] for r in results)
+            cell.sent.setdefault(s.name, []).extend(r[4] for r in results)
             for i, r in enumerate(results):
                 cell.texts.setdefault(s.name, {})[lo + i] = r[3]
         cell.other_cpu_s.append(max(0.0, (busy_seconds() - busy0) - (tree_cpu_seconds(roots) - ours0)))
@@ -358,9 +365,16 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
             "requests": len(cell.latency[name]),
             "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
             **acceptance(cell.spec.get(name, {})),
+            # Request by request in prompt order (what a tail is made of): rounded to the millisecond.
+            "per_request": {"latency_s": _ms(cell.latency[name]), "ttft_s": _ms(cell.ttft[name]),
+                            "sent_s": _ms(cell.sent.get(name, [])), "tokens": cell.request_tokens.get(name, [])},
         }
     against_plain_sync(out)
     return out
+
+
+def _ms(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
 
 
 def against_plain_sync(cell: dict[str, Any]) -> None:
@@ -562,7 +576,8 @@ def main(argv: list[str] | None = None) -> None:
     from lookahead_vllm.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
-    prompts = workload_prompts(args, AutoTokenizer.from_pretrained(model))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = workload_prompts(args, tokenizer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     print(f"server logs: {log_dir}", file=sys.stderr)
@@ -579,8 +594,11 @@ def main(argv: list[str] | None = None) -> None:
             first = 0
             for c, n in zip(args.concurrency, args.counts):
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
-                cell = run_cell(servers, prompts[dataset][first:first + n], c, args.max_tokens, args.depth)
+                cell_prompts = prompts[dataset][first:first + n]
+                cell = run_cell(servers, cell_prompts, c, args.max_tokens, args.depth)
                 cells.append(summarize(cell, c, dataset, args.depth))
+                cells[-1]["prompt_tokens"] = [len(tokenizer(p, add_special_tokens=False)["input_ids"])
+                                              for p in cell_prompts]
                 first += n
                 # After every cell, so a run cut off (a time limit, a crash) keeps what it measured.
                 args.out.write_text(json.dumps({"partial": True, "args": {k: str(v) for k, v in vars(args).items()},

@@ -998,6 +998,8 @@ def test_bench_serve_sustained_waves_keep_c_requests_in_flight(monkeypatch):
     assert peak[0] == 3  # never more than c out at once, and c kept busy
     assert order[:3] == ["0", "1", "2"] and sorted(order) == sorted(prompts)
     assert [r[3] for r in results] == [f"out {p}" for p in prompts]  # results in prompt order
+    assert [r[4] for r in results[:3]] == pytest.approx([0.0] * 3, abs=0.005)  # the first c sent at once
+    assert results[-1][4] >= 0.01  # the later ones only when a slot frees
     peak[0] = 0
     asyncio.run(bench_serve.run_wave(server, prompts, 5))  # a burst: all at once
     assert peak[0] == 12
