@@ -28,6 +28,7 @@ the CPU time of this script's process tree).
     python benchmarks/bench_serve.py                      # humaneval, c = 1, 4, 16 -> benchmarks/results/serve_latest.{json,png}
     python benchmarks/bench_serve.py --datasets humaneval codeedit mtbench chat docqa agent --concurrency 1 8 --num-prompts 6 16
     python benchmarks/bench_serve.py --datasets mixed --concurrency 1 4 8 16 32 --waves 4   # the load curve
+    python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 128 --vary-lengths 16   # sustained, answers of varied length
     python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
@@ -39,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -48,9 +50,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 from baselines import baseline_config
 from paired import ratio_interval
@@ -191,9 +194,10 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int)
     return time.perf_counter() - start, ttft or 0.0, tokens, text
 
 
-async def run_wave(server: Server, prompts: list[str], max_tokens: int, in_flight: int | None = None
+async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None
                    ) -> tuple[float, list]:
-    """Send ``prompts`` with at most ``in_flight`` requests out at once (None: all at once);
+    """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th) with at most
+    ``in_flight`` requests out at once (None: all at once);
     the wave's wall seconds and each request's result (latency, TTFT, tokens, text, seconds
     from the wave's start to its sending), in prompt order."""
     from openai import AsyncOpenAI
@@ -201,13 +205,15 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int, in_fligh
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
     slots = asyncio.Semaphore(in_flight or len(prompts))
 
-    async def limited(prompt: str) -> tuple[float, float, int, str, float]:
+    caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+
+    async def limited(prompt: str, cap: int) -> tuple[float, float, int, str, float]:
         async with slots:
             sent = time.perf_counter() - start
-            return (*await one_request(client, server, prompt, max_tokens), sent)
+            return (*await one_request(client, server, prompt, cap), sent)
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(limited(p) for p in prompts))
+    results = await asyncio.gather(*(limited(p, cap) for p, cap in zip(prompts, caps)))
     wall = time.perf_counter() - start
     await client.close()
     return wall, results
@@ -271,8 +277,10 @@ def busy_seconds() -> float:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int, depth: int = 1) -> Cell:
-    """Waves of ``c * depth`` prompts, at most ``c`` requests in flight; every method runs each wave."""
+def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1
+             ) -> Cell:
+    """Waves of ``c * depth`` prompts, at most ``c`` requests in flight; every method runs each wave
+    (``max_tokens``: one cap, or one per prompt)."""
     cell = Cell()
     roots = [os.getpid()] + [s.proc.pid for s in servers]
     spec_before = {s.name: spec_counters(s) for s in servers}
@@ -283,7 +291,8 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int,
         order = servers[w % len(servers):] + servers[:w % len(servers)]
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            wall, results = asyncio.run(run_wave(s, wave, max_tokens, c))
+            caps = max_tokens if isinstance(max_tokens, int) else max_tokens[lo:lo + size]
+            wall, results = asyncio.run(run_wave(s, wave, caps, c))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -481,7 +490,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=1,
                         help="requests per in-flight slot in a wave: 1 (default) sends a wave's c requests at once; "
                              "N > 1 sends c * N with at most c in flight (sustained load, one drain per wave)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="every request's max_tokens (with --vary-lengths: the highest)")
+    parser.add_argument("--vary-lengths", type=int, default=None, metavar="LOW",
+                        help="each request's max_tokens drawn from LOW..--max-tokens (seeded by the prompt, the same "
+                             "for every method): answers end at different steps, as real traffic's do, instead of "
+                             "all together at one cap")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
     parser.add_argument("--omp-threads", type=int, default=2)
@@ -532,6 +545,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in (("max_tokens", 1), ("max_model_len", 16), ("omp_threads", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
+    if args.vary_lengths is not None and not 1 <= args.vary_lengths <= args.max_tokens:
+        parser.error(f"--vary-lengths {args.vary_lengths}: must be within 1..--max-tokens ({args.max_tokens})")
     args.counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
     return args
 
@@ -562,6 +577,14 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list
             raise SystemExit(f"--max-model-len {args.max_model_len}: {dataset} has a {longest}-token prompt, "
                              f"plus --max-tokens {args.max_tokens}")
     return prompts
+
+
+def length_caps(prompts: list[str], args: argparse.Namespace) -> list[int]:
+    """Each prompt's max_tokens: ``--max-tokens``, or with ``--vary-lengths LOW`` a draw from
+    LOW..--max-tokens seeded by the prompt's text (so a prompt gets one cap in every cell and run)."""
+    if args.vary_lengths is None:
+        return [args.max_tokens] * len(prompts)
+    return [random.Random(zlib.crc32(p.encode())).randint(args.vary_lengths, args.max_tokens) for p in prompts]
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -595,8 +618,12 @@ def main(argv: list[str] | None = None) -> None:
             for c, n in zip(args.concurrency, args.counts):
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
                 cell_prompts = prompts[dataset][first:first + n]
-                cell = run_cell(servers, cell_prompts, c, args.max_tokens, args.depth)
+                caps = length_caps(cell_prompts, args)
+                cell = run_cell(servers, cell_prompts, c, args.max_tokens if args.vary_lengths is None else caps,
+                                args.depth)
                 cells.append(summarize(cell, c, dataset, args.depth))
+                if args.vary_lengths is not None:
+                    cells[-1]["max_tokens"] = caps
                 cells[-1]["prompt_tokens"] = [len(tokenizer(p, add_special_tokens=False)["input_ids"])
                                               for p in cell_prompts]
                 first += n

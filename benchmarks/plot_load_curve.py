@@ -14,33 +14,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from paired import ratio_interval
 
 
 def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
-    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled
-    (files of one wave kind only: bursts, or sustained waves of one ``--depth``)."""
+    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled, and
+    the geometric mean over files of its p99 latency and TTFT p50 over plain's in the same file.
+    Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
+    one request in flight and pool), with one cap on answers or the same ``--vary-lengths``."""
     waves: dict[str, list[float]] = {}
-    depths: dict[int, Path] = {}
+    tails: dict[str, list[tuple[float, float]]] = {}
+    kinds: dict[tuple, Path] = {}
     for path in files:
-        cells = [c for c in json.loads(path.read_text())["cells"] if c["concurrency"] == concurrency]
+        result = json.loads(path.read_text())
+        cells = [c for c in result["cells"] if c["concurrency"] == concurrency]
         if len(cells) != 1:
             raise SystemExit(f"{path}: {len(cells) or 'no'} cells at concurrency {concurrency} (one class a file)")
-        if "plain" not in cells[0]["methods"]:
+        methods = cells[0]["methods"]
+        if "plain" not in methods:
             raise SystemExit(f"{path}: no plain row at concurrency {concurrency} to pair with")
-        depths.setdefault(cells[0].get("depth", 1), path)
-        if len(depths) > 1:
-            raise SystemExit(f"concurrency {concurrency}: waves of --depth {sorted(depths)} "
-                             f"({', '.join(map(str, depths.values()))}); pool one kind of wave")
-        for name, row in cells[0]["methods"].items():
+        depth = 1 if concurrency == 1 else cells[0].get("depth", 1)
+        kinds.setdefault((depth, result.get("args", {}).get("vary_lengths")), path)
+        if len(kinds) > 1:
+            raise SystemExit(f"concurrency {concurrency}: waves of (--depth, --vary-lengths) {sorted(kinds, key=str)} "
+                             f"({', '.join(map(str, kinds.values()))}); pool one kind of wave")
+        plain = methods["plain"]
+        for name, row in methods.items():
             if name != "plain":
                 waves.setdefault(name, []).extend(row["speedup_waves"])
+                if "latency_p99_s" in row:
+                    tails.setdefault(name, []).append((row["latency_p99_s"] / plain["latency_p99_s"],
+                                                       row["ttft_p50_s"] / plain["ttft_p50_s"]))
+    (depth, vary), = kinds
     out = {}
     for name, ratios in waves.items():
         mean, low, high = ratio_interval(ratios)
-        out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios), "depth": next(iter(depths))}
+        out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios), "depth": depth,
+                     "vary_lengths": vary}
+        if tails.get(name):
+            out[name]["p99_ratio"] = statistics.geometric_mean(p for p, _ in tails[name])
+            out[name]["ttft_p50_ratio"] = statistics.geometric_mean(t for _, t in tails[name])
     return out
 
 
@@ -65,6 +81,8 @@ def plot(curve: dict[int, dict[str, dict]], path: Path) -> None:
     ax.set_ylabel("output tok/s over plain (95% interval)")
     depths = {row.get("depth", 1) for cell in curve.values() for row in cell.values()}
     kind = "bursts of c requests" if depths == {1} else "sustained, at most c in flight"
+    if any(row.get("vary_lengths") for cell in curve.values() for row in cell.values()):
+        kind += ", answers of varied length"
     ax.set_title(f"serving load curve, mixed test traffic ({kind})")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -90,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, dict]]:
     for c in sorted(curve):
         print(f"c={c}: " + ", ".join(f"{m} {r['speedup']:.2f}x ("
                                      + (f"{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}, " if r['waves'] > 1 else "")
-                                     + f"{r['waves']} waves)" for m, r in curve[c].items()))
+                                     + f"{r['waves']} waves"
+                                     + (f"; p99 {r['p99_ratio']:.2f}x, TTFT p50 {r['ttft_p50_ratio']:.2f}x"
+                                        if "p99_ratio" in r else "") + ")" for m, r in curve[c].items()))
     return curve
 
 

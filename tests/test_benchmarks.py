@@ -863,8 +863,30 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     sustained = tmp_path / "d.json"
     sustained.write_text(json.dumps({"cells": [{**json.loads(a.read_text())["cells"][0], "depth": 4}]}))
     assert plot_load_curve.main([f"32={sustained}", "--out", str(tmp_path / "y.json")])[32]["lookahead"]["depth"] == 4
-    with pytest.raises(SystemExit, match=r"--depth \[1, 4\]"):  # bursts and sustained waves are not pooled
+    with pytest.raises(SystemExit, match=r"\[\(1, None\), \(4, None\)\]"):  # bursts and sustained waves apart
         plot_load_curve.main([f"32={a},{sustained}", "--out", str(tmp_path / "z.json")])
+    one = json.loads(run(tmp_path / "e.json", 1, [1.2]).read_text())["cells"][0]
+    (tmp_path / "f.json").write_text(json.dumps({"cells": [{**one, "depth": 4}]}))
+    c1 = plot_load_curve.main([f"1={tmp_path / 'e.json'},{tmp_path / 'f.json'}", "--out", str(tmp_path / "g.json")])
+    assert c1[1]["lookahead"]["waves"] == 2  # at c=1 a burst and a sustained wave both keep one request out
+    varied = tmp_path / "h.json"
+    varied.write_text(json.dumps({"args": {"vary_lengths": 16}, "cells": json.loads(a.read_text())["cells"]}))
+    with pytest.raises(SystemExit, match=r"\(1, 16\)"):  # one cap for every answer, or varied lengths: not both
+        plot_load_curve.main([f"32={a},{varied}", "--out", str(tmp_path / "i.json")])
+
+
+def test_plot_load_curve_tails_are_each_files_ratio_to_its_own_plain(tmp_path):
+    plot_load_curve = _import_bench("plot_load_curve")
+    files = []
+    for i, (p99, ttft) in enumerate([(1.2, 0.5), (1.2 / 1.44, 2.0)]):
+        row = {"speedup_waves": [1.0], "latency_p99_s": 10.0 * p99, "ttft_p50_s": ttft}
+        cell = {"concurrency": 8, "methods": {"plain": {"speedup_waves": [1.0], "latency_p99_s": 10.0,
+                                                        "ttft_p50_s": 1.0}, "lookahead": row}}
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps({"cells": [cell]}))
+    curve = plot_load_curve.main([f"8={files[0]},{files[1]}", "--out", str(tmp_path / "t.json")])
+    assert curve[8]["lookahead"]["p99_ratio"] == pytest.approx(1.0)  # sqrt(1.2 * 1.2 / 1.44)
+    assert curve[8]["lookahead"]["ttft_p50_ratio"] == pytest.approx(1.0)  # sqrt(0.5 * 2.0)
 
 
 def test_bench_serve_waves_and_the_mixed_class():
@@ -1003,6 +1025,28 @@ def test_bench_serve_sustained_waves_keep_c_requests_in_flight(monkeypatch):
     peak[0] = 0
     asyncio.run(bench_serve.run_wave(server, prompts, 5))  # a burst: all at once
     assert peak[0] == 12
+
+
+def test_bench_serve_varied_lengths_give_each_prompt_one_cap_for_every_method(monkeypatch):
+    bench_serve = _import_bench("bench_serve")
+    args = bench_serve.parse_args(["--max-tokens", "128", "--vary-lengths", "16"])
+    prompts = [f"prompt {i}" for i in range(200)]
+    caps = bench_serve.length_caps(prompts, args)
+    assert all(16 <= c <= 128 for c in caps) and len(set(caps)) > 20  # spread over the range
+    assert bench_serve.length_caps(prompts[::-1], args) == caps[::-1]  # a prompt's cap follows the prompt
+    assert bench_serve.length_caps(prompts, bench_serve.parse_args(["--max-tokens", "64"])) == [64] * 200
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--max-tokens", "64", "--vary-lengths", "65"])
+    asked = {}
+
+    async def fake_request(client, server, prompt, max_tokens):
+        asked[prompt] = max_tokens
+        return 0.1, 0.01, max_tokens, prompt
+
+    monkeypatch.setattr(bench_serve, "one_request", fake_request)
+    server = types.SimpleNamespace(url="http://127.0.0.1:9")
+    asyncio.run(bench_serve.run_wave(server, prompts[:5], caps[:5], in_flight=2))
+    assert asked == dict(zip(prompts[:5], caps[:5]))
 
 
 def test_bench_serve_pairs_each_wave_request_by_request():
