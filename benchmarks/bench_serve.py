@@ -21,7 +21,9 @@ wall seconds), the speedup vs plain, and per wave the paired ratio to plain
 (same prompts, same moment): their geometric mean with a 95% confidence
 interval (Student t on the log ratios; one wave gives none), the mean acceptance length and the share
 of drafted tokens accepted (from the server's ``vllm:spec_decode_*`` counters),
-and mismatches (requests whose text differs from plain's: must be 0). Other
+and mismatches (requests whose text differs from plain's: must be 0). Every
+request's latency, TTFT, tokens and send time (seconds into its wave) and every
+prompt's length are kept in the cell (what a tail is made of). Other
 processes' CPU use is measured around every wave (machine busy jiffies minus
 the CPU time of this script's process tree).
 
@@ -29,6 +31,7 @@ the CPU time of this script's process tree).
     python benchmarks/bench_serve.py --datasets humaneval codeedit mtbench chat docqa agent --concurrency 1 8 --num-prompts 6 16
     python benchmarks/bench_serve.py --datasets mixed --concurrency 1 4 8 16 32 --waves 4   # the load curve
     python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 128 --vary-lengths 16   # sustained, answers of varied length
+    python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 64 --request-rate 0.7   # open loop: equal arrivals
     python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
@@ -194,10 +197,11 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int)
     return time.perf_counter() - start, ttft or 0.0, tokens, text
 
 
-async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None
-                   ) -> tuple[float, list]:
+async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None,
+                   arrivals: Sequence[float] | None = None) -> tuple[float, list]:
     """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th) with at most
-    ``in_flight`` requests out at once (None: all at once);
+    ``in_flight`` requests out at once (None: all at once), or each at its ``arrivals``
+    offset (seconds from the wave's start, whatever is in flight: an open loop);
     the wave's wall seconds and each request's result (latency, TTFT, tokens, text, seconds
     from the wave's start to its sending), in prompt order."""
     from openai import AsyncOpenAI
@@ -207,13 +211,16 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequenc
 
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
 
-    async def limited(prompt: str, cap: int) -> tuple[float, float, int, str, float]:
+    async def limited(prompt: str, cap: int, at: float | None) -> tuple[float, float, int, str, float]:
+        if at is not None:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with slots:
             sent = time.perf_counter() - start
             return (*await one_request(client, server, prompt, cap), sent)
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(limited(p, cap) for p, cap in zip(prompts, caps)))
+    results = await asyncio.gather(*(limited(p, cap, at) for p, cap, at in
+                                     zip(prompts, caps, arrivals if arrivals is not None else [None] * len(prompts))))
     wall = time.perf_counter() - start
     await client.close()
     return wall, results
@@ -277,9 +284,10 @@ def busy_seconds() -> float:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1
-             ) -> Cell:
-    """Waves of ``c * depth`` prompts, at most ``c`` requests in flight; every method runs each wave
+def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1,
+             rate: float | None = None) -> Cell:
+    """Waves of ``c * depth`` prompts, at most ``c`` requests in flight, or (``rate`` requests a
+    second) sent at Poisson arrival times, the same for every method; every method runs each wave
     (``max_tokens``: one cap, or one per prompt)."""
     cell = Cell()
     roots = [os.getpid()] + [s.proc.pid for s in servers]
@@ -292,7 +300,8 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
             caps = max_tokens if isinstance(max_tokens, int) else max_tokens[lo:lo + size]
-            wall, results = asyncio.run(run_wave(s, wave, caps, c))
+            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c,
+                                                 poisson_arrivals(len(wave), rate, seed=w) if rate else None))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -490,6 +499,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=1,
                         help="requests per in-flight slot in a wave: 1 (default) sends a wave's c requests at once; "
                              "N > 1 sends c * N with at most c in flight (sustained load, one drain per wave)")
+    parser.add_argument("--request-rate", type=float, default=None, metavar="R",
+                        help="an open loop: each wave's c * DEPTH requests arrive at Poisson times of R a second "
+                             "(seeded by the wave, the same for every method), whatever is in flight; every method "
+                             "then meets the same arrivals, so latency and TTFT compare at equal load")
     parser.add_argument("--max-tokens", type=int, default=128, help="every request's max_tokens (with --vary-lengths: the highest)")
     parser.add_argument("--vary-lengths", type=int, default=None, metavar="LOW",
                         help="each request's max_tokens drawn from LOW..--max-tokens (seeded by the prompt, the same "
@@ -545,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in (("max_tokens", 1), ("max_model_len", 16), ("omp_threads", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        parser.error(f"--request-rate {args.request_rate}: must be > 0 requests a second")
     if args.vary_lengths is not None and not 1 <= args.vary_lengths <= args.max_tokens:
         parser.error(f"--vary-lengths {args.vary_lengths}: must be within 1..--max-tokens ({args.max_tokens})")
     args.counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
@@ -577,6 +592,15 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list
             raise SystemExit(f"--max-model-len {args.max_model_len}: {dataset} has a {longest}-token prompt, "
                              f"plus --max-tokens {args.max_tokens}")
     return prompts
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """``n`` arrival times (s) of a Poisson process of ``rate`` per second, the first at 0, seeded."""
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.expovariate(rate))
+    return times
 
 
 def length_caps(prompts: list[str], args: argparse.Namespace) -> list[int]:
@@ -620,8 +644,10 @@ def main(argv: list[str] | None = None) -> None:
                 cell_prompts = prompts[dataset][first:first + n]
                 caps = length_caps(cell_prompts, args)
                 cell = run_cell(servers, cell_prompts, c, args.max_tokens if args.vary_lengths is None else caps,
-                                args.depth)
+                                args.depth, args.request_rate)
                 cells.append(summarize(cell, c, dataset, args.depth))
+                if args.request_rate:
+                    cells[-1]["request_rate"] = args.request_rate
                 if args.vary_lengths is not None:
                     cells[-1]["max_tokens"] = caps
                 cells[-1]["prompt_tokens"] = [len(tokenizer(p, add_special_tokens=False)["input_ids"])

@@ -24,7 +24,8 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
     """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled, and
     the geometric mean over files of its p99 latency and TTFT p50 over plain's in the same file.
     Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
-    one request in flight and pool), with one cap on answers or the same ``--vary-lengths``."""
+    one request in flight and pool), with one cap on answers or the same ``--vary-lengths``, closed loop or one
+    ``--request-rate``."""
     waves: dict[str, list[float]] = {}
     tails: dict[str, list[tuple[float, float]]] = {}
     kinds: dict[tuple, Path] = {}
@@ -37,9 +38,10 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
         if "plain" not in methods:
             raise SystemExit(f"{path}: no plain row at concurrency {concurrency} to pair with")
         depth = 1 if concurrency == 1 else cells[0].get("depth", 1)
-        kinds.setdefault((depth, result.get("args", {}).get("vary_lengths")), path)
+        kinds.setdefault((depth, result.get("args", {}).get("vary_lengths"), cells[0].get("request_rate")), path)
         if len(kinds) > 1:
-            raise SystemExit(f"concurrency {concurrency}: waves of (--depth, --vary-lengths) {sorted(kinds, key=str)} "
+            raise SystemExit(f"concurrency {concurrency}: waves of (--depth, --vary-lengths, --request-rate) "
+                             f"{sorted(kinds, key=str)} "
                              f"({', '.join(map(str, kinds.values()))}); pool one kind of wave")
         plain = methods["plain"]
         for name, row in methods.items():
@@ -48,12 +50,12 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
                 if "latency_p99_s" in row:
                     tails.setdefault(name, []).append((row["latency_p99_s"] / plain["latency_p99_s"],
                                                        row["ttft_p50_s"] / plain["ttft_p50_s"]))
-    (depth, vary), = kinds
+    (depth, vary, rate), = kinds
     out = {}
     for name, ratios in waves.items():
         mean, low, high = ratio_interval(ratios)
         out[name] = {"speedup": mean, "ci95": [low, high], "waves": len(ratios), "depth": depth,
-                     "vary_lengths": vary}
+                     "vary_lengths": vary, "request_rate": rate}
         if tails.get(name):
             out[name]["p99_ratio"] = statistics.geometric_mean(p for p, _ in tails[name])
             out[name]["ttft_p50_ratio"] = statistics.geometric_mean(t for _, t in tails[name])

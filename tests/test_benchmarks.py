@@ -863,7 +863,7 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     sustained = tmp_path / "d.json"
     sustained.write_text(json.dumps({"cells": [{**json.loads(a.read_text())["cells"][0], "depth": 4}]}))
     assert plot_load_curve.main([f"32={sustained}", "--out", str(tmp_path / "y.json")])[32]["lookahead"]["depth"] == 4
-    with pytest.raises(SystemExit, match=r"\[\(1, None\), \(4, None\)\]"):  # bursts and sustained waves apart
+    with pytest.raises(SystemExit, match=r"\[\(1, None, None\), \(4, None, None\)\]"):  # bursts and sustained waves apart
         plot_load_curve.main([f"32={a},{sustained}", "--out", str(tmp_path / "z.json")])
     one = json.loads(run(tmp_path / "e.json", 1, [1.2]).read_text())["cells"][0]
     (tmp_path / "f.json").write_text(json.dumps({"cells": [{**one, "depth": 4}]}))
@@ -871,7 +871,7 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     assert c1[1]["lookahead"]["waves"] == 2  # at c=1 a burst and a sustained wave both keep one request out
     varied = tmp_path / "h.json"
     varied.write_text(json.dumps({"args": {"vary_lengths": 16}, "cells": json.loads(a.read_text())["cells"]}))
-    with pytest.raises(SystemExit, match=r"\(1, 16\)"):  # one cap for every answer, or varied lengths: not both
+    with pytest.raises(SystemExit, match=r"\(1, 16, None\)"):  # one cap for every answer, or varied lengths: not both
         plot_load_curve.main([f"32={a},{varied}", "--out", str(tmp_path / "i.json")])
 
 
@@ -1047,6 +1047,25 @@ def test_bench_serve_varied_lengths_give_each_prompt_one_cap_for_every_method(mo
     server = types.SimpleNamespace(url="http://127.0.0.1:9")
     asyncio.run(bench_serve.run_wave(server, prompts[:5], caps[:5], in_flight=2))
     assert asked == dict(zip(prompts[:5], caps[:5]))
+
+
+def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
+    bench_serve = _import_bench("bench_serve")
+    times = bench_serve.poisson_arrivals(400, 2.0, seed=3)
+    assert times[0] == 0.0 and times == sorted(times) and times == bench_serve.poisson_arrivals(400, 2.0, seed=3)
+    assert 400 / times[-1] == pytest.approx(2.0, rel=0.15)  # the asked rate
+    assert times != bench_serve.poisson_arrivals(400, 2.0, seed=4)  # each wave its own draw
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--request-rate", "0"])
+
+    async def fake_request(client, server, prompt, max_tokens):
+        await asyncio.sleep(0.2)  # slower than the arrivals: an open loop does not wait for it
+        return 0.2, 0.01, max_tokens, prompt
+
+    monkeypatch.setattr(bench_serve, "one_request", fake_request)
+    server = types.SimpleNamespace(url="http://127.0.0.1:9")
+    _, results = asyncio.run(bench_serve.run_wave(server, list("abcd"), 5, None, [0.0, 0.05, 0.1, 0.15]))
+    assert [r[4] for r in results] == pytest.approx([0.0, 0.05, 0.1, 0.15], abs=0.03)
 
 
 def test_bench_serve_pairs_each_wave_request_by_request():
