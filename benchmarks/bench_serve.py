@@ -206,7 +206,10 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequenc
     from the wave's start to its sending), in prompt order."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
+    # A connection per request: an idle kept-alive one the server is closing (uvicorn drops them after
+    # 5 s) can take a request and fail it with a ReadError, as the open loop's gaps did.
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0,
+                         default_headers={"Connection": "close"})
     slots = asyncio.Semaphore(in_flight or len(prompts))
 
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
