@@ -649,8 +649,6 @@ def main(argv: list[str] | None = None) -> None:
                 cell = run_cell(servers, cell_prompts, c, args.max_tokens if args.vary_lengths is None else caps,
                                 args.depth, args.request_rate)
                 cells.append(summarize(cell, c, dataset, args.depth))
-                if args.request_rate:
-                    cells[-1]["request_rate"] = args.request_rate
                 if args.vary_lengths is not None:
                     cells[-1]["max_tokens"] = caps
                 cells[-1]["prompt_tokens"] = [len(tokenizer(p, add_special_tokens=False)["input_ids"])

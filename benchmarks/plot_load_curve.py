@@ -38,7 +38,8 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
         if "plain" not in methods:
             raise SystemExit(f"{path}: no plain row at concurrency {concurrency} to pair with")
         depth = 1 if concurrency == 1 else cells[0].get("depth", 1)
-        kinds.setdefault((depth, result.get("args", {}).get("vary_lengths"), cells[0].get("request_rate")), path)
+        args = result.get("args", {})
+        kinds.setdefault((depth, args.get("vary_lengths"), args.get("request_rate")), path)
         if len(kinds) > 1:
             raise SystemExit(f"concurrency {concurrency}: waves of (--depth, --vary-lengths, --request-rate) "
                              f"{sorted(kinds, key=str)} "
