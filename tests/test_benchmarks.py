@@ -1074,3 +1074,14 @@ def test_bench_serve_pairs_each_wave_request_by_request():
     ratios = bench_serve.paired_wave_ratios([2.0, 4.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], 2)
     assert ratios == pytest.approx([8 ** 0.5, 1.0])
     assert bench_serve.paired_wave_ratios([0.0], [1.0], 1) == []
+
+
+def test_serve_tails_counts_long_prompts_sent_while_a_request_ran():
+    serve_tails = _import_bench("serve_tails")
+    # One wave of 4: request 0 runs 0..10 s; long prompts (2000 tokens) are sent at 2 s (1) and 12 s (3).
+    record = {"sent_s": [0.0, 2.0, 5.0, 12.0], "latency_s": [10.0, 1.0, 8.0, 1.0]}
+    cell = {"concurrency": 2, "depth": 2, "prompt_tokens": [100, 2000, 100, 2000],
+            "methods": {"plain": {"per_request": record}}}
+    assert serve_tails.overlapped(cell, "plain", 1000) == [1, 0, 1, 0]  # request 2 runs 5..13 s: sees 3
+    assert serve_tails.by_overlap(cell, "plain", 1000) == {0: (2, 1.0), 1: (2, 9.0)}
+    assert serve_tails.overlapped(cell, "plain", 5000) == [0, 0, 0, 0]
