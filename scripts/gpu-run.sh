@@ -23,16 +23,19 @@ bash "$last/install.sh" ${INSTALL_ARGS:-} >"$OUT/install.log" 2>&1 || { tail -n 
 echo "gpu-run: installed in $(( $(date +%s) - start )) s"
 # shellcheck disable=SC1091
 . /tmp/site/kit-env.sh
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
 for spec in "$@"; do
     name=${spec%%:*}; rest=${spec#*:}; limit=${rest%%:*}; args=${rest#*:}
     case "$args" in *--budget-s*) ;; *) args="$args --budget-s $(( limit - 15 ))" ;; esac
     case "$args" in *--compile-backend*) ;; *) args="$args --compile-backend eager" ;; esac
     echo "gpu-run: $name ($limit s): bench_gpu.py $args"
     t0=$(date +%s)
+    # INT first (the JSON is rewritten after every cell); KILL 30 s later: the fourth H200 run's
+    # bench_gpu.py outlived its INT by minutes after an engine core failed to start
     # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 timeout -s INT "$limit" python3 benchmarks/bench_gpu.py $args --out "$OUT/$name.json" \
+    PYTHONUNBUFFERED=1 timeout -k 30 -s INT "$limit" python3 benchmarks/bench_gpu.py $args --out "$OUT/$name.json" \
         2>"$OUT/$name.log"
     echo "gpu-run: $name rc $? in $(( $(date +%s) - t0 )) s"
+    pkill -9 -f "EngineCore|bench_gpu.py" 2>/dev/null; sleep 2  # orphaned engine cores hold GPU memory
     grep -E "^\[|MISMATCH|Error" "$OUT/$name.log" | tail -n 25
 done

@@ -100,6 +100,36 @@ def test_engine_settings_of_the_graph_and_variant_arguments():
     assert "compilation_config" not in bench_gpu.engine_overrides(args, graphs=False)
     assert bench_gpu.lookahead_methods(args) == ["lookahead:chain", "lookahead:chain-ragged"]
     assert args.ngram == []
+    no_suffix = bench_gpu.parse_args(["--no-suffix", "--ngram"])
+    assert bench_gpu.speed_baselines(no_suffix) == ([], {"suffix": "--no-suffix"})
     assert bench_gpu.VARIANTS["chain-ragged"]["_profile"] == {"uniform_steps": False}
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--variants", "tree"])
+
+
+def test_a_baseline_engine_that_fails_to_build_is_left_out_and_named(monkeypatch):
+    """The fourth H200 run lost its whole speed part to one baseline engine that failed to start:
+    with ``failures`` given, a failing method is retried once, then left out with its error."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def build(method, eargs):
+        calls.append(method)
+        if method == "suffix" or (method == "ngram8" and calls.count("ngram8") == 1):
+            raise AssertionError("Error in memory profiling")
+        return f"engine:{method}"
+
+    monkeypatch.setattr(bench_gpu.offline, "build_engine", build)
+    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
+    args = bench_gpu.parse_args(["--dry"])
+    failures = {}
+    engines = bench_gpu.build_engines(["ngram8", "suffix", "plain"], args, graphs=False, failures=failures)
+    assert engines == {"ngram8": "engine:ngram8", "plain": "engine:plain"}  # ngram8 built on its retry
+    assert failures == {"suffix": "AssertionError: Error in memory profiling"}
+    assert calls == ["ngram8", "ngram8", "suffix", "suffix", "plain"]
+    with pytest.raises(AssertionError):  # without failures (plain, the lookahead variants) it propagates
+        bench_gpu.build_engines(["suffix"], args, graphs=False)

@@ -29,6 +29,15 @@ def extension():
     return _draft_index
 
 
+def load_extension():
+    """The extension module, or None where it is not built: the name the GPU kit's install check
+    (``../shared/gpu/install.sh``) imports to report which drafting core a machine has."""
+    try:
+        return extension()
+    except ImportError:
+        return None
+
+
 def make_draft_index(config: DraftIndexConfig, upkeep_thread: bool = False):
     """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes
     and evictions, core/draft_index.py) runs on a thread of its own while the

@@ -371,3 +371,15 @@ def test_threaded_batch_equals_one_thread_and_the_reference(tree):
         _assert_same_batch(want, nat.draft_batch(np.array(sids), np.array(budgets), 0.01, tree, threads))
     with pytest.raises(ValueError, match="threads=0"):
         nat.draft_batch(np.array(sids), np.array(budgets), 0.01, tree, 0)
+
+
+def test_load_extension_names_the_core_or_none(monkeypatch):
+    """The GPU kit's install check reports the drafting core through ``load_extension``: the
+    module where it is built, None (not an ImportError) where it is not."""
+    assert native.load_extension() is native.extension()
+
+    def missing():
+        raise ImportError("lookahead_vllm._draft_index is not built")
+
+    monkeypatch.setattr(native, "extension", missing)
+    assert native.load_extension() is None
