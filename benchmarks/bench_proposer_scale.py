@@ -52,11 +52,12 @@ ADMISSIONS = 5
 
 
 def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep: str = "inline",
-                  draft_shape: str = "one") -> Any:
+                  draft_shape: str = "one", index_threads: int | None = None) -> Any:
     """The proposer for one cell; ``prices``: "off" (the cost model off: every
     draft handed out) or a platform whose token prices it uses ("gpu");
     ``upkeep``: "inline" or "thread" (the profile's ``upkeep_thread``);
-    ``draft_shape``: the config's (``hier``/``par``: trees)."""
+    ``draft_shape``: the config's (``hier``/``par``: trees); ``index_threads``: the profile
+    knob (None: the platform's)."""
     from lookahead_lab.standalone import standalone_proposer
     from lookahead_vllm.core.config import PLATFORM_VALUES
 
@@ -65,6 +66,8 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
         platform = PLATFORM_VALUES[prices]
         costs = {"cost_free_tokens": platform["free_tokens"], "cost_marginal_tokens": platform["marginal_tokens"]}
     knobs = {"load_shrink_above": 4096, "load_stop_at": 8192, "upkeep_thread": upkeep == "thread"}
+    if index_threads is not None:
+        knobs["index_threads"] = index_threads
     settings = {"source": source, "draft_shape": draft_shape, "_profile": knobs, **costs}
     return standalone_proposer(k, max_len, settings)
 
@@ -152,13 +155,13 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
-             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one"
-             ) -> dict[str, Any]:
+             prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one",
+             index_threads: int | None = None) -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
     texts = [np.roll(text, -int(rng.integers(len(text))))[:span] for _ in range(batch + ADMISSIONS)]
-    proposer = make_proposer(source, k, max_len, prices, upkeep, draft_shape)
+    proposer = make_proposer(source, k, max_len, prices, upkeep, draft_shape, index_threads)
     verifiable_requests(proposer, [f"r{i}" for i in range(batch + ADMISSIONS)])
     flush = np.zeros(flush_mib << 17) if flush_mib else None  # float64: 2**17 per MiB
     runner = Batch(texts[:batch], prompt_tokens, max_len, flush)
@@ -188,6 +191,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     times_sorted = sorted(times)
     return {
         "source": source, "upkeep": upkeep, "draft_shape": draft_shape, "batch": batch, "prompt_tokens": prompt_tokens,
+        "index_threads": proposer.drafter.threads,
         "steps": steps, "k": k, "prices": prices,
         "flush_mib": flush_mib,
         "draft_tokens_per_step": drafted / (steps + 1),
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--draft-shape", choices=["one", "hier", "par"], default="one",
                    help="the config's draft_shape: one (chains) or a tree shape, every request greedy (so each "
                         "may verify a tree)")
+    p.add_argument("--index-threads", nargs="+", type=int, default=[None],
+                   help="the profile's index_threads (threads a step's rows are drafted on; 0 = min(4, cores)): "
+                        "each one a cell (default: the platform's)")
     p.add_argument("--flush-mib", type=int, default=0,
                    help="stream this many MiB through the caches before each step, as a forward does between "
                         "two engine steps (0: warm caches, the proposer's own cost)")
@@ -272,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"{flag} {bad[0]}: must be >= 1")
     if args.flush_mib < 0:
         p.error(f"--flush-mib {args.flush_mib}: must be >= 0")
+    bad = [n for n in args.index_threads if n is not None and not 0 <= n <= 256]
+    if bad:
+        p.error(f"--index-threads {bad[0]}: must be in [0, 256]")
     from lookahead_vllm.core.config import SOURCES
 
     for source in args.sources:
@@ -282,12 +292,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     apply_cpu_env(VLLM_LOGGING_LEVEL="WARNING")
     text = corpus_tokens(text_tokens(max(args.prompt_tokens), args.k, args.steps) + 48)
     cells = []
-    grid = [(s, u, b, t) for s in args.sources for u in args.upkeep for b in args.batch for t in args.prompt_tokens]
-    for source, upkeep, batch, tokens in grid:
+    grid = [(s, u, n, b, t) for s in args.sources for u in args.upkeep for n in args.index_threads
+            for b in args.batch for t in args.prompt_tokens]
+    for source, upkeep, threads, batch, tokens in grid:
         cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
-                                         args.flush_mib, upkeep, args.draft_shape), args.repeats)
+                                         args.flush_mib, upkeep, args.draft_shape, threads), args.repeats)
         cells.append(cell)
-        log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {batch:4d} x {tokens:5d}: "
+        log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {cell['index_threads']} thr {batch:4d} x {tokens:5d}: "
             f"step {cell['step_ms_median']:.2f} ms median, "
             f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
             f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "

@@ -635,6 +635,13 @@ def test_bench_proposer_scale_drafts_trees(tmp_path):
     assert [c["draft_shape"] for c in cells] == ["hier", "hier"]
     for cell in cells:
         assert cell["accepted_per_request_step"] > 0 and cell["draft_tokens_per_step"] > 0
+    # --index-threads: a cell per count (at least 32 rows a thread, so 64 rows to use two), the same drafts
+    threaded = bench.main(["--batch", "64", "--prompt-tokens", "64", "--steps", "4", "--upkeep", "inline",
+                           "--sources", "index", "--draft-shape", "hier", "--index-threads", "1", "2",
+                           "--out", str(tmp_path / "threads.json")])["cells"]
+    assert [c["index_threads"] for c in threaded] == [1, 2]
+    assert threaded[0]["draft_tokens_per_step"] == threaded[1]["draft_tokens_per_step"] > 0
+    assert threaded[0]["accepted_per_request_step"] == threaded[1]["accepted_per_request_step"]
 
 
 def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
@@ -657,6 +664,7 @@ def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
                                           (["--steps", "0"], "--steps 0: must be >= 1"),
                                           (["--repeats", "0"], "--repeats 0: must be >= 1"),
                                           (["--flush-mib", "-1"], "--flush-mib -1: must be >= 0"),
+                                          (["--index-threads", "300"], "--index-threads 300: must be in [0, 256]"),
                                           (["--upkeep", "later"], "--upkeep: invalid choice: 'later'"),
                                           (["--draft-shape", "tree"], "--draft-shape: invalid choice: 'tree'"),
                                           (["--sources", "index:fast"], "--sources 'index:fast': must be one of")])
