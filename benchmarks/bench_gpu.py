@@ -192,8 +192,9 @@ def engine_args(args: argparse.Namespace, graphs: bool) -> SimpleNamespace:
 
 def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
                   failures: dict[str, str] | None = None) -> dict[str, Any]:
-    """One engine per method. With ``failures`` given, a method whose engine fails twice is left out
-    and its error kept there (a baseline must not end the part); without it, the error propagates.
+    """One engine per method, a failed build tried once more. With ``failures`` given, a method that
+    fails twice is left out and its error kept there (a baseline must not end the part); without it,
+    the second error propagates.
 
     On a GPU each build first waits for the device's free memory to stop changing: vLLM's memory
     profiler asserts that no memory is freed while it profiles, and on the fourth H200 run the
@@ -207,9 +208,9 @@ def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
             try:
                 engines[method] = offline.build_engine(method, eargs)
                 break
-            except Exception as exc:  # noqa: BLE001 - kept in failures, or raised below
+            except Exception as exc:  # noqa: BLE001 - tried again, then kept in failures or raised
                 log(f"building {method} failed (attempt {attempt}): {type(exc).__name__}: {exc}")
-                if failures is None or attempt == 2:
+                if attempt == 2:
                     if failures is None:
                         raise
                     failures[method] = f"{type(exc).__name__}: {exc}"[:500]
