@@ -300,11 +300,12 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
     for w, lo in enumerate(range(0, len(prompts), size)):
         wave = prompts[lo:lo + size]
         order = servers[w % len(servers):] + servers[:w % len(servers)]
+        # one wave's caps and arrival times, the same for every method
+        caps = max_tokens if isinstance(max_tokens, int) else max_tokens[lo:lo + size]
+        arrivals = poisson_arrivals(len(wave), rate, seed=w) if rate else None
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            caps = max_tokens if isinstance(max_tokens, int) else max_tokens[lo:lo + size]
-            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c,
-                                                 poisson_arrivals(len(wave), rate, seed=w) if rate else None))
+            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -646,8 +647,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
                 cell_prompts = prompts[dataset][first:first + n]
                 caps = length_caps(cell_prompts, args)
-                cell = run_cell(servers, cell_prompts, c, args.max_tokens if args.vary_lengths is None else caps,
-                                args.depth, args.request_rate)
+                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate)
                 cells.append(summarize(cell, c, dataset, args.depth))
                 if args.vary_lengths is not None:
                     cells[-1]["max_tokens"] = caps
