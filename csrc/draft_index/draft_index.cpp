@@ -13,6 +13,8 @@ constexpr int kOwn = 0;
 constexpr int kCorpus = 1;
 // Tokens match() compares at once.
 constexpr int64_t kMatchBlock = 8;
+// Continuation tokens gather_occurrences starts loading past an occurrence.
+constexpr size_t kPrefetchAhead = 16;
 // How far ahead the upkeep starts loading a push's corpus slot.
 constexpr size_t kPushAhead = 16;
 
@@ -524,40 +526,124 @@ int DraftIndex::match(const int32_t* src, int64_t pos, const int32_t* text, int6
   return static_cast<int>(m);
 }
 
-void DraftIndex::collect_candidates(Scratch& s, uint32_t slot) const {
-  s.cands.clear();
-  const Sequence& seq = *seqs_[slot];
+void DraftIndex::prefetch_around(const int32_t* text, uint32_t pos, size_t len) const {
+  // What matching and continuing an occurrence at `pos` read first: match's
+  // first block before it, the tokens on either side, and its continuation
+  // (as far as a draft of kPrefetchAhead tokens goes).
+  __builtin_prefetch(text + pos - std::min<int64_t>(pos, cfg_.ngram + kMatchBlock));
+  __builtin_prefetch(text + pos - 1);
+  if (pos < len) __builtin_prefetch(text + std::min<size_t>(pos + kPrefetchAhead, len) - 1);
+}
+
+void DraftIndex::gather_occurrences(Scratch& s, const uint32_t* slots, int64_t n) const {
+  // Each row's occurrences are two linked lists (own text: own_prev; corpus:
+  // entries_' prev links), so walking one row's is a chain of dependent
+  // misses. The rows' walks advance together, one link per row per round,
+  // each link's next load started a round ahead: the rows' misses overlap.
+  // Then the text around every occurrence (its match and continuation) and
+  // each corpus source's record start loading, before any row matches.
   const int ng = cfg_.ngram;
-  const int64_t end = static_cast<int64_t>(seq.tokens.size());
-  if (end < ng) return;
-  const int32_t* text = seq.tokens.data();
-  const int32_t* key = text + end - ng;
-  const uint32_t tag = ngram_tag(key, ng);
+  const int occ = cfg_.max_occurrences;
+  s.occ.clear();
+  s.rows.assign(static_cast<size_t>(n), Scratch::RowOccurrences{});
+  s.own_cursor.assign(static_cast<size_t>(n), kNone);
+  s.corpus_cursor.assign(static_cast<size_t>(n), kNone);
+  for (int64_t i = 0; i < n; ++i) {
+    if (slots[i] == kNone) continue;
+    const Sequence& seq = *seqs_[slots[i]];
+    const int64_t end = static_cast<int64_t>(seq.tokens.size());
+    if (end < ng) continue;
+    const int32_t* text = seq.tokens.data();
+    const int32_t* key = text + end - ng;
+    const uint32_t tag = ngram_tag(key, ng);
+    const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
+    if (own != seq.own.npos) {
+      s.own_cursor[i] = seq.own.value(own).pos;
+      __builtin_prefetch(seq.own_prev.data() + s.own_cursor[i]);
+    }
+    if (seq.part != kPrivate) {
+      const size_t list = find_corpus(key, partition_tag(tag, seq.part), seq.part);
+      if (list != corpus_.npos) {
+        s.corpus_cursor[i] = corpus_.value(list).tail;
+        __builtin_prefetch(&entries_[s.corpus_cursor[i]]);
+      }
+    }
+  }
+  // Round r: every row's r-th own occurrence (most recent first); its text
+  // and its next link start loading.
+  for (int r = 0; r < occ; ++r) {
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t p = s.own_cursor[i];
+      if (p == kNone) continue;
+      const Sequence& seq = *seqs_[slots[i]];
+      s.occ.push_back(Scratch::Occurrence{slots[i], p, static_cast<uint32_t>(i)});
+      prefetch_around(seq.tokens.data(), p, seq.tokens.size());
+      const uint32_t next = r + 1 < occ ? seq.own_prev[p] : kNone;
+      s.own_cursor[i] = next;
+      if (next != kNone) {
+        __builtin_prefetch(seq.own_prev.data() + next);
+        any = true;
+      }
+    }
+    if (!any) break;
+  }
+  const size_t own_count = s.occ.size();
+  // The corpus lists hold at most max_occurrences entries (push_corpus), newest first.
+  for (;;) {
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t e = s.corpus_cursor[i];
+      if (e == kNone) continue;
+      const Entry& en = entries_[e];
+      if (en.seq != slots[i]) {
+        s.occ.push_back(Scratch::Occurrence{en.seq, en.pos, static_cast<uint32_t>(i)});
+        __builtin_prefetch(seqs_[en.seq].get());
+      }
+      s.corpus_cursor[i] = en.prev;
+      if (en.prev != kNone) {
+        __builtin_prefetch(&entries_[en.prev]);
+        any = true;
+      }
+    }
+    if (!any) break;
+  }
+  for (size_t k = own_count; k < s.occ.size(); ++k) {
+    const Sequence& src = *seqs_[s.occ[k].seq];
+    prefetch_around(src.out(), s.occ[k].pos, src.out_len());
+  }
+  // Each row's occurrences in visiting order: own (most recent first), then corpus (newest first).
+  for (const Scratch::Occurrence& o : s.occ) ++s.rows[o.row].count;
+  uint32_t at = 0;
+  for (Scratch::RowOccurrences& r : s.rows) {
+    r.begin = at;
+    at += r.count;
+    r.count = 0;
+  }
+  s.ordered.resize(s.occ.size());
+  for (size_t k = 0; k < s.occ.size(); ++k) {
+    Scratch::RowOccurrences& r = s.rows[s.occ[k].row];
+    s.ordered[r.begin + r.count++] = s.occ[k];
+    if (k < own_count) ++r.own;
+  }
+}
+
+void DraftIndex::collect_candidates(Scratch& s, uint32_t slot, int64_t row) const {
   // Occurrences are visited in the ranking's tie order (own before corpus,
   // most recent first), so once max_candidates of them match the most a
   // match can (max_match), no later one can rank above them: stop there.
+  s.cands.clear();
+  const Sequence& seq = *seqs_[slot];
+  const int64_t end = static_cast<int64_t>(seq.tokens.size());
+  const int32_t* text = seq.tokens.data();
+  const Scratch::RowOccurrences& r = s.rows[static_cast<size_t>(row)];
   int full = 0;
-  auto add = [&](int m, int scope, uint32_t from, uint32_t pos) {
-    s.cands.push_back(Candidate{m, scope, from, pos});
-    return (full += m == cfg_.max_match) < cfg_.max_candidates;
-  };
-  const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
-  if (own != seq.own.npos) {  // most recent first
-    uint32_t p = seq.own.value(own).pos;
-    for (int k = 0; k < cfg_.max_occurrences && p != kNone; ++k, p = seq.own_prev[p]) {
-      if (!add(match(text, p, text, end), kOwn, slot, p)) break;
-    }
-  }
-  const size_t list = full < cfg_.max_candidates && seq.part != kPrivate
-                          ? find_corpus(key, partition_tag(tag, seq.part), seq.part)
-                          : corpus_.npos;
-  if (list != corpus_.npos) {
-    for (uint32_t e = corpus_.value(list).tail; e != kNone; e = entries_[e].prev) {
-      const Entry& en = entries_[e];
-      if (en.prev != kNone) __builtin_prefetch(&entries_[en.prev]);  // the next entry, while this one matches
-      if (en.seq == slot) continue;
-      if (!add(match(seqs_[en.seq]->out(), en.pos, text, end), kCorpus, en.seq, en.pos)) break;
-    }
+  for (uint32_t k = 0; k < r.count; ++k) {
+    const Scratch::Occurrence& o = s.ordered[r.begin + k];
+    const bool own = k < r.own;
+    const int m = own ? match(text, o.pos, text, end) : match(seqs_[o.seq]->out(), o.pos, text, end);
+    s.cands.push_back(Candidate{m, own ? kOwn : kCorpus, o.seq, o.pos});
+    if ((full += m == cfg_.max_match) >= cfg_.max_candidates) break;  // the rest (and the corpus) skipped
   }
   std::stable_sort(s.cands.begin(), s.cands.end(), [](const Candidate& a, const Candidate& b) {
     return a.m != b.m ? a.m > b.m : a.scope < b.scope;
@@ -633,12 +719,6 @@ double DraftIndex::confidence(const Scratch& s, int32_t i) const {
   return path_confidence(n.weight, n.max_m, n.depth, s.nodes[0].weight);
 }
 
-int64_t DraftIndex::continuation_token(const Sequence& seq, const Candidate& c, int64_t d) const {
-  if (c.scope == kOwn) return seq.tokens[c.pos + d % (static_cast<int64_t>(seq.tokens.size()) - c.pos)];
-  const Sequence& src = *seqs_[c.seq];
-  return c.pos + d < static_cast<int64_t>(src.out_len()) ? src.out()[c.pos + d] : -1;
-}
-
 int64_t DraftIndex::continuation(const Sequence& seq, const Candidate& c, int64_t n, int32_t* out) const {
   if (c.scope == kOwn) {  // the text from pos to its end, repeated
     const int32_t* from = seq.tokens.data() + c.pos;
@@ -658,18 +738,28 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   // by their next token, in rank order of first appearance, which is the
   // merged tree's creation order. The heaviest child continues the chain
   // (ties: the earliest), as the reference's _select_chain walks the merged tree.
+  // Every candidate's continuation is copied out first (candidate c's in
+  // row c of `continuation`, `ends[c]` tokens long): the walk below reads
+  // each token twice.
   const Sequence& seq = *seqs_[slot];
+  const size_t width = static_cast<size_t>(budget);
+  s.continuation.resize(s.cands.size() * width);
+  s.ends.resize(s.cands.size());
   int64_t root_weight = 0;
   s.alive.clear();
   for (size_t c = 0; c < s.cands.size(); ++c) {
     root_weight += s.cands[c].m;
     s.alive.push_back(static_cast<int32_t>(c));
+    s.ends[c] = continuation(seq, s.cands[c], budget, s.continuation.data() + c * width);
   }
+  auto token_at = [&](int32_t c, int64_t d) -> int64_t {
+    return d < s.ends[c] ? s.continuation[c * width + d] : -1;
+  };
   int count = 0;
   for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
     s.children.clear();
     for (const int32_t c : s.alive) {
-      const int64_t token = continuation_token(seq, s.cands[c], d);
+      const int64_t token = token_at(c, d);
       if (token < 0) continue;
       auto child = std::find_if(s.children.begin(), s.children.end(),
                                 [token](const Scratch::Child& k) { return k.token == token; });
@@ -693,7 +783,7 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     ++count;
     s.next_alive.clear();  // the candidates through the chosen child
     for (const int32_t c : s.alive) {
-      if (continuation_token(seq, s.cands[c], d) == best->token) s.next_alive.push_back(c);
+      if (token_at(c, d) == best->token) s.next_alive.push_back(c);
     }
     s.alive.swap(s.next_alive);
   }
@@ -762,13 +852,20 @@ int DraftIndex::draft(Scratch& s, int64_t sid, int budget, double floor, bool tr
                       bool& found) const {
   found = false;
   if (budget <= 0) return 0;
-  auto it = by_sid_.find(sid);
-  if (it == by_sid_.end() || !seqs_[it->second]->live) return 0;
-  collect_candidates(s, it->second);
+  const uint32_t slot = running_slot(sid);
+  if (slot == kNone) return 0;
+  gather_occurrences(s, &slot, 1);
+  return draft_gathered(s, slot, 0, budget, floor, tree, out, found);
+}
+
+int DraftIndex::draft_gathered(Scratch& s, uint32_t slot, int64_t row, int budget, double floor, bool tree,
+                               DraftRow out, bool& found) const {
+  found = false;
+  collect_candidates(s, slot, row);
   if (s.cands.empty()) return 0;
   found = true;
-  if (!tree) return draft_chain(s, it->second, budget, floor, out);
-  merge(s, it->second, budget);
+  if (!tree) return draft_chain(s, slot, budget, floor, out);
+  merge(s, slot, budget);
   return select_tree(s, budget, floor, out);
 }
 
@@ -784,12 +881,35 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
   auto run = [&](int64_t w) {
     const int64_t lo = rows * w / workers, hi = rows * (w + 1) / workers;
     Scratch& scratch = pool_scratch_[w];
-    for (int64_t i = lo; i < hi; ++i) {
-      const DraftRow out{base.tokens + i * width, base.parents + i * width, base.confidence + i * width};
-      const int budget = static_cast<int>(std::max<int64_t>(budgets[i], 0));
-      bool found;
-      lengths[i] = draft(scratch, sids[i], budget, floor, tree, out, found);
-      if (!found && backoff != nullptr) lengths[i] = backoff->draft(scratch, sids[i], budget, floor, tree, out, found);
+    // Groups of rows gather their occurrences together (gather_occurrences), then draft one by one.
+    // The back-off index then drafts, the same way, the group's rows the main one found nothing for.
+    uint32_t group[kGatherRows];
+    bool found[kGatherRows];
+    auto draft_group = [&](const DraftIndex& index, int64_t g, int64_t n) {
+      index.gather_occurrences(scratch, group, n);
+      for (int64_t i = 0; i < n; ++i) {
+        if (group[i] == kNone) continue;
+        const int64_t row = g + i;
+        const DraftRow out{base.tokens + row * width, base.parents + row * width, base.confidence + row * width};
+        lengths[row] = index.draft_gathered(scratch, group[i], i, static_cast<int>(budgets[row]), floor, tree, out,
+                                            found[i]);
+      }
+    };
+    for (int64_t g = lo; g < hi; g += kGatherRows) {
+      const int64_t n = std::min<int64_t>(kGatherRows, hi - g);
+      for (int64_t i = 0; i < n; ++i) {
+        group[i] = budgets[g + i] > 0 ? running_slot(sids[g + i]) : kNone;
+        found[i] = false;
+        lengths[g + i] = 0;
+      }
+      draft_group(*this, g, n);
+      if (backoff == nullptr) continue;
+      bool any = false;
+      for (int64_t i = 0; i < n; ++i) {
+        group[i] = !found[i] && budgets[g + i] > 0 ? backoff->running_slot(sids[g + i]) : kNone;
+        any |= group[i] != kNone;
+      }
+      if (any) draft_group(*backoff, g, n);
     }
   };
   std::vector<std::thread> pool;

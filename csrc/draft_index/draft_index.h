@@ -276,11 +276,28 @@ class DraftIndex {
     std::vector<Child> children;
     // Trees: one candidate's continuation (merge).
     std::vector<int32_t> continuation;
+    std::vector<int64_t> ends;  // draft_chain: each candidate's continuation length
+    // gather_occurrences: a group's occurrences (own: seq is the row's own
+    // slot), in gathering order and then by row (each row's own ones first).
+    struct Occurrence {
+      uint32_t seq;
+      uint32_t pos;
+      uint32_t row;
+    };
+    struct RowOccurrences {
+      uint32_t begin = 0;  // into `ordered`
+      uint32_t count = 0;
+      uint32_t own = 0;  // the first `own` are in the row's own text
+    };
+    std::vector<Occurrence> occ, ordered;
+    std::vector<RowOccurrences> rows;
+    std::vector<uint32_t> own_cursor, corpus_cursor;
     size_t memory_bytes() const {
       return cands.capacity() * sizeof(Candidate) + nodes.capacity() * sizeof(Node) + conf.capacity() * 8 +
              heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity() +
-             (alive.capacity() + next_alive.capacity() + continuation.capacity()) * 4 +
-             children.capacity() * sizeof(Child);
+             (alive.capacity() + next_alive.capacity() + continuation.capacity()) * 4 + ends.capacity() * 8 +
+             children.capacity() * sizeof(Child) + (occ.capacity() + ordered.capacity()) * sizeof(Occurrence) +
+             rows.capacity() * sizeof(RowOccurrences) + (own_cursor.capacity() + corpus_cursor.capacity()) * 4;
     }
   };
   // Fewer rows than this per thread are not worth a thread.
@@ -288,19 +305,22 @@ class DraftIndex {
   // Sets `found` to whether the sequence had any candidate (false: no
   // draft, and a back-off index may try).
   int draft(Scratch& s, int64_t sid, int budget, double floor, bool tree, DraftRow out, bool& found) const;
-  void collect_candidates(Scratch& s, uint32_t slot) const;
+  // Rows gathered together by draft_rows (their occurrence walks overlap).
+  static constexpr int64_t kGatherRows = 64;
+  void gather_occurrences(Scratch& s, const uint32_t* slots, int64_t n) const;
+  void prefetch_around(const int32_t* text, uint32_t pos, size_t len) const;
+  void collect_candidates(Scratch& s, uint32_t slot, int64_t row) const;
+  int draft_gathered(Scratch& s, uint32_t slot, int64_t row, int budget, double floor, bool tree, DraftRow out,
+                     bool& found) const;
   // Starts loading what drafting rows [0, rows) reads first, for all of
   // them ahead of drafting: each key's table slots, then the newest
   // occurrence's text and the corpus list's newest entry (see sync).
   void prefetch_drafts(const int64_t* sids, int64_t rows) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
-  // Token d of candidate c's continuation in sequence `seq`'s draft: own
-  // text repeats its period (end - pos) past its end; -1 past a corpus
-  // output's end.
-  int64_t continuation_token(const Sequence& seq, const Candidate& c, int64_t d) const;
-  // The first (at most) `n` tokens of candidate c's continuation
-  // (continuation_token's, up to the first -1) into `out`; returns how many.
+  // The first (at most) `n` tokens of candidate c's continuation in sequence
+  // `seq`'s draft into `out`; returns how many. Own text repeats its period
+  // (end - pos) past its end; a corpus output's stops at the output's end.
   int64_t continuation(const Sequence& seq, const Candidate& c, int64_t n, int32_t* out) const;
   // The chain of the merged tree's heaviest children, walked over the
   // candidates directly (no tree is built): the same nodes as the

@@ -373,6 +373,43 @@ def test_threaded_batch_equals_one_thread_and_the_reference(tree):
         nat.draft_batch(np.array(sids), np.array(budgets), 0.01, tree, 0)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_grouped_batch_with_backoff_and_partitions_equals_the_reference(tree):
+    """A batch of several gather groups (draft_rows walks 16 rows' occurrence
+    lists together): rows of three partitions (private ones draft from their
+    own text only), unknown and repeated ids, zero budgets, and the back-off
+    index for the rows the main one has no candidate for; equal to the
+    reference row by row."""
+    text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
+    cfg = index_config(ngram=3, max_match=40, max_occurrences=12, max_candidates=8, corpus_bytes=400_000)
+    short = index_config(ngram=2, max_match=40, max_occurrences=12, max_candidates=8, corpus_bytes=400_000)
+    (ref, nat), (ref_b, nat_b) = _pair(cfg), _pair(short)
+    rng = np.random.default_rng(2)
+    partitions = [0, 1, -1]
+    for sid in range(60):  # finished outputs of partitions 0 and 1
+        start = int(rng.integers(0, len(text) - 300))
+        for index in (ref, nat, ref_b, nat_b):
+            index.add(1000 + sid, text[start:start + 300].tolist(), 60, partition=sid % 2)
+            index.finish(1000 + sid)
+    sids = list(range(70))
+    for sid in sids:
+        start, length = int(rng.integers(0, len(text) - 400)), int(rng.integers(2, 400))
+        for index in (ref, nat, ref_b, nat_b):
+            index.add(sid, text[start:start + length].tolist(), min(length, 20), partition=partitions[sid % 3])
+    for index in (ref, nat, ref_b, nat_b):
+        index.settle()
+    rows = sids + [5, 5, 9999, 17]  # repeated and unknown ids
+    budgets = [int(b) for b in rng.integers(0, 10, len(rows))]
+    want = ref.draft_batch(rows, budgets, 0.01, tree, backoff=ref_b)
+    assert (want[3] > 0).sum() > 40
+    for threads in (1, 3):
+        got = nat.draft_batch(np.array(rows), np.array(budgets), 0.01, tree, threads, nat_b)
+        _assert_same_batch(want, got)
+    # And with no back-off index: rows the main index has no candidate for stay empty.
+    _assert_same_batch(ref.draft_batch(rows, budgets, 0.01, tree),
+                       nat.draft_batch(np.array(rows), np.array(budgets), 0.01, tree))
+
+
 def test_load_extension_names_the_core_or_none(monkeypatch):
     """The GPU kit's install check reports the drafting core through ``load_extension``: the
     module where it is built, None (not an ImportError) where it is not."""
