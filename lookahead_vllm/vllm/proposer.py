@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter
+from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 import vllm.envs as envs
@@ -112,9 +114,10 @@ class RequestState:
     # Per-request draft cap from extra_args (None = none; 0 = off). Kept
     # across rewinds: it is the request's option, not drafting state.
     cap: int | None = None
-    # Its draft index partition (its cache_salt's: Drafter.partition; None =
-    # that of no salt). Kept across rewinds, like the cap.
-    partition: int | None = None
+    # Its draft index partition (its cache_salt's: Drafter.partition; a
+    # request made without the runner's new-request hook: that of no salt).
+    # Kept across rewinds, like the cap.
+    partition: int = 0
     # Committed tokens the Drafter has seen (a smaller count = a rewind).
     length: int = 0
     # Jacobi window and n-gram pool (sources with "jacobi", tree-verifiable
@@ -124,6 +127,8 @@ class RequestState:
     # None until the runner knows the request). Fixed for its lifetime.
     verifiable: bool | None = None
 
+
+_SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgetter("cap")
 
 # The drafter's memory gauges are refreshed every this many steps (and on
 # the first): the native estimate visits every sequence the index holds, up
@@ -302,7 +307,7 @@ class LookaheadProposer:
     def _state(self, req_id: str) -> RequestState:
         st = self._states.get(req_id)
         if st is None:
-            st = self._states[req_id] = RequestState(self._next_slot)
+            st = self._states[req_id] = RequestState(self._next_slot, partition=self.drafter.partition(None))
             self._next_slot += 1
         return st
 
@@ -426,7 +431,7 @@ class LookaheadProposer:
         draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
         return drafts
 
-    def _budgets(self, num_tokens: np.ndarray, caps: Sequence[int | None], batch: Any
+    def _budgets(self, num_tokens: np.ndarray, caps: list[int | None], batch: Any
                  ) -> tuple[np.ndarray, dict[str, int], int]:
         """Per row its draft budget: load adaptation (core/load.py), the
         cost model (no draft can pay at this many rows: ForwardCost.draft_pays),
@@ -438,6 +443,8 @@ class LookaheadProposer:
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
+        if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
+            return budgets, skipped, load_budget
         for j, cap in enumerate(caps):
             if cap is not None:
                 budgets[j] = min(budgets[j], cap)
@@ -454,20 +461,23 @@ class LookaheadProposer:
         Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
-        row_list = rows.tolist()
-        req_ids = [batch.req_ids[i] for i in row_list]
-        states = [self._state(r) for r in req_ids]
-        slots = np.fromiter((st.slot for st in states), np.int64, len(states))
+        if len(rows) == num_out:  # every row (the usual step): no per-row gathering in Python
+            req_ids, emitted = batch.req_ids[:num_out], sampled_token_ids
+        else:
+            row_list = rows.tolist()
+            req_ids, emitted = [batch.req_ids[i] for i in row_list], [sampled_token_ids[i] for i in row_list]
+        states = list(map(self._states.get, req_ids))
+        if None in states:  # requests the proposer has not seen yet
+            states = list(map(self._state, req_ids))
+        slots = np.fromiter(map(_SLOT, states), np.int64, len(states))
         num_tokens = num_tokens_no_spec[rows]
-        self._book_trees(slots, req_ids, [sampled_token_ids[i] for i in row_list])
-        default = self.drafter.partition(None)  # where the Drafter admits a request: its partition
-        partitions = np.fromiter((default if st.partition is None else st.partition for st in states), np.int64,
-                                 len(states))
+        self._book_trees(slots, req_ids, emitted)
+        partitions = np.fromiter(map(_PARTITION, states), np.int64, len(states))
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
                                                 partitions)
         if self.config.uses_jacobi:
             self._track_windows(req_ids, states, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
-        budgets, skipped, load_budget = self._budgets(num_tokens, [st.cap for st in states], batch)
+        budgets, skipped, load_budget = self._budgets(num_tokens, list(map(_CAP, states)), batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
         picked = drafting.tolist()
@@ -584,7 +594,8 @@ class LookaheadProposer:
         offers = self._trees
         if not len(offers.slots):
             return
-        verified = np.fromiter((len(self._scheduled.get(r, ())) for r in req_ids), np.int64, len(req_ids))
+        verified = np.fromiter(map(len, map(self._scheduled.get, req_ids, repeat((), len(req_ids)))), np.int64,
+                               len(req_ids))
         at, verified, hits = offers.match(slots, verified, emitted)
         if len(at):
             context, pool = offers.observe(self.calibrator, at, verified, hits)
