@@ -36,8 +36,9 @@ double path_confidence(int64_t weight, int32_t max_m, int64_t depth, int64_t roo
 DraftIndex::DraftIndex(const DraftIndexConfig& config, bool upkeep_thread)
     : cfg_(config), upkeep_thread_(upkeep_thread) {
   // A finished output's fixed charge covers its record, its slot pointer,
-  // its id's hash node and bucket, its place in its partition's `finished`, and the
-  // allocator's headers of the record and its two arrays.
+  // its id's entry in by_sid_ (an 8-byte slot in a table at least 3/8
+  // full), its place in its partition's `finished`, and the allocator's
+  // headers of the record and its two arrays.
   static_assert(sizeof(Sequence) + 8 + 48 + 4 + 3 * 16 <= kSequenceCharge, "kSequenceCharge too small");
 }
 
@@ -146,12 +147,15 @@ void DraftIndex::upkeep_loop() {
 }
 
 // ------------------------------------------------------------------ lifecycle
+uint32_t DraftIndex::slot_of(int64_t sid) const {
+  const size_t i = by_sid_.find(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; });
+  return i == by_sid_.npos ? kNone : by_sid_.value(i).slot;
+}
+
 DraftIndex::Sequence* DraftIndex::live_seq(int64_t sid) {
-  auto it = by_sid_.find(sid);
-  if (it == by_sid_.end() || !seqs_[it->second]->live) {
-    throw SequenceKeyError("sequence " + sid_str(sid) + " is not running");
-  }
-  return seqs_[it->second].get();
+  const uint32_t slot = running_slot(sid);
+  if (slot == kNone) throw SequenceKeyError("sequence " + sid_str(sid) + " is not running");
+  return seqs_[slot].get();
 }
 
 uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len, int32_t part) {
@@ -169,20 +173,22 @@ uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len, int32_t part) {
   seqs_[slot]->prompt_len = prompt_len;
   seqs_[slot]->part = part;
   if (part != kPrivate) ++partition(part).live;
-  by_sid_[sid] = slot;
+  by_sid_.value(by_sid_.find_or_insert(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; }))
+      .slot = slot;
   ++num_live_;
   return slot;
 }
 
 void DraftIndex::release(uint32_t slot) {
-  by_sid_.erase(seqs_[slot]->sid);
+  const int64_t sid = seqs_[slot]->sid;
+  by_sid_.erase(by_sid_.find(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; }));
   seqs_[slot].reset();
   free_slots_.push_back(slot);
 }
 
 void DraftIndex::add(int64_t sid, const int32_t* tokens, size_t n, int64_t prompt_len, int64_t part) {
   wait_upkeep();
-  if (by_sid_.count(sid)) throw SequenceKeyError("sequence " + sid_str(sid) + " is already in the index");
+  if (slot_of(sid) != kNone) throw SequenceKeyError("sequence " + sid_str(sid) + " is already in the index");
   if (prompt_len < 0 || static_cast<uint64_t>(prompt_len) > n) {
     throw std::invalid_argument("prompt_len=" + std::to_string(prompt_len) + ": must be in [0, " +
                                 std::to_string(n) + "]");
@@ -208,12 +214,12 @@ void DraftIndex::extend(int64_t sid, const int32_t* tokens, size_t n) {
   wait_upkeep();
   Sequence* s = live_seq(sid);
   if (s->tokens.size() + n >= kNone) throw std::length_error("a sequence must hold fewer than 2**32 - 1 tokens");
-  append(by_sid_[sid], tokens, n);
+  append(running_slot(sid), tokens, n);
 }
 
 uint32_t DraftIndex::running_slot(int64_t sid) const {
-  const auto it = by_sid_.find(sid);
-  return it == by_sid_.end() || !seqs_[it->second]->live ? kNone : it->second;
+  const uint32_t slot = slot_of(sid);
+  return slot == kNone || !seqs_[slot]->live ? kNone : slot;
 }
 
 int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
@@ -226,10 +232,16 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
   // overlap. Then the updates, in row order (pending_ keeps that order).
   std::vector<uint32_t>& slot = sync_slots_;
   slot.resize(batch);
+  // Before those, the ids' slots in by_sid_, then the slot table's entries
+  // they name, then the records: each pass loads what the next one reads.
+  for (int64_t i = 0; i < batch; ++i) by_sid_.prefetch(sid_tag(sids[i]));
   for (int64_t i = 0; i < batch; ++i) {
-    slot[i] = running_slot(sids[i]);
-    if (slot[i] != kNone) __builtin_prefetch(seqs_[slot[i]].get());
+    if (const SlotRef* r = by_sid_.home(sid_tag(sids[i]))) __builtin_prefetch(&seqs_[r->slot]);
   }
+  for (int64_t i = 0; i < batch; ++i) {
+    if (const SlotRef* r = by_sid_.home(sid_tag(sids[i]))) __builtin_prefetch(seqs_[r->slot].get());
+  }
+  for (int64_t i = 0; i < batch; ++i) slot[i] = running_slot(sids[i]);
   for (int64_t i = 0; i < batch; ++i) {
     if (slot[i] == kNone) continue;
     const Sequence& s = *seqs_[slot[i]];
@@ -399,9 +411,8 @@ size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag, int32_t part) c
 
 void DraftIndex::finish(int64_t sid) {
   wait_upkeep();
-  auto it = by_sid_.find(sid);
-  if (it == by_sid_.end() || !seqs_[it->second]->live) return;
-  const uint32_t slot = it->second;
+  const uint32_t slot = running_slot(sid);
+  if (slot == kNone) return;
   Sequence& s = *seqs_[slot];
   s.live = false;
   --num_live_;
@@ -430,7 +441,7 @@ void DraftIndex::rewind(int64_t sid, int64_t length) {
   if (length < 0) throw std::invalid_argument("length=" + std::to_string(length) + ": must be >= 0");
   const size_t keep = std::min(static_cast<size_t>(length), s->tokens.size());
   std::vector<int32_t> kept(s->tokens.begin(), s->tokens.begin() + keep);
-  const uint32_t slot = by_sid_[sid];
+  const uint32_t slot = running_slot(sid);
   evict_corpus(slot);
   s->prompt_len = static_cast<uint32_t>(std::min<int64_t>(s->prompt_len, length));
   s->tokens.clear();
@@ -471,8 +482,7 @@ int64_t DraftIndex::length(int64_t sid) {
 size_t DraftIndex::memory_bytes() {
   wait_upkeep();
   size_t bytes = sizeof(*this) + seqs_.capacity() * sizeof(seqs_[0]) + free_slots_.capacity() * 4;
-  // unordered_map: bucket array plus one heap node (next pointer, key, value, cached hash) per id.
-  bytes += by_sid_.bucket_count() * sizeof(void*) + by_sid_.size() * 32;
+  bytes += by_sid_.memory_bytes();
   for (const auto& s : seqs_) {
     if (!s) continue;
     bytes += sizeof(Sequence) + s->tokens.capacity() * 4 + s->own_prev.capacity() * 4 + s->own.memory_bytes() +

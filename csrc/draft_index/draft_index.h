@@ -49,7 +49,6 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -226,6 +225,12 @@ class DraftIndex {
     int32_t next_sibling = -1;
   };
 
+  struct SlotRef {
+    uint32_t slot = kNone;
+    bool empty() const { return slot == kNone; }
+  };
+  static uint32_t sid_tag(int64_t sid) { return static_cast<uint32_t>(mix64(static_cast<uint64_t>(sid))); }
+  uint32_t slot_of(int64_t sid) const;  // the id's slot, running or finished (kNone: unknown)
   Sequence* live_seq(int64_t sid);
   // The slot of running sequence `sid`, or kNone (no wait for the upkeep).
   uint32_t running_slot(int64_t sid) const;
@@ -333,7 +338,9 @@ class DraftIndex {
   DraftIndexConfig cfg_;
   std::vector<std::unique_ptr<Sequence>> seqs_;  // slot -> sequence (nullptr: free)
   std::vector<uint32_t> free_slots_;
-  std::unordered_map<int64_t, uint32_t> by_sid_;  // running and finished-in-corpus ids
+  // Running and finished-in-corpus ids -> their slots (open addressing on
+  // the id's hash; an entry is confirmed by its record's id).
+  NgramMap<SlotRef> by_sid_;
   size_t num_live_ = 0;
   std::vector<Partition> parts_;  // partition id -> its record
   int64_t num_finished_ = 0;      // finished outputs held, over all partitions
