@@ -15,6 +15,8 @@ constexpr int kCorpus = 1;
 constexpr int64_t kMatchBlock = 8;
 // Continuation tokens gather_occurrences starts loading past an occurrence.
 constexpr size_t kPrefetchAhead = 16;
+// New tokens per row whose own-table slots sync starts loading before its appends.
+constexpr int64_t kSyncAhead = 16;
 // How far ahead the upkeep starts loading a push's corpus slot.
 constexpr size_t kPushAhead = 16;
 
@@ -227,7 +229,8 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
   settle();
   // Three passes start loading what the updates touch, each from what the
   // previous one loaded: the sequences' records; the ends of their texts
-  // and the table's new tokens; the own-table slot of each text's last key.
+  // and the table's new tokens; the own-table slots of the keys the new
+  // tokens complete.
   // The lookups of a pass do not depend on each other, so their misses
   // overlap. Then the updates, in row order (pending_ keeps that order).
   std::vector<uint32_t>& slot = sync_slots_;
@@ -251,16 +254,22 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
     __builtin_prefetch(s.out_entry.data() + (n - s.prompt_len));
     if (num[i] > static_cast<int64_t>(n)) __builtin_prefetch(table.address(rows[i], static_cast<int64_t>(n)));
   }
+  // The third reads each row's new tokens (up to kSyncAhead of them) and
+  // starts loading the own-table slot of every key the appends will insert.
   const int ng = cfg_.ngram;
+  std::vector<int32_t> buf;
+  int32_t window[kSyncAhead + 4];
   for (int64_t i = 0; i < batch; ++i) {
     if (slot[i] == kNone) continue;
     const Sequence& s = *seqs_[slot[i]];
-    const size_t n = s.tokens.size();
-    if (n >= static_cast<size_t>(ng) && num[i] > static_cast<int64_t>(n)) {
-      s.own.prefetch(ngram_tag(s.tokens.data() + n - ng, ng));
-    }
+    const int64_t n = static_cast<int64_t>(s.tokens.size());
+    if (n < ng || num[i] <= n) continue;
+    const int64_t count = std::min<int64_t>(num[i] - n, kSyncAhead);
+    table.read(rows[i], n, n + count, buf);
+    std::copy(s.tokens.end() - ng, s.tokens.end(), window);
+    std::copy(buf.begin(), buf.begin() + (count - 1), window + ng);
+    for (int64_t j = 0; j < count; ++j) s.own.prefetch(ngram_tag(window + j, ng));
   }
-  std::vector<int32_t> buf;
   int64_t rewound = 0;
   for (int64_t i = 0; i < batch; ++i) {
     // A sequence added by an earlier row of this batch (its id repeated) is found anew.
