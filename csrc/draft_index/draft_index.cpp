@@ -150,7 +150,7 @@ void DraftIndex::upkeep_loop() {
 
 // ------------------------------------------------------------------ lifecycle
 uint32_t DraftIndex::slot_of(int64_t sid) const {
-  const size_t i = by_sid_.find(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; });
+  const size_t i = by_sid_.find(sid_tag(sid), is_sid(sid));
   return i == by_sid_.npos ? kNone : by_sid_.value(i).slot;
 }
 
@@ -175,15 +175,14 @@ uint32_t DraftIndex::new_slot(int64_t sid, uint32_t prompt_len, int32_t part) {
   seqs_[slot]->prompt_len = prompt_len;
   seqs_[slot]->part = part;
   if (part != kPrivate) ++partition(part).live;
-  by_sid_.value(by_sid_.find_or_insert(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; }))
-      .slot = slot;
+  by_sid_.value(by_sid_.find_or_insert(sid_tag(sid), is_sid(sid))).slot = slot;
   ++num_live_;
   return slot;
 }
 
 void DraftIndex::release(uint32_t slot) {
   const int64_t sid = seqs_[slot]->sid;
-  by_sid_.erase(by_sid_.find(sid_tag(sid), [&](const SlotRef& r) { return seqs_[r.slot]->sid == sid; }));
+  by_sid_.erase(by_sid_.find(sid_tag(sid), is_sid(sid)));
   seqs_[slot].reset();
   free_slots_.push_back(slot);
 }

@@ -230,6 +230,10 @@ class DraftIndex {
     bool empty() const { return slot == kNone; }
   };
   static uint32_t sid_tag(int64_t sid) { return static_cast<uint32_t>(mix64(static_cast<uint64_t>(sid))); }
+  // by_sid_'s test that an entry is id `sid`'s (its record holds the id).
+  auto is_sid(int64_t sid) const {
+    return [this, sid](const SlotRef& r) { return seqs_[r.slot]->sid == sid; };
+  }
   uint32_t slot_of(int64_t sid) const;  // the id's slot, running or finished (kNone: unknown)
   Sequence* live_seq(int64_t sid);
   // The slot of running sequence `sid`, or kNone (no wait for the upkeep).
