@@ -105,9 +105,10 @@ class ProposerStats:
         }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestState:
-    """Everything the proposer keeps for one running request."""
+    """Everything the proposer keeps for one running request (compared by
+    identity: a step looks its states up in bulk, ``None in states``)."""
 
     # The request's id in the Drafter (its index slot).
     slot: int
