@@ -37,9 +37,12 @@ import random
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
-from lookahead_vllm.core.draft_tree import DraftTree
+import numpy as np
+
+from lookahead_vllm.core.draft_tree import DraftTree, rows_of
 
 # Draft confidence given to a pool n-gram's node at depth d (the pool has no
 # counts; Jacobi n-grams are right roughly this often on chat text).
@@ -75,13 +78,15 @@ class NgramPool:
         return found if limit is None else found[:limit]
 
 
-def lookahead_parents(window: int, ngram: int) -> list[int]:
-    """Parent of every lookahead node in plan order (-1 = x0), see the module docstring."""
+@lru_cache(maxsize=256)
+def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]:
+    """Parent of every lookahead node in plan order (-1 = x0), see the module
+    docstring; after ``base`` nodes of a verify tree, their indices shifted by it."""
     parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
     for level in range(1, ngram - 1):
         for col in range(window):
             parents.append(_index(level - 1, col, window))
-    return parents
+    return tuple(p if p < 0 else p + base for p in parents)
 
 
 def _index(level: int, col: int, window: int) -> int:
@@ -146,16 +151,36 @@ def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
 
 
+def pool_rows(found: Sequence[Sequence[Sequence[int]]], length: int) -> tuple[np.ndarray, ...]:
+    """Row ``d`` holds :func:`branch_tree` of ``found[d]`` (pool continuations,
+    each ``length`` tokens), as :func:`~lookahead_vllm.core.draft_tree.rows_of`
+    arrays: branches of one length give every row the same parents and
+    confidences by column, so only the tokens are written row by row."""
+    counts = np.fromiter(map(len, found), np.int64, len(found))
+    width = max(1, int(counts.max(initial=0)) * length)
+    out = rows_of(len(found), width)
+    tokens, parents, weights, conf, lengths = out
+    col = np.arange(width)
+    lengths[:] = counts * length
+    inside = col < lengths[:, None]
+    parents[:] = np.where(inside & (col % length != 0), col - 1, -1)
+    weights[:] = np.where(inside, POOL_CONFIDENCE ** (col % length + 1), 0.0)
+    conf[:] = weights
+    for d in np.flatnonzero(counts).tolist():
+        tokens[d, :lengths[d]] = [t for branch in found[d] for t in branch]
+    return out
+
+
 def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
     """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags."""
     base = len(tree)
-    parents = [p if p < 0 else p + base for p in lookahead_parents(window.window, window.ngram)]
-    toks = window.tokens()
+    toks = tuple(window.tokens())
+    zeros = (0.0,) * len(toks)
     combined = DraftTree(
-        tree.tokens + tuple(toks),
-        tree.parents + tuple(parents),
-        tree.weights + (0.0,) * len(toks),
-        tuple(tree.node_confidence(i) for i in range(base)) + (0.0,) * len(toks),
+        tree.tokens + toks,
+        tree.parents + lookahead_parents(window.window, window.ngram, base),
+        tree.weights + zeros,
+        (tree.confidence or (1.0,) * base) + zeros,
     )
     return combined, (False,) * base + (True,) * len(toks)
 

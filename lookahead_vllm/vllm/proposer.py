@@ -34,8 +34,7 @@ from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.draft_tree import fill_row, rows_of
-from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, branch_tree, with_lookahead
+from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, pool_rows, with_lookahead
 from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
@@ -573,10 +572,7 @@ class LookaheadProposer:
             jac.x0 = last if budgets[d] == self.config.decoding_length else -1
             found.append(jac.pool.get(last, guesses))
             self.stats.pool_branches += len(found[-1])
-        out = rows_of(len(picked), max([1, *(sum(map(len, b)) for b in found)]))
-        for d, branches in enumerate(found):
-            fill_row(out, d, branch_tree(branches))
-        return out
+        return pool_rows(found, self.config.profile.jacobi_ngram - 1)
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
         """Whether the request may verify a tree (asked of the verifier once

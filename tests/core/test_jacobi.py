@@ -13,7 +13,9 @@ from lookahead_vllm.core.jacobi import (
     JacobiWindow,
     NgramPool,
     branch_tree,
+    lookahead_parents,
     output_nodes,
+    pool_rows,
     with_lookahead,
 )
 from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
@@ -117,6 +119,34 @@ def test_pool_is_lru_per_key():
     assert len(pool) == 2 and pool.num_added == 4
     with pytest.raises(ValueError, match="holds 3-grams"):
         pool.add((1, 2))
+
+
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_pool_rows_equal_each_rows_branch_tree(length):
+    """pool_rows builds every row's branches in one set of arrays: the same
+    cells, row by row, as branch_tree written with fill_row (rows without a
+    branch empty; past a row's length the rows_of defaults)."""
+    rng = np.random.default_rng(length)
+    found = [[tuple(int(t) for t in rng.integers(0, 50, length)) for _ in range(int(rng.integers(0, 5)))]
+             for _ in range(9)] + [[]]
+    got = pool_rows(found, length)
+    want = rows_of(len(found), got[0].shape[1])
+    for d, branches in enumerate(found):
+        fill_row(want, d, branch_tree(branches))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+    assert pool_rows([[], []], length)[4].tolist() == [0, 0]
+
+
+def test_window_parents_after_a_tree_are_shifted_by_its_length():
+    tree = DraftTree((7, 8, 9), (-1, 0, -1), (3.0, 2.0, 1.0), (0.9, 0.8, 0.3))
+    window = JacobiWindow(3, 3, [[1, 2], [3, 4, 5]])
+    combined, flags = with_lookahead(tree, window)
+    assert combined.parents == (-1, 0, -1) + tuple(p if p < 0 else p + 3 for p in lookahead_parents(3, 3))
+    assert combined.confidence == (0.9, 0.8, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert combined.tokens == (7, 8, 9, 1, 2, 3, 4, 5) and flags == (False,) * 3 + (True,) * 5
+    bare = with_lookahead(DraftTree((7,), (-1,), (1.0,)), window)[0]  # no confidences: 1.0 each
+    assert bare.confidence == (1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("native", [False, True])
