@@ -139,7 +139,8 @@ class JacobiWindow:
 
 def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
     """Pool continuations as branches from the root, side by side, each node at
-    confidence and weight ``POOL_CONFIDENCE ** depth`` (merged by core/drafter.py)."""
+    confidence and weight ``POOL_CONFIDENCE ** depth`` (one row of :func:`pool_rows`,
+    which the tests hold to it)."""
     tokens: list[int] = []
     parents: list[int] = []
     confs: list[float] = []
