@@ -137,26 +137,14 @@ class JacobiWindow:
         return grams
 
 
-def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
-    """Pool continuations as branches from the root, side by side, each node at
-    confidence and weight ``POOL_CONFIDENCE ** depth`` (one row of :func:`pool_rows`,
-    which the tests hold to it)."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    confs: list[float] = []
-    for branch in branches:
-        for depth, token in enumerate(branch, start=1):
-            parents.append(-1 if depth == 1 else len(tokens) - 1)
-            tokens.append(int(token))
-            confs.append(POOL_CONFIDENCE ** depth)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
-
-
 def pool_rows(found: Sequence[Sequence[Sequence[int]]], length: int) -> tuple[np.ndarray, ...]:
-    """Row ``d`` holds :func:`branch_tree` of ``found[d]`` (pool continuations,
-    each ``length`` tokens), as :func:`~lookahead_vllm.core.draft_tree.rows_of`
-    arrays: branches of one length give every row the same parents and
-    confidences by column, so only the tokens are written row by row."""
+    """Row ``d`` holds ``found[d]``'s pool continuations (each ``length``
+    tokens) as branches from the root, side by side, each node at confidence
+    and weight ``POOL_CONFIDENCE ** depth``, as
+    :func:`~lookahead_vllm.core.draft_tree.rows_of` arrays: branches of one
+    length give every row the same parents and confidences by column, so
+    only the tokens are written row by row (reference:
+    ``lookahead_lab.reference.planner.branch_tree`` per row)."""
     counts = np.fromiter(map(len, found), np.int64, len(found))
     width = max(1, int(counts.max(initial=0)) * length)
     out = rows_of(len(found), width)

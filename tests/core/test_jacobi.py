@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_lab.reference.planner import merged
+from lookahead_lab.reference.planner import branch_tree, merged
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_lab.reference import merge_rows, row_drafts
 from lookahead_vllm.core.jacobi import (
     JacobiWindow,
     NgramPool,
-    branch_tree,
     lookahead_parents,
     output_nodes,
     pool_rows,

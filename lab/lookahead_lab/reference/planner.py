@@ -18,6 +18,7 @@ from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
+from lookahead_vllm.core.jacobi import POOL_CONFIDENCE
 from lookahead_vllm.core.step_plan import accepted_path
 
 
@@ -239,6 +240,21 @@ def observe_trees(predicted, accepted, nodes, factor, bin_edges, raw, kinds, hit
 
 
 # --------------------------------------------------------------- merging
+def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
+    """Pool continuations as branches from the root, side by side, each node at
+    confidence and weight ``POOL_CONFIDENCE ** depth``: one row of
+    ``lookahead_vllm.core.jacobi.pool_rows``."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    confs: list[float] = []
+    for branch in branches:
+        for depth, token in enumerate(branch, start=1):
+            parents.append(-1 if depth == 1 else len(tokens) - 1)
+            tokens.append(int(token))
+            confs.append(POOL_CONFIDENCE ** depth)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
+
+
 def merge_rows(lead, lead_context, trie, budgets, cut, pool=None) -> tuple[np.ndarray, ...]:
     """The extension's ``merge_rows`` (``Drafter.draft``): row ``i``'s lead
     (an index tree, or where ``lead_context[i]`` the context chain) first,
