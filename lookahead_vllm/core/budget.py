@@ -97,6 +97,14 @@ class ForwardCost:
         extra = self.path_setup + paths * self.per_path if paths else 0.0
         return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
+    def many(self, tokens: np.ndarray, paths: np.ndarray) -> np.ndarray:
+        """:meth:`__call__` for every ``tokens[i]``, ``paths[i]`` (the same values, bit for bit)."""
+        tokens, paths = np.asarray(tokens, np.int64), np.asarray(paths, np.int64)
+        if self.free_tokens == 0:
+            return np.ones(tokens.shape)
+        extra = np.where(paths != 0, self.path_setup + paths * self.per_path, 0.0)
+        return 1.0 + np.maximum(0, tokens - self.free_tokens) / self.marginal_tokens + extra
+
     def drafted(self, tokens: int, paths: int = 0) -> float:
         """:meth:`__call__` for a step that carries draft tokens (plus :attr:`draft_setup`)."""
         return self(tokens, paths) + self.draft_setup

@@ -42,7 +42,8 @@ from typing import Sequence
 
 import numpy as np
 
-from lookahead_vllm.core.draft_tree import DraftTree, rows_of
+from lookahead_vllm.core.budget import ForwardCost
+from lookahead_vllm.core.draft_tree import rows_of
 
 # Draft confidence given to a pool n-gram's node at depth d (the pool has no
 # counts; Jacobi n-grams are right roughly this often on chat text).
@@ -160,20 +161,6 @@ def pool_rows(found: Sequence[Sequence[Sequence[int]]], length: int) -> tuple[np
     return out
 
 
-def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
-    """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags."""
-    base = len(tree)
-    toks = tuple(window.tokens())
-    zeros = (0.0,) * len(toks)
-    combined = DraftTree(
-        tree.tokens + toks,
-        tree.parents + lookahead_parents(window.window, window.ngram, base),
-        tree.weights + zeros,
-        (tree.confidence or (1.0,) * base) + zeros,
-    )
-    return combined, (False,) * base + (True,) * len(toks)
-
-
 # Adaptive window: a request's expected pool tokens per window step starts
 # at YIELD_PRIOR and follows a moving average (weight YIELD_ALPHA); a window
 # that does not pay is still sent after PROBE_EVERY steps to re-measure it,
@@ -240,3 +227,50 @@ class JacobiRequest:
         for gram in grams:
             self.pool.add(gram)
         return len(grams)
+
+
+@dataclass(slots=True)
+class WindowStep:
+    """The step the windows join (core/budget.py's units): ``tokens`` scored, ``extra``
+    attention paths, the draft ``setup`` still unpaid (0 once the step carries a draft),
+    the entry ``fees`` its drafted rows pay, and the tokens it is expected to emit (``gain``)."""
+
+    tokens: int
+    extra: int
+    setup: float
+    fees: float
+    gain: float
+
+
+def choose_windows(windows: Sequence[JacobiRequest], fees: np.ndarray, step: WindowStep,
+                   cost: ForwardCost) -> list[int]:
+    """Which of a step's ``windows`` go out, in the order they join it (indices into
+    ``windows``): most expected yield first, each one sent when its yield pays for
+    what its nodes and column paths add to the step (``fees[i]``: the entry it pays
+    too) given the windows sent before it, or when its probe is due; every window
+    gets :meth:`JacobiRequest.wants_window`'s bookkeeping, and ``step`` ends as the
+    step with them (reference: ``lookahead_lab.reference.planner.choose_windows``).
+    Every window has the same shape (one configuration), so the step's cost with
+    ``m`` windows is priced once for every ``m``, in one call."""
+    n = len(windows)
+    if not n:
+        return []
+    nodes, cols = windows[0].window.num_nodes, windows[0].window.window
+    m = np.arange(n + 1)
+    costs = cost.many(step.tokens + m * nodes, step.extra + m * cols).tolist()
+    fee = np.asarray(fees, np.float64).tolist()
+    sent: list[int] = []
+    setup, paid, gain = step.setup, step.fees, step.gain
+    for i in sorted(range(n), key=lambda i: -windows[i].yield_est):
+        w, k = windows[i], len(sent)
+        pays = w.yield_est >= gain * ((costs[k + 1] + setup + paid + fee[i]) / (costs[k] + paid) - 1.0)
+        if pays or w.steps_without >= w.probe_every:
+            w.steps_without, w.probing = 0, not pays
+            sent.append(i)
+            setup, paid, gain = 0.0, paid + fee[i], gain + w.yield_est
+        else:
+            w.steps_without += 1
+    k = len(sent)
+    step.tokens, step.extra, step.setup, step.fees, step.gain = (step.tokens + k * nodes, step.extra + k * cols,
+                                                                 setup, paid, gain)
+    return sent

@@ -39,7 +39,7 @@ bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -47,11 +47,13 @@ from lookahead_vllm.core import native
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.drafter import index_tree
+from lookahead_vllm.core.drafter import INDEX_WEIGHT, index_tree
+from lookahead_vllm.core.jacobi import lookahead_parents
 from lookahead_vllm.core.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
+    from lookahead_vllm.core.jacobi import JacobiWindow
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,22 @@ class TreeOffers:
     def plan(self, d: int) -> StepPlan:
         """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
         return StepPlan(self.tree(d))
+
+    def with_windows(self, ds: list[int], windows: "Sequence[JacobiWindow]") -> list[StepPlan]:
+        """Offers ``ds[i]``'s plans, each followed by ``windows[i]``'s lookahead nodes
+        (reference: ``lookahead_lab.reference.planner.with_lookahead``, one offer at a
+        time), read from the offers' rows in one pass."""
+        lengths = self.lengths[ds].tolist()
+        plans = []
+        for n, tokens, parents, raw, window in zip(lengths, self.tokens[ds].tolist(), self.parents[ds].tolist(),
+                                                   self.raw[ds].tolist(), windows):
+            ahead = tuple(window.tokens())
+            zeros, conf = (0.0,) * len(ahead), tuple(raw[:n])
+            tree = DraftTree(tuple(tokens[:n]) + ahead, tuple(parents[:n]) + lookahead_parents(window.window,
+                                                                                             window.ngram, n),
+                             tuple([INDEX_WEIGHT * c for c in conf]) + zeros, conf + zeros)
+            plans.append(StepPlan(tree, (False,) * n + (True,) * len(ahead)))
+        return plans
 
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

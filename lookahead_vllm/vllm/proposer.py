@@ -34,7 +34,8 @@ from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.jacobi import PROBE_EVERY, YIELD_PRIOR, JacobiRequest, pool_rows, with_lookahead
+from lookahead_vllm.core.jacobi import (PROBE_EVERY, YIELD_PRIOR, JacobiRequest, WindowStep, choose_windows,
+                                        pool_rows)
 from lookahead_vllm.core.step_plan import StepPlan
 from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
@@ -626,34 +627,30 @@ class LookaheadProposer:
         changed in place); returns their plans. The step scores ``tokens`` tokens and is expected
         to emit ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
         ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens
-        and its W column paths cost at the step's rate (see JacobiRequest.wants_window); ``extra``
-        starts at the trees' own path ``rounds``. The first draft of a step also pays the draft
-        setup, and a window on a row that kept no node its row's ``entry``."""
+        and its W column paths cost at the step's rate (``jacobi.choose_windows``, the step's
+        windows priced together); ``extra`` starts at the trees' own path ``rounds``. The first
+        draft of a step also pays the draft setup, and a window on a row that kept no node its
+        row's ``entry``."""
         offers = self._trees
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
         opens = np.count_nonzero((offers.parents + 1 != cols) & kept, axis=1)
         rounds = int(opens[tree_ok].max(initial=0))
-        tokens, extra, cost = num_rows + int(offers.lengths.sum()), rounds, self.cost.at_rows(num_rows)
-        setup = cost.draft_setup if tokens == num_rows else 0.0
-        fees = float(entry[offers.lengths > 0].sum())
-        gain = num_rows + float(np.where(kept, calibrated, 0.0).sum())
-        candidates = [(d, st.jacobi) for d, st in enumerate(states)
-                      if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
-        plans = {}
-        for d, jac in sorted(candidates, key=lambda c: -c[1].yield_est):
-            w, cols = jac.window.num_nodes, jac.window.window
-            fee = float(entry[d]) if offers.lengths[d] == 0 else 0.0
-            need = gain * ((cost(tokens + w, extra + cols) + setup + fees + fee) / (cost(tokens, extra) + fees) - 1.0)
-            if not jac.wants_window(need):
-                continue
-            tokens, extra, setup, fees = tokens + w, extra + cols, 0.0, fees + fee
-            gain += jac.yield_est
-            plan = plans[req_ids[d]] = StepPlan(*with_lookahead(offers.tree(d), jac.window))
+        tokens, cost = num_rows + int(offers.lengths.sum()), self.cost.at_rows(num_rows)
+        drafted = offers.lengths > 0
+        step = WindowStep(tokens, rounds, cost.draft_setup if tokens == num_rows else 0.0,
+                          float(entry[drafted].sum()), num_rows + float(np.where(kept, calibrated, 0.0).sum()))
+        rows = [d for d, st in enumerate(states) if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
+        windows = [states[d].jacobi for d in rows]
+        fees = np.where(drafted[rows], 0.0, entry[rows])
+        chosen = choose_windows(windows, fees, step, cost)
+        ds = [rows[i] for i in chosen]
+        plans = dict(zip([req_ids[d] for d in ds], offers.with_windows(ds, [windows[i].window for i in chosen])))
+        for d, plan in zip(ds, plans.values()):
             drafts[int(out_rows[d])] = list(plan.tree.tokens)
-            self.stats.jacobi_steps += 1
-            self.stats.jacobi_nodes += jac.window.num_nodes
+        self.stats.jacobi_steps += len(chosen)
+        self.stats.jacobi_nodes += sum(windows[i].window.num_nodes for i in chosen)
         return plans
 
     def _read_memory_gauges(self) -> None:

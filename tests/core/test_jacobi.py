@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from lookahead_lab.reference.planner import branch_tree, merged
+from lookahead_lab.reference.planner import branch_tree, merged, with_lookahead
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_lab.reference import merge_rows, row_drafts
@@ -15,7 +17,6 @@ from lookahead_vllm.core.jacobi import (
     lookahead_parents,
     output_nodes,
     pool_rows,
-    with_lookahead,
 )
 from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
 
@@ -216,3 +217,60 @@ def test_request_policy_can_start_from_a_learned_prior():
     seasoned = JacobiRequest.from_prompt([1, 2, 3], 4, 3, 2, yield_est=0.01, probe_every=4 * PROBE_EVERY)
     assert seasoned.window.rows == fresh.window.rows  # the window itself only depends on the prompt
     assert not any(seasoned.wants_window(0.5) for _ in range(2 * PROBE_EVERY))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_choose_windows_equals_asking_each_window_in_turn(data):
+    """The step's windows priced together send the same windows, in the same order, as
+    asking each one (``wants_window``) in turn, and leave the same probe bookkeeping and
+    the same step, bit for bit."""
+    import copy
+
+    from lookahead_lab.reference.planner import choose_windows as choose_windows_reference
+    from lookahead_vllm.core.budget import ForwardCost
+    from lookahead_vllm.core.jacobi import JacobiRequest, WindowStep, choose_windows
+
+    n = data.draw(st.integers(0, 40))
+    shape = data.draw(st.sampled_from([(3, 3), (4, 3), (5, 4)]))
+    windows = []
+    for i in range(n):
+        jac = JacobiRequest.from_prompt([i, i + 1], *shape, 2)
+        jac.yield_est = data.draw(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5]) | st.floats(0.0, 3.0))
+        jac.probe_every = data.draw(st.sampled_from([2, 4, 32]))
+        jac.steps_without = data.draw(st.integers(0, 5))
+        jac.probing = data.draw(st.booleans())
+        windows.append(jac)
+    fees = np.array([data.draw(st.sampled_from([0.0, 0.01]) | st.floats(0.0, 0.3)) for _ in range(n)])
+    cost = ForwardCost(data.draw(st.sampled_from([0, 4, 16, 64])), data.draw(st.sampled_from([4.0, 20.0, 64.0])),
+                       data.draw(st.sampled_from([0.0, 0.05])), data.draw(st.sampled_from([0.0, 0.1])))
+    step = WindowStep(data.draw(st.integers(1, 64)), data.draw(st.integers(0, 3)),
+                      data.draw(st.sampled_from([0.0, 0.04])), data.draw(st.sampled_from([0.0, 0.3])),
+                      data.draw(st.floats(1.0, 80.0)))
+    ref_windows, ref_step = copy.deepcopy(windows), copy.deepcopy(step)
+    sent = choose_windows(windows, fees, step, cost)
+    assert sent == choose_windows_reference(ref_windows, fees, ref_step, cost)
+    assert step == ref_step
+    assert ([(w.steps_without, w.probing) for w in windows]
+            == [(w.steps_without, w.probing) for w in ref_windows])
+
+
+def test_offers_with_windows_equal_each_offer_with_its_window():
+    """``TreeOffers.with_windows`` builds, from the offers' rows in one pass, the plans
+    ``with_lookahead`` gives offer by offer (tree, weights, confidences, flags)."""
+    from lookahead_vllm.core.tree_plan import TreeOffers
+
+    rng = np.random.default_rng(3)
+    count, width = 6, 9
+    lengths = np.array([0, 1, 4, 9, 2, 7])
+    parents = np.full((count, width), -1, np.int32)
+    for d, n in enumerate(lengths):
+        parents[d, :n] = [rng.integers(-1, i) for i in range(n)]
+    offers = TreeOffers(np.arange(count), rng.integers(0, 500, (count, width)).astype(np.int32), parents,
+                        rng.random((count, width)), np.zeros((count, width), np.int8), lengths,
+                        np.ones(count, bool))
+    ds = [5, 0, 3, 1]
+    windows = [JacobiWindow.from_prompt([d, 7, 8], 3 + d % 2, 3 + d % 3, seed=d) for d in ds]
+    plans = offers.with_windows(ds, windows)
+    assert plans == [StepPlan(*with_lookahead(offers.tree(d), w)) for d, w in zip(ds, windows)]
+    assert [p.num_nodes for p in plans] == [int(lengths[d]) + w.num_nodes for d, w in zip(ds, windows)]

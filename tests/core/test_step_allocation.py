@@ -40,3 +40,14 @@ def test_draft_pays_at_the_platform_prices():
     # Where it says a draft may pay, a certain one is kept.
     for cost, rows in ((gpu, 63), (cpu, 256)):
         assert sum(allocate_step_budget([[1.0] * 4] * rows, None, rows, cost)) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([0, 1, 5, 32]), st.floats(1.0, 700.0), st.floats(0.0, 0.2), st.floats(0.0, 0.5),
+       st.lists(st.tuples(st.integers(0, 400), st.integers(0, 9)), min_size=1, max_size=20))
+def test_cost_over_arrays_equals_the_cost_of_each_step(free, marginal, per_path, path_setup, steps):
+    """``ForwardCost.many`` gives what ``ForwardCost(...)`` gives step by step, bit for bit (the
+    Jacobi windows are chosen with it: jacobi.choose_windows)."""
+    cost = ForwardCost(free, marginal, per_path, path_setup)
+    tokens, paths = zip(*steps)
+    assert cost.many(list(tokens), list(paths)).tolist() == [cost(t, p) for t, p in steps]

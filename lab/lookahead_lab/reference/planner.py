@@ -3,14 +3,15 @@
 ``plan_trees``, ``match_trees`` and ``observe_trees``, with the extension's
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
-confidences bit for bit.
+confidences bit for bit; and the Python oracles of the batched Jacobi steps
+(``pool_rows``, ``choose_windows``, ``TreeOffers.with_windows``), one request at a time.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
-from lookahead_vllm.core.jacobi import POOL_CONFIDENCE
+from lookahead_vllm.core.jacobi import POOL_CONFIDENCE, JacobiRequest, JacobiWindow, WindowStep, lookahead_parents
 from lookahead_vllm.core.step_plan import accepted_path
 
 
@@ -253,6 +254,38 @@ def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
             tokens.append(int(token))
             confs.append(POOL_CONFIDENCE ** depth)
     return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
+
+
+def choose_windows(windows: Sequence[JacobiRequest], fees: Sequence[float], step: WindowStep,
+                   cost: Callable[[int, int], float]) -> list[int]:
+    """``lookahead_vllm.core.jacobi.choose_windows`` one window at a time: most
+    expected yield first, each asked :meth:`JacobiRequest.wants_window` with what it
+    must yield to pay for its nodes and column paths in the step as it stands."""
+    sent = []
+    for i in sorted(range(len(windows)), key=lambda i: -windows[i].yield_est):
+        w, cols = windows[i].window.num_nodes, windows[i].window.window
+        need = step.gain * ((cost(step.tokens + w, step.extra + cols) + step.setup + step.fees + fees[i])
+                            / (cost(step.tokens, step.extra) + step.fees) - 1.0)
+        if windows[i].wants_window(need):
+            sent.append(i)
+            step.tokens, step.extra, step.setup = step.tokens + w, step.extra + cols, 0.0
+            step.fees, step.gain = step.fees + fees[i], step.gain + windows[i].yield_est
+    return sent
+
+
+def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
+    """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
+    one plan of ``lookahead_vllm.core.tree_plan.TreeOffers.with_windows``."""
+    base = len(tree)
+    toks = tuple(window.tokens())
+    zeros = (0.0,) * len(toks)
+    combined = DraftTree(
+        tree.tokens + toks,
+        tree.parents + lookahead_parents(window.window, window.ngram, base),
+        tree.weights + zeros,
+        (tree.confidence or (1.0,) * base) + zeros,
+    )
+    return combined, (False,) * base + (True,) * len(toks)
 
 
 def merge_rows(lead, lead_context, trie, budgets, cut, pool=None) -> tuple[np.ndarray, ...]:
