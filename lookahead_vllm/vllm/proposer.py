@@ -638,12 +638,14 @@ class LookaheadProposer:
         opens = np.count_nonzero((offers.parents + 1 != cols) & kept, axis=1)
         rounds = int(opens[tree_ok].max(initial=0))
         tokens, cost = num_rows + int(offers.lengths.sum()), self.cost.at_rows(num_rows)
-        drafted = offers.lengths > 0
-        step = WindowStep(tokens, rounds, cost.draft_setup if tokens == num_rows else 0.0,
-                          float(entry[drafted].sum()), num_rows + float(np.where(kept, calibrated, 0.0).sum()))
+        # Paid where the cost model is on (cost_free_tokens 0: every window goes, as every draft does).
+        drafted, priced = offers.lengths > 0, bool(cost.free_tokens)
+        step = WindowStep(tokens, rounds, cost.draft_setup if priced and tokens == num_rows else 0.0,
+                          float(entry[drafted].sum()) if priced else 0.0,
+                          num_rows + float(np.where(kept, calibrated, 0.0).sum()))
         rows = [d for d, st in enumerate(states) if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
         windows = [states[d].jacobi for d in rows]
-        fees = np.where(drafted[rows], 0.0, entry[rows])
+        fees = np.where(drafted[rows] | (not priced), 0.0, entry[rows])
         chosen = choose_windows(windows, fees, step, cost)
         ds = [rows[i] for i in chosen]
         plans = dict(zip([req_ids[d] for d in ds], offers.with_windows(ds, [windows[i].window for i in chosen])))

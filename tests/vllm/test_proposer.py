@@ -235,6 +235,24 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert p.request_state("a") is None
 
 
+def test_with_the_cost_model_off_every_window_goes():
+    """cost_free_tokens 0 hands out every draft, Jacobi windows included: a window whose
+    yield estimate is far below what the draft setup and its row's context price would
+    ask of it still rides along on a row that drafted nothing else."""
+    from vllm import SamplingParams
+
+    from lookahead_vllm.core.jacobi import PROBE_EVERY
+
+    p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                      context_price=2.0)
+    p._window_prior = (0.001, PROBE_EVERY)  # what earlier requests saw: the window brought nothing
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    prompt = list(range(100, 140))  # no repeats: nothing to draft but the window
+    drafts = step(p, {"a": prompt}, {"a": len(prompt)})
+    assert p.plans["a"].lookahead == (True,) * 5 and len(drafts[0]) == 5
+    assert p.stats.jacobi_steps == 1
+
+
 def test_jacobi_state_rebuilt_identically_after_a_rewind():
     from vllm import SamplingParams
 
