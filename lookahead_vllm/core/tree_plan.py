@@ -86,7 +86,7 @@ class TreeOffers:
         """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
         return StepPlan(self.tree(d))
 
-    def with_windows(self, ds: list[int], windows: "Sequence[JacobiWindow]") -> list[StepPlan]:
+    def with_windows(self, ds: list[int], windows: Sequence[JacobiWindow]) -> list[StepPlan]:
         """Offers ``ds[i]``'s plans, each followed by ``windows[i]``'s lookahead nodes
         (reference: ``lookahead_lab.reference.planner.with_lookahead``, one offer at a
         time), read from the offers' rows in one pass."""
