@@ -19,7 +19,9 @@ the batch call, the CPU platform's default; ``thread``: on the index's own
 thread while the forward, here the flush and the batch's bookkeeping, runs,
 the GPU default) the milliseconds per engine step (median, p99, max), the
 milliseconds to admit one more prompt into the running batch (median and max
-of 5), and the drafter's memory estimate and process RSS.
+of 5), and the drafter's memory estimate and process RSS. ``--phases`` also
+times the step's phases call by call (:data:`PHASES`: booking, sync, drafting,
+planning, the Jacobi pool, windows and their tracking), median ms per call.
 
 Example::
 
@@ -70,6 +72,63 @@ def make_proposer(source: str, k: int, max_len: int, prices: str = "off", upkeep
         knobs["index_threads"] = index_threads
     settings = {"source": source, "draft_shape": draft_shape, "_profile": knobs, **costs}
     return standalone_proposer(k, max_len, settings)
+
+
+# A step's phases (--phases): name -> (what holds it, its attribute); "module" is the
+# proposer's module, whose ``plan_trees`` the step calls. "merge" (every source but the
+# index alone) runs "draft" inside it.
+PHASES = {
+    "book": ("proposer", "_book_trees"),
+    "sync": ("drafter", "sync"),
+    "draft": ("drafter", "draft_rows"),
+    "merge": ("drafter", "draft"),
+    "plan": ("module", "plan_trees"),
+    "pool": ("proposer", "_pool_rows"),
+    "windows": ("proposer", "_send_windows"),
+    "track": ("proposer", "_track_windows"),
+}
+
+
+class PhaseTimers:
+    """Times every call of the proposer's :data:`PHASES` (each call a few microseconds
+    dearer, the step's own figures too) until :meth:`restore`; ``medians()``: ms per call
+    of each phase that ran, since the last ``clear()``."""
+
+    def __init__(self, proposer: Any) -> None:
+        import lookahead_vllm.vllm.proposer as module
+
+        owners = {"proposer": proposer, "drafter": proposer.drafter, "module": module}
+        self.times: dict[str, list[float]] = {}
+        self._saved: list[tuple[Any, str, Any]] = []  # (target, attribute, the module's original or None)
+        for name, (owner, attr) in PHASES.items():
+            target, original = owners[owner], getattr(owners[owner], attr)
+            self._saved.append((target, attr, original if owner == "module" else None))
+            setattr(target, attr, self._timed(original, self.times.setdefault(name, [])))
+
+    @staticmethod
+    def _timed(original: Any, seconds: list[float]) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - start)
+        return timed
+
+    def clear(self) -> None:
+        for seconds in self.times.values():
+            seconds.clear()
+
+    def medians(self) -> dict[str, float]:
+        return {name: 1e3 * statistics.median(s) for name, s in self.times.items() if s}
+
+    def restore(self) -> None:
+        """Put every wrapped attribute back (the instances' own go; the module's original returns)."""
+        for target, attr, original in self._saved:
+            if original is not None:
+                setattr(target, attr, original)
+            else:
+                delattr(target, attr)
 
 
 def verifiable_requests(proposer: Any, req_ids: list[str]) -> None:
@@ -156,7 +215,7 @@ def text_tokens(prompt_tokens: int, k: int, steps: int) -> int:
 
 def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, text: np.ndarray,
              prices: str = "off", flush_mib: int = 0, upkeep: str = "inline", draft_shape: str = "one",
-             index_threads: int | None = None) -> dict[str, Any]:
+             index_threads: int | None = None, phases: bool = False) -> dict[str, Any]:
     max_len = text_tokens(prompt_tokens, k, steps)
     span = max_len
     rng = np.random.default_rng(0)
@@ -171,8 +230,16 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
-    admit_all = runner.step(proposer)  # the whole batch admitted at once
-    times = [runner.step(proposer) for _ in range(steps)]
+    timers = PhaseTimers(proposer) if phases else None
+    try:
+        admit_all = runner.step(proposer)  # the whole batch admitted at once
+        if timers is not None:
+            timers.clear()
+        times = [runner.step(proposer) for _ in range(steps)]
+        phase_ms = timers.medians() if timers is not None else {}
+    finally:
+        if timers is not None:
+            timers.restore()
     drafted, accepted = runner.drafted, runner.accepted  # the admissions below step this batch too
     # One more prompt joins the running batch, ADMISSIONS times, each in a
     # step between two plain ones: an admission's cost is its step's time
@@ -202,6 +269,7 @@ def run_cell(source: str, batch: int, prompt_tokens: int, steps: int, k: int, te
         "admit_ms_per_prompt_batch_start": 1e3 * admit_all / batch,
         "admit_ms_one_more_prompt": 1e3 * max(0.0, statistics.median(admits)),
         "admit_ms_one_more_prompt_max": 1e3 * max(0.0, max(admits)),
+        **({"phase_ms_median": phase_ms} if phases else {}),
         "drafter_bytes": proposer.drafter.memory_bytes(),
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -217,6 +285,10 @@ def repeated(run: Any, repeats: int) -> dict[str, Any]:
         cell[key] = statistics.median(r[key] for r in runs)
     for key in ("step_ms_max", "admit_ms_one_more_prompt_max", "max_rss_mib"):
         cell[key] = max(r[key] for r in runs)
+    if "phase_ms_median" in cell:
+        names = dict.fromkeys(name for r in runs for name in r["phase_ms_median"])
+        cell["phase_ms_median"] = {name: statistics.median(r["phase_ms_median"][name] for r in runs
+                                                           if name in r["phase_ms_median"]) for name in names}
     cell["repeats"] = repeats
     cell["runs"] = [{key: r[key] for key in ("step_ms_median", "step_ms_p99", "step_ms_max", "admit_ms_one_more_prompt")}
                     for r in runs]
@@ -270,6 +342,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="run each cell this many times, each with a fresh proposer (this machine's timings vary "
                         "by ~25%% from run to run): the cell reports the median of the runs' medians and p99s and "
                         "the largest max, with every run's figures")
+    p.add_argument("--phases", action="store_true",
+                   help="also time the step's phases call by call (booking, sync, drafting, planning, the Jacobi "
+                        "pool, windows and their tracking): median ms per call, in the cell (each call a few "
+                        "microseconds dearer, the step's figures too)")
     p.add_argument("--out", type=Path, default=RESULTS / "proposer_scale.json")
     args = p.parse_args(argv)
     for flag, values in (("--batch", args.batch), ("--prompt-tokens", args.prompt_tokens), ("--steps", [args.steps]),
@@ -296,13 +372,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for b in args.batch for t in args.prompt_tokens]
     for source, upkeep, threads, batch, tokens in grid:
         cell = repeated(lambda: run_cell(source, batch, tokens, args.steps, args.k, text, args.prices,
-                                         args.flush_mib, upkeep, args.draft_shape, threads), args.repeats)
+                                         args.flush_mib, upkeep, args.draft_shape, threads, args.phases),
+                        args.repeats)
         cells.append(cell)
         log(f"{source:19s} {args.draft_shape:4s} {upkeep:6s} {cell['index_threads']} thr {batch:4d} x {tokens:5d}: "
             f"step {cell['step_ms_median']:.2f} ms median, "
             f"{cell['step_ms_p99']:.2f} p99, {cell['step_ms_max']:.2f} max; admit one prompt "
             f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
-            f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB")
+            f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB"
+            + "".join(f"; {name} {ms:.3f}" for name, ms in cell.get("phase_ms_median", {}).items()))
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
         args.out.write_text(json.dumps(report, indent=1))
         plot(cells, args.out.with_suffix(".png"))

@@ -644,6 +644,28 @@ def test_bench_proposer_scale_drafts_trees(tmp_path):
     assert threaded[0]["accepted_per_request_step"] == threaded[1]["accepted_per_request_step"]
 
 
+@pytest.mark.vllm
+def test_bench_proposer_scale_times_the_steps_phases(tmp_path):
+    """``--phases``: each cell reports the median ms per call of the phases its source runs (the
+    Jacobi ones only with ``jacobi``), the drafts stay what they are without timers, and the
+    proposer module's ``plan_trees`` is itself again afterwards."""
+    import lookahead_vllm.vllm.proposer as module
+
+    bench = _import_bench("bench_proposer_scale")
+    plan_trees = module.plan_trees
+    argv = ["--batch", "4", "--prompt-tokens", "64", "--steps", "6", "--upkeep", "inline", "--sources", "index",
+            "index+jacobi", "--draft-shape", "hier"]
+    timed = bench.main([*argv, "--phases", "--out", str(tmp_path / "phases.json")])["cells"]
+    plain = bench.main([*argv, "--out", str(tmp_path / "plain.json")])["cells"]
+    assert module.plan_trees is plan_trees
+    index, jacobi = (c["phase_ms_median"] for c in timed)
+    assert set(index) == {"book", "sync", "draft", "plan"} and min(index.values()) > 0
+    assert {"merge", "pool", "windows", "track"} <= set(jacobi)
+    assert jacobi["merge"] >= jacobi["draft"]  # the merged sources' call drafts the index's rows inside it
+    assert "phase_ms_median" not in plain[0]
+    assert [c["draft_tokens_per_step"] for c in timed] == [c["draft_tokens_per_step"] for c in plain]
+
+
 def test_bench_proposer_scale_repeats_report_medians_and_the_largest_max():
     bench = _import_bench("bench_proposer_scale")
     figures = iter([(1.0, 2.0, 9.0), (3.0, 4.0, 5.0), (2.0, 3.0, 4.0)])
