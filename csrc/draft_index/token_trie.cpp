@@ -51,7 +51,10 @@ void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
     if (it == index.end()) {
       if (static_cast<int64_t>(self.size()) >= budget) continue;
       it = index.emplace(key, static_cast<int32_t>(self.size())).first;
-      self.push(other.tokens[j], at, other.conf[j], other.conf[j]);
+      // No more confident than its parent in the merged tree (a path is
+      // accepted no more often than its prefix).
+      const double conf = at < 0 ? other.conf[j] : std::min(other.conf[j], self.conf[at]);
+      self.push(other.tokens[j], at, conf, conf);
     }
     mapped[j] = it->second;
   }

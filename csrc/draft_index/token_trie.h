@@ -60,7 +60,8 @@ struct FlatTree {
 };
 
 // merged (lab reference planner.py): `self` plus `other`'s nodes (same root), shared prefixes
-// merged, at most `budget` nodes; new nodes weigh their confidence.
+// merged, at most `budget` nodes; new nodes weigh their confidence, at most
+// their merged parent's.
 void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget);
 
 // The context chain of one request (lab reference trie.py ContextIndex): its

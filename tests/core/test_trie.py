@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lookahead_lab.reference.planner import best_chain
@@ -226,6 +226,9 @@ def test_capacity_never_exceeded(program, capacity):
 
 @settings(max_examples=150, deadline=None)
 @given(ops, st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(1, 12), st.sampled_from(["hier", "par", "one"]))
+# A shorter match's branch merged under a longer match's node once kept its own, higher, path
+# confidence (0.4 under 0.25): merged nodes are capped at their parent's.
+@example(program=[("add", 0, [0, 1, 1, 1, 1, 1])], context=[0, 1], budget=3, shape="hier")
 def test_retrieved_paths_exist_and_budget_honoured(program, context, budget, shape):
     trie = make(max_match_length=3, trie_capacity=1 << 20)
     _, records = _run(trie, program)

@@ -148,7 +148,9 @@ def merged(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
     most ``budget`` nodes: ``tree``'s nodes keep their order and values;
     ``other``'s new nodes follow, parents first, with their confidence as
     weight, so they rank below ``tree``'s nodes (whose weights are counts
-    >= 1) in :func:`best_path`."""
+    >= 1) in :func:`best_path`. A new node's confidence is at most its
+    parent's in the merged tree (a path is accepted no more often than its
+    prefix, whichever source drafted each part)."""
     tokens, parents = list(tree.tokens), list(tree.parents)
     weights = list(tree.weights)
     confs = [tree.node_confidence(i) for i in range(len(tree))]
@@ -161,11 +163,12 @@ def merged(tree: DraftTree, other: DraftTree, budget: int) -> DraftTree:
         if key not in index:
             if len(tokens) >= budget:
                 continue
+            conf = other.node_confidence(j) if key[0] < 0 else min(other.node_confidence(j), confs[key[0]])
             index[key] = len(tokens)
             tokens.append(token)
             parents.append(key[0])
-            weights.append(other.node_confidence(j))
-            confs.append(other.node_confidence(j))
+            weights.append(conf)
+            confs.append(conf)
         mapped[j] = index[key]
     return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(confs))
 
