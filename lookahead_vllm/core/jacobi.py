@@ -247,10 +247,9 @@ def choose_windows(windows: Sequence[JacobiRequest], fees: np.ndarray, step: Win
     """Which of a step's ``windows`` go out, in the order they join it (indices into
     ``windows``): most expected yield first, each one sent when its yield pays for
     what its nodes and column paths add to the step (``fees[i]``: the entry it pays
-    too) given the windows sent before it, or when its probe is due; every window
-    gets :meth:`JacobiRequest.wants_window`'s bookkeeping, and ``step`` ends as the
-    step with them (reference: ``lookahead_lab.reference.planner.choose_windows``).
-    Every window has the same shape (one configuration), so the step's cost with
+    too) given the windows sent before it, or when its probe is due (each window asked
+    :meth:`JacobiRequest.wants_window` once), and ``step`` ends as the step with them
+    (reference: ``lookahead_lab.reference.planner.choose_windows``). Every window has the same shape (one configuration), so the step's cost with
     ``m`` windows is priced once for every ``m``, in one call."""
     n = len(windows)
     if not n:
@@ -263,13 +262,9 @@ def choose_windows(windows: Sequence[JacobiRequest], fees: np.ndarray, step: Win
     setup, paid, gain = step.setup, step.fees, step.gain
     for i in sorted(range(n), key=lambda i: -windows[i].yield_est):
         w, k = windows[i], len(sent)
-        pays = w.yield_est >= gain * ((costs[k + 1] + setup + paid + fee[i]) / (costs[k] + paid) - 1.0)
-        if pays or w.steps_without >= w.probe_every:
-            w.steps_without, w.probing = 0, not pays
+        if w.wants_window(gain * ((costs[k + 1] + setup + paid + fee[i]) / (costs[k] + paid) - 1.0)):
             sent.append(i)
             setup, paid, gain = 0.0, paid + fee[i], gain + w.yield_est
-        else:
-            w.steps_without += 1
     k = len(sent)
     step.tokens, step.extra, step.setup, step.fees, step.gain = (step.tokens + k * nodes, step.extra + k * cols,
                                                                  setup, paid, gain)
