@@ -80,7 +80,8 @@ class StepPlan:
         return vis
 
     def truncate(self, k: int) -> "StepPlan":
-        return StepPlan(self.tree.truncate(k), self.lookahead[:k])
+        """The first ``k`` nodes (this plan where it has no more)."""
+        return self if k >= len(self.tree) else StepPlan(self.tree.truncate(k), self.lookahead[:k])
 
 
 def walk_tree(plan: StepPlan, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:

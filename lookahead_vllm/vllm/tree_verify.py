@@ -60,8 +60,6 @@ class TreeRequest:
     # Index of the request's root among the step's flattened tokens.
     start: int
     plan: StepPlan
-    # [1 + k, 1 + k] bool: visibility among the plan's rows.
-    visible: torch.Tensor
     # False: only the leading chain is verified (history-dependent sampling).
     walk: bool
     sampling_params: Any
@@ -69,6 +67,11 @@ class TreeRequest:
     @property
     def num_rows(self) -> int:
         return 1 + self.plan.num_nodes
+
+    @property
+    def visible(self) -> torch.Tensor:
+        """``[1 + k, 1 + k]`` bool: visibility among the plan's rows (the mask paths need it)."""
+        return torch.from_numpy(self.plan.visibility())
 
 
 @dataclass(slots=True)
@@ -148,8 +151,10 @@ class TreeVerifier:
         plans: dict[str, StepPlan] = drafter.plans
         if not plans or not scheduler_output.scheduled_spec_decode_tokens:
             return
-        starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
+        starts = (np.cumsum(num_scheduled_tokens) - num_scheduled_tokens).tolist()
+        scheduled = num_scheduled_tokens.tolist()
         disabled = drafter.config.profile.debug_disable
+        row_of, states = runner.input_batch.req_id_to_index, runner.requests
         requests, truncated = [], 0
         for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
             plan = plans.get(req_id)
@@ -162,20 +167,16 @@ class TreeVerifier:
             if tuple(draft) != plan.tree.tokens:
                 self._plan_mismatch(req_id, draft, plan)
                 continue  # vLLM's own chain verification of the scheduled tokens: lossless
-            row = runner.input_batch.req_id_to_index[req_id]
-            if num_scheduled_tokens[row] != plan.num_nodes + 1:
+            row = row_of[req_id]
+            if scheduled[row] != plan.num_nodes + 1:
                 continue  # not a decode step of this request (cannot happen: prefill drafts are dropped)
-            sp = runner.requests[req_id].sampling_params
-            start = int(starts[row])
-            visible = torch.from_numpy(plan.visibility())
-            requests.append(TreeRequest(req_id, row, start, plan, visible, tree_verifiable(sp), sp))
-            if "positions" not in disabled:
-                offsets = torch.from_numpy(plan.position_offsets()).to(runner.positions.device)
-                rows = slice(start, start + plan.num_nodes + 1)
-                runner.positions[rows] = runner.positions[start] + offsets
+            sp = states[req_id].sampling_params
+            requests.append(TreeRequest(req_id, row, starts[row], plan, tree_verifiable(sp), sp))
         if truncated:
             drafter.on_tree_truncated(truncated)
         if requests:
+            if "positions" not in disabled:
+                _tree_positions(runner.positions, requests)
             self.current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
 
     def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
@@ -217,29 +218,53 @@ class TreeVerifier:
             out[rows] = tree_attention_dense(query[rows], k, v, req.visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-        """Replace tree requests' rejection-sampler rows by tree walks; compact KV."""
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
+        host work is a few batch transfers whatever the number of trees: one argmax over the
+        tree rows' logits read once, the chain-only rows read once, the walks' rows written once."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
+        reqs = step.requests
         cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
+        firsts = [cu_sampled[req.row] - req.num_rows for req in reqs]  # each tree's first logits row
+        lo, hi = min(firsts), max(cu_sampled[req.row] for req in reqs)
+        argmax = logits[lo:hi].argmax(dim=-1).tolist()  # every tree row's greedy target (one read)
         sampled = sampler_output.sampled_token_ids
+        chain_rows = [req.row for req in reqs if not req.walk]
+        stock = dict(zip(chain_rows, sampled[chain_rows].tolist())) if chain_rows else {}
+        out = np.full((len(reqs), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
         moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
         results = []
-        for req in step.requests:
-            first = cu_sampled[req.row] - req.num_rows
-            req_logits = logits[first : first + req.num_rows]
-            if req.walk:
-                nodes, tokens = walk_tree(req.plan, _target_fn(runner, req, req_logits))
+        for i, (req, first) in enumerate(zip(reqs, firsts)):
+            at = first - lo  # the request's rows in ``argmax``
+            if not req.walk:
+                nodes, tokens = _leading_chain_result(req, stock[req.row])
+            elif req.sampling_params.temperature < GREEDY_EPS:
+                nodes, tokens = walk_tree(req.plan, argmax[at:at + req.num_rows].__getitem__)
             else:
-                nodes, tokens = _leading_chain_result(req, sampled[req.row])
-            padded = tokens + [-1] * (sampled.shape[1] - len(tokens))  # [accepted..., bonus, -1...]
-            sampled[req.row] = torch.tensor(padded, dtype=sampled.dtype, device=sampled.device)
+                nodes, tokens = walk_tree(req.plan, _sampler(runner, req, logits[first:first + req.num_rows]))
+            out[i, :len(tokens)] = tokens
             moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-            window = _window_outputs(runner.drafter.config, req, req_logits) if req.plan.has_lookahead else None
+            window = _window_outputs(runner.drafter.config, req, argmax[at:at + req.num_rows]) \
+                if req.plan.has_lookahead else None
             results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
+        rows = torch.tensor([req.row for req in reqs], device=sampled.device)
+        sampled[rows] = torch.from_numpy(out).to(device=sampled.device, dtype=sampled.dtype)
         runner.drafter.on_tree_results(results)
         if moves and "compaction" not in step.disabled:
             _compact(step, moves)
+
+
+def _tree_positions(positions: torch.Tensor, requests: list[TreeRequest]) -> None:
+    """Give every tree request's rows their root's position plus their depth (RoPE sees each
+    node at its depth), in one indexed write for the whole step."""
+    offsets = [o for req in requests for o in (0, *req.plan.tree.depths)]
+    roots = [req.start for req in requests for _ in range(req.num_rows)]
+    counts = np.fromiter((req.num_rows for req in requests), np.int64, len(requests))
+    rows = np.asarray(roots, np.int64) + np.arange(len(roots)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = torch.from_numpy(np.stack([rows, np.asarray(roots, np.int64), np.asarray(offsets, np.int64)]))
+    index = index.to(positions.device)
+    positions[index[0]] = positions[index[1]] + index[2]
 
 
 # ---------------------------------------------------------------- attention
@@ -470,29 +495,27 @@ def check_supported(impl: Any) -> None:
 # ---------------------------------------------------------------- acceptance
 
 
-def _target_fn(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
+def _sampler(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
+    """A sampled request's target at a row, drawn when the walk reaches it."""
     sp = req.sampling_params
-    if sp.temperature < GREEDY_EPS:
-        targets = logits.argmax(dim=-1).tolist()
-        return targets.__getitem__
     generator = runner.input_batch.generators.get(req.row)
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
-def _window_outputs(cfg: Any, req: TreeRequest, logits: torch.Tensor) -> list[int] | None:
-    """The Jacobi window's new tokens (argmax at its last level); None when
-    the scheduler cut the window (it then stays as it is)."""
+def _window_outputs(cfg: Any, req: TreeRequest, argmax: list[int]) -> list[int] | None:
+    """The Jacobi window's new tokens (``argmax``: the request's rows' greedy targets, at its last
+    level); None when the scheduler cut the window (it then stays as it is)."""
     plan = req.plan
     base = plan.lookahead.index(True)
     if plan.num_nodes - base != cfg.lookahead_nodes:
         return None
-    rows = [0 if n < 0 else 1 + base + n for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]
-    return logits[rows].argmax(dim=-1).tolist()
+    return [argmax[0 if n < 0 else 1 + base + n]
+            for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]
 
 
-def _leading_chain_result(req: TreeRequest, chain_row: torch.Tensor) -> tuple[list[int], list[int]]:
+def _leading_chain_result(req: TreeRequest, chain_row: list[int]) -> tuple[list[int], list[int]]:
     """The stock chain result cut to the plan's leading chain (its rows are exact)."""
-    tokens = [t for t in chain_row.tolist() if t >= 0]
+    tokens = [t for t in chain_row if t >= 0]
     keep = min(len(tokens) - 1, req.plan.chain_prefix_length())
     return list(range(keep)), tokens[: keep + 1]
 

@@ -102,7 +102,7 @@ def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
     cache = FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
     start, context = 2, 40  # two rows of another request come first in the step
     table, seq_len = torch.tensor([[3, 1]], dtype=torch.int32), context + plan.num_nodes + 1
-    req = tree_verify.TreeRequest("a", 0, start, plan, torch.from_numpy(plan.visibility()), True, None)
+    req = tree_verify.TreeRequest("a", 0, start, plan, True, None)
     step = tree_verify.TreeStep([req], start + req.num_rows, frozenset())
     query = torch.randn(start + req.num_rows, H, D, generator=gen)
     out = torch.full_like(query, 7.0)  # what the stock kernel wrote
@@ -179,7 +179,7 @@ def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
     key, value, query = (torch.randn(start + n, H, D, generator=gen) for _ in range(3))
     impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)  # the stock step wrote every row
     before = kv_cache.clone()
-    req = tree_verify.TreeRequest("a", 0, start, plan, torch.from_numpy(plan.visibility()), True, None)
+    req = tree_verify.TreeRequest("a", 0, start, plan, True, None)
     step = tree_verify.TreeStep([req], start + n, frozenset())
     step.slot_mapping = slot_mapping
     meta = Meta(start + n, n, torch.tensor([0, start, start + n], dtype=torch.int32), seq_len,
