@@ -126,6 +126,7 @@ class Cell:
     spec: dict[str, dict[str, float]] = field(default_factory=dict)
     other_cpu_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    open_loop: bool = False  # requests sent at arrival times, not as others finish
 
 
 def free_port() -> int:
@@ -292,7 +293,7 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
     """Waves of ``c * depth`` prompts, at most ``c`` requests in flight, or (``rate`` requests a
     second) sent at Poisson arrival times, the same for every method; every method runs each wave
     (``max_tokens``: one cap, or one per prompt)."""
-    cell = Cell()
+    cell = Cell(open_loop=rate is not None)
     roots = [os.getpid()] + [s.proc.pid for s in servers]
     spec_before = {s.name: spec_counters(s) for s in servers}
     start = time.perf_counter()
@@ -387,12 +388,30 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
             "requests": len(cell.latency[name]),
             "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
             **acceptance(cell.spec.get(name, {})),
+            # How many of a wave's refills went out together (closed loop: 1.0 each alone, c in lockstep).
+            "refills_sent_together": None if cell.open_loop else refills_sent_together(cell.sent.get(name, []), c, size),
             # Request by request in prompt order (what a tail is made of): rounded to the millisecond.
             "per_request": {"latency_s": _ms(cell.latency[name]), "ttft_s": _ms(cell.ttft[name]),
                             "sent_s": _ms(cell.sent.get(name, [])), "tokens": cell.request_tokens.get(name, [])},
         }
     against_plain_sync(out)
     return out
+
+
+def refills_sent_together(sent: list[float], c: int, size: int, within: float = 0.1) -> float | None:
+    """Per wave (``size`` requests, sent ``sent`` seconds after its start, at most ``c`` in
+    flight), the requests sent after the first ``c`` are refills, each sent when one before it
+    finished; the mean, over refills, of how many of the wave's refills were sent within
+    ``within`` seconds of it (itself included). Plain decoding of equal-length answers finishes
+    its requests together, so their refills go out, and their prompts are prefilled, together:
+    its TTFT then holds the batched prefills and its decodes run between them, while a drafting
+    method's requests finish apart and its refills' prefills land inside the others' decodes.
+    None: no refills (waves of at most ``c``)."""
+    counts = []
+    for lo in range(0, len(sent), size):
+        refills = sorted(sent[lo:lo + size])[c:]
+        counts += [sum(abs(t - u) < within for u in refills) for t in refills]
+    return statistics.mean(counts) if counts else None
 
 
 def _ms(values: list[float]) -> list[float]:
@@ -437,6 +456,10 @@ def print_table(cells: list[dict[str, Any]]) -> None:
             if "vs_plain_sync" in m:
                 r = m["vs_plain_sync"]
                 print(f"  {name} over plain-sync: {r['geomean']:.3f}x {_interval(r['ci95'])}")
+        together = {name: m["refills_sent_together"] for name, m in cell["methods"].items()
+                    if m.get("refills_sent_together") is not None}
+        if together:
+            print("  refills sent together: " + ", ".join(f"{name} {v:.2f}" for name, v in together.items()))
         print(f"  noise: other processes used {cell['other_cpu_s']:.1f} CPU s over {cell['wall_s']:.1f} s "
               f"({cell['other_cores_busy']:.2f} cores busy)")
 

@@ -866,6 +866,16 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
     assert wide_low < 0.9 and wide_high > 1.1  # single waves swinging 20% make a wide interval
 
 
+def test_bench_serve_tells_refills_in_lockstep_from_refills_apart():
+    """Closed loop, c=2, waves of 5: the first 2 of a wave go out at its start, the rest as others finish."""
+    together = _import_bench("bench_serve").refills_sent_together
+    lockstep = [0.0, 0.0, 3.00, 3.02, 6.0] * 2  # the two first finish together: their refills go out together
+    apart = [0.0, 0.0, 2.0, 3.5, 5.0] * 2
+    assert together(lockstep, 2, 5) == pytest.approx((2 + 2 + 1) / 3)
+    assert together(apart, 2, 5) == 1.0
+    assert together([0.0, 0.0], 2, 2) is None  # no refills
+
+
 def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     """The README's load curve: a concurrency's paired waves from several runs pooled into one interval."""
     import math
