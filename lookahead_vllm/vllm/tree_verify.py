@@ -420,22 +420,26 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     seq_lens = metadata.seq_lens.tolist()
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
+    # Each round's slots and block-table rows are gathered in one indexed read (not a slice a request).
+    slot_mapping, block_table = step.slot_mapping, metadata.block_table
     for j in range(max(len(p) for p in per_request)):
-        kv0, q0, slots, qsl, lens, tables = len(all_kv), len(all_q), [], [0], [], []
+        kv0, q0, slot_rows, qsl, lens, table_rows = len(all_kv), len(all_q), [], [0], [], []
         for req, paths in zip(step.requests, per_request):
             if j >= len(paths):
                 continue
             path, tail = paths[j]
             all_kv += [req.start + r for r in path]
-            restore.update(req.start + i for i in range(len(path)))
-            slots.append(step.slot_mapping[req.start : req.start + len(path)])
+            borrowed = range(req.start, req.start + len(path))  # the slots of the request's first rows
+            restore.update(borrowed)
+            slot_rows += borrowed
             all_q += [req.start + r for r in path[-tail:]]
             qsl.append(qsl[-1] + tail)
             lens.append(seq_lens[req.row] - req.num_rows + len(path))
-            tables.append(metadata.block_table[req.row])
+            table_rows.append(req.row)
         rounds.append(PathRound(
-            slice(kv0, len(all_kv)), torch.cat(slots), slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32), torch.stack(tables),
+            slice(kv0, len(all_kv)), slot_mapping[torch.tensor(slot_rows, device=slot_mapping.device)],
+            slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+            block_table[torch.tensor(table_rows, device=block_table.device)],
         ))
     restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
     step.path_plan = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
