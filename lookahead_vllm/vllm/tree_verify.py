@@ -450,18 +450,27 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
 def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
     """Root-to-leaf paths (rows, root = 0) still needing attention after the stock causal call
     (which got the root and the leading chain right), each with how many trailing rows are new:
-    every other row is computed once, on the first path through it."""
-    kids = plan.tree.children()
-    done = set(range(plan.chain_prefix_length() + 1))
+    every other row is computed once, on the first path through it. A row's ancestors are
+    computed before it (the leading chain, or an earlier path through them), so a path's new rows
+    are its last ones: walk up from the leaf until a computed row."""
+    parents = plan.tree.parents
+    done = [True] * (plan.chain_prefix_length() + 1) + [False] * (len(parents) - plan.chain_prefix_length())
+    inner = set(parents)
     out = []
-    for leaf in (i for i in range(plan.num_nodes) if not kids[i]):
-        path = [0] + [n + 1 for n in plan.tree.path_to(leaf)]
-        tail = sum(1 for r in path if r not in done)
-        if tail:
-            # DFS order: a path's new rows are its last ones.
-            assert all(r not in done for r in path[-tail:])
-            out.append((path, tail))
-            done.update(path)
+    for leaf in range(len(parents)):
+        if leaf in inner:
+            continue
+        new, node = [], leaf
+        while node >= 0 and not done[node + 1]:
+            new.append(node + 1)
+            done[node + 1] = True
+            node = parents[node]
+        if new:
+            known = [0]
+            while node >= 0:
+                known.append(node + 1)
+                node = parents[node]
+            out.append((known[:1] + known[:0:-1] + new[::-1], len(new)))
     return out
 
 

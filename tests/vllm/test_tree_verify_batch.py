@@ -149,3 +149,36 @@ def test_reference_sees_a_wrong_position():
     runner.drafter.config.profile.debug_disable = ("positions", "compaction")
     verifier.begin_step(runner, sched, num_tokens)
     assert not torch.equal(runner.positions, positions)
+
+
+def _uncovered_paths_reference(plan: StepPlan) -> list[tuple[list[int], int]]:
+    """Leaf by leaf, the whole path, its rows not computed yet counted (the rows done: the leading chain,
+    then every path's rows)."""
+    kids = plan.tree.children()
+    done = set(range(plan.chain_prefix_length() + 1))
+    out = []
+    for leaf in (i for i in range(plan.num_nodes) if not kids[i]):
+        path = [0] + [n + 1 for n in plan.tree.path_to(leaf)]
+        tail = sum(1 for r in path if r not in done)
+        if tail:
+            assert all(r not in done for r in path[-tail:])
+            out.append((path, tail))
+            done.update(path)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_uncovered_paths_equal_the_leaf_by_leaf_reference(seed):
+    """The path rounds' paths (walked up from each leaf to the first computed row) against whole paths
+    counted leaf by leaf: random parent-first trees, with and without a Jacobi window, truncated."""
+    from lookahead_vllm.vllm.tree_verify import _uncovered_paths
+
+    rng = np.random.default_rng(seed)
+    plan = _random_plan(rng, 50, window=bool(seed % 2))
+    if seed % 3 == 0:  # any parent-first tree, not only the shapes above
+        n = int(rng.integers(1, 20))
+        parents = tuple(int(rng.integers(-1, i)) for i in range(n))
+        plan = StepPlan(DraftTree(tuple(range(n)), parents, (1.0,) * n))
+    for k in (plan.num_nodes, max(1, plan.num_nodes - 3)):
+        cut = plan.truncate(k)
+        assert _uncovered_paths(cut) == _uncovered_paths_reference(cut)
