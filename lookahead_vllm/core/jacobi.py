@@ -249,8 +249,9 @@ def choose_windows(windows: Sequence[JacobiRequest], fees: np.ndarray, step: Win
     what its nodes and column paths add to the step (``fees[i]``: the entry it pays
     too) given the windows sent before it, or when its probe is due (each window asked
     :meth:`JacobiRequest.wants_window` once), and ``step`` ends as the step with them
-    (reference: ``lookahead_lab.reference.planner.choose_windows``). Every window has the same shape (one configuration), so the step's cost with
-    ``m`` windows is priced once for every ``m``, in one call."""
+    (reference: ``lookahead_lab.reference.planner.choose_windows``). Every window has
+    the same shape (one configuration), so the step's cost with ``m`` windows is
+    priced once for every ``m``, in one call."""
     n = len(windows)
     if not n:
         return []

@@ -63,6 +63,8 @@ class TreeRequest:
     # False: only the leading chain is verified (history-dependent sampling).
     walk: bool
     sampling_params: Any
+    # Built on first use by a mask path (every layer of the step reads the same one).
+    _visible: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -71,7 +73,9 @@ class TreeRequest:
     @property
     def visible(self) -> torch.Tensor:
         """``[1 + k, 1 + k]`` bool: visibility among the plan's rows (the mask paths need it)."""
-        return torch.from_numpy(self.plan.visibility())
+        if self._visible is None:
+            self._visible = torch.from_numpy(self.plan.visibility())
+        return self._visible
 
 
 @dataclass(slots=True)
@@ -258,12 +262,12 @@ class TreeVerifier:
 def _tree_positions(positions: torch.Tensor, requests: list[TreeRequest]) -> None:
     """Give every tree request's rows their root's position plus their depth (RoPE sees each
     node at its depth), in one indexed write for the whole step."""
-    offsets = [o for req in requests for o in (0, *req.plan.tree.depths)]
-    roots = [req.start for req in requests for _ in range(req.num_rows)]
+    offsets = np.fromiter((o for req in requests for o in (0, *req.plan.tree.depths)), np.int64)
     counts = np.fromiter((req.num_rows for req in requests), np.int64, len(requests))
-    rows = np.asarray(roots, np.int64) + np.arange(len(roots)) - np.repeat(np.cumsum(counts) - counts, counts)
-    index = torch.from_numpy(np.stack([rows, np.asarray(roots, np.int64), np.asarray(offsets, np.int64)]))
-    index = index.to(positions.device)
+    roots = np.repeat(np.fromiter((req.start for req in requests), np.int64, len(requests)), counts)
+    # A row's place in its tree: its index in the step's tree rows less its tree's first.
+    rows = roots + np.arange(len(roots)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = torch.from_numpy(np.stack([rows, roots, offsets])).to(positions.device)
     positions[index[0]] = positions[index[1]] + index[2]
 
 
