@@ -20,9 +20,10 @@ the proposer then:
    the prefix of the merged draft-order heads that maximises the expected
    tokens per forward, a node that opens an attention path priced as such,
    a drafted step's setup once (core/budget.py);
-3. keeps what it handed out as the next :class:`TreeOffers`, from which
-   tree verification's :class:`StepPlan` of each row that carries a tree is
-   built when asked (:meth:`TreeOffers.plan`).
+3. keeps what it handed out as the next :class:`StepDrafts` (the offers, with
+   the Jacobi windows that ride on them), from which tree verification's
+   :class:`StepPlan` of each row that carries a tree is built when asked
+   (:meth:`StepDrafts.plan`).
 
 Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw
 confidences ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with
@@ -53,7 +54,6 @@ from lookahead_vllm.core.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
-    from lookahead_vllm.core.jacobi import JacobiWindow
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,21 +86,17 @@ class TreeOffers:
         """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
         return StepPlan(self.tree(d))
 
-    def with_windows(self, ds: list[int], windows: Sequence[JacobiWindow]) -> list[StepPlan]:
-        """Offers ``ds[i]``'s plans, each followed by ``windows[i]``'s lookahead nodes
-        (reference: ``lookahead_lab.reference.planner.with_lookahead``, one offer at a
-        time), read from the offers' rows in one pass."""
-        lengths = self.lengths[ds].tolist()
-        plans = []
-        for n, tokens, parents, raw, window in zip(lengths, self.tokens[ds].tolist(), self.parents[ds].tolist(),
-                                                   self.raw[ds].tolist(), windows):
-            ahead = tuple(window.tokens())
-            zeros, conf = (0.0,) * len(ahead), tuple(raw[:n])
-            tree = DraftTree(tuple(tokens[:n]) + ahead, tuple(parents[:n]) + lookahead_parents(window.window,
-                                                                                             window.ngram, n),
-                             tuple([INDEX_WEIGHT * c for c in conf]) + zeros, conf + zeros)
-            plans.append(StepPlan(tree, (False,) * n + (True,) * len(ahead)))
-        return plans
+    def plan_with_window(self, d: int, ahead: Sequence[int], window: int, ngram: int) -> StepPlan:
+        """Offer ``d``'s plan followed by a Jacobi window's lookahead nodes (``ahead``: its tokens
+        in plan order, ``window`` columns, ``ngram``; reference:
+        ``lookahead_lab.reference.planner.with_lookahead``)."""
+        n = int(self.lengths[d])
+        conf = tuple(self.raw[d, :n].tolist())
+        zeros = (0.0,) * len(ahead)
+        tree = DraftTree(tuple(self.tokens[d, :n].tolist()) + tuple(ahead),
+                         tuple(self.parents[d, :n].tolist()) + lookahead_parents(window, ngram, n),
+                         tuple([INDEX_WEIGHT * c for c in conf]) + zeros, conf + zeros)
+        return StepPlan(tree, (False,) * n + (True,) * len(ahead))
 
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,6 +116,39 @@ class TreeOffers:
         calibrator.observe_trees(self.raw, self.kinds, hits, at, verified)
         return (int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT])),
                 int(np.count_nonzero(hits[self.kinds == KIND_POOL])))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepDrafts:
+    """What one step handed out, as tree verification reads it in the next (the proposer's
+    only hand-over to ``tree_verify``): the planner's offers (booked against what the rows
+    emit), the offer row of each request that verifies a plan other than a chain, and the
+    Jacobi windows riding on offer rows (offer row -> the window's lookahead tokens in plan
+    order; one shape for every window: ``window`` columns, ``ngram``). A request's
+    :class:`StepPlan` is built when asked (:meth:`plan`), from the offers' arrays."""
+
+    offers: TreeOffers
+    rows: dict[str, int]
+    windows: dict[int, tuple[int, ...]]
+    window: int = 0
+    ngram: int = 0
+
+    @classmethod
+    def none(cls) -> "StepDrafts":
+        return cls(TreeOffers.none(), {}, {})
+
+    def plan(self, req_id: str) -> StepPlan | None:
+        """The request's plan (None: it verifies a chain, or drafted nothing this step)."""
+        d = self.rows.get(req_id)
+        if d is None:
+            return None
+        ahead = self.windows.get(d)
+        return self.offers.plan(d) if ahead is None else self.offers.plan_with_window(d, ahead, self.window,
+                                                                                      self.ngram)
+
+    def plans(self) -> dict[str, StepPlan]:
+        """Every request's plan (tests and tools; tree verification asks request by request)."""
+        return {req_id: self.plan(req_id) for req_id in self.rows}
 
 
 def plan_trees(

@@ -6,7 +6,9 @@ to steps in which vLLM skipped drafting, and re-indexes rewound requests), one
 ``Drafter.draft`` and one ``plan_trees`` call for the whole batch, then the
 Jacobi windows that pay (docs/how-it-works.md, "The drafting pipeline"). vLLM
 gets each row's best chain (``draft_shape="one"``) or its whole tree flattened
-parent-first, whose :class:`StepPlan` ``tree_verify`` reads back.
+parent-first; what a step handed out is one :class:`StepDrafts`
+(``handed_out``), from which ``tree_verify`` reads each tree's plan and the
+next step books the drafts.
 
 A request's drafting state is one :class:`RequestState`, dropped in one place
 (``finish``); a rewind (preemption) keeps its options. The proposer checks
@@ -36,8 +38,7 @@ from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.jacobi import (PROBE_EVERY, YIELD_PRIOR, JacobiRequest, WindowStep, choose_windows,
                                         pool_rows)
-from lookahead_vllm.core.step_plan import StepPlan
-from lookahead_vllm.core.tree_plan import TreeOffers, plan_trees
+from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
 from lookahead_vllm.vllm.tree_verify import TreeVerifier
@@ -321,15 +322,6 @@ class LookaheadProposer:
         return self._states.get(req_id)
 
     @property
-    def plans(self) -> dict[str, StepPlan]:
-        """This step's tree plans by request id (read by tree_verify)."""
-        if self._tree_plans is None:
-            offers, (req_ids, rows) = self._trees, self._tree_rows
-            self._tree_plans = {req_ids[rows[d]]: offers.plan(d) for d in np.flatnonzero(offers.trees).tolist()}
-            self._tree_plans.update(self._window_plans)
-        return {r: plan for r, plan in self._tree_plans.items() if r in self._states}
-
-    @property
     def trie(self) -> Any:
         """The Drafter's trie (sources with "trie"), else None."""
         return self.drafter.trie
@@ -364,14 +356,9 @@ class LookaheadProposer:
         # a workload where the window does not pay stops probing it anew for
         # every request.
         self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
-        # The drafts handed out last step; this step's request ids by row and the rows
-        # of the offers (offer d is request ids[rows[d]]); the plans built
-        # from the offers (tree_verify asks once per step: ``plans``).
-        self._trees = TreeOffers.none()
-        self._tree_rows: tuple[list[str], list[int]] = ([], [])
-        self._tree_plans: dict[str, StepPlan] | None = None
-        # This step's Jacobi windows' plans by request id (they replace the offers' plans).
-        self._window_plans: dict[str, StepPlan] = {}
+        # The drafts handed out last step, as tree verification reads them and the next step
+        # books them (core/tree_plan.py).
+        self.handed_out = StepDrafts.none()
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving: they join the
@@ -493,16 +480,18 @@ class LookaheadProposer:
                                                            floor, tree_ok, token_ids_cpu, rows, num_tokens)
         cost = self.cost.at_rows(len(rows))
         entry = cost.entry(num_tokens[drafting]) if cost.per_context else None
-        self._trees, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                                     self._step_budget(len(rows)), len(rows), cost,
-                                                     slots[drafting], rows[drafting], num_out, kinds, entry)
-        self._tree_rows, self._tree_plans = (req_ids, picked), None
+        offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
+                                                self._step_budget(len(rows)), len(rows), cost,
+                                                slots[drafting], rows[drafting], num_out, kinds, entry)
         if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
             self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
-        if self.config.uses_jacobi:
-            self._window_plans = self._send_windows(drafts, calibrated, tree_ok, [req_ids[j] for j in picked],
-                                                    [states[j] for j in picked], rows[drafting], len(rows),
-                                                    np.zeros(len(picked)) if entry is None else entry)
+        windows = (self._send_windows(offers, drafts, calibrated, tree_ok, [states[j] for j in picked],
+                                      rows[drafting], len(rows), np.zeros(len(picked)) if entry is None else entry)
+                   if self.config.uses_jacobi else {})
+        planned = np.flatnonzero(offers.trees).tolist() + list(windows)
+        p = self.config.profile
+        self.handed_out = StepDrafts(offers, {req_ids[picked[d]]: d for d in planned}, windows, p.jacobi_window,
+                                     p.jacobi_ngram)
         return drafts, len(rows), skipped, load_budget
 
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
@@ -589,7 +578,7 @@ class LookaheadProposer:
         emitted (``emitted[i]``: the accepted tokens, then the bonus), cut to
         what the scheduler verified of them: context and pool tokens accepted
         and the calibrator's evidence (core/tree_plan.py)."""
-        offers = self._trees
+        offers = self.handed_out.offers
         if not len(offers.slots):
             return
         verified = np.fromiter(map(len, map(self._scheduled.get, req_ids, repeat((), len(req_ids)))), np.int64,
@@ -620,18 +609,17 @@ class LookaheadProposer:
                 st.jacobi.x0 = -1  # set again by _pool_rows for the rows that draft this step
             st.length = n
 
-    def _send_windows(self, drafts: list[list[int]], calibrated: np.ndarray, tree_ok: np.ndarray,
-                      req_ids: list[str], states: list[RequestState], out_rows: np.ndarray, num_rows: int,
-                      entry: np.ndarray) -> dict[str, StepPlan]:
+    def _send_windows(self, offers: TreeOffers, drafts: list[list[int]], calibrated: np.ndarray,
+                      tree_ok: np.ndarray, states: list[RequestState], out_rows: np.ndarray, num_rows: int,
+                      entry: np.ndarray) -> dict[int, tuple[int, ...]]:
         """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
-        changed in place); returns their plans. The step scores ``tokens`` tokens and is expected
-        to emit ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens
-        and its W column paths cost at the step's rate (``jacobi.choose_windows``, the step's
-        windows priced together); ``extra`` starts at the trees' own path ``rounds``. The first
-        draft of a step also pays the draft setup, and a window on a row that kept no node its
-        row's ``entry``."""
-        offers = self._trees
+        changed in place); returns their lookahead tokens by offer row. The step scores ``tokens``
+        tokens and is expected to emit ``gain``; a window of ``w`` nodes must be expected to add
+        more accepted tokens than ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
+        what its extra tokens and its W column paths cost at the step's rate
+        (``jacobi.choose_windows``, the step's windows priced together); ``extra`` starts at the
+        trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a
+        window on a row that kept no node its row's ``entry``."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
@@ -647,13 +635,12 @@ class LookaheadProposer:
         windows = [states[d].jacobi for d in rows]
         fees = np.where(drafted[rows] | (not priced), 0.0, entry[rows])
         chosen = choose_windows(windows, fees, step, cost)
-        ds = [rows[i] for i in chosen]
-        plans = dict(zip([req_ids[d] for d in ds], offers.with_windows(ds, [windows[i].window for i in chosen])))
-        for d, plan in zip(ds, plans.values()):
-            drafts[int(out_rows[d])] = list(plan.tree.tokens)
+        sent = {rows[i]: tuple(windows[i].window.tokens()) for i in chosen}
+        for d, ahead in sent.items():  # the offer's kept nodes, then the window's
+            drafts[int(out_rows[d])] = offers.tokens[d, :offers.lengths[d]].tolist() + list(ahead)
         self.stats.jacobi_steps += len(chosen)
-        self.stats.jacobi_nodes += sum(windows[i].window.num_nodes for i in chosen)
-        return plans
+        self.stats.jacobi_nodes += sum(map(len, sent.values()))
+        return sent
 
     def _read_memory_gauges(self) -> None:
         """The drafter's size (the estimate walks every held sequence). Read

@@ -130,8 +130,9 @@ class TreeVerifier:
     """Tree verification's state in one worker; one per proposer (``LookaheadProposer.verifier``).
 
     The runner patches reach it through ``runner.drafter``, the attention wrapper through
-    the layer impls (:data:`IMPL_ATTR`). It verifies the proposer's ``plans`` and hands
-    back one :class:`TreeResult` per verified tree.
+    the layer impls (:data:`IMPL_ATTR`). It verifies the plans of the proposer's
+    ``handed_out`` (``core/tree_plan.StepDrafts``) and hands back one :class:`TreeResult`
+    per verified tree.
     """
 
     def __init__(self) -> None:
@@ -152,8 +153,8 @@ class TreeVerifier:
         self.current = None
         self.runner_requests = runner.requests  # the same dict for the runner's lifetime
         drafter = runner.drafter
-        plans: dict[str, StepPlan] = drafter.plans
-        if not plans or not scheduler_output.scheduled_spec_decode_tokens:
+        handed_out = drafter.handed_out
+        if not handed_out.rows or not scheduler_output.scheduled_spec_decode_tokens:
             return
         starts = (np.cumsum(num_scheduled_tokens) - num_scheduled_tokens).tolist()
         scheduled = num_scheduled_tokens.tolist()
@@ -161,8 +162,8 @@ class TreeVerifier:
         row_of, states = runner.input_batch.req_id_to_index, runner.requests
         requests, truncated = [], 0
         for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
-            plan = plans.get(req_id)
-            if plan is None or not draft:
+            plan = handed_out.plan(req_id) if draft else None
+            if plan is None:
                 continue
             truncated += len(draft) < plan.num_nodes  # the scheduler's token budget cut the tree
             plan = plan.truncate(len(draft))

@@ -255,10 +255,11 @@ def test_choose_windows_equals_asking_each_window_in_turn(data):
             == [(w.steps_without, w.probing) for w in ref_windows])
 
 
-def test_offers_with_windows_equal_each_offer_with_its_window():
-    """``TreeOffers.with_windows`` builds, from the offers' rows in one pass, the plans
-    ``with_lookahead`` gives offer by offer (tree, weights, confidences, flags)."""
-    from lookahead_vllm.core.tree_plan import TreeOffers
+def test_step_drafts_plans_equal_each_offer_with_its_window():
+    """``StepDrafts.plan`` builds a window row's plan from the offers' arrays and the window's
+    tokens as ``with_lookahead`` does from the offer's tree (tree, weights, confidences, flags);
+    a row without a window gets the offer's own plan, a request without a row none."""
+    from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers
 
     rng = np.random.default_rng(3)
     count, width = 6, 9
@@ -269,8 +270,14 @@ def test_offers_with_windows_equal_each_offer_with_its_window():
     offers = TreeOffers(np.arange(count), rng.integers(0, 500, (count, width)).astype(np.int32), parents,
                         rng.random((count, width)), np.zeros((count, width), np.int8), lengths,
                         np.ones(count, bool))
-    ds = [5, 0, 3, 1]
-    windows = [JacobiWindow.from_prompt([d, 7, 8], 3 + d % 2, 3 + d % 3, seed=d) for d in ds]
-    plans = offers.with_windows(ds, windows)
-    assert plans == [StepPlan(*with_lookahead(offers.tree(d), w)) for d, w in zip(ds, windows)]
-    assert [p.num_nodes for p in plans] == [int(lengths[d]) + w.num_nodes for d, w in zip(ds, windows)]
+    for shape in ((3, 3), (4, 4), (5, 2)):
+        ds = [5, 0, 3, 1]
+        windows = {d: JacobiWindow.from_prompt([d, 7, 8], *shape, seed=d) for d in ds}
+        handed = StepDrafts(offers, {f"r{d}": d for d in [*ds, 2]},
+                            {d: tuple(w.tokens()) for d, w in windows.items()}, *shape)
+        for d, w in windows.items():
+            plan = handed.plan(f"r{d}")
+            assert plan == StepPlan(*with_lookahead(offers.tree(d), w))
+            assert plan.num_nodes == int(lengths[d]) + w.num_nodes
+        assert handed.plan("r2") == offers.plan(2) and not handed.plan("r2").has_lookahead
+        assert handed.plan("r4") is None and set(handed.plans()) == {"r5", "r0", "r3", "r1", "r2"}

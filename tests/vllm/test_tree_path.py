@@ -67,7 +67,7 @@ class TreeWorkload(Workload):
 def _plans(p, drafted: set[str]) -> dict:
     """The plans of the requests that drafted this step (tree_verify reads
     plans of scheduled drafts only)."""
-    return {r: (plan.tree, plan.lookahead) for r, plan in p.plans.items() if r in drafted}
+    return {r: (plan.tree, plan.lookahead) for r, plan in p.handed_out.plans().items() if r in drafted}
 
 
 def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
@@ -90,7 +90,7 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
         drafted = {r for r, draft in zip(batch.req_ids, outs[0]) if draft}
         plans = _plans(a, drafted)
         assert plans == _plans(b, drafted)
-        work.drafts, work.plans = dict(zip(batch.req_ids, outs[0])), a.plans
+        work.drafts, work.plans = dict(zip(batch.req_ids, outs[0])), a.handed_out.plans()
         handed += sum(map(len, outs[0]))
         planned += len(plans)
         for name in ("predicted", "accepted", "nodes", "_factor"):

@@ -81,7 +81,7 @@ def _step(seed: int, vocab: int = 64):
                                                   jacobi_ngram=NGRAM), lookahead_nodes=WINDOW_NODES)
     results: list = []
     runner = SimpleNamespace(
-        drafter=SimpleNamespace(plans=plans, config=cfg, on_tree_truncated=lambda n: None,
+        drafter=SimpleNamespace(handed_out=SimpleNamespace(rows=plans, plan=plans.get), config=cfg, on_tree_truncated=lambda n: None,
                                 on_tree_results=results.append),
         requests=states, positions=torch.arange(int(num_tokens.sum()), dtype=torch.int64) * 7 + 3,
         input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(drafts)},
@@ -103,7 +103,7 @@ def _reference(runner, num_tokens, logits, sampled, seed):
     generators = {i: torch.Generator().manual_seed(seed * 100 + i) for i in range(len(num_tokens))}
     results = []
     for req_id, row in runner.input_batch.req_id_to_index.items():
-        plan = runner.drafter.plans.get(req_id)
+        plan = runner.drafter.handed_out.plan(req_id)
         if plan is None or plan.is_chain():
             continue
         start, n = int(starts[row]), plan.num_nodes + 1

@@ -4,7 +4,7 @@
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
 confidences bit for bit; and the Python oracles of the batched Jacobi steps
-(``pool_rows``, ``choose_windows``, ``TreeOffers.with_windows``), one request at a time.
+(``pool_rows``, ``choose_windows``, ``TreeOffers.plan_with_window``), one request at a time.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def choose_windows(windows: Sequence[JacobiRequest], fees: Sequence[float], step
 
 def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
     """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
-    one plan of ``lookahead_vllm.core.tree_plan.TreeOffers.with_windows``."""
+    ``lookahead_vllm.core.tree_plan.TreeOffers.plan_with_window``'s plan."""
     base = len(tree)
     toks = tuple(window.tokens())
     zeros = (0.0,) * len(toks)
