@@ -485,6 +485,35 @@ void observe_trees_py(py::array predicted, py::array accepted_table, py::array n
   lookahead::observe_trees(t, rows_in, hits.data(), at.data(), verified.data(), n, prior, half_life);
 }
 
+py::tuple walk_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handle lens_obj, py::handle targets_obj) {
+  const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
+  if (!tokens || tokens.ndim() != 2) throw py::type_error("tokens must be a 2-D int array [trees, width]");
+  const int64_t trees = tokens.shape(0), width = tokens.shape(1);
+  check_rows("parents", parents, trees, width);
+  const IntArray lens = int_array(lens_obj, "lens");
+  check_same_length("tokens' rows and lens", trees, lens.shape(0));
+  check_lengths("lens", lens.data(), trees, width);
+  check_parents(parents.data(), lens.data(), trees, width);
+  const IntArray targets = IntArray::ensure(targets_obj);
+  if (!targets || targets.ndim() != 2 || targets.shape(0) != trees) {
+    throw py::type_error("targets must be a 2-D int array [" + std::to_string(trees) + ", rows]");
+  }
+  const int64_t twidth = targets.shape(1);
+  for (int64_t d = 0; d < trees; ++d) {
+    if (lens.data()[d] >= twidth) {
+      throw py::value_error("lens[" + std::to_string(d) + "]=" + std::to_string(lens.data()[d]) +
+                            ": a tree of n nodes needs n + 1 targets, targets has " + std::to_string(twidth));
+    }
+  }
+  py::array_t<int32_t> nodes({trees, width});
+  std::fill(nodes.mutable_data(), nodes.mutable_data() + trees * width, -1);
+  py::array_t<int64_t> counts(trees), bonus(trees);
+  const lookahead::TreeRows rows_in{const_cast<int32_t*>(tokens.data()), const_cast<int32_t*>(parents.data()),
+                                    nullptr, nullptr, trees, width};
+  lookahead::walk_trees(rows_in, lens.data(), targets.data(), twidth, nodes.mutable_data(), counts.mutable_data(),
+                        bonus.mutable_data());
+  return py::make_tuple(nodes, counts, bonus);
+}
 
 // ------------------------------------------------------------------- trie
 struct BoundTrie {
@@ -978,5 +1007,6 @@ PYBIND11_MODULE(_draft_index, m) {
   m.def("observe_trees", &observe_trees_py, py::arg("predicted"), py::arg("accepted_table"), py::arg("nodes"),
         py::arg("factor"), py::arg("edges"), py::arg("raw"), py::arg("kinds"), py::arg("hits"), py::arg("at"),
         py::arg("verified"), py::arg("prior"), py::arg("half_life"));
+  m.def("walk_trees", &walk_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("lens"), py::arg("targets"));
   bind_trie(m);
 }

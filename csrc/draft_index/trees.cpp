@@ -276,4 +276,32 @@ void observe_trees(CalibrationTables t, const TreeRows& offers, const uint8_t* h
   }
 }
 
+void walk_trees(const TreeRows& trees, const int64_t* lens, const int64_t* targets, int64_t twidth, int32_t* nodes,
+                int64_t* counts, int64_t* bonus) {
+  for (int64_t d = 0; d < trees.rows; ++d) {
+    const int32_t* tok = trees.tokens + d * trees.width;
+    const int32_t* par = trees.parents + d * trees.width;
+    const int64_t* target = targets + d * twidth;
+    int32_t* out = nodes + d * trees.width;
+    int64_t node = -1, count = 0;
+    for (;;) {
+      const int64_t t = target[node + 1];
+      int64_t child = -1;
+      for (int64_t c = node + 1; c < lens[d]; ++c) {  // a child comes after its parent
+        if (par[c] == node && tok[c] == t) {
+          child = c;
+          break;
+        }
+      }
+      if (child < 0) {
+        bonus[d] = t;
+        break;
+      }
+      out[count++] = static_cast<int32_t>(child);
+      node = child;
+    }
+    counts[d] = count;
+  }
+}
+
 }  // namespace lookahead

@@ -17,6 +17,9 @@
 //                  emitted: per booked row, its offer, the nodes the
 //                  scheduler verified and which of them were accepted.
 //   observe_trees  those nodes booked into the calibrator's tables.
+//   walk_trees     greedy acceptance of a step's verified trees (tree_verify):
+//                  each tree walked from the root with the target model's
+//                  token at every reached row (step_plan.walk_tree).
 #pragma once
 
 #include <cstdint>
@@ -84,5 +87,14 @@ void match_trees(const int64_t* offer_slots, const int64_t* offer_lens, const Tr
 // in order, into the tables.
 void observe_trees(CalibrationTables t, const TreeRows& offers, const uint8_t* hits, const int64_t* at,
                    const int64_t* verified, int64_t n, double prior, double half_life);
+
+// Greedy walks: tree d (its first lens[d] nodes, parents first) walked from
+// the root, the target at the root targets[d * twidth] and at node c
+// targets[d * twidth + 1 + c] (twidth > lens[d]): a reached row's target moves
+// the walk to the first child carrying it, else it is the bonus. Writes the
+// accepted nodes, root to leaf, to nodes[d * trees.width ...], their count to
+// counts[d] and the bonus to bonus[d].
+void walk_trees(const TreeRows& trees, const int64_t* lens, const int64_t* targets, int64_t twidth, int32_t* nodes,
+                int64_t* counts, int64_t* bonus);
 
 }  // namespace lookahead

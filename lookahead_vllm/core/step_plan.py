@@ -8,8 +8,8 @@ row it fixes:
 - a visibility row over the plan's rows: itself and its ancestors, root
   included (the committed context is always visible);
 - a role: ``verify`` rows may be accepted (trie and pool branches); Jacobi
-  ``lookahead`` rows (core/jacobi.py) are never accepted: their outputs only
-  refill the window and the n-gram pool.
+  ``lookahead`` rows (core/jacobi.py), after every verify row, are never
+  accepted: their outputs only refill the window and the n-gram pool.
 
 Acceptance walks the tree from the root: at each reached row the target's token
 (argmax, or a sample) is accepted if a child of that row carries it, and the
@@ -43,6 +43,8 @@ class StepPlan:
     def __post_init__(self) -> None:
         if self.lookahead and len(self.lookahead) != len(self.tree):
             raise ValueError(f"lookahead flags: {len(self.lookahead)} for {len(self.tree)} nodes")
+        if self.lookahead and not all(self.lookahead[self.verify_nodes:]):
+            raise ValueError(f"lookahead flags {self.lookahead}: the lookahead nodes must follow every verify node")
 
     def role(self, node: int) -> str:
         return ROLE_LOOKAHEAD if self.lookahead and self.lookahead[node] else ROLE_VERIFY
@@ -54,6 +56,11 @@ class StepPlan:
     @property
     def num_nodes(self) -> int:
         return len(self.tree)
+
+    @property
+    def verify_nodes(self) -> int:
+        """The nodes that may be accepted: all but the lookahead nodes, which come last."""
+        return self.lookahead.index(True) if any(self.lookahead) else len(self.tree)
 
     def is_chain(self) -> bool:
         """True if every node's parent is the previous node (plain causal rows)

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
 from lookahead_vllm.core.step_plan import StepPlan, walk_tree
 from lookahead_vllm.ops.sampling import sample_row
@@ -225,7 +227,8 @@ class TreeVerifier:
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
         """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
         host work is a few batch transfers whatever the number of trees: one argmax over the
-        tree rows' logits read once, the chain-only rows read once, the walks' rows written once."""
+        tree rows' logits read once, the chain-only rows read once, the walks' rows written once;
+        the greedy trees walked in one native call (sampled ones draw row by row as they walk)."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
@@ -233,10 +236,13 @@ class TreeVerifier:
         cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
         firsts = [cu_sampled[req.row] - req.num_rows for req in reqs]  # each tree's first logits row
         lo, hi = min(firsts), max(cu_sampled[req.row] for req in reqs)
-        argmax = logits[lo:hi].argmax(dim=-1).tolist()  # every tree row's greedy target (one read)
+        argmax = logits[lo:hi].argmax(dim=-1).cpu().numpy()  # every tree row's greedy target (one read)
         sampled = sampler_output.sampled_token_ids
         chain_rows = [req.row for req in reqs if not req.walk]
         stock = dict(zip(chain_rows, sampled[chain_rows].tolist())) if chain_rows else {}
+        greedy = [i for i, req in enumerate(reqs) if req.walk and req.sampling_params.temperature < GREEDY_EPS]
+        walks = dict(zip(greedy, _greedy_walks([reqs[i].plan for i in greedy], [firsts[i] - lo for i in greedy],
+                                               argmax))) if greedy else {}
         out = np.full((len(reqs), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
         moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
         results = []
@@ -244,8 +250,8 @@ class TreeVerifier:
             at = first - lo  # the request's rows in ``argmax``
             if not req.walk:
                 nodes, tokens = _leading_chain_result(req, stock[req.row])
-            elif req.sampling_params.temperature < GREEDY_EPS:
-                nodes, tokens = walk_tree(req.plan, argmax[at:at + req.num_rows].__getitem__)
+            elif i in walks:
+                nodes, tokens = walks[i]
             else:
                 nodes, tokens = walk_tree(req.plan, _sampler(runner, req, logits[first:first + req.num_rows]))
             out[i, :len(tokens)] = tokens
@@ -520,15 +526,37 @@ def _sampler(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
-def _window_outputs(cfg: Any, req: TreeRequest, argmax: list[int]) -> list[int] | None:
+def _greedy_walks(plans: list[StepPlan], ats: list[int], argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
+    """Greedy trees' walks (``step_plan.walk_tree``'s) in one ``walk_trees`` call: each plan's
+    verify nodes as one row of arrays, its targets the greedy tokens of its rows (``argmax``
+    from ``ats[i]`` on). Per plan, the accepted nodes and the tokens to emit."""
+    lens = np.fromiter((plan.verify_nodes for plan in plans), np.int64, len(plans))
+    width = max(1, int(lens.max()))
+    # Every plan's verify nodes, flat, written into their rows in one indexed write each.
+    rows = np.repeat(np.arange(len(plans)), lens)
+    cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+    tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
+    tokens[rows, cols] = np.fromiter(chain.from_iterable(p.tree.tokens[:n] for p, n in zip(plans, lens.tolist())),
+                                     np.int32, len(rows))
+    parents[rows, cols] = np.fromiter(chain.from_iterable(p.tree.parents[:n] for p, n in zip(plans, lens.tolist())),
+                                      np.int32, len(rows))
+    # A tree of n verify nodes has at least n + 1 rows: row j of tree i is argmax[ats[i] + j].
+    targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]
+    nodes, counts, bonus = native.extension().walk_trees(tokens, parents, lens, targets.astype(np.int64))
+    accepted = np.take_along_axis(tokens, np.maximum(nodes, 0), axis=1).tolist()
+    return [(path[:c], emitted[:c] + [b]) for path, emitted, c, b in zip(nodes.tolist(), accepted, counts.tolist(),
+                                                                          bonus.tolist())]
+
+
+def _window_outputs(cfg: Any, req: TreeRequest, argmax: np.ndarray) -> list[int] | None:
     """The Jacobi window's new tokens (``argmax``: the request's rows' greedy targets, at its last
     level); None when the scheduler cut the window (it then stays as it is)."""
     plan = req.plan
-    base = plan.lookahead.index(True)
+    base = plan.verify_nodes
     if plan.num_nodes - base != cfg.lookahead_nodes:
         return None
-    return [argmax[0 if n < 0 else 1 + base + n]
-            for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]
+    return argmax[[0 if n < 0 else 1 + base + n
+                   for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]].tolist()
 
 
 def _leading_chain_result(req: TreeRequest, chain_row: list[int]) -> tuple[list[int], list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,3 +78,13 @@ def test_walk_output_is_a_real_path(tree, row_targets):
     vis = plan.visibility()
     for i in range(len(tree)):
         assert set(np.flatnonzero(vis[i + 1])) == {0} | {n + 1 for n in tree.path_to(i)}
+
+
+def test_lookahead_nodes_come_after_every_verify_node():
+    """The walks read a plan's verify nodes as its leading ones (``verify_nodes``): a plan with a
+    lookahead node before a verify node is refused."""
+    tree = DraftTree((1, 2, 3), (-1, 0, -1), (1.0, 1.0, 1.0))
+    assert StepPlan(tree, (False, True, True)).verify_nodes == 1
+    assert StepPlan(tree).verify_nodes == StepPlan(tree, (False,) * 3).verify_nodes == 3
+    with pytest.raises(ValueError, match="must follow every verify node"):
+        StepPlan(tree, (False, True, False))

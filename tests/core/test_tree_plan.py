@@ -200,6 +200,43 @@ def test_observe_trees_equals_reference(steps, half_life):
         mp.undo()
 
 
+
+@st.composite
+def walked_trees(draw):
+    """Trees (parents first, siblings with distinct tokens) and a target per row: along a
+    path of the tree for a while (the walk goes deep), then anything."""
+    tokens, parents, _, lens, *_ = draw(step_trees())
+    width = tokens.shape[1]
+    targets = np.array([[draw(st.integers(0, 6)) for _ in range(width + 1)]
+                        for _ in lens], np.int64).reshape(len(lens), width + 1)
+    for d in range(len(lens)):
+        node = -1
+        while draw(st.booleans()):
+            kids = [c for c in range(int(lens[d])) if parents[d, c] == node]
+            if not kids:
+                break
+            child = draw(st.sampled_from(kids))
+            targets[d, node + 1] = tokens[d, child]
+            node = child
+    cut = np.array([draw(st.integers(0, int(n))) for n in lens], np.int64)  # a verified prefix of each
+    return tokens, parents, cut, targets
+
+
+@settings(max_examples=300, deadline=None)
+@given(walked_trees())
+def test_walk_trees_equals_reference(case):
+    """The greedy walks of a step's trees in one call equal ``walk_tree`` tree by tree
+    (the nodes accepted, root to leaf, and the bonus), over any verified prefix."""
+    from lookahead_lab.reference.planner import walk_trees
+
+    tokens, parents, lens, targets = case
+    want = walk_trees(tokens, parents, lens, targets)
+    got = core_native.extension().walk_trees(tokens, parents, lens, targets)
+    for w, g in zip(want, got):
+        assert g.tolist() == w.tolist()
+    nodes, counts, _ = want
+    assert all((nodes[d, :c] < lens[d]).all() and (nodes[d, c:] == -1).all() for d, c in enumerate(counts))
+
 def test_kernels_reject_bad_input():
     k = core_native.extension()
     edges, factor = ConfidenceCalibrator.bin_edges, np.ones((4, 12))
@@ -224,3 +261,7 @@ def test_kernels_reject_bad_input():
                      0.0, [0], 1, np.zeros((2, 2), np.int8))
     with pytest.raises(ValueError, match="emitted"):
         k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [[5], [6]])
+    with pytest.raises(ValueError, match=r"lens\[0\]=2: a tree of n nodes needs n \+ 1 targets, targets has 2"):
+        k.walk_trees(tok, np.full((1, 2), -1, np.int32), [2], np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match="parents"):
+        k.walk_trees(tok, np.array([[1, -1]], np.int32), [2], np.zeros((1, 3), np.int64))

@@ -5,7 +5,7 @@ core).
 :data:`extension` has the extension module's interface: ``DraftIndex`` and
 ``TokenTrie`` with the native constructors and methods, and the planner's
 batch kernels (``merge_rows``, ``plan_trees``, ``match_trees``,
-``observe_trees``). :func:`reference_core` swaps it in for the extension
+``observe_trees``, ``walk_trees``). :func:`reference_core` swaps it in for the extension
 (``lookahead_vllm.core.native.extension``) within a block, and
 :func:`on_reference` builds a whole proposer that runs on it, to drive beside
 a native one and compare step by step.
@@ -116,6 +116,7 @@ def _counted(name: str, fn):
 extension = SimpleNamespace(**{name: _counted(name, fn) for name, fn in (
     ("DraftIndex", _draft_index), ("TokenTrie", _TrieCore), ("merge_rows", planner.merge_rows),
     ("plan_trees", planner.plan_trees), ("match_trees", planner.match_trees), ("observe_trees", planner.observe_trees),
+    ("walk_trees", planner.walk_trees),
 )})
 
 

@@ -1,6 +1,6 @@
 """Pure-Python references of the extension's planner kernels
 (``csrc/draft_index/trees.cpp``, ``token_trie.cpp``): ``merge_rows``,
-``plan_trees``, ``match_trees`` and ``observe_trees``, with the extension's
+``plan_trees``, ``match_trees``, ``observe_trees`` and ``walk_trees``, with the extension's
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
 confidences bit for bit; and the Python oracles of the batched Jacobi steps
@@ -20,7 +20,7 @@ from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, 
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
 from lookahead_vllm.core.jacobi import POOL_CONFIDENCE, JacobiRequest, JacobiWindow, WindowStep, lookahead_parents
-from lookahead_vllm.core.step_plan import accepted_path
+from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
 
 
 def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
@@ -341,6 +341,21 @@ def match_trees(offer_slots, offer_lengths, tokens, parents, slots, scheduled, e
         hits[d, accepted_path(tree.truncate(v), emitted[i])] = 1
     return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
 
+
+
+def walk_trees(tokens, parents, lens, targets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The extension's ``walk_trees`` (``tree_verify``'s greedy walks), tree by tree with
+    :func:`~lookahead_vllm.core.step_plan.walk_tree`: tree ``d``'s first ``lens[d]`` nodes,
+    the target at row ``r`` (0: the root, ``1 + c``: node ``c``) ``targets[d, r]``. Returns the
+    accepted nodes ``[D, W]`` (-1 after them), their counts and the bonus tokens."""
+    trees, width = tokens.shape
+    nodes, counts, bonus = np.full((trees, width), -1, np.int32), np.zeros(trees, np.int64), np.zeros(trees, np.int64)
+    for d in range(trees):
+        n = int(lens[d])
+        tree = DraftTree(tuple(int(t) for t in tokens[d, :n]), tuple(int(p) for p in parents[d, :n]), (1.0,) * n)
+        path, out = walk_tree(StepPlan(tree), lambda row: int(targets[d, row]))
+        nodes[d, :len(path)], counts[d], bonus[d] = path, len(path), out[-1]
+    return nodes, counts, bonus
 
 # --------------------------------------------------------------- planning
 def plan_trees(tokens, parents, raw, lengths, tree_ok, bin_edges, factors, budget, num_rows, free_tokens,
