@@ -146,6 +146,21 @@ const char* tree_kernels(const Drafts& d, std::mt19937& rng, std::vector<double>
   for (int64_t c = 0; c < kinds * bins; ++c) {
     if (t.accepted[c] > t.nodes[c] + 1e-9 || t.nodes[c] < 0) return "observe_trees: more accepted than booked";
   }
+  // Greedy walks of the kept drafts (tree verification): random targets, one row more than nodes.
+  std::vector<int64_t> targets(rows * (width + 1));
+  for (int64_t& x : targets) x = uniform(0, 50);
+  std::vector<int32_t> walked(rows * width, -1);
+  std::vector<int64_t> counts(rows), bonus(rows);
+  lookahead::walk_trees(out, keep.data(), targets.data(), width + 1, walked.data(), counts.data(), bonus.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t node = -1;
+    for (int64_t i = 0; i < counts[r]; ++i) {
+      const int32_t c = walked[r * width + i];
+      if (c <= node || c >= keep[r] || out_parents[r * width + c] != node) return "walk_trees: not a path of the tree";
+      node = c;
+    }
+    if (bonus[r] != targets[r * (width + 1) + node + 1]) return "walk_trees: the bonus is not the last row's target";
+  }
   return nullptr;
 }
 
