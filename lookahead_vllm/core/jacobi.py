@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -56,7 +55,8 @@ class NgramPool:
     def __init__(self, n: int, max_per_key: int) -> None:
         self.n = n
         self.max_per_key = max_per_key
-        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        # Per key its continuations, least recently seen first (a dict keeps insertion order).
+        self._pool: dict[int, dict[tuple[int, ...], None]] = {}
         self.num_added = 0
 
     def __len__(self) -> int:
@@ -65,13 +65,23 @@ class NgramPool:
     def add(self, ngram: Sequence[int]) -> None:
         if len(ngram) != self.n:
             raise ValueError(f"n-gram {tuple(ngram)} has {len(ngram)} tokens; the pool holds {self.n}-grams")
-        entries = self._pool.setdefault(int(ngram[0]), OrderedDict())
-        cont = tuple(int(t) for t in ngram[1:])
-        entries[cont] = None
-        entries.move_to_end(cont)  # most recently seen last
-        if len(entries) > self.max_per_key:
-            entries.popitem(last=False)
-        self.num_added += 1
+        self.extend([tuple(int(t) for t in ngram)])
+
+    def extend(self, grams: Sequence[tuple[int, ...]]) -> None:
+        """:meth:`add` for many n-grams, in order, each already a tuple of ``n`` ints (the window's
+        columns: :meth:`JacobiWindow.update`)."""
+        pool, cap = self._pool, self.max_per_key
+        for gram in grams:
+            entries = pool.get(gram[0])
+            if entries is None:
+                entries = pool[gram[0]] = {}
+            cont = gram[1:]
+            if cont in entries:
+                del entries[cont]
+            elif len(entries) >= cap:  # full: the least recently seen goes
+                del entries[next(iter(entries))]
+            entries[cont] = None  # most recently seen last
+        self.num_added += len(grams)
 
     def get(self, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """Continuations of ``key``, most recently seen first."""
@@ -131,9 +141,9 @@ class JacobiWindow:
         """Take the step's new tokens (one per column): return the column n-grams, slide."""
         if len(new) != self.window:
             raise ValueError(f"{len(new)} new tokens for a window of {self.window} columns")
-        levels = [[x0, *self.rows[0]], *self.rows[1:]]
-        grams = [tuple(level[col] for level in levels) + (int(new[col]),) for col in range(self.window)]
-        full = [*self.rows, [int(t) for t in new]]
+        new = [int(t) for t in new]
+        grams = list(zip([int(x0), *self.rows[0]], *self.rows[1:], new))  # column i, top level down
+        full = [*self.rows, new]
         self.rows = [full[1][1:], *full[2:]]
         return grams
 
@@ -224,8 +234,7 @@ class JacobiRequest:
     def update(self, new: Sequence[int]) -> int:
         """Feed the step's new tokens; return how many n-grams went into the pool."""
         grams = self.window.update(self.x0, new)
-        for gram in grams:
-            self.pool.add(gram)
+        self.pool.extend(grams)
         return len(grams)
 
 
