@@ -551,17 +551,17 @@ class LookaheadProposer:
         ``POOL_CONFIDENCE ** depth``), :func:`rows_of` arrays; the window
         rides along only with the full budget (no load shrink, no per-request
         cap): x0 = -1 marks rows without it this step."""
-        guesses = self.config.profile.jacobi_guesses
+        guesses, full = self.config.profile.jacobi_guesses, self.config.decoding_length
+        lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1].tolist()  # each row's last committed token
         found = []
-        for d, j in enumerate(picked):
+        for j, last, budget in zip(picked, lasts, budgets.tolist()):
             jac = states[j].jacobi
             if jac is None:
                 found.append(())
                 continue
-            last = int(token_ids_cpu[rows[j], int(num_tokens[j]) - 1])
-            jac.x0 = last if budgets[d] == self.config.decoding_length else -1
+            jac.x0 = last if budget == full else -1
             found.append(jac.pool.get(last, guesses))
-            self.stats.pool_branches += len(found[-1])
+        self.stats.pool_branches += sum(map(len, found))
         return pool_rows(found, self.config.profile.jacobi_ngram - 1)
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
