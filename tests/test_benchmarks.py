@@ -1125,3 +1125,21 @@ def test_serve_tails_counts_long_prompts_sent_while_a_request_ran():
     assert serve_tails.overlapped(cell, "plain", 1000) == [1, 0, 1, 0]  # request 2 runs 5..13 s: sees 3
     assert serve_tails.by_overlap(cell, "plain", 1000) == {0: (2, 1.0), 1: (2, 9.0)}
     assert serve_tails.overlapped(cell, "plain", 5000) == [0, 0, 0, 0]
+
+
+@pytest.mark.vllm
+def test_bench_tree_verify_times_both_host_calls_and_digests_the_rows(tmp_path):
+    """Each cell times begin_step and finish_step; the rows written depend on the walks alone
+    (the same digest on a second run), and a window changes them."""
+    bench = _import_bench("bench_tree_verify")
+    argv = ["--trees", "3", "--steps", "2", "--vocab", "64", "--out", str(tmp_path / "tv.json")]
+    cells = bench.main(argv)["cells"]
+    assert [(c["trees"], c["window"]) for c in cells] == [(3, False), (3, True)]
+    assert all(c["begin_step_ms"] > 0 and c["finish_step_ms"] > 0 for c in cells)
+    again = bench.main(argv)["cells"]
+    assert [c["rows_digest"] for c in again] == [c["rows_digest"] for c in cells]
+    assert cells[0]["rows_digest"] != cells[1]["rows_digest"]
+    saved = json.loads((tmp_path / "tv.json").read_text())
+    assert saved["cells"] == again and saved["git"]["commit"]
+    with pytest.raises(SystemExit):
+        bench.main(["--nodes", "2", "--out", str(tmp_path / "x.json")])
