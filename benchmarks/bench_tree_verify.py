@@ -1,5 +1,5 @@
-"""Tree verification's host work per step, without a model: ``TreeVerifier.begin_step`` and
-``finish_step`` on a runner of plain objects.
+"""Tree verification's host work per step, without a model: ``TreeVerifier.begin_step`` (the
+plans built from the handed-out offers included) and ``finish_step`` on a runner of plain objects.
 
 Every request carries the same shape of tree (``--nodes`` verify nodes on two branches that part
 halfway, optionally a Jacobi window of W = 4, N = 3 after them), all greedy; the logits are
@@ -32,40 +32,39 @@ WINDOW, NGRAM = 4, 3
 
 
 def make_step(trees: int, nodes: int, window: bool, vocab: int, follow: int, seed: int = 0):
-    """A runner, scheduler output, logits and spec metadata for ``trees`` greedy tree requests."""
+    """A runner, scheduler output, logits and spec metadata for ``trees`` greedy tree requests,
+    handed out as the proposer does (a :class:`StepDrafts` over the offers' arrays, so
+    ``begin_step`` builds each tree's plan as in the engine)."""
     from vllm import SamplingParams
 
-    from lookahead_vllm.core.draft_tree import DraftTree
-    from lookahead_vllm.core.jacobi import lookahead_parents
-    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers
 
     rng = np.random.default_rng(seed)
     half = nodes // 2
     parents = list(range(-1, half - 1)) + [half // 2] + list(range(half, nodes - 1))  # two branches
     ahead_nodes = WINDOW * (NGRAM - 1) - 1
-    plans, drafts, states = {}, {}, {}
+    tokens = rng.integers(0, vocab, (trees, nodes)).astype(np.int32)
+    offers = TreeOffers(np.arange(trees, dtype=np.int64), tokens, np.tile(np.asarray(parents, np.int32), (trees, 1)),
+                        np.full((trees, nodes), 0.5), np.zeros((trees, nodes), np.int8),
+                        np.full(trees, nodes, np.int64), np.ones(trees, bool))
+    windows = ({d: tuple(rng.integers(0, vocab, ahead_nodes).tolist()) for d in range(trees)} if window else {})
+    req_ids = [f"r{d}" for d in range(trees)]
+    handed_out = StepDrafts(offers, {r: d for d, r in enumerate(req_ids)}, windows, WINDOW, NGRAM)
+    drafts = {r: tokens[d].tolist() + list(windows.get(d, ())) for d, r in enumerate(req_ids)}
     greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
-    for i in range(trees):
-        tokens, pars, flags = rng.integers(0, vocab, nodes).tolist(), list(parents), ()
-        if window:
-            tokens += rng.integers(0, vocab, ahead_nodes).tolist()
-            pars += list(lookahead_parents(WINDOW, NGRAM, nodes))
-            flags = (False,) * nodes + (True,) * ahead_nodes
-        plan = StepPlan(DraftTree(tuple(tokens), tuple(pars), (1.0,) * len(tokens)), flags)
-        req_id = f"r{i}"
-        plans[req_id], drafts[req_id], states[req_id] = plan, tokens, greedy
+    states = dict.fromkeys(req_ids, greedy)
     num_tokens = np.array([len(d) + 1 for d in drafts.values()], np.int32)
     logits = torch.randn(int(num_tokens.sum()), vocab, generator=torch.Generator().manual_seed(seed))
     starts = np.cumsum(num_tokens) - num_tokens
-    for i, req_id in enumerate(drafts):
+    for i, req_id in enumerate(req_ids):
         for depth in range(min(follow, half)):
             logits[starts[i] + depth, drafts[req_id][depth]] += 50.0
     config = SimpleNamespace(profile=SimpleNamespace(debug_disable=("compaction",), jacobi_window=WINDOW,
                                                      jacobi_ngram=NGRAM), lookahead_nodes=ahead_nodes)
-    drafter = SimpleNamespace(handed_out=SimpleNamespace(rows=plans, plan=plans.get), config=config,
-                              on_tree_truncated=lambda n: None, on_tree_results=lambda results: None)
+    drafter = SimpleNamespace(handed_out=handed_out, config=config, on_tree_truncated=lambda n: None,
+                              on_tree_results=lambda results: None)
     runner = SimpleNamespace(drafter=drafter, requests=states, positions=torch.arange(int(num_tokens.sum())),
-                             input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(drafts)},
+                             input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                                          generators={}))
     spec = SimpleNamespace(cu_num_sampled_tokens=torch.from_numpy(np.cumsum(num_tokens)))
     return runner, SimpleNamespace(scheduled_spec_decode_tokens=drafts), num_tokens, logits, spec

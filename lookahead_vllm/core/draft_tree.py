@@ -93,7 +93,7 @@ class DraftTree:
 
     def is_chain(self) -> bool:
         """Every node's parent is the node before it."""
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.parents == tuple(range(-1, len(self.parents) - 1))
 
     def node_confidence(self, i: int) -> float:
         return self.confidence[i] if self.confidence else 1.0
