@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from bench_offline import git_info, machine_info
+from workloads import check_positive
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW, NGRAM = 4, 3
@@ -101,10 +102,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--follow", type=int, default=5, help="rows of each tree whose target is its leading chain's")
     p.add_argument("--out", type=Path, default=RESULTS / "tree_verify_host.json")
     args = p.parse_args(argv)
-    for name in ("trees", "nodes", "steps", "vocab"):
-        values = getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]
-        if any(v < (4 if name == "nodes" else 1) for v in values):
-            p.error(f"--{name} {values}: must be at least {4 if name == 'nodes' else 1}")
+    check_positive(p, trees=args.trees, steps=args.steps, vocab=args.vocab)
+    if args.nodes < 4:
+        p.error(f"--nodes {args.nodes}: must be >= 4 (two branches)")
     if args.follow < 0:
         p.error(f"--follow {args.follow}: must be >= 0")
     cells = []

@@ -272,10 +272,14 @@ def _tree_positions(positions: torch.Tensor, requests: list[TreeRequest]) -> Non
     offsets = np.fromiter((o for req in requests for o in (0, *req.plan.tree.depths)), np.int64)
     counts = np.fromiter((req.num_rows for req in requests), np.int64, len(requests))
     roots = np.repeat(np.fromiter((req.start for req in requests), np.int64, len(requests)), counts)
-    # A row's place in its tree: its index in the step's tree rows less its tree's first.
-    rows = roots + np.arange(len(roots)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = roots + _index_within(counts)  # a row's place in its tree
     index = torch.from_numpy(np.stack([rows, roots, offsets])).to(positions.device)
     positions[index[0]] = positions[index[1]] + index[2]
+
+
+def _index_within(lengths: np.ndarray) -> np.ndarray:
+    """For segments of ``lengths`` laid end to end, each element's index within its segment."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 # ---------------------------------------------------------------- attention
@@ -533,8 +537,7 @@ def _greedy_walks(plans: list[StepPlan], ats: list[int], argmax: np.ndarray) -> 
     lens = np.fromiter((plan.verify_nodes for plan in plans), np.int64, len(plans))
     width = max(1, int(lens.max()))
     # Every plan's verify nodes, flat, written into their rows in one indexed write each.
-    rows = np.repeat(np.arange(len(plans)), lens)
-    cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows, cols = np.repeat(np.arange(len(plans)), lens), _index_within(lens)
     tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
     tokens[rows, cols] = np.fromiter(chain.from_iterable(p.tree.tokens[:n] for p, n in zip(plans, lens.tolist())),
                                      np.int32, len(rows))
@@ -542,7 +545,7 @@ def _greedy_walks(plans: list[StepPlan], ats: list[int], argmax: np.ndarray) -> 
                                       np.int32, len(rows))
     # A tree of n verify nodes has at least n + 1 rows: row j of tree i is argmax[ats[i] + j].
     targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]
-    nodes, counts, bonus = native.extension().walk_trees(tokens, parents, lens, targets.astype(np.int64))
+    nodes, counts, bonus = native.extension().walk_trees(tokens, parents, lens, targets)
     accepted = np.take_along_axis(tokens, np.maximum(nodes, 0), axis=1).tolist()
     return [(path[:c], emitted[:c] + [b]) for path, emitted, c, b in zip(nodes.tolist(), accepted, counts.tolist(),
                                                                           bonus.tolist())]
