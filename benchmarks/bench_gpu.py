@@ -66,7 +66,10 @@ VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
             "index+jacobi": {"source": "index+jacobi"},
             # chains as they were before uniform steps: every row's planned draft alone, so most
             # steps are not uniform and run piecewise (--variants picks it)
-            "chain-ragged": {"draft_shape": "one", "_profile": {"uniform_steps": False}}}
+            "chain-ragged": {"draft_shape": "one", "_profile": {"uniform_steps": False}},
+            # the CPU's k on a GPU (the GPU default is 8, core.config.PLATFORM_DECODING_LENGTH): 17 tokens a row in
+            # every uniform step, full graphs for at most 23 rows with CAPTURE_SIZES
+            "chain-k16": {"draft_shape": "one", "decoding_length": 16}}
 DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
                         "lookahead-warm (plain is required; see the module docstring)")
     p.add_argument("--k", type=int, default=None,
-                   help="lookahead num_speculative_tokens (default: 16, core.config.DEFAULT_DECODING_LENGTH)")
+                   help="lookahead num_speculative_tokens (default: the platform's, core.config.PLATFORM_DECODING_LENGTH: 16, 8 on a GPU)")
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM prefix caching in every engine (default off: engines shared across cells, "
                         "plain and ngram, would otherwise reuse the prefill of prompts an earlier cell "
@@ -281,13 +281,15 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     # A variant's decoding_length is its node budget: vLLM's k follows it,
     # plus the Jacobi window's nodes for source "jacobi"/"both".
     k = args.k
-    from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, resolve
+    from lookahead_vllm.core.config import default_decoding_length, resolve
+    from lookahead_vllm.vllm.config import current_platform_name
 
+    default_k = default_decoding_length(current_platform_name())
     if engine_method(method) == "lookahead":
         window = resolve({**config, "decoding_length": 1}).lookahead_nodes
-        k = config.get("decoding_length", args.k or DEFAULT_DECODING_LENGTH) + window
+        k = config.get("decoding_length", args.k or default_k) + window
     if k is None:
-        k = DEFAULT_DECODING_LENGTH
+        k = default_k
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     overrides["enable_prefix_caching"] = args.prefix_caching == "on"
     overrides.update(getattr(args, "engine_overrides", None) or {})  # bench_gpu: dtype, CUDA graphs, memory
@@ -590,7 +592,8 @@ def drafter_summary(counters: Counter) -> dict[str, Any]:
             "jacobi_steps": counters.get("jacobi_steps", 0),
             "pool_accepted_tokens": counters.get("pool_accepted_tokens", 0),
             "context_drafts": counters.get("context_drafts", 0),
-            "context_accepted_tokens": counters.get("context_accepted_tokens", 0)}
+            "context_accepted_tokens": counters.get("context_accepted_tokens", 0),
+            "uniform_steps": counters.get("uniform_steps", 0)}
 
 
 def warn_mismatches(cell: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, PLATFORM_VALUES, LookaheadConfig, Profile
+from lookahead_vllm.core.config import PLATFORM_DECODING_LENGTH, PLATFORM_VALUES, LookaheadConfig, Profile
 from lookahead_vllm.core.request_options import KEYS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,8 +146,8 @@ def test_configuration_table_defaults_are_the_code_defaults(name):
         if documented != actual:
             wrong[field] = (cells[field], info.default)
     assert not wrong, f"{name} defaults differ from LookaheadConfig (documented, code): {wrong}"
-    k = re.search(r"`num_speculative_tokens` \(default (\d+)\)", text)
-    assert k and int(k.group(1)) == DEFAULT_DECODING_LENGTH
+    k = re.search(r"`num_speculative_tokens` \(default (\d+), (\d+) on a GPU\)", text)
+    assert k and (int(k.group(1)), int(k.group(2))) == (PLATFORM_DECODING_LENGTH["cpu"], PLATFORM_DECODING_LENGTH["gpu"])
 
 
 def test_profile_table_is_the_profile():

@@ -32,9 +32,15 @@ DEBUG_SWITCHES = ("positions", "mask", "compaction")
 # Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
 # vLLM's num_speculative_tokens when the user gives none (and decoding_length
-# without an engine): on the dev suite's acceptance replay 16 beat 8 on every
-# class (the forward-cost model keeps only the nodes that pay).
+# without an engine). CPU: on the dev suite's acceptance replay 16 beat 8 on every
+# class (the forward-cost model keeps only the nodes that pay). GPU: every step
+# is filled to k tokens a row (uniform steps, for vLLM's full CUDA graphs), so k
+# sets the step's price and how many rows get full graphs at all (rows x (1 + k)
+# within the largest graph: 30 rows at k 16 with vLLM's 512-token default, 56 at
+# k 8). On an H200 a batch-32 chain at k 16 ran ragged at 0.50x plain, vLLM's
+# ngram at k 8 uniform at 0.79x; batch 8 0.95x and 1.21x (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
+PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
 # The key, next to the public fields, that sets profile knobs (developers only).
 PROFILE_KEY = "_profile"
 PLATFORMS = ("cpu", "gpu")
@@ -399,12 +405,19 @@ class Settings:
         return cls(**LookaheadConfig(**values).model_dump(), profile=Profile(**profile))
 
 
+def default_decoding_length(platform: str) -> int:
+    """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform``."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS}")
+    return PLATFORM_DECODING_LENGTH[platform]
+
+
 def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platform: str = "cpu",
             num_speculative_tokens: int | None = None) -> Settings:
     """The settings of the public ``values`` (plus an optional ``"_profile"``
     mapping of knobs) on ``platform``, checked against vLLM's
     ``num_speculative_tokens`` (None: no engine; ``decoding_length`` defaults
-    to :data:`DEFAULT_DECODING_LENGTH`). Raises ValueError naming the field."""
+    to the platform's :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
     if isinstance(values, LookaheadConfig):
         values = values.model_dump()
     if values is not None and not isinstance(values, Mapping):
@@ -434,5 +447,5 @@ def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platfo
                 "(raise num_speculative_tokens or lower decoding_length)"
             )
     fields = user.model_dump()
-    fields["decoding_length"] = DEFAULT_DECODING_LENGTH if length is None else length
+    fields["decoding_length"] = default_decoding_length(platform) if length is None else length
     return Settings(**fields, profile=profile)

@@ -1,7 +1,7 @@
 """Mapping between vLLM's configs and lookahead's (core/config.py).
 
 ``speculative_config={"method": "lookahead"}`` selects the method (vLLM's
-``custom_class`` route; ``num_speculative_tokens`` defaults to 16), and
+``custom_class`` route; ``num_speculative_tokens`` defaults to 16, 8 on a GPU), and
 ``additional_config={"lookahead": {...}}`` configures it. The settings are
 resolved once, where the engine's config is built (:func:`resolve_engine_settings`),
 and carried in that config to the workers (:func:`engine_settings`); see
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, Settings, resolve
+from lookahead_vllm.core.config import Settings, default_decoding_length, resolve
 
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
@@ -53,7 +53,7 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"speculative_config.model={model!r}: method 'lookahead' needs no draft model; leave it unset")
     k = kwargs.get("num_speculative_tokens")
     return {**kwargs, "method": "custom_class", "model": PROPOSER_PATH,
-            "num_speculative_tokens": DEFAULT_DECODING_LENGTH if k is None else k}
+            "num_speculative_tokens": default_decoding_length(current_platform_name()) if k is None else k}
 
 
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,

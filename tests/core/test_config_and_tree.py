@@ -101,6 +101,9 @@ def test_profile_overrides_are_explicit_and_checked():
 
 def test_decoding_length_resolved_against_the_engines_draft_slots():
     assert resolve().decoding_length == DEFAULT_DECODING_LENGTH == 16
+    assert resolve(platform="gpu").decoding_length == 8  # every GPU step is filled to k: k is its price
+    with pytest.raises(ValueError, match="platform='tpu'"):
+        resolve(platform="tpu")
     assert resolve(num_speculative_tokens=8).decoding_length == 8
     assert resolve({"source": "both"}, num_speculative_tokens=16).decoding_length == 16 - 7  # W=4, N=3 window
     with pytest.raises(ValueError, match=r"decoding_length=9: must be <= speculative_config.num_speculative_tokens=8"):

@@ -40,6 +40,18 @@ def test_method_routes_to_proposer(tiny_llama_dir, spec):
     assert cfg.speculative_config.num_speculative_tokens == 16  # DEFAULT_DECODING_LENGTH
 
 
+def test_default_draft_slots_follow_the_platform(monkeypatch):
+    """No num_speculative_tokens given: 16 on the CPU, 8 on a GPU (every GPU step is filled to k
+    tokens a row, so k is the step's price); one the user gives is kept on either."""
+    from lookahead_vllm.vllm import config
+
+    for platform, k in (("cpu", 16), ("gpu", 8)):
+        monkeypatch.setattr(config, "current_platform_name", lambda p=platform: p)
+        assert config.translate_speculative_kwargs({"method": "lookahead"})["num_speculative_tokens"] == k
+        assert config.translate_speculative_kwargs({"method": "lookahead", "num_speculative_tokens": 5})[
+            "num_speculative_tokens"] == 5
+
+
 def test_settings_resolved_once_and_carried_in_the_engine_config(tiny_llama_dir):
     """The VllmConfig patch resolves the settings and writes them into the
     config the workers get; the proposer reads them back unchanged."""
