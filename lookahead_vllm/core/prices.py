@@ -204,58 +204,66 @@ class OnlinePrices:
             strength[3] = HELD
         lower = np.array([ROW_BOUNDS[0], 1.0 / MARGINAL_BOUNDS[1], SETUP_BOUNDS[0], CONTEXT_BOUNDS[0]])
         upper = np.array([ROW_BOUNDS[1], 1.0 / MARGINAL_BOUNDS[0], SETUP_BOUNDS[1], CONTEXT_BOUNDS[1]])
-        best = None
         x = np.stack([np.ones_like(tokens), rows - 1.0, tokens, drafted.astype(np.float64), context], axis=1)
-        for free in self._free_grid:
-            x[:, 2] = np.maximum(0.0, tokens - free)  # the only column that depends on the candidate
-            theta, sse = _solve(x, seconds, weight, prior, strength, lower, upper)
-            score = sse + PRIOR_WEIGHT * (math.log(free / p.free_tokens) / math.log(2)) ** 2
-            if best is None or score < best[0]:
-                best = (score, free, theta)
-        _, free, (t0, row, inv_marginal, setup, per_context) = best
+        # Every candidate free count at once: only the scored-tokens column depends on it.
+        xs = np.repeat(x[None], len(self._free_grid), axis=0)
+        xs[:, :, 2] = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])
+        theta, sse = _solve(xs, seconds, weight, prior, strength, lower, upper)
+        score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
+        best = int(np.argmin(score))  # the first of equal scores: the smallest free count
+        free, (t0, row, inv_marginal, setup, per_context) = self._free_grid[best], theta[best]
         marginal = min(MARGINAL_BOUNDS[1], 1.0 / inv_marginal)
         return Prices(int(free), round(float(marginal), 2), round(float(setup), 3), round(float(row), 4),
                       round(float(per_context), 4), float(t0), len(tokens), int(weight.sum()))
 
 
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
-           lower: np.ndarray, upper: np.ndarray) -> tuple[tuple[float, ...], float]:
-    """``seconds ~= t0 * x @ (1, c1, c2, c3, c4)`` on relative errors weighted by
-    ``weight``: the row price ``c1``, ``1 / marginal`` ``c2``, the setup
-    ``c3`` and the context price ``c4``, each pulled towards ``prior[j]`` with
-    ``strength[j]`` (normal priors, ``c2``'s log-normal) and kept within
-    ``[lower, upper]``.
+           lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)``
+    on relative errors weighted by ``weight``: the row price ``c1``,
+    ``1 / marginal`` ``c2``, the setup ``c3`` and the context price ``c4``,
+    each pulled towards ``prior[j]`` with ``strength[j]`` (normal priors,
+    ``c2``'s log-normal) and kept within ``[lower, upper]``.
 
     Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a
     pseudo-observation ``(theta_j - target_j * theta_0) / t0`` with the last
     pass's ``t0`` (and ``c2``'s log-normal prior a normal one around the last
-    pass's ``c2``): three passes; a price past its bounds is held at the
-    bound from the next pass on. Returns ``(t0, c1, ..., c4)`` and the
-    weighted sum of squared relative residuals plus the priors' penalty on
-    the prices they do not hold."""
+    pass's ``c2``): three passes, each one batched least-squares solve of all
+    candidates (QR, the samples' rows reduced once); a price past its
+    bounds is held at the bound from the next pass on. Returns ``[F, 5]``
+    rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums of squared relative
+    residuals plus the priors' penalty on the prices they do not hold."""
+    f, k = x.shape[0], len(prior)
     sw = np.sqrt(weight) / seconds
-    c = prior.copy()
-    t0 = float(np.median(seconds / (x @ np.concatenate([[1.0], c]))))
-    k = len(prior)
-    bound = np.zeros(k, bool)
-    pseudo = np.zeros((k, k + 1))
-    pseudo[np.arange(k), np.arange(1, k + 1)] = 1.0
+    c = np.repeat(prior[None], f, axis=0)
+    t0 = np.median(seconds / np.einsum("fnj,fj->fn", x, np.concatenate([np.ones((f, 1)), c], axis=1)), axis=1)
+    bound = np.zeros((f, k), bool)
+    eye = np.zeros((k, k + 1))
+    eye[np.arange(k), np.arange(1, k + 1)] = 1.0
+    # The samples' block is the same in every pass: reduce it once to its R (least squares on
+    # [R; pseudo] equals least squares on [samples; pseudo]), so each pass solves 5 + 4 rows.
+    q0, r0 = np.linalg.qr(x * sw[None, :, None])
+    rhs = np.concatenate([np.einsum("fnj,n->fj", q0, seconds * sw), np.zeros((f, k))], axis=1)
     for _ in range(3):
-        target, pull = prior.copy(), strength.copy()
+        target, pull = np.repeat(prior[None], f, axis=0), np.repeat(strength[None], f, axis=0)
         # log-normal around the last c2: penalty s * log(c2 / prior)^2 ~ s / c^2 * (c2 - target)^2
-        target[1], pull[1] = c[1] * (1.0 - math.log(c[1] / prior[1])), min(strength[1] / c[1] ** 2, HELD)
+        target[:, 1] = c[:, 1] * (1.0 - np.log(c[:, 1] / prior[1]))
+        pull[:, 1] = np.minimum(strength[1] / c[:, 1] ** 2, HELD)
         target, pull = np.where(bound, c, target), np.where(bound, HELD, pull)
-        pseudo[:, 0] = -target
-        a = np.concatenate([x * sw[:, None], pseudo * (np.sqrt(pull) / t0)[:, None]])
-        theta = np.linalg.lstsq(a, np.concatenate([seconds * sw, np.zeros(k)]), rcond=None)[0]
-        t0 = float(theta[0])
-        c = theta[1:] / t0
+        pseudo = np.repeat(eye[None], f, axis=0)
+        pseudo[:, :, 0] = -target
+        a = np.concatenate([r0, pseudo * (np.sqrt(pull) / t0[:, None])[:, :, None]], axis=1)
+        q, r = np.linalg.qr(a)  # full column rank: every price has its pseudo-observation row
+        theta = np.linalg.solve(r, np.einsum("fmj,fm->fj", q, rhs)[..., None])[..., 0]
+        t0 = theta[:, 0]
+        c = theta[:, 1:] / t0[:, None]
         bound |= (c < lower) | (c > upper)
         c = np.clip(c, lower, upper)
-    resid = (seconds - t0 * (x @ np.concatenate([[1.0], c]))) / seconds
+    fitted = t0[:, None] * np.einsum("fnj,fj->fn", x, np.concatenate([np.ones((f, 1)), c], axis=1))
+    resid = (seconds - fitted) / seconds
     penalty = strength * (c - prior) ** 2
-    penalty[1] = strength[1] * math.log(c[1] / prior[1]) ** 2
-    return (t0, *map(float, c)), float(weight @ resid ** 2 + penalty[strength < HELD].sum())
+    penalty[:, 1] = strength[1] * np.log(c[:, 1] / prior[1]) ** 2
+    return np.concatenate([t0[:, None], c], axis=1), resid ** 2 @ weight + penalty[:, strength < HELD].sum(axis=1)
 
 
 def _ring_median(rings: np.ndarray, n: np.ndarray) -> np.ndarray:
