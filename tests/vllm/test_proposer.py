@@ -735,3 +735,28 @@ def test_uniform_steps_leave_a_request_capped_below_k_alone():
     ])
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
     assert [len(d) for d in drafts] == [4, 2] and p.stats.uniform_steps == 0
+
+
+def test_draftless_graphs_send_a_filled_step_or_none():
+    """With draftless graphs (``draftless_rows``) a step is filled to k a row only where some
+    row plans a draft; where none does, or where rows x (1 + k) pass the largest full graph,
+    no row gets a draft (a step of one token a row, which replays a graph of its own)."""
+    k = 8
+    rows = {"a": A + [1], "b": B + [7], "c": [40, 41, 42, 43]}
+    lens = {"a": len(A), "b": len(B), "c": 3}
+    p = make_proposer(k=k)
+    p._uniform_tokens, p.draftless_rows = 3 * (1 + k), 16
+    assert [len(d) for d in step(p, rows, lens)] == [k, k, k] and p.stats.uniform_steps == 1
+    fresh = {"c": [40, 41, 42, 43], "d": [50, 51, 52, 53]}  # no earlier occurrence: nothing to draft
+    quiet = make_proposer(k=k)
+    quiet._uniform_tokens, quiet.draftless_rows = 2 * (1 + k), 16
+    assert step(quiet, fresh, {"c": 3, "d": 3}) == [[], []] and quiet.stats.uniform_steps == 0
+    without = make_proposer(k=k)  # the same step without draftless graphs: filled anyway
+    without._uniform_tokens = 2 * (1 + k)
+    assert [len(d) for d in step(without, fresh, {"c": 3, "d": 3})] == [k, k]
+    wide = make_proposer(k=k)  # 3 rows x 9 tokens pass a 26-token graph: no drafts at all
+    wide._uniform_tokens, wide.draftless_rows = 3 * (1 + k) - 1, 16
+    assert step(wide, rows, lens) == [[], [], []] and wide.metrics.skipped_request_steps["cost"] == 3
+    past = make_proposer(k=k)  # more rows than a draftless graph holds: drafted as planned, ragged
+    past._uniform_tokens, past.draftless_rows = 3 * (1 + k) - 1, 2
+    assert step(past, rows, lens) == step(make_proposer(k=k), rows, lens)
