@@ -245,8 +245,8 @@ class Profile:
     # steps (on an H200, piecewise SmolLM2 steps took 9-21 ms, uniform 2.7-4.4 ms).
     uniform_steps: bool = True
     # With uniform steps: also capture full graphs for draftless steps (one token a
-    # row; vllm/patches.py draftless_graphs), and send no draft where no row plans
-    # one or where the filled step would pass the largest graph, so every step
+    # row; vllm/patches.py draftless_graphs), and send no draft where a filled
+    # step is not expected to pay or would pass the largest graph, so every step
     # replays a full graph. Off until a GPU run measures it (docs/gpu.md).
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).

@@ -249,8 +249,9 @@ class LookaheadProposer:
                                 and separate_decode_graphs(vllm_config) else 0)
         # Draftless steps of up to this many rows replay full graphs of their own (profile
         # draftless_graphs; patches.draftless_graphs captures them; 0: none). Then a step is
-        # either filled to k a row or sent no draft at all, never ragged: where no row plans a
-        # draft, or where rows x (1 + k) pass the largest graph, nothing is drafted.
+        # either filled to k a row or sent no draft at all, never ragged: where the filled step
+        # is not expected to pay (_fill_pays), or where rows x (1 + k) pass the largest graph,
+        # nothing is drafted.
         self.draftless_rows = (draftless_graph_rows(vllm_config, self.k)
                                if self._uniform_tokens and self.config.profile.draftless_graphs else 0)
         # Chains open no extra attention paths: only trees pay path prices.
@@ -510,9 +511,11 @@ class LookaheadProposer:
         offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                 self._step_budget(len(rows)), len(rows), cost,
                                                 slots[drafting], rows[drafting], num_out, kinds, entry)
-        if (self._uniform_tokens and (not self.draftless_rows or any(drafts))
-                and all(st.cap is None or st.cap >= self.k for st in states)):
-            self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
+        if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
+            if not self.draftless_rows or self._fill_pays(len(rows), calibrated, lens, entry):
+                self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
+            elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
+                drafts = [[] for _ in drafts]
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, [states[j] for j in picked],
                                       rows[drafting], len(rows), np.zeros(len(picked)) if entry is None else entry)
                    if self.config.uses_jacobi else {})
@@ -521,6 +524,21 @@ class LookaheadProposer:
         self.handed_out = StepDrafts(offers, {req_ids[picked[d]]: d for d in planned}, windows, p.jacobi_window,
                                      p.jacobi_ngram)
         return drafts, len(rows), skipped, load_budget
+
+    def _fill_pays(self, num_rows: int, calibrated: np.ndarray, lens: np.ndarray, entry: np.ndarray | None) -> bool:
+        """With draftless graphs, whether this step filled to k tokens a row is expected to emit
+        more tokens per unit of time than a draftless one: ``(rows + gain) / (cost.drafted(rows
+        * (1 + k)) + entries) > rows / cost(rows)``, ``gain`` the calibrated confidences of every
+        drafting row's draft up to k nodes (``calibrated``, ``lens``: the planner's; a fill's
+        repeated last token counts nothing), ``entries`` what the rows with a draft pay. With the
+        cost model off (no token prices) a fill pays whenever any row drafted."""
+        within = np.arange(calibrated.shape[1]) < np.minimum(lens, self.k)[:, None]
+        gain = float(np.where(within, calibrated, 0.0).sum())
+        cost = self.cost.at_rows(num_rows)
+        if not cost.free_tokens:
+            return bool(np.any(lens))
+        fee = float(entry[lens > 0].sum()) if entry is not None else 0.0
+        return (num_rows + gain) / (cost.drafted(num_rows * (1 + self.k)) + fee) > num_rows / cost(num_rows)
 
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:

@@ -737,10 +737,11 @@ def test_uniform_steps_leave_a_request_capped_below_k_alone():
     assert [len(d) for d in drafts] == [4, 2] and p.stats.uniform_steps == 0
 
 
-def test_draftless_graphs_send_a_filled_step_or_none():
-    """With draftless graphs (``draftless_rows``) a step is filled to k a row only where some
-    row plans a draft; where none does, or where rows x (1 + k) pass the largest full graph,
-    no row gets a draft (a step of one token a row, which replays a graph of its own)."""
+def test_draftless_graphs_send_a_filled_step_or_none(monkeypatch):
+    """With draftless graphs (``draftless_rows``) a step is filled to k a row only where that
+    pays (without token prices: where some row drafted); where it does not, or where rows x
+    (1 + k) pass the largest full graph, no row gets a draft (a step of one token a row, which
+    replays a graph of its own), planned drafts included."""
     k = 8
     rows = {"a": A + [1], "b": B + [7], "c": [40, 41, 42, 43]}
     lens = {"a": len(A), "b": len(B), "c": 3}
@@ -760,3 +761,25 @@ def test_draftless_graphs_send_a_filled_step_or_none():
     past = make_proposer(k=k)  # more rows than a draftless graph holds: drafted as planned, ragged
     past._uniform_tokens, past.draftless_rows = 3 * (1 + k) - 1, 2
     assert step(past, rows, lens) == step(make_proposer(k=k), rows, lens)
+    unpaid = make_proposer(k=k)  # drafts planned, but the filled step would not pay: none sent
+    unpaid._uniform_tokens, unpaid.draftless_rows = 3 * (1 + k), 16
+    monkeypatch.setattr(unpaid, "_fill_pays", lambda *a: False)
+    assert step(unpaid, rows, lens) == [[], [], []] and unpaid.stats.uniform_steps == 0
+
+
+def test_a_filled_step_pays_when_its_expected_tokens_beat_its_price():
+    """``(rows + gain) / cost(rows x (1 + k)) > rows / cost(rows)``: 2 rows, k 8, one token in
+    20 past the first 4 costing a forward (20.8 at 2 rows with the CPU profile's row price, plus
+    its draft setup): the filled step (18 tokens) costs 1.72 forwards, the draftless one 1, so
+    the rows' drafts must be expected to add more than 1.44 tokens."""
+    p = make_proposer(k=8, cost_free_tokens=4, cost_marginal_tokens=20)
+    calibrated = np.zeros((2, 10))
+    calibrated[0, :3] = 0.5  # 1.5 expected tokens: pays
+    assert p._fill_pays(2, calibrated, np.array([3, 0]), None)
+    calibrated[0, 2] = 0.3  # 1.3: does not
+    assert not p._fill_pays(2, calibrated, np.array([3, 0]), None)
+    calibrated[1, 8:] = 1.0  # nodes past k are never scored
+    assert not p._fill_pays(2, calibrated, np.array([3, 10]), None)
+    calibrated[0, 2] = 0.5  # 1.5 again, but the drafted rows' entries (0.05 forwards each) now cost
+    assert not p._fill_pays(2, calibrated, np.array([3, 0]), np.array([0.05, 0.0]))
+    assert make_proposer(k=8)._fill_pays(2, np.zeros((2, 10)), np.array([1, 0]), None)  # no prices: any draft
