@@ -593,7 +593,8 @@ def drafter_summary(counters: Counter) -> dict[str, Any]:
             "pool_accepted_tokens": counters.get("pool_accepted_tokens", 0),
             "context_drafts": counters.get("context_drafts", 0),
             "context_accepted_tokens": counters.get("context_accepted_tokens", 0),
-            "uniform_steps": counters.get("uniform_steps", 0)}
+            "uniform_steps": counters.get("uniform_steps", 0),
+            "draftless_steps": counters.get("draftless_steps", 0)}
 
 
 def warn_mismatches(cell: dict[str, Any]) -> None:

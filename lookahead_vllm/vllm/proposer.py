@@ -89,7 +89,7 @@ class ProposerStats:
         """Every raw counter (summable across proposers), ``propose_ns`` included."""
         own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step"}
         step = self.step
-        return {**own, "steps": step.steps, "draft_tokens": step.draft_tokens,
+        return {**own, "steps": step.steps, "draft_tokens": step.draft_tokens, "draftless_steps": step.draftless_steps,
                 "propose_ns": round(step.drafter_seconds.total * 1e9)}
 
     def as_dict(self) -> dict[str, float]:
