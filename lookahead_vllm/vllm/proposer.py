@@ -511,7 +511,7 @@ class LookaheadProposer:
         offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                 self._step_budget(len(rows)), len(rows), cost,
                                                 slots[drafting], rows[drafting], num_out, kinds, entry)
-        if self._uniform_tokens and all(st.cap is None or st.cap >= self.k for st in states):
+        if self._can_fill(drafts, rows, num_tokens, states):
             if not self.draftless_rows or self._fill_pays(len(rows), calibrated, lens, entry):
                 self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
             elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
@@ -540,19 +540,23 @@ class LookaheadProposer:
         fee = float(entry[lens > 0].sum()) if entry is not None else 0.0
         return (num_rows + gain) / (cost.drafted(num_rows * (1 + self.k)) + fee) > num_rows / cost(num_rows)
 
+    def _can_fill(self, drafts: list[list[int]], rows: np.ndarray, num_tokens: np.ndarray,
+                  states: list[RequestState]) -> bool:
+        """Whether this step filled to k tokens a row replays a full CUDA graph (uniform steps on):
+        every batch row decodes, each has room for k more tokens, no request's own draft cap is
+        below k, and the step's (1 + k) tokens a row fit the largest graph."""
+        k = self.k
+        return bool(self._uniform_tokens and len(rows) and len(rows) == len(drafts)
+                    and len(rows) * (1 + k) <= self._uniform_tokens and int(num_tokens.max()) + k < self.max_model_len
+                    and all(st.cap is None or st.cap >= k for st in states))
+
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Fill every row's chain to exactly k tokens (in place) where the step then replays a
-        full CUDA graph: every batch row decodes, each has room for k more tokens (and no
-        request's own draft cap is below k: the caller checks), and the step's (1 + k) tokens a
-        row fit the largest graph. A row's fill is its draft's unplanned continuation
-        (``tok[j, :lens[j]]``, which the planned chain is a prefix of), then its last token
-        repeated. Verification keeps the output identical; the booking reads only the planned
-        part (``TreeOffers.match``)."""
+        """Fill every row's chain to exactly k tokens (in place; the step passed :meth:`_can_fill`).
+        A row's fill is its draft's unplanned continuation (``tok[j, :lens[j]]``, which the
+        planned chain is a prefix of), then its last token repeated. Verification keeps the
+        output identical; the booking reads only the planned part (``TreeOffers.match``)."""
         k = self.k
-        if (len(rows) != len(drafts) or len(rows) * (1 + k) > self._uniform_tokens
-                or not len(rows) or int(num_tokens.max()) + k >= self.max_model_len):
-            return
         raw = {int(r): tok[j, :lens[j]] for j, r in enumerate(drafted_rows.tolist())}
         added = 0
         for i, r in enumerate(rows.tolist()):
