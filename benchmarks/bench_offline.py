@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, suffix-d<depth>, lookahead, "
                         "lookahead-warm (plain is required; see the module docstring)")
     p.add_argument("--k", type=int, default=None,
-                   help="lookahead num_speculative_tokens (default: the platform's, core.config.PLATFORM_DECODING_LENGTH: 16, 8 on a GPU)")
+                   help="num_speculative_tokens (default: lookahead the platform's, 16 or 8 on a GPU; "
+                        "core.config.PLATFORM_DECODING_LENGTH; baselines 16)")
     p.add_argument("--prefix-caching", choices=("off", "on"), default="off",
                    help="vLLM prefix caching in every engine (default off: engines shared across cells, "
                         "plain and ngram, would otherwise reuse the prefill of prompts an earlier cell "
@@ -281,15 +282,14 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     # A variant's decoding_length is its node budget: vLLM's k follows it,
     # plus the Jacobi window's nodes for source "jacobi"/"both".
     k = args.k
-    from lookahead_vllm.core.config import default_decoding_length, resolve
+    from lookahead_vllm.core.config import DEFAULT_DECODING_LENGTH, default_decoding_length, resolve
     from lookahead_vllm.vllm.config import current_platform_name
 
-    default_k = default_decoding_length(current_platform_name())
-    if engine_method(method) == "lookahead":
+    if engine_method(method) == "lookahead":  # the platform's default, as a user's engine gets it
         window = resolve({**config, "decoding_length": 1}).lookahead_nodes
-        k = config.get("decoding_length", args.k or default_k) + window
-    if k is None:
-        k = default_k
+        k = config.get("decoding_length", args.k or default_decoding_length(current_platform_name())) + window
+    if k is None:  # baselines (suffix; ngram names its k): the k every earlier run gave them
+        k = DEFAULT_DECODING_LENGTH
     overrides = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     overrides["enable_prefix_caching"] = args.prefix_caching == "on"
     overrides.update(getattr(args, "engine_overrides", None) or {})  # bench_gpu: dtype, CUDA graphs, memory
