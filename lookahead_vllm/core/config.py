@@ -37,7 +37,7 @@ DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
 # is filled to k tokens a row (uniform steps, for vLLM's full CUDA graphs), so k
 # sets the step's price and how many rows get full graphs at all (rows x (1 + k)
 # within the largest graph: 30 rows at k 16 with vLLM's 512-token default, 56 at
-# k 8). On an H200 a batch-32 chain at k 16 ran ragged at 0.50x plain, vLLM's
+# k 8). On an H200 a batch-32 chain at k 16 ran ragged at 0.49x plain, vLLM's
 # ngram at k 8 uniform at 0.79x; batch 8 0.95x and 1.21x (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
 PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
