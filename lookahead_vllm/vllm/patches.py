@@ -216,6 +216,15 @@ def patch_draftless_steps(original):
     return _prepare_inputs
 
 
+def _wrap_all(targets: list[tuple[type, str, Callable]], params: dict[str, tuple[str, ...]]) -> None:
+    """Wrap every ``(owner, attr, make)`` of ``targets`` (leading parameters ``params[attr]``),
+    every signature checked before any is wrapped: all or nothing."""
+    for owner, attr, _ in targets:
+        _check_params(owner, attr, params[attr])
+    for owner, attr, make in targets:
+        _wrap(owner, attr, make, params[attr])
+
+
 def patch_draftless_graphs() -> bool:
     """Full CUDA graphs for draftless steps (profile ``draftless_graphs``).
 
@@ -270,10 +279,7 @@ def patch_draftless_graphs() -> bool:
     targets = [(GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys),
                (GPUModelRunner, "_warmup_and_capture", make_capture),
                (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)]
-    for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
-        _check_params(owner, attr, DRAFTLESS_GRAPH_PARAMS[attr])
-    for owner, attr, make in targets:
-        _wrap(owner, attr, make, DRAFTLESS_GRAPH_PARAMS[attr])
+    _wrap_all(targets, DRAFTLESS_GRAPH_PARAMS)
     return True
 
 
@@ -405,10 +411,7 @@ def patch_tree_verification() -> bool:
     targets = [(GPUModelRunner, "_prepare_inputs", make_prepare), (GPUModelRunner, "_sample", make_sample),
                (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
     targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
-    for owner, attr, _ in targets:  # every signature checked before any wrap: all or nothing
-        _check_params(owner, attr, TREE_PARAMS[attr])
-    for owner, attr, make in targets:
-        _wrap(owner, attr, make, TREE_PARAMS[attr])
+    _wrap_all(targets, TREE_PARAMS)
     return True
 
 
