@@ -700,6 +700,17 @@ def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
     single.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL", has_full_cudagraphs=lambda: True,
                                                                separate_routine=lambda: False)
     assert full_graph_tokens(single, 16) == 391 and not separate_decode_graphs(single)
+    # Draftless graphs: one per full-graph size up to max_num_seqs (one token a request), the largest
+    from lookahead_vllm.vllm.proposer import draftless_graph_rows
+
+    def with_seqs(cfg, n):
+        cfg.scheduler_config = SimpleNamespace(max_num_seqs=n)
+        return cfg
+
+    assert draftless_graph_rows(with_seqs(config(True), 32), 8) == 27  # 9, 18, 27 of round_up(s, 9)
+    assert draftless_graph_rows(with_seqs(config(True), 256), 8) == 198
+    assert draftless_graph_rows(with_seqs(config(True), 8), 8) == 0  # no graph of 9 requests or fewer
+    assert draftless_graph_rows(with_seqs(config(False), 256), 8) == 0
 
 
 def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():
