@@ -211,12 +211,14 @@ def test_metrics_move_by_what_responses_imply(lookahead, code_prompts):
 
 
 def test_load_adaptation_stops_drafting_under_concurrency(plain, lookahead, code_prompts):
-    # The lookahead server stops drafting at 4 running requests (tests/serve/conftest.py).
+    # The lookahead server stops drafting at 4 running requests (tests/serve/conftest.py). 16
+    # concurrent requests of 40 tokens: with 8 of 24 tokens one clean-clone CI run counted no
+    # load-skipped step (timing on a 2-core machine), so the requests now overlap for longer.
     before = scrape(lookahead)
-    prompts = code_prompts * 2  # 8 concurrent requests
+    prompts = code_prompts * 4
     with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: complete(lookahead, p, max_tokens=24), prompts))
-        refs = list(pool.map(lambda p: complete(plain, p, max_tokens=24), prompts))
+        outs = list(pool.map(lambda p: complete(lookahead, p, max_tokens=40), prompts))
+        refs = list(pool.map(lambda p: complete(plain, p, max_tokens=40), prompts))
     assert [o[:2] for o in outs] == [r[:2] for r in refs]
     after = _wait_for(lookahead, lambda m: m.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0)
                       > before.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0))
