@@ -512,7 +512,7 @@ class LookaheadProposer:
                                                 self._step_budget(len(rows)), len(rows), cost,
                                                 slots[drafting], rows[drafting], num_out, kinds, entry)
         if self._can_fill(drafts, rows, num_tokens, states):
-            if not self.draftless_rows or self._fill_pays(len(rows), calibrated, lens, entry):
+            if not self.draftless_rows or self._fill_pays(cost, len(rows), calibrated, lens, entry):
                 self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
             elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
                 drafts = [[] for _ in drafts]
@@ -525,16 +525,17 @@ class LookaheadProposer:
                                      p.jacobi_ngram)
         return drafts, len(rows), skipped, load_budget
 
-    def _fill_pays(self, num_rows: int, calibrated: np.ndarray, lens: np.ndarray, entry: np.ndarray | None) -> bool:
+    def _fill_pays(self, cost: ForwardCost, num_rows: int, calibrated: np.ndarray, lens: np.ndarray,
+                   entry: np.ndarray | None) -> bool:
         """With draftless graphs, whether this step filled to k tokens a row is expected to emit
         more tokens per unit of time than a draftless one: ``(rows + gain) / (cost.drafted(rows
         * (1 + k)) + entries) > rows / cost(rows)``, ``gain`` the calibrated confidences of every
         drafting row's draft up to k nodes (``calibrated``, ``lens``: the planner's; a fill's
-        repeated last token counts nothing), ``entries`` what the rows with a draft pay. With the
-        cost model off (no token prices) a fill pays whenever any row drafted."""
+        repeated last token counts nothing), ``entries`` what the rows with a draft pay; ``cost``:
+        the step's model (``ForwardCost.at_rows``). With the cost model off (no token prices) a
+        fill pays whenever any row drafted."""
         within = np.arange(calibrated.shape[1]) < np.minimum(lens, self.k)[:, None]
         gain = float(np.where(within, calibrated, 0.0).sum())
-        cost = self.cost.at_rows(num_rows)
         if not cost.free_tokens:
             return bool(np.any(lens))
         fee = float(entry[lens > 0].sum()) if entry is not None else 0.0

@@ -539,9 +539,10 @@ def _greedy_walks(plans: list[StepPlan], ats: list[int], argmax: np.ndarray) -> 
     # Every plan's verify nodes, flat, written into their rows in one indexed write each.
     rows, cols = np.repeat(np.arange(len(plans)), lens), _index_within(lens)
     tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
-    tokens[rows, cols] = np.fromiter(chain.from_iterable(p.tree.tokens[:n] for p, n in zip(plans, lens.tolist())),
+    sizes = lens.tolist()
+    tokens[rows, cols] = np.fromiter(chain.from_iterable(p.tree.tokens[:n] for p, n in zip(plans, sizes)),
                                      np.int32, len(rows))
-    parents[rows, cols] = np.fromiter(chain.from_iterable(p.tree.parents[:n] for p, n in zip(plans, lens.tolist())),
+    parents[rows, cols] = np.fromiter(chain.from_iterable(p.tree.parents[:n] for p, n in zip(plans, sizes)),
                                       np.int32, len(rows))
     # A tree of n verify nodes has at least n + 1 rows: row j of tree i is argmax[ats[i] + j].
     targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]

@@ -786,11 +786,11 @@ def test_a_filled_step_pays_when_its_expected_tokens_beat_its_price():
     p = make_proposer(k=8, cost_free_tokens=4, cost_marginal_tokens=20)
     calibrated = np.zeros((2, 10))
     calibrated[0, :3] = 0.5  # 1.5 expected tokens: pays
-    assert p._fill_pays(2, calibrated, np.array([3, 0]), None)
+    assert p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), None)
     calibrated[0, 2] = 0.3  # 1.3: does not
-    assert not p._fill_pays(2, calibrated, np.array([3, 0]), None)
+    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), None)
     calibrated[1, 8:] = 1.0  # nodes past k are never scored
-    assert not p._fill_pays(2, calibrated, np.array([3, 10]), None)
+    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 10]), None)
     calibrated[0, 2] = 0.5  # 1.5 again, but the drafted rows' entries (0.05 forwards each) now cost
-    assert not p._fill_pays(2, calibrated, np.array([3, 0]), np.array([0.05, 0.0]))
-    assert make_proposer(k=8)._fill_pays(2, np.zeros((2, 10)), np.array([1, 0]), None)  # no prices: any draft
+    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), np.array([0.05, 0.0]))
+    assert make_proposer(k=8)._fill_pays(make_proposer(k=8).cost, 2, np.zeros((2, 10)), np.array([1, 0]), None)  # no prices: any draft

@@ -342,7 +342,6 @@ def match_trees(offer_slots, offer_lengths, tokens, parents, slots, scheduled, e
     return np.asarray(at, np.int64), np.asarray(verified, np.int64), hits
 
 
-
 def walk_trees(tokens, parents, lens, targets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The extension's ``walk_trees`` (``tree_verify``'s greedy walks), tree by tree with
     :func:`~lookahead_vllm.core.step_plan.walk_tree`: tree ``d``'s first ``lens[d]`` nodes,
@@ -356,6 +355,7 @@ def walk_trees(tokens, parents, lens, targets) -> tuple[np.ndarray, np.ndarray, 
         path, out = walk_tree(StepPlan(tree), lambda row: int(targets[d, row]))
         nodes[d, :len(path)], counts[d], bonus[d] = path, len(path), out[-1]
     return nodes, counts, bonus
+
 
 # --------------------------------------------------------------- planning
 def plan_trees(tokens, parents, raw, lengths, tree_ok, bin_edges, factors, budget, num_rows, free_tokens,
