@@ -61,47 +61,50 @@ void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
 }
 
 int64_t ContextChain::memory_bytes() const {
-  int64_t total = static_cast<int64_t>(sizeof(ContextChain) + seq_.capacity() * sizeof(int32_t) +
-                                       next_.bucket_count() * sizeof(void*));
-  for (const auto& [key, groups] : next_) {
-    total += 48 + static_cast<int64_t>(groups.capacity() * sizeof(Group));
-    for (const Group& g : groups) total += static_cast<int64_t>(g.follows.capacity() * sizeof(int64_t));
-  }
-  return total;
+  return static_cast<int64_t>(sizeof(ContextChain) + seq_.capacity() * sizeof(int32_t) +
+                              groups_.capacity() * sizeof(Group) + index_.memory_bytes());
 }
 
-uint64_t ContextChain::hash(int64_t end) const {
+uint32_t ContextChain::tag(int64_t end) const {
   uint64_t h = 0x9E3779B97F4A7C15ull;
   for (int64_t i = end - n_; i < end; ++i) {
     h ^= static_cast<uint32_t>(seq_[i]);
     h *= 0xFF51AFD7ED558CCDull;
     h ^= h >> 33;
   }
-  return h;
+  return static_cast<uint32_t>(h ^ (h >> 32));
 }
 
 const ContextChain::Group* ContextChain::find(int64_t end) const {
-  const auto it = next_.find(hash(end));
-  if (it == next_.end()) return nullptr;
-  for (const Group& g : it->second) {
-    if (std::equal(seq_.begin() + (g.end - n_), seq_.begin() + g.end, seq_.begin() + (end - n_))) return &g;
-  }
-  return nullptr;
+  const int32_t* gram = seq_.data() + (end - n_);
+  const size_t slot = index_.find(tag(end), [&](const GroupRef& r) {
+    return std::equal(gram, gram + n_, seq_.data() + (groups_[r.id].end - n_));
+  });
+  return slot == NgramMap<GroupRef>::npos ? nullptr : &groups_[index_.value(slot).id];
 }
 
 // ContextIndex.extend
 void ContextChain::extend(const int32_t* tokens, std::size_t k) {
   const int64_t start = std::max<int64_t>(n_, static_cast<int64_t>(seq_.size()));
   seq_.insert(seq_.end(), tokens, tokens + k);
-  for (int64_t p = start; p < static_cast<int64_t>(seq_.size()); ++p) {
-    std::vector<Group>& groups = next_[hash(p)];
-    Group* g = nullptr;
-    for (Group& c : groups) {
-      if (std::equal(seq_.begin() + (c.end - n_), seq_.begin() + c.end, seq_.begin() + (p - n_))) g = &c;
+  const int64_t size = static_cast<int64_t>(seq_.size());
+  for (int64_t p = start; p < size; ++p) index_.prefetch(tag(p));  // a hint: the probes below overlap
+  for (int64_t p = start; p < size; ++p) {
+    const int32_t* gram = seq_.data() + (p - n_);
+    const size_t slot = index_.find_or_insert(tag(p), [&](const GroupRef& r) {
+      return std::equal(gram, gram + n_, seq_.data() + (groups_[r.id].end - n_));
+    });
+    GroupRef& ref = index_.value(slot);
+    if (ref.empty()) {
+      ref.id = static_cast<uint32_t>(groups_.size());
+      groups_.push_back(Group{static_cast<uint32_t>(p), 0, {}});
     }
-    if (g == nullptr) g = &groups.emplace_back(Group{p, {}});
-    g->follows.push_back(p);
-    if (static_cast<int>(g->follows.size()) > kRecentOccurrences) g->follows.erase(g->follows.begin());
+    Group& g = groups_[ref.id];
+    if (g.count == kRecentOccurrences) {  // the oldest goes
+      std::copy(g.follows + 1, g.follows + kRecentOccurrences, g.follows);
+      --g.count;
+    }
+    g.follows[g.count++] = static_cast<uint32_t>(p);
   }
 }
 
@@ -113,8 +116,8 @@ std::pair<int64_t, int64_t> ContextChain::match() const {
   const Group* g = find(end);
   if (g == nullptr) return {-1, 0};
   int64_t best = -1, best_len = 0;
-  for (auto it = g->follows.rbegin(); it != g->follows.rend(); ++it) {
-    const int64_t p = *it;
+  for (uint32_t i = g->count; i-- > 0;) {
+    const int64_t p = g->follows[i];
     int64_t length = n_;
     while (length < kMaxMatch && p - length - 1 >= 0 && seq_[p - length - 1] == seq_[end - length - 1]) ++length;
     if (length > best_len) {
@@ -185,14 +188,12 @@ TokenTrie::TokenTrie(const TrieConfig& config) : config_(config) {
 
 int64_t TokenTrie::memory_bytes() const {
   int64_t total = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t) +
-                                       taken_.capacity() * 32);
-  for (const Node& n : nodes_) {
-    total += static_cast<int64_t>(n.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
-  }
-  // Hash nodes (key, value, next pointer, cached hash) and buckets.
-  total += static_cast<int64_t>(edges_.size() * 32 + edges_.bucket_count() * sizeof(void*));
+                                       taken_.capacity() * 32 + edges_.memory_bytes()) +
+                  prompt_bytes_;
+  // Hash nodes (key, record, next pointer, cached hash) and buckets.
+  total += static_cast<int64_t>(requests_.size() * 32 + requests_.bucket_count() * sizeof(void*));
   for (const auto& [handle, req] : requests_) {
-    total += static_cast<int64_t>(sizeof(Request) + 64 + req.prompt.capacity() * sizeof(int32_t) +
+    total += static_cast<int64_t>(sizeof(Request) + req.prompt.capacity() * sizeof(int32_t) +
                                   req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
     if (req.context) total += req.context->memory_bytes();
   }
@@ -236,9 +237,13 @@ int TokenTrie::depth(int32_t id) const {
   return d;
 }
 
+uint32_t TokenTrie::edge_tag(int32_t id, int32_t token) {
+  return static_cast<uint32_t>(mix64(edge_key(id, token)));
+}
+
 int32_t TokenTrie::find_child(int32_t id, int32_t token) const {
-  const auto it = edges_.find(edge_key(id, token));
-  return it == edges_.end() ? -1 : it->second;
+  const size_t slot = edges_.find(edge_tag(id, token), is_edge(id, token));
+  return slot == NgramMap<EdgeRef>::npos ? -1 : edges_.value(slot).child;
 }
 
 // _child
@@ -270,7 +275,7 @@ int32_t TokenTrie::child(int32_t id, int32_t token) {
     p.first = fresh;
   }
   p.last = fresh;
-  edges_.emplace(edge_key(id, token), fresh);
+  edges_.value(edges_.find_or_insert(edge_tag(id, token), is_edge(id, token))).child = fresh;
   ++num_nodes_;
   return fresh;
 }
@@ -319,7 +324,9 @@ void TokenTrie::insert_prompt(int64_t slot, Request& req, const int32_t* prompt,
       if (!nd.prompt.empty() && nd.prompt.back().first == slot) {
         ++nd.prompt.back().second;  // this request counted here last: its entry is the last one
       } else {
+        const size_t capacity = nd.prompt.capacity();
         nd.prompt.emplace_back(slot, 1);
+        prompt_bytes_ += static_cast<int64_t>((nd.prompt.capacity() - capacity) * sizeof(nd.prompt[0]));
       }
       ++nd.ptotal;
     }
@@ -377,11 +384,23 @@ void TokenTrie::insert_output(const int32_t* tokens, size_t n) {
   maybe_prune();
 }
 
-// _extend_one
+// _extend_one. The cursors' nodes and the edge slots their children are
+// found through are fetched for all of them first (hints only: one cache
+// miss latency for the token rather than one per cursor); the updates then
+// run in the reference's order.
 void TokenTrie::extend_one(Request& req, int32_t token) {
-  std::vector<NodeRef> cursors;
-  cursors.reserve(req.cursors.size() + 1);
-  for (size_t j = 0; j < req.cursors.size(); ++j) {
+  const size_t m = req.cursors.size();
+  for (size_t j = 0; j < m; ++j) {
+    __builtin_prefetch(&nodes_[req.cursors[j].id]);
+    edges_.prefetch(edge_tag(req.cursors[j].id, token));
+  }
+  edges_.prefetch(edge_tag(0, token));
+  for (size_t j = 0; j < m; ++j) {
+    if (const EdgeRef* e = edges_.home(edge_tag(req.cursors[j].id, token))) __builtin_prefetch(&nodes_[e->child]);
+  }
+  std::vector<NodeRef>& cursors = next_cursors_;
+  cursors.clear();
+  for (size_t j = 0; j < m; ++j) {
     int32_t node = req.cursors[j].id;
     if (!live(req.cursors[j])) node = walk(req.window.data() + j, req.window.size() - j, true);
     const int32_t c = child(node, token);
@@ -396,7 +415,7 @@ void TokenTrie::extend_one(Request& req, int32_t token) {
     req.window.erase(req.window.begin());
     cursors.erase(cursors.begin());
   }
-  req.cursors = std::move(cursors);
+  req.cursors.swap(cursors);  // the old cursors' memory is the next call's scratch
 }
 
 // _drop_if_empty
@@ -421,8 +440,9 @@ void TokenTrie::detach(int32_t id) {
     for (int32_t c : kids(n)) stack.push_back(c);
     Node& nd = nodes_[n];
     nd.alive = false;
-    edges_.erase(edge_key(nd.parent, nd.token));
+    edges_.erase(edges_.find(edge_tag(nd.parent, nd.token), is_edge(nd.parent, nd.token)));
     nd.first = nd.last = -1;
+    prompt_bytes_ -= static_cast<int64_t>(nd.prompt.capacity() * sizeof(std::pair<int64_t, int64_t>));
     std::vector<std::pair<int64_t, int64_t>>().swap(nd.prompt);  // a reused slot starts with no memory held
     free_.push_back(n);
     --num_nodes_;

@@ -33,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "ngram_map.h"
+
 namespace lookahead {
 
 struct TrieConfig {
@@ -67,8 +69,10 @@ void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget);
 // The context chain of one request (lab reference trie.py ContextIndex): its
 // tokens and, per `min_match`-gram, the most recent positions (at most
 // kRecentOccurrences, ascending) of the token that followed it. An n-gram's
-// positions are found by a hash of its tokens and confirmed by comparing them
-// (colliding n-grams stay apart).
+// group is found by a hash of its tokens (an NgramMap of group ids) and
+// confirmed by comparing them (colliding n-grams stay apart); a group is one
+// fixed record (no allocation of its own), so extending costs a probe and a
+// record a token and memory_bytes() is O(1).
 class ContextChain {
  public:
   static constexpr int kRecentOccurrences = 8;  // reference trie.py RECENT_OCCURRENCES
@@ -86,15 +90,21 @@ class ContextChain {
 
  private:
   struct Group {
-    int64_t end;                  // seq_[end - n, end) is the n-gram
-    std::vector<int64_t> follows;  // positions that followed it, ascending
+    uint32_t end;    // seq_[end - n, end) is the n-gram
+    uint32_t count;  // positions held
+    uint32_t follows[kRecentOccurrences];  // positions that followed it, ascending
   };
-  uint64_t hash(int64_t end) const;
+  struct GroupRef {
+    uint32_t id = 0xFFFFFFFFu;
+    bool empty() const { return id == 0xFFFFFFFFu; }
+  };
+  uint32_t tag(int64_t end) const;  // hash of the n-gram seq_[end - n, end)
   const Group* find(int64_t end) const;
 
   int n_;
   std::vector<int32_t> seq_;
-  std::unordered_map<uint64_t, std::vector<Group>> next_;
+  std::vector<Group> groups_;
+  NgramMap<GroupRef> index_;
 };
 
 // A row's draft from its lead, the trie's tree and the Jacobi pool's
@@ -174,6 +184,12 @@ class TokenTrie {
     int32_t id;
     int64_t serial;
   };
+  // edges_'s value: the child (its node holds the parent and token that
+  // confirm a hash match).
+  struct EdgeRef {
+    int32_t child = -1;
+    bool empty() const { return child < 0; }
+  };
   struct Request {
     std::vector<int32_t> prompt;  // as inserted (insert_prompt): its windows hold its counts
     std::vector<int32_t> window;
@@ -188,6 +204,11 @@ class TokenTrie {
   double children_total(int32_t id) const;
   bool is_empty(int32_t id) const;
   int depth(int32_t id) const;
+  // The edge (id, token)'s hash tag in edges_, and whether `ref` is that edge.
+  static uint32_t edge_tag(int32_t id, int32_t token);
+  auto is_edge(int32_t id, int32_t token) const {
+    return [this, id, token](const EdgeRef& r) { return nodes_[r.child].parent == id && nodes_[r.child].token == token; };
+  }
   int32_t find_child(int32_t id, int32_t token) const;
   int32_t child(int32_t id, int32_t token);  // found or created
   int32_t walk(const int32_t* tokens, std::size_t n, bool create);
@@ -207,7 +228,9 @@ class TokenTrie {
   TrieConfig config_;
   std::vector<Node> nodes_;
   std::vector<int32_t> free_;
-  std::unordered_map<uint64_t, int32_t> edges_;  // (parent << 32 | token) -> child
+  NgramMap<EdgeRef> edges_;  // (parent, token) -> child (open addressing on edge_tag)
+  int64_t prompt_bytes_ = 0;  // the nodes' prompt-count vectors' capacity, in bytes
+  std::vector<NodeRef> next_cursors_;  // extend_one's scratch (swapped with a request's cursors)
   std::unordered_map<int64_t, Request> requests_;
   int64_t num_nodes_ = 0;  // root excluded
   int64_t num_prunes_ = 0;
