@@ -143,42 +143,55 @@ std::pair<std::unique_lock<std::mutex>, std::unique_lock<std::mutex>> lock_with_
   return {std::move(lock), std::move(lock_backoff)};
 }
 
+// sync's arguments (the index's and the trie's), checked against the token
+// table: row i is sequence sids[i], table row rows[i]'s first num_tokens[i]
+// tokens, prompt_lens[i] of them its prompt, in partitions[i] (null: none
+// given).
+struct SyncArgs {
+  SyncArgs(py::handle sids_obj, py::handle rows_obj, const TokenTable& table, py::handle num_tokens_obj,
+           py::handle prompt_lens_obj, py::handle partitions_obj)
+      : sids(int_array(sids_obj, "sids")),
+        rows(int_array(rows_obj, "rows")),
+        num_tokens(int_array(num_tokens_obj, "num_tokens")),
+        prompt_lens(int_array(prompt_lens_obj, "prompt_lens")),
+        batch(sids.shape(0)) {
+    if (rows.shape(0) != batch || num_tokens.shape(0) != batch || prompt_lens.shape(0) != batch) {
+      throw py::value_error("sids, rows, num_tokens and prompt_lens must have the same length");
+    }
+    sid = sids.data(), row = rows.data(), num = num_tokens.data(), plen = prompt_lens.data();
+    if (!partitions_obj.is_none()) {
+      partitions = int_array(partitions_obj, "partitions");
+      if (partitions.shape(0) != batch) throw py::value_error("sids and partitions must have the same length");
+      part = partitions.data();
+      for (int64_t i = 0; i < batch; ++i) check_partition(part[i]);
+    }
+    for (int64_t i = 0; i < batch; ++i) {
+      if (row[i] < 0 || row[i] >= table.rows) {
+        throw py::index_error("rows[" + std::to_string(i) + "]=" + std::to_string(row[i]) + ": must be in [0, " +
+                              std::to_string(table.rows) + ")");
+      }
+      if (num[i] < 0 || num[i] > table.cols) {
+        throw py::value_error("num_tokens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
+                              ": must be in [0, " + std::to_string(table.cols) + "]");
+      }
+    }
+  }
+  IntArray sids, rows, num_tokens, prompt_lens, partitions;
+  int64_t batch;
+  const int64_t *sid, *row, *num, *plen, *part = nullptr;
+};
+
 int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
                   py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff, py::handle partitions_obj) {
   if (backoff == &b) throw py::value_error("backoff: must be another index");
   const TokenTable table(token_ids);
-  const IntArray sids = int_array(sids_obj, "sids"), rows = int_array(rows_obj, "rows");
-  const IntArray num_tokens = int_array(num_tokens_obj, "num_tokens");
-  const IntArray prompt_lens = int_array(prompt_lens_obj, "prompt_lens");
-  const int64_t batch = sids.shape(0);
-  if (rows.shape(0) != batch || num_tokens.shape(0) != batch || prompt_lens.shape(0) != batch) {
-    throw py::value_error("sids, rows, num_tokens and prompt_lens must have the same length");
-  }
-  const int64_t *sid = sids.data(), *row = rows.data(), *num = num_tokens.data(), *plen = prompt_lens.data();
-  IntArray partitions;
-  const int64_t* part = nullptr;
-  if (!partitions_obj.is_none()) {
-    partitions = int_array(partitions_obj, "partitions");
-    if (partitions.shape(0) != batch) throw py::value_error("sids and partitions must have the same length");
-    part = partitions.data();
-    for (int64_t i = 0; i < batch; ++i) check_partition(part[i]);
-  }
-  for (int64_t i = 0; i < batch; ++i) {
-    if (row[i] < 0 || row[i] >= table.rows) {
-      throw py::index_error("rows[" + std::to_string(i) + "]=" + std::to_string(row[i]) + ": must be in [0, " +
-                            std::to_string(table.rows) + ")");
-    }
-    if (num[i] < 0 || num[i] > table.cols) {
-      throw py::value_error("num_tokens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
-                            ": must be in [0, " + std::to_string(table.cols) + "]");
-    }
-  }
+  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj);
   py::gil_scoped_release nogil;
   const auto locks = lock_with_backoff(b, backoff);
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
-  const int64_t rewound = b.core.sync(sid, row, num, plen, batch, table, part);
-  if (backoff != nullptr) backoff->core.sync(sid, row, num, plen, batch, table, part);
+  const int64_t rewound = b.core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part);
+  if (backoff != nullptr) backoff->core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part);
   return rewound;
 }
 
@@ -645,6 +658,52 @@ py::tuple context_rows(BoundTrie& b, py::handle handles_obj, py::handle budgets_
   return py::make_tuple(out.tokens, out.parents, out.weights, out.conf, out.lengths);
 }
 
+// The trie's side of a step's sync (TokenTrie::sync): every row's slot,
+// table row, committed tokens, prompt length and partition (None: all the
+// default partition); returns how many were rewound.
+int64_t trie_sync(BoundTrie& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
+                  py::handle num_tokens_obj, py::handle prompt_lens_obj, py::handle partitions_obj) {
+  const TokenTable table(token_ids);
+  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj);
+  const std::vector<int64_t> defaults(a.part == nullptr ? a.batch : 0, lookahead::TokenTrie::kDefault);
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(b.mu);
+  return b.core.sync(a.sid, a.row, a.num, a.plen, a.part != nullptr ? a.part : defaults.data(), a.batch, table);
+}
+
+// retrieve_rows by slot (the slots' record handles; a slot kept off the trie
+// drafts nothing), and per row whether its slot drafts from the trie (uint8).
+py::tuple retrieve_slots(BoundTrie& b, py::handle sids_obj, const py::array& contexts, py::handle lens_obj,
+                         py::handle budgets_obj, double floor, const std::string& shape) {
+  const IntArray sids = int_array(sids_obj, "sids"), budgets = int_array(budgets_obj, "budgets");
+  const int64_t batch = sids.shape(0);
+  check_same_length("sids and budgets", batch, budgets.shape(0));
+  py::array_t<int64_t> handles(batch), kept(batch);
+  py::array_t<uint8_t> on(batch);
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t sid = sids.data()[i];
+      on.mutable_data()[i] = b.core.slot_on_trie(sid);
+      handles.mutable_data()[i] = b.core.slot_handle(sid);
+      kept.mutable_data()[i] = on.data()[i] ? budgets.data()[i] : 0;
+    }
+  }
+  py::tuple rows = retrieve_rows(b, handles, contexts, lens_obj, kept, floor, shape);
+  return py::make_tuple(rows[0], rows[1], rows[2], rows[3], rows[4], on);
+}
+
+// context_rows by slot (a slot with no record of its own drafts nothing).
+py::tuple context_slots(BoundTrie& b, py::handle sids_obj, py::handle budgets_obj, double floor) {
+  const IntArray sids = int_array(sids_obj, "sids");
+  py::array_t<int64_t> handles(sids.shape(0));
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    for (int64_t i = 0; i < sids.shape(0); ++i) handles.mutable_data()[i] = b.core.slot_handle(sids.data()[i]);
+  }
+  return context_rows(b, handles, budgets_obj, floor);
+}
+
 // Many requests' new tokens in one call: handles[i] gets
 // token_ids[rows[i], starts[i]:ends[i]] (rows whose handle is unknown: KeyError).
 void extend_rows(BoundTrie& b, py::handle handles_obj, const py::array& token_ids, py::handle rows_obj,
@@ -848,6 +907,28 @@ void bind_trie(py::module_& m) {
           py::arg("handle"))
       .def("extend_rows", &extend_rows, py::arg("handles"), py::arg("token_ids"), py::arg("rows"), py::arg("starts"),
            py::arg("ends"))
+      .def("sync", &trie_sync, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
+           py::arg("prompt_lens"), py::arg("partitions") = py::none())
+      .def(
+          "finish_slot",
+          [](BoundTrie& b, int64_t sid) {
+            std::lock_guard<std::mutex> lock(b.mu);
+            b.core.finish_slot(sid);
+          },
+          py::arg("sid"))
+      .def("retrieve_slots", &retrieve_slots, py::arg("sids"), py::arg("contexts"), py::arg("context_lens"),
+           py::arg("budgets"), py::arg("floor"), py::arg("shape"))
+      .def("context_slots", &context_slots, py::arg("sids"), py::arg("budgets"), py::arg("floor"))
+      .def(
+          "slot_context_length",
+          [](BoundTrie& b, int64_t sid) -> int64_t {
+            std::lock_guard<std::mutex> lock(b.mu);
+            const lookahead::ContextChain* c = b.core.context(b.core.slot_handle(sid));
+            return c == nullptr ? -1 : static_cast<int64_t>(c->size());
+          },
+          py::arg("sid"))
+      .def_property_readonly("num_slots", locked([](lookahead::TokenTrie& t) { return t.num_slots(); }))
+      .def_property_readonly("num_slot_contexts", locked([](lookahead::TokenTrie& t) { return t.num_slot_contexts(); }))
       .def("output_counts",
            [](BoundTrie& b) {
              std::vector<int32_t> parents, tokens;

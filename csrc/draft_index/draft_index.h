@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "ngram_map.h"
+#include "token_source.h"
 
 namespace lookahead {
 
@@ -114,16 +115,6 @@ struct DraftRow {
   int32_t* tokens;
   int32_t* parents;
   double* confidence;
-};
-
-// A batch's token table as sync reads it: rows of committed tokens.
-class TokenSource {
- public:
-  virtual ~TokenSource() = default;
-  // Row `row`'s tokens [begin, end) into `out`.
-  virtual void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const = 0;
-  // Where row `row`'s token `col` lies (a prefetch hint only).
-  virtual const void* address(int64_t row, int64_t col) const = 0;
 };
 
 class DraftIndex {

@@ -191,7 +191,9 @@ int64_t TokenTrie::memory_bytes() const {
                                        taken_.capacity() * 32 + edges_.memory_bytes()) +
                   prompt_bytes_;
   // Hash nodes (key, record, next pointer, cached hash) and buckets.
-  total += static_cast<int64_t>(requests_.size() * 32 + requests_.bucket_count() * sizeof(void*));
+  total += static_cast<int64_t>((requests_.size() + slots_.size()) * 32 +
+                                (requests_.bucket_count() + slots_.bucket_count()) * sizeof(void*) +
+                                slots_.size() * sizeof(SlotRecord));
   for (const auto& [handle, req] : requests_) {
     total += static_cast<int64_t>(sizeof(Request) + req.prompt.capacity() * sizeof(int32_t) +
                                   req.window.capacity() * sizeof(int32_t) + req.cursors.capacity() * sizeof(NodeRef));
@@ -655,6 +657,64 @@ void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) c
       out.push(nodes_[*it].token, j == 0 ? -1 : static_cast<int32_t>(out.size()) - 1, pick_w_[*it], conf_[*it]);
     }
   }
+}
+
+// ------------------------------------------------------------- slots
+
+// _TrieCore.sync
+int64_t TokenTrie::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
+                        const int64_t* parts, int64_t batch, const TokenSource& table) {
+  int64_t rewound = 0;
+  std::vector<int32_t>& tokens = sync_tokens_;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (parts[i] != kDefault) {  // the trie is shared: only the default partition's requests use it
+      slots_.try_emplace(sids[i]);
+      continue;
+    }
+    auto it = slots_.find(sids[i]);
+    if (it != slots_.end() && num[i] < it->second.inserted) {  // the runner rewound tokens: start over
+      ++rewound;
+      finish_request(it->second.handle);
+      slots_.erase(it);
+      it = slots_.end();
+    }
+    if (it == slots_.end()) {
+      const int64_t prompt = std::min(prompt_lens[i], num[i]);
+      table.read(rows[i], 0, prompt, tokens);
+      it = slots_.emplace(sids[i], SlotRecord{add_request(tokens.data(), tokens.size()), prompt}).first;
+    }
+    SlotRecord& rec = it->second;
+    if (num[i] > rec.inserted) {
+      table.read(rows[i], rec.inserted, num[i], tokens);
+      extend(rec.handle, tokens.data(), tokens.size());
+      rec.inserted = num[i];
+    }
+  }
+  return rewound;
+}
+
+void TokenTrie::finish_slot(int64_t sid) {
+  const auto it = slots_.find(sid);
+  if (it == slots_.end()) return;
+  if (it->second.handle >= 0) finish_request(it->second.handle);
+  slots_.erase(it);
+}
+
+bool TokenTrie::slot_on_trie(int64_t sid) const {
+  const auto it = slots_.find(sid);
+  return it == slots_.end() || it->second.handle >= 0;
+}
+
+int64_t TokenTrie::num_slot_contexts() const {
+  if (config_.context_match <= 0) return 0;
+  int64_t n = 0;
+  for (const auto& [sid, rec] : slots_) n += rec.handle >= 0;
+  return n;
+}
+
+int64_t TokenTrie::slot_handle(int64_t sid) const {
+  const auto it = slots_.find(sid);
+  return it == slots_.end() || it->second.handle < 0 ? -1 : it->second.handle;
 }
 
 // ------------------------------------------------------------- snapshots

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "ngram_map.h"
+#include "token_source.h"
 
 namespace lookahead {
 
@@ -143,6 +144,29 @@ class TokenTrie {
   // unknown handle: none do).
   void retrieve(const int32_t* context, std::size_t n, int64_t budget, int64_t handle, TrieShape shape, double floor,
                 FlatTree& out);
+  // The engine's requests by the caller's slot (lab reference _TrieCore's
+  // slot methods): each slot's record handle and the tokens it inserted.
+  //
+  // Brings the trie up to date with a step's rows, in row order: row i, slot
+  // `sids[i]`, has committed table row `rows[i]`'s first `num[i]` tokens
+  // (the first `prompt_lens[i]` of them its prompt). A slot of another
+  // partition than `kDefault` is kept off the shared trie (known, never
+  // inserted). An unknown slot is admitted (its prompt as of this step, then
+  // the rest as output), a known one extended, or started over where the row
+  // is shorter than what it inserted (a rewind). Returns how many were
+  // rewound.
+  static constexpr int64_t kDefault = 0;
+  int64_t sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
+               const int64_t* parts, int64_t batch, const TokenSource& table);
+  // The slot's request finished or was aborted (unknown slots are ignored).
+  void finish_slot(int64_t sid);
+  // Whether the slot drafts from the trie (unknown: yes, with no record of
+  // its own; kept off: no), and its record handle (-1: none).
+  bool slot_on_trie(int64_t sid) const;
+  int64_t slot_handle(int64_t sid) const;
+  int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
+  // Context chains held by slots (0 with context_match 0).
+  int64_t num_slot_contexts() const;
   // The output counts as a pre-order node table (the reference's output_counts).
   void output_counts(std::vector<int32_t>& parents, std::vector<int32_t>& tokens, std::vector<double>& counts) const;
   // Add such a table; false (nothing added) if a parent is not an earlier row.
@@ -232,6 +256,14 @@ class TokenTrie {
   int64_t prompt_bytes_ = 0;  // the nodes' prompt-count vectors' capacity, in bytes
   std::vector<NodeRef> next_cursors_;  // extend_one's scratch (swapped with a request's cursors)
   std::unordered_map<int64_t, Request> requests_;
+  // sync's slots: the record handle (kOffTrie: kept off the trie) and the tokens inserted.
+  static constexpr int64_t kOffTrie = -2;
+  struct SlotRecord {
+    int64_t handle = kOffTrie;
+    int64_t inserted = 0;
+  };
+  std::unordered_map<int64_t, SlotRecord> slots_;
+  std::vector<int32_t> sync_tokens_;  // sync's scratch
   int64_t num_nodes_ = 0;  // root excluded
   int64_t num_prunes_ = 0;
   int64_t serial_ = 0;

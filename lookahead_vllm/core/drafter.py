@@ -5,9 +5,10 @@ It owns the sources that draft from text (``config.sources``):
   index  core/draft_index.py (native): the continuations of the
          longest earlier matches in the request's own text and in every
          request's output; one ``sync`` and one ``draft_batch`` per step.
-  trie   core/trie.py (native: csrc/draft_index/token_trie.h) with each
-         request's context chain in its record: one ``extend_rows`` in
-         ``sync``, one ``retrieve_rows`` and one ``context_rows`` per step.
+  trie   core/trie.py (native: csrc/draft_index/token_trie.h), a request's
+         record (its context chain, the tokens it inserted) kept there by
+         slot: one ``sync``, one ``retrieve_slots`` and one ``context_slots``
+         per step.
 
 A step's drafts are rows of arrays from a few batch calls: the index's, the
 trie's and the context chains', then one native ``merge_rows`` that puts
@@ -32,7 +33,6 @@ Index nodes lead a merged tree; their ranking weight is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -49,17 +49,6 @@ if TYPE_CHECKING:
 
 # Ranking weight scale of index nodes (above any trie count).
 INDEX_WEIGHT = 1e18
-
-
-@dataclass(slots=True)
-class TrieRequest:
-    """What the trie source holds for one request, in one record: the tokens
-    inserted so far and its place in the trie, which holds its context chain
-    too (profile ``context_match``; None: a request of another partition than
-    the default stays off the shared trie)."""
-
-    inserted: int = 0
-    trie: int | None = None
 
 
 def make_index(config: Settings, ngram: int | None = None) -> Any:
@@ -93,8 +82,6 @@ class Drafter:
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
-        # Trie source only: slot -> what the trie holds for the request.
-        self._trie_requests: dict[int, TrieRequest] = {}
         # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
         self._warm_slots = 0
 
@@ -102,18 +89,15 @@ class Drafter:
         """Running requests holding drafting state."""
         if self.index is not None:
             return self.index.num_live()
-        return len(self._trie_requests)
+        return self.trie.num_slots
 
     def num_context_indexes(self) -> int:
         """Context chains held (trie source)."""
-        if self.trie is None or not self.config.profile.context_match:
-            return 0
-        return sum(req.trie is not None for req in self._trie_requests.values())
+        return 0 if self.trie is None else self.trie.num_slot_contexts
 
     def context_length(self, slot: int) -> int:
         """Tokens in the request's context chain (-1: it has none)."""
-        req = self._trie_requests.get(slot)
-        return -1 if req is None or req.trie is None else self.trie.context_length(req.trie)
+        return -1 if self.trie is None else self.trie.slot_context_length(slot)
 
     def memory_bytes(self) -> int:
         total = sum(index.memory_bytes() for index in self._indexes())
@@ -146,36 +130,8 @@ class Drafter:
         if self.index is not None:  # and its back-off, in one call
             rewound.append(self.index.sync(*args, backoff=self.backoff, partitions=partitions))
         if self.trie is not None:
-            rewound.append(self._sync_trie(args[0], args[1], token_ids, args[3], args[4], partitions))
+            rewound.append(self.trie.sync(*args, partitions))
         return int(rewound[0]) if rewound else 0
-
-    def _sync_trie(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-                   prompt_lens: np.ndarray, partitions: np.ndarray) -> int:
-        """The trie's side of :meth:`sync`: requests admitted (or started over
-        where the runner rewound them) one by one, then every request's new
-        tokens in one ``extend_rows`` call."""
-        rewound = 0
-        grown: list[tuple[int, int, int, int]] = []  # (record, row, start, end)
-        for slot, row, n, plen, part in zip(slots.tolist(), rows.tolist(), num_tokens.tolist(), prompt_lens.tolist(),
-                                            partitions.tolist()):
-            if part != DEFAULT:  # the trie is shared: only the default partition's requests use it
-                self._trie_requests.setdefault(slot, TrieRequest())
-                continue
-            req = self._trie_requests.get(slot)
-            if req is not None and n < req.inserted:  # the runner rewound tokens: start over
-                rewound += 1
-                self._finish_trie(slot)
-                req = None
-            if req is None:
-                prompt = token_ids[row, :min(plen, n)].tolist()
-                req = self._trie_requests[slot] = TrieRequest(len(prompt), self.trie.add_request(prompt))
-            if n > req.inserted:
-                grown.append((req.trie, row, req.inserted, n))
-                req.inserted = n
-        if grown:
-            records, grown_rows, starts, ends = map(list, zip(*grown))
-            self.trie.extend_rows(records, token_ids, grown_rows, starts, ends)
-        return rewound
 
     def _indexes(self) -> list[Any]:
         return [ix for ix in (self.index, self.backoff) if ix is not None]
@@ -185,12 +141,7 @@ class Drafter:
         for index in self._indexes():
             index.finish(slot)
         if self.trie is not None:
-            self._finish_trie(slot)
-
-    def _finish_trie(self, slot: int) -> None:
-        req = self._trie_requests.pop(slot, None)
-        if req is not None and req.trie is not None:
-            self.trie.finish_request(req.trie)
+            self.trie.finish_slot(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
         """Learn a past response (warm start): into the index's corpus as a
@@ -235,11 +186,13 @@ class Drafter:
         lead_context = np.zeros(count, bool)
         trie = rows_of(count, 1)
         if self.trie is not None:
-            trie, records, trie_budgets = self._trie_rows(slots, contexts, budgets, floor)
+            slots = np.asarray(slots, np.int64)
+            found = self.trie.retrieve_slots(slots, *contexts, budgets, floor)
+            trie, on = found[:5], found[5]
             # Where the index has no draft, the request's context chain leads.
-            need = np.flatnonzero((lead[4] == 0) & (trie_budgets > 0))
+            need = np.flatnonzero((lead[4] == 0) & on.astype(bool) & (budgets > 0))
             if len(need):
-                chains = self.trie.context_rows([records[i] for i in need.tolist()], budgets[need], floor)
+                chains = self.trie.context_slots(slots[need], budgets[need], floor)
                 n = chains[0].shape[1]
                 for a, b in zip(lead, chains):
                     if a.ndim == 2:
@@ -249,20 +202,6 @@ class Drafter:
                 lead_context[need] = chains[4] > 0
         return native.extension().merge_rows(lead, lead_context.astype(np.uint8), trie, budgets,
                                              None if cut is None else np.asarray(cut, np.uint8), pool)
-
-    def _trie_rows(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray], budgets: np.ndarray,
-                   floor: float) -> tuple[tuple[np.ndarray, ...], list, np.ndarray]:
-        """The trie's trees for the rows, in one ``retrieve_rows`` call, the
-        rows' trie records and the budgets they had (0 where a request of
-        another partition stays off the shared trie)."""
-        records, trie_budgets = [], np.zeros(len(slots), np.int64)
-        for i, slot in enumerate(slots):
-            req = self._trie_requests.get(int(slot))
-            if req is None or req.trie is not None:  # a slot never synced drafts with no prompt of its own
-                trie_budgets[i] = budgets[i]
-            records.append(None if req is None else req.trie)
-        padded, lens = contexts
-        return self.trie.retrieve_rows(records, padded, lens, trie_budgets, floor), records, trie_budgets
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -41,10 +41,14 @@ text (a signature reused, a question quoted) drafts better from it. Example
 (``m = 2``): ``a b c d x a b`` ends with ``a b``, seen at 0..1 and followed by
 ``c d x a b``: the chain is ``c d x a`` for a budget of 4.
 
-The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``):
-a batch's new tokens in one ``extend_rows`` call, its rows' trees in one
-``retrieve_rows`` call, its context chains in one ``context_rows`` call. The
-pure-Python reference tests hold it to is ``lookahead_lab.reference.trie``.
+The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``),
+which keeps each request's record by the caller's slot: a step's admissions,
+new tokens and rewinds in one ``sync`` call, its rows' trees in one
+``retrieve_slots`` call, its context chains in one ``context_slots`` call
+(the handle methods, ``add_request`` ... ``retrieve_rows``, are what those
+are made of, and what warm start and tests use). The pure-Python reference
+tests hold it to is ``lookahead_lab.reference.trie`` (the slot methods:
+``lookahead_lab.reference``'s trie core).
 """
 
 from __future__ import annotations
@@ -113,6 +117,40 @@ class NativeTrie:
 
     def context_length(self, record: int) -> int:
         return self._core.context_length(record)
+
+    # The engine's requests by the caller's slot, each with one native record (its handle and
+    # the tokens it inserted): a step's admissions, new tokens and rewinds in one ``sync`` call.
+    def sync(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+             prompt_lens: np.ndarray, partitions: np.ndarray | None = None) -> int:
+        """Row ``i``: slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]`` (the first
+        ``prompt_lens[i]`` its prompt), in ``partitions[i]`` (only the default partition's
+        requests feed and draft from the shared trie); returns how many were rewound."""
+        return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions)
+
+    def finish_slot(self, slot: int) -> None:
+        self._core.finish_slot(slot)
+
+    def retrieve_slots(self, slots: np.ndarray, contexts: np.ndarray, context_lens: np.ndarray,
+                       budgets: np.ndarray, floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
+        """:meth:`retrieve_rows` by slot, and per row whether its slot drafts from the trie
+        (a slot kept off it drafts nothing; one never synced drafts with no record)."""
+        return self._core.retrieve_slots(slots, contexts, context_lens, budgets, float(floor),
+                                         shape or self.config.draft_shape)
+
+    def context_slots(self, slots: np.ndarray, budgets: np.ndarray, floor: float) -> tuple[np.ndarray, ...]:
+        return self._core.context_slots(slots, budgets, float(floor))
+
+    def slot_context_length(self, slot: int) -> int:
+        """Tokens in the slot's context chain (-1: it has none)."""
+        return self._core.slot_context_length(slot)
+
+    @property
+    def num_slots(self) -> int:
+        return self._core.num_slots
+
+    @property
+    def num_slot_contexts(self) -> int:
+        return self._core.num_slot_contexts
 
     def output_counts(self) -> tuple[list[int], list[int], list[float]]:
         return self._core.output_counts()

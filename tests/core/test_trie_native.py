@@ -189,3 +189,84 @@ def test_native_merge_rows_equals_reference(seed, width, cuts):
     for a, b in zip(native, reference):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert np.array_equal(a, b)
+
+
+slot_ops = st.lists(
+    st.tuples(st.sampled_from(["step", "step", "step", "rewind", "finish", "rows"]), st.integers(0, 4),
+              st.integers(0, 6), st.integers(0, 8), st.sampled_from([0.0, 0.05])),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(st.integers(0, 4), min_size=40, max_size=40), min_size=5, max_size=5), slot_ops, knobs,
+       st.sampled_from(["one", "hier"]))
+def test_native_slots_equal_reference(texts, program, kw, shape):
+    """The trie's slot API (the engine's per-step calls: ``sync`` admitting, extending and rewinding
+    a batch's requests by slot, partitions kept off, ``finish_slot``, ``retrieve_slots``,
+    ``context_slots``) natively and in the reference core (lab reference ``_TrieCore``)."""
+    from lookahead_lab.reference import extension as reference_extension
+
+    kw["max_match_length"] = min(3, kw["branch_length"] - 1)
+    args = (kw["branch_length"], kw["max_match_length"], 1, kw["min_retrieved_nodes"], kw["trie_capacity"],
+            kw["prompt_weight"], kw["insert_prompt"], kw["context_match"])
+    cores = [reference_extension.TokenTrie(*args), core_native.extension().TokenTrie(*args)]
+    table = np.array(texts, np.int32)
+    lengths = {}  # slot -> committed tokens (slot s lives in table row s, prompt 6 tokens, partition s % 3 == 2: another)
+    rewound = [0, 0]
+    for op, slot, grow, budget, floor in program:
+        if op in ("step", "rewind"):
+            n = lengths.get(slot, 0)
+            n = max(1, n - grow) if op == "rewind" and n else min(40, n + grow + 1)
+            lengths[slot] = n
+            sids = np.array(sorted(lengths), np.int64)
+            nums = np.array([lengths[s] for s in sids], np.int64)
+            parts = np.where(sids % 3 == 2, 7, 0)
+            for t, core in enumerate(cores):
+                rewound[t] += core.sync(sids, sids, table, nums, np.full(len(sids), 6, np.int64), parts)
+        elif op == "finish":
+            lengths.pop(slot, None)
+            for core in cores:
+                core.finish_slot(slot)
+        elif lengths:  # rows: every held slot plus one never synced
+            sids = np.array(sorted(lengths) + [99], np.int64)
+            ends = np.array([lengths.get(s, 3) for s in sids], np.int64)
+            contexts = np.stack([table[min(s, 4), max(0, e - 3):e].tolist() + [0] * (3 - min(e, 3))
+                                 for s, e in zip(sids, ends)]).astype(np.int64)
+            lens = np.minimum(ends, 3)
+            budgets = np.array([budget + i % 3 for i in range(len(sids))], np.int64)
+            got = [core.retrieve_slots(sids, contexts, lens, budgets, floor, shape) for core in cores]
+            same_rows(got[0][:5], got[1][:5])
+            assert np.array_equal(got[0][5], got[1][5])
+            assert list(got[1][5]) == [s == 99 or s % 3 != 2 for s in sids]  # kept off: another partition
+            same_rows(*(core.context_slots(sids, budgets, floor) for core in cores))
+            for s in sids.tolist():
+                assert cores[0].slot_context_length(s) == cores[1].slot_context_length(s)
+        assert rewound[0] == rewound[1]
+        assert cores[0].num_nodes == cores[1].num_nodes and cores[0].num_slots == cores[1].num_slots
+        assert cores[0].num_slot_contexts == cores[1].num_slot_contexts
+    assert list(cores[0].output_counts()) == list(cores[1].output_counts())
+
+
+def test_slot_sync_admits_extends_rewinds_and_keeps_partitions_off():
+    """The slot API's lifecycle on the native trie: admitted with its prompt, extended with what
+    followed, started over (counted) when the row is shorter, kept off in another partition,
+    dropped by finish_slot."""
+    core = core_native.extension().TokenTrie(4, 3, 1, 4, 4096, 1.0, True, 2)
+    table = np.array([[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5, 6, 5, 6]], np.int32)
+    assert core.sync([0, 1], [0, 1], table, [4, 4], [3, 4], [0, 3]) == 0
+    assert core.num_slots == 2 and core.num_slot_contexts == 1  # slot 1: another partition, kept off
+    assert core.slot_context_length(0) == 4 and core.slot_context_length(1) == -1
+    assert core.sync([0], [0], table, [7], [3], [0]) == 0 and core.slot_context_length(0) == 7
+    rows = core.retrieve_slots([0, 1], np.array([[3, 1, 2], [5, 6, 5]]), np.array([3, 3]), [2, 2], 0.0, "one")
+    assert rows[5].tolist() == [1, 0] and rows[4][1] == 0  # kept off: drafts nothing
+    assert rows[0][0, :rows[4][0]].tolist() == [3, 1]  # 1 2 is followed by 3 1 in slot 0's text
+    assert core.sync([0], [0], table, [5], [3], [0]) == 1  # rewound: started over
+    assert core.slot_context_length(0) == 5
+    core.finish_slot(0)
+    core.finish_slot(0)  # unknown slots are ignored
+    assert core.num_slots == 1 and core.num_slot_contexts == 0 and core.slot_context_length(0) == -1
+    with pytest.raises(IndexError, match=r"rows\[0\]=2"):
+        core.sync([3], [2], table, [4], [2], [0])
+    with pytest.raises(ValueError, match=r"num_tokens\[0\]=9"):
+        core.sync([3], [0], table, [9], [2], [0])

@@ -4,7 +4,8 @@
 // reuse node slots all the time: admissions (prompt windows, context
 // chains), extensions, finishes (some twice), warm texts, explicit prunes,
 // retrievals in every shape for live, finished and unknown requests, context
-// chains, merges of chains and trees (merge_row, cut and not), and snapshot
+// chains, the engine's per-slot sync (admit, extend, rewind, partitions kept
+// off) and finish_slot, merges of chains and trees (merge_row, cut and not), and snapshot
 // tables written and loaded into a fresh trie. Checks every tree against its
 // bounds (parents first, at most the budget, confidences in (0, 1] and at
 // least the floor, kinds in range) and the node count against the capacity;
@@ -28,6 +29,15 @@ int fail(const char* what, int64_t step) {
   std::printf("FAIL at step %lld: %s\n", static_cast<long long>(step), what);
   return 1;
 }
+
+// A token table of fixed rows (sync's TokenSource).
+struct Table final : lookahead::TokenSource {
+  std::vector<std::vector<int32_t>> rows;
+  void read(int64_t row, int64_t begin, int64_t end, std::vector<int32_t>& out) const override {
+    out.assign(rows[row].begin() + begin, rows[row].begin() + end);
+  }
+  const void* address(int64_t row, int64_t col) const override { return rows[row].data() + col; }
+};
 
 bool valid(const FlatTree& t, int64_t budget, double floor) {
   if (static_cast<int64_t>(t.size()) > budget) return false;
@@ -59,6 +69,12 @@ int main(int argc, char** argv) {
   const TrieShape shapes[] = {TrieShape::kOne, TrieShape::kHier, TrieShape::kPar};
   FlatTree tree, chain, merged;
   std::vector<int8_t> kinds;
+  Table table;  // slot s's text is row s
+  for (int s = 0; s < 6; ++s) {
+    table.rows.emplace_back(64);
+    for (int32_t& t : table.rows.back()) t = static_cast<int32_t>(pick(12));
+  }
+  std::map<int64_t, int64_t> slot_len;  // synced slot -> committed tokens
   for (int64_t step = 0; step < steps; ++step) {
     std::vector<int32_t> tokens(pick(24));
     for (int32_t& t : tokens) t = static_cast<int32_t>(pick(12));
@@ -79,6 +95,26 @@ int main(int argc, char** argv) {
       trie.insert_output(tokens.data(), tokens.size());
     } else if (op == 7) {
       trie.prune();
+    } else if (op == 8) {  // a step: every held slot and maybe a new one, grown or rewound
+      slot_len[pick(6)];
+      std::vector<int64_t> sids, num, plens, parts;
+      for (auto& [sid, n] : slot_len) {
+        n = pick(4) == 0 ? pick(n + 1) : std::min<int64_t>(64, n + pick(6));
+        sids.push_back(sid);
+        num.push_back(n);
+        plens.push_back(pick(20));
+        parts.push_back(sid == 5 ? 3 : 0);
+      }
+      const int64_t rewound = trie.sync(sids.data(), sids.data(), num.data(), plens.data(), parts.data(),
+                                        static_cast<int64_t>(sids.size()), table);
+      if (rewound < 0 || rewound > static_cast<int64_t>(sids.size())) return fail("rewound count", step);
+      if (trie.num_slots() != static_cast<int64_t>(slot_len.size())) return fail("slot count", step);
+      if (trie.slot_on_trie(5) != (slot_len.count(5) == 0)) return fail("another partition on the trie", step);
+    } else if (op == 9 && !slot_len.empty()) {
+      const int64_t sid = std::next(slot_len.begin(), pick(static_cast<int64_t>(slot_len.size())))->first;
+      trie.finish_slot(sid);
+      trie.finish_slot(sid);  // unknown slots are ignored
+      slot_len.erase(sid);
     }
     // Retrieve for a live request, a finished one and none, every shape.
     const int64_t budget = pick(10);
@@ -92,6 +128,10 @@ int main(int argc, char** argv) {
         context = it->second;
       } else if (who == 1 && !finished.empty()) {
         handle = finished[pick(static_cast<int64_t>(finished.size()))];
+      } else if (who == 2 && !slot_len.empty()) {  // a synced slot's record, its committed text as context
+        const auto it = std::next(slot_len.begin(), pick(static_cast<int64_t>(slot_len.size())));
+        handle = trie.slot_handle(it->first);
+        if (handle >= 0) context.assign(table.rows[it->first].begin(), table.rows[it->first].begin() + it->second);
       }
       for (TrieShape shape : shapes) {
         trie.retrieve(context.data(), context.size(), budget, handle, shape, floor, tree);

@@ -48,6 +48,8 @@ class _TrieCore:
                                 insert_prompt=insert_prompt, context_match=context_match, min_draft_confidence=0.0)
         self.trie = TokenTrie(SimpleNamespace(profile=knobs, decoding_length=0, draft_shape="hier"))
         self._records: dict[int, TrieRecord] = {}
+        # The caller's slots (sync): slot -> [record handle (None: kept off the trie), tokens inserted].
+        self._slots: dict[int, list] = {}
 
     num_nodes = property(lambda self: self.trie.num_nodes)
     num_prunes = property(lambda self: self.trie.num_prunes)
@@ -89,6 +91,59 @@ class _TrieCore:
 
     def context_length(self, handle: int) -> int:
         return self.trie.context_length(self._records[handle])
+
+    # The engine's requests by the caller's slot: what TokenTrie::sync and its
+    # companions do natively (csrc/draft_index/token_trie.h).
+    def sync(self, sids, rows, token_ids, num_tokens, prompt_lens, partitions=None) -> int:
+        """Row by row: a slot of another partition than the default is kept off the shared
+        trie; an unknown slot is admitted (its prompt as of this step, then the rest as
+        output), a known one extended, or started over where the row is shorter than what it
+        inserted (a rewind, counted)."""
+        rewound = 0
+        parts = [0] * len(sids) if partitions is None else list(partitions)
+        for sid, row, n, plen, part in zip(map(int, sids), map(int, rows), map(int, num_tokens),
+                                           map(int, prompt_lens), map(int, parts)):
+            if part != 0:
+                self._slots.setdefault(sid, [None, 0])
+                continue
+            rec = self._slots.get(sid)
+            if rec is not None and n < rec[1]:
+                rewound += 1
+                self.finish_slot(sid)
+                rec = None
+            if rec is None:
+                prompt = min(plen, n)
+                rec = self._slots[sid] = [self.add_request(token_ids[row, :prompt].tolist()), prompt]
+            if n > rec[1]:
+                self.extend(rec[0], token_ids[row, rec[1]:n].tolist())
+                rec[1] = n
+        return rewound
+
+    def finish_slot(self, sid: int) -> None:
+        rec = self._slots.pop(int(sid), None)
+        if rec is not None and rec[0] is not None:
+            self.finish_request(rec[0])
+
+    def _slot_handle(self, sid: int) -> int:
+        rec = self._slots.get(int(sid))
+        return -1 if rec is None or rec[0] is None else rec[0]
+
+    def retrieve_slots(self, sids, contexts, lens, budgets, floor, shape):
+        on = np.array([int(s) not in self._slots or self._slots[int(s)][0] is not None for s in sids], np.uint8)
+        kept = np.where(on.astype(bool), np.asarray(budgets, np.int64), 0)
+        rows = self.retrieve_rows([self._slot_handle(s) for s in sids], contexts, lens, kept, floor, shape)
+        return (*rows, on)
+
+    def context_slots(self, sids, budgets, floor):
+        return self.context_rows([self._slot_handle(s) for s in sids], budgets, floor)
+
+    def slot_context_length(self, sid: int) -> int:
+        handle = self._slot_handle(sid)
+        return -1 if handle < 0 else self.context_length(handle)
+
+    num_slots = property(lambda self: len(self._slots))
+    num_slot_contexts = property(lambda self: 0 if not self.trie.knobs.context_match else sum(
+        rec[0] is not None for rec in self._slots.values()))
 
     def output_counts(self):
         return self.trie.output_counts()
