@@ -13,8 +13,8 @@ engine step at the end of ``LookaheadProposer.propose``) appends one line to
     <step> <digest> <rows> <draft tokens>
 
 where ``digest`` is a 16-hex-digit BLAKE2b hash of the step's request ids and
-drafts (so two ranks with the same drafts write the same line). Unset, it
-costs one dictionary lookup per step. The lab's comparer reports the first
+drafts (so two ranks with the same drafts write the same line). The proposer
+reads the variable once, when the engine starts; unset, a step costs nothing. The lab's comparer reports the first
 step where two traces of a directory differ (exit status 1 if ranks differ)::
 
     python -m lookahead_lab.draft_traces DIR
@@ -42,9 +42,17 @@ def draft_digest(req_ids: Sequence[Any], drafts: Sequence[Sequence[int]]) -> str
     return hashlib.blake2b(json.dumps(payload, separators=(",", ":")).encode(), digest_size=8).hexdigest()
 
 
-def record(step: int, req_ids: Sequence[Any], drafts: Sequence[Sequence[int]]) -> None:
-    """Append this step's digest to this rank's trace (no-op unless ``$LOOKAHEAD_DRAFT_TRACE_DIR``)."""
-    directory = os.environ.get(TRACE_DIR_ENV)
+def directory() -> str | None:
+    """The trace directory (``$LOOKAHEAD_DRAFT_TRACE_DIR``; None: no trace). The proposer reads it
+    once, when the engine starts."""
+    return os.environ.get(TRACE_DIR_ENV) or None
+
+
+def record(step: int, req_ids: Sequence[Any], drafts: Sequence[Sequence[int]], directory: str | None = None
+           ) -> None:
+    """Append this step's digest to this rank's trace in ``directory`` (default
+    ``$LOOKAHEAD_DRAFT_TRACE_DIR``; no-op where neither is set)."""
+    directory = directory or os.environ.get(TRACE_DIR_ENV)
     if not directory:
         return
     out = _writer(directory)

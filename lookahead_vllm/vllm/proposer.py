@@ -132,6 +132,9 @@ class RequestState:
 
 _SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgetter("cap")
 
+# A step in which no row drafts: its (empty) draft rows, lengths and offers.
+_NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np.int64), TreeOffers.none()
+
 # The drafter's memory gauges are refreshed every this many steps (and on
 # the first): the native estimate visits every sequence the index holds, up
 # to thousands with a full corpus, which a step need not pay for.
@@ -212,6 +215,11 @@ class LookaheadProposer:
                                "(vLLM's general plugin 'lookahead'; VLLM_PLUGINS, if set, must name it)")
         guards.check_engine_start(vllm_config, self.config)
         self.tree_mode = guards.is_tree_mode(self.config)
+        # Read once, not every step: the sources (the index alone drafts through one call) and
+        # the draft trace's directory ($LOOKAHEAD_DRAFT_TRACE_DIR; None: no trace).
+        self._index_only = self.config.sources == ("index",)
+        self._uses_jacobi = self.config.uses_jacobi
+        self._trace_dir = draft_trace.directory()
         if self.tree_mode:
             from vllm.platforms import current_platform
 
@@ -230,6 +238,10 @@ class LookaheadProposer:
         # request id -> its drafting state (the only per-request store).
         self._states: dict[str, RequestState] = {}
         self._next_slot = 0
+        # The last step's rows' states, slots, partitions and caps (_rows_of), valid while
+        # _rows_version (bumped wherever a state is made, changed or dropped) is unchanged.
+        self._rows_version = 0
+        self._rows_cache: tuple[int, list[str], tuple] | None = None
         # The Drafter, calibrator, window prior and last step's drafts (see reset).
         self.reset()
         # Prometheus lookahead_* series and the periodic log line (metrics.py).
@@ -327,13 +339,30 @@ class LookaheadProposer:
             st.cap = draft_cap(params.extra_args) if params is not None else None
             # cache_salt: carried by the request_cache_salt patch (required at start).
             st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
+            self._rows_version += 1
 
     def _state(self, req_id: str) -> RequestState:
         st = self._states.get(req_id)
         if st is None:
             st = self._states[req_id] = RequestState(self._next_slot, partition=self.drafter.partition(None))
             self._next_slot += 1
+            self._rows_version += 1
         return st
+
+    def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list[int | None]]:
+        """The rows' states (created for requests not seen yet), slots, partitions and caps,
+        kept while the batch holds the same requests in the same order and no state was made,
+        changed or dropped (``_rows_version``)."""
+        cached = self._rows_cache
+        if cached is not None and cached[0] == self._rows_version and cached[1] == req_ids:
+            return cached[2]
+        states = list(map(self._states.get, req_ids))
+        if None in states:  # requests the proposer has not seen yet
+            states = list(map(self._state, req_ids))
+        facts = (states, np.fromiter(map(_SLOT, states), np.int64, len(states)),
+                 np.fromiter(map(_PARTITION, states), np.int64, len(states)), list(map(_CAP, states)))
+        self._rows_cache = (self._rows_version, list(req_ids), facts)
+        return facts
 
     def request_ids(self) -> list[str]:
         """Requests holding state, in admission order."""
@@ -413,6 +442,7 @@ class LookaheadProposer:
         st = self._states.pop(req_id, None)
         if st is not None:
             self.drafter.finish(st.slot)
+            self._rows_version += 1
 
     # ------------------------------------------------------------- drafting
     def propose(
@@ -438,7 +468,8 @@ class LookaheadProposer:
         self.metrics.load_budget = load_budget
         self.metrics.record_step(step_tokens, accepted, (time.perf_counter_ns() - start) / 1e9, skipped)
         self._interval_log.maybe_log(self.metrics)
-        draft_trace.record(self.metrics.steps, batch.req_ids, drafts)
+        if self._trace_dir:
+            draft_trace.record(self.metrics.steps, batch.req_ids, drafts, self._trace_dir)
         return drafts
 
     def _budgets(self, num_tokens: np.ndarray, caps: list[int | None], batch: Any
@@ -482,35 +513,36 @@ class LookaheadProposer:
         else:
             row_list = rows.tolist()
             req_ids, emitted = [batch.req_ids[i] for i in row_list], [sampled_token_ids[i] for i in row_list]
-        states = list(map(self._states.get, req_ids))
-        if None in states:  # requests the proposer has not seen yet
-            states = list(map(self._state, req_ids))
-        slots = np.fromiter(map(_SLOT, states), np.int64, len(states))
+        states, slots, partitions, caps = self._rows_of(req_ids)
         num_tokens = num_tokens_no_spec[rows]
         self._book_trees(slots, req_ids, emitted)
-        partitions = np.fromiter(map(_PARTITION, states), np.int64, len(states))
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
                                                 partitions)
-        if self.config.uses_jacobi:
+        if self._uses_jacobi:
             self._track_windows(req_ids, states, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
-        budgets, skipped, load_budget = self._budgets(num_tokens, list(map(_CAP, states)), batch)
+        budgets, skipped, load_budget = self._budgets(num_tokens, caps, batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
         picked = drafting.tolist()
         tree_ok = (np.fromiter((self._verifiable(req_ids[j], states[j]) for j in picked), bool, len(picked))
                    if self.tree_mode else np.zeros(len(picked), bool))
-        if self.config.sources == ("index",):
+        cost = self.cost.at_rows(len(rows))
+        entry = cost.entry(num_tokens[drafting]) if cost.per_context else None
+        if not picked:  # no row drafts (load, cost, the requests' caps): nothing to draft or plan
+            tok, lens, offers, calibrated = _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS, _NO_TOKENS
+            drafts = [[] for _ in range(num_out)]
+        elif self._index_only:
             tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor, self.tree_mode)
-            kinds = None
             self.stats.context_drafts += int(np.count_nonzero(lens))
+            offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
+                                                    self._step_budget(len(rows)), len(rows), cost,
+                                                    slots[drafting], rows[drafting], num_out, None, entry)
         else:
             tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
                                                            floor, tree_ok, token_ids_cpu, rows, num_tokens)
-        cost = self.cost.at_rows(len(rows))
-        entry = cost.entry(num_tokens[drafting]) if cost.per_context else None
-        offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                                self._step_budget(len(rows)), len(rows), cost,
-                                                slots[drafting], rows[drafting], num_out, kinds, entry)
+            offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
+                                                    self._step_budget(len(rows)), len(rows), cost,
+                                                    slots[drafting], rows[drafting], num_out, kinds, entry)
         if self._can_fill(drafts, rows, num_tokens, states):
             if not self.draftless_rows or self._fill_pays(cost, len(rows), calibrated, lens, entry):
                 self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
@@ -518,7 +550,7 @@ class LookaheadProposer:
                 drafts = [[] for _ in drafts]
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, [states[j] for j in picked],
                                       rows[drafting], len(rows), np.zeros(len(picked)) if entry is None else entry)
-                   if self.config.uses_jacobi else {})
+                   if self._uses_jacobi and picked else {})
         planned = np.flatnonzero(offers.trees).tolist() + list(windows)
         p = self.config.profile
         self.handed_out = StepDrafts(offers, {req_ids[picked[d]]: d for d in planned}, windows, p.jacobi_window,
@@ -584,7 +616,7 @@ class LookaheadProposer:
         contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
                                       self.config.profile.max_match_length) if self.drafter.trie is not None else None)
         pool = (self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens)
-                if self.config.uses_jacobi else None)
+                if self._uses_jacobi else None)
         tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode,
                                                             ~tree_ok, pool)
         self.stats.context_drafts += int(np.count_nonzero((kinds == KIND_CONTEXT).any(axis=1)))

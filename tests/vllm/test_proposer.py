@@ -145,6 +145,24 @@ def test_per_request_cap_and_off():
     assert p.num_request_states() == 1  # states (and their caps) go with their requests
 
 
+def test_a_steps_request_facts_follow_the_batch_and_its_options():
+    """A step reuses its rows' states, slots, partitions and caps while the batch holds the same
+    requests and none changed: an option that arrives for a request already running (its state
+    made by a step before the runner's new-request hook), a finished request whose row a new one
+    takes and a reordered batch all show in the next step's drafts."""
+    p = make_proposer()
+    rows, lens = {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)}
+    assert step(p, rows, lens) == [[2, 3, 4, 5], [8, 9, 7, 8]]
+    assert step(p, rows, lens) == [[2, 3, 4, 5], [8, 9, 7, 8]]  # the same batch again: the same facts
+    p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(
+        extra_args={"lookahead_max_draft_tokens": 1}))])
+    assert step(p, rows, lens) == [[2], [8, 9, 7, 8]]  # a's cap, though its id and row did not change
+    assert step(p, {"b": B + [7], "a": A + [1]}, lens) == [[8, 9, 7, 8], [2]]  # reordered
+    c = step(p, {"c": B + [7], "b": B + [7]}, {"c": len(B), "b": len(B)}, finished=["a"])
+    assert c == [[8, 9, 7, 8], [8, 9, 7, 8]]
+    assert p.request_state("c").cap is None and p.request_state("a") is None
+
+
 def test_load_adaptation_shrinks_then_stops_drafting():
     rows = {f"r{i}": B + [7] for i in range(4)}
     lens = {r: len(B) for r in rows}
