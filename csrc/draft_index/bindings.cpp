@@ -100,12 +100,21 @@ std::vector<int32_t> token_vector(py::handle obj) {
   return out;
 }
 
+// Whether the dtype's byte order is this machine's (numpy's dtype.isnative, without the Python call:
+// '=' native, '|' not applicable, '<' / '>' explicit).
+bool native_order(const py::dtype& dt) {
+  const char order = dt.byteorder();
+  const uint16_t probe = 1;
+  const bool little = *reinterpret_cast<const uint8_t*>(&probe) == 1;
+  return order == '=' || order == '|' || order == (little ? '<' : '>');
+}
+
 // token_ids [max_rows, max_len], int32 or int64, any strides: read in place.
 struct TokenTable final : lookahead::TokenSource {
   explicit TokenTable(const py::array& a) {
     const py::dtype dt = a.dtype();
     if (a.ndim() != 2 || dt.kind() != 'i' || (dt.itemsize() != 4 && dt.itemsize() != 8) ||
-        !dt.attr("isnative").cast<bool>()) {
+        !native_order(dt)) {
       throw py::type_error("token_ids must be a 2-D int32 or int64 array [max_rows, max_len]");
     }
     data = static_cast<const char*>(a.data());

@@ -128,7 +128,7 @@ class Drafter:
             partitions = np.full(len(args[0]), self.partition(None), np.int64)
         partitions = np.asarray(partitions, np.int64)
         if self.index is not None:  # and its back-off, in one call
-            rewound.append(self.index.sync(*args, backoff=self.backoff, partitions=partitions))
+            rewound.append(self.index.sync(*args, self.backoff, partitions))
         if self.trie is not None:
             rewound.append(self.trie.sync(*args, partitions))
         return int(rewound[0]) if rewound else 0

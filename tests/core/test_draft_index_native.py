@@ -420,3 +420,18 @@ def test_load_extension_names_the_core_or_none(monkeypatch):
 
     monkeypatch.setattr(native, "extension", missing)
     assert native.load_extension() is None
+
+
+def test_token_table_must_be_native_int32_or_int64():
+    """sync reads the runner's token table in place: int32 or int64 in this machine's byte order,
+    any strides (a column slice too); anything else is refused naming what it must be."""
+    from lookahead_vllm.core import native as core_native
+
+    index = core_native.extension().DraftIndex(2, 16, 4, 4, 1 << 20)
+    table = np.array([[1, 2, 3, 1, 2, 3, 1, 2]], np.int64)
+    assert index.sync([0], [0], table, [8], [2]) == 0
+    assert index.sync([1], [0], np.asfortranarray(table.astype(np.int32)), [8], [2]) == 0
+    assert index.sync([2], [0], np.hstack([table, table])[:, ::2], [8], [2]) == 0  # every other column
+    for bad in (table.astype(table.dtype.newbyteorder()), table.astype(np.float64), table[0]):
+        with pytest.raises(TypeError, match="token_ids must be a 2-D int32 or int64 array"):
+            index.sync([3], [0], bad, [4], [2])
