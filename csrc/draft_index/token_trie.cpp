@@ -37,26 +37,41 @@ void FlatTree::push(int32_t token, int32_t parent, double weight, double confide
 
 void merge_tree(FlatTree& self, const FlatTree& other, int64_t budget) {
   // (parent, token) -> node; a repeated pair keeps its last node, as the
-  // reference's dict does.
+  // reference's dict does. Small trees (drafts are a few dozen nodes) scan
+  // from the newest node back, which finds the same node with no allocation.
+  constexpr size_t kScanUpTo = 64;
+  const bool scan = self.size() + other.size() <= kScanUpTo;
   std::unordered_map<uint64_t, int32_t> index;
-  for (size_t i = 0; i < self.size(); ++i) index[edge_key(self.parents[i], self.tokens[i])] = static_cast<int32_t>(i);
+  if (!scan) {
+    for (size_t i = 0; i < self.size(); ++i) index[edge_key(self.parents[i], self.tokens[i])] = static_cast<int32_t>(i);
+  }
+  auto find = [&](int32_t at, int32_t token) -> int32_t {
+    if (!scan) {
+      const auto it = index.find(edge_key(at, token));
+      return it == index.end() ? -1 : it->second;
+    }
+    for (size_t i = self.size(); i-- > 0;) {
+      if (self.parents[i] == at && self.tokens[i] == token) return static_cast<int32_t>(i);
+    }
+    return -1;
+  };
   constexpr int32_t kUnmapped = INT32_MIN;
   std::vector<int32_t> mapped(other.size(), kUnmapped);
   for (size_t j = 0; j < other.size(); ++j) {
     const int32_t parent = other.parents[j];
     const int32_t at = parent < 0 ? -1 : mapped[parent];
     if (at == kUnmapped) continue;  // its parent did not fit
-    const uint64_t key = edge_key(at, other.tokens[j]);
-    auto it = index.find(key);
-    if (it == index.end()) {
+    int32_t node = find(at, other.tokens[j]);
+    if (node < 0) {
       if (static_cast<int64_t>(self.size()) >= budget) continue;
-      it = index.emplace(key, static_cast<int32_t>(self.size())).first;
+      node = static_cast<int32_t>(self.size());
+      if (!scan) index.emplace(edge_key(at, other.tokens[j]), node);
       // No more confident than its parent in the merged tree (a path is
       // accepted no more often than its prefix).
       const double conf = at < 0 ? other.conf[j] : std::min(other.conf[j], self.conf[at]);
       self.push(other.tokens[j], at, conf, conf);
     }
-    mapped[j] = it->second;
+    mapped[j] = node;
   }
 }
 
@@ -561,41 +576,43 @@ void TokenTrie::best_first(int32_t start, int64_t budget, int64_t max_depth, int
   }
   conf_[start] = 1.0;
   depth_[start] = 0;
-  // (-weight, token, push counter, node): the reference's heap entries.
+  // The reference's heap (heapq: the least entry first), as a binary heap in heap_.
   using Entry = std::tuple<double, int32_t, int64_t, int32_t>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  const std::greater<Entry> later;
+  heap_.clear();
   int64_t counter = 0;
-  std::vector<int32_t> order;
-  std::vector<double> kid_weight;
   auto push = [&](int32_t parent, int64_t depth) {
     if (depth > max_depth) return;
     const double scale = conf_[parent] / (children_total(parent) + 1.0);
-    order.clear();
-    for (int32_t c : kids(parent)) order.push_back(c);
-    if (static_cast<int64_t>(order.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
-      kid_weight.clear();
-      for (int32_t c : order) kid_weight.push_back(weight(c, slot));
-      std::vector<size_t> idx(order.size());
-      for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+    kids_.clear();
+    for (int32_t c : kids(parent)) kids_.push_back(c);
+    kept_.clear();
+    if (static_cast<int64_t>(kids_.size()) > budget) {  // heapq.nlargest: heaviest first, ties in order
+      kid_weight_.clear();
+      for (int32_t c : kids_) kid_weight_.push_back(weight(c, slot));
+      kid_order_.resize(kids_.size());
+      for (size_t i = 0; i < kid_order_.size(); ++i) kid_order_[i] = i;
       // The `budget` heaviest, ties in insertion order (a stable sort's first `budget`).
-      std::partial_sort(idx.begin(), idx.begin() + budget, idx.end(), [&](size_t a, size_t b) {
-        return kid_weight[a] > kid_weight[b] || (kid_weight[a] == kid_weight[b] && a < b);
+      std::partial_sort(kid_order_.begin(), kid_order_.begin() + budget, kid_order_.end(), [&](size_t a, size_t b) {
+        return kid_weight_[a] > kid_weight_[b] || (kid_weight_[a] == kid_weight_[b] && a < b);
       });
-      std::vector<int32_t> top;
-      for (int64_t i = 0; i < budget; ++i) top.push_back(order[idx[i]]);
-      order.swap(top);
+      for (int64_t i = 0; i < budget; ++i) kept_.emplace_back(kids_[kid_order_[i]], kid_weight_[kid_order_[i]], true);
+    } else {
+      for (int32_t c : kids_) kept_.emplace_back(c, 0.0, false);  // weighed below, where it passes the floor
     }
-    for (int32_t c : order) {
+    for (const auto& [c, w, known] : kept_) {
       const double conf = scale * raw(c);
       conf_[c] = conf;
       if (conf <= 0 || conf < floor) continue;
-      heap.emplace(-weight(c, slot), nodes_[c].token, ++counter, c);
+      heap_.emplace_back(-(known ? w : weight(c, slot)), nodes_[c].token, ++counter, c);
+      std::push_heap(heap_.begin(), heap_.end(), later);
     }
   };
   push(start, 1);
-  while (!heap.empty() && static_cast<int64_t>(picked_.size()) < budget) {
-    const auto [neg_w, token, count, node] = heap.top();
-    heap.pop();
+  while (!heap_.empty() && static_cast<int64_t>(picked_.size()) < budget) {
+    std::pop_heap(heap_.begin(), heap_.end(), later);
+    const auto [neg_w, token, count, node] = heap_.back();
+    heap_.pop_back();
     picked_.push_back(node);
     taken_[node] = stamp_;
     pick_w_[node] = -neg_w;

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -275,6 +276,14 @@ class TokenTrie {
   std::vector<uint64_t> taken_;
   std::vector<double> conf_, pick_w_;
   std::vector<int64_t> depth_;
+  // best_first's working memory (reused across calls): its heap of
+  // (-weight, token, push counter, node), a node's children, their weights
+  // and order, and the children kept (weight known where `true`).
+  std::vector<std::tuple<double, int32_t, int64_t, int32_t>> heap_;
+  std::vector<int32_t> kids_;
+  std::vector<double> kid_weight_;
+  std::vector<size_t> kid_order_;
+  std::vector<std::tuple<int32_t, double, bool>> kept_;
   uint64_t stamp_ = 0;
 };
 

@@ -14,8 +14,9 @@ engine step at the end of ``LookaheadProposer.propose``) appends one line to
 
 where ``digest`` is a 16-hex-digit BLAKE2b hash of the step's request ids and
 drafts (so two ranks with the same drafts write the same line). The proposer
-reads the variable once, when the engine starts; unset, a step costs nothing. The lab's comparer reports the first
-step where two traces of a directory differ (exit status 1 if ranks differ)::
+reads the variable once, when the engine starts; unset, a step costs nothing.
+The lab's comparer reports the first step where two traces of a directory
+differ (exit status 1 if ranks differ)::
 
     python -m lookahead_lab.draft_traces DIR
 """

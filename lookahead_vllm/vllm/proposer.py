@@ -531,15 +531,15 @@ class LookaheadProposer:
         if not picked:  # no row drafts (load, cost, the requests' caps): nothing to draft or plan
             tok, lens, offers, calibrated = _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS, _NO_TOKENS
             drafts = [[] for _ in range(num_out)]
-        elif self._index_only:
-            tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor, self.tree_mode)
-            self.stats.context_drafts += int(np.count_nonzero(lens))
-            offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
-                                                    self._step_budget(len(rows)), len(rows), cost,
-                                                    slots[drafting], rows[drafting], num_out, None, entry)
         else:
-            tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
-                                                           floor, tree_ok, token_ids_cpu, rows, num_tokens)
+            if self._index_only:
+                tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor,
+                                                              self.tree_mode)
+                kinds = None
+                self.stats.context_drafts += int(np.count_nonzero(lens))
+            else:
+                tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
+                                                               floor, tree_ok, token_ids_cpu, rows, num_tokens)
             offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                     self._step_budget(len(rows)), len(rows), cost,
                                                     slots[drafting], rows[drafting], num_out, kinds, entry)
