@@ -273,3 +273,20 @@ def test_slot_sync_admits_extends_rewinds_and_keeps_partitions_off():
         core.sync([3], [2], table, [4], [2], [0])
     with pytest.raises(ValueError, match=r"num_tokens\[0\]=9"):
         core.sync([3], [0], table, [9], [2], [0])
+
+
+def test_memory_estimate_follows_what_the_trie_holds():
+    """The trie's memory estimate (kept as it changes, not walked) counts an admitted prompt's
+    counts, one entry of 16 bytes on every node of its windows at least (against a twin that
+    holds the same windows as output counts), and gives them back when its nodes go."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50, 2000).tolist()
+    core, twin = (core_native.extension().TokenTrie(6, 3, 1, 4, 1 << 16, 1e4, True, 0) for _ in range(2))
+    empty = core.memory_bytes()
+    handle = core.add_request(prompt)
+    twin.insert_output(prompt)
+    held = core.memory_bytes()
+    assert core.num_nodes == twin.num_nodes > 0 and held - twin.memory_bytes() >= 16 * core.num_nodes
+    core.finish_request(handle)  # every node goes (the free list keeps 4 bytes a node slot)
+    assert core.num_nodes == 0 and empty < core.memory_bytes() < held
+    assert core.memory_bytes() - twin.memory_bytes() < 16 * twin.num_nodes  # the counts are gone
