@@ -163,6 +163,19 @@ def test_a_steps_request_facts_follow_the_batch_and_its_options():
     assert p.request_state("c").cap is None and p.request_state("a") is None
 
 
+def test_a_request_finished_and_back_under_its_id_in_one_step_gets_a_new_state():
+    """The batch's request ids are the same as last step's, but the request under one of them
+    finished and a new one took its id (made without the runner's new-request hook): the step
+    must not reuse the kept facts of the finished request."""
+    p = make_proposer()
+    step(p, {"a": A + [1]}, {"a": len(A)})
+    old = p.request_state("a")
+    assert step(p, {"a": B + [7]}, {"a": len(B)}, finished=["a"]) == [[8, 9, 7, 8]]
+    new = p.request_state("a")
+    assert new is not None and new is not old and new.slot != old.slot
+    assert p.num_request_states() == 1 and p.drafter.num_requests() == 1
+
+
 def test_load_adaptation_shrinks_then_stops_drafting():
     rows = {f"r{i}": B + [7] for i in range(4)}
     lens = {r: len(B) for r in rows}
