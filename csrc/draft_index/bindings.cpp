@@ -692,9 +692,9 @@ py::tuple retrieve_slots(BoundTrie& b, py::handle sids_obj, const py::array& con
   {
     std::lock_guard<std::mutex> lock(b.mu);
     for (int64_t i = 0; i < batch; ++i) {
-      const int64_t sid = sids.data()[i];
-      on.mutable_data()[i] = b.core.slot_on_trie(sid);
-      handles.mutable_data()[i] = b.core.slot_handle(sid);
+      const int64_t handle = b.core.slot_handle(sids.data()[i]);
+      on.mutable_data()[i] = handle != lookahead::TokenTrie::kOffTrie;
+      handles.mutable_data()[i] = std::max<int64_t>(handle, -1);
       kept.mutable_data()[i] = on.data()[i] ? budgets.data()[i] : 0;
     }
   }
@@ -708,7 +708,9 @@ py::tuple context_slots(BoundTrie& b, py::handle sids_obj, py::handle budgets_ob
   py::array_t<int64_t> handles(sids.shape(0));
   {
     std::lock_guard<std::mutex> lock(b.mu);
-    for (int64_t i = 0; i < sids.shape(0); ++i) handles.mutable_data()[i] = b.core.slot_handle(sids.data()[i]);
+    for (int64_t i = 0; i < sids.shape(0); ++i) {
+      handles.mutable_data()[i] = std::max<int64_t>(b.core.slot_handle(sids.data()[i]), -1);
+    }
   }
   return context_rows(b, handles, budgets_obj, floor);
 }
@@ -843,6 +845,12 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
   return py::make_tuple(out.tokens, out.parents, out.weights, out.conf, kinds, out.lengths);
 }
 
+// Tokens in record `handle`'s context chain (-1: no such record, or no chain).
+int64_t context_length(const lookahead::TokenTrie& t, int64_t handle) {
+  const lookahead::ContextChain* c = t.context(handle);
+  return c == nullptr ? -1 : static_cast<int64_t>(c->size());
+}
+
 // `f(core)` under the trie's lock, as a method of the bound trie.
 template <class F>
 auto locked(F f) {
@@ -908,10 +916,9 @@ void bind_trie(py::module_& m) {
       .def("context_rows", &context_rows, py::arg("handles"), py::arg("budgets"), py::arg("floor"))
       .def(
           "context_length",
-          [](BoundTrie& b, int64_t handle) -> int64_t {
+          [](BoundTrie& b, int64_t handle) {
             std::lock_guard<std::mutex> lock(b.mu);
-            const lookahead::ContextChain* c = b.core.context(handle);
-            return c == nullptr ? -1 : static_cast<int64_t>(c->size());
+            return context_length(b.core, handle);
           },
           py::arg("handle"))
       .def("extend_rows", &extend_rows, py::arg("handles"), py::arg("token_ids"), py::arg("rows"), py::arg("starts"),
@@ -930,10 +937,9 @@ void bind_trie(py::module_& m) {
       .def("context_slots", &context_slots, py::arg("sids"), py::arg("budgets"), py::arg("floor"))
       .def(
           "slot_context_length",
-          [](BoundTrie& b, int64_t sid) -> int64_t {
+          [](BoundTrie& b, int64_t sid) {
             std::lock_guard<std::mutex> lock(b.mu);
-            const lookahead::ContextChain* c = b.core.context(b.core.slot_handle(sid));
-            return c == nullptr ? -1 : static_cast<int64_t>(c->size());
+            return context_length(b.core, b.core.slot_handle(sid));
           },
           py::arg("sid"))
       .def_property_readonly("num_slots", locked([](lookahead::TokenTrie& t) { return t.num_slots(); }))

@@ -717,11 +717,6 @@ void TokenTrie::finish_slot(int64_t sid) {
   slots_.erase(it);
 }
 
-bool TokenTrie::slot_on_trie(int64_t sid) const {
-  const auto it = slots_.find(sid);
-  return it == slots_.end() || it->second.handle >= 0;
-}
-
 int64_t TokenTrie::num_slot_contexts() const {
   if (config_.context_match <= 0) return 0;
   int64_t n = 0;
@@ -731,7 +726,7 @@ int64_t TokenTrie::num_slot_contexts() const {
 
 int64_t TokenTrie::slot_handle(int64_t sid) const {
   const auto it = slots_.find(sid);
-  return it == slots_.end() || it->second.handle < 0 ? -1 : it->second.handle;
+  return it == slots_.end() ? -1 : it->second.handle;
 }
 
 // ------------------------------------------------------------- snapshots

@@ -161,9 +161,9 @@ class TokenTrie {
                const int64_t* parts, int64_t batch, const TokenSource& table);
   // The slot's request finished or was aborted (unknown slots are ignored).
   void finish_slot(int64_t sid);
-  // Whether the slot drafts from the trie (unknown: yes, with no record of
-  // its own; kept off: no), and its record handle (-1: none).
-  bool slot_on_trie(int64_t sid) const;
+  // The slot's record handle: -1 for a slot never synced (it drafts from the
+  // trie with no record of its own), kOffTrie for one kept off the trie.
+  static constexpr int64_t kOffTrie = -2;
   int64_t slot_handle(int64_t sid) const;
   int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
   // Context chains held by slots (0 with context_match 0).
@@ -258,7 +258,6 @@ class TokenTrie {
   std::vector<NodeRef> next_cursors_;  // extend_one's scratch (swapped with a request's cursors)
   std::unordered_map<int64_t, Request> requests_;
   // sync's slots: the record handle (kOffTrie: kept off the trie) and the tokens inserted.
-  static constexpr int64_t kOffTrie = -2;
   struct SlotRecord {
     int64_t handle = kOffTrie;
     int64_t inserted = 0;

@@ -109,7 +109,9 @@ int main(int argc, char** argv) {
                                         static_cast<int64_t>(sids.size()), table);
       if (rewound < 0 || rewound > static_cast<int64_t>(sids.size())) return fail("rewound count", step);
       if (trie.num_slots() != static_cast<int64_t>(slot_len.size())) return fail("slot count", step);
-      if (trie.slot_on_trie(5) != (slot_len.count(5) == 0)) return fail("another partition on the trie", step);
+      if ((trie.slot_handle(5) == TokenTrie::kOffTrie) != (slot_len.count(5) == 1)) {
+        return fail("another partition on the trie", step);
+      }
     } else if (op == 9 && !slot_len.empty()) {
       const int64_t sid = std::next(slot_len.begin(), pick(static_cast<int64_t>(slot_len.size())))->first;
       trie.finish_slot(sid);

@@ -125,17 +125,18 @@ class _TrieCore:
             self.finish_request(rec[0])
 
     def _slot_handle(self, sid: int) -> int:
+        """The slot's record handle (-1: never synced; -2: kept off the trie), as TokenTrie::slot_handle."""
         rec = self._slots.get(int(sid))
-        return -1 if rec is None or rec[0] is None else rec[0]
+        return -1 if rec is None else -2 if rec[0] is None else rec[0]
 
     def retrieve_slots(self, sids, contexts, lens, budgets, floor, shape):
-        on = np.array([int(s) not in self._slots or self._slots[int(s)][0] is not None for s in sids], np.uint8)
+        handles = np.array([self._slot_handle(s) for s in sids], np.int64)
+        on = (handles != -2).astype(np.uint8)
         kept = np.where(on.astype(bool), np.asarray(budgets, np.int64), 0)
-        rows = self.retrieve_rows([self._slot_handle(s) for s in sids], contexts, lens, kept, floor, shape)
-        return (*rows, on)
+        return (*self.retrieve_rows(np.maximum(handles, -1), contexts, lens, kept, floor, shape), on)
 
     def context_slots(self, sids, budgets, floor):
-        return self.context_rows([self._slot_handle(s) for s in sids], budgets, floor)
+        return self.context_rows([max(self._slot_handle(s), -1) for s in sids], budgets, floor)
 
     def slot_context_length(self, sid: int) -> int:
         handle = self._slot_handle(sid)
