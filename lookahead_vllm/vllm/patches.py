@@ -256,9 +256,8 @@ def patch_draftless_graphs() -> bool:
 
     def make_capture(original):
         def _warmup_and_capture(self, desc, *args, **kwargs):
-            if not (wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)):
-                return original(self, desc, *args, **kwargs)
-            with one_token_decode(self):
+            draftless = wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)
+            with one_token_decode(self) if draftless else contextlib.nullcontext():
                 return original(self, desc, *args, **kwargs)
 
         return _warmup_and_capture
@@ -266,11 +265,9 @@ def patch_draftless_graphs() -> bool:
     def make_dispatch(original):
         def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
                                                    max_num_scheduled_tokens, *args, **kwargs):
-            if (max_num_scheduled_tokens != 1 or num_tokens != num_reqs or kwargs.get("force_uniform_decode") is False
-                    or not wants(self)):
-                return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
-                                *args, **kwargs)
-            with one_token_decode(self):
+            draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+                         and kwargs.get("force_uniform_decode") is not False and wants(self))
+            with one_token_decode(self) if draftless else contextlib.nullcontext():
                 return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
                                 *args, **kwargs)
 
