@@ -22,6 +22,7 @@
 
 #include "calibration.h"
 #include "draft_index.h"
+#include "jacobi.h"
 #include "token_trie.h"
 #include "trees.h"
 
@@ -974,6 +975,197 @@ void bind_trie(py::module_& m) {
         py::arg("cut") = py::none(), py::arg("pool") = py::none());
 }
 
+// ------------------------------------------------------------- Jacobi table
+using lookahead::JacobiSlot;
+using lookahead::JacobiTable;
+
+void check_batch(const char* what, int64_t rows, int64_t n) {
+  if (n != rows) {
+    throw py::value_error(std::string(what) + " has " + std::to_string(n) + " rows; slots has " +
+                          std::to_string(rows));
+  }
+}
+
+py::object slot_window(const JacobiTable& t, int64_t slot) {
+  const JacobiSlot* s = t.find(slot);
+  if (s == nullptr || !s->windowed) return py::none();
+  return py::cast(s->window);
+}
+
+void bind_jacobi(py::module_& m) {
+  py::class_<JacobiTable>(m, "JacobiTable")
+      .def(py::init([](py::handle window, py::handle ngram, py::handle guesses) {
+             return std::make_unique<JacobiTable>(static_cast<int>(config_int("window", window, 1, 64)),
+                                                  static_cast<int>(config_int("ngram", ngram, 2, 16)),
+                                                  static_cast<int>(config_int("guesses", guesses, 1, 64)));
+           }),
+           py::arg("window"), py::arg("ngram"), py::arg("guesses"))
+      .def_property_readonly("window", &JacobiTable::window)
+      .def_property_readonly("ngram", &JacobiTable::ngram)
+      .def_property_readonly("guesses", &JacobiTable::guesses)
+      .def_property_readonly("num_nodes", &JacobiTable::num_nodes)
+      .def_property_readonly("num_slots", &JacobiTable::num_slots)
+      .def("memory_bytes", &JacobiTable::memory_bytes)
+      .def_property(
+          "prior", [](const JacobiTable& t) { return py::make_tuple(t.prior_yield(), t.prior_probe_every()); },
+          [](JacobiTable& t, std::pair<double, int64_t> prior) { t.set_prior(prior.first, prior.second); })
+      .def(
+          "track",
+          [](JacobiTable& t, py::handle slots_obj, py::handle num_obj) {
+            const IntArray slots = int_array(slots_obj, "slots"), num = int_array(num_obj, "num_tokens");
+            check_batch("num_tokens", slots.shape(0), num.shape(0));
+            std::vector<int64_t> stale;
+            t.track(slots.data(), num.data(), slots.shape(0), stale);
+            return py::array_t<int64_t>(static_cast<py::ssize_t>(stale.size()), stale.data());
+          },
+          py::arg("slots"), py::arg("num_tokens"))
+      .def(
+          "open",
+          [](JacobiTable& t, py::handle slots_obj, py::handle rows_obj, const py::array& token_ids,
+             py::handle prompt_obj, py::handle length_obj, py::handle windowed_obj) {
+            const TokenTable table(token_ids);
+            const IntArray slots = int_array(slots_obj, "slots"), rows = int_array(rows_obj, "rows");
+            const IntArray prompt = int_array(prompt_obj, "prompt_lens"), length = int_array(length_obj, "lengths");
+            const UInt8Array windowed = UInt8Array::ensure(windowed_obj);
+            const int64_t n = slots.shape(0);
+            check_batch("rows", n, rows.shape(0));
+            check_batch("prompt_lens", n, prompt.shape(0));
+            check_batch("lengths", n, length.shape(0));
+            if (!windowed || windowed.ndim() != 1) throw py::type_error("windowed must be a 1-D bool array");
+            check_batch("windowed", n, windowed.shape(0));
+            std::vector<int32_t> tokens;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t row = rows.data()[i], end = prompt.data()[i];
+              if (row < 0 || row >= table.rows || end < 0 || end > table.cols) {
+                throw py::value_error("rows[" + std::to_string(i) + "]=" + std::to_string(row) + ", prompt_lens[" +
+                                      std::to_string(i) + "]=" + std::to_string(end) + ": outside token_ids");
+              }
+              table.read(row, 0, end, tokens);
+              t.open(slots.data()[i], tokens.data(), end, length.data()[i], windowed.data()[i] != 0);
+            }
+          },
+          py::arg("slots"), py::arg("rows"), py::arg("token_ids"), py::arg("prompt_lens"), py::arg("lengths"),
+          py::arg("windowed"))
+      .def("finish", &JacobiTable::finish, py::arg("slot"))
+      .def(
+          "pool_rows",
+          [](JacobiTable& t, py::handle slots_obj, py::handle lasts_obj, py::handle full_obj) {
+            const IntArray slots = int_array(slots_obj, "slots"), lasts = int_array(lasts_obj, "lasts");
+            const UInt8Array full = UInt8Array::ensure(full_obj);
+            const int64_t n = slots.shape(0);
+            check_batch("lasts", n, lasts.shape(0));
+            if (!full || full.ndim() != 1) throw py::type_error("full must be a 1-D bool array");
+            check_batch("full", n, full.shape(0));
+            std::vector<const std::vector<int32_t>*> found;
+            const int64_t widest = t.pool_find(slots.data(), lasts.data(), full.data(), n, found);
+            OutRows out(n, std::max<int64_t>(1, widest * (t.ngram() - 1)));
+            const int64_t branches = t.pool_write(found, out.width, out.tok, out.par, out.wt, out.cf, out.len);
+            return py::make_tuple(py::make_tuple(out.tokens, out.parents, out.weights, out.conf, out.lengths),
+                                  branches);
+          },
+          py::arg("slots"), py::arg("lasts"), py::arg("full"))
+      .def(
+          "set_pool_from",
+          [](JacobiTable& t, py::handle slots_obj, py::handle from_obj) {
+            const IntArray slots = int_array(slots_obj, "slots"), from = int_array(from_obj, "pool_from");
+            check_batch("pool_from", slots.shape(0), from.shape(0));
+            t.set_pool_from(slots.data(), from.data(), slots.shape(0));
+          },
+          py::arg("slots"), py::arg("pool_from"))
+      .def(
+          "choose",
+          [](JacobiTable& t, py::handle slots_obj, py::handle fees_obj, py::handle costs_obj, double setup,
+             double fees_paid, double gain) {
+            const IntArray slots = int_array(slots_obj, "slots");
+            const DoubleArray fees = DoubleArray::ensure(fees_obj), costs = DoubleArray::ensure(costs_obj);
+            const int64_t n = slots.shape(0);
+            if (!fees || fees.ndim() != 1) throw py::type_error("fees must be a 1-D float array");
+            check_batch("fees", n, fees.shape(0));
+            if (!costs || costs.ndim() != 1 || costs.shape(0) != n + 1) {
+              throw py::value_error("costs must be a 1-D float array of " + std::to_string(n + 1) +
+                                    " entries (the step's cost with 0.." + std::to_string(n) + " windows)");
+            }
+            std::vector<int64_t> chosen;
+            t.choose(slots.data(), fees.data(), costs.data(), n, {setup, fees_paid, gain}, chosen);
+            const int64_t nodes = t.num_nodes();
+            py::array_t<int32_t> ahead({static_cast<int64_t>(chosen.size()), nodes});
+            int32_t* a = ahead.mutable_data();
+            for (size_t c = 0; c < chosen.size(); ++c) {
+              const std::vector<int32_t>& win = t.find(slots.data()[chosen[c]])->window;
+              std::copy(win.begin(), win.end(), a + c * nodes);
+            }
+            return py::make_tuple(py::array_t<int64_t>(static_cast<py::ssize_t>(chosen.size()), chosen.data()),
+                                  ahead);
+          },
+          py::arg("slots"), py::arg("fees"), py::arg("costs"), py::arg("setup"), py::arg("fees_paid"),
+          py::arg("gain"))
+      .def(
+          "update",
+          [](JacobiTable& t, py::handle slots_obj, py::handle new_obj, py::handle nodes_obj, py::handle starts_obj) {
+            const IntArray slots = int_array(slots_obj, "slots"), nodes = int_array(nodes_obj, "nodes");
+            const IntArray starts = int_array(starts_obj, "starts");
+            const Int32Array fresh = Int32Array::ensure(new_obj);
+            const int64_t n = slots.shape(0);
+            check_rows("new_tokens", fresh, n, t.window());
+            check_batch("starts", n + 1, starts.shape(0));
+            const int64_t* s = starts.data();
+            for (int64_t i = 0; i < n; ++i) {
+              if (s[i] < 0 || s[i] > s[i + 1] || s[i + 1] > nodes.shape(0)) {
+                throw py::value_error("starts must rise from 0 to len(nodes)");
+              }
+            }
+            return t.update(slots.data(), fresh.data(), nodes.data(), s, n);
+          },
+          py::arg("slots"), py::arg("new_tokens"), py::arg("nodes"), py::arg("starts"))
+      .def("window_tokens", &slot_window, py::arg("slot"))
+      .def(
+          "pool",
+          [](const JacobiTable& t, int64_t slot, int64_t key, int64_t limit) -> py::object {
+            const JacobiSlot* s = t.find(slot);
+            if (s == nullptr || !s->windowed) return py::none();
+            py::list out;
+            for (const auto& cont : t.pool_get(*s, checked_token(key), limit)) out.append(py::tuple(py::cast(cont)));
+            return out;
+          },
+          py::arg("slot"), py::arg("key"), py::arg("limit") = -1)
+      .def(
+          "pool_size",
+          [](const JacobiTable& t, int64_t slot) -> int64_t {
+            const JacobiSlot* s = t.find(slot);
+            return s == nullptr || !s->windowed ? -1 : s->pool_size;
+          },
+          py::arg("slot"))
+      .def(
+          "policy",
+          [](const JacobiTable& t, int64_t slot) -> py::object {
+            const JacobiSlot* s = t.find(slot);
+            if (s == nullptr) return py::none();
+            py::dict d;
+            d["length"] = s->length;
+            d["windowed"] = s->windowed;
+            d["x0"] = s->x0;
+            d["pool_from"] = s->pool_from;
+            d["yield_est"] = s->yield_est;
+            d["steps_without"] = s->steps_without;
+            d["probe_every"] = s->probe_every;
+            d["probing"] = s->probing;
+            return d;
+          },
+          py::arg("slot"))
+      .def(
+          "credit",
+          [](JacobiTable& t, int64_t slot, int64_t pool_tokens) {
+            JacobiSlot* s = t.find(slot);
+            if (s == nullptr || !s->windowed) throw py::key_error("slot " + std::to_string(slot) + " has no window");
+            t.credit(*s, pool_tokens);
+          },
+          py::arg("slot"), py::arg("pool_tokens"))
+      .def_static("prompt_seed", [](py::handle prompt) {
+        const std::vector<int32_t> t = token_vector(prompt);
+        return lookahead::prompt_seed(t.data(), static_cast<int64_t>(t.size()));
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_draft_index, m) {
@@ -1105,4 +1297,5 @@ PYBIND11_MODULE(_draft_index, m) {
         py::arg("verified"), py::arg("prior"), py::arg("half_life"));
   m.def("walk_trees", &walk_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("lens"), py::arg("targets"));
   bind_trie(m);
+  bind_jacobi(m);
 }

@@ -18,8 +18,12 @@ calibration kind.
 Requests are named by integer *slots* the caller assigns (the proposer maps
 vLLM's request ids to slots). Per step the caller hands the runner's token
 table once (``sync``) and asks for every drafting row's tree (``draft``);
-finished requests are dropped with ``finish``. The Jacobi pool, which needs
-the forward's lookahead outputs, stays with the proposer.
+finished requests are dropped with ``finish``.
+
+  jacobi core/jacobi.py (native: csrc/draft_index/jacobi.h): a request's
+         Jacobi window and n-gram pool, by slot; the proposer opens the
+         windows of the requests that may verify a tree and feeds them the
+         forward's lookahead outputs.
 
 Tenant isolation (core/partitions.py, config ``draft_sharing``): a request
 is admitted into the partition of its salt (``partition``); the index keeps
@@ -41,6 +45,7 @@ from lookahead_vllm.core import native
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
 from lookahead_vllm.core.draft_tree import DraftTree, rows_of
+from lookahead_vllm.core.jacobi import make_jacobi
 from lookahead_vllm.core.partitions import Partitions
 from lookahead_vllm.core.trie import make_trie
 
@@ -79,6 +84,7 @@ class Drafter:
         # Back-off index (shorter key): drafts where the main index has no match.
         self.backoff = make_index(config, knobs.index_backoff) if config.uses_index and knobs.index_backoff else None
         self.trie = make_trie(config) if config.uses_trie else None
+        self.jacobi = make_jacobi(config) if config.uses_jacobi else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = Partitions(config.draft_sharing)
@@ -89,7 +95,9 @@ class Drafter:
         """Running requests holding drafting state."""
         if self.index is not None:
             return self.index.num_live()
-        return self.trie.num_slots
+        if self.trie is not None:
+            return self.trie.num_slots
+        return self.jacobi.num_slots
 
     def num_context_indexes(self) -> int:
         """Context chains held (trie source)."""
@@ -101,6 +109,7 @@ class Drafter:
 
     def memory_bytes(self) -> int:
         total = sum(index.memory_bytes() for index in self._indexes())
+        total += self.jacobi.memory_bytes() if self.jacobi is not None else 0
         return total + (self.trie.num_bytes if self.trie is not None else 0)
 
     def partition(self, salt: str | None) -> int:
@@ -142,6 +151,8 @@ class Drafter:
             index.finish(slot)
         if self.trie is not None:
             self.trie.finish_slot(slot)
+        if self.jacobi is not None:
+            self.jacobi.finish(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
         """Learn a past response (warm start): into the index's corpus as a
@@ -170,7 +181,7 @@ class Drafter:
         ``floor``, the index's tree (a chain unless ``tree``) or, where it has
         none, the request's context chain, first, the trie's merged after it,
         then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of`
-        arrays; the caller's) (the native ``merge_rows``); cut to its best path where
+        arrays: ``jacobi.pool_rows``) (the native ``merge_rows``); cut to its best path where
         ``cut[i]``.
         ``contexts``: the requests' last ``max_match_length`` tokens as
         ``(tokens [R, W], lengths [R])``, row ``i``'s first ``lengths[i]``

@@ -36,8 +36,6 @@ from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.jacobi import (PROBE_EVERY, YIELD_PRIOR, JacobiRequest, WindowStep, choose_windows,
-                                        pool_rows)
 from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
@@ -120,11 +118,6 @@ class RequestState:
     # request made without the runner's new-request hook: that of no salt).
     # Kept across rewinds, like the cap.
     partition: int = 0
-    # Committed tokens the Drafter has seen (a smaller count = a rewind).
-    length: int = 0
-    # Jacobi window and n-gram pool (sources with "jacobi", tree-verifiable
-    # sampling only).
-    jacobi: JacobiRequest | None = None
     # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable;
     # None until the runner knows the request). Fixed for its lifetime.
     verifiable: bool | None = None
@@ -400,13 +393,6 @@ class LookaheadProposer:
         # (core/calibration.py; raw ones, a calibrator that never learns,
         # where the profile turns calibration off).
         self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
-        for st in self._states.values():
-            st.length, st.jacobi = 0, None
-        # What the Jacobi window last yielded (pool tokens per window step)
-        # and the probe interval it had reached: new requests start there, so
-        # a workload where the window does not pay stops probing it anew for
-        # every request.
-        self._window_prior: tuple[float, int] = (YIELD_PRIOR, PROBE_EVERY)
         # The drafts handed out last step, as tree verification reads them and the next step
         # books them (core/tree_plan.py).
         self.handed_out = StepDrafts.none()
@@ -519,7 +505,8 @@ class LookaheadProposer:
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
                                                 partitions)
         if self._uses_jacobi:
-            self._track_windows(req_ids, states, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows])
+            self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens,
+                                batch.num_prompt_tokens[rows])
         budgets, skipped, load_budget = self._budgets(num_tokens, caps, batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
@@ -538,7 +525,7 @@ class LookaheadProposer:
                 kinds = None
                 self.stats.context_drafts += int(np.count_nonzero(lens))
             else:
-                tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], states, picked, budgets[drafting],
+                tok, par, raw, kinds, lens = self._merged_rows(slots[drafting], picked, budgets[drafting],
                                                                floor, tree_ok, token_ids_cpu, rows, num_tokens)
             offers, calibrated, drafts = plan_trees(tok, par, raw, lens, tree_ok, self.calibrator,
                                                     self._step_budget(len(rows)), len(rows), cost,
@@ -548,8 +535,8 @@ class LookaheadProposer:
                 self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
             elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
                 drafts = [[] for _ in drafts]
-        windows = (self._send_windows(offers, drafts, calibrated, tree_ok, [states[j] for j in picked],
-                                      rows[drafting], len(rows), np.zeros(len(picked)) if entry is None else entry)
+        windows = (self._send_windows(offers, drafts, calibrated, tree_ok, rows[drafting], len(rows),
+                                      np.zeros(len(picked)) if entry is None else entry)
                    if self._uses_jacobi and picked else {})
         planned = np.flatnonzero(offers.trees).tolist() + list(windows)
         p = self.config.profile
@@ -605,7 +592,7 @@ class LookaheadProposer:
         self.stats.uniform_steps += 1
         self.stats.fill_tokens += added
 
-    def _merged_rows(self, slots: np.ndarray, states: list[RequestState], picked: list[int], budgets: np.ndarray,
+    def _merged_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
         """The drafting rows' trees from every source as :func:`plan_trees`
@@ -615,37 +602,25 @@ class LookaheadProposer:
         the request may not verify a tree)."""
         contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
                                       self.config.profile.max_match_length) if self.drafter.trie is not None else None)
-        pool = (self._pool_rows(states, picked, budgets, token_ids_cpu, rows, num_tokens)
-                if self._uses_jacobi else None)
+        pool = self._pool_rows(slots, picked, budgets, token_ids_cpu, rows, num_tokens) if self._uses_jacobi else None
         tok, par, _, conf, kinds, lens = self.drafter.draft(slots, contexts, budgets, floor, self.tree_mode,
                                                             ~tree_ok, pool)
         self.stats.context_drafts += int(np.count_nonzero((kinds == KIND_CONTEXT).any(axis=1)))
         if pool is not None:  # where each row's pool nodes start: the window credits what they get accepted
-            pool_from = lens - np.count_nonzero(kinds == KIND_POOL, axis=1)
-            for d, j in enumerate(picked):
-                if states[j].jacobi is not None:
-                    states[j].jacobi.pool_from = int(pool_from[d])
+            self.drafter.jacobi.set_pool_from(slots, lens - np.count_nonzero(kinds == KIND_POOL, axis=1))
         return tok, par, conf, kinds, lens
 
-    def _pool_rows(self, states: list[RequestState], picked: list[int], budgets: np.ndarray,
-                   token_ids_cpu: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _pool_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray, token_ids_cpu: np.ndarray,
+                   rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
         """Per drafting row with a Jacobi window, the pool's n-grams keyed by
         its last committed token as branches from the root (confidence
-        ``POOL_CONFIDENCE ** depth``), :func:`rows_of` arrays; the window
-        rides along only with the full budget (no load shrink, no per-request
-        cap): x0 = -1 marks rows without it this step."""
-        guesses, full = self.config.profile.jacobi_guesses, self.config.decoding_length
-        lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1].tolist()  # each row's last committed token
-        found = []
-        for j, last, budget in zip(picked, lasts, budgets.tolist()):
-            jac = states[j].jacobi
-            if jac is None:
-                found.append(())
-                continue
-            jac.x0 = last if budget == full else -1
-            found.append(jac.pool.get(last, guesses))
-        self.stats.pool_branches += sum(map(len, found))
-        return pool_rows(found, self.config.profile.jacobi_ngram - 1)
+        ``POOL_CONFIDENCE ** depth``), :func:`rows_of` arrays, in one call; the
+        window rides along only with the full budget (no load shrink, no
+        per-request cap)."""
+        lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1]  # each row's last committed token
+        pool, branches = self.drafter.jacobi.pool_rows(slots, lasts, budgets == self.config.decoding_length)
+        self.stats.pool_branches += branches
+        return pool
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
         """Whether the request may verify a tree (asked of the verifier once
@@ -672,35 +647,30 @@ class LookaheadProposer:
             self.stats.context_accepted_tokens += context
             self.stats.pool_accepted_tokens += pool
 
-    def _track_windows(self, req_ids: list[str], states: list[RequestState], rows: np.ndarray,
+    def _track_windows(self, req_ids: list[str], states: list[RequestState], slots: np.ndarray, rows: np.ndarray,
                        token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
         """Open the Jacobi window of each request admitted or rewound (fewer
-        committed tokens than last step), on verifiable requests only; the
-        others' windows are marked off until their row drafts this step."""
-        for req_id, st, i, n, num_prompt in zip(req_ids, states, rows.tolist(), num_tokens.tolist(),
-                                                prompt_lens.tolist()):
-            if st.length == 0 or n < st.length:
-                st.jacobi = None
-                if self._verifiable(req_id, st):
-                    c = self.config.profile
-                    st.jacobi = JacobiRequest.from_prompt(
-                        token_ids_cpu[i, :min(num_prompt, n)].tolist(), c.jacobi_window, c.jacobi_ngram,
-                        c.jacobi_guesses, *self._window_prior)
-                elif st.verifiable is None:
-                    continue  # the runner does not know the request yet: next step
-            elif st.jacobi is not None:
-                st.jacobi.x0 = -1  # set again by _pool_rows for the rows that draft this step
-            st.length = n
+        committed tokens than last step), on verifiable requests only (a
+        request the runner does not know yet is asked again next step); the
+        others' windows leave the step until their row drafts."""
+        jacobi = self.drafter.jacobi
+        stale = jacobi.track(slots, num_tokens).tolist()
+        if not stale:
+            return
+        known = [i for i in stale if self._verifiable(req_ids[i], states[i]) or states[i].verifiable is not None]
+        windowed = np.fromiter((states[i].verifiable for i in known), bool, len(known))
+        jacobi.open(slots[known], rows[known], token_ids_cpu, np.minimum(prompt_lens[known], num_tokens[known]),
+                    num_tokens[known], windowed)
 
     def _send_windows(self, offers: TreeOffers, drafts: list[list[int]], calibrated: np.ndarray,
-                      tree_ok: np.ndarray, states: list[RequestState], out_rows: np.ndarray, num_rows: int,
-                      entry: np.ndarray) -> dict[int, tuple[int, ...]]:
+                      tree_ok: np.ndarray, out_rows: np.ndarray, num_rows: int, entry: np.ndarray
+                      ) -> dict[int, tuple[int, ...]]:
         """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
         changed in place); returns their lookahead tokens by offer row. The step scores ``tokens``
         tokens and is expected to emit ``gain``; a window of ``w`` nodes must be expected to add
         more accepted tokens than ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
         what its extra tokens and its W column paths cost at the step's rate
-        (``jacobi.choose_windows``, the step's windows priced together); ``extra`` starts at the
+        (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts at the
         trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a
         window on a row that kept no node its row's ``entry``."""
         cols = np.arange(offers.parents.shape[1])
@@ -711,18 +681,20 @@ class LookaheadProposer:
         tokens, cost = num_rows + int(offers.lengths.sum()), self.cost.at_rows(num_rows)
         # Paid where the cost model is on (cost_free_tokens 0: every window goes, as every draft does).
         drafted, priced = offers.lengths > 0, bool(cost.free_tokens)
-        step = WindowStep(tokens, rounds, cost.draft_setup if priced and tokens == num_rows else 0.0,
-                          float(entry[drafted].sum()) if priced else 0.0,
-                          num_rows + float(np.where(kept, calibrated, 0.0).sum()))
-        rows = [d for d, st in enumerate(states) if st.jacobi is not None and st.jacobi.x0 >= 0 and tree_ok[d]]
-        windows = [states[d].jacobi for d in rows]
-        fees = np.where(drafted[rows] | (not priced), 0.0, entry[rows])
-        chosen = choose_windows(windows, fees, step, cost)
-        sent = {rows[i]: tuple(windows[i].window.tokens()) for i in chosen}
-        for d, ahead in sent.items():  # the offer's kept nodes, then the window's
-            drafts[int(out_rows[d])] = offers.tokens[d, :offers.lengths[d]].tolist() + list(ahead)
+        fees = np.where(drafted | (not priced), 0.0, entry)
+        cands = np.flatnonzero(tree_ok)
+        jacobi = self.drafter.jacobi
+        m = np.arange(len(cands) + 1)
+        costs = cost.many(tokens + m * jacobi.num_nodes, rounds + m * jacobi.window)
+        chosen, ahead = jacobi.choose(offers.slots[cands], fees[cands], costs,
+                                      cost.draft_setup if priced and tokens == num_rows else 0.0,
+                                      float(entry[drafted].sum()) if priced else 0.0,
+                                      num_rows + float(np.where(kept, calibrated, 0.0).sum()))
+        sent = {int(cands[c]): tuple(a) for c, a in zip(chosen.tolist(), ahead.tolist())}
+        for d, window in sent.items():  # the offer's kept nodes, then the window's
+            drafts[int(out_rows[d])] = offers.tokens[d, :offers.lengths[d]].tolist() + list(window)
         self.stats.jacobi_steps += len(chosen)
-        self.stats.jacobi_nodes += sum(map(len, sent.values()))
+        self.stats.jacobi_nodes += len(chosen) * jacobi.num_nodes
         return sent
 
     def _read_memory_gauges(self) -> None:
@@ -742,27 +714,24 @@ class LookaheadProposer:
 
     def on_tree_results(self, results: Iterable[Any]) -> None:
         """Book what verification did with this step's trees
-        (``tree_verify.TreeResult``), and feed Jacobi windows their new tokens."""
+        (``tree_verify.TreeResult``), and feed the Jacobi windows their new
+        tokens in one call: each window slides, fills its pool, and is
+        credited the pool nodes accepted (the yield new windows start from)."""
         s = self.stats
+        windows: list[Any] = []
         for r in results:
             s.tree_request_steps += 1
             s.tree_nodes += r.num_nodes
             s.tree_tokens += len(r.tokens)
             s.tree_off_chain_accepts += sum(1 for j, n in enumerate(r.nodes) if n != j)
-            if r.window_tokens is not None:
-                self.on_lookahead_outputs(r.req_id, r.window_tokens, r.nodes)
-
-    def on_lookahead_outputs(self, req_id: str, new_tokens: list[int], accepted_nodes: list[int]) -> None:
-        """The window's new tokens for a request (from tree_verify): slide it,
-        fill its pool, and book what the window step got from the pool (the
-        window's yield, which new requests start from)."""
-        st = self._states.get(req_id)
-        jac = st.jacobi if st is not None else None
-        if jac is None:
-            return
-        self.stats.pool_ngrams_added += jac.update(new_tokens)
-        jac.credit(sum(1 for n in accepted_nodes if n >= jac.pool_from))
-        self._window_prior = (jac.yield_est, jac.probe_every)
+            if r.window_tokens is not None and r.req_id in self._states:
+                windows.append(r)
+        if windows:
+            starts = np.cumsum([0, *(len(r.nodes) for r in windows)])
+            s.pool_ngrams_added += self.drafter.jacobi.update(
+                np.fromiter((self._states[r.req_id].slot for r in windows), np.int64, len(windows)),
+                np.array([r.window_tokens for r in windows], np.int32),
+                np.fromiter((n for r in windows for n in r.nodes), np.int64, int(starts[-1])), starts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ def test_draft_pays_at_the_platform_prices():
        st.lists(st.tuples(st.integers(0, 400), st.integers(0, 9)), min_size=1, max_size=20))
 def test_cost_over_arrays_equals_the_cost_of_each_step(free, marginal, per_path, path_setup, steps):
     """``ForwardCost.many`` gives what ``ForwardCost(...)`` gives step by step, bit for bit (the
-    Jacobi windows are chosen with it: jacobi.choose_windows)."""
+    Jacobi windows are chosen with it: the Jacobi table's choose)."""
     cost = ForwardCost(free, marginal, per_path, path_setup)
     tokens, paths = zip(*steps)
     assert cost.many(list(tokens), list(paths)).tolist() == [cost(t, p) for t, p in steps]

@@ -226,6 +226,14 @@ def test_forward_cost_model_trims_batch_drafts():
     assert sum(len(d) for d in step(roomy, rows, lens)) == 4
 
 
+def window_outputs(p, req_id: str, window_tokens: list[int], nodes: list[int]) -> None:
+    """What tree verification hands back for a request whose plan carried its Jacobi window
+    (``TreeResult``): the window's new tokens and the accepted nodes."""
+    from lookahead_vllm.vllm.tree_verify import TreeResult
+
+    p.on_tree_results([TreeResult(req_id, len(nodes), nodes, [0] * (len(nodes) + 1), window_tokens)])
+
+
 def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     from vllm import SamplingParams
 
@@ -245,25 +253,26 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     window_tokens = drafts[0][n:]
     assert set(window_tokens) <= set(A)  # initialised from the prompt
     # The step's new tokens (one per column): three n-grams keyed 1 (x0), then level 0.
-    p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[0, 1])
-    jac = p.request_state("a").jacobi
-    assert p.stats.pool_ngrams_added == 3 and len(jac.pool.get(1)) == 1
-    cont = jac.pool.get(1)[0]
-    assert cont[-1] == 40
+    window_outputs(p, "a", [40, 41, 42], nodes=[0, 1])
+    jacobi, slot = p.drafter.jacobi, p.request_state("a").slot
+    assert p.stats.pool_ngrams_added == 3 and len(jacobi.pool(slot, 1)) == 1
+    cont = jacobi.pool(slot, 1)[0]
+    assert cont == (window_tokens[2], 40)  # column 0: x0, level 1's first node, the new token
+    assert cont[0] != 2  # (this prompt's window: the branch does not share the trie chain's first node)
     # Next time x0 is 1 the pool branch is merged into the verify tree.
     drafts = step(p, {"a": A + [1, 2, 3, 4, 5, 1]}, {"a": len(A)})
     verify = [t for t, look in zip(drafts[0], p.handed_out.plan("a").lookahead) if not look]
     assert p.stats.pool_branches == 1 and verify[-1] == 40 and verify[0] == 2
-    # The target follows the pool branch (5, 40) from the root: two pool
-    # tokens, booked on any verified step (with or without the window).
-    assert verify[-2:] == [5, 40]
+    # The target follows the pool branch from the root: two pool tokens,
+    # booked on any verified step (with or without the window).
+    assert verify[-2:] == list(cont)
     before = p.stats.pool_accepted_tokens
-    step(p, {"a": A + [1, 2, 3, 4, 5, 1, 5, 40, 99]}, {"a": len(A)}, sampled=[[5, 40, 99]],
+    step(p, {"a": A + [1, 2, 3, 4, 5, 1, *cont, 99]}, {"a": len(A)}, sampled=[[*cont, 99]],
          scheduled={"a": drafts[0]})
     assert p.stats.pool_accepted_tokens == before + 2
     # A finished request drops its window and pool.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert p.request_state("a") is None
+    assert p.request_state("a") is None and jacobi.policy(slot) is None and jacobi.num_slots == 0
 
 
 def test_with_the_cost_model_off_every_window_goes():
@@ -276,7 +285,7 @@ def test_with_the_cost_model_off_every_window_goes():
 
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
                       context_price=2.0)
-    p._window_prior = (0.001, PROBE_EVERY)  # what earlier requests saw: the window brought nothing
+    p.drafter.jacobi.prior = (0.001, PROBE_EVERY)  # what earlier requests saw: the window brought nothing
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     prompt = list(range(100, 140))  # no repeats: nothing to draft but the window
     drafts = step(p, {"a": prompt}, {"a": len(prompt)})
@@ -290,13 +299,14 @@ def test_jacobi_state_rebuilt_identically_after_a_rewind():
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2, cost_free_tokens=0)
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
-    first = [list(r) for r in p.request_state("a").jacobi.window.rows]
-    p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])
+    jacobi, slot = p.drafter.jacobi, p.request_state("a").slot
+    first = jacobi.window_tokens(slot)
+    window_outputs(p, "a", [40, 41, 42], nodes=[])
     step(p, {"a": A + [1, 2, 3]}, {"a": len(A)})
-    assert p.request_state("a").jacobi.window.rows != first and len(p.request_state("a").jacobi.pool) == 3
+    assert jacobi.window_tokens(slot) != first and jacobi.pool_size(slot) == 3
     # vLLM recomputes the request (preemption): the runner rewinds its tokens.
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.request_state("a").jacobi.window.rows == first and len(p.request_state("a").jacobi.pool) == 0
+    assert jacobi.window_tokens(slot) == first and jacobi.pool_size(slot) == 0
 
 
 def test_jacobi_window_is_priced_by_the_cost_model():
@@ -319,7 +329,7 @@ def test_jacobi_window_is_priced_by_the_cost_model():
     assert p.handed_out.plan("a").has_lookahead and p.stats.jacobi_steps == 1
     # The pool never pays: the estimate decays below 0.40 and the window stays home.
     for _ in range(8):
-        p.request_state("a").jacobi.credit(0)
+        p.drafter.jacobi.credit(p.request_state("a").slot, 0)
     step(p, {"a": A + [1, 2]}, {"a": len(A)})
     assert p.handed_out.plan("a") is None and p.stats.jacobi_steps == 1
 
@@ -406,11 +416,12 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     step(p, {"a": A + [1]}, {"a": len(A)})
     assert p.handed_out.plan("a").has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
     for _ in range(8):
-        p.on_lookahead_outputs("a", [40, 41, 42], accepted_nodes=[])  # the window brings nothing
-    learned = p.request_state("a").jacobi.yield_est
+        window_outputs(p, "a", [40, 41, 42], nodes=[])  # the window brings nothing
+    jacobi = p.drafter.jacobi
+    learned = jacobi.policy(p.request_state("a").slot)["yield_est"]
     assert learned < 0.4
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert p.request_state("b").jacobi.yield_est == learned
+    assert jacobi.policy(p.request_state("b").slot)["yield_est"] == learned
     assert p.handed_out.plan("b") is None  # no fresh optimism: the new request keeps the window home
 
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from lookahead_vllm.vllm.tree_verify import TreeResult
 from tests.settings import lookahead
 from tests.vllm.test_chain_path import MAX_LEN, Workload
 
@@ -82,8 +83,8 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
         for p in (a, b):
             p.on_step(batch, finished, scheduled)
             width = p.config.profile.jacobi_window
-            for req_id, (nodes, truth) in work.windows.items():
-                p.on_lookahead_outputs(req_id, (truth * width)[:width], nodes)
+            p.on_tree_results([TreeResult(req_id, len(nodes), nodes, [], (truth * width)[:width])
+                               for req_id, (nodes, truth) in work.windows.items()])
             p.on_new_requests(new)
             outs.append(p.propose(sampled, num_tokens, table))
         assert outs[0] == outs[1]
@@ -130,6 +131,7 @@ def test_tree_pipeline_native_equals_reference(seed, settings, trees):
     trie = ref.drafter.trie
     assert ref.drafter.index is None or not ref.drafter.index.native
     assert trie is None or type(trie._core).__module__ == "lookahead_lab.reference"
+    assert ref.drafter.jacobi is None or type(ref.drafter.jacobi).__module__ == "lookahead_lab.reference.jacobi"
     requests: dict = {}
     fast.verifier.runner_requests = ref.verifier.runner_requests = requests
     handed, planned = drive_trees(fast, ref, TreeWorkload(seed, requests), 200)

@@ -27,6 +27,7 @@ from lookahead_vllm.core.draft_index import DraftIndexConfig
 from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_lab.reference import planner
 from lookahead_lab.reference.draft_index import DraftIndex as ReferenceDraftIndex
+from lookahead_lab.reference.jacobi import JacobiTable
 from lookahead_lab.reference.planner import row_tree
 from lookahead_lab.reference.trie import TokenTrie, TrieRecord
 
@@ -172,7 +173,7 @@ def _counted(name: str, fn):
 extension = SimpleNamespace(**{name: _counted(name, fn) for name, fn in (
     ("DraftIndex", _draft_index), ("TokenTrie", _TrieCore), ("merge_rows", planner.merge_rows),
     ("plan_trees", planner.plan_trees), ("match_trees", planner.match_trees), ("observe_trees", planner.observe_trees),
-    ("walk_trees", planner.walk_trees),
+    ("walk_trees", planner.walk_trees), ("JacobiTable", JacobiTable),
 )})
 
 

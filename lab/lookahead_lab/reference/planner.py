@@ -3,15 +3,15 @@
 ``plan_trees``, ``match_trees``, ``observe_trees`` and ``walk_trees``, with the extension's
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
-confidences bit for bit; and the Python oracles of the batched Jacobi steps
-(``pool_rows``, ``choose_windows``, ``TreeOffers.plan_with_window``), one request at a time.
+confidences bit for bit; and the Python oracle of ``TreeOffers.plan_with_window``
+(``with_lookahead``). The Jacobi table's reference is ``lookahead_lab.reference.jacobi``.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
@@ -19,8 +19,11 @@ from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
-from lookahead_vllm.core.jacobi import POOL_CONFIDENCE, JacobiRequest, JacobiWindow, WindowStep, lookahead_parents
+from lookahead_vllm.core.jacobi import POOL_CONFIDENCE, lookahead_parents
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
+
+if TYPE_CHECKING:
+    from lookahead_lab.reference.jacobi import JacobiWindow
 
 
 def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
@@ -246,8 +249,8 @@ def observe_trees(predicted, accepted, nodes, factor, bin_edges, raw, kinds, hit
 # --------------------------------------------------------------- merging
 def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
     """Pool continuations as branches from the root, side by side, each node at
-    confidence and weight ``POOL_CONFIDENCE ** depth``: one row of
-    ``lookahead_vllm.core.jacobi.pool_rows``."""
+    confidence and weight ``POOL_CONFIDENCE ** depth``: one row of the Jacobi
+    table's ``pool_rows``."""
     tokens: list[int] = []
     parents: list[int] = []
     confs: list[float] = []
@@ -259,24 +262,7 @@ def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
     return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
 
 
-def choose_windows(windows: Sequence[JacobiRequest], fees: Sequence[float], step: WindowStep,
-                   cost: Callable[[int, int], float]) -> list[int]:
-    """``lookahead_vllm.core.jacobi.choose_windows`` one window at a time: most
-    expected yield first, each asked :meth:`JacobiRequest.wants_window` with what it
-    must yield to pay for its nodes and column paths in the step as it stands."""
-    sent = []
-    for i in sorted(range(len(windows)), key=lambda i: -windows[i].yield_est):
-        w, cols = windows[i].window.num_nodes, windows[i].window.window
-        need = step.gain * ((cost(step.tokens + w, step.extra + cols) + step.setup + step.fees + fees[i])
-                            / (cost(step.tokens, step.extra) + step.fees) - 1.0)
-        if windows[i].wants_window(need):
-            sent.append(i)
-            step.tokens, step.extra, step.setup = step.tokens + w, step.extra + cols, 0.0
-            step.fees, step.gain = step.fees + fees[i], step.gain + windows[i].yield_est
-    return sent
-
-
-def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
+def with_lookahead(tree: DraftTree, window: "JacobiWindow") -> tuple[DraftTree, tuple[bool, ...]]:
     """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
     ``lookahead_vllm.core.tree_plan.TreeOffers.plan_with_window``'s plan."""
     base = len(tree)
