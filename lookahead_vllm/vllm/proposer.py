@@ -690,9 +690,13 @@ class LookaheadProposer:
                                       cost.draft_setup if priced and tokens == num_rows else 0.0,
                                       float(entry[drafted].sum()) if priced else 0.0,
                                       num_rows + float(np.where(kept, calibrated, 0.0).sum()))
-        sent = {int(cands[c]): tuple(a) for c, a in zip(chosen.tolist(), ahead.tolist())}
-        for d, window in sent.items():  # the offer's kept nodes, then the window's
-            drafts[int(out_rows[d])] = offers.tokens[d, :offers.lengths[d]].tolist() + list(window)
+        went = cands[chosen]
+        windows = ahead.tolist()
+        # Each row's draft: the offer's kept nodes, then the window's (read in bulk, cut per row).
+        for r, kept_tokens, n, window in zip(out_rows[went].tolist(), offers.tokens[went].tolist(),
+                                             offers.lengths[went].tolist(), windows):
+            drafts[r] = kept_tokens[:n] + window
+        sent = dict(zip(went.tolist(), map(tuple, windows)))
         self.stats.jacobi_steps += len(chosen)
         self.stats.jacobi_nodes += len(chosen) * jacobi.num_nodes
         return sent
