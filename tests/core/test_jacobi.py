@@ -8,11 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_lab.reference.planner import branch_tree, merged, with_lookahead
+from lookahead_lab.reference.planner import merged
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_lab.reference import merge_rows, row_drafts
-from lookahead_lab.reference.jacobi import JacobiRequest, JacobiTable, JacobiWindow, NgramPool, prompt_seed
+from lookahead_lab.reference.jacobi import (JacobiRequest, JacobiTable, JacobiWindow, NgramPool, branch_tree, prompt_seed,
+                                           with_lookahead)
 from lookahead_vllm.core import native
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.jacobi import MAX_PROBE_EVERY, PROBE_EVERY, YIELD_PRIOR, lookahead_parents, output_nodes

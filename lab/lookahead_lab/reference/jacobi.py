@@ -13,9 +13,9 @@ from typing import Sequence
 
 import numpy as np
 
-from lookahead_lab.reference.planner import branch_tree
-from lookahead_vllm.core.draft_tree import fill_row, rows_of
-from lookahead_vllm.core.jacobi import MAX_PROBE_EVERY, PROBE_EVERY, YIELD_ALPHA, YIELD_PRIOR
+from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.jacobi import (MAX_PROBE_EVERY, POOL_CONFIDENCE, PROBE_EVERY, YIELD_ALPHA, YIELD_PRIOR,
+                                        lookahead_parents)
 
 _M64 = (1 << 64) - 1
 
@@ -139,6 +139,36 @@ class JacobiRequest:
         elif self.probing:
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.probing = False
+
+
+def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
+    """Pool continuations as branches from the root, side by side, each node at
+    confidence and weight ``POOL_CONFIDENCE ** depth``: one row of
+    :meth:`JacobiTable.pool_rows`."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    confs: list[float] = []
+    for branch in branches:
+        for depth, token in enumerate(branch, start=1):
+            parents.append(-1 if depth == 1 else len(tokens) - 1)
+            tokens.append(int(token))
+            confs.append(POOL_CONFIDENCE ** depth)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
+
+
+def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
+    """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
+    ``lookahead_vllm.core.tree_plan.TreeOffers.plan_with_window``'s plan."""
+    base = len(tree)
+    toks = tuple(window.tokens())
+    zeros = (0.0,) * len(toks)
+    combined = DraftTree(
+        tree.tokens + toks,
+        tree.parents + lookahead_parents(window.window, window.ngram, base),
+        tree.weights + zeros,
+        (tree.confidence or (1.0,) * base) + zeros,
+    )
+    return combined, (False,) * base + (True,) * len(toks)
 
 
 class JacobiTable:

@@ -3,15 +3,15 @@
 ``plan_trees``, ``match_trees``, ``observe_trees`` and ``walk_trees``, with the extension's
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
-confidences bit for bit; and the Python oracle of ``TreeOffers.plan_with_window``
-(``with_lookahead``). The Jacobi table's reference is ``lookahead_lab.reference.jacobi``.
+confidences bit for bit. The Jacobi table's reference, with the oracles of its pool rows
+and of ``TreeOffers.plan_with_window``, is ``lookahead_lab.reference.jacobi``.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -19,11 +19,7 @@ from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
 from lookahead_vllm.core.drafter import index_tree
-from lookahead_vllm.core.jacobi import POOL_CONFIDENCE, lookahead_parents
 from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
-
-if TYPE_CHECKING:
-    from lookahead_lab.reference.jacobi import JacobiWindow
 
 
 def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
@@ -247,36 +243,6 @@ def observe_trees(predicted, accepted, nodes, factor, bin_edges, raw, kinds, hit
 
 
 # --------------------------------------------------------------- merging
-def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
-    """Pool continuations as branches from the root, side by side, each node at
-    confidence and weight ``POOL_CONFIDENCE ** depth``: one row of the Jacobi
-    table's ``pool_rows``."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    confs: list[float] = []
-    for branch in branches:
-        for depth, token in enumerate(branch, start=1):
-            parents.append(-1 if depth == 1 else len(tokens) - 1)
-            tokens.append(int(token))
-            confs.append(POOL_CONFIDENCE ** depth)
-    return DraftTree(tuple(tokens), tuple(parents), tuple(confs), tuple(confs))
-
-
-def with_lookahead(tree: DraftTree, window: "JacobiWindow") -> tuple[DraftTree, tuple[bool, ...]]:
-    """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
-    ``lookahead_vllm.core.tree_plan.TreeOffers.plan_with_window``'s plan."""
-    base = len(tree)
-    toks = tuple(window.tokens())
-    zeros = (0.0,) * len(toks)
-    combined = DraftTree(
-        tree.tokens + toks,
-        tree.parents + lookahead_parents(window.window, window.ngram, base),
-        tree.weights + zeros,
-        (tree.confidence or (1.0,) * base) + zeros,
-    )
-    return combined, (False,) * base + (True,) * len(toks)
-
-
 def merge_rows(lead, lead_context, trie, budgets, cut, pool=None) -> tuple[np.ndarray, ...]:
     """The extension's ``merge_rows`` (``Drafter.draft``): row ``i``'s lead
     (an index tree, or where ``lead_context[i]`` the context chain) first,
