@@ -18,10 +18,10 @@ def recording(verifier: Any) -> Iterator[list[dict[str, Any]]]:
 
     def begin_step(runner: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
         begin(runner, scheduler_output, num_scheduled_tokens)
-        batch = runner.input_batch
-        for req in verifier.current.requests if verifier.current is not None else ():
-            context = batch.token_ids_cpu[req.row, :int(batch.num_tokens_no_spec[req.row])].tolist()
-            entries.append({"req_id": req.req_id, "context": context, "plan": req.plan})
+        batch, step = runner.input_batch, verifier.current
+        for t, (req_id, row) in enumerate(zip(step.req_ids, step.rows.tolist()) if step is not None else ()):
+            context = batch.token_ids_cpu[row, :int(batch.num_tokens_no_spec[row])].tolist()
+            entries.append({"req_id": req_id, "context": context, "plan": step.trees.plan(t)})
 
     def finish_step(runner: Any, logits: Any, spec_metadata: Any, sampler_output: Any) -> None:
         step = verifier.current
@@ -30,13 +30,14 @@ def recording(verifier: Any) -> Iterator[list[dict[str, Any]]]:
             return
         cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
         sampled = sampler_output.sampled_token_ids
-        mine = {e["req_id"]: e for e in entries[-len(step.requests):]}
-        for req in step.requests:
-            first = cu_sampled[req.row] - req.num_rows
-            entry = mine[req.req_id]
-            entry["logits"] = logits[first : first + req.num_rows].float().clone()
-            entry["output"] = [t for t in sampled[req.row].tolist() if t >= 0]
-            committed = step.slot_mapping[req.start + 1 : req.start + len(entry["output"])]
+        mine = {e["req_id"]: e for e in entries[-len(step.req_ids):]}
+        for req_id, row, start, num_rows in zip(step.req_ids, step.rows.tolist(), step.starts.tolist(),
+                                                step.num_rows.tolist()):
+            first = cu_sampled[row] - num_rows
+            entry = mine[req_id]
+            entry["logits"] = logits[first : first + num_rows].float().clone()
+            entry["output"] = [t for t in sampled[row].tolist() if t >= 0]
+            committed = step.slot_mapping[start + 1 : start + len(entry["output"])]
             entry["kv"] = [cache.gather_slots(committed) for cache in step.caches.values()]
 
     verifier.begin_step, verifier.finish_step = begin_step, finish_step

@@ -119,6 +119,79 @@ class TreeOffers:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class TreeBatch:
+    """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds
+    ``lengths[t]`` nodes, parents first (-1: the root), of which the first ``verify[t]`` may be
+    accepted and the rest are a Jacobi window's lookahead nodes (:class:`StepPlan`'s rows,
+    one plan a row; :meth:`plan` builds one where a caller needs the object)."""
+
+    tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
+    parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
+    lengths: np.ndarray  # [T] int64
+    verify: np.ndarray  # [T] int64
+
+    @classmethod
+    def of_plans(cls, plans: Sequence[StepPlan]) -> "TreeBatch":
+        """:class:`StepPlan` objects as one batch (tests and tools)."""
+        lengths = np.fromiter((p.num_nodes for p in plans), np.int64, len(plans))
+        width = max(1, int(lengths.max(initial=0)))
+        tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
+        for t, p in enumerate(plans):
+            tokens[t, :p.num_nodes], parents[t, :p.num_nodes] = p.tree.tokens, p.tree.parents
+        verify = np.fromiter((p.verify_nodes for p in plans), np.int64, len(plans))
+        return cls(tokens, parents, lengths, verify)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def take(self, keep: np.ndarray) -> "TreeBatch":
+        """The rows ``keep`` (indices or a mask), in that order."""
+        return TreeBatch(self.tokens[keep], self.parents[keep], self.lengths[keep], self.verify[keep])
+
+    def plan(self, t: int) -> StepPlan:
+        """Row ``t`` as a :class:`StepPlan` (weights 1, no confidences)."""
+        n, v = int(self.lengths[t]), int(self.verify[t])
+        tree = DraftTree(tuple(self.tokens[t, :n].tolist()), tuple(self.parents[t, :n].tolist()), (1.0,) * n)
+        return StepPlan(tree, (False,) * v + (True,) * (n - v) if v < n else ())
+
+    def depths(self) -> np.ndarray:
+        """``[T, W]`` int64: every node's depth (the root's children 1; 0 past a row's length)."""
+        count, width = self.parents.shape
+        depth = np.zeros((count, width), np.int64)
+        rows = np.arange(count)
+        for j in range(width):  # parents come first: a node's parent's depth is known
+            p = self.parents[:, j]
+            depth[:, j] = np.where(p < 0, 1, depth[rows, np.maximum(p, 0)] + 1)
+        return np.where(np.arange(width) < self.lengths[:, None], depth, 0)
+
+    def chain_prefix(self) -> np.ndarray:
+        """``[T]`` int64: each row's leading nodes that form a chain from the root."""
+        count, width = self.parents.shape
+        off = (self.parents != np.arange(-1, width - 1)) | (np.arange(width) >= self.lengths[:, None])
+        off = np.concatenate([off, np.ones((count, 1), bool)], axis=1)
+        return np.argmax(off, axis=1).astype(np.int64)
+
+    def is_chain(self) -> np.ndarray:
+        """``[T]`` bool: the row is a chain of verify nodes (vLLM's chain verification applies)."""
+        return (self.verify == self.lengths) & (self.chain_prefix() == self.lengths)
+
+    def visibility(self, size: int) -> np.ndarray:
+        """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at
+        least ``1 + max(lengths)``): row ``i`` sees row ``j`` iff ``j`` is the root, ``i``, or an
+        ancestor of ``i`` (``StepPlan.visibility`` padded with False)."""
+        count, width = self.parents.shape
+        vis = np.zeros((count, size, size), bool)
+        vis[:, :, 0] = True
+        rows = np.arange(count)
+        for j in range(min(width, size - 1)):  # nodes past every row's length see nothing
+            p = self.parents[:, j]
+            vis[:, j + 1, 1:] = np.where((p >= 0)[:, None], vis[rows, np.maximum(p, 0) + 1, 1:], False)
+            vis[:, j + 1, j + 1] = True
+        inside = np.arange(size) <= self.lengths[:, None]
+        return vis & inside[:, :, None] & inside[:, None, :]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class StepDrafts:
     """What one step handed out, as tree verification reads it in the next (the proposer's
     only hand-over to ``tree_verify``): the planner's offers (booked against what the rows
@@ -145,6 +218,38 @@ class StepDrafts:
         ahead = self.windows.get(d)
         return self.offers.plan(d) if ahead is None else self.offers.plan_with_window(d, ahead, self.window,
                                                                                       self.ngram)
+
+    def batch(self, req_ids: Sequence[str], counts: np.ndarray) -> tuple[TreeBatch, np.ndarray]:
+        """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first
+        ``counts[i]`` nodes (what the scheduler kept), as one :class:`TreeBatch` (the offer's kept
+        nodes, then its window's lookahead nodes, parents as ``lookahead_parents``), and each
+        whole plan's nodes (more than ``counts[i]``: the scheduler cut it)."""
+        offers = self.offers
+        d = np.fromiter(map(self.rows.__getitem__, req_ids), np.int64, len(req_ids))
+        kept = offers.lengths[d]
+        ahead = [self.windows.get(x) for x in d.tolist()]
+        windowed = np.fromiter((a is not None for a in ahead), bool, len(ahead))
+        nodes = len(next((a for a in ahead if a is not None), ()))
+        full = kept + nodes * windowed
+        width = max(1, int(full.max(initial=0)))
+        cols = np.arange(width)
+        src = min(width, offers.tokens.shape[1])
+        inside = cols[:src] < kept[:, None]
+        tokens = np.zeros((len(d), width), np.int32)
+        parents = np.full((len(d), width), -1, np.int32)
+        tokens[:, :src] = np.where(inside, offers.tokens[d, :src], 0)
+        parents[:, :src] = np.where(inside, offers.parents[d, :src], -1)
+        if nodes:
+            w = np.flatnonzero(windowed)
+            at = kept[w, None] + np.arange(nodes)
+            tokens[w[:, None], at] = np.array([ahead[i] for i in w.tolist()], np.int32)
+            base = np.asarray(lookahead_parents(self.window, self.ngram), np.int32)
+            parents[w[:, None], at] = np.where(base >= 0, base + kept[w, None], -1)
+        lengths = np.minimum(full, np.asarray(counts, np.int64))
+        within = cols < lengths[:, None]
+        trees = TreeBatch(np.where(within, tokens, 0).astype(np.int32),
+                          np.where(within, parents, -1).astype(np.int32), lengths, np.minimum(kept, lengths))
+        return trees, full
 
     def plans(self) -> dict[str, StepPlan]:
         """Every request's plan (tests and tools; tree verification asks request by request)."""

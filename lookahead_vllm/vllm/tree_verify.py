@@ -2,8 +2,10 @@
 and what it is proven against: docs/how-it-works.md, "Tree verification".
 
 The proposer hands vLLM a flattened draft tree (parent-first DFS order, so any
-prefix the scheduler keeps is still a tree) and keeps its :class:`StepPlan`. Next
-step three hooks make the forward and the acceptance treat it as a tree:
+prefix the scheduler keeps is still a tree) and keeps the step's plans
+(``StepDrafts``). Next step the trees the scheduler kept become one
+:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object
+per tree) and three hooks make the forward and the acceptance treat it as a tree:
 ``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
 sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
 after the attention backend's stock ``forward``, rows off the leading chain are
@@ -32,7 +34,8 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
-from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_vllm.core.step_plan import walk_tree
+from lookahead_vllm.core.tree_plan import TreeBatch
 from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
@@ -53,38 +56,20 @@ GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
-class TreeRequest:
-    """One request verifying a tree in the current step."""
-
-    req_id: str
-    # Row of the request in the persistent batch (and in attention metadata).
-    row: int
-    # Index of the request's root among the step's flattened tokens.
-    start: int
-    plan: StepPlan
-    # False: only the leading chain is verified (history-dependent sampling).
-    walk: bool
-    sampling_params: Any
-    # Built on first use by a mask path (every layer of the step reads the same one).
-    _visible: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def num_rows(self) -> int:
-        return 1 + self.plan.num_nodes
-
-    @property
-    def visible(self) -> torch.Tensor:
-        """``[1 + k, 1 + k]`` bool: visibility among the plan's rows (the mask paths need it)."""
-        if self._visible is None:
-            self._visible = torch.from_numpy(self.plan.visibility())
-        return self._visible
-
-
-@dataclass(slots=True)
 class TreeStep:
-    """State of one engine step that verifies at least one tree."""
+    """State of one engine step that verifies at least one tree: its trees as one
+    :class:`TreeBatch` (row ``t``: request ``req_ids[t]``), and per tree its batch row, its
+    root's index among the step's tokens and how it is verified."""
 
-    requests: list[TreeRequest]
+    req_ids: list[str]
+    # Row of each request in the persistent batch (and in attention metadata).
+    rows: np.ndarray
+    # Index of each request's root among the step's flattened tokens.
+    starts: np.ndarray
+    trees: TreeBatch
+    # False: only the leading chain is verified (history-dependent sampling).
+    walk: np.ndarray
+    sampling_params: list[Any]
     # Tokens scheduled this step (to recognise this step's attention calls).
     num_tokens: int
     disabled: frozenset[str]
@@ -97,6 +82,17 @@ class TreeStep:
     path_plan: PathPlan | None = None
     device_path_plan: PathPlan | None = None
     kernel_args: tuple | None = None
+
+    @classmethod
+    def empty(cls, num_tokens: int = 0) -> "TreeStep":
+        none = np.zeros(0, np.int64)
+        return cls([], none, none, TreeBatch(np.zeros((0, 1), np.int32), np.full((0, 1), -1, np.int32), none, none),
+                   np.zeros(0, bool), [], num_tokens, frozenset())
+
+    @property
+    def num_rows(self) -> np.ndarray:
+        """``[T]``: each tree's rows among the step's tokens (its root and nodes)."""
+        return self.trees.lengths + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,49 +147,60 @@ class TreeVerifier:
         return state is not None and tree_verifiable(state.sampling_params)
 
     def begin_step(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
-        """Collect this step's tree requests and give their rows tree positions."""
+        """Collect this step's trees (the handed-out plans the scheduler kept, as one
+        :class:`TreeBatch`) and give their rows tree positions."""
         self.current = None
         self.runner_requests = runner.requests  # the same dict for the runner's lifetime
         drafter = runner.drafter
         handed_out = drafter.handed_out
-        if not handed_out.rows or not scheduler_output.scheduled_spec_decode_tokens:
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not handed_out.rows or not spec:
             return
-        starts = (np.cumsum(num_scheduled_tokens) - num_scheduled_tokens).tolist()
-        scheduled = num_scheduled_tokens.tolist()
-        disabled = drafter.config.profile.debug_disable
-        row_of, states = runner.input_batch.req_id_to_index, runner.requests
-        requests, truncated = [], 0
-        for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
-            plan = handed_out.plan(req_id) if draft else None
-            if plan is None:
-                continue
-            truncated += len(draft) < plan.num_nodes  # the scheduler's token budget cut the tree
-            plan = plan.truncate(len(draft))
-            if plan.is_chain():
-                continue
-            if tuple(draft) != plan.tree.tokens:
-                self._plan_mismatch(req_id, draft, plan)
-                continue  # vLLM's own chain verification of the scheduled tokens: lossless
-            row = row_of[req_id]
-            if scheduled[row] != plan.num_nodes + 1:
-                continue  # not a decode step of this request (cannot happen: prefill drafts are dropped)
-            sp = states[req_id].sampling_params
-            requests.append(TreeRequest(req_id, row, starts[row], plan, tree_verifiable(sp), sp))
+        planned = handed_out.rows
+        ids = [req_id for req_id, draft in spec.items() if draft and req_id in planned]
+        if not ids:
+            return
+        drafts = list(map(spec.__getitem__, ids))
+        counts = np.fromiter(map(len, drafts), np.int64, len(ids))
+        trees, full = handed_out.batch(ids, counts)
+        truncated = int(np.count_nonzero(counts < full))  # the scheduler's token budget cut the tree
         if truncated:
             drafter.on_tree_truncated(truncated)
-        if requests:
-            if "positions" not in disabled:
-                _tree_positions(runner.positions, requests)
-            self.current = TreeStep(requests, int(num_scheduled_tokens.sum()), frozenset(disabled))
+        # The scheduled drafts against the plans' tokens (rows of one array; a longer draft than its
+        # plan cannot be: counts cut the plan).
+        flat = np.fromiter(chain.from_iterable(drafts), np.int64, int(counts.sum()))
+        sched = np.zeros_like(trees.tokens)
+        sched[np.repeat(np.arange(len(ids)), trees.lengths), _index_within(trees.lengths)] = flat[
+            _index_within(counts) < np.repeat(trees.lengths, counts)]
+        differs = (sched != trees.tokens).any(axis=1) | (counts > trees.lengths)
+        tree = ~trees.is_chain()
+        for i in np.flatnonzero(tree & differs).tolist():
+            self._plan_mismatch(ids[i], drafts[i], trees.tokens[i, :trees.lengths[i]].tolist())
+        rows = np.fromiter(map(runner.input_batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
+        # Not a decode step of the request: cannot happen (prefill drafts are dropped).
+        decode = np.asarray(num_scheduled_tokens)[rows] == trees.lengths + 1
+        keep = np.flatnonzero(tree & ~differs & decode)
+        if not len(keep):
+            return
+        starts = np.cumsum(num_scheduled_tokens) - num_scheduled_tokens
+        kept_ids = [ids[i] for i in keep.tolist()]
+        params = [runner.requests[req_id].sampling_params for req_id in kept_ids]
+        disabled = drafter.config.profile.debug_disable
+        step = TreeStep(kept_ids, rows[keep], np.asarray(starts, np.int64)[rows[keep]], trees.take(keep),
+                        np.fromiter(map(tree_verifiable, params), bool, len(params)), params,
+                        int(num_scheduled_tokens.sum()), frozenset(disabled))
+        if "positions" not in disabled:
+            _tree_positions(runner.positions, step)
+        self.current = step
 
-    def _plan_mismatch(self, req_id: str, draft: list[int], plan: StepPlan) -> None:
+    def _plan_mismatch(self, req_id: str, draft: list[int], planned: list[int]) -> None:
         """Count (and log at the first and every 1000th) a request-step whose scheduled drafts
         are not its plan's tokens; vLLM's stock path verifies them as a chain, losslessly."""
         self.plan_mismatches += 1
         if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
             logger.warning("lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a "
                            "chain (%d such request-steps so far)", req_id, list(draft)[:16],
-                           list(plan.tree.tokens)[:16], self.plan_mismatches)
+                           planned[:16], self.plan_mismatches)
 
     def fix_tree_rows(
         self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -219,10 +226,11 @@ class TreeVerifier:
                 _flash_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
             return
         seq_lens = metadata.seq_lens.tolist()
-        for req in step.requests:
-            rows = slice(req.start, req.start + req.num_rows)
-            k, v = cache.gather_seq(metadata.block_table[req.row], seq_lens[req.row])
-            out[rows] = tree_attention_dense(query[rows], k, v, req.visible, impl.scale)
+        for t, (row, start, n) in enumerate(zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist())):
+            rows = slice(start, start + n)
+            k, v = cache.gather_seq(metadata.block_table[row], seq_lens[row])
+            visible = torch.from_numpy(step.trees.plan(t).visibility())
+            out[rows] = tree_attention_dense(query[rows], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
         """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
@@ -232,46 +240,50 @@ class TreeVerifier:
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
-        reqs = step.requests
-        cu_sampled = spec_metadata.cu_num_sampled_tokens.tolist()
-        firsts = [cu_sampled[req.row] - req.num_rows for req in reqs]  # each tree's first logits row
-        lo, hi = min(firsts), max(cu_sampled[req.row] for req in reqs)
+        trees, num_rows = step.trees, step.num_rows
+        ends = spec_metadata.cu_num_sampled_tokens.cpu().numpy()[step.rows]
+        firsts = ends - num_rows  # each tree's first logits row
+        lo, hi = int(firsts.min()), int(ends.max())
         argmax = logits[lo:hi].argmax(dim=-1).cpu().numpy()  # every tree row's greedy target (one read)
+        ats = firsts - lo  # each tree's rows in ``argmax``
         sampled = sampler_output.sampled_token_ids
-        chain_rows = [req.row for req in reqs if not req.walk]
-        stock = dict(zip(chain_rows, sampled[chain_rows].tolist())) if chain_rows else {}
-        greedy = [i for i, req in enumerate(reqs) if req.walk and req.sampling_params.temperature < GREEDY_EPS]
-        walks = dict(zip(greedy, _greedy_walks([reqs[i].plan for i in greedy], [firsts[i] - lo for i in greedy],
-                                               argmax))) if greedy else {}
-        out = np.full((len(reqs), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
+        chain_only = np.flatnonzero(~step.walk)
+        stock = sampled[step.rows[chain_only]].tolist() if len(chain_only) else []
+        temps = np.fromiter((sp.temperature for sp in step.sampling_params), np.float64, len(num_rows))
+        greedy = np.flatnonzero(step.walk & (temps < GREEDY_EPS))
+        found: list[tuple[list[int], list[int]] | None] = [None] * len(num_rows)
+        if len(greedy):
+            for t, walk in zip(greedy.tolist(), _greedy_walks(trees.take(greedy), ats[greedy], argmax)):
+                found[t] = walk
+        prefix = trees.chain_prefix()
+        for t, chain_row in zip(chain_only.tolist(), stock):
+            found[t] = _leading_chain_result(int(prefix[t]), chain_row)
+        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():
+            first = int(firsts[t])
+            found[t] = walk_tree(trees.plan(t), _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
+        windows = _window_outputs(runner.drafter.config, trees, ats, argmax)
+        out = np.full((len(num_rows), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
         moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
         results = []
-        for i, (req, first) in enumerate(zip(reqs, firsts)):
-            at = first - lo  # the request's rows in ``argmax``
-            if not req.walk:
-                nodes, tokens = _leading_chain_result(req, stock[req.row])
-            elif i in walks:
-                nodes, tokens = walks[i]
-            else:
-                nodes, tokens = walk_tree(req.plan, _sampler(runner, req, logits[first:first + req.num_rows]))
-            out[i, :len(tokens)] = tokens
-            moves += [(req.start + 1 + n, req.start + 1 + j) for j, n in enumerate(nodes) if n != j]
-            window = _window_outputs(runner.drafter.config, req, argmax[at:at + req.num_rows]) \
-                if req.plan.has_lookahead else None
-            results.append(TreeResult(req.req_id, req.plan.num_nodes, nodes, tokens, window))
-        rows = torch.tensor([req.row for req in reqs], device=sampled.device)
+        for t, (req_id, start, (nodes, tokens), n) in enumerate(zip(step.req_ids, step.starts.tolist(), found,
+                                                                    trees.lengths.tolist())):
+            out[t, :len(tokens)] = tokens
+            moves += [(start + 1 + node, start + 1 + j) for j, node in enumerate(nodes) if node != j]
+            results.append(TreeResult(req_id, n, nodes, tokens, windows.get(t)))
+        rows = torch.from_numpy(step.rows).to(sampled.device)
         sampled[rows] = torch.from_numpy(out).to(device=sampled.device, dtype=sampled.dtype)
         runner.drafter.on_tree_results(results)
         if moves and "compaction" not in step.disabled:
             _compact(step, moves)
 
 
-def _tree_positions(positions: torch.Tensor, requests: list[TreeRequest]) -> None:
-    """Give every tree request's rows their root's position plus their depth (RoPE sees each
-    node at its depth), in one indexed write for the whole step."""
-    offsets = np.fromiter((o for req in requests for o in (0, *req.plan.tree.depths)), np.int64)
-    counts = np.fromiter((req.num_rows for req in requests), np.int64, len(requests))
-    roots = np.repeat(np.fromiter((req.start for req in requests), np.int64, len(requests)), counts)
+def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
+    """Give every tree's rows their root's position plus their depth (RoPE sees each node at its
+    depth), in one indexed write for the whole step."""
+    counts = step.num_rows
+    offsets = np.concatenate([np.zeros((len(counts), 1), np.int64), step.trees.depths()], axis=1)
+    offsets = offsets[np.arange(offsets.shape[1]) < counts[:, None]]  # each tree's root and nodes, in order
+    roots = np.repeat(step.starts, counts)
     rows = roots + _index_within(counts)  # a row's place in its tree
     index = torch.from_numpy(np.stack([rows, roots, offsets])).to(positions.device)
     positions[index[0]] = positions[index[1]] + index[2]
@@ -380,18 +392,19 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
-        reqs, device = step.requests, query.device
-        q_max = max(r.num_rows for r in reqs)
-        masks = [torch.nn.functional.pad(r.visible, (0, q_max - r.num_rows)) for r in reqs]
-        rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in reqs]).to(device)
-        req_rows = torch.tensor([r.row for r in reqs], device=device)
-        qsl = torch.tensor([0] + [r.num_rows for r in reqs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        device, num_rows = query.device, step.num_rows
+        q_max = int(num_rows.max())
+        inside = np.arange(q_max) < num_rows[:, None]  # each tree's rows, then padding
+        masks = torch.from_numpy(step.trees.visibility(q_max)[inside])
+        within = _index_within(num_rows)
+        rows = torch.from_numpy(np.repeat(step.starts, num_rows) + within).to(device)
+        req_rows = torch.from_numpy(step.rows).to(device)
+        qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(num_rows)]).astype(np.int32))
         # Kernel output rows to write back: each request's rows past root + leading chain.
-        write = torch.cat([torch.arange(lo + 1 + r.plan.chain_prefix_length(), lo + r.num_rows)
-                           for r, lo in zip(reqs, qsl[:-1].tolist())]).to(device)
+        write = torch.from_numpy(np.flatnonzero(within > np.repeat(step.trees.chain_prefix(), num_rows))).to(device)
         step.kernel_args = (rows, write, rows[write], dict(
             block_tables=metadata.block_table[req_rows], seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
-            query_start_loc=qsl.to(device), tree_mask=pack_tree_mask(torch.cat(masks)).to(device),
+            query_start_loc=qsl.to(device), tree_mask=pack_tree_mask(masks).to(device),
             scale=impl.scale, max_query_len=q_max, max_seq_len=int(metadata.max_seq_len),
         ))
     rows, write, out_rows, args = step.kernel_args
@@ -431,26 +444,29 @@ class PathPlan:
 def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     if step.path_plan is not None:
         return step.path_plan
-    per_request = [_uncovered_paths(req.plan) for req in step.requests]
+    trees = step.trees
+    per_request = [_uncovered_paths(trees.parents[t, :n].tolist(), c)
+                   for t, (n, c) in enumerate(zip(trees.lengths.tolist(), trees.chain_prefix().tolist()))]
     seq_lens = metadata.seq_lens.tolist()
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
     # Each round's slots and block-table rows are gathered in one indexed read (not a slice a request).
     slot_mapping, block_table = step.slot_mapping, metadata.block_table
+    requests = list(zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(), per_request))
     for j in range(max(len(p) for p in per_request)):
         kv0, q0, slot_rows, qsl, lens, table_rows = len(all_kv), len(all_q), [], [0], [], []
-        for req, paths in zip(step.requests, per_request):
+        for row, start, num_rows, paths in requests:
             if j >= len(paths):
                 continue
             path, tail = paths[j]
-            all_kv += [req.start + r for r in path]
-            borrowed = range(req.start, req.start + len(path))  # the slots of the request's first rows
+            all_kv += [start + r for r in path]
+            borrowed = range(start, start + len(path))  # the slots of the request's first rows
             restore.update(borrowed)
             slot_rows += borrowed
-            all_q += [req.start + r for r in path[-tail:]]
+            all_q += [start + r for r in path[-tail:]]
             qsl.append(qsl[-1] + tail)
-            lens.append(seq_lens[req.row] - req.num_rows + len(path))
-            table_rows.append(req.row)
+            lens.append(seq_lens[row] - num_rows + len(path))
+            table_rows.append(row)
         rounds.append(PathRound(
             slice(kv0, len(all_kv)), slot_mapping[torch.tensor(slot_rows, device=slot_mapping.device)],
             slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
@@ -462,14 +478,14 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     return step.path_plan
 
 
-def _uncovered_paths(plan: StepPlan) -> list[tuple[list[int], int]]:
-    """Root-to-leaf paths (rows, root = 0) still needing attention after the stock causal call
-    (which got the root and the leading chain right), each with how many trailing rows are new:
-    every other row is computed once, on the first path through it. A row's ancestors are
-    computed before it (the leading chain, or an earlier path through them), so a path's new rows
-    are its last ones: walk up from the leaf until a computed row."""
-    parents = plan.tree.parents
-    done = [True] * (plan.chain_prefix_length() + 1) + [False] * (len(parents) - plan.chain_prefix_length())
+def _uncovered_paths(parents: list[int], chain_prefix: int) -> list[tuple[list[int], int]]:
+    """Root-to-leaf paths (rows, root = 0) of a tree (its nodes' ``parents``, parents first, the
+    first ``chain_prefix`` of them a chain from the root) still needing attention after the stock
+    causal call (which got the root and the leading chain right), each with how many trailing
+    rows are new: every other row is computed once, on the first path through it. A row's
+    ancestors are computed before it (the leading chain, or an earlier path through them), so a
+    path's new rows are its last ones: walk up from the leaf until a computed row."""
+    done = [True] * (chain_prefix + 1) + [False] * (len(parents) - chain_prefix)
     inner = set(parents)
     out = []
     for leaf in range(len(parents)):
@@ -523,50 +539,42 @@ def check_supported(impl: Any) -> None:
 # ---------------------------------------------------------------- acceptance
 
 
-def _sampler(runner: Any, req: TreeRequest, logits: torch.Tensor):  # logits: [1 + k, vocab]
-    """A sampled request's target at a row, drawn when the walk reaches it."""
-    sp = req.sampling_params
-    generator = runner.input_batch.generators.get(req.row)
+def _sampler(runner: Any, step: TreeStep, t: int, logits: torch.Tensor):  # logits: [1 + k, vocab]
+    """Tree ``t``'s target at a row, drawn when the walk reaches it."""
+    sp = step.sampling_params[t]
+    generator = runner.input_batch.generators.get(int(step.rows[t]))
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
-def _greedy_walks(plans: list[StepPlan], ats: list[int], argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
-    """Greedy trees' walks (``step_plan.walk_tree``'s) in one ``walk_trees`` call: each plan's
-    verify nodes as one row of arrays, its targets the greedy tokens of its rows (``argmax``
-    from ``ats[i]`` on). Per plan, the accepted nodes and the tokens to emit."""
-    lens = np.fromiter((plan.verify_nodes for plan in plans), np.int64, len(plans))
-    width = max(1, int(lens.max()))
-    # Every plan's verify nodes, flat, written into their rows in one indexed write each.
-    rows, cols = np.repeat(np.arange(len(plans)), lens), _index_within(lens)
-    tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
-    sizes = lens.tolist()
-    tokens[rows, cols] = np.fromiter(chain.from_iterable(p.tree.tokens[:n] for p, n in zip(plans, sizes)),
-                                     np.int32, len(rows))
-    parents[rows, cols] = np.fromiter(chain.from_iterable(p.tree.parents[:n] for p, n in zip(plans, sizes)),
-                                      np.int32, len(rows))
-    # A tree of n verify nodes has at least n + 1 rows: row j of tree i is argmax[ats[i] + j].
+def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
+    """Greedy trees' walks (``step_plan.walk_tree``'s) in one ``walk_trees`` call over their
+    verify nodes, each tree's targets the greedy tokens of its rows (``argmax`` from ``ats[t]``
+    on). Per tree, the accepted nodes and the tokens to emit."""
+    lens, width = trees.verify, trees.tokens.shape[1]
+    # A tree of n verify nodes has at least n + 1 rows: row j of tree t is argmax[ats[t] + j].
     targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]
-    nodes, counts, bonus = native.extension().walk_trees(tokens, parents, lens, targets)
-    accepted = np.take_along_axis(tokens, np.maximum(nodes, 0), axis=1).tolist()
+    nodes, counts, bonus = native.extension().walk_trees(trees.tokens, trees.parents, lens, targets)
+    accepted = np.take_along_axis(trees.tokens, np.maximum(nodes, 0), axis=1).tolist()
     return [(path[:c], emitted[:c] + [b]) for path, emitted, c, b in zip(nodes.tolist(), accepted, counts.tolist(),
                                                                           bonus.tolist())]
 
 
-def _window_outputs(cfg: Any, req: TreeRequest, argmax: np.ndarray) -> list[int] | None:
-    """The Jacobi window's new tokens (``argmax``: the request's rows' greedy targets, at its last
-    level); None when the scheduler cut the window (it then stays as it is)."""
-    plan = req.plan
-    base = plan.verify_nodes
-    if plan.num_nodes - base != cfg.lookahead_nodes:
-        return None
-    return argmax[[0 if n < 0 else 1 + base + n
-                   for n in output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram)]].tolist()
+def _window_outputs(cfg: Any, trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> dict[int, list[int]]:
+    """Per tree whose whole Jacobi window was scheduled, the window's new tokens (``argmax``: the
+    step's tree rows' greedy targets, tree ``t``'s from ``ats[t]``; its last level's); a window the
+    scheduler cut stays as it is."""
+    full = np.flatnonzero((trees.lengths - trees.verify == cfg.lookahead_nodes) & (trees.lengths > trees.verify))
+    if not len(full):
+        return {}
+    on = np.asarray(output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram), np.int64)
+    at = ats[full, None] + np.where(on < 0, 0, 1 + trees.verify[full, None] + on)
+    return dict(zip(full.tolist(), argmax[at].tolist()))
 
 
-def _leading_chain_result(req: TreeRequest, chain_row: list[int]) -> tuple[list[int], list[int]]:
+def _leading_chain_result(chain_prefix: int, chain_row: list[int]) -> tuple[list[int], list[int]]:
     """The stock chain result cut to the plan's leading chain (its rows are exact)."""
     tokens = [t for t in chain_row if t >= 0]
-    keep = min(len(tokens) - 1, req.plan.chain_prefix_length())
+    keep = min(len(tokens) - 1, chain_prefix)
     return list(range(keep)), tokens[: keep + 1]
 
 

@@ -74,17 +74,29 @@ def test_tree_steps_reuse_each_layers_accessor_until_its_cache_changes():
     impl.sliding_window, impl.alibi_slopes, impl.logits_soft_cap, impl.sinks = -1, None, 0, None
     layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, BS, D))
     kv = torch.zeros(NB, H, BS, 2 * D)
-    steps = [tree_verify.TreeStep([], 0, frozenset()) for _ in range(3)]
+    steps = [tree_verify.TreeStep.empty() for _ in range(3)]
     got = [tree_verify._cache_accessor(step, impl, layer, kv) for step in steps]
     assert isinstance(got[0], CpuPagedKV) and got[0].kv_cache is kv
     assert got[1] is got[0] and got[2] is got[0]
     assert all(step.caches == {kv.data_ptr(): got[0]} for step in steps)  # each step lists it for compaction
     kv2 = torch.zeros(NB, H, BS, 2 * D)
-    fresh = tree_verify._cache_accessor(tree_verify.TreeStep([], 0, frozenset()), impl, layer, kv2)
+    fresh = tree_verify._cache_accessor(tree_verify.TreeStep.empty(), impl, layer, kv2)
     assert fresh is not got[0] and fresh.kv_cache is kv2
     impl.sliding_window = 64  # unsupported features are refused when the accessor is built
     with pytest.raises(NotImplementedError, match="sliding window"):
-        tree_verify._cache_accessor(tree_verify.TreeStep([], 0, frozenset()), impl, layer, torch.zeros(NB, H, BS, 2 * D))
+        tree_verify._cache_accessor(tree_verify.TreeStep.empty(), impl, layer, torch.zeros(NB, H, BS, 2 * D))
+
+
+def one_tree_step(plan, start: int):
+    """A step verifying one greedy tree (``plan``) at batch row 0, its root at token ``start``
+    (another request's rows before it)."""
+    import numpy as np
+
+    from lookahead_vllm.core.tree_plan import TreeBatch
+    from lookahead_vllm.vllm import tree_verify
+
+    return tree_verify.TreeStep(["a"], np.array([0]), np.array([start]), TreeBatch.of_plans([plan]),
+                                np.array([True]), [None], start + plan.num_nodes + 1, frozenset())
 
 
 def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
@@ -102,17 +114,17 @@ def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
     cache = FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
     start, context = 2, 40  # two rows of another request come first in the step
     table, seq_len = torch.tensor([[3, 1]], dtype=torch.int32), context + plan.num_nodes + 1
-    req = tree_verify.TreeRequest("a", 0, start, plan, True, None)
-    step = tree_verify.TreeStep([req], start + req.num_rows, frozenset())
-    query = torch.randn(start + req.num_rows, H, D, generator=gen)
+    step = one_tree_step(plan, start)
+    num_rows = plan.num_nodes + 1
+    query = torch.randn(start + num_rows, H, D, generator=gen)
     out = torch.full_like(query, 7.0)  # what the stock kernel wrote
     metadata = SimpleNamespace(block_table=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32),
                                max_seq_len=seq_len)
     tree_verify._paged_kernel(step, SimpleNamespace(scale=D**-0.5), query, cache, metadata, out)
-    rows = slice(start, start + req.num_rows)
+    rows = slice(start, start + num_rows)
     expected = paged_tree_attention_ref(query[rows], cache.key_cache, cache.value_cache, table,
-                                        metadata.seq_lens, torch.tensor([0, req.num_rows], dtype=torch.int32),
-                                        pack_tree_mask(req.visible), D**-0.5)
+                                        metadata.seq_lens, torch.tensor([0, num_rows], dtype=torch.int32),
+                                        pack_tree_mask(torch.from_numpy(plan.visibility())), D**-0.5)
     assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
     assert torch.allclose(out[start + 4:], expected[4:]) and not torch.equal(out[start + 4:], out[:3])
 
@@ -179,8 +191,7 @@ def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
     key, value, query = (torch.randn(start + n, H, D, generator=gen) for _ in range(3))
     impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)  # the stock step wrote every row
     before = kv_cache.clone()
-    req = tree_verify.TreeRequest("a", 0, start, plan, True, None)
-    step = tree_verify.TreeStep([req], start + n, frozenset())
+    step = one_tree_step(plan, start)
     step.slot_mapping = slot_mapping
     meta = Meta(start + n, n, torch.tensor([0, start, start + n], dtype=torch.int32), seq_len,
                 torch.tensor([seq_len], dtype=torch.int32), table, slot_mapping)
@@ -190,7 +201,7 @@ def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
     rows = slice(start, start + n)
     expected = paged_tree_attention_ref(query[rows], cache.key_cache, cache.value_cache, table,
                                         meta.seq_lens, torch.tensor([0, n], dtype=torch.int32),
-                                        pack_tree_mask(req.visible), D**-0.5)
+                                        pack_tree_mask(torch.from_numpy(plan.visibility())), D**-0.5)
     assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
     assert torch.allclose(out[start + 4:], expected[4:], atol=1e-5)
     assert torch.equal(kv_cache, before)  # borrowed slots restored

@@ -25,22 +25,40 @@ from lookahead_vllm.ops.sampling import sample_row
 pytestmark = pytest.mark.vllm
 
 WINDOW, NGRAM = 3, 3
-WINDOW_NODES = WINDOW * (NGRAM - 1)  # every level of the window: the plan's lookahead nodes
+WINDOW_NODES = WINDOW * (NGRAM - 1) - 1  # the window's lookahead nodes in a plan
 
 
-def _random_plan(rng: np.random.Generator, vocab: int, window: bool) -> StepPlan:
+def _random_offer(rng: np.random.Generator, vocab: int, window: bool) -> tuple[list[int], list[int], tuple | None]:
+    """An offer's tokens and parents (a leading chain of at least two nodes; a tree unless it
+    carries a window) and, where ``window``, a Jacobi window's tokens."""
     n = int(rng.integers(2, 12))
     parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
     parents[1] = 0  # a leading chain of at least two nodes
     if not window:
         parents[-1] = n - 3 if n > 3 else -1  # off the chain: a tree, not a chain
-    tokens = rng.integers(0, vocab, n).tolist()
-    ahead = ()
-    if window:  # a Jacobi window's nodes after the verify nodes (structure as the proposer lays it out)
-        tokens += rng.integers(0, vocab, WINDOW_NODES).tolist()
-        parents += [-1 if i < WINDOW else n + i - WINDOW for i in range(WINDOW_NODES)]
-        ahead = (False,) * n + (True,) * WINDOW_NODES
-    return StepPlan(DraftTree(tuple(tokens), tuple(parents), (1.0,) * len(tokens)), ahead)
+    ahead = tuple(rng.integers(0, vocab, WINDOW_NODES).tolist()) if window else None
+    return rng.integers(0, vocab, n).tolist(), parents, ahead
+
+
+def _handed_out(offers: dict[str, tuple[list[int], list[int], tuple | None]]):
+    """What the proposer hands tree verification (a ``StepDrafts``) for these offers."""
+    from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers
+
+    width = max([1, *(len(t) for t, _, _ in offers.values())])
+    count = len(offers)
+    tokens, parents = np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32)
+    for d, (tok, par, _) in enumerate(offers.values()):
+        tokens[d, :len(tok)], parents[d, :len(par)] = tok, par
+    lengths = np.fromiter((len(t) for t, _, _ in offers.values()), np.int64, count)
+    rows = {req_id: d for d, req_id in enumerate(offers)}
+    windows = {d: ahead for d, (_, _, ahead) in enumerate(offers.values()) if ahead is not None}
+    return StepDrafts(TreeOffers(np.arange(count), tokens, parents, np.full((count, width), 0.5),
+                                 np.zeros((count, width), np.int8), lengths, np.ones(count, bool)),
+                      rows, windows, WINDOW, NGRAM)
+
+
+def _random_plan(rng: np.random.Generator, vocab: int, window: bool) -> StepPlan:
+    return _handed_out({"x": _random_offer(rng, vocab, window)}).plan("x")
 
 
 def _step(seed: int, vocab: int = 64):
@@ -53,7 +71,7 @@ def _step(seed: int, vocab: int = 64):
     rng = np.random.default_rng(seed)
     kinds = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=0.9, top_k=20),
              "chain_only": SamplingParams(temperature=0.0, presence_penalty=0.5)}
-    plans, drafts, states, num_tokens = {}, {}, {}, []
+    offers, drafts, states, num_tokens = {}, {}, {}, []
     for i in range(12):
         req_id = f"r{i}"
         kind = ["greedy", "sampled", "chain_only", "chain"][int(rng.integers(4))]
@@ -61,10 +79,13 @@ def _step(seed: int, vocab: int = 64):
             drafts[req_id] = rng.integers(0, vocab, int(rng.integers(1, 5))).tolist()
             states[req_id] = SimpleNamespace(sampling_params=kinds["greedy"])
         else:
-            plan = _random_plan(rng, vocab, window=kind == "greedy" and rng.random() < 0.5)
-            plans[req_id], drafts[req_id] = plan, list(plan.tree.tokens)
+            offers[req_id] = _random_offer(rng, vocab, window=kind == "greedy" and rng.random() < 0.5)
+            tok, _, ahead = offers[req_id]
+            drafts[req_id] = tok + list(ahead or ())
             states[req_id] = SimpleNamespace(sampling_params=kinds[kind])
         num_tokens.append(len(drafts[req_id]) + 1)
+    handed_out = _handed_out(offers)
+    plans = handed_out.plans()
     num_tokens = np.asarray(num_tokens, np.int32)
     logits = torch.randn(int(num_tokens.sum()), vocab, generator=torch.Generator().manual_seed(seed))
     starts = np.cumsum(num_tokens) - num_tokens
@@ -81,7 +102,7 @@ def _step(seed: int, vocab: int = 64):
                                                   jacobi_ngram=NGRAM), lookahead_nodes=WINDOW_NODES)
     results: list = []
     runner = SimpleNamespace(
-        drafter=SimpleNamespace(handed_out=SimpleNamespace(rows=plans, plan=plans.get), config=cfg, on_tree_truncated=lambda n: None,
+        drafter=SimpleNamespace(handed_out=handed_out, config=cfg, on_tree_truncated=lambda n: None,
                                 on_tree_results=results.append),
         requests=states, positions=torch.arange(int(num_tokens.sum()), dtype=torch.int64) * 7 + 3,
         input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(drafts)},
@@ -173,6 +194,9 @@ def test_uncovered_paths_equal_the_leaf_by_leaf_reference(seed):
     counted leaf by leaf: random parent-first trees, with and without a Jacobi window, truncated."""
     from lookahead_vllm.vllm.tree_verify import _uncovered_paths
 
+    def paths(plan: StepPlan):
+        return _uncovered_paths(list(plan.tree.parents), plan.chain_prefix_length())
+
     rng = np.random.default_rng(seed)
     plan = _random_plan(rng, 50, window=bool(seed % 2))
     if seed % 3 == 0:  # any parent-first tree, not only the shapes above
@@ -181,4 +205,89 @@ def test_uncovered_paths_equal_the_leaf_by_leaf_reference(seed):
         plan = StepPlan(DraftTree(tuple(range(n)), parents, (1.0,) * n))
     for k in (plan.num_nodes, max(1, plan.num_nodes - 3)):
         cut = plan.truncate(k)
-        assert _uncovered_paths(cut) == _uncovered_paths_reference(cut)
+        assert paths(cut) == _uncovered_paths_reference(cut)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_batch_rows_equal_each_requests_cut_plan(seed):
+    """``StepDrafts.batch`` lays every request's plan, cut to what the scheduler kept, into rows
+    of arrays: each row equals the request's ``StepPlan`` truncated (tokens, parents, lookahead
+    nodes), with its depths, leading chain, chain-ness and visibility."""
+    rng = np.random.default_rng(seed)
+    offers = {f"r{i}": _random_offer(rng, 50, window=bool(rng.random() < 0.4)) for i in range(9)}
+    handed_out = _handed_out(offers)
+    ids = [r for r in offers if rng.random() < 0.8] or ["r0"]
+    plans = [handed_out.plan(r) for r in ids]
+    counts = np.array([int(rng.integers(1, p.num_nodes + 3)) for p in plans])  # cut, whole, or more
+    trees, full = handed_out.batch(ids, counts)
+    assert full.tolist() == [p.num_nodes for p in plans]
+    depths, prefix, chains = trees.depths(), trees.chain_prefix(), trees.is_chain()
+    size = int(trees.lengths.max()) + 2
+    vis = trees.visibility(size)
+    for t, (plan, k) in enumerate(zip(plans, counts.tolist())):
+        cut = plan.truncate(k)
+        got = trees.plan(t)
+        n = cut.num_nodes
+        flags = (got.lookahead or (False,) * n, cut.lookahead or (False,) * n)  # () and all-False: no window
+        assert (got.tree.tokens, got.tree.parents, flags[0]) == (cut.tree.tokens, cut.tree.parents, flags[1])
+        assert depths[t, :n].tolist() == list(cut.tree.depths) and not depths[t, n:].any()
+        assert prefix[t] == cut.chain_prefix_length() and chains[t] == cut.is_chain()
+        want = np.zeros((size, size), bool)
+        want[:n + 1, :n + 1] = cut.visibility()
+        assert np.array_equal(vis[t], want)
+    assert not chains.all() and (counts < full).any()  # the cases are not vacuous
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
+    """With the scheduler cutting some trees (to a chain or a smaller tree) and some drafts
+    differing from their plans, ``begin_step`` keeps exactly the trees the request-by-request
+    rule keeps (cut plan not a chain, drafts equal to it), counts the cut ones and the
+    mismatches, and places each kept tree at its request's batch row and root."""
+    from vllm import SamplingParams
+
+    from lookahead_vllm.vllm.tree_verify import TreeVerifier
+
+    rng = np.random.default_rng(seed)
+    offers = {f"r{i}": _random_offer(rng, 40, window=bool(rng.random() < 0.3)) for i in range(10)}
+    handed_out = _handed_out(offers)
+    drafts = {}
+    for req_id, (tok, _, ahead) in offers.items():
+        draft = tok + list(ahead or ())
+        cut = int(rng.integers(1, len(draft) + 1)) if rng.random() < 0.4 and req_id != "r3" else len(draft)
+        draft = draft[:cut]
+        if rng.random() < 0.2 or req_id == "r3":  # r3: its whole tree, one token not the plan's
+            draft[int(rng.integers(len(draft)))] += 1000
+        drafts[req_id] = draft
+    drafts["chain"] = [1, 2]  # a request with no plan (a chain draft)
+    num_tokens = np.array([len(d) + 1 for d in drafts.values()], np.int32)
+    starts = np.cumsum(num_tokens) - num_tokens
+    cut_count = []
+    greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
+    cfg = SimpleNamespace(profile=SimpleNamespace(debug_disable=("positions",)))
+    runner = SimpleNamespace(
+        drafter=SimpleNamespace(handed_out=handed_out, config=cfg, on_tree_truncated=cut_count.append),
+        requests=dict.fromkeys(drafts, greedy), positions=torch.zeros(int(num_tokens.sum()), dtype=torch.int64),
+        input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(drafts)}))
+    verifier = TreeVerifier()
+    verifier.begin_step(runner, SimpleNamespace(scheduled_spec_decode_tokens=drafts), num_tokens)
+    kept, truncated, mismatched = [], 0, 0
+    for i, (req_id, draft) in enumerate(drafts.items()):
+        plan = handed_out.plan(req_id)
+        if plan is None:
+            continue
+        truncated += len(draft) < plan.num_nodes
+        cut = plan.truncate(len(draft))
+        if cut.is_chain():
+            continue
+        if tuple(draft) != cut.tree.tokens:
+            mismatched += 1
+            continue
+        kept.append((req_id, i, int(starts[i]), cut.tree.tokens, cut.tree.parents))
+    step = verifier.current
+    got = [] if step is None else [
+        (r, row, start, step.trees.plan(t).tree.tokens, step.trees.plan(t).tree.parents)
+        for t, (r, row, start) in enumerate(zip(step.req_ids, step.rows.tolist(), step.starts.tolist()))]
+    assert got == kept
+    assert sum(cut_count) == truncated and verifier.plan_mismatches == mismatched
+    assert kept and truncated and mismatched  # the cases are not vacuous
