@@ -9,8 +9,9 @@ ThreadSanitizer it also fails on any data race between the caller, the
 upkeep thread and draft_rows' drafting threads (a draft_rows that did not
 wait for the upkeep is reported: checked by hand); built with
 AddressSanitizer and UBSan, on any memory error or undefined behaviour.
-``tests/native/trie_stress.cpp`` does the same for the native trie (one
-thread: AddressSanitizer and UBSan).
+``tests/native/trie_stress.cpp`` does the same for the native trie and
+``tests/native/jacobi_stress.cpp`` for the native Jacobi table (one thread:
+AddressSanitizer and UBSan).
 """
 
 from __future__ import annotations
@@ -80,3 +81,22 @@ def test_trie_under_address_and_undefined_sanitizers(tmp_path):
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "Sanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr[-4000:]
     assert run.stdout.startswith("ok: 3000 steps") and " 0 prunes" not in run.stdout, run.stdout
+
+
+def test_jacobi_table_under_address_and_undefined_sanitizers(tmp_path):
+    """``tests/native/jacobi_stress.cpp``: random steps on the native Jacobi table (windows
+    opened, rewound and finished, pools filled past their caps, rows drafted, windows chosen and
+    updated) for five window shapes, every answer checked against its bounds."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "jacobi_stress"
+    sources = [REPO / "tests" / "native" / "jacobi_stress.cpp", REPO / "csrc" / "draft_index" / "jacobi.cpp"]
+    flags = ["-std=c++17", "-O1", "-g", *SANITIZERS["address,undefined"], f"-I{REPO / 'csrc' / 'draft_index'}"]
+    proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(exe)], capture_output=True, text=True)
+    if proc.returncode != 0 and "cannot find" in proc.stderr and "san" in proc.stderr:
+        pytest.skip(f"the sanitizer runtime is not installed: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.run([str(exe), "1", "2000"], capture_output=True, text=True, timeout=300, env=_no_preload())
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "Sanitizer" not in run.stderr and run.stdout.startswith("ok: 2000 steps"), run.stdout + run.stderr[-2000:]
