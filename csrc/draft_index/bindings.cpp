@@ -1057,7 +1057,7 @@ void bind_jacobi(py::module_& m) {
             if (!full || full.ndim() != 1) throw py::type_error("full must be a 1-D bool array");
             check_batch("full", n, full.shape(0));
             std::vector<const std::vector<int32_t>*> found;
-            const int64_t widest = t.pool_find(slots.data(), lasts.data(), full.data(), n, found);
+            const int64_t widest = t.ride_and_find(slots.data(), lasts.data(), full.data(), n, found);
             OutRows out(n, std::max<int64_t>(1, widest * (t.ngram() - 1)));
             const int64_t branches = t.pool_write(found, out.width, out.tok, out.par, out.wt, out.cf, out.len);
             return py::make_tuple(py::make_tuple(out.tokens, out.parents, out.weights, out.conf, out.lengths),

@@ -66,12 +66,12 @@ JacobiSlot* JacobiTable::find(int64_t slot) {
 void JacobiTable::track(const int64_t* slots, const int64_t* num_tokens, int64_t rows, std::vector<int64_t>& stale) {
   for (int64_t i = 0; i < rows; ++i) {
     JacobiSlot* s = find(slots[i]);
+    if (s != nullptr) s->x0 = -1;  // the window leaves the step until ride_and_find lets it ride
     if (s == nullptr || num_tokens[i] < s->length) {
       stale.push_back(i);
       continue;
     }
     s->length = num_tokens[i];
-    s->x0 = -1;
   }
 }
 
@@ -91,7 +91,7 @@ void JacobiTable::open(int64_t slot, const int32_t* prompt, int64_t n, int64_t l
   }
 }
 
-int64_t JacobiTable::pool_find(const int64_t* slots, const int64_t* lasts, const uint8_t* full, int64_t rows,
+int64_t JacobiTable::ride_and_find(const int64_t* slots, const int64_t* lasts, const uint8_t* full, int64_t rows,
                                std::vector<const std::vector<int32_t>*>& found) {
   found.assign(rows, nullptr);
   const int64_t length = ngram_ - 1;

@@ -73,22 +73,22 @@ class JacobiTable {
   int64_t prior_probe_every() const { return prior_probe_every_; }
   void set_prior(double yield_est, int64_t probe_every);
 
-  // A step's rows: slots[i] has num_tokens[i] committed tokens. Rows whose
-  // slot has no record, or fewer tokens than last step, are appended to
-  // `stale` (the caller opens them: `open`); every other row's length
-  // becomes num_tokens[i] and its window leaves the step (x0 = -1) until
-  // pool_rows sends it again.
+  // A step's rows: slots[i] has num_tokens[i] committed tokens. Every row's
+  // window leaves the step (x0 = -1) until ride_and_find lets it ride again.
+  // Rows whose slot has no record, or fewer tokens than last step, are
+  // appended to `stale` (the caller opens them: `open`); every other row's
+  // length becomes num_tokens[i].
   void track(const int64_t* slots, const int64_t* num_tokens, int64_t rows, std::vector<int64_t>& stale);
   // Slot `slot` (re)starts at `length` committed tokens: a fresh window from
   // `prompt[0:n]` (windowed) or none, an empty pool, the policy at the prior.
   void open(int64_t slot, const int32_t* prompt, int64_t n, int64_t length, bool windowed);
   void finish(int64_t slot) { slots_.erase(slot); }
 
-  // Row i's pool continuations keyed by lasts[i] into found[i] (null: the
-  // slot has no window, or the key none); a windowed slot's window rides
-  // this step at x0 = lasts[i] where full[i], else not. Returns the most
-  // continuations a row has.
-  int64_t pool_find(const int64_t* slots, const int64_t* lasts, const uint8_t* full, int64_t rows,
+  // A windowed slot's window rides this step at x0 = lasts[i] where full[i]
+  // (choose decides whether it goes out), else not; row i's pool
+  // continuations keyed by lasts[i] go to found[i] (null: the slot has no
+  // window, or the key none). Returns the most continuations a row has.
+  int64_t ride_and_find(const int64_t* slots, const int64_t* lasts, const uint8_t* full, int64_t rows,
                     std::vector<const std::vector<int32_t>*>& found);
   // found[i]'s continuations (most recently seen first) as branches from the
   // root, node at depth d of confidence and weight kPoolConfidence^d, into

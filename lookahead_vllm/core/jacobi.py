@@ -38,8 +38,8 @@ Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
     level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
     level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
 
-After the forward, the slide drops level 0's first column and level 0 itself:
-``rows = [rows[1][1:], rows[2], new]``.
+After the forward, the slide drops level 0 and level 1's first column: level 1
+less (1,0) becomes level 0, level 2 becomes level 1, the new tokens level 2.
 
 Window policy (core/budget.py prices it): a request's expected pool tokens
 per window step starts at the last credited window's (``YIELD_PRIOR`` at

@@ -21,9 +21,8 @@ the proposer then:
    tokens per forward, a node that opens an attention path priced as such,
    a drafted step's setup once (core/budget.py);
 3. keeps what it handed out as the next :class:`StepDrafts` (the offers, with
-   the Jacobi windows that ride on them), from which tree verification's
-   :class:`StepPlan` of each row that carries a tree is built when asked
-   (:meth:`StepDrafts.plan`).
+   the Jacobi windows that ride on them), which tree verification reads as one
+   :class:`TreeBatch` of the trees the scheduler kept (:meth:`StepDrafts.batch`).
 
 Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw
 confidences ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with
@@ -197,8 +196,9 @@ class StepDrafts:
     only hand-over to ``tree_verify``): the planner's offers (booked against what the rows
     emit), the offer row of each request that verifies a plan other than a chain, and the
     Jacobi windows riding on offer rows (offer row -> the window's lookahead tokens in plan
-    order; one shape for every window: ``window`` columns, ``ngram``). A request's
-    :class:`StepPlan` is built when asked (:meth:`plan`), from the offers' arrays."""
+    order; one shape for every window: ``window`` columns, ``ngram``). Tree verification reads
+    the scheduled trees as one :class:`TreeBatch` (:meth:`batch`); :meth:`plan` builds one
+    request's :class:`StepPlan` from the same arrays (tests and tools)."""
 
     offers: TreeOffers
     rows: dict[str, int]
@@ -252,7 +252,7 @@ class StepDrafts:
         return trees, full
 
     def plans(self) -> dict[str, StepPlan]:
-        """Every request's plan (tests and tools; tree verification asks request by request)."""
+        """Every request's plan (tests and tools; tree verification reads :meth:`batch`)."""
         return {req_id: self.plan(req_id) for req_id in self.rows}
 
 

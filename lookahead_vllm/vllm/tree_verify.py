@@ -82,6 +82,8 @@ class TreeStep:
     path_plan: PathPlan | None = None
     device_path_plan: PathPlan | None = None
     kernel_args: tuple | None = None
+    # Each tree's visibility among its rows, for the dense reference attention.
+    visible: list[torch.Tensor] | None = None
 
     @classmethod
     def empty(cls, num_tokens: int = 0) -> "TreeStep":
@@ -226,10 +228,12 @@ class TreeVerifier:
                 _flash_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
             return
         seq_lens = metadata.seq_lens.tolist()
-        for t, (row, start, n) in enumerate(zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist())):
+        if step.visible is None:  # built once, read by every layer
+            step.visible = [torch.from_numpy(step.trees.plan(t).visibility()) for t in range(len(step.trees))]
+        for row, start, n, visible in zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(),
+                                          step.visible):
             rows = slice(start, start + n)
             k, v = cache.gather_seq(metadata.block_table[row], seq_lens[row])
-            visible = torch.from_numpy(step.trees.plan(t).visibility())
             out[rows] = tree_attention_dense(query[rows], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:

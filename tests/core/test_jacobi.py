@@ -251,6 +251,10 @@ class Both:
         assert got == want
         return got
 
+    def set_prior(self, prior: tuple[float, int]) -> None:
+        for t in self.tables:
+            t.prior = prior
+
     @property
     def num_slots(self):
         got, want = (t.num_slots for t in self.tables)
@@ -277,6 +281,10 @@ def test_native_table_equals_reference(data):
     the prior, and every slot's window, pool and policy after every step."""
     window, ngram, guesses = data.draw(st.sampled_from(SHAPES), label="shape")
     table = Both(window, ngram, guesses)
+    # A prior that probes within a few steps reaches the probe path (a window sent though it
+    # does not pay, its wait doubled when it brings nothing).
+    table.set_prior((data.draw(st.sampled_from([0.0, 0.05, 1.0]), label="prior yield"),
+                     data.draw(st.sampled_from([1, 2, 3, PROBE_EVERY]), label="prior probe")))
     vocab = data.draw(st.integers(2, 12), label="vocab")
     width = 64
     token_ids = np.zeros((8, width), np.int32)
@@ -304,6 +312,8 @@ def test_native_table_equals_reference(data):
             token_ids[row] = (np.arange(width) * (slot + 3) + slot) % vocab
         num = np.array([live[s] for s in slots.tolist()], np.int64)
         stale = table.track(slots, num)
+        # A request the runner does not know yet is not opened (it stays stale: asked again next step).
+        stale = stale[np.array([data.draw(st.integers(0, 5), label="known") > 0 for _ in stale], bool)]
         windowed = np.array([data.draw(st.sampled_from([True, True, False]), label="verifiable") for _ in stale],
                             bool)
         plen = np.array([data.draw(st.integers(1, 12), label="plen") for _ in stale], np.int64)
@@ -341,6 +351,28 @@ def test_native_table_equals_reference(data):
             for key in range(vocab):
                 table.pool(slot, key)
                 table.pool(slot, key, 1)
+
+
+def test_native_probe_waits_double_up_to_their_cap_as_the_reference():
+    """A window that never pays goes out only as a probe; each probe that brings nothing
+    doubles the wait up to ``MAX_PROBE_EVERY``: the native table and its reference send the
+    same windows on the same steps over the whole climb."""
+    table = Both(3, 3, 2)
+    table.set_prior((0.0, 100))
+    token_ids = np.tile(np.arange(20, dtype=np.int32), (1, 4))
+    slots, sent = np.array([0]), []
+    table.track(slots, [5])
+    table.open(slots, [0], token_ids, [5], [5], [True])
+    for n in range(6, 2400):
+        table.track(slots, [n])
+        table.pool_rows(slots, [7], [True])
+        chosen, _ = table.choose(slots, [0.0], [1.0, 1.5], 0.0, 0.0, 1.0)
+        if len(chosen):
+            sent.append(n)
+            table.update(slots, np.zeros((1, 3), np.int32), np.zeros(0, np.int64), [0, 0])  # nothing accepted
+    gaps = np.diff(sent).tolist()
+    assert gaps == [201, 401] + [MAX_PROBE_EVERY + 1] * 3
+    assert table.policy(0)["probe_every"] == MAX_PROBE_EVERY
 
 
 def test_native_table_program_reaches_every_path():

@@ -72,6 +72,9 @@ def test_jacobi_greedy_identical_to_plain(engines, prompts, source, dataset, n, 
     # The window really rode along and filled the pools.
     assert after["jacobi_steps"] > before["jacobi_steps"]
     assert after["pool_ngrams_added"] > before["pool_ngrams_added"]
+    # Drained: the finished requests' windows and pools are gone (the last step's finished ids
+    # reach the proposer only with the next step).
+    assert proposer.drafter.jacobi.num_slots <= 1
 
 
 def test_pool_fills_and_its_ngrams_get_accepted(engines):

@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> full(rows);
       for (int64_t i = 0; i < rows; ++i) lasts[i] = uniform(0, vocab - 1), full[i] = uniform(0, 3) > 0;
       std::vector<const std::vector<int32_t>*> found;
-      const int64_t widest = table.pool_find(slots.data(), lasts.data(), full.data(), rows, found);
+      const int64_t widest = table.ride_and_find(slots.data(), lasts.data(), full.data(), rows, found);
       if (widest > guesses) return fail("more continuations than guesses", step);
       const int64_t width = std::max<int64_t>(1, widest * length);
       std::vector<int32_t> tok(rows * width, 0), par(rows * width, -1);

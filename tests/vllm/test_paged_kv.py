@@ -205,3 +205,47 @@ def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
     assert torch.equal(out[: start + 4], torch.full_like(out[: start + 4], 7.0))  # other request, root, chain
     assert torch.allclose(out[start + 4:], expected[4:], atol=1e-5)
     assert torch.equal(kv_cache, before)  # borrowed slots restored
+
+
+def test_gpu_kernel_path_reads_every_tree_of_a_step():
+    """The kernel path's arguments for several trees of different sizes and leading chains, in one
+    call: each tree's off-chain rows equal tree attention over its own blocks and context, every
+    root, chain row and other request's row keeps the stock kernel's output."""
+    import numpy as np
+
+    from lookahead_vllm.core.draft_tree import DraftTree
+    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_vllm.core.tree_plan import TreeBatch
+    from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
+    from lookahead_vllm.vllm import tree_verify
+
+    plans = [StepPlan(DraftTree((1, 2, 3, 4, 5, 6), (-1, 0, 1, 1, 0, 4), (1.0,) * 6)),  # chain of 3
+             StepPlan(DraftTree((7, 8, 9), (-1, -1, 1), (1.0,) * 3)),  # chain of 1
+             StepPlan(DraftTree((1, 2, 3, 4), (-1, 0, 1, 0), (1.0,) * 4))]  # chain of 3
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(NB, H, BS, 2 * D, generator=gen)
+    cache = FlashPagedKV(SimpleNamespace(head_size=D), None, kv_cache)
+    rows, starts = np.array([1, 3, 4]), np.array([2, 9, 14])  # other requests' rows between the trees
+    contexts = [40, 7, 100]
+    table = torch.tensor([[0, 0], [3, 1], [0, 0], [2, 0], [1, 3]], dtype=torch.int32)
+    seq_lens = torch.zeros(5, dtype=torch.int32)
+    for plan, row, context in zip(plans, rows, contexts):
+        seq_lens[row] = context + plan.num_nodes + 1
+    step = tree_verify.TreeStep(["a", "b", "c"], rows, starts, TreeBatch.of_plans(plans), np.ones(3, bool),
+                                [None] * 3, 19, frozenset())
+    query = torch.randn(19, H, D, generator=gen)
+    out = torch.full_like(query, 7.0)  # what the stock kernel wrote
+    metadata = SimpleNamespace(block_table=table, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()))
+    tree_verify._paged_kernel(step, SimpleNamespace(scale=D**-0.5), query, cache, metadata, out)
+    written = torch.zeros(19, dtype=torch.bool)
+    for plan, row, start in zip(plans, rows.tolist(), starts.tolist()):
+        n = plan.num_nodes + 1
+        expected = paged_tree_attention_ref(query[start:start + n], cache.key_cache, cache.value_cache,
+                                            table[row:row + 1], seq_lens[row:row + 1],
+                                            torch.tensor([0, n], dtype=torch.int32),
+                                            pack_tree_mask(torch.from_numpy(plan.visibility())), D**-0.5)
+        off = 1 + plan.chain_prefix_length()
+        assert torch.allclose(out[start + off:start + n], expected[off:], atol=1e-5)
+        written[start + off:start + n] = True
+    assert torch.equal(out[~written], torch.full_like(out[~written], 7.0))
+    assert written.sum() == 3 + 2 + 1

@@ -82,10 +82,12 @@ def _step(seed: int, vocab: int = 64):
             offers[req_id] = _random_offer(rng, vocab, window=kind == "greedy" and rng.random() < 0.5)
             tok, _, ahead = offers[req_id]
             drafts[req_id] = tok + list(ahead or ())
+            if rng.random() < 0.3:  # the scheduler's budget cut it (a window cut part way is not read)
+                drafts[req_id] = drafts[req_id][:int(rng.integers(2, len(drafts[req_id]) + 1))]
             states[req_id] = SimpleNamespace(sampling_params=kinds[kind])
         num_tokens.append(len(drafts[req_id]) + 1)
     handed_out = _handed_out(offers)
-    plans = handed_out.plans()
+    plans = {r: p.truncate(len(drafts[r])) for r, p in handed_out.plans().items()}
     num_tokens = np.asarray(num_tokens, np.int32)
     logits = torch.randn(int(num_tokens.sum()), vocab, generator=torch.Generator().manual_seed(seed))
     starts = np.cumsum(num_tokens) - num_tokens
@@ -125,7 +127,10 @@ def _reference(runner, num_tokens, logits, sampled, seed):
     results = []
     for req_id, row in runner.input_batch.req_id_to_index.items():
         plan = runner.drafter.handed_out.plan(req_id)
-        if plan is None or plan.is_chain():
+        if plan is None:
+            continue
+        plan = plan.truncate(int(num_tokens[row]) - 1)  # what the scheduler kept
+        if plan.is_chain():
             continue
         start, n = int(starts[row]), plan.num_nodes + 1
         positions[start:start + n] = positions[start] + torch.from_numpy(plan.position_offsets())
@@ -142,7 +147,7 @@ def _reference(runner, num_tokens, logits, sampled, seed):
                                                                  generators[row]))
         sampled[row] = torch.tensor(tokens + [-1] * (sampled.shape[1] - len(tokens)), dtype=sampled.dtype)
         window = None
-        if plan.has_lookahead:
+        if plan.has_lookahead and plan.num_nodes - plan.verify_nodes == WINDOW_NODES:  # the whole window
             base = plan.lookahead.index(True)
             window = rows[[0 if c < 0 else 1 + base + c for c in output_nodes(WINDOW, NGRAM)]].argmax(-1).tolist()
         results.append((req_id, plan.num_nodes, nodes, tokens, window))
@@ -161,6 +166,21 @@ def test_batched_host_work_equals_request_by_request(seed):
     got = [(r.req_id, r.num_nodes, r.nodes, r.tokens, r.window_tokens) for r in results[0]]
     assert got == expected
     assert torch.equal(out.sampled_token_ids, expected_sampled)
+
+
+def test_the_steps_above_hold_windows_and_cut_trees():
+    """The steps ``test_batched_host_work_equals_request_by_request`` checks hold trees with their
+    whole window read, windows the scheduler cut part way, and cut trees without a window."""
+    seen = set()
+    for seed in range(12):
+        _, runner, _, num_tokens, logits, _, sampled, _ = _step(seed)
+        handed_out = runner.drafter.handed_out
+        for req_id, num_nodes, _, _, window in _reference(runner, num_tokens, logits, sampled, seed)[2]:
+            plan = handed_out.plan(req_id)
+            seen.add(("window read" if window is not None else "no window read",
+                      "whole" if num_nodes == plan.num_nodes else "cut", "windowed" if plan.has_lookahead else "tree"))
+    assert {("window read", "whole", "windowed"), ("no window read", "cut", "windowed"),
+            ("no window read", "cut", "tree"), ("no window read", "whole", "tree")} <= seen, seen
 
 
 def test_reference_sees_a_wrong_position():
@@ -240,10 +260,12 @@ def test_tree_batch_rows_equal_each_requests_cut_plan(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
-    """With the scheduler cutting some trees (to a chain or a smaller tree) and some drafts
-    differing from their plans, ``begin_step`` keeps exactly the trees the request-by-request
-    rule keeps (cut plan not a chain, drafts equal to it), counts the cut ones and the
-    mismatches, and places each kept tree at its request's batch row and root."""
+    """With the scheduler cutting some trees (to a chain or a smaller tree), some drafts
+    differing from their plans (a token, or one token more than the plan), and a request not
+    decoding this step, ``begin_step`` keeps exactly the trees the request-by-request rule
+    keeps (cut plan not a chain, drafts equal to it, one decode row and the plan's), counts
+    the cut ones and the mismatches, places each kept tree at its request's batch row and
+    root, and gives its rows root + depth positions."""
     from vllm import SamplingParams
 
     from lookahead_vllm.vllm.tree_verify import TreeVerifier
@@ -254,20 +276,22 @@ def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
     drafts = {}
     for req_id, (tok, _, ahead) in offers.items():
         draft = tok + list(ahead or ())
-        cut = int(rng.integers(1, len(draft) + 1)) if rng.random() < 0.4 and req_id != "r3" else len(draft)
-        draft = draft[:cut]
-        if rng.random() < 0.2 or req_id == "r3":  # r3: its whole tree, one token not the plan's
+        whole = req_id in ("r3", "r6", "r7")
+        cut = int(rng.integers(1, len(draft) + 1)) if rng.random() < 0.4 and not whole else len(draft)
+        draft = draft[:len(draft) - 1 if req_id == "r2" else cut]  # r2: always cut
+        if (rng.random() < 0.2 and not whole) or req_id == "r3":  # r3: one token not the plan's
             draft[int(rng.integers(len(draft)))] += 1000
-        drafts[req_id] = draft
+        drafts[req_id] = draft + [7] if req_id == "r6" else draft  # r6: one token more than its plan
     drafts["chain"] = [1, 2]  # a request with no plan (a chain draft)
-    num_tokens = np.array([len(d) + 1 for d in drafts.values()], np.int32)
+    num_tokens = np.array([len(d) + 1 + (r == "r7") for r, d in drafts.items()], np.int32)  # r7: not a decode row
     starts = np.cumsum(num_tokens) - num_tokens
     cut_count = []
     greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
-    cfg = SimpleNamespace(profile=SimpleNamespace(debug_disable=("positions",)))
+    cfg = SimpleNamespace(profile=SimpleNamespace(debug_disable=()))
+    positions = torch.arange(int(num_tokens.sum()), dtype=torch.int64) * 5 + 2
     runner = SimpleNamespace(
         drafter=SimpleNamespace(handed_out=handed_out, config=cfg, on_tree_truncated=cut_count.append),
-        requests=dict.fromkeys(drafts, greedy), positions=torch.zeros(int(num_tokens.sum()), dtype=torch.int64),
+        requests=dict.fromkeys(drafts, greedy), positions=positions.clone(),
         input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(drafts)}))
     verifier = TreeVerifier()
     verifier.begin_step(runner, SimpleNamespace(scheduled_spec_decode_tokens=drafts), num_tokens)
@@ -283,11 +307,17 @@ def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
         if tuple(draft) != cut.tree.tokens:
             mismatched += 1
             continue
-        kept.append((req_id, i, int(starts[i]), cut.tree.tokens, cut.tree.parents))
+        if num_tokens[i] != cut.num_nodes + 1:
+            continue
+        start = int(starts[i])
+        kept.append((req_id, i, start, cut.tree.tokens, cut.tree.parents))
+        positions[start:start + cut.num_nodes + 1] = positions[start] + torch.from_numpy(cut.position_offsets())
     step = verifier.current
     got = [] if step is None else [
         (r, row, start, step.trees.plan(t).tree.tokens, step.trees.plan(t).tree.parents)
         for t, (r, row, start) in enumerate(zip(step.req_ids, step.rows.tolist(), step.starts.tolist()))]
     assert got == kept
     assert sum(cut_count) == truncated and verifier.plan_mismatches == mismatched
-    assert kept and truncated and mismatched  # the cases are not vacuous
+    assert torch.equal(runner.positions, positions)
+    assert kept and truncated and mismatched >= 2  # the cases are not vacuous (r3 and r6 at least)
+    assert "r7" not in [k[0] for k in kept] and "r7" in offers

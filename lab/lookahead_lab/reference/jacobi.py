@@ -196,10 +196,12 @@ class JacobiTable:
         stale = []
         for i, (slot, n) in enumerate(zip(np.asarray(slots).tolist(), np.asarray(num_tokens).tolist())):
             rec = self._slots.get(slot)
+            if rec is not None:
+                rec.x0 = -1
             if rec is None or n < rec.length:
                 stale.append(i)
                 continue
-            rec.length, rec.x0 = n, -1
+            rec.length = n
         return np.array(stale, np.int64)
 
     def open(self, slots, rows, token_ids: np.ndarray, prompt_lens, lengths, windowed) -> None:
