@@ -63,40 +63,35 @@ def test_upkeep_thread_matches_inline_under_sanitizers(tmp_path, sanitizer, seed
     assert proc.stdout.startswith("ok: 2000 steps"), proc.stdout
 
 
-def test_trie_under_address_and_undefined_sanitizers(tmp_path):
-    """``tests/native/trie_stress.cpp``: random operations on the native trie
-    (prunes reusing node slots all the time, context chains, merges,
-    snapshot tables), every tree checked against its bounds."""
+def _run_single_threaded(tmp_path: Path, stress: str, core: str, steps: int) -> str:
+    """``tests/native/<stress>.cpp`` with ``csrc/draft_index/<core>.cpp`` built under AddressSanitizer
+    + UBSan and run for ``steps`` steps (seed 1): its output, once it passed with no report."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path / "trie_stress"
-    sources = [REPO / "tests" / "native" / "trie_stress.cpp", REPO / "csrc" / "draft_index" / "token_trie.cpp"]
+    exe = tmp_path / stress
+    sources = [REPO / "tests" / "native" / f"{stress}.cpp", REPO / "csrc" / "draft_index" / f"{core}.cpp"]
     flags = ["-std=c++17", "-O1", "-g", *SANITIZERS["address,undefined"], f"-I{REPO / 'csrc' / 'draft_index'}"]
     proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(exe)], capture_output=True, text=True)
     if proc.returncode != 0 and "cannot find" in proc.stderr and "san" in proc.stderr:
         pytest.skip(f"the sanitizer runtime is not installed: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = subprocess.run([str(exe), "1", "3000"], capture_output=True, text=True, timeout=300, env=_no_preload())
+    run = subprocess.run([str(exe), "1", str(steps)], capture_output=True, text=True, timeout=300, env=_no_preload())
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "Sanitizer" not in run.stderr and "runtime error" not in run.stderr, run.stderr[-4000:]
-    assert run.stdout.startswith("ok: 3000 steps") and " 0 prunes" not in run.stdout, run.stdout
+    assert run.stdout.startswith(f"ok: {steps} steps"), run.stdout
+    return run.stdout
+
+
+def test_trie_under_address_and_undefined_sanitizers(tmp_path):
+    """``tests/native/trie_stress.cpp``: random operations on the native trie
+    (prunes reusing node slots all the time, context chains, merges,
+    snapshot tables), every tree checked against its bounds."""
+    assert " 0 prunes" not in _run_single_threaded(tmp_path, "trie_stress", "token_trie", 3000)
 
 
 def test_jacobi_table_under_address_and_undefined_sanitizers(tmp_path):
     """``tests/native/jacobi_stress.cpp``: random steps on the native Jacobi table (windows
     opened, rewound and finished, pools filled past their caps, rows drafted, windows chosen and
     updated) for five window shapes, every answer checked against its bounds."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path / "jacobi_stress"
-    sources = [REPO / "tests" / "native" / "jacobi_stress.cpp", REPO / "csrc" / "draft_index" / "jacobi.cpp"]
-    flags = ["-std=c++17", "-O1", "-g", *SANITIZERS["address,undefined"], f"-I{REPO / 'csrc' / 'draft_index'}"]
-    proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(exe)], capture_output=True, text=True)
-    if proc.returncode != 0 and "cannot find" in proc.stderr and "san" in proc.stderr:
-        pytest.skip(f"the sanitizer runtime is not installed: {proc.stderr.strip()[-200:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = subprocess.run([str(exe), "1", "2000"], capture_output=True, text=True, timeout=300, env=_no_preload())
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    assert "Sanitizer" not in run.stderr and run.stdout.startswith("ok: 2000 steps"), run.stdout + run.stderr[-2000:]
+    _run_single_threaded(tmp_path, "jacobi_stress", "jacobi", 2000)
