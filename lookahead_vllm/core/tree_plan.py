@@ -47,7 +47,7 @@ from lookahead_vllm.core import native
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.drafter import INDEX_WEIGHT, index_tree
+from lookahead_vllm.core.drafter import index_tree
 from lookahead_vllm.core.jacobi import lookahead_parents
 from lookahead_vllm.core.step_plan import StepPlan
 
@@ -80,22 +80,6 @@ class TreeOffers:
         """Offer ``d`` as handed out (weights as the drafter ranks index nodes)."""
         n = int(self.lengths[d])
         return index_tree(self.tokens[d, :n], self.parents[d, :n], self.raw[d, :n])
-
-    def plan(self, d: int) -> StepPlan:
-        """Offer ``d``'s plan for tree verification (rows with ``trees[d]``)."""
-        return StepPlan(self.tree(d))
-
-    def plan_with_window(self, d: int, ahead: Sequence[int], window: int, ngram: int) -> StepPlan:
-        """Offer ``d``'s plan followed by a Jacobi window's lookahead nodes (``ahead``: its tokens
-        in plan order, ``window`` columns, ``ngram``; reference:
-        ``lookahead_lab.reference.planner.with_lookahead``)."""
-        n = int(self.lengths[d])
-        conf = tuple(self.raw[d, :n].tolist())
-        zeros = (0.0,) * len(ahead)
-        tree = DraftTree(tuple(self.tokens[d, :n].tolist()) + tuple(ahead),
-                         tuple(self.parents[d, :n].tolist()) + lookahead_parents(window, ngram, n),
-                         tuple([INDEX_WEIGHT * c for c in conf]) + zeros, conf + zeros)
-        return StepPlan(tree, (False,) * n + (True,) * len(ahead))
 
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -211,13 +195,17 @@ class StepDrafts:
         return cls(TreeOffers.none(), {}, {})
 
     def plan(self, req_id: str) -> StepPlan | None:
-        """The request's plan (None: it verifies a chain, or drafted nothing this step)."""
+        """The request's whole plan (None: it verifies a chain, or drafted nothing this step):
+        :meth:`batch`'s row, with the offer's weights and confidences (the window's nodes 0)."""
         d = self.rows.get(req_id)
         if d is None:
             return None
-        ahead = self.windows.get(d)
-        return self.offers.plan(d) if ahead is None else self.offers.plan_with_window(d, ahead, self.window,
-                                                                                      self.ngram)
+        trees, _ = self.batch([req_id], np.array([np.iinfo(np.int64).max]))
+        row = trees.plan(0)
+        offer = self.offers.tree(d)
+        zeros = (0.0,) * (row.num_nodes - len(offer))
+        return StepPlan(DraftTree(row.tree.tokens, row.tree.parents, offer.weights + zeros,
+                                  offer.confidence + zeros), row.lookahead)
 
     def batch(self, req_ids: Sequence[str], counts: np.ndarray) -> tuple[TreeBatch, np.ndarray]:
         """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first

@@ -432,5 +432,5 @@ def test_step_drafts_plans_equal_each_offer_with_its_window():
             plan = handed.plan(f"r{d}")
             assert plan == StepPlan(*with_lookahead(offers.tree(d), w))
             assert plan.num_nodes == int(lengths[d]) + w.num_nodes
-        assert handed.plan("r2") == offers.plan(2) and not handed.plan("r2").has_lookahead
+        assert handed.plan("r2") == StepPlan(offers.tree(2)) and not handed.plan("r2").has_lookahead
         assert handed.plan("r4") is None and set(handed.plans()) == {"r5", "r0", "r3", "r1", "r2"}

@@ -158,7 +158,7 @@ def branch_tree(branches: Sequence[Sequence[int]]) -> DraftTree:
 
 def with_lookahead(tree: DraftTree, window: JacobiWindow) -> tuple[DraftTree, tuple[bool, ...]]:
     """The verify ``tree`` followed by the window's lookahead nodes, and the per-node lookahead flags:
-    ``lookahead_vllm.core.tree_plan.TreeOffers.plan_with_window``'s plan."""
+    ``lookahead_vllm.core.tree_plan.StepDrafts.plan``'s plan of a window row."""
     base = len(tree)
     toks = tuple(window.tokens())
     zeros = (0.0,) * len(toks)

@@ -4,7 +4,7 @@
 array signatures, built from :class:`DraftTree`, the calibration rule and the
 step allocator core/budget.py defines. Tests hold the native kernels to these,
 confidences bit for bit. The Jacobi table's reference, with the oracles of its pool rows
-and of ``TreeOffers.plan_with_window``, is ``lookahead_lab.reference.jacobi``.
+and of a window row's ``StepDrafts.plan``, is ``lookahead_lab.reference.jacobi``.
 """
 
 from __future__ import annotations
