@@ -134,6 +134,20 @@ struct TokenTable final : lookahead::TokenSource {
       out[j] = wide ? checked_token(*reinterpret_cast<const int64_t*>(p)) : *reinterpret_cast<const int32_t*>(p);
     }
   }
+  // Argument `name`[i], a row of the table.
+  void check_row(const char* name, int64_t i, int64_t row) const {
+    if (row < 0 || row >= rows) {
+      throw py::index_error(std::string(name) + "[" + std::to_string(i) + "]=" + std::to_string(row) +
+                            ": must be in [0, " + std::to_string(rows) + ")");
+    }
+  }
+  // Argument `name`[i], how many of a row's tokens to read.
+  void check_end(const char* name, int64_t i, int64_t end) const {
+    if (end < 0 || end > cols) {
+      throw py::value_error(std::string(name) + "[" + std::to_string(i) + "]=" + std::to_string(end) +
+                            ": must be in [0, " + std::to_string(cols) + "]");
+    }
+  }
   const char* data;
   bool wide;
   int64_t rows, cols, row_stride, col_stride;
@@ -176,14 +190,8 @@ struct SyncArgs {
       for (int64_t i = 0; i < batch; ++i) check_partition(part[i]);
     }
     for (int64_t i = 0; i < batch; ++i) {
-      if (row[i] < 0 || row[i] >= table.rows) {
-        throw py::index_error("rows[" + std::to_string(i) + "]=" + std::to_string(row[i]) + ": must be in [0, " +
-                              std::to_string(table.rows) + ")");
-      }
-      if (num[i] < 0 || num[i] > table.cols) {
-        throw py::value_error("num_tokens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
-                              ": must be in [0, " + std::to_string(table.cols) + "]");
-      }
+      table.check_row("rows", i, row[i]);
+      table.check_end("num_tokens", i, num[i]);
     }
   }
   IntArray sids, rows, num_tokens, prompt_lens, partitions;
@@ -620,10 +628,7 @@ py::tuple retrieve_rows(BoundTrie& b, py::handle handles_obj, const py::array& c
   const int64_t *num = lens.data(), *budget = budgets.data(), *handle = handles.data();
   int64_t width = 1;
   for (int64_t i = 0; i < batch; ++i) {
-    if (num[i] < 0 || num[i] > table.cols) {
-      throw py::value_error("context_lens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
-                            ": must be in [0, " + std::to_string(table.cols) + "]");
-    }
+    table.check_end("context_lens", i, num[i]);
     if (budget[i] > INT32_MAX) throw py::value_error("budgets must be < 2**31");
     width = std::max(width, budget[i]);
   }
@@ -979,13 +984,6 @@ void bind_trie(py::module_& m) {
 using lookahead::JacobiSlot;
 using lookahead::JacobiTable;
 
-void check_batch(const char* what, int64_t rows, int64_t n) {
-  if (n != rows) {
-    throw py::value_error(std::string(what) + " has " + std::to_string(n) + " rows; slots has " +
-                          std::to_string(rows));
-  }
-}
-
 py::object slot_window(const JacobiTable& t, int64_t slot) {
   const JacobiSlot* s = t.find(slot);
   if (s == nullptr || !s->windowed) return py::none();
@@ -1013,10 +1011,10 @@ void bind_jacobi(py::module_& m) {
           "track",
           [](JacobiTable& t, py::handle slots_obj, py::handle num_obj) {
             const IntArray slots = int_array(slots_obj, "slots"), num = int_array(num_obj, "num_tokens");
-            check_batch("num_tokens", slots.shape(0), num.shape(0));
+            check_same_length("slots and num_tokens", slots.shape(0), num.shape(0));
             std::vector<int64_t> stale;
             t.track(slots.data(), num.data(), slots.shape(0), stale);
-            return py::array_t<int64_t>(static_cast<py::ssize_t>(stale.size()), stale.data());
+            return to_array(stale);
           },
           py::arg("slots"), py::arg("num_tokens"))
       .def(
@@ -1028,18 +1026,16 @@ void bind_jacobi(py::module_& m) {
             const IntArray prompt = int_array(prompt_obj, "prompt_lens"), length = int_array(length_obj, "lengths");
             const UInt8Array windowed = UInt8Array::ensure(windowed_obj);
             const int64_t n = slots.shape(0);
-            check_batch("rows", n, rows.shape(0));
-            check_batch("prompt_lens", n, prompt.shape(0));
-            check_batch("lengths", n, length.shape(0));
+            check_same_length("slots, rows, prompt_lens and lengths", n, rows.shape(0));
+            check_same_length("slots, rows, prompt_lens and lengths", n, prompt.shape(0));
+            check_same_length("slots, rows, prompt_lens and lengths", n, length.shape(0));
             if (!windowed || windowed.ndim() != 1) throw py::type_error("windowed must be a 1-D bool array");
-            check_batch("windowed", n, windowed.shape(0));
+            check_same_length("slots and windowed", n, windowed.shape(0));
             std::vector<int32_t> tokens;
             for (int64_t i = 0; i < n; ++i) {
               const int64_t row = rows.data()[i], end = prompt.data()[i];
-              if (row < 0 || row >= table.rows || end < 0 || end > table.cols) {
-                throw py::value_error("rows[" + std::to_string(i) + "]=" + std::to_string(row) + ", prompt_lens[" +
-                                      std::to_string(i) + "]=" + std::to_string(end) + ": outside token_ids");
-              }
+              table.check_row("rows", i, row);
+              table.check_end("prompt_lens", i, end);
               table.read(row, 0, end, tokens);
               t.open(slots.data()[i], tokens.data(), end, length.data()[i], windowed.data()[i] != 0);
             }
@@ -1053,9 +1049,9 @@ void bind_jacobi(py::module_& m) {
             const IntArray slots = int_array(slots_obj, "slots"), lasts = int_array(lasts_obj, "lasts");
             const UInt8Array full = UInt8Array::ensure(full_obj);
             const int64_t n = slots.shape(0);
-            check_batch("lasts", n, lasts.shape(0));
+            check_same_length("slots and lasts", n, lasts.shape(0));
             if (!full || full.ndim() != 1) throw py::type_error("full must be a 1-D bool array");
-            check_batch("full", n, full.shape(0));
+            check_same_length("slots and full", n, full.shape(0));
             std::vector<const std::vector<int32_t>*> found;
             const int64_t widest = t.ride_and_find(slots.data(), lasts.data(), full.data(), n, found);
             OutRows out(n, std::max<int64_t>(1, widest * (t.ngram() - 1)));
@@ -1068,7 +1064,7 @@ void bind_jacobi(py::module_& m) {
           "set_pool_from",
           [](JacobiTable& t, py::handle slots_obj, py::handle from_obj) {
             const IntArray slots = int_array(slots_obj, "slots"), from = int_array(from_obj, "pool_from");
-            check_batch("pool_from", slots.shape(0), from.shape(0));
+            check_same_length("slots and pool_from", slots.shape(0), from.shape(0));
             t.set_pool_from(slots.data(), from.data(), slots.shape(0));
           },
           py::arg("slots"), py::arg("pool_from"))
@@ -1080,7 +1076,7 @@ void bind_jacobi(py::module_& m) {
             const DoubleArray fees = DoubleArray::ensure(fees_obj), costs = DoubleArray::ensure(costs_obj);
             const int64_t n = slots.shape(0);
             if (!fees || fees.ndim() != 1) throw py::type_error("fees must be a 1-D float array");
-            check_batch("fees", n, fees.shape(0));
+            check_same_length("slots and fees", n, fees.shape(0));
             if (!costs || costs.ndim() != 1 || costs.shape(0) != n + 1) {
               throw py::value_error("costs must be a 1-D float array of " + std::to_string(n + 1) +
                                     " entries (the step's cost with 0.." + std::to_string(n) + " windows)");
@@ -1094,8 +1090,7 @@ void bind_jacobi(py::module_& m) {
               const std::vector<int32_t>& win = t.find(slots.data()[chosen[c]])->window;
               std::copy(win.begin(), win.end(), a + c * nodes);
             }
-            return py::make_tuple(py::array_t<int64_t>(static_cast<py::ssize_t>(chosen.size()), chosen.data()),
-                                  ahead);
+            return py::make_tuple(to_array(chosen), ahead);
           },
           py::arg("slots"), py::arg("fees"), py::arg("costs"), py::arg("setup"), py::arg("fees_paid"),
           py::arg("gain"))
@@ -1107,7 +1102,7 @@ void bind_jacobi(py::module_& m) {
             const Int32Array fresh = Int32Array::ensure(new_obj);
             const int64_t n = slots.shape(0);
             check_rows("new_tokens", fresh, n, t.window());
-            check_batch("starts", n + 1, starts.shape(0));
+            if (starts.shape(0) != n + 1) throw py::value_error("starts must hold len(slots) + 1 offsets");
             const int64_t* s = starts.data();
             for (int64_t i = 0; i < n; ++i) {
               if (s[i] < 0 || s[i] > s[i + 1] || s[i + 1] > nodes.shape(0)) {

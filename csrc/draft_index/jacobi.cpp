@@ -92,7 +92,7 @@ void JacobiTable::open(int64_t slot, const int32_t* prompt, int64_t n, int64_t l
 }
 
 int64_t JacobiTable::ride_and_find(const int64_t* slots, const int64_t* lasts, const uint8_t* full, int64_t rows,
-                               std::vector<const std::vector<int32_t>*>& found) {
+                                   std::vector<const std::vector<int32_t>*>& found) {
   found.assign(rows, nullptr);
   const int64_t length = ngram_ - 1;
   int64_t widest = 0;

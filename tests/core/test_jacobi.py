@@ -216,14 +216,16 @@ def test_native_table_checks_its_shape_and_arguments():
     with pytest.raises(ValueError, match=r"window=0: must be an int in \[1, 64\]"):
         make(0, 3, 2)
     table = make(3, 3, 2)
-    with pytest.raises(ValueError, match="num_tokens has 1 rows; slots has 2"):
+    with pytest.raises(ValueError, match="slots and num_tokens must have the same length"):
         table.track([0, 1], [5])
     with pytest.raises(ValueError, match=r"costs must be a 1-D float array of 2 entries"):
         table.choose([0], [0.0], [1.0], 0.0, 0.0, 1.0)
     with pytest.raises(TypeError, match=r"new_tokens must be a 2-D array \[1, 3\]"):
         table.update([0], np.zeros((1, 2), np.int32), [], [0, 0])
-    with pytest.raises(ValueError, match="outside token_ids"):
+    with pytest.raises(IndexError, match=r"rows\[0\]=3: must be in \[0, 2\)"):
         table.open([0], [3], np.zeros((2, 8), np.int32), [4], [4], [True])
+    with pytest.raises(ValueError, match=r"prompt_lens\[0\]=9: must be in \[0, 8\]"):
+        table.open([0], [1], np.zeros((2, 8), np.int32), [9], [9], [True])
     with pytest.raises(KeyError, match="slot 9 has no window"):
         table.credit(9, 1)
 
