@@ -154,9 +154,11 @@ class TreeBatch:
         off = np.concatenate([off, np.ones((count, 1), bool)], axis=1)
         return np.argmax(off, axis=1).astype(np.int64)
 
-    def is_chain(self) -> np.ndarray:
-        """``[T]`` bool: the row is a chain of verify nodes (vLLM's chain verification applies)."""
-        return (self.verify == self.lengths) & (self.chain_prefix() == self.lengths)
+    def is_chain(self, prefix: np.ndarray | None = None) -> np.ndarray:
+        """``[T]`` bool: the row is a chain of verify nodes (vLLM's chain verification applies);
+        ``prefix``: :meth:`chain_prefix`, where the caller has it."""
+        prefix = self.chain_prefix() if prefix is None else prefix
+        return (self.verify == self.lengths) & (prefix == self.lengths)
 
     def visibility(self, size: int) -> np.ndarray:
         """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at
@@ -222,11 +224,10 @@ class StepDrafts:
         width = max(1, int(full.max(initial=0)))
         cols = np.arange(width)
         src = min(width, offers.tokens.shape[1])
-        inside = cols[:src] < kept[:, None]
+        # The offers' cells past their kept nodes are overwritten by a window or cut below.
         tokens = np.zeros((len(d), width), np.int32)
         parents = np.full((len(d), width), -1, np.int32)
-        tokens[:, :src] = np.where(inside, offers.tokens[d, :src], 0)
-        parents[:, :src] = np.where(inside, offers.parents[d, :src], -1)
+        tokens[:, :src], parents[:, :src] = offers.tokens[d, :src], offers.parents[d, :src]
         if nodes:
             w = np.flatnonzero(windowed)
             at = kept[w, None] + np.arange(nodes)

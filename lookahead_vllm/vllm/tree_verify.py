@@ -67,6 +67,8 @@ class TreeStep:
     # Index of each request's root among the step's flattened tokens.
     starts: np.ndarray
     trees: TreeBatch
+    # Each tree's leading nodes that form a chain from the root (TreeBatch.chain_prefix).
+    chain: np.ndarray
     # False: only the leading chain is verified (history-dependent sampling).
     walk: np.ndarray
     sampling_params: list[Any]
@@ -89,7 +91,7 @@ class TreeStep:
     def empty(cls, num_tokens: int = 0) -> "TreeStep":
         none = np.zeros(0, np.int64)
         return cls([], none, none, TreeBatch(np.zeros((0, 1), np.int32), np.full((0, 1), -1, np.int32), none, none),
-                   np.zeros(0, bool), [], num_tokens, frozenset())
+                   none, np.zeros(0, bool), [], num_tokens, frozenset())
 
     @property
     def num_rows(self) -> np.ndarray:
@@ -168,14 +170,15 @@ class TreeVerifier:
         truncated = int(np.count_nonzero(counts < full))  # the scheduler's token budget cut the tree
         if truncated:
             drafter.on_tree_truncated(truncated)
-        # The scheduled drafts against the plans' tokens (rows of one array; a longer draft than its
-        # plan cannot be: counts cut the plan).
+        # The scheduled drafts against the plans' tokens (rows of one array, each draft's first
+        # lengths[i] tokens; a draft longer than its whole plan differs too).
         flat = np.fromiter(chain.from_iterable(drafts), np.int64, int(counts.sum()))
         sched = np.zeros_like(trees.tokens)
         sched[np.repeat(np.arange(len(ids)), trees.lengths), _index_within(trees.lengths)] = flat[
             _index_within(counts) < np.repeat(trees.lengths, counts)]
         differs = (sched != trees.tokens).any(axis=1) | (counts > trees.lengths)
-        tree = ~trees.is_chain()
+        prefix = trees.chain_prefix()
+        tree = ~trees.is_chain(prefix)
         for i in np.flatnonzero(tree & differs).tolist():
             self._plan_mismatch(ids[i], drafts[i], trees.tokens[i, :trees.lengths[i]].tolist())
         rows = np.fromiter(map(runner.input_batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
@@ -188,7 +191,7 @@ class TreeVerifier:
         kept_ids = [ids[i] for i in keep.tolist()]
         params = [runner.requests[req_id].sampling_params for req_id in kept_ids]
         disabled = drafter.config.profile.debug_disable
-        step = TreeStep(kept_ids, rows[keep], np.asarray(starts, np.int64)[rows[keep]], trees.take(keep),
+        step = TreeStep(kept_ids, rows[keep], np.asarray(starts, np.int64)[rows[keep]], trees.take(keep), prefix[keep],
                         np.fromiter(map(tree_verifiable, params), bool, len(params)), params,
                         int(num_scheduled_tokens.sum()), frozenset(disabled))
         if "positions" not in disabled:
@@ -259,9 +262,8 @@ class TreeVerifier:
         if len(greedy):
             for t, walk in zip(greedy.tolist(), _greedy_walks(trees.take(greedy), ats[greedy], argmax)):
                 found[t] = walk
-        prefix = trees.chain_prefix()
         for t, chain_row in zip(chain_only.tolist(), stock):
-            found[t] = _leading_chain_result(int(prefix[t]), chain_row)
+            found[t] = _leading_chain_result(int(step.chain[t]), chain_row)
         for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():
             first = int(firsts[t])
             found[t] = walk_tree(trees.plan(t), _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
@@ -405,7 +407,7 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         req_rows = torch.from_numpy(step.rows).to(device)
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(num_rows)]).astype(np.int32))
         # Kernel output rows to write back: each request's rows past root + leading chain.
-        write = torch.from_numpy(np.flatnonzero(within > np.repeat(step.trees.chain_prefix(), num_rows))).to(device)
+        write = torch.from_numpy(np.flatnonzero(within > np.repeat(step.chain, num_rows))).to(device)
         step.kernel_args = (rows, write, rows[write], dict(
             block_tables=metadata.block_table[req_rows], seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
             query_start_loc=qsl.to(device), tree_mask=pack_tree_mask(masks).to(device),
@@ -450,7 +452,7 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
         return step.path_plan
     trees = step.trees
     per_request = [_uncovered_paths(trees.parents[t, :n].tolist(), c)
-                   for t, (n, c) in enumerate(zip(trees.lengths.tolist(), trees.chain_prefix().tolist()))]
+                   for t, (n, c) in enumerate(zip(trees.lengths.tolist(), step.chain.tolist()))]
     seq_lens = metadata.seq_lens.tolist()
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()

@@ -96,7 +96,8 @@ def one_tree_step(plan, start: int):
     from lookahead_vllm.vllm import tree_verify
 
     return tree_verify.TreeStep(["a"], np.array([0]), np.array([start]), TreeBatch.of_plans([plan]),
-                                np.array([True]), [None], start + plan.num_nodes + 1, frozenset())
+                                np.array([plan.chain_prefix_length()]), np.array([True]), [None],
+                                start + plan.num_nodes + 1, frozenset())
 
 
 def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
@@ -231,8 +232,9 @@ def test_gpu_kernel_path_reads_every_tree_of_a_step():
     seq_lens = torch.zeros(5, dtype=torch.int32)
     for plan, row, context in zip(plans, rows, contexts):
         seq_lens[row] = context + plan.num_nodes + 1
-    step = tree_verify.TreeStep(["a", "b", "c"], rows, starts, TreeBatch.of_plans(plans), np.ones(3, bool),
-                                [None] * 3, 19, frozenset())
+    step = tree_verify.TreeStep(["a", "b", "c"], rows, starts, TreeBatch.of_plans(plans),
+                                np.array([p.chain_prefix_length() for p in plans]), np.ones(3, bool), [None] * 3, 19,
+                                frozenset())
     query = torch.randn(19, H, D, generator=gen)
     out = torch.full_like(query, 7.0)  # what the stock kernel wrote
     metadata = SimpleNamespace(block_table=table, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()))
