@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from lookahead_vllm.core.draft_tree import DraftTree
+    from lookahead_lab.reference.trees import DraftTree
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -253,7 +253,7 @@ def sweep_step_times(llm, contexts: list[list[int]], nodes: list[int], steps: in
 def fixed_tree(nodes: int, paths: int) -> DraftTree:
     """``nodes`` nodes in ``paths`` root branches of near-equal length (DFS
     order); branch b repeats token 1000 + b, so siblings differ."""
-    from lookahead_vllm.core.draft_tree import DraftTree
+    from lookahead_lab.reference.trees import DraftTree
 
     tokens, parents = [], []
     for b in range(paths):

@@ -60,7 +60,7 @@ from lookahead_lab.reference import drafter as make_drafter
 from lookahead_lab.reference import padded_contexts, row_drafts
 from lookahead_lab.reference.planner import best_path
 from lookahead_vllm.core.load import load_scaled_budget
-from lookahead_vllm.core.step_plan import accepted_path
+from lookahead_lab.reference.trees import accepted_path
 from workloads import check_positive, plain_wave_forwards, workload_parser, workloads
 
 

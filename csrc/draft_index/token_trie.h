@@ -54,7 +54,7 @@ struct TrieConfig {
 // branches side by side.
 enum class TrieShape : int { kOne = 0, kHier = 1, kPar = 2 };
 
-// A DraftTree (core/draft_tree.py) as arrays: parents first, -1 the root.
+// A DraftTree (lookahead_lab.reference.trees) as arrays: parents first, -1 the root.
 struct FlatTree {
   std::vector<int32_t> tokens, parents;
   std::vector<double> weights, conf;

@@ -4,7 +4,7 @@
 //
 // Semantics are those of the pure-Python reference
 // lab/lookahead_lab/reference/planner.py (DraftTree, calibrate,
-// allocate_step_budget with opens_path, step_plan.accepted_path,
+// allocate_step_budget with opens_path, trees.accepted_path (lookahead_lab.reference),
 // observe_nodes); tests hold the two to identical
 // results, confidences bit for bit:
 //
@@ -19,7 +19,7 @@
 //   observe_trees  those nodes booked into the calibrator's tables.
 //   walk_trees     greedy acceptance of a step's verified trees (tree_verify):
 //                  each tree walked from the root with the target model's
-//                  token at every reached row (step_plan.walk_tree).
+//                  token at every reached row (trees.walk_tree).
 #pragma once
 
 #include <cstdint>

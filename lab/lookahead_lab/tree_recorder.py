@@ -6,6 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from lookahead_lab.reference.trees import batch_plan
+
 
 @contextmanager
 def recording(verifier: Any) -> Iterator[list[dict[str, Any]]]:
@@ -21,7 +23,7 @@ def recording(verifier: Any) -> Iterator[list[dict[str, Any]]]:
         batch, step = runner.input_batch, verifier.current
         for t, (req_id, row) in enumerate(zip(step.req_ids, step.rows.tolist()) if step is not None else ()):
             context = batch.token_ids_cpu[row, :int(batch.num_tokens_no_spec[row])].tolist()
-            entries.append({"req_id": req_id, "context": context, "plan": step.trees.plan(t)})
+            entries.append({"req_id": req_id, "context": context, "plan": batch_plan(step.trees, t)})
 
     def finish_step(runner: Any, logits: Any, spec_metadata: Any, sampler_output: Any) -> None:
         step = verifier.current

@@ -44,7 +44,6 @@ import numpy as np
 from lookahead_vllm.core import native
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.draft_index import DEFAULT, PRIVATE
-from lookahead_vllm.core.draft_tree import DraftTree, rows_of
 from lookahead_vllm.core.jacobi import make_jacobi
 from lookahead_vllm.core.partitions import Partitions
 from lookahead_vllm.core.trie import make_trie
@@ -61,6 +60,13 @@ def make_index(config: Settings, ngram: int | None = None) -> Any:
     default the profile's ``index_ngram``), its upkeep on a thread of its own
     where the profile says it pays."""
     return native.make_draft_index(config.index_config(ngram), config.profile.upkeep_thread)
+
+
+def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
+    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents
+    (-1: the root; parents first), weights, confidence, and the lengths."""
+    return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
+            np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
 
 
 def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
@@ -271,9 +277,3 @@ class Drafter:
                                          snap.trie.counts.tolist())
         return snap
 
-
-def index_tree(tokens: np.ndarray, parents: np.ndarray, conf: np.ndarray) -> DraftTree:
-    """A draft index row as a :class:`DraftTree`."""
-    confs = tuple(np.asarray(conf, np.float64).tolist())
-    return DraftTree(tuple(np.asarray(tokens).tolist()), tuple(np.asarray(parents).tolist()),
-                     tuple([INDEX_WEIGHT * c for c in confs]), confs)

@@ -9,7 +9,7 @@ the proposer then:
 
 1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer
    the scheduler verified (a prefix of it) with the tokens its row emitted
-   (the accepted nodes' tokens, then the bonus: ``step_plan.accepted_path``),
+   (the accepted nodes' tokens, then the bonus),
    and :meth:`TreeOffers.observe` books the verified nodes into the
    calibrator (``ConfidenceCalibrator.observe_trees``);
 2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
@@ -31,7 +31,7 @@ a budget of 3 all three (a tree: ``c`` opens a second path).
 
 Each runs as one call into ``lookahead_vllm._draft_index``
 (csrc/draft_index/trees.cpp); tests hold the calls to the pure-Python
-reference ``lookahead_lab.reference.planner`` (built from DraftTree, the
+reference ``lookahead_lab.reference.planner`` (built from its DraftTree, the
 calibration rule and the step allocation core/budget.py defines), confidences bit for
 bit.
 """
@@ -46,10 +46,7 @@ import numpy as np
 from lookahead_vllm.core import native
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL
-from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.drafter import index_tree
 from lookahead_vllm.core.jacobi import lookahead_parents
-from lookahead_vllm.core.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from lookahead_vllm.core.calibration import ConfidenceCalibrator
@@ -76,11 +73,6 @@ class TreeOffers:
         return cls(np.zeros(0, np.int64), empty, empty, np.zeros((0, 0)), np.zeros((0, 0), np.int8),
                    np.zeros(0, np.int64), np.zeros(0, bool))
 
-    def tree(self, d: int) -> DraftTree:
-        """Offer ``d`` as handed out (weights as the drafter ranks index nodes)."""
-        n = int(self.lengths[d])
-        return index_tree(self.tokens[d, :n], self.parents[d, :n], self.raw[d, :n])
-
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This step's rows (``slots``; ``scheduled``: draft tokens the
@@ -105,24 +97,18 @@ class TreeOffers:
 class TreeBatch:
     """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds
     ``lengths[t]`` nodes, parents first (-1: the root), of which the first ``verify[t]`` may be
-    accepted and the rest are a Jacobi window's lookahead nodes (:class:`StepPlan`'s rows,
-    one plan a row; :meth:`plan` builds one where a caller needs the object)."""
+    accepted and the rest are a Jacobi window's lookahead nodes (never accepted: their outputs
+    refill the window and its pool). A tree's nodes come in DFS order, so any prefix the
+    scheduler keeps is a tree; its rows are the root (the last committed token) and then its
+    nodes, each at the root's position plus its depth, seeing the root, its ancestors and itself.
+    Acceptance walks from the root: a reached row's target token is accepted where a child of
+    it carries the token, else it is the bonus (``lookahead_lab.reference.trees``: the same
+    as one object per request)."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
     lengths: np.ndarray  # [T] int64
     verify: np.ndarray  # [T] int64
-
-    @classmethod
-    def of_plans(cls, plans: Sequence[StepPlan]) -> "TreeBatch":
-        """:class:`StepPlan` objects as one batch (tests and tools)."""
-        lengths = np.fromiter((p.num_nodes for p in plans), np.int64, len(plans))
-        width = max(1, int(lengths.max(initial=0)))
-        tokens, parents = np.zeros((len(plans), width), np.int32), np.full((len(plans), width), -1, np.int32)
-        for t, p in enumerate(plans):
-            tokens[t, :p.num_nodes], parents[t, :p.num_nodes] = p.tree.tokens, p.tree.parents
-        verify = np.fromiter((p.verify_nodes for p in plans), np.int64, len(plans))
-        return cls(tokens, parents, lengths, verify)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -130,12 +116,6 @@ class TreeBatch:
     def take(self, keep: np.ndarray) -> "TreeBatch":
         """The rows ``keep`` (indices or a mask), in that order."""
         return TreeBatch(self.tokens[keep], self.parents[keep], self.lengths[keep], self.verify[keep])
-
-    def plan(self, t: int) -> StepPlan:
-        """Row ``t`` as a :class:`StepPlan` (weights 1, no confidences)."""
-        n, v = int(self.lengths[t]), int(self.verify[t])
-        tree = DraftTree(tuple(self.tokens[t, :n].tolist()), tuple(self.parents[t, :n].tolist()), (1.0,) * n)
-        return StepPlan(tree, (False,) * v + (True,) * (n - v) if v < n else ())
 
     def depths(self) -> np.ndarray:
         """``[T, W]`` int64: every node's depth (the root's children 1; 0 past a row's length)."""
@@ -163,7 +143,7 @@ class TreeBatch:
     def visibility(self, size: int) -> np.ndarray:
         """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at
         least ``1 + max(lengths)``): row ``i`` sees row ``j`` iff ``j`` is the root, ``i``, or an
-        ancestor of ``i`` (``StepPlan.visibility`` padded with False)."""
+        ancestor of ``i`` (False past a row's length)."""
         count, width = self.parents.shape
         vis = np.zeros((count, size, size), bool)
         vis[:, :, 0] = True
@@ -183,8 +163,7 @@ class StepDrafts:
     emit), the offer row of each request that verifies a plan other than a chain, and the
     Jacobi windows riding on offer rows (offer row -> the window's lookahead tokens in plan
     order; one shape for every window: ``window`` columns, ``ngram``). Tree verification reads
-    the scheduled trees as one :class:`TreeBatch` (:meth:`batch`); :meth:`plan` builds one
-    request's :class:`StepPlan` from the same arrays (tests and tools)."""
+    the scheduled trees as one :class:`TreeBatch` (:meth:`batch`)."""
 
     offers: TreeOffers
     rows: dict[str, int]
@@ -195,19 +174,6 @@ class StepDrafts:
     @classmethod
     def none(cls) -> "StepDrafts":
         return cls(TreeOffers.none(), {}, {})
-
-    def plan(self, req_id: str) -> StepPlan | None:
-        """The request's whole plan (None: it verifies a chain, or drafted nothing this step):
-        :meth:`batch`'s row, with the offer's weights and confidences (the window's nodes 0)."""
-        d = self.rows.get(req_id)
-        if d is None:
-            return None
-        trees, _ = self.batch([req_id], np.array([np.iinfo(np.int64).max]))
-        row = trees.plan(0)
-        offer = self.offers.tree(d)
-        zeros = (0.0,) * (row.num_nodes - len(offer))
-        return StepPlan(DraftTree(row.tree.tokens, row.tree.parents, offer.weights + zeros,
-                                  offer.confidence + zeros), row.lookahead)
 
     def batch(self, req_ids: Sequence[str], counts: np.ndarray) -> tuple[TreeBatch, np.ndarray]:
         """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first
@@ -239,11 +205,6 @@ class StepDrafts:
         trees = TreeBatch(np.where(within, tokens, 0).astype(np.int32),
                           np.where(within, parents, -1).astype(np.int32), lengths, np.minimum(kept, lengths))
         return trees, full
-
-    def plans(self) -> dict[str, StepPlan]:
-        """Every request's plan (tests and tools; tree verification reads :meth:`batch`)."""
-        return {req_id: self.plan(req_id) for req_id in self.rows}
-
 
 def plan_trees(
     tokens: np.ndarray, parents: np.ndarray, raw: np.ndarray, lengths: np.ndarray, tree_ok: np.ndarray,

@@ -59,7 +59,6 @@ import numpy as np
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.draft_tree import DraftTree
 
 
 class NativeTrie:
@@ -95,12 +94,13 @@ class NativeTrie:
         self._core.insert_output(tokens)
 
     def retrieve(self, context: Sequence[int], budget: int | None = None, request: int | None = None,
-                 shape: str | None = None, min_confidence: float | None = None) -> DraftTree:
+                 shape: str | None = None, min_confidence: float | None = None) -> tuple[list, ...]:
+        """One context's tree: its tokens, parents (-1: the root; parents first), weights and
+        confidences."""
         budget = self.config.decoding_length if budget is None else budget
         floor = self.config.profile.min_draft_confidence if min_confidence is None else min_confidence
-        tokens, parents, weights, conf = self._core.retrieve(
-            list(context), budget, -1 if request is None else request, shape or self.config.draft_shape, floor)
-        return DraftTree(tuple(tokens), tuple(parents), tuple(weights), tuple(conf))
+        return self._core.retrieve(list(context), budget, -1 if request is None else request,
+                                   shape or self.config.draft_shape, floor)
 
     def retrieve_rows(self, records: Sequence[int | None], contexts: np.ndarray, context_lens: np.ndarray,
                       budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:

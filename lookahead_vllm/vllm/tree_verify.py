@@ -34,7 +34,6 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
-from lookahead_vllm.core.step_plan import walk_tree
 from lookahead_vllm.core.tree_plan import TreeBatch
 from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
@@ -232,7 +231,8 @@ class TreeVerifier:
             return
         seq_lens = metadata.seq_lens.tolist()
         if step.visible is None:  # built once, read by every layer
-            step.visible = [torch.from_numpy(step.trees.plan(t).visibility()) for t in range(len(step.trees))]
+            vis = step.trees.visibility(int(step.num_rows.max()))
+            step.visible = [torch.from_numpy(vis[t, :n, :n]) for t, n in enumerate(step.num_rows.tolist())]
         for row, start, n, visible in zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(),
                                           step.visible):
             rows = slice(start, start + n)
@@ -266,7 +266,7 @@ class TreeVerifier:
             found[t] = _leading_chain_result(int(step.chain[t]), chain_row)
         for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():
             first = int(firsts[t])
-            found[t] = walk_tree(trees.plan(t), _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
+            found[t] = _walk(trees, t, _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
         windows = _window_outputs(runner.drafter.config, trees, ats, argmax)
         out = np.full((len(num_rows), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
         moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
@@ -552,8 +552,25 @@ def _sampler(runner: Any, step: TreeStep, t: int, logits: torch.Tensor):  # logi
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
+def _walk(trees: TreeBatch, t: int, target_at: Any) -> tuple[list[int], list[int]]:
+    """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token
+    (``target_at(row)``, called once a reached row, in walk order, so a sampler draws as the
+    walk goes) is accepted where a child of the row carries it, else it is the bonus. Returns
+    the accepted nodes (root to leaf) and the tokens to emit (theirs, then the bonus)."""
+    v = int(trees.verify[t])
+    tokens, parents = trees.tokens[t, :v].tolist(), trees.parents[t, :v].tolist()
+    accepted, node = [], -1
+    while True:
+        target = target_at(node + 1)
+        child = next((c for c in range(node + 1, v) if parents[c] == node and tokens[c] == target), None)
+        if child is None:
+            return accepted, [tokens[c] for c in accepted] + [target]
+        accepted.append(child)
+        node = child
+
+
 def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
-    """Greedy trees' walks (``step_plan.walk_tree``'s) in one ``walk_trees`` call over their
+    """Greedy trees' walks (:func:`_walk`'s) in one ``walk_trees`` call over their
     verify nodes, each tree's targets the greedy tokens of its rows (``argmax`` from ``ats[t]``
     on). Per tree, the accepted nodes and the tokens to emit."""
     lens, width = trees.verify, trees.tokens.shape[1]

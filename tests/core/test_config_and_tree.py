@@ -10,7 +10,8 @@ import pytest
 import dataclasses
 
 from lookahead_lab.reference.planner import best_chain, best_path_tree
-from lookahead_vllm.core import DraftTree, LookaheadConfig
+from lookahead_vllm.core import LookaheadConfig
+from lookahead_lab.reference.trees import DraftTree
 from lookahead_vllm.core.config import (DEFAULT_DECODING_LENGTH, PLATFORM_VALUES, PROFILE_KEY, PUBLIC_FIELDS, Profile,
                                         Settings, resolve)
 from lookahead_vllm.core.draft_index import DraftIndexConfig

@@ -10,7 +10,8 @@ from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_CONTEX
 from lookahead_lab.reference.trie import (
     RECENT_OCCURRENCES, ContextIndex, match_confidence,
 )
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import rows_of
+from lookahead_lab.reference.trees import DraftTree, fill_row
 from lookahead_lab.reference import merge_rows, row_drafts
 
 A, B, C, D, X, Y, Z = 1, 2, 3, 4, 5, 6, 7

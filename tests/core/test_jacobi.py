@@ -10,14 +10,15 @@ from hypothesis import strategies as st
 
 from lookahead_lab.reference.planner import merged
 from lookahead_vllm.core.calibration import KIND_BRANCH, KIND_CHAIN, KIND_POOL
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import rows_of
 from lookahead_lab.reference import merge_rows, row_drafts
 from lookahead_lab.reference.jacobi import (JacobiRequest, JacobiTable, JacobiWindow, NgramPool, branch_tree, prompt_seed,
                                            with_lookahead)
 from lookahead_vllm.core import native
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.jacobi import MAX_PROBE_EVERY, PROBE_EVERY, YIELD_PRIOR, lookahead_parents, output_nodes
-from lookahead_vllm.core.step_plan import ROLE_LOOKAHEAD, ROLE_VERIFY, StepPlan, walk_tree
+from lookahead_lab.reference.trees import (ROLE_LOOKAHEAD, ROLE_VERIFY, DraftTree, StepPlan, fill_row, offer_tree,
+                                          step_plan, step_plans, walk_tree)
 
 
 def digest_plan(W=5, N=4, G=2):
@@ -431,8 +432,8 @@ def test_step_drafts_plans_equal_each_offer_with_its_window():
         handed = StepDrafts(offers, {f"r{d}": d for d in [*ds, 2]},
                             {d: tuple(w.tokens()) for d, w in windows.items()}, *shape)
         for d, w in windows.items():
-            plan = handed.plan(f"r{d}")
-            assert plan == StepPlan(*with_lookahead(offers.tree(d), w))
+            plan = step_plan(handed, f"r{d}")
+            assert plan == StepPlan(*with_lookahead(offer_tree(offers, d), w))
             assert plan.num_nodes == int(lengths[d]) + w.num_nodes
-        assert handed.plan("r2") == StepPlan(offers.tree(2)) and not handed.plan("r2").has_lookahead
-        assert handed.plan("r4") is None and set(handed.plans()) == {"r5", "r0", "r3", "r1", "r2"}
+        assert step_plan(handed, "r2") == StepPlan(offer_tree(offers, 2)) and not step_plan(handed, "r2").has_lookahead
+        assert step_plan(handed, "r4") is None and set(step_plans(handed)) == {"r5", "r0", "r3", "r1", "r2"}

@@ -92,10 +92,10 @@ def one_tree_step(plan, start: int):
     (another request's rows before it)."""
     import numpy as np
 
-    from lookahead_vllm.core.tree_plan import TreeBatch
+    from lookahead_lab.reference.trees import batch_of_plans
     from lookahead_vllm.vllm import tree_verify
 
-    return tree_verify.TreeStep(["a"], np.array([0]), np.array([start]), TreeBatch.of_plans([plan]),
+    return tree_verify.TreeStep(["a"], np.array([0]), np.array([start]), batch_of_plans([plan]),
                                 np.array([plan.chain_prefix_length()]), np.array([True]), [None],
                                 start + plan.num_nodes + 1, frozenset())
 
@@ -103,8 +103,7 @@ def one_tree_step(plan, start: int):
 def test_gpu_tree_rows_keep_the_stock_kernels_leading_chain():
     """The GPU path (here through the kernel's torch reference) writes back only the rows off each
     tree's leading chain: root and chain rows keep the stock kernel's output, bit for bit."""
-    from lookahead_vllm.core.draft_tree import DraftTree
-    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_lab.reference.trees import DraftTree, StepPlan
     from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
     from lookahead_vllm.vllm import tree_verify
 
@@ -161,8 +160,7 @@ def test_gpu_path_rounds_through_flash_attention_are_tree_attention():
     the stock kernel's output, and every slot a round borrowed holds its own row's K/V after."""
     from dataclasses import dataclass
 
-    from lookahead_vllm.core.draft_tree import DraftTree
-    from lookahead_vllm.core.step_plan import StepPlan
+    from lookahead_lab.reference.trees import DraftTree, StepPlan
     from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
     from lookahead_vllm.vllm import tree_verify
 
@@ -214,9 +212,7 @@ def test_gpu_kernel_path_reads_every_tree_of_a_step():
     root, chain row and other request's row keeps the stock kernel's output."""
     import numpy as np
 
-    from lookahead_vllm.core.draft_tree import DraftTree
-    from lookahead_vllm.core.step_plan import StepPlan
-    from lookahead_vllm.core.tree_plan import TreeBatch
+    from lookahead_lab.reference.trees import DraftTree, StepPlan, batch_of_plans
     from lookahead_vllm.ops.tree_attention import pack_tree_mask, paged_tree_attention_ref
     from lookahead_vllm.vllm import tree_verify
 
@@ -232,7 +228,7 @@ def test_gpu_kernel_path_reads_every_tree_of_a_step():
     seq_lens = torch.zeros(5, dtype=torch.int32)
     for plan, row, context in zip(plans, rows, contexts):
         seq_lens[row] = context + plan.num_nodes + 1
-    step = tree_verify.TreeStep(["a", "b", "c"], rows, starts, TreeBatch.of_plans(plans),
+    step = tree_verify.TreeStep(["a", "b", "c"], rows, starts, batch_of_plans(plans),
                                 np.array([p.chain_prefix_length() for p in plans]), np.ones(3, bool), [None] * 3, 19,
                                 frozenset())
     query = torch.randn(19, H, D, generator=gen)
@@ -251,3 +247,47 @@ def test_gpu_kernel_path_reads_every_tree_of_a_step():
         written[start + off:start + n] = True
     assert torch.equal(out[~written], torch.full_like(out[~written], 7.0))
     assert written.sum() == 3 + 2 + 1
+
+
+def test_dense_reference_attention_reads_every_tree_of_a_step(monkeypatch):
+    """The dense reference attention (``LOOKAHEAD_TREE_ATTENTION=reference``) over two trees of a
+    step, one with a Jacobi window: each tree's rows equal tree attention with its plan's
+    visibility over its own context; the other requests' rows keep the stock kernel's output."""
+    import numpy as np
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from lookahead_lab.reference.trees import DraftTree, StepPlan, batch_of_plans
+    from lookahead_vllm.ops.tree_attention import tree_attention_dense
+    from lookahead_vllm.vllm import tree_verify
+
+    monkeypatch.setattr(tree_verify, "TREE_ATTENTION", "reference")
+    plans = [StepPlan(DraftTree((1, 2, 3, 4, 5, 6), (-1, 0, 1, 1, 0, 4), (1.0,) * 6)),
+             StepPlan(DraftTree((7, 8, 9), (-1, -1, 1), (1.0,) * 3), (False, True, True))]
+    impl = _CpuImpl()
+    impl.sliding_window, impl.alibi_slopes, impl.logits_soft_cap, impl.sinks = -1, None, 0, None
+    impl.num_heads, impl.head_size, impl.scale = H, D, D**-0.5
+    layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, BS, D))
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(NB, H, BS, 2 * D, generator=gen)
+    rows, starts, num_tokens = np.array([1, 2]), np.array([1, 9]), 13  # another request's row first
+    table = torch.tensor([[0, 0], [3, 1], [2, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 140 + 7, 9 + 4], dtype=torch.int32)
+    step = tree_verify.TreeStep(["a", "b"], rows, starts, batch_of_plans(plans),
+                                np.array([p.chain_prefix_length() for p in plans]), np.ones(2, bool), [None] * 2,
+                                num_tokens, frozenset())
+    verifier = tree_verify.TreeVerifier()
+    verifier.current = step
+    query = torch.randn(num_tokens, H, D, generator=gen)
+    output = torch.full((num_tokens, H * D), 7.0)  # what the stock kernel wrote
+    metadata = SimpleNamespace(num_actual_tokens=num_tokens, slot_mapping=torch.arange(num_tokens),
+                               seq_lens=seq_lens, block_table=table)
+    verifier.fix_tree_rows(impl, layer, query, None, None, kv_cache, metadata, output)
+    out = output.view(num_tokens, H, D)
+    cache = CpuPagedKV(impl, layer, kv_cache)
+    for plan, row, start in zip(plans, rows.tolist(), starts.tolist()):
+        n = plan.num_nodes + 1
+        k, v = cache.gather_seq(table[row], int(seq_lens[row]))
+        visible = torch.from_numpy(plan.visibility())
+        expected = tree_attention_dense(query[start:start + n], k, v, visible, D**-0.5)
+        assert torch.allclose(out[start:start + n], expected)
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))

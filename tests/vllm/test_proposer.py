@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from lookahead_lab.reference.trees import step_plan
 from tests.settings import lookahead
 
 pytestmark = pytest.mark.vllm
@@ -245,7 +246,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert p.config.decoding_length == 16 - 5 and p.tree_mode
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     drafts = step(p, {"a": A + [1]}, {"a": len(A)})
-    plan = p.handed_out.plan("a")
+    plan = step_plan(p.handed_out, "a")
     # The trie's chain (depth <= branch_length - 4), then W(N-1)-1 = 5 window nodes.
     n = plan.lookahead.count(False)
     assert n == 8 and drafts[0][:n] == [2, 3, 4, 5, 1, 2, 3, 4] and len(drafts[0]) == n + 5
@@ -261,7 +262,7 @@ def test_jacobi_window_rides_along_and_pool_branches_get_verified():
     assert cont[0] != 2  # (this prompt's window: the branch does not share the trie chain's first node)
     # Next time x0 is 1 the pool branch is merged into the verify tree.
     drafts = step(p, {"a": A + [1, 2, 3, 4, 5, 1]}, {"a": len(A)})
-    verify = [t for t, look in zip(drafts[0], p.handed_out.plan("a").lookahead) if not look]
+    verify = [t for t, look in zip(drafts[0], step_plan(p.handed_out, "a").lookahead) if not look]
     assert p.stats.pool_branches == 1 and verify[-1] == 40 and verify[0] == 2
     # The target follows the pool branch from the root: two pool tokens,
     # booked on any verified step (with or without the window).
@@ -289,7 +290,7 @@ def test_with_the_cost_model_off_every_window_goes():
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     prompt = list(range(100, 140))  # no repeats: nothing to draft but the window
     drafts = step(p, {"a": prompt}, {"a": len(prompt)})
-    assert p.handed_out.plan("a").lookahead == (True,) * 5 and len(drafts[0]) == 5
+    assert step_plan(p.handed_out, "a").lookahead == (True,) * 5 and len(drafts[0]) == 5
     assert p.stats.jacobi_steps == 1
 
 
@@ -326,12 +327,12 @@ def test_jacobi_window_is_priced_by_the_cost_model():
     assert (p.cost.path_setup, p.cost.per_path) == (cpu["path_setup"], cpu["cost_per_path"]) == (0.09, 0.02)
     assert p.cost(6, 3) == pytest.approx(1.40)
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.handed_out.plan("a").has_lookahead and p.stats.jacobi_steps == 1
+    assert step_plan(p.handed_out, "a").has_lookahead and p.stats.jacobi_steps == 1
     # The pool never pays: the estimate decays below 0.40 and the window stays home.
     for _ in range(8):
         p.drafter.jacobi.credit(p.request_state("a").slot, 0)
     step(p, {"a": A + [1, 2]}, {"a": len(A)})
-    assert p.handed_out.plan("a") is None and p.stats.jacobi_steps == 1
+    assert step_plan(p.handed_out, "a") is None and p.stats.jacobi_steps == 1
 
 
 def test_jacobi_budget_checked_against_num_speculative_tokens():
@@ -414,7 +415,7 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     greedy = SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))
     p.verifier.runner_requests = {"a": greedy, "b": greedy}
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.handed_out.plan("a").has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
+    assert step_plan(p.handed_out, "a").has_lookahead  # the prior yield (1 token) pays for the window (needs 0.40)
     for _ in range(8):
         window_outputs(p, "a", [40, 41, 42], nodes=[])  # the window brings nothing
     jacobi = p.drafter.jacobi
@@ -422,7 +423,7 @@ def test_new_requests_start_from_the_window_yield_earlier_requests_saw():
     assert learned < 0.4
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
     assert jacobi.policy(p.request_state("b").slot)["yield_est"] == learned
-    assert p.handed_out.plan("b") is None  # no fresh optimism: the new request keeps the window home
+    assert step_plan(p.handed_out, "b") is None  # no fresh optimism: the new request keeps the window home
 
 
 def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
@@ -469,7 +470,7 @@ def test_index_tree_offers_the_branches_of_diverging_matches():
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     draft = step(p, {"a": prompt + [1, 2, 3]}, {"a": len(prompt)})[0]
     assert draft[:2] == [5, 8] or draft[0] == 4
-    assert {4, 5} <= set(draft) and p.handed_out.plan("a").tree.parents.count(-1) == 2
+    assert {4, 5} <= set(draft) and step_plan(p.handed_out, "a").tree.parents.count(-1) == 2
 
 
 def test_rewind_keeps_the_requests_options():

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from lookahead_lab.reference.trees import step_plans
 from lookahead_vllm.vllm.tree_verify import TreeResult
 from tests.settings import lookahead
 from tests.vllm.test_chain_path import MAX_LEN, Workload
@@ -50,8 +51,8 @@ class TreeWorkload(Workload):
         return new
 
     def accepted(self, req_id: str, draft: list[int], truth: list[int]) -> int:
-        from lookahead_vllm.core.draft_tree import DraftTree
-        from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
+        from lookahead_lab.reference.trees import DraftTree
+        from lookahead_lab.reference.trees import StepPlan, accepted_path, walk_tree
 
         plan = self.plans.get(req_id)
         if plan is None:
@@ -68,7 +69,7 @@ class TreeWorkload(Workload):
 def _plans(p, drafted: set[str]) -> dict:
     """The plans of the requests that drafted this step (tree_verify reads
     plans of scheduled drafts only)."""
-    return {r: (plan.tree, plan.lookahead) for r, plan in p.handed_out.plans().items() if r in drafted}
+    return {r: (plan.tree, plan.lookahead) for r, plan in step_plans(p.handed_out).items() if r in drafted}
 
 
 def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
@@ -91,7 +92,7 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
         drafted = {r for r, draft in zip(batch.req_ids, outs[0]) if draft}
         plans = _plans(a, drafted)
         assert plans == _plans(b, drafted)
-        work.drafts, work.plans = dict(zip(batch.req_ids, outs[0])), a.handed_out.plans()
+        work.drafts, work.plans = dict(zip(batch.req_ids, outs[0])), step_plans(a.handed_out)
         handed += sum(map(len, outs[0]))
         planned += len(plans)
         for name in ("predicted", "accepted", "nodes", "_factor"):

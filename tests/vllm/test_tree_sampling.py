@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lookahead_vllm.core.draft_tree import DraftTree
-from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_lab.reference.trees import DraftTree
+from lookahead_lab.reference.trees import StepPlan, walk_tree
 from lookahead_vllm.ops.sampling import filtered_probs, sample_row
 
 VOCAB = 6

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from lookahead_vllm.core.draft_tree import DraftTree
 from lookahead_vllm.core.jacobi import output_nodes
-from lookahead_vllm.core.step_plan import StepPlan, walk_tree
+from lookahead_lab.reference.trees import DraftTree, StepPlan, batch_plan, step_plan, step_plans, walk_tree
 from lookahead_vllm.ops.sampling import sample_row
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +57,7 @@ def _handed_out(offers: dict[str, tuple[list[int], list[int], tuple | None]]):
 
 
 def _random_plan(rng: np.random.Generator, vocab: int, window: bool) -> StepPlan:
-    return _handed_out({"x": _random_offer(rng, vocab, window)}).plan("x")
+    return step_plan(_handed_out({"x": _random_offer(rng, vocab, window)}), "x")
 
 
 def _step(seed: int, vocab: int = 64):
@@ -87,7 +86,7 @@ def _step(seed: int, vocab: int = 64):
             states[req_id] = SimpleNamespace(sampling_params=kinds[kind])
         num_tokens.append(len(drafts[req_id]) + 1)
     handed_out = _handed_out(offers)
-    plans = {r: p.truncate(len(drafts[r])) for r, p in handed_out.plans().items()}
+    plans = {r: p.truncate(len(drafts[r])) for r, p in step_plans(handed_out).items()}
     num_tokens = np.asarray(num_tokens, np.int32)
     logits = torch.randn(int(num_tokens.sum()), vocab, generator=torch.Generator().manual_seed(seed))
     starts = np.cumsum(num_tokens) - num_tokens
@@ -126,7 +125,7 @@ def _reference(runner, num_tokens, logits, sampled, seed):
     generators = {i: torch.Generator().manual_seed(seed * 100 + i) for i in range(len(num_tokens))}
     results = []
     for req_id, row in runner.input_batch.req_id_to_index.items():
-        plan = runner.drafter.handed_out.plan(req_id)
+        plan = step_plan(runner.drafter.handed_out, req_id)
         if plan is None:
             continue
         plan = plan.truncate(int(num_tokens[row]) - 1)  # what the scheduler kept
@@ -176,7 +175,7 @@ def test_the_steps_above_hold_windows_and_cut_trees():
         _, runner, _, num_tokens, logits, _, sampled, _ = _step(seed)
         handed_out = runner.drafter.handed_out
         for req_id, num_nodes, _, _, window in _reference(runner, num_tokens, logits, sampled, seed)[2]:
-            plan = handed_out.plan(req_id)
+            plan = step_plan(handed_out, req_id)
             seen.add(("window read" if window is not None else "no window read",
                       "whole" if num_nodes == plan.num_nodes else "cut", "windowed" if plan.has_lookahead else "tree"))
     assert {("window read", "whole", "windowed"), ("no window read", "cut", "windowed"),
@@ -237,7 +236,7 @@ def test_tree_batch_rows_equal_each_requests_cut_plan(seed):
     offers = {f"r{i}": _random_offer(rng, 50, window=bool(rng.random() < 0.4)) for i in range(9)}
     handed_out = _handed_out(offers)
     ids = [r for r in offers if rng.random() < 0.8] or ["r0"]
-    plans = [handed_out.plan(r) for r in ids]
+    plans = [step_plan(handed_out, r) for r in ids]
     counts = np.array([int(rng.integers(1, p.num_nodes + 3)) for p in plans])  # cut, whole, or more
     trees, full = handed_out.batch(ids, counts)
     assert full.tolist() == [p.num_nodes for p in plans]
@@ -246,7 +245,7 @@ def test_tree_batch_rows_equal_each_requests_cut_plan(seed):
     vis = trees.visibility(size)
     for t, (plan, k) in enumerate(zip(plans, counts.tolist())):
         cut = plan.truncate(k)
-        got = trees.plan(t)
+        got = batch_plan(trees, t)
         n = cut.num_nodes
         flags = (got.lookahead or (False,) * n, cut.lookahead or (False,) * n)  # () and all-False: no window
         assert (got.tree.tokens, got.tree.parents, flags[0]) == (cut.tree.tokens, cut.tree.parents, flags[1])
@@ -297,7 +296,7 @@ def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
     verifier.begin_step(runner, SimpleNamespace(scheduled_spec_decode_tokens=drafts), num_tokens)
     kept, truncated, mismatched = [], 0, 0
     for i, (req_id, draft) in enumerate(drafts.items()):
-        plan = handed_out.plan(req_id)
+        plan = step_plan(handed_out, req_id)
         if plan is None:
             continue
         truncated += len(draft) < plan.num_nodes
@@ -314,7 +313,7 @@ def test_begin_step_keeps_the_trees_a_request_by_request_pass_keeps(seed):
         positions[start:start + cut.num_nodes + 1] = positions[start] + torch.from_numpy(cut.position_offsets())
     step = verifier.current
     got = [] if step is None else [
-        (r, row, start, step.trees.plan(t).tree.tokens, step.trees.plan(t).tree.parents)
+        (r, row, start, batch_plan(step.trees, t).tree.tokens, batch_plan(step.trees, t).tree.parents)
         for t, (r, row, start) in enumerate(zip(step.req_ids, step.rows.tolist(), step.starts.tolist()))]
     assert got == kept
     assert sum(cut_count) == truncated and verifier.plan_mismatches == mismatched

@@ -24,7 +24,7 @@ import numpy as np
 from lookahead_vllm.core import calibration
 from lookahead_vllm.core.calibration import ConfidenceCalibrator
 from lookahead_vllm.core.draft_index import DraftIndexConfig
-from lookahead_vllm.core.draft_tree import DraftTree
+from lookahead_lab.reference.trees import DraftTree
 from lookahead_lab.reference import planner
 from lookahead_lab.reference.draft_index import DraftIndex as ReferenceDraftIndex
 from lookahead_lab.reference.jacobi import JacobiTable

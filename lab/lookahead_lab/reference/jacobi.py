@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import rows_of
+from lookahead_lab.reference.trees import DraftTree, fill_row
 from lookahead_vllm.core.jacobi import (MAX_PROBE_EVERY, POOL_CONFIDENCE, PROBE_EVERY, YIELD_ALPHA, YIELD_PRIOR,
                                         lookahead_parents)
 

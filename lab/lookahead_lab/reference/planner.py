@@ -17,13 +17,14 @@ import numpy as np
 
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
-from lookahead_vllm.core.drafter import index_tree
-from lookahead_vllm.core.step_plan import StepPlan, accepted_path, walk_tree
+from lookahead_vllm.core.drafter import rows_of
+from lookahead_lab.reference.trees import DraftTree, fill_row
+from lookahead_lab.reference.trees import index_tree
+from lookahead_lab.reference.trees import StepPlan, accepted_path, walk_tree
 
 
 def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:
-    """Row ``i`` of draft rows (``core.draft_tree.rows_of``) as a :class:`DraftTree`."""
+    """Row ``i`` of draft rows (``core.drafter.rows_of``) as a :class:`DraftTree`."""
     tokens, parents, weights, conf, lengths = rows
     n = int(lengths[i])
     return DraftTree(tuple(tokens[i, :n].tolist()), tuple(parents[i, :n].tolist()), tuple(weights[i, :n].tolist()),
@@ -296,7 +297,7 @@ def match_trees(offer_slots, offer_lengths, tokens, parents, slots, scheduled, e
 
 def walk_trees(tokens, parents, lens, targets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The extension's ``walk_trees`` (``tree_verify``'s greedy walks), tree by tree with
-    :func:`~lookahead_vllm.core.step_plan.walk_tree`: tree ``d``'s first ``lens[d]`` nodes,
+    :func:`~lookahead_lab.reference.trees.walk_tree`: tree ``d``'s first ``lens[d]`` nodes,
     the target at row ``r`` (0: the root, ``1 + c``: node ``c``) ``targets[d, r]``. Returns the
     accepted nodes ``[D, W]`` (-1 after them), their counts and the bonus tokens."""
     trees, width = tokens.shape

@@ -20,7 +20,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.draft_tree import DraftTree, fill_row, rows_of
+from lookahead_vllm.core.drafter import rows_of
+from lookahead_lab.reference.trees import DraftTree, fill_row
 from lookahead_lab.reference.planner import merged
 
 logger = logging.getLogger(__name__)
