@@ -36,10 +36,10 @@ from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
-from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers, plan_trees
+from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers, index_within, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
 from lookahead_vllm.vllm.config import engine_settings
-from lookahead_vllm.vllm.tree_verify import TreeVerifier
+from lookahead_vllm.vllm.tree_verify import TreeResults, TreeVerifier
 
 logger = init_logger(__name__)
 
@@ -716,26 +716,23 @@ class LookaheadProposer:
         """``count`` trees of this step were cut by the scheduler's token budget."""
         self.stats.tree_truncated += count
 
-    def on_tree_results(self, results: Iterable[Any]) -> None:
-        """Book what verification did with this step's trees
-        (``tree_verify.TreeResult``), and feed the Jacobi windows their new
-        tokens in one call: each window slides, fills its pool, and is
-        credited the pool nodes accepted (the yield new windows start from)."""
-        s = self.stats
-        windows: list[Any] = []
-        for r in results:
-            s.tree_request_steps += 1
-            s.tree_nodes += r.num_nodes
-            s.tree_tokens += len(r.tokens)
-            s.tree_off_chain_accepts += sum(1 for j, n in enumerate(r.nodes) if n != j)
-            if r.window_tokens is not None and r.req_id in self._states:
-                windows.append(r)
-        if windows:
-            starts = np.cumsum([0, *(len(r.nodes) for r in windows)])
+    def on_tree_results(self, results: TreeResults) -> None:
+        """Book what verification did with this step's trees, and feed the Jacobi windows their
+        new tokens in one call: each window slides, fills its pool, and is credited the pool
+        nodes accepted (the yield new windows start from)."""
+        s, accepted = self.stats, results.accepted
+        s.tree_request_steps += len(accepted)
+        s.tree_nodes += int(results.num_nodes.sum())
+        s.tree_tokens += int(accepted.sum()) + len(accepted)
+        s.tree_off_chain_accepts += int(np.count_nonzero(results.nodes != index_within(accepted)))
+        held = [t for t in results.windows if results.req_ids[t] in self._states]
+        if held:
+            ends = np.cumsum(accepted)
             s.pool_ngrams_added += self.drafter.jacobi.update(
-                np.fromiter((self._states[r.req_id].slot for r in windows), np.int64, len(windows)),
-                np.array([r.window_tokens for r in windows], np.int32),
-                np.fromiter((n for r in windows for n in r.nodes), np.int64, int(starts[-1])), starts)
+                np.fromiter((self._states[results.req_ids[t]].slot for t in held), np.int64, len(held)),
+                np.array([results.windows[t] for t in held], np.int32),
+                np.concatenate([results.nodes[ends[t] - accepted[t]:ends[t]] for t in held]),
+                np.concatenate([[0], np.cumsum(accepted[held])]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
-from lookahead_vllm.core.tree_plan import TreeBatch
+from lookahead_vllm.core.tree_plan import TreeBatch, index_within
 from lookahead_vllm.ops.sampling import sample_row
 from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
@@ -99,19 +99,17 @@ class TreeStep:
 
 
 @dataclass(frozen=True, slots=True)
-class TreeResult:
-    """What verification did with one request's tree in one step: the
-    contract back to the proposer (``LookaheadProposer.on_tree_results``)."""
+class TreeResults:
+    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``), the
+    contract back to the proposer (``LookaheadProposer.on_tree_results``). Each tree emitted its
+    accepted nodes' tokens and a bonus."""
 
-    req_id: str
-    # Plan nodes verified, accepted node indices (root to leaf), emitted
-    # tokens (accepted + bonus).
-    num_nodes: int
-    nodes: list[int]
-    tokens: list[int]
-    # The Jacobi window's new tokens (its last level's argmax), or None when
-    # the plan had no window or the scheduler cut it.
-    window_tokens: list[int] | None = None
+    req_ids: list[str]
+    num_nodes: np.ndarray  # [T] int64: plan nodes verified
+    accepted: np.ndarray  # [T] int64: nodes accepted
+    nodes: np.ndarray  # [sum(accepted)] int64: each tree's accepted nodes (root to leaf), tree after tree
+    # Tree -> its Jacobi window's new tokens (its last level's argmax), where the whole window was scheduled.
+    windows: dict[int, list[int]]
 
 
 def tree_verifiable(sp: Any) -> bool:
@@ -132,8 +130,8 @@ class TreeVerifier:
 
     The runner patches reach it through ``runner.drafter``, the attention wrapper through
     the layer impls (:data:`IMPL_ATTR`). It verifies the plans of the proposer's
-    ``handed_out`` (``core/tree_plan.StepDrafts``) and hands back one :class:`TreeResult`
-    per verified tree.
+    ``handed_out`` (``core/tree_plan.StepDrafts``) and hands back one :class:`TreeResults`
+    a step.
     """
 
     def __init__(self) -> None:
@@ -173,8 +171,8 @@ class TreeVerifier:
         # lengths[i] tokens; a draft longer than its whole plan differs too).
         flat = np.fromiter(chain.from_iterable(drafts), np.int64, int(counts.sum()))
         sched = np.zeros_like(trees.tokens)
-        sched[np.repeat(np.arange(len(ids)), trees.lengths), _index_within(trees.lengths)] = flat[
-            _index_within(counts) < np.repeat(trees.lengths, counts)]
+        sched[np.repeat(np.arange(len(ids)), trees.lengths), index_within(trees.lengths)] = flat[
+            index_within(counts) < np.repeat(trees.lengths, counts)]
         differs = (sched != trees.tokens).any(axis=1) | (counts > trees.lengths)
         prefix = trees.chain_prefix()
         tree = ~trees.is_chain(prefix)
@@ -268,19 +266,21 @@ class TreeVerifier:
             first = int(firsts[t])
             found[t] = _walk(trees, t, _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
         windows = _window_outputs(runner.drafter.config, trees, ats, argmax)
-        out = np.full((len(num_rows), sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
-        moves: list[tuple[int, int]] = []  # (source row, destination row) among scheduled tokens
-        results = []
-        for t, (req_id, start, (nodes, tokens), n) in enumerate(zip(step.req_ids, step.starts.tolist(), found,
-                                                                    trees.lengths.tolist())):
-            out[t, :len(tokens)] = tokens
-            moves += [(start + 1 + node, start + 1 + j) for j, node in enumerate(nodes) if node != j]
-            results.append(TreeResult(req_id, n, nodes, tokens, windows.get(t)))
+        count = len(found)
+        accepted = np.fromiter((len(nodes) for nodes, _ in found), np.int64, count)
+        nodes = np.fromiter(chain.from_iterable(nodes for nodes, _ in found), np.int64, int(accepted.sum()))
+        emitted = np.fromiter(chain.from_iterable(tokens for _, tokens in found), np.int64, len(nodes) + count)
+        out = np.full((count, sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
+        out[np.repeat(np.arange(count), accepted + 1), index_within(accepted + 1)] = emitted
         rows = torch.from_numpy(step.rows).to(sampled.device)
         sampled[rows] = torch.from_numpy(out).to(device=sampled.device, dtype=sampled.dtype)
-        runner.drafter.on_tree_results(results)
-        if moves and "compaction" not in step.disabled:
-            _compact(step, moves)
+        runner.drafter.on_tree_results(TreeResults(step.req_ids, trees.lengths, accepted, nodes, windows))
+        # Compaction: an accepted node off its depth's row moves to it (rows among the step's tokens).
+        depth = index_within(accepted)
+        moved = nodes != depth
+        if moved.any() and "compaction" not in step.disabled:
+            base = np.repeat(step.starts, accepted)[moved] + 1
+            _compact(step, base + nodes[moved], base + depth[moved])
 
 
 def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
@@ -290,14 +290,9 @@ def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
     offsets = np.concatenate([np.zeros((len(counts), 1), np.int64), step.trees.depths()], axis=1)
     offsets = offsets[np.arange(offsets.shape[1]) < counts[:, None]]  # each tree's root and nodes, in order
     roots = np.repeat(step.starts, counts)
-    rows = roots + _index_within(counts)  # a row's place in its tree
+    rows = roots + index_within(counts)  # a row's place in its tree
     index = torch.from_numpy(np.stack([rows, roots, offsets])).to(positions.device)
     positions[index[0]] = positions[index[1]] + index[2]
-
-
-def _index_within(lengths: np.ndarray) -> np.ndarray:
-    """For segments of ``lengths`` laid end to end, each element's index within its segment."""
-    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 # ---------------------------------------------------------------- attention
@@ -402,7 +397,7 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         q_max = int(num_rows.max())
         inside = np.arange(q_max) < num_rows[:, None]  # each tree's rows, then padding
         masks = torch.from_numpy(step.trees.visibility(q_max)[inside])
-        within = _index_within(num_rows)
+        within = index_within(num_rows)
         rows = torch.from_numpy(np.repeat(step.starts, num_rows) + within).to(device)
         req_rows = torch.from_numpy(step.rows).to(device)
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(num_rows)]).astype(np.int32))
@@ -601,10 +596,10 @@ def _leading_chain_result(chain_prefix: int, chain_row: list[int]) -> tuple[list
     return list(range(keep)), tokens[: keep + 1]
 
 
-def _compact(step: TreeStep, moves: list[tuple[int, int]]) -> None:
+def _compact(step: TreeStep, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+    """Move the K/V of the step's rows ``src_rows`` to the slots of ``dst_rows``."""
     assert step.slot_mapping is not None, "no attention layer saw this step"
-    src = step.slot_mapping[[s for s, _ in moves]]
-    dst = step.slot_mapping[[d for _, d in moves]]
+    src, dst = (step.slot_mapping[torch.from_numpy(r).to(step.slot_mapping.device)] for r in (src_rows, dst_rows))
     caches = list(step.caches.values())
     if caches and isinstance(caches[0], FlashPagedKV):
         from lookahead_vllm.ops import cuda as la_cuda

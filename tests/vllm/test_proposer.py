@@ -229,10 +229,10 @@ def test_forward_cost_model_trims_batch_drafts():
 
 def window_outputs(p, req_id: str, window_tokens: list[int], nodes: list[int]) -> None:
     """What tree verification hands back for a request whose plan carried its Jacobi window
-    (``TreeResult``): the window's new tokens and the accepted nodes."""
-    from lookahead_vllm.vllm.tree_verify import TreeResult
+    (``TreeResults``): the window's new tokens and the accepted nodes."""
+    from lookahead_lab.reference.trees import tree_results
 
-    p.on_tree_results([TreeResult(req_id, len(nodes), nodes, [0] * (len(nodes) + 1), window_tokens)])
+    p.on_tree_results(tree_results([(req_id, len(nodes), nodes, window_tokens)]))
 
 
 def test_jacobi_window_rides_along_and_pool_branches_get_verified():

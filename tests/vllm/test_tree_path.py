@@ -19,8 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lookahead_lab.reference.trees import step_plans
-from lookahead_vllm.vllm.tree_verify import TreeResult
+from lookahead_lab.reference.trees import step_plans, tree_results
 from tests.settings import lookahead
 from tests.vllm.test_chain_path import MAX_LEN, Workload
 
@@ -84,8 +83,8 @@ def drive_trees(a, b, work: TreeWorkload, steps: int) -> tuple[int, int]:
         for p in (a, b):
             p.on_step(batch, finished, scheduled)
             width = p.config.profile.jacobi_window
-            p.on_tree_results([TreeResult(req_id, len(nodes), nodes, [], (truth * width)[:width])
-                               for req_id, (nodes, truth) in work.windows.items()])
+            p.on_tree_results(tree_results([(req_id, len(nodes), nodes, (truth * width)[:width])
+                                            for req_id, (nodes, truth) in work.windows.items()]))
             p.on_new_requests(new)
             outs.append(p.propose(sampled, num_tokens, table))
         assert outs[0] == outs[1]

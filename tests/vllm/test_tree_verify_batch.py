@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lookahead_vllm.core.jacobi import output_nodes
-from lookahead_lab.reference.trees import DraftTree, StepPlan, batch_plan, step_plan, step_plans, walk_tree
+from lookahead_lab.reference.trees import (DraftTree, StepPlan, batch_plan, step_plan, step_plans, tree_result_rows,
+                                          walk_tree)
 from lookahead_vllm.ops.sampling import sample_row
 
 pytestmark = pytest.mark.vllm
@@ -149,7 +150,7 @@ def _reference(runner, num_tokens, logits, sampled, seed):
         if plan.has_lookahead and plan.num_nodes - plan.verify_nodes == WINDOW_NODES:  # the whole window
             base = plan.lookahead.index(True)
             window = rows[[0 if c < 0 else 1 + base + c for c in output_nodes(WINDOW, NGRAM)]].argmax(-1).tolist()
-        results.append((req_id, plan.num_nodes, nodes, tokens, window))
+        results.append((req_id, plan.num_nodes, nodes, window))
     return positions, sampled, results
 
 
@@ -162,9 +163,29 @@ def test_batched_host_work_equals_request_by_request(seed):
     assert torch.equal(runner.positions, positions)
     out = SimpleNamespace(sampled_token_ids=sampled)
     verifier.finish_step(runner, logits, spec, out)
-    got = [(r.req_id, r.num_nodes, r.nodes, r.tokens, r.window_tokens) for r in results[0]]
-    assert got == expected
+    assert tree_result_rows(results[0]) == expected
     assert torch.equal(out.sampled_token_ids, expected_sampled)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compaction_moves_each_accepted_node_to_its_depths_row(seed, monkeypatch):
+    """Compaction gets, per tree, every accepted node off its depth's row: its row among the
+    step's tokens (root + 1 + node) to the row of its depth (root + 1 + j), as a request-by-request
+    pass lists them."""
+    from lookahead_vllm.vllm import tree_verify
+
+    verifier, runner, sched, num_tokens, logits, spec, sampled, results = _step(seed)
+    runner.drafter.config.profile.debug_disable = ()
+    moved = []
+    monkeypatch.setattr(tree_verify, "_compact", lambda step, src, dst: moved.append((src.tolist(), dst.tolist())))
+    verifier.begin_step(runner, sched, num_tokens)
+    verifier.finish_step(runner, logits, spec, SimpleNamespace(sampled_token_ids=sampled))
+    starts = np.cumsum(num_tokens) - num_tokens
+    rows = runner.input_batch.req_id_to_index
+    expected = [(int(starts[rows[r]]) + 1 + node, int(starts[rows[r]]) + 1 + j)
+                for r, _, nodes, _ in tree_result_rows(results[0]) for j, node in enumerate(nodes) if node != j]
+    assert expected, "the step must accept a node off its depth's row"
+    assert moved == [([s for s, _ in expected], [d for _, d in expected])]
 
 
 def test_the_steps_above_hold_windows_and_cut_trees():
@@ -174,7 +195,7 @@ def test_the_steps_above_hold_windows_and_cut_trees():
     for seed in range(12):
         _, runner, _, num_tokens, logits, _, sampled, _ = _step(seed)
         handed_out = runner.drafter.handed_out
-        for req_id, num_nodes, _, _, window in _reference(runner, num_tokens, logits, sampled, seed)[2]:
+        for req_id, num_nodes, _, window in _reference(runner, num_tokens, logits, sampled, seed)[2]:
             plan = step_plan(handed_out, req_id)
             seen.add(("window read" if window is not None else "no window read",
                       "whole" if num_nodes == plan.num_nodes else "cut", "windowed" if plan.has_lookahead else "tree"))

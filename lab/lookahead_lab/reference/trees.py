@@ -47,12 +47,15 @@ example with nodes ``0:a(root) 1:b(0) 2:c(root)`` and target tokens per row
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from lookahead_vllm.core.drafter import INDEX_WEIGHT
 from lookahead_vllm.core.tree_plan import StepDrafts, TreeBatch, TreeOffers
+
+if TYPE_CHECKING:
+    from lookahead_vllm.vllm.tree_verify import TreeResults
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,3 +289,21 @@ def step_plan(drafts: StepDrafts, req_id: str) -> StepPlan | None:
 def step_plans(drafts: StepDrafts) -> dict[str, StepPlan]:
     """Every request's plan in a step's :class:`StepDrafts`."""
     return {req_id: step_plan(drafts, req_id) for req_id in drafts.rows}
+
+
+def tree_results(entries: Sequence[tuple[str, int, list[int], list[int] | None]]) -> TreeResults:
+    """A step's :class:`~lookahead_vllm.vllm.tree_verify.TreeResults` from one
+    ``(req_id, num_nodes, accepted nodes, window tokens or None)`` a tree."""
+    accepted = np.fromiter((len(e[2]) for e in entries), np.int64, len(entries))
+    nodes = np.array([n for e in entries for n in e[2]], np.int64)
+    windows = {t: list(e[3]) for t, e in enumerate(entries) if e[3] is not None}
+    from lookahead_vllm.vllm.tree_verify import TreeResults
+
+    return TreeResults([e[0] for e in entries], np.array([e[1] for e in entries], np.int64), accepted, nodes, windows)
+
+
+def tree_result_rows(results: TreeResults) -> list[tuple[str, int, list[int], list[int] | None]]:
+    """:func:`tree_results`'s entries back from a step's results."""
+    ends = np.cumsum(results.accepted)
+    return [(r, int(results.num_nodes[t]), results.nodes[ends[t] - results.accepted[t]:ends[t]].tolist(),
+             results.windows.get(t)) for t, r in enumerate(results.req_ids)]
