@@ -45,15 +45,15 @@ The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``),
 which keeps each request's record by the caller's slot: a step's admissions,
 new tokens and rewinds in one ``sync`` call, its rows' trees in one
 ``retrieve_slots`` call, its context chains in one ``context_slots`` call
-(the handle methods, ``add_request`` ... ``retrieve_rows``, are what those
-are made of, and what warm start and tests use). The pure-Python reference
+(made of the native core's calls by record handle, which tests drive through
+``lookahead_lab.reference.trie.native_trie``). The pure-Python reference
 tests hold it to is ``lookahead_lab.reference.trie`` (the slot methods:
 ``lookahead_lab.reference``'s trie core).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -62,8 +62,7 @@ from lookahead_vllm.core.config import Settings
 
 
 class NativeTrie:
-    """The native trie (``csrc/draft_index/token_trie.h``); a request's
-    record is an int handle."""
+    """The native trie (``csrc/draft_index/token_trie.h``), its requests by the caller's slot."""
 
     def __init__(self, config: Settings, core: Any) -> None:
         self.config = config
@@ -74,49 +73,11 @@ class NativeTrie:
         return self._core.num_nodes
 
     @property
-    def num_prunes(self) -> int:
-        return self._core.num_prunes
-
-    @property
     def num_bytes(self) -> int:
         return self._core.memory_bytes()
 
-    def add_request(self, prompt: Sequence[int]) -> int:
-        return self._core.add_request(prompt)
-
-    def finish_request(self, record: int) -> None:
-        self._core.finish_request(record)
-
-    def extend(self, record: int, tokens: Iterable[int]) -> None:
-        self._core.extend(record, list(tokens))
-
     def insert_output(self, tokens: Sequence[int]) -> None:
         self._core.insert_output(tokens)
-
-    def retrieve(self, context: Sequence[int], budget: int | None = None, request: int | None = None,
-                 shape: str | None = None, min_confidence: float | None = None) -> tuple[list, ...]:
-        """One context's tree: its tokens, parents (-1: the root; parents first), weights and
-        confidences."""
-        budget = self.config.decoding_length if budget is None else budget
-        floor = self.config.profile.min_draft_confidence if min_confidence is None else min_confidence
-        return self._core.retrieve(list(context), budget, -1 if request is None else request,
-                                   shape or self.config.draft_shape, floor)
-
-    def retrieve_rows(self, records: Sequence[int | None], contexts: np.ndarray, context_lens: np.ndarray,
-                      budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        return self._core.retrieve_rows(_handles(records), contexts, context_lens, budgets, float(floor),
-                                        shape or self.config.draft_shape)
-
-    def extend_rows(self, records: Sequence[int], token_ids: np.ndarray, rows: Sequence[int], starts: Sequence[int],
-                    ends: Sequence[int]) -> None:
-        self._core.extend_rows(records, token_ids, rows, starts, ends)
-
-    def context_rows(self, records: Sequence[int | None], budgets: Sequence[int], floor: float
-                     ) -> tuple[np.ndarray, ...]:
-        return self._core.context_rows(_handles(records), budgets, float(floor))
-
-    def context_length(self, record: int) -> int:
-        return self._core.context_length(record)
 
     # The engine's requests by the caller's slot, each with one native record (its handle and
     # the tokens it inserted): a step's admissions, new tokens and rewinds in one ``sync`` call.
@@ -132,7 +93,7 @@ class NativeTrie:
 
     def retrieve_slots(self, slots: np.ndarray, contexts: np.ndarray, context_lens: np.ndarray,
                        budgets: np.ndarray, floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        """:meth:`retrieve_rows` by slot, and per row whether its slot drafts from the trie
+        """The rows' trees by slot (``retrieve_rows`` of their records), and per row whether its slot drafts from the trie
         (a slot kept off it drafts nothing; one never synced drafts with no record)."""
         return self._core.retrieve_slots(slots, contexts, context_lens, budgets, float(floor),
                                          shape or self.config.draft_shape)
@@ -158,19 +119,12 @@ class NativeTrie:
     def load_output_counts(self, parents: Sequence[int], tokens: Sequence[int], counts: Sequence[float]) -> None:
         self._core.load_output_counts(parents, tokens, counts)
 
-    def prune(self) -> None:
-        self._core.prune()
 
-
-def _handles(records: Sequence[int | None]) -> np.ndarray:
-    """Native record handles as an array (None: no record, -1)."""
-    return np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
-
-
-def make_trie(config: Settings) -> NativeTrie:
-    """The engine's trie for ``config`` (ImportError if the extension is not built)."""
+def make_trie(config: Settings, kind: type = NativeTrie) -> NativeTrie:
+    """The engine's trie for ``config`` (ImportError if the extension is not built), a
+    :class:`NativeTrie` or a subclass ``kind``."""
     k = config.profile
     core = native.extension().TokenTrie(
         k.branch_length, k.max_match_length, k.min_match_length, k.min_retrieved_nodes, k.trie_capacity,
         float(k.prompt_weight), bool(k.insert_prompt), k.context_match)
-    return NativeTrie(config, core)
+    return kind(config, core)

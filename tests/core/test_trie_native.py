@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from lookahead_vllm.core.drafter import rows_of
 from lookahead_lab.reference import merge_rows
-from lookahead_lab.reference.trie import TokenTrie
+from lookahead_lab.reference.trie import NativeHandles, TokenTrie, native_trie
 from lookahead_vllm.core import native as core_native
-from lookahead_vllm.core.trie import NativeTrie, make_trie
 from tests.settings import lookahead_settings
 
 
@@ -37,11 +36,11 @@ knobs = st.fixed_dictionaries({
 })
 
 
-def pair(draft_shape: str, **kw) -> tuple[TokenTrie, NativeTrie]:
+def pair(draft_shape: str, **kw) -> tuple[TokenTrie, NativeHandles]:
     kw["max_match_length"] = min(kw.get("max_match_length", 3), kw["branch_length"] - 1)
     config = lookahead_settings(decoding_length=8, draft_shape=draft_shape, **kw)
-    reference, native = TokenTrie(config), make_trie(config)
-    assert isinstance(reference, TokenTrie) and isinstance(native, NativeTrie)
+    reference, native = TokenTrie(config), native_trie(config)
+    assert isinstance(reference, TokenTrie) and isinstance(native, NativeHandles)
     return reference, native
 
 

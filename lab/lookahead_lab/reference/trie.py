@@ -21,6 +21,7 @@ import numpy as np
 
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.drafter import rows_of
+from lookahead_vllm.core.trie import NativeTrie, make_trie
 from lookahead_lab.reference.trees import DraftTree, fill_row
 from lookahead_lab.reference.planner import merged
 
@@ -560,3 +561,60 @@ def _draft_tree(
         tuple(picked[n] for n, _ in entries),
         tuple(confidence[n] for n, _ in entries),
     )
+
+
+class NativeHandles(NativeTrie):
+    """The native trie with its record-handle calls (the slot methods are made of them), the
+    calls :class:`TokenTrie` answers too: tests run both through one program
+    (:func:`native_trie`)."""
+
+    @property
+    def num_prunes(self) -> int:
+        return self._core.num_prunes
+
+    def add_request(self, prompt: Sequence[int]) -> int:
+        return self._core.add_request(prompt)
+
+    def finish_request(self, record: int) -> None:
+        self._core.finish_request(record)
+
+    def extend(self, record: int, tokens: Iterable[int]) -> None:
+        self._core.extend(record, list(tokens))
+
+    def retrieve(self, context: Sequence[int], budget: int | None = None, request: int | None = None,
+                 shape: str | None = None, min_confidence: float | None = None) -> tuple[list, ...]:
+        """One context's tree: its tokens, parents (-1: the root; parents first), weights and
+        confidences."""
+        budget = self.config.decoding_length if budget is None else budget
+        floor = self.config.profile.min_draft_confidence if min_confidence is None else min_confidence
+        return self._core.retrieve(list(context), budget, -1 if request is None else request,
+                                   shape or self.config.draft_shape, floor)
+
+    def retrieve_rows(self, records: Sequence[int | None], contexts: np.ndarray, context_lens: np.ndarray,
+                      budgets: Sequence[int], floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
+        return self._core.retrieve_rows(_handles(records), contexts, context_lens, budgets, float(floor),
+                                        shape or self.config.draft_shape)
+
+    def extend_rows(self, records: Sequence[int], token_ids: np.ndarray, rows: Sequence[int], starts: Sequence[int],
+                    ends: Sequence[int]) -> None:
+        self._core.extend_rows(records, token_ids, rows, starts, ends)
+
+    def context_rows(self, records: Sequence[int | None], budgets: Sequence[int], floor: float
+                     ) -> tuple[np.ndarray, ...]:
+        return self._core.context_rows(_handles(records), budgets, float(floor))
+
+    def context_length(self, record: int) -> int:
+        return self._core.context_length(record)
+
+    def prune(self) -> None:
+        self._core.prune()
+
+
+def _handles(records: Sequence[int | None]) -> np.ndarray:
+    """Native record handles as an array (None: no record, -1)."""
+    return np.fromiter((-1 if r is None else r for r in records), np.int64, len(records))
+
+
+def native_trie(config: Settings) -> NativeHandles:
+    """The engine's native trie for ``config``, with the handle calls."""
+    return make_trie(config, NativeHandles)
