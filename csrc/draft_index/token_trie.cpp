@@ -178,7 +178,7 @@ void merge_row(const FlatTree& lead, bool lead_is_context, const FlatTree& trie,
   bool is_chain = true;
   for (size_t i = 0; i < n; ++i) is_chain = is_chain && out.parents[i] == static_cast<int32_t>(i) - 1;
   if (!cut || is_chain) return;
-  // DraftTree.best_path: from the root, the first heaviest child at every depth.
+  // planner.best_path (lookahead_lab.reference): from the root, the first heaviest child at every depth.
   FlatTree path;
   std::vector<int8_t> path_kinds;
   for (int32_t node = -1;;) {

@@ -276,4 +276,3 @@ class Drafter:
             self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
                                          snap.trie.counts.tolist())
         return snap
-

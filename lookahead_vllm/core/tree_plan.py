@@ -206,6 +206,7 @@ class StepDrafts:
                           np.where(within, parents, -1).astype(np.int32), lengths, np.minimum(kept, lengths))
         return trees, full
 
+
 def index_within(lengths: np.ndarray) -> np.ndarray:
     """For segments of ``lengths`` laid end to end, each element's index within its segment."""
     return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)

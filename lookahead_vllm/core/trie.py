@@ -93,8 +93,9 @@ class NativeTrie:
 
     def retrieve_slots(self, slots: np.ndarray, contexts: np.ndarray, context_lens: np.ndarray,
                        budgets: np.ndarray, floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        """The rows' trees by slot (``retrieve_rows`` of their records), and per row whether its slot drafts from the trie
-        (a slot kept off it drafts nothing; one never synced drafts with no record)."""
+        """The rows' trees by slot (``retrieve_rows`` of their records), and per row whether its
+        slot drafts from the trie (a slot kept off it drafts nothing; one never synced drafts with
+        no record)."""
         return self._core.retrieve_slots(slots, contexts, context_lens, budgets, float(floor),
                                          shape or self.config.draft_shape)
 
@@ -120,7 +121,7 @@ class NativeTrie:
         self._core.load_output_counts(parents, tokens, counts)
 
 
-def make_trie(config: Settings, kind: type = NativeTrie) -> NativeTrie:
+def make_trie(config: Settings, kind: type[NativeTrie] = NativeTrie) -> NativeTrie:
     """The engine's trie for ``config`` (ImportError if the extension is not built), a
     :class:`NativeTrie` or a subclass ``kind``."""
     k = config.profile

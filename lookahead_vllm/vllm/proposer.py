@@ -727,12 +727,11 @@ class LookaheadProposer:
         s.tree_off_chain_accepts += int(np.count_nonzero(results.nodes != index_within(accepted)))
         held = [t for t in results.windows if results.req_ids[t] in self._states]
         if held:
-            ends = np.cumsum(accepted)
+            nodes = results.accepted_nodes()
             s.pool_ngrams_added += self.drafter.jacobi.update(
                 np.fromiter((self._states[results.req_ids[t]].slot for t in held), np.int64, len(held)),
                 np.array([results.windows[t] for t in held], np.int32),
-                np.concatenate([results.nodes[ends[t] - accepted[t]:ends[t]] for t in held]),
-                np.concatenate([[0], np.cumsum(accepted[held])]))
+                np.concatenate([nodes[t] for t in held]), np.concatenate([[0], np.cumsum(accepted[held])]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -98,7 +98,7 @@ class TreeStep:
         return self.trees.lengths + 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TreeResults:
     """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``), the
     contract back to the proposer (``LookaheadProposer.on_tree_results``). Each tree emitted its
@@ -110,6 +110,10 @@ class TreeResults:
     nodes: np.ndarray  # [sum(accepted)] int64: each tree's accepted nodes (root to leaf), tree after tree
     # Tree -> its Jacobi window's new tokens (its last level's argmax), where the whole window was scheduled.
     windows: dict[int, list[int]]
+
+    def accepted_nodes(self) -> list[np.ndarray]:
+        """Each tree's accepted nodes, tree by tree."""
+        return np.split(self.nodes, np.cumsum(self.accepted)[:-1]) if len(self.accepted) else []
 
 
 def tree_verifiable(sp: Any) -> bool:
@@ -269,9 +273,10 @@ class TreeVerifier:
         count = len(found)
         accepted = np.fromiter((len(nodes) for nodes, _ in found), np.int64, count)
         nodes = np.fromiter(chain.from_iterable(nodes for nodes, _ in found), np.int64, int(accepted.sum()))
-        emitted = np.fromiter(chain.from_iterable(tokens for _, tokens in found), np.int64, len(nodes) + count)
+        lengths = np.fromiter((len(tokens) for _, tokens in found), np.int64, count)  # accepted + bonus
+        emitted = np.fromiter(chain.from_iterable(tokens for _, tokens in found), np.int64, int(lengths.sum()))
         out = np.full((count, sampled.shape[1]), -1, np.int64)  # [accepted..., bonus, -1...]
-        out[np.repeat(np.arange(count), accepted + 1), index_within(accepted + 1)] = emitted
+        out[np.repeat(np.arange(count), lengths), index_within(lengths)] = emitted
         rows = torch.from_numpy(step.rows).to(sampled.device)
         sampled[rows] = torch.from_numpy(out).to(device=sampled.device, dtype=sampled.dtype)
         runner.drafter.on_tree_results(TreeResults(step.req_ids, trees.lengths, accepted, nodes, windows))
@@ -547,7 +552,7 @@ def _sampler(runner: Any, step: TreeStep, t: int, logits: torch.Tensor):  # logi
     return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
-def _walk(trees: TreeBatch, t: int, target_at: Any) -> tuple[list[int], list[int]]:
+def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
     """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token
     (``target_at(row)``, called once a reached row, in walk order, so a sampler draws as the
     walk goes) is accepted where a child of the row carries it, else it is the bonus. Returns

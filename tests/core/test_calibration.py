@@ -9,8 +9,7 @@ import pytest
 from lookahead_lab.reference import ReferenceCalibrator as ConfidenceCalibrator
 from lookahead_lab.reference.planner import node_kinds
 from lookahead_vllm.core.calibration import HALF_LIFE_NODES, KIND_BRANCH, KIND_CHAIN, KIND_POOL
-from lookahead_lab.reference.trees import DraftTree
-from lookahead_lab.reference.trees import accepted_path
+from lookahead_lab.reference.trees import DraftTree, accepted_path
 
 # root -> a(0) -> b(1); a -> d(3) beside b; root -> c(2) beside a; pool n-gram e(4) from the root.
 TREE = DraftTree(

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_lab.reference.trees import DraftTree
-from lookahead_lab.reference.trees import StepPlan, walk_tree
+from lookahead_lab.reference.trees import DraftTree, StepPlan, walk_tree
 
 # Seed 000 Fig. 2c: "on a table", "on a chair", "on my knee".
 FIG2 = DraftTree(tokens=(1, 2, 3, 4, 5, 6), parents=(-1, 0, 1, 1, 0, 4), weights=(6, 5, 4, 3, 2, 1))

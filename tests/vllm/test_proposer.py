@@ -837,3 +837,25 @@ def test_a_filled_step_pays_when_its_expected_tokens_beat_its_price():
     calibrated[0, 2] = 0.5  # 1.5 again, but the drafted rows' entries (0.05 forwards each) now cost
     assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), np.array([0.05, 0.0]))
     assert make_proposer(k=8)._fill_pays(make_proposer(k=8).cost, 2, np.zeros((2, 10)), np.array([1, 0]), None)  # no prices: any draft
+
+
+def test_tree_results_book_every_tree_and_feed_the_windows_of_live_requests():
+    """One step's TreeResults, trees in any order: every tree counted (nodes verified, tokens
+    emitted, accepted nodes off their depth's row), and the Jacobi windows fed only for the trees
+    that carry one and whose request still holds state, each with its own accepted nodes."""
+    from lookahead_lab.reference.trees import tree_results
+
+    p = make_proposer(k=16, source="index+jacobi", jacobi_window=3, jacobi_ngram=3)
+    for req_id in ("a", "b", "gone"):
+        p.on_new_requests([SimpleNamespace(req_id=req_id, sampling_params=None)])
+    p.finish("gone")
+    calls = []
+    p.drafter.jacobi = SimpleNamespace(update=lambda *args: calls.append([np.asarray(a).tolist() for a in args]) or 5)
+    p.on_tree_results(tree_results([("a", 6, [0, 2, 3], None), ("b", 9, [0, 1], [7, 8, 9]),
+                                    ("gone", 4, [1], [4, 5, 6]), ("a", 3, [], [1, 2, 3])]))
+    s = p.stats
+    assert (s.tree_request_steps, s.tree_nodes, s.tree_tokens) == (4, 22, 6 + 4)
+    assert s.tree_off_chain_accepts == 3  # "a"'s nodes 2, 3 at depths 1, 2; "gone"'s node 1 at depth 0
+    slot_a, slot_b = p.request_state("a").slot, p.request_state("b").slot
+    assert calls == [[[slot_b, slot_a], [[7, 8, 9], [1, 2, 3]], [0, 1], [0, 2, 2]]]
+    assert s.pool_ngrams_added == 5

@@ -50,8 +50,7 @@ class TreeWorkload(Workload):
         return new
 
     def accepted(self, req_id: str, draft: list[int], truth: list[int]) -> int:
-        from lookahead_lab.reference.trees import DraftTree
-        from lookahead_lab.reference.trees import StepPlan, accepted_path, walk_tree
+        from lookahead_lab.reference.trees import DraftTree, StepPlan, accepted_path, walk_tree
 
         plan = self.plans.get(req_id)
         if plan is None:

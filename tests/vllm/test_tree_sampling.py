@@ -12,9 +12,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lookahead_lab.reference.trees import DraftTree
-from lookahead_lab.reference.trees import StepPlan, walk_tree
+from lookahead_lab.reference.trees import DraftTree, StepPlan, batch_of_plans, walk_tree
 from lookahead_vllm.ops.sampling import filtered_probs, sample_row
+from lookahead_vllm.vllm import tree_verify
 
 VOCAB = 6
 TRIALS = 6000
@@ -27,15 +27,21 @@ def _row_logits(seed: int) -> torch.Tensor:
     return torch.randn(1 + len(TREE), VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5
 
 
+# The walks: the reference's over a StepPlan, and tree verification's over the plan's TreeBatch row.
+WALKS = {"reference": walk_tree,
+         "verifier": lambda plan, target_at: tree_verify._walk(batch_of_plans([plan]), 0, target_at)}
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)])
-def test_tree_walk_samples_match_target(temperature, top_k, top_p):
+def test_tree_walk_samples_match_target(walk, temperature, top_k, top_p):
     logits = _row_logits(1)
     probs = [filtered_probs(row, temperature, top_k, top_p).numpy() for row in logits]
     gen = torch.Generator().manual_seed(123)
     plan = StepPlan(TREE)
     first, second = [], {2: [], 4: []}
     for _ in range(TRIALS):
-        nodes, tokens = walk_tree(plan, lambda r: sample_row(logits[r], temperature, top_k, top_p, gen))
+        nodes, tokens = WALKS[walk](plan, lambda r: sample_row(logits[r], temperature, top_k, top_p, gen))
         first.append(tokens[0])
         if tokens[0] in second:
             assert len(tokens) >= 2 and nodes[0] == TREE.tokens.index(tokens[0])
@@ -46,6 +52,24 @@ def test_tree_walk_samples_match_target(temperature, top_k, top_p):
     # After node 0 (token 2) the target row is row 1; after node 2 (token 4), row 3.
     _assert_matches(second[2], probs[1])
     _assert_matches(second[4], probs[3])
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_verifier_walk_equals_the_reference_walk(seed):
+    """Tree verification's walk over a TreeBatch row accepts what the reference's walk over the
+    StepPlan accepts, on random trees (siblings may share a token), with and without a Jacobi
+    window (its lookahead nodes, last, never accepted), asking for the same rows in the same order."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    parents = tuple(int(rng.integers(-1, i)) for i in range(n))
+    tokens = tuple(int(t) for t in rng.integers(0, 3, n))
+    ahead = int(rng.integers(0, n)) if rng.random() < 0.5 else 0
+    plan = StepPlan(DraftTree(tokens, parents, (1.0,) * n), (False,) * (n - ahead) + (True,) * ahead if ahead else ())
+    targets = rng.integers(0, 3, n + 1).tolist()
+    asked = {name: [] for name in WALKS}
+    got = {name: walk(plan, lambda r, a=asked[name]: a.append(r) or targets[r]) for name, walk in WALKS.items()}
+    assert got["verifier"] == got["reference"] and asked["verifier"] == asked["reference"]
+    assert not set(got["verifier"][0]) & set(range(n - ahead, n))
 
 
 def _assert_matches(samples: list[int], p: np.ndarray) -> None:

@@ -79,7 +79,7 @@ def _step(seed: int, vocab: int = 64):
             drafts[req_id] = rng.integers(0, vocab, int(rng.integers(1, 5))).tolist()
             states[req_id] = SimpleNamespace(sampling_params=kinds["greedy"])
         else:
-            offers[req_id] = _random_offer(rng, vocab, window=kind == "greedy" and rng.random() < 0.5)
+            offers[req_id] = _random_offer(rng, vocab, window=kind != "chain_only" and rng.random() < 0.5)
             tok, _, ahead = offers[req_id]
             drafts[req_id] = tok + list(ahead or ())
             if rng.random() < 0.3:  # the scheduler's budget cut it (a window cut part way is not read)
@@ -174,7 +174,8 @@ def test_compaction_moves_each_accepted_node_to_its_depths_row(seed, monkeypatch
     pass lists them."""
     from lookahead_vllm.vllm import tree_verify
 
-    verifier, runner, sched, num_tokens, logits, spec, sampled, results = _step(seed)
+    verifier, runner, sched, num_tokens, logits, spec, sampled, _ = _step(seed)
+    reference = _reference(runner, num_tokens, logits, sampled, seed)[2]
     runner.drafter.config.profile.debug_disable = ()
     moved = []
     monkeypatch.setattr(tree_verify, "_compact", lambda step, src, dst: moved.append((src.tolist(), dst.tolist())))
@@ -183,7 +184,7 @@ def test_compaction_moves_each_accepted_node_to_its_depths_row(seed, monkeypatch
     starts = np.cumsum(num_tokens) - num_tokens
     rows = runner.input_batch.req_id_to_index
     expected = [(int(starts[rows[r]]) + 1 + node, int(starts[rows[r]]) + 1 + j)
-                for r, _, nodes, _ in tree_result_rows(results[0]) for j, node in enumerate(nodes) if node != j]
+                for r, _, nodes, _ in reference for j, node in enumerate(nodes) if node != j]
     assert expected, "the step must accept a node off its depth's row"
     assert moved == [([s for s, _ in expected], [d for _, d in expected])]
 

@@ -18,9 +18,7 @@ import numpy as np
 from lookahead_vllm.core.budget import ForwardCost
 from lookahead_vllm.core.calibration import BIN_EDGES, KIND_BRANCH, KIND_CHAIN, KIND_CONTEXT, KIND_POOL
 from lookahead_vllm.core.drafter import rows_of
-from lookahead_lab.reference.trees import DraftTree, fill_row
-from lookahead_lab.reference.trees import index_tree
-from lookahead_lab.reference.trees import StepPlan, accepted_path, walk_tree
+from lookahead_lab.reference.trees import DraftTree, StepPlan, accepted_path, fill_row, index_tree, walk_tree
 
 
 def row_tree(rows: tuple[np.ndarray, ...], i: int) -> DraftTree:

@@ -232,7 +232,7 @@ def accepted_path(tree: DraftTree, emitted: Sequence[int]) -> list[int]:
 
 
 def fill_row(rows: tuple[np.ndarray, ...], i: int, tree: DraftTree) -> None:
-    """Write ``tree`` into row ``i`` of :func:`rows_of`'s arrays."""
+    """Write ``tree`` into row ``i`` of :func:`~lookahead_vllm.core.drafter.rows_of`'s arrays."""
     n = len(tree)
     tokens, parents, weights, conf, lengths = rows
     tokens[i, :n], parents[i, :n], weights[i, :n] = tree.tokens, tree.parents, tree.weights
@@ -304,6 +304,5 @@ def tree_results(entries: Sequence[tuple[str, int, list[int], list[int] | None]]
 
 def tree_result_rows(results: TreeResults) -> list[tuple[str, int, list[int], list[int] | None]]:
     """:func:`tree_results`'s entries back from a step's results."""
-    ends = np.cumsum(results.accepted)
-    return [(r, int(results.num_nodes[t]), results.nodes[ends[t] - results.accepted[t]:ends[t]].tolist(),
-             results.windows.get(t)) for t, r in enumerate(results.req_ids)]
+    return [(r, int(n), nodes.tolist(), results.windows.get(t))
+            for t, (r, n, nodes) in enumerate(zip(results.req_ids, results.num_nodes, results.accepted_nodes()))]
