@@ -435,3 +435,52 @@ def test_token_table_must_be_native_int32_or_int64():
     for bad in (table.astype(table.dtype.newbyteorder()), table.astype(np.float64), table[0]):
         with pytest.raises(TypeError, match="token_ids must be a 2-D int32 or int64 array"):
             index.sync([3], [0], bad, [4], [2])
+
+
+# N-grams whose 32-bit tags collide (ngram_map.h's ngram_tag, mirrored here): a slot's tag alone
+# cannot tell them apart.
+COLLIDING = {1: ((44627,), (48959,)), 2: ((46553, 40965), (16635, 7603))}
+
+
+def _ngram_tag(tokens: tuple[int, ...]) -> int:
+    """ngram_map.h's ngram_tag: the tokens packed into two words, mixed (splitmix64's finalizer)."""
+    def mix(x: int) -> int:
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+        return x ^ (x >> 31)
+
+    words = [0, 0]
+    for i, t in enumerate(tokens):
+        words[i // 2] |= (t & 0xFFFFFFFF) << (32 * (i & 1))
+    return mix(words[0] ^ mix((words[1] + 0x9E3779B97F4A7C15) & (2**64 - 1))) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("ngram", sorted(COLLIDING))
+def test_colliding_tags_keep_their_ngrams_apart(ngram):
+    """Two n-grams with the same tag are two keys, in a request's own text and in the corpus: a
+    request ending with one drafts nothing that followed the other (the reference keys by the
+    tokens themselves). Without this, one in 2**32 n-gram pairs would draft the wrong text."""
+    first, second = COLLIDING[ngram]
+    assert first != second and _ngram_tag(first) == _ngram_tag(second)
+    ref, nat = _pair(index_config(ngram=ngram, max_occurrences=4))
+    for ix in (ref, nat):
+        assert ix.config.ngram == ngram
+        ix.add(0, [9, *first, 5, 6, 7, 8, 9, *second], 1)  # own text: first followed by 5 6 7 8
+        ix.add(1, [3], 1)
+        ix.extend(1, [*first, 1, 2, 3, 4])  # output: first followed by 1 2 3 4
+        ix.finish(1)
+        ix.add(2, [8, 8, *second], 3)  # ends with second only
+    for sid in (0, 2):
+        got = [ix.draft_batch([sid], [4]) for ix in (ref, nat)]
+        assert [a.tolist() for a in got[0]] == [a.tolist() for a in got[1]]
+        assert got[1][3].tolist() == [0], f"sequence {sid} drafted from a colliding n-gram"
+    for ix in (ref, nat):  # the other n-gram's output joins the corpus after the first's
+        ix.add(4, [3], 1)
+        ix.extend(4, [*second, 5, 5, 5, 5])
+        ix.finish(4)
+        ix.add(3, [2, *first], 2)  # ends with the first: drafts what followed it, not the second
+    got = [ix.draft_batch([3], [4]) for ix in (ref, nat)]
+    assert [a.tolist() for a in got[0]] == [a.tolist() for a in got[1]]
+    assert got[1][0].tolist() == [[1, 2, 3, 4]]
