@@ -74,6 +74,7 @@ VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
             "chain-dg": {"draft_shape": "one", "_profile": {"draftless_graphs": True}}}
 DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
+PLAIN_SYNC = "plain-sync"  # --plain-sync: plain vLLM with async scheduling off
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")
 # CUDA-graph sizes captured per engine: fewer than vLLM's default list, so engines start faster.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -106,12 +107,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--datasets", nargs="+", default=None, help="default: all six classes")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
-                   help="lookahead configurations measured (identity and speed)")
+    p.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS),
+                   help="lookahead configurations measured (identity and speed; none: baselines only)")
     p.add_argument("--ngram", nargs="*", default=["ngram8-w2-4", "ngram16-w2-4"],
                    help="vLLM ngram configs (bench_offline names); the best per cell is reported")
     p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's suffix decoding among the speed part's baselines (--no-suffix: one engine fewer)")
+    p.add_argument("--plain-sync", action="store_true",
+                   help="also plain vLLM with async scheduling off (method plain-sync): how much of a "
+                        "speculative engine's step over plain's is the overlap every speculative engine lacks")
     p.add_argument("--gpu-mem", type=float, default=0.07, help="gpu_memory_utilization per engine (several live)")
     p.add_argument("--engine-processes", default="auto", choices=["auto", "on", "off"],
                    help="each engine core in its own process (auto: on a GPU); off: all in this process")
@@ -211,7 +215,7 @@ def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
         for attempt in (1, 2):
             settle_gpu_memory()
             try:
-                engines[method] = offline.build_engine(method, eargs)
+                engines[method] = build_engine(method, eargs)
                 break
             except Exception as exc:  # noqa: BLE001 - tried again, then kept in failures or raised
                 log(f"building {method} failed (attempt {attempt}): {type(exc).__name__}: {exc}")
@@ -220,6 +224,17 @@ def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
                         raise
                     failures[method] = f"{type(exc).__name__}: {exc}"[:500]
     return engines
+
+
+def build_engine(method: str, eargs: SimpleNamespace) -> Any:
+    """bench_offline's engine for ``method``; ``plain-sync`` is plain with async scheduling off."""
+    if method != PLAIN_SYNC:
+        return offline.build_engine(method, eargs)
+    overrides = {**eargs.engine_overrides, "async_scheduling": False}
+    llm = offline.build_engine("plain", SimpleNamespace(**{**vars(eargs), "engine_overrides": overrides}))
+    log(f"  ({PLAIN_SYNC}: async_scheduling "
+        f"{llm.llm_engine.vllm_config.scheduler_config.async_scheduling})")
+    return llm
 
 
 def settle_gpu_memory(timeout_s: float = 30.0, tolerance_bytes: int = 256 << 20) -> int | None:
@@ -396,7 +411,7 @@ def divergences(plain_llm: Any, prompts: list[str], plain: list[list[int]], othe
 # -------------------------------------------------------------------- speed
 def speed_baselines(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """vLLM baselines that can run here, and why the others cannot."""
-    methods, skipped = [], {}
+    methods, skipped = [PLAIN_SYNC] if args.plain_sync else [], {}
     try:
         import numba
 
@@ -474,16 +489,20 @@ def speed_cell(ds: str, bs: int, prompts: list[str], engines: dict[str, Any], me
 
 def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     """Per batch size: geometric means over classes of the best lookahead variant's speedup over
-    plain and over suffix; the best ngram beside them; every mismatch counted."""
+    plain and over suffix; the best ngram and plain-sync beside them; every mismatch counted."""
     summary = {}
     for bs in sorted({c["batch_size"] for c in cells}):
-        ratios: dict[str, list[float]] = {"lookahead/plain": [], "lookahead/suffix": [], "ngram/plain": []}
+        ratios: dict[str, list[float]] = {"lookahead/plain": [], "lookahead/suffix": [], "ngram/plain": [],
+                                          f"{PLAIN_SYNC}/plain": []}
         for cell in (c for c in cells if c["batch_size"] == bs):
             speed = {r["method"]: r["speedup"] for r in cell["methods"]}
-            best = max(v for m, v in speed.items() if m.startswith("lookahead"))
-            ratios["lookahead/plain"].append(best)
-            if "suffix" in speed:
-                ratios["lookahead/suffix"].append(best / speed["suffix"])
+            best = max((v for m, v in speed.items() if m.startswith("lookahead")), default=None)
+            if best is not None:
+                ratios["lookahead/plain"].append(best)
+                if "suffix" in speed:
+                    ratios["lookahead/suffix"].append(best / speed["suffix"])
+            if PLAIN_SYNC in speed:
+                ratios[f"{PLAIN_SYNC}/plain"].append(speed[PLAIN_SYNC])
             ngrams = [v for m, v in speed.items() if m.startswith("ngram")]
             if ngrams:
                 ratios["ngram/plain"].append(max(ngrams))

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
     out = tmp_path / "gpu_dry.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), "--dry", "--model", tiny_llama_dir,
-           "--out", str(out)]
+           "--plain-sync", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -34,9 +35,10 @@ def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
     assert all(r["divergences"] == [] for c in identity["cells"] for r in c["methods"])
     # speed: every cell has plain and the three variants; a summary per batch size
     speed = parts["speed"]
-    assert speed["cells"] and all({"plain", "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
+    assert speed["cells"] and all({"plain", "plain-sync", "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
                                   <= {r["method"] for r in c["methods"]} for c in speed["cells"])
     assert set(speed["summary"]) == {"bs1", "bs2", "mismatches"} and speed["summary"]["mismatches"] == 0
+    assert speed["summary"]["bs1"]["plain-sync/plain"] > 0  # a real engine with async scheduling off ran
     # cost: rows x draft sizes of one engine, relative to the one-row one-token step
     (model,) = parts["cost"]["models"]
     assert {(r["rows"], r["draft_tokens"]) for r in model["rows"]} == {(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (2, 3)}
@@ -135,3 +137,54 @@ def test_a_baseline_engine_that_fails_to_build_is_left_out_and_named(monkeypatch
     with pytest.raises(AssertionError):  # without failures (plain: part_speed passes none) the 2nd propagates
         bench_gpu.build_engines(["suffix"], args, graphs=False)
     assert calls == ["suffix", "suffix"]
+
+
+def test_plain_sync_is_plain_with_async_scheduling_off(monkeypatch):
+    """--plain-sync adds a baseline built as plain with ``async_scheduling`` False; every other
+    engine keeps the overrides it had."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    built = []
+
+    class Engine:
+        def __init__(self, overrides):
+            scheduler = SimpleNamespace(async_scheduling=overrides.get("async_scheduling"))
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
+
+    def build(method, eargs):
+        built.append((method, dict(eargs.engine_overrides)))
+        return Engine(eargs.engine_overrides)
+
+    monkeypatch.setattr(bench_gpu.offline, "build_engine", build)
+    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
+    args = bench_gpu.parse_args(["--plain-sync", "--no-suffix", "--ngram", "--variants"])
+    assert bench_gpu.speed_baselines(args) == (["plain-sync"], {"suffix": "--no-suffix"})
+    assert bench_gpu.lookahead_methods(args) == []
+    engines = bench_gpu.build_engines(["plain", "plain-sync"], args, graphs=True)
+    assert [m for m, _ in built] == ["plain", "plain"]
+    assert "async_scheduling" not in built[0][1] and built[1][1]["async_scheduling"] is False
+    assert built[1][1]["compilation_config"] == built[0][1]["compilation_config"]
+    assert engines["plain-sync"].llm_engine.vllm_config.scheduler_config.async_scheduling is False
+    assert bench_gpu.parse_args([]).plain_sync is False  # off unless asked
+
+
+def test_speed_summary_reports_plain_sync_and_runs_without_lookahead():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+
+    def cell(bs, **speedups):
+        return {"batch_size": bs, "methods": [{"method": m.replace("_", "-"), "speedup": v, "mismatches": 0}
+                                              for m, v in {"plain": 1.0, **speedups}.items()]}
+
+    summary = bench_gpu.speed_summary([cell(1, plain_sync=0.5), cell(1, plain_sync=0.8), cell(8, plain_sync=0.9)])
+    assert summary["bs1"]["plain-sync/plain"] == pytest.approx((0.5 * 0.8) ** 0.5, abs=1e-3)
+    assert summary["bs8"] == {"lookahead/plain": None, "lookahead/suffix": None, "ngram/plain": None,
+                              "plain-sync/plain": 0.9}
+    with_lookahead = bench_gpu.speed_summary([cell(1, **{"lookahead:chain": 2.0, "suffix": 0.5})])
+    assert with_lookahead["bs1"]["lookahead/plain"] == 2.0 and with_lookahead["bs1"]["lookahead/suffix"] == 4.0
