@@ -5,6 +5,9 @@ benchmarks that run real engines (``bench_offline.py``, ``bench_serve.py``).
                      lookup window (prompt_lookup_min = max = 5).
   ngram<k>-w<a>-<b>  the same with prompt_lookup_min a, prompt_lookup_max b
                      (``ngram8-w2-4``: the window tuned on this machine).
+  ngram_gpu<k>[-w<a>-<b>]  vLLM's n-gram lookup on the GPU (``ngram_gpu``, vLLM 0.32): the
+                     same drafts made from device tensors, so the engine keeps async
+                     scheduling (every CPU drafter turns it off).
   suffix             vLLM's suffix decoding (arctic_inference) with vLLM's
                      defaults: tree depth 24, k = depth, min token prob 0.1.
   suffix-d<N>        the same with suffix_decoding_max_tree_depth N (k = N).
@@ -15,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-NGRAM = re.compile(r"ngram(\d+)(?:-w(\d+)-(\d+))?")
+NGRAM = re.compile(r"(ngram|ngram_gpu)(\d+)(?:-w(\d+)-(\d+))?")
 SUFFIX = re.compile(r"suffix(?:-d(\d+))?")
 # The lookup window tuned on this machine for ngram (prompt_lookup_min 2, max 4).
 TUNED_WINDOW = "-w2-4"
@@ -32,10 +35,10 @@ def baseline_config(method: str) -> dict[str, Any] | None:
     numbers vLLM would reject.
     """
     if match := NGRAM.fullmatch(method):
-        k, low, high = (int(g) if g else None for g in match.groups())
+        k, low, high = (int(g) if g else None for g in match.groups()[1:])
         if k < 1 or (low is not None and not 1 <= low <= high):
             raise ValueError("needs k >= 1 and 1 <= min <= max")
-        config = {"method": "ngram", "num_speculative_tokens": k}
+        config = {"method": match.group(1), "num_speculative_tokens": k}
         if low is not None:
             config.update(prompt_lookup_min=low, prompt_lookup_max=high)
         return config

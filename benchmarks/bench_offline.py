@@ -205,7 +205,7 @@ def check_method(parser: argparse.ArgumentParser, method: str) -> None:
     except ValueError as exc:
         parser.error(f"--methods {method!r}: {exc}")
     if config is None:
-        parser.error(f"--methods {method!r}: expected plain, ngram<k>, ngram<k>-w<min>-<max>, suffix, "
+        parser.error(f"--methods {method!r}: expected plain, ngram<k>, ngram<k>-w<min>-<max>, ngram_gpu<k>, suffix, "
                      "suffix-d<depth>, lookahead, lookahead-warm or lookahead:NAME")
     if config["method"] == "suffix" and not has_suffix_decoding():
         parser.error(f"--methods {method!r}: needs arctic_inference.suffix_decoding; "

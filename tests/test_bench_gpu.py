@@ -169,6 +169,11 @@ def test_plain_sync_is_plain_with_async_scheduling_off(monkeypatch):
     assert built[1][1]["compilation_config"] == built[0][1]["compilation_config"]
     assert engines["plain-sync"].llm_engine.vllm_config.scheduler_config.async_scheduling is False
     assert bench_gpu.parse_args([]).plain_sync is False  # off unless asked
+    # vLLM's GPU n-gram drafter needs no numba: it stays where the kit's numba stub drops ngram
+    monkeypatch.setitem(sys.modules, "numba", SimpleNamespace(__file__="/tmp/site/numba_stub/numba/__init__.py"))
+    kept, skipped = bench_gpu.speed_baselines(bench_gpu.parse_args(["--no-suffix", "--ngram", "ngram8-w2-4",
+                                                                    "ngram_gpu8-w2-4"]))
+    assert kept == ["ngram_gpu8-w2-4"] and "numba" in skipped["ngram8-w2-4"]
 
 
 def test_speed_summary_reports_plain_sync_and_runs_without_lookahead():

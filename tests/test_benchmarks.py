@@ -447,6 +447,14 @@ def test_benchmarks_name_the_vllm_baselines():
     assert config("ngram8") == {"method": "ngram", "num_speculative_tokens": 8}
     assert config("ngram16-w2-4") == {"method": "ngram", "num_speculative_tokens": 16,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert config("ngram_gpu8-w2-4") == {"method": "ngram_gpu", "num_speculative_tokens": 8,
+                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert config("ngram_gpu4") == {"method": "ngram_gpu", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        config("ngram_gpu8-w4-2")
+    from lookahead_lab.offline import engine_kwargs  # the engine bench_offline builds before the config
+
+    assert engine_kwargs("ngram_gpu", k=8)["speculative_config"] == {"method": "ngram_gpu", "num_speculative_tokens": 8}
     assert config("suffix") == {"method": "suffix"}  # vLLM's defaults, k = tree depth
     assert config("suffix-d32") == {"method": "suffix", "suffix_decoding_max_tree_depth": 32}
     assert config("plain") is None and config("lookahead") is None and config("ngram") is None

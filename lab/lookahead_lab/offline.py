@@ -69,6 +69,8 @@ def engine_kwargs(method: str, k: int = 8, lookahead: dict | None = None, **over
     if method == "lookahead":
         kwargs["speculative_config"] = {"method": "lookahead", "num_speculative_tokens": k}
         kwargs["additional_config"] = {"lookahead": dict(lookahead or {})}
+    elif method == "ngram_gpu":  # bench's baselines.baseline_config gives its lookup window
+        kwargs["speculative_config"] = {"method": "ngram_gpu", "num_speculative_tokens": k}
     elif method.startswith("ngram"):
         k = int(method[5:] or k)
         # vLLM's own defaults for the lookup window (prompt_lookup_min = max = 5).
@@ -76,7 +78,7 @@ def engine_kwargs(method: str, k: int = 8, lookahead: dict | None = None, **over
     elif method == "suffix":
         kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
     else:
-        raise ValueError(f"method={method!r}: must be 'plain', 'lookahead', 'ngram<k>' or 'suffix'")
+        raise ValueError(f"method={method!r}: must be 'plain', 'lookahead', 'ngram<k>', 'ngram_gpu' or 'suffix'")
     return kwargs
 
 
