@@ -477,12 +477,17 @@ def speed_cell(ds: str, bs: int, prompts: list[str], engines: dict[str, Any], me
                params: Any) -> dict[str, Any]:
     for method in methods:
         offline.reset_drafters(engines[method])  # cold: each cell learns from its own prompts only
+        offline.start_step_clock(engines[method])
     meter = offline.CpuMeter()
     runs = offline.run_cell(f"{ds} bs={bs}", {m: engines[m] for m in methods}, prompts, bs, params, meter)
     rows = [offline.summarize(runs[m], runs["plain"]) for m in methods]
-    for row in rows:  # chunk lists are long and bench_offline's JSON keeps them; here the figures suffice
+    for method, row in zip(methods, rows):  # chunk lists are long and bench_offline's JSON keeps them
         for key in ("chunk_tokens", "chunk_seconds", "chunk_other_cpu_s", "calibration"):
             row.pop(key, None)
+        row["step_periods"] = offline.read_step_clock(engines[method])
+    log(f"[{ds} bs={bs}] median step ms (decode draftless / drafted / mixed): " + ", ".join(
+        f"{row['method']} " + "/".join(f"{p['median_ms']:.2f}" if p["median_ms"] is not None else "-"
+                                       for p in row["step_periods"].values()) for row in rows))
     cell = {"dataset": ds, "batch_size": bs, "num_prompts": len(prompts), **meter.as_dict(), "methods": rows}
     offline.warn_mismatches(cell)
     return cell

@@ -379,6 +379,68 @@ def _time_vllm_drafter(root: Any) -> None:
     drafter.bench_counters = counters
 
 
+def model_runner(root: Any) -> Any:
+    """The model runner under ``root`` (the object with an ``input_batch`` and ``execute_model``)."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if hasattr(obj, "input_batch") and hasattr(obj, "execute_model"):
+            return obj
+        stack += [getattr(obj, n, None) for n in ("llm_engine", "engine_core", "model_executor",
+                                                  "driver_worker", "worker", "model_runner")]
+    return None
+
+
+STEP_KINDS = ("decode_draftless", "decode_drafted", "mixed")
+
+
+def start_step_clock(llm: Any) -> None:
+    """Log every engine step from now on: when ``execute_model`` began, and the step's kind
+    (:data:`STEP_KINDS`: decode rows only, without or with draft tokens; a prefill among them)."""
+    on_engine(llm, _start_step_clock)
+
+
+def _start_step_clock(root: Any) -> None:
+    runner = model_runner(root)
+    if hasattr(runner, "bench_step_log"):
+        runner.bench_step_log.clear()
+        return
+    steps: list[tuple[int, str]] = []
+    execute = runner.execute_model
+
+    def clocked(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = len(scheduler_output.num_scheduled_tokens)
+        if rows:  # an empty step (nothing scheduled) is no engine step
+            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+            decode = scheduler_output.total_num_scheduled_tokens == rows + drafts
+            kind = STEP_KINDS[2] if not decode else STEP_KINDS[1] if drafts else STEP_KINDS[0]
+            steps.append((time.perf_counter_ns(), kind))
+        return execute(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = clocked
+    runner.bench_step_log = steps
+
+
+def read_step_clock(llm: Any) -> dict[str, Any]:
+    """Per step kind: how many steps, and the median time from a step's start to the next one's
+    (its whole period: scheduling, forward, sampling, drafting). The last step of a ``generate``
+    call runs up to the engine's next call, which may come after other engines' chunks: with a few
+    calls against hundreds of steps, the medians do not see them."""
+    return on_engine(llm, _read_step_clock)
+
+
+def _read_step_clock(root: Any) -> dict[str, Any]:
+    steps = getattr(model_runner(root), "bench_step_log", [])
+    periods: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
+    for (start, kind), (end, _) in zip(steps, steps[1:]):
+        periods[kind].append((end - start) / 1e6)
+    return {kind: {"steps": len(v), "median_ms": round(statistics.median(v), 3) if v else None}
+            for kind, v in periods.items()}
+
+
 def reset_drafters(llm: Any) -> None:
     """Forget everything drafted from so far: lookahead's tries, suffix's global tree."""
     on_engine(llm, _reset_drafters)

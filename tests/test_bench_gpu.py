@@ -39,6 +39,11 @@ def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
                                   <= {r["method"] for r in c["methods"]} for c in speed["cells"])
     assert set(speed["summary"]) == {"bs1", "bs2", "mismatches"} and speed["summary"]["mismatches"] == 0
     assert speed["summary"]["bs1"]["plain-sync/plain"] > 0  # a real engine with async scheduling off ran
+    # every row carries its engine's step periods; plain never has a drafted step
+    for cell in speed["cells"]:
+        periods = {r["method"]: r["step_periods"] for r in cell["methods"]}
+        assert periods["plain"]["decode_draftless"]["steps"] > 0 and periods["plain"]["decode_drafted"]["steps"] == 0
+        assert periods["plain"]["decode_draftless"]["median_ms"] > 0
     # cost: rows x draft sizes of one engine, relative to the one-row one-token step
     (model,) = parts["cost"]["models"]
     assert {(r["rows"], r["draft_tokens"]) for r in model["rows"]} == {(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (2, 3)}
@@ -193,3 +198,40 @@ def test_speed_summary_reports_plain_sync_and_runs_without_lookahead():
                               "plain-sync/plain": 0.9}
     with_lookahead = bench_gpu.speed_summary([cell(1, **{"lookahead:chain": 2.0, "suffix": 0.5})])
     assert with_lookahead["bs1"]["lookahead/plain"] == 2.0 and with_lookahead["bs1"]["lookahead/suffix"] == 4.0
+
+
+def test_step_clock_classifies_and_times_each_step(monkeypatch):
+    """The step clock wraps the model runner's ``execute_model``: a step of decode rows only, without
+    or with drafts, or with a prefill among them; the median period from one step's start to the next."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_offline
+    finally:
+        sys.path.pop(0)
+    clock = iter([0, 2_000_000, 5_000_000, 6_000_000, 10_000_000, 12_000_000])
+    monkeypatch.setattr(bench_offline.time, "perf_counter_ns", lambda: next(clock))
+    runner = SimpleNamespace(input_batch=object(), execute_model=lambda out: out.total_num_scheduled_tokens)
+    engine = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
+
+    def step(tokens, drafts):  # two rows
+        out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": tokens - 1}, total_num_scheduled_tokens=tokens,
+                              scheduled_spec_decode_tokens=drafts)
+        return runner.execute_model(out)
+
+    bench_offline.start_step_clock(engine)
+    assert step(2, {}) == 2  # the wrapped call still returns the runner's result
+    step(2, {})
+    step(5, {"b": [7, 8, 9]})  # 2 rows + 3 drafts: decode
+    step(9, {"b": [7]})  # a prefill chunk beside a decode row
+    runner.execute_model(SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                         scheduled_spec_decode_tokens={}))  # empty: not a step
+    step(2, {})
+    assert bench_offline.read_step_clock(engine) == {
+        "decode_draftless": {"steps": 2, "median_ms": 2.5},  # 2 ms and 3 ms; the last step has no period
+        "decode_drafted": {"steps": 1, "median_ms": 1.0},
+        "mixed": {"steps": 1, "median_ms": 4.0}}
+    bench_offline.start_step_clock(engine)  # a second start clears the log, wraps once
+    assert bench_offline.read_step_clock(engine)["mixed"] == {"steps": 0, "median_ms": None}
+    step(2, {})
+    assert len(runner.bench_step_log) == 1
