@@ -67,7 +67,7 @@ import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
 
 from baselines import NGRAM_BASELINES, SUFFIX_BASELINES, baseline_config  # noqa: E402
 
@@ -341,19 +341,22 @@ def proposers(root: Any) -> list[Any]:
     return find_proposers(root)
 
 
-def vllm_drafter(root: Any) -> Any:
-    """The model runner's ``drafter`` under ``root`` (None: plain)."""
+def engine_objects(root: Any) -> Iterator[Any]:
+    """The objects from ``root`` (an ``LLM`` or a worker) down to its model runner, each once."""
     stack, seen = [root], set()
     while stack:
         obj = stack.pop()
         if obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if getattr(obj, "drafter", None) is not None:
-            return obj.drafter
+        yield obj
         stack += [getattr(obj, n, None) for n in ("llm_engine", "engine_core", "model_executor",
                                                   "driver_worker", "worker", "model_runner")]
-    return None
+
+
+def vllm_drafter(root: Any) -> Any:
+    """The model runner's ``drafter`` under ``root`` (None: plain)."""
+    return next((obj.drafter for obj in engine_objects(root) if getattr(obj, "drafter", None) is not None), None)
 
 
 def time_vllm_drafter(llm: Any) -> None:
@@ -381,17 +384,8 @@ def _time_vllm_drafter(root: Any) -> None:
 
 def model_runner(root: Any) -> Any:
     """The model runner under ``root`` (the object with an ``input_batch`` and ``execute_model``)."""
-    stack, seen = [root], set()
-    while stack:
-        obj = stack.pop()
-        if obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if hasattr(obj, "input_batch") and hasattr(obj, "execute_model"):
-            return obj
-        stack += [getattr(obj, n, None) for n in ("llm_engine", "engine_core", "model_executor",
-                                                  "driver_worker", "worker", "model_runner")]
-    return None
+    return next((obj for obj in engine_objects(root) if hasattr(obj, "input_batch") and hasattr(obj, "execute_model")),
+                None)
 
 
 STEP_KINDS = ("decode_draftless", "decode_drafted", "mixed")
