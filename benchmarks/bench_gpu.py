@@ -13,11 +13,14 @@ finished (``"partial": true`` until the end):
             plain vLLM, bf16 SmolLM2-135M-Instruct with real weights, batch 1
             and 8, CUDA graphs off (eager engines) and on. 0 mismatches is the bar.
   speed     methods interleaved chunk by chunk (``bench_offline.run_cell``):
-            plain, vLLM ``ngram`` (every ``--ngram`` config; the best per cell is
-            reported), ``suffix``, lookahead chain / ``hier`` / ``index+jacobi``;
-            batch 1, 8, 32; the six classes' test splits, few prompts each. The
-            CUDA-graph engines of ``identity`` are reused; every drafter is emptied
-            before each cell (cold, as bench_offline's fresh per-cell engines).
+            plain, with ``--plain-sync`` plain with async scheduling off, vLLM
+            ``ngram`` and ``ngram_gpu`` (every ``--ngram`` config; the best of each
+            per cell is reported), ``suffix``, lookahead chain / ``hier`` /
+            ``index+jacobi`` (``--variants``, none for baselines only); batch 1, 8,
+            32; the six classes' test splits, few prompts each. Each row also has
+            its engine's step periods by kind (``bench_offline.read_step_clock``).
+            The CUDA-graph engines of ``identity`` are reused; every drafter is
+            emptied before each cell (cold, as bench_offline's fresh engines).
   cost      the forward-cost curve: ms per decode step against tokens scored per
             row (1 + drafts) and rows, on config-only 1.5B- and 8B-shaped models
             with dummy weights (``bench_forward_cost.sweep_step_times``: one
@@ -57,6 +60,8 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from typing import Any, Callable  # noqa: E402
+
+from baselines import baseline_config  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PROMPTS_FILE = REPO / "benchmarks" / "data" / "gpu_prompts.json"
@@ -230,12 +235,18 @@ def build_engines(methods: list[str], args: argparse.Namespace, graphs: bool,
 def build_engine(method: str, eargs: SimpleNamespace) -> Any:
     """bench_offline's engine for ``method``; ``plain-sync`` is plain with async scheduling off."""
     if method != PLAIN_SYNC:
-        return offline.build_engine(method, eargs)
-    overrides = {**eargs.engine_overrides, "async_scheduling": False}
-    llm = offline.build_engine("plain", SimpleNamespace(**{**vars(eargs), "engine_overrides": overrides}))
-    log(f"  ({PLAIN_SYNC}: async_scheduling "
-        f"{llm.llm_engine.vllm_config.scheduler_config.async_scheduling})")
+        llm = offline.build_engine(method, eargs)
+    else:
+        overrides = {**eargs.engine_overrides, "async_scheduling": False}
+        llm = offline.build_engine("plain", SimpleNamespace(**{**vars(eargs), "engine_overrides": overrides}),
+                                   label=PLAIN_SYNC)
+    log(f"  ({method}: async_scheduling {async_scheduling(llm)})")
     return llm
+
+
+def async_scheduling(llm: Any) -> bool | None:
+    """Whether the engine schedules step N + 1 while step N runs (vLLM resolves its default)."""
+    return llm.llm_engine.vllm_config.scheduler_config.async_scheduling
 
 
 def settle_gpu_memory(timeout_s: float = 30.0, tolerance_bytes: int = 256 << 20) -> int | None:
@@ -456,6 +467,7 @@ def part_speed(args: argparse.Namespace, state: dict, result: dict) -> None:
     state["engines"] = engines
     skipped.update({m: f"engine failed to build: {e}" for m, e in failed.items()})
     methods = ["plain", *[m for m in [*baselines, *lookahead_methods(args)] if m not in failed]]
+    result["async_scheduling"] = {m: async_scheduling(engines[m]) for m in methods}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     tokenizer = offline.tokenizer_for(args.model)
     result.update(methods=methods, skipped_methods=skipped, cells=[], skipped_cells=[])
@@ -499,7 +511,7 @@ def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for bs in sorted({c["batch_size"] for c in cells}):
         ratios: dict[str, list[float]] = {"lookahead/plain": [], "lookahead/suffix": [], "ngram/plain": [],
-                                          f"{PLAIN_SYNC}/plain": []}
+                                          "ngram_gpu/plain": [], f"{PLAIN_SYNC}/plain": []}
         for cell in (c for c in cells if c["batch_size"] == bs):
             speed = {r["method"]: r["speedup"] for r in cell["methods"]}
             best = max((v for m, v in speed.items() if m.startswith("lookahead")), default=None)
@@ -509,12 +521,22 @@ def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
                     ratios["lookahead/suffix"].append(best / speed["suffix"])
             if PLAIN_SYNC in speed:
                 ratios[f"{PLAIN_SYNC}/plain"].append(speed[PLAIN_SYNC])
-            ngrams = [v for m, v in speed.items() if m.startswith("ngram")]
-            if ngrams:
-                ratios["ngram/plain"].append(max(ngrams))
+            for kind in ("ngram_gpu", "ngram"):
+                best_ngram = max((v for m, v in speed.items() if baseline_kind(m) == kind), default=None)
+                if best_ngram is not None:
+                    ratios[f"{kind}/plain"].append(best_ngram)
         summary[f"bs{bs}"] = {k: round(statistics.geometric_mean(v), 3) if v else None for k, v in ratios.items()}
-    summary["mismatches"] = sum(r["mismatches"] for c in cells for r in c["methods"])
+    # plain-sync leaves plain's output under another schedule (bf16 batch variance): counted apart
+    summary["mismatches"] = sum(r["mismatches"] for c in cells for r in c["methods"] if r["method"] != PLAIN_SYNC)
+    summary[f"{PLAIN_SYNC}_mismatches"] = sum(r["mismatches"] for c in cells for r in c["methods"]
+                                             if r["method"] == PLAIN_SYNC)
     return summary
+
+
+def baseline_kind(method: str) -> str | None:
+    """vLLM's speculative method behind a baseline name (``ngram``, ``ngram_gpu``, ``suffix``)."""
+    config = baseline_config(method)
+    return config["method"] if config else None
 
 
 # -------------------------------------------------------------------- cost

@@ -272,7 +272,7 @@ def lookahead_config(method: str, args: argparse.Namespace) -> dict[str, Any]:
     return {**args.lookahead_config, **args.variants.get(method, {})}
 
 
-def build_engine(method: str, args: argparse.Namespace) -> Any:
+def build_engine(method: str, args: argparse.Namespace, label: str | None = None) -> Any:
     from vllm import LLM
 
     from lookahead_lab.offline import engine_kwargs
@@ -300,7 +300,7 @@ def build_engine(method: str, args: argparse.Namespace) -> Any:
     time_vllm_drafter(llm)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
     reset_drafters(llm)  # "cold" means cold: forget the warm-up text
-    log(f"built {method} engine in {time.perf_counter() - start:.1f} s")
+    log(f"built {label or method} engine in {time.perf_counter() - start:.1f} s")
     return llm
 
 
@@ -369,6 +369,8 @@ def _time_vllm_drafter(root: Any) -> None:
     drafter = vllm_drafter(root)
     if drafter is None or proposers(root):  # plain, or lookahead (which counts itself)
         return
+    if type(drafter).__name__ == "NgramProposerGPU":  # its propose only launches device work: no host time
+        return
     counters: Counter = Counter()
     propose = drafter.propose
 
@@ -392,17 +394,22 @@ STEP_KINDS = ("decode_draftless", "decode_drafted", "mixed")
 
 
 def start_step_clock(llm: Any) -> None:
-    """Log every engine step from now on: when ``execute_model`` began, and the step's kind
-    (:data:`STEP_KINDS`: decode rows only, without or with draft tokens; a prefill among them)."""
+    """Log every engine step from now on: when ``execute_model`` began, the step's kind
+    (:data:`STEP_KINDS`: decode rows only, without or with draft tokens as scheduled; a prefill
+    among them) and whether every row in it is new (the first step of a ``generate`` call).
+    Under async scheduling with vLLM's ``ngram_gpu`` every decode step is scheduled with k
+    placeholder drafts, trimmed only inside ``execute_model``: there all count as drafted."""
     on_engine(llm, _start_step_clock)
 
 
 def _start_step_clock(root: Any) -> None:
     runner = model_runner(root)
+    if runner is None:  # nothing to clock: read_step_clock then reports no steps
+        return
     if hasattr(runner, "bench_step_log"):
         runner.bench_step_log.clear()
         return
-    steps: list[tuple[int, str]] = []
+    steps: list[tuple[int, str, bool]] = []
     execute = runner.execute_model
 
     def clocked(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -411,7 +418,7 @@ def _start_step_clock(root: Any) -> None:
             drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
             decode = scheduler_output.total_num_scheduled_tokens == rows + drafts
             kind = STEP_KINDS[2] if not decode else STEP_KINDS[1] if drafts else STEP_KINDS[0]
-            steps.append((time.perf_counter_ns(), kind))
+            steps.append((time.perf_counter_ns(), kind, len(scheduler_output.scheduled_new_reqs) == rows))
         return execute(scheduler_output, *args, **kwargs)
 
     runner.execute_model = clocked
@@ -420,17 +427,18 @@ def _start_step_clock(root: Any) -> None:
 
 def read_step_clock(llm: Any) -> dict[str, Any]:
     """Per step kind: how many steps, and the median time from a step's start to the next one's
-    (its whole period: scheduling, forward, sampling, drafting). The last step of a ``generate``
-    call runs up to the engine's next call, which may come after other engines' chunks: with a few
-    calls against hundreds of steps, the medians do not see them."""
+    (the engine's cadence: under async scheduling the next step is scheduled while this one
+    runs). A step followed by one whose rows are all new ended its ``generate`` call, and the
+    next call may come after other engines' chunks: it has no period."""
     return on_engine(llm, _read_step_clock)
 
 
 def _read_step_clock(root: Any) -> dict[str, Any]:
     steps = getattr(model_runner(root), "bench_step_log", [])
     periods: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
-    for (start, kind), (end, _) in zip(steps, steps[1:]):
-        periods[kind].append((end - start) / 1e6)
+    for (start, kind, _), (end, _, fresh) in zip(steps, steps[1:]):
+        if not fresh:
+            periods[kind].append((end - start) / 1e6)
     return {kind: {"steps": len(v), "median_ms": round(statistics.median(v), 3) if v else None}
             for kind, v in periods.items()}
 

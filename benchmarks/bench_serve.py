@@ -94,8 +94,8 @@ def method_flags(method: str, variants: dict[str, dict[str, Any]] | None = None)
         return [*flags, "--additional-config", json.dumps({"lookahead": fields})] if fields else flags
     config = baseline_config(method)
     if config is None:
-        raise ValueError("expected plain, plain-sync, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>] or "
-                         "suffix[-d<depth>]")
+        raise ValueError("expected plain, plain-sync, lookahead, lookahead:NAME, ngram<k>[-w<min>-<max>], "
+                         "ngram_gpu<k>[-w<min>-<max>] or suffix[-d<depth>]")
     return ["--speculative-config", json.dumps(config)]
 
 

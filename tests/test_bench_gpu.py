@@ -37,13 +37,18 @@ def test_bench_gpu_dry_run_reports_every_part(tiny_llama_dir, tmp_path):
     speed = parts["speed"]
     assert speed["cells"] and all({"plain", "plain-sync", "lookahead:chain", "lookahead:hier", "lookahead:index+jacobi"}
                                   <= {r["method"] for r in c["methods"]} for c in speed["cells"])
-    assert set(speed["summary"]) == {"bs1", "bs2", "mismatches"} and speed["summary"]["mismatches"] == 0
-    assert speed["summary"]["bs1"]["plain-sync/plain"] > 0  # a real engine with async scheduling off ran
-    # every row carries its engine's step periods; plain never has a drafted step
+    assert set(speed["summary"]) == {"bs1", "bs2", "mismatches", "plain-sync_mismatches"}
+    assert speed["summary"]["mismatches"] == 0 == speed["summary"]["plain-sync_mismatches"]
+    assert speed["async_scheduling"]["plain-sync"] is False and speed["summary"]["bs1"]["plain-sync/plain"]
+    # every row carries its engine's step periods: plain never has a drafted step; a row drafted in a
+    # decode step only if it drafted at all, and the chains did in some cell
     for cell in speed["cells"]:
         periods = {r["method"]: r["step_periods"] for r in cell["methods"]}
         assert periods["plain"]["decode_draftless"]["steps"] > 0 and periods["plain"]["decode_drafted"]["steps"] == 0
         assert periods["plain"]["decode_draftless"]["median_ms"] > 0
+        assert all(r["num_drafts"] or not r["step_periods"]["decode_drafted"]["steps"] for r in cell["methods"])
+    assert any(r["step_periods"]["decode_drafted"]["steps"] for c in speed["cells"] for r in c["methods"]
+               if r["method"] == "lookahead:chain")
     # cost: rows x draft sizes of one engine, relative to the one-row one-token step
     (model,) = parts["cost"]["models"]
     assert {(r["rows"], r["draft_tokens"]) for r in model["rows"]} == {(1, 0), (1, 1), (1, 3), (2, 0), (2, 1), (2, 3)}
@@ -132,6 +137,7 @@ def test_a_baseline_engine_that_fails_to_build_is_left_out_and_named(monkeypatch
 
     monkeypatch.setattr(bench_gpu.offline, "build_engine", build)
     monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
+    monkeypatch.setattr(bench_gpu, "async_scheduling", lambda llm: None)  # the stand-ins are strings
     args = bench_gpu.parse_args(["--dry"])
     failures = {}
     engines = bench_gpu.build_engines(["ngram8", "suffix", "plain"], args, graphs=False, failures=failures)
@@ -159,8 +165,8 @@ def test_plain_sync_is_plain_with_async_scheduling_off(monkeypatch):
             scheduler = SimpleNamespace(async_scheduling=overrides.get("async_scheduling"))
             self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
 
-    def build(method, eargs):
-        built.append((method, dict(eargs.engine_overrides)))
+    def build(method, eargs, label=None):
+        built.append((label or method, dict(eargs.engine_overrides)))
         return Engine(eargs.engine_overrides)
 
     monkeypatch.setattr(bench_gpu.offline, "build_engine", build)
@@ -169,7 +175,7 @@ def test_plain_sync_is_plain_with_async_scheduling_off(monkeypatch):
     assert bench_gpu.speed_baselines(args) == (["plain-sync"], {"suffix": "--no-suffix"})
     assert bench_gpu.lookahead_methods(args) == []
     engines = bench_gpu.build_engines(["plain", "plain-sync"], args, graphs=True)
-    assert [m for m, _ in built] == ["plain", "plain"]
+    assert [m for m, _ in built] == ["plain", "plain-sync"]  # plain's engine, labelled in the log
     assert "async_scheduling" not in built[0][1] and built[1][1]["async_scheduling"] is False
     assert built[1][1]["compilation_config"] == built[0][1]["compilation_config"]
     assert engines["plain-sync"].llm_engine.vllm_config.scheduler_config.async_scheduling is False
@@ -188,50 +194,60 @@ def test_speed_summary_reports_plain_sync_and_runs_without_lookahead():
     finally:
         sys.path.pop(0)
 
-    def cell(bs, **speedups):
-        return {"batch_size": bs, "methods": [{"method": m.replace("_", "-"), "speedup": v, "mismatches": 0}
+    def cell(bs, mismatches=0, **speedups):
+        return {"batch_size": bs, "methods": [{"method": m, "speedup": v, "mismatches": mismatches * (m != "plain")}
                                               for m, v in {"plain": 1.0, **speedups}.items()]}
 
-    summary = bench_gpu.speed_summary([cell(1, plain_sync=0.5), cell(1, plain_sync=0.8), cell(8, plain_sync=0.9)])
+    summary = bench_gpu.speed_summary([cell(1, 3, **{"plain-sync": 0.5}), cell(1, **{"plain-sync": 0.8}),
+                                       cell(8, **{"plain-sync": 0.9})])
     assert summary["bs1"]["plain-sync/plain"] == pytest.approx((0.5 * 0.8) ** 0.5, abs=1e-3)
     assert summary["bs8"] == {"lookahead/plain": None, "lookahead/suffix": None, "ngram/plain": None,
-                              "plain-sync/plain": 0.9}
-    with_lookahead = bench_gpu.speed_summary([cell(1, **{"lookahead:chain": 2.0, "suffix": 0.5})])
-    assert with_lookahead["bs1"]["lookahead/plain"] == 2.0 and with_lookahead["bs1"]["lookahead/suffix"] == 4.0
+                              "ngram_gpu/plain": None, "plain-sync/plain": 0.9}
+    assert summary["mismatches"] == 0 and summary["plain-sync_mismatches"] == 3  # its schedule's, apart
+    mixed = bench_gpu.speed_summary([cell(1, 1, **{"lookahead:chain": 2.0, "suffix": 0.5, "ngram8-w2-4": 1.5,
+                                                   "ngram16": 1.7, "ngram_gpu8-w2-4": 1.9})])
+    assert mixed["bs1"] == {"lookahead/plain": 2.0, "lookahead/suffix": 4.0, "ngram/plain": 1.7,
+                            "ngram_gpu/plain": 1.9, "plain-sync/plain": None}  # each n-gram drafter apart
+    assert mixed["mismatches"] == 5  # one for each method beside plain
 
 
 def test_step_clock_classifies_and_times_each_step(monkeypatch):
     """The step clock wraps the model runner's ``execute_model``: a step of decode rows only, without
-    or with drafts, or with a prefill among them; the median period from one step's start to the next."""
+    or with drafts, or with a prefill among them; the median period from one step's start to the
+    next, none for the last step before a step of new rows only (a new ``generate`` call)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import bench_offline
     finally:
         sys.path.pop(0)
-    clock = iter([0, 2_000_000, 5_000_000, 6_000_000, 10_000_000, 12_000_000])
-    monkeypatch.setattr(bench_offline.time, "perf_counter_ns", lambda: next(clock))
+    ticks = iter([0, 2_000_000, 5_000_000, 6_000_000, 10_000_000, 900_000_000, 903_000_000])
+    monkeypatch.setattr(bench_offline.time, "perf_counter_ns", lambda: next(ticks))
     runner = SimpleNamespace(input_batch=object(), execute_model=lambda out: out.total_num_scheduled_tokens)
-    engine = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
+    worker = SimpleNamespace(worker=SimpleNamespace(model_runner=runner))  # what collective_rpc hands over
 
-    def step(tokens, drafts):  # two rows
+    def step(tokens, drafts, new=0):  # two rows; ``new`` of them admitted in this step
         out = SimpleNamespace(num_scheduled_tokens={"a": 1, "b": tokens - 1}, total_num_scheduled_tokens=tokens,
-                              scheduled_spec_decode_tokens=drafts)
+                              scheduled_spec_decode_tokens=drafts, scheduled_new_reqs=[object()] * new)
         return runner.execute_model(out)
 
-    bench_offline.start_step_clock(engine)
-    assert step(2, {}) == 2  # the wrapped call still returns the runner's result
+    bench_offline._start_step_clock(worker)
+    assert step(2, {}, new=2) == 2  # the wrapped call still returns the runner's result
     step(2, {})
     step(5, {"b": [7, 8, 9]})  # 2 rows + 3 drafts: decode
-    step(9, {"b": [7]})  # a prefill chunk beside a decode row
+    step(9, {"b": [7]}, new=1)  # a prefill chunk beside a decode row (one new row: the same call)
     runner.execute_model(SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                                         scheduled_spec_decode_tokens={}))  # empty: not a step
+                                         scheduled_spec_decode_tokens={}, scheduled_new_reqs=[]))  # not a step
+    step(2, {})  # ends its call: 888 ms until the next call's first step
+    step(2, {}, new=2)
     step(2, {})
-    assert bench_offline.read_step_clock(engine) == {
-        "decode_draftless": {"steps": 2, "median_ms": 2.5},  # 2 ms and 3 ms; the last step has no period
+    assert bench_offline._read_step_clock(worker) == {
+        "decode_draftless": {"steps": 3, "median_ms": 3.0},  # 2, 3 and 3 ms; not the 888 ms pause
         "decode_drafted": {"steps": 1, "median_ms": 1.0},
         "mixed": {"steps": 1, "median_ms": 4.0}}
-    bench_offline.start_step_clock(engine)  # a second start clears the log, wraps once
-    assert bench_offline.read_step_clock(engine)["mixed"] == {"steps": 0, "median_ms": None}
-    step(2, {})
-    assert len(runner.bench_step_log) == 1
+    bench_offline._start_step_clock(worker)  # a second start clears the log, wraps once
+    assert bench_offline._read_step_clock(worker)["mixed"] == {"steps": 0, "median_ms": None}
+    with pytest.raises(StopIteration):
+        step(2, {})  # the clock ran out: exactly one reading a step, so no second wrapper
+    # no model runner under the root: nothing clocked, nothing read
+    bench_offline._start_step_clock(SimpleNamespace())
+    assert bench_offline._read_step_clock(SimpleNamespace())["decode_draftless"] == {"steps": 0, "median_ms": None}
