@@ -11,7 +11,9 @@ finished (``"partial": true`` until the end):
             over one paged cache (``bench_kernels.measure``).
   identity  greedy outputs of lookahead chain / ``hier`` / ``index+jacobi`` vs
             plain vLLM, bf16 SmolLM2-135M-Instruct with real weights, batch 1
-            and 8, CUDA graphs off (eager engines) and on. 0 mismatches is the bar.
+            and 8 (``--identity-batch-sizes``), CUDA graphs off (eager engines) and
+            on; ``--batch-invariant``: vLLM's batch-invariant kernels, so that plain's
+            output does not depend on the batch. 0 mismatches is the bar.
   speed     methods interleaved chunk by chunk (``bench_offline.run_cell``):
             plain, with ``--plain-sync`` plain with async scheduling off, vLLM
             ``ngram`` and ``ngram_gpu`` (every ``--ngram`` config; the best of each
@@ -119,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "drafter, which keeps async scheduling); the best per cell is reported")
     p.add_argument("--suffix", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's suffix decoding among the speed part's baselines (--no-suffix: one engine fewer)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every engine with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels, a GPU only): "
+                        "plain's greedy output no longer depends on the batch, so identity at batch 8 and 32 "
+                        "means token for token, not up to bf16 batch variance")
+    p.add_argument("--identity-batch-sizes", nargs="+", type=int, default=[1, 8],
+                   help="the identity part's batch sizes (the first is plain's reference for its batch variance)")
     p.add_argument("--plain-sync", action="store_true",
                    help="also plain vLLM with async scheduling off (method plain-sync): how much of a "
                         "speculative engine's step over plain's is the overlap every speculative engine lacks")
@@ -343,7 +351,7 @@ def part_identity(args: argparse.Namespace, state: dict, result: dict) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompts = identity_prompts(args)
-    batch_sizes = DRY["identity_batch_sizes"] if args.dry else [1, 8]
+    batch_sizes = DRY["identity_batch_sizes"] if args.dry else list(args.identity_batch_sizes)
     modes = ["eager"] if args.dry or not on_gpu() else list(args.identity_modes)
     result.update(num_prompts=len(prompts), max_tokens=args.max_tokens, cells=[])
     if "graphs" not in modes:
@@ -683,8 +691,13 @@ def preflight(args: argparse.Namespace) -> str | None:
         # first step. The drafters are reached over collective_rpc (bench_offline.on_engine).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if args.batch_invariant and (args.dry or not on_gpu()):
+        return ("--batch-invariant: needs a CUDA GPU (vLLM 0.32's batch-invariant kernels are Triton; "
+                "a CPU engine fails in them)")
     if args.dry or not on_gpu():
         return None
+    if args.batch_invariant:  # read by vLLM when an engine starts; engine processes inherit it
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     # vLLM 0.32's sampler probes FlashInfer, which the kit leaves out: its torch sampler instead.
     if importlib.util.find_spec("flashinfer") is None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,27 @@ def test_step_clock_classifies_and_times_each_step(monkeypatch):
     # no model runner under the root: nothing clocked, nothing read
     bench_offline._start_step_clock(SimpleNamespace())
     assert bench_offline._read_step_clock(SimpleNamespace())["decode_draftless"] == {"steps": 0, "median_ms": None}
+
+
+def test_batch_invariance_is_asked_for_on_a_gpu_only(monkeypatch):
+    """--batch-invariant sets VLLM_BATCH_INVARIANT for the engines on a GPU and is refused, naming
+    why, where there is none (vLLM's batch-invariant kernels fail in a CPU engine)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_USE_FLASHINFER_SAMPLER",
+                 "LOOKAHEAD_VLLM_GPU_TREES"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # preflight sets them: restored after the test
+    args = bench_gpu.parse_args(["--batch-invariant", "--identity-batch-sizes", "1", "8", "32"])
+    assert args.identity_batch_sizes == [1, 8, 32] and bench_gpu.parse_args([]).identity_batch_sizes == [1, 8]
+    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
+    assert "needs a CUDA GPU" in bench_gpu.preflight(args) and "VLLM_BATCH_INVARIANT" not in os.environ
+    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: True)
+    bench_gpu.preflight(args)
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    bench_gpu.preflight(bench_gpu.parse_args([]))
+    assert "VLLM_BATCH_INVARIANT" not in os.environ  # off unless asked
