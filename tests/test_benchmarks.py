@@ -1153,3 +1153,37 @@ def test_bench_tree_verify_times_both_host_calls_and_digests_the_rows(tmp_path):
     assert saved["cells"] == again and saved["git"]["commit"]
     with pytest.raises(SystemExit):
         bench.main(["--nodes", "2", "--out", str(tmp_path / "x.json")])
+
+
+def test_bench_arrivals_pairs_in_process_engines_at_the_same_arrivals(tiny_llama_dir, tmp_path):
+    """The open loop without servers: every method gets the same arrivals and prompts each round;
+    request by request ratios with an interval, each request's times in order, step periods."""
+    out = tmp_path / "arrivals.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_arrivals.py"), "--model", tiny_llama_dir,
+           "--methods", "plain", "lookahead", "--num-prompts", "2", "--rounds", "2", "--request-rate", "20",
+           "--max-tokens", "6", "--max-model-len", "2048", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    summary = report["summary"]["lookahead"]
+    assert summary["requests"] == 4 and summary["mismatches"] == 0 and 0 <= summary["faster"] <= 4
+    low, high = summary["latency"]["ci95"]
+    assert low < summary["latency"]["ratio"] < high
+    for method, rows in report["requests"].items():
+        assert [r["round"] for r in rows] == [0, 0, 1, 1]
+        assert all(0 < r["ttft_s"] <= r["latency_s"] and r["decode_s"] >= 0 for r in rows)
+        assert len(report["step_periods"][method]) == 2  # one clock reading a round
+    assert all(p["decode_drafted"]["steps"] == 0 for p in report["step_periods"]["plain"])
+    assert "lookahead over plain, request by request: latency" in proc.stdout
+
+
+def test_bench_arrivals_rejects_bad_arguments(capsys):
+    bench_arrivals = _import_bench("bench_arrivals")
+    for argv, message in ((["--methods", "plain"], "needs two or more different methods"),
+                          (["--methods", "plain", "plain"], "needs two or more different methods"),
+                          (["--request-rate", "0"], "--request-rate 0.0: must be > 0"),
+                          (["--rounds", "0"], "--rounds 0: must be >= 1"),
+                          (["--methods", "plain", "nosuch"], "--methods 'nosuch'")):
+        with pytest.raises(SystemExit):
+            bench_arrivals.parse_args(argv)
+        assert message in capsys.readouterr().err
