@@ -262,17 +262,23 @@ def test_batch_invariance_is_asked_for_on_a_gpu_only(monkeypatch):
         import bench_gpu
     finally:
         sys.path.pop(0)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_USE_FLASHINFER_SAMPLER",
                  "LOOKAHEAD_VLLM_GPU_TREES"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # preflight sets them: restored after the test
-    args = bench_gpu.parse_args(["--batch-invariant", "--identity-batch-sizes", "1", "8", "32"])
-    assert args.identity_batch_sizes == [1, 8, 32] and bench_gpu.parse_args([]).identity_batch_sizes == [1, 8]
-    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
-    assert "needs a CUDA GPU" in bench_gpu.preflight(args) and "VLLM_BATCH_INVARIANT" not in os.environ
-    monkeypatch.setattr(bench_gpu, "on_gpu", lambda: True)
-    bench_gpu.preflight(args)
-    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
-    bench_gpu.preflight(bench_gpu.parse_args([]))
-    assert "VLLM_BATCH_INVARIANT" not in os.environ  # off unless asked
+    # By hand, not monkeypatch: preflight sets it in os.environ, and a leaked 1 turns every later
+    # engine in this process batch-invariant (which fails on a CPU).
+    saved = os.environ.pop("VLLM_BATCH_INVARIANT", None)
+    try:
+        args = bench_gpu.parse_args(["--batch-invariant", "--identity-batch-sizes", "1", "8", "32"])
+        assert args.identity_batch_sizes == [1, 8, 32] and bench_gpu.parse_args([]).identity_batch_sizes == [1, 8]
+        monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
+        assert "needs a CUDA GPU" in bench_gpu.preflight(args) and "VLLM_BATCH_INVARIANT" not in os.environ
+        monkeypatch.setattr(bench_gpu, "on_gpu", lambda: True)
+        bench_gpu.preflight(args)
+        assert os.environ.pop("VLLM_BATCH_INVARIANT") == "1"
+        bench_gpu.preflight(bench_gpu.parse_args([]))
+        assert "VLLM_BATCH_INVARIANT" not in os.environ  # off unless asked
+    finally:
+        os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        if saved is not None:
+            os.environ["VLLM_BATCH_INVARIANT"] = saved
