@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.methods if r % 2 == 0 else args.methods[::-1]:
             offline.reset_drafters(engines[method])
             offline.start_step_clock(engines[method])
+            meter.start()
             rows = run_round(engines[method], f"{method}-{r}", batch, arrivals, params)
+            meter.stop()
             requests[method] += [{"round": r, **row} for row in rows]
             steps[method].append(offline.read_step_clock(engines[method]))
             offline.log(f"round {r + 1}/{args.rounds} {method}: mean latency "

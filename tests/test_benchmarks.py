@@ -1174,6 +1174,7 @@ def test_bench_arrivals_pairs_in_process_engines_at_the_same_arrivals(tiny_llama
         assert all(0 < r["ttft_s"] <= r["latency_s"] and r["decode_s"] >= 0 for r in rows)
         assert len(report["step_periods"][method]) == 2  # one clock reading a round
     assert all(p["decode_drafted"]["steps"] == 0 for p in report["step_periods"]["plain"])
+    assert report["other_cpu"]["wall_s"] > 0 and len(report["other_cpu"]["other_cpu_s_per_interval"]) == 4
     assert "lookahead over plain, request by request: latency" in proc.stdout
 
 
