@@ -2,12 +2,15 @@
 
 ``bench_serve.py --request-rate`` sends the same arrivals to real OpenAI servers; at 0.25
 requests a second there ``suffix``'s latency led lookahead's by 1.13x (1.08-1.17,
-docs/results.md). This runs that traffic against in-process engines (``max_num_seqs`` as the
+docs/results.md). This runs traffic like it against in-process engines (``max_num_seqs`` as the
 servers had), stepping each engine by hand and admitting each request at its arrival time, so
 what the engine's own steps cost is measured apart from the server around them: per request
-TTFT, decode time and latency; per engine step kind the median period (bench_offline's step
-clock); rounds of new prompts, the methods' order alternating round by round; the last method's
-latency paired with the first's, request by request, with a 95% interval.
+TTFT (to the first output token, not the first streamed text), decode time and latency, from
+its arrival; per engine step kind the median period (bench_offline's step clock); rounds of new
+prompts, the methods' order alternating round by round; every later method's latency paired
+with the first's, request by request, with a 95% interval. Unlike bench_serve's servers, each
+round draws its own arrivals (seeded by the round; bench_serve seeds by wave), drafters are
+emptied before each round, and prefix caching is off.
 
     python benchmarks/bench_arrivals.py --methods suffix lookahead --num-prompts 16 --rounds 4 \\
         --request-rate 0.25 --out /tmp/arrivals.json
@@ -36,7 +39,7 @@ from paired import ratio_interval  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["suffix", "lookahead"],
-                   help="bench_offline method names; the last one's latency is paired with the first's")
+                   help="bench_offline method names; every later one's latency is paired with the first's")
     p.add_argument("--num-prompts", type=int, default=16, help="requests a round (each round new prompts)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--request-rate", type=float, default=0.25, help="Poisson arrivals a second")
@@ -50,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.methods) < 2 or len(set(args.methods)) != len(args.methods):
         p.error(f"--methods {' '.join(args.methods)}: needs two or more different methods")
     for name, value, low in (("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1),
-                             ("--max-tokens", args.max_tokens, 1), ("--max-num-seqs", args.max_num_seqs, 1)):
+                             ("--max-tokens", args.max_tokens, 2), ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-model-len", args.max_model_len, 16)):
         if value < low:
             p.error(f"{name} {value}: must be >= {low}")
     if not args.request_rate > 0:
@@ -81,8 +85,8 @@ def run_round(llm: Any, name: str, prompts: list[str], arrivals: list[float], pa
                 first.setdefault(i, t)
             if output.finished:
                 done[i] = (t, list(output.outputs[0].token_ids))
-    return [{"ttft_s": first[i] - arrivals[i], "decode_s": done[i][0] - first[i], "latency_s": done[i][0] - arrivals[i],
-             "token_ids": done[i][1]} for i in range(len(prompts))]
+    return [{"arrival_s": arrivals[i], "ttft_s": first[i] - arrivals[i], "decode_s": done[i][0] - first[i],
+             "latency_s": done[i][0] - arrivals[i], "token_ids": done[i][1]} for i in range(len(prompts))]
 
 
 def summarize(requests: dict[str, list[dict[str, Any]]], reference: str, method: str) -> dict[str, Any]:
@@ -107,13 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         from lookahead_vllm.models import prepare_smollm2
 
         args.model = str(prepare_smollm2())
-    eargs = SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants={},
-                            max_model_len=args.max_model_len, engine_overrides={"max_num_seqs": args.max_num_seqs})
-    engines = {m: offline.build_engine(m, eargs) for m in args.methods}
-    prompts = mixed_split(args.split, offline.tokenizer_for(args.model))
+    tokenizer = offline.tokenizer_for(args.model)
+    prompts = mixed_split(args.split, tokenizer)[:args.num_prompts * args.rounds]
     if len(prompts) < args.num_prompts * args.rounds:
         raise SystemExit(f"--num-prompts {args.num_prompts} x --rounds {args.rounds}: the {args.split} splits hold "
                          f"{len(prompts)} prompts")
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    if longest + args.max_tokens > args.max_model_len:
+        raise SystemExit(f"--max-model-len {args.max_model_len}: a {longest}-token prompt plus --max-tokens "
+                         f"{args.max_tokens} does not fit")
+    eargs = SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants={},
+                            max_model_len=args.max_model_len, engine_overrides={"max_num_seqs": args.max_num_seqs})
+    engines = {m: offline.build_engine(m, eargs) for m in args.methods}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     requests: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
     steps: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             meter.start()
             rows = run_round(engines[method], f"{method}-{r}", batch, arrivals, params)
             meter.stop()
-            requests[method] += [{"round": r, **row} for row in rows]
+            requests[method] += [{"round": r, "prompt": r * args.num_prompts + i, **row} for i, row in enumerate(rows)]
             steps[method].append(offline.read_step_clock(engines[method]))
             offline.log(f"round {r + 1}/{args.rounds} {method}: mean latency "
                         f"{statistics.fmean(x['latency_s'] for x in rows):.2f} s, steps {steps[method][-1]}")
@@ -138,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
               "step_periods": steps,
               "requests": {m: [{k: v for k, v in x.items() if k != "token_ids"} for x in rows]
                            for m, rows in requests.items()}}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
     for method, s in report["summary"].items():
         lat = s["latency"]
         bounds = "" if lat["ci95"][0] is None else f" ({lat['ci95'][0]:.3f}-{lat['ci95'][1]:.3f})"
         print(f"{method} over {reference}, request by request: latency {lat['ratio']:.3f}x{bounds}, "
               f"TTFT {s['ttft']['ratio']:.3f}x, decode {s['decode']['ratio']:.3f}x; faster on {s['faster']} of "
               f"{s['requests']}; {s['mismatches']} mismatches")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.out}")
     return 1 if any(s["mismatches"] for s in report["summary"].values()) else 0
 
 

@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's suffix decoding among the speed part's baselines (--no-suffix: one engine fewer)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="every engine with VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant kernels, a GPU only): "
-                        "plain's greedy output no longer depends on the batch, so identity at batch 8 and 32 "
+                        "plain's greedy output no longer depends on the batch, so identity at batch 8 (and more) "
                         "means token for token, not up to bf16 batch variance")
     p.add_argument("--identity-batch-sizes", nargs="+", type=int, default=[1, 8],
                    help="the identity part's batch sizes (the first is plain's reference for its batch variance)")
@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-context", type=int, default=512)
     p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/gpu.json; --dry: gpu_dry)")
     args = p.parse_args(argv)
+    if min(args.identity_batch_sizes) < 1:
+        p.error(f"--identity-batch-sizes {' '.join(map(str, args.identity_batch_sizes))}: each must be >= 1")
     from lookahead_lab.datasets import DATASETS
 
     args.datasets = args.datasets or (DRY["datasets"] if args.dry else list(DATASETS))

@@ -271,6 +271,8 @@ def test_batch_invariance_is_asked_for_on_a_gpu_only(monkeypatch):
     try:
         args = bench_gpu.parse_args(["--batch-invariant", "--identity-batch-sizes", "1", "8", "32"])
         assert args.identity_batch_sizes == [1, 8, 32] and bench_gpu.parse_args([]).identity_batch_sizes == [1, 8]
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_args(["--identity-batch-sizes", "1", "0"])
         monkeypatch.setattr(bench_gpu, "on_gpu", lambda: False)
         assert "needs a CUDA GPU" in bench_gpu.preflight(args) and "VLLM_BATCH_INVARIANT" not in os.environ
         monkeypatch.setattr(bench_gpu, "on_gpu", lambda: True)

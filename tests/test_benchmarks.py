@@ -1169,6 +1169,9 @@ def test_bench_arrivals_pairs_in_process_engines_at_the_same_arrivals(tiny_llama
     assert summary["requests"] == 4 and summary["mismatches"] == 0 and 0 <= summary["faster"] <= 4
     low, high = summary["latency"]["ci95"]
     assert low < summary["latency"]["ratio"] < high
+    arrivals = {m: [(r["round"], r["prompt"], r["arrival_s"]) for r in rows] for m, rows in report["requests"].items()}
+    assert arrivals["plain"] == arrivals["lookahead"]  # each request: the same prompt at the same arrival time
+    assert [a[:2] for a in arrivals["plain"]] == [(0, 0), (0, 1), (1, 2), (1, 3)]
     for method, rows in report["requests"].items():
         assert [r["round"] for r in rows] == [0, 0, 1, 1]
         assert all(0 < r["ttft_s"] <= r["latency_s"] and r["decode_s"] >= 0 for r in rows)
@@ -1184,6 +1187,7 @@ def test_bench_arrivals_rejects_bad_arguments(capsys):
                           (["--methods", "plain", "plain"], "needs two or more different methods"),
                           (["--request-rate", "0"], "--request-rate 0.0: must be > 0"),
                           (["--rounds", "0"], "--rounds 0: must be >= 1"),
+                          (["--max-tokens", "1"], "--max-tokens 1: must be >= 2"),
                           (["--methods", "plain", "nosuch"], "--methods 'nosuch'")):
         with pytest.raises(SystemExit):
             bench_arrivals.parse_args(argv)
