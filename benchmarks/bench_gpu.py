@@ -63,7 +63,7 @@ import traceback  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
-from baselines import baseline_config  # noqa: E402
+from baselines import PLAIN_SYNC  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PROMPTS_FILE = REPO / "benchmarks" / "data" / "gpu_prompts.json"
@@ -81,7 +81,6 @@ VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
             "chain-dg": {"draft_shape": "one", "_profile": {"draftless_graphs": True}}}
 DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
-PLAIN_SYNC = "plain-sync"  # --plain-sync: plain vLLM with async scheduling off
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")
 # CUDA-graph sizes captured per engine: fewer than vLLM's default list, so engines start faster.
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -441,7 +440,7 @@ def speed_baselines(args: argparse.Namespace) -> tuple[list[str], dict[str, str]
     except ImportError:
         stub = True
     for method in args.ngram:
-        if stub and not method.startswith("ngram_gpu"):  # ngram_gpu drafts with torch alone
+        if stub and offline.engine_method(method) != "ngram_gpu":  # ngram_gpu drafts with torch alone
             skipped[method] = "numba is a stub or missing here (the kit's stand-in): vLLM's ngram cannot run"
         else:
             methods.append(method)
@@ -532,7 +531,7 @@ def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
             if PLAIN_SYNC in speed:
                 ratios[f"{PLAIN_SYNC}/plain"].append(speed[PLAIN_SYNC])
             for kind in ("ngram_gpu", "ngram"):
-                best_ngram = max((v for m, v in speed.items() if baseline_kind(m) == kind), default=None)
+                best_ngram = max((v for m, v in speed.items() if offline.engine_method(m) == kind), default=None)
                 if best_ngram is not None:
                     ratios[f"{kind}/plain"].append(best_ngram)
         summary[f"bs{bs}"] = {k: round(statistics.geometric_mean(v), 3) if v else None for k, v in ratios.items()}
@@ -542,11 +541,6 @@ def speed_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
                                              if r["method"] == PLAIN_SYNC)
     return summary
 
-
-def baseline_kind(method: str) -> str | None:
-    """vLLM's speculative method behind a baseline name (``ngram``, ``ngram_gpu``, ``suffix``)."""
-    config = baseline_config(method)
-    return config["method"] if config else None
 
 
 # -------------------------------------------------------------------- cost

