@@ -140,6 +140,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
+    if model_config is not None and (model_config.is_hybrid or model_config.is_attention_free):
+        problems.append("models with recurrent layers (Mamba, GDN, linear attention: their state follows one "
+                        "sequence, not a token tree)")
     if _on_cuda() and os.environ.get(GPU_TREES_ENV) != "1":
         problems.append(f"CUDA GPUs yet: on the first GPU run (an H200, bf16) its greedy outputs diverged from plain "
                         f"vLLM's on 4 of 8 prompts while chains matched on all (docs/gpu.md); set {GPU_TREES_ENV}=1 "

@@ -198,22 +198,36 @@ def patch_draftless_steps(original):
     every step of a speculative engine (``_prepare_inputs`` tests
     ``self.speculative_config is not None``). Lookahead drafts nothing whenever
     no draft can pay, and such steps must cost what plain vLLM's cost, so
-    ``_prepare_inputs`` runs with the speculative config hidden.
+    ``_prepare_inputs`` runs with the speculative config hidden
+    (:func:`runs_draftless`).
     """
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        if not isinstance(drafter, LookaheadProposer) or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+        if not runs_draftless(self, scheduler_output):
             return original(self, scheduler_output, *args, **kwargs)
         spec, self.speculative_config = self.speculative_config, None
         try:
             out = original(self, scheduler_output, *args, **kwargs)
         finally:
             self.speculative_config = spec
-        drafter.on_draftless_step()
+        self.drafter.on_draftless_step()
         return out
 
     return _prepare_inputs
+
+
+def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
+    """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for
+    the runner, no request carries a draft token, and the model keeps no recurrent state. On a
+    hybrid or attention-free model (Mamba, GDN, linear attention) vLLM's speculative path sets
+    every decode row's draft count (0 without drafts) for the recurrent layers' metadata, which
+    apply the accepted tokens' offset to their state from it: such a step keeps that path."""
+    if not isinstance(getattr(runner, "drafter", None), LookaheadProposer):
+        return False
+    if any(scheduler_output.scheduled_spec_decode_tokens.values()):
+        return False
+    model_config = runner.model_config
+    return not (model_config.is_hybrid or model_config.is_attention_free)
 
 
 def _wrap_all(targets: list[tuple[type, str, Callable]], params: dict[str, tuple[str, ...]]) -> None:

@@ -165,6 +165,23 @@ def test_async_scheduling_refused(tiny_llama_dir):
         guards.check_tree_config(cfg, "draft_shape='hier'")
 
 
+def test_recurrent_layers_refused_for_trees(tiny_llama_dir, monkeypatch):
+    """Mamba, GDN and linear-attention layers keep one state per sequence: a tree cannot be
+    verified in it, so tree mode is refused at config time (vLLM's recurrent backends would
+    fail later with a bare NotImplementedError)."""
+    from vllm.config import ModelConfig
+
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    guards.check_tree_config(cfg, "draft_shape='hier'")  # a plain attention model: accepted
+    for flag in ("is_hybrid", "is_attention_free"):
+        with monkeypatch.context() as m:
+            m.setattr(ModelConfig, flag, property(lambda self: True))
+            with pytest.raises(ValueError, match=r"does not support models with recurrent layers \(Mamba, GDN"):
+                guards.check_tree_config(cfg, "draft_shape='hier'")
+
+
 def test_v2_model_runner_refused(tiny_llama_dir, monkeypatch):
     """Explicit VLLM_USE_V2_MODEL_RUNNER=1 wins over vLLM's unsupported-feature list."""
     from lookahead_vllm.vllm import guards

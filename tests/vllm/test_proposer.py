@@ -859,3 +859,22 @@ def test_tree_results_book_every_tree_and_feed_the_windows_of_live_requests():
     slot_a, slot_b = p.request_state("a").slot, p.request_state("b").slot
     assert calls == [[[slot_b, slot_a], [[7, 8, 9], [1, 2, 3]], [0, 1], [0, 2, 2]]]
     assert s.pool_ngrams_added == 5
+
+
+@pytest.mark.parametrize("hybrid, attention_free, scheduled, draftless", [
+    (False, False, {"a": [], "b": []}, True),  # no draft in the step: plain decoding
+    (False, False, {"a": [], "b": [5]}, False),  # a draft: the speculative path
+    (True, False, {"a": [], "b": []}, False),  # recurrent layers read the path's per-row draft counts
+    (False, True, {}, False),
+])
+def test_a_step_runs_draftless_only_without_drafts_or_recurrent_layers(hybrid, attention_free, scheduled, draftless):
+    """patches.runs_draftless: on a model with Mamba, GDN or linear-attention layers vLLM's
+    speculative path sets each decode row's draft count (0 without drafts) that those layers
+    apply the accepted tokens' offset from, so no step of such a model hides it."""
+    from lookahead_vllm.vllm.patches import runs_draftless
+
+    model = SimpleNamespace(is_hybrid=hybrid, is_attention_free=attention_free)
+    runner = SimpleNamespace(drafter=make_proposer(), model_config=model)
+    output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled)
+    assert runs_draftless(runner, output) is draftless
+    assert runs_draftless(SimpleNamespace(drafter=object(), model_config=model), output) is False  # not lookahead's
