@@ -79,7 +79,8 @@ class LookaheadConfig(BaseModel):
     warm_start: str = ""
     # What the drafter learned (core/snapshot.py): loaded on start when the
     # file exists, written on shutdown (atomically); a corrupt or foreign file
-    # is refused with a warning and the engine starts cold. "" = none.
+    # is refused with a warning, kept as <path>.refused, and the engine starts
+    # cold (vllm/persistence.py). "" = none.
     snapshot_path: str = ""
     # Tenant isolation (core/partitions.py): whose outputs a request drafts from.
     # "per-salt": only same-cache_salt requests' (unsalted ones share one

@@ -3,10 +3,13 @@
 ``Persistence`` does, for one proposer, what the config's ``warm_start`` and
 ``snapshot_path`` ask for:
 
-  start   load the snapshot (core/snapshot.py) if its file exists (a corrupt,
-          truncated or foreign one is refused with a warning; drafting starts
-          cold), then learn the ``warm_start`` texts (core/warm_start.py) with
-          the model's tokenizer, unless the snapshot was written with that file.
+  start   load the snapshot (core/snapshot.py) if its file exists, then
+          learn the ``warm_start`` texts (core/warm_start.py) with the model's
+          tokenizer, unless the snapshot was written with that file. A corrupt,
+          truncated or foreign snapshot is refused with a warning (drafting
+          starts cold) and kept: moved to ``<path>.refused`` (``.refused.1``,
+          ... when taken), so that this run's snapshot does not overwrite it;
+          where it cannot be moved, this run writes no snapshot.
   close   write the snapshot (atomically) once: on engine shutdown, from the
           proposer's ``close()``, its finalizer or ``atexit``.
 
@@ -46,6 +49,8 @@ class Persistence:
         self._identity: dict | None = None
         self._warm_digest = ""
         self.closed = False
+        # False once a refused snapshot could not be moved aside: writing would overwrite it.
+        self.writes = True
 
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
@@ -74,15 +79,33 @@ class Persistence:
         try:
             snap = drafter.load_snapshot(path, self.identity())
         except SnapshotError as exc:
-            logger.warning("lookahead %s; refused, drafting starts cold", exc)
+            self._set_aside(path, str(exc))
             return None
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
-            logger.warning("lookahead snapshot %s: could not be loaded (%r); drafting starts cold", path, exc)
+            self._set_aside(path, f"snapshot {path}: could not be loaded ({exc!r})")
             return None
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
         return snap
+
+    def _set_aside(self, path: str, why: str) -> None:
+        """Keep a refused snapshot out of this run's way: renamed to the first free
+        ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``)."""
+        aside, n = f"{path}.refused", 0
+        while os.path.lexists(aside):
+            n += 1
+            aside = f"{path}.refused.{n}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:  # gone meanwhile (another rank of this engine moved it)
+            logger.warning("lookahead %s; refused, drafting starts cold", why)
+        except OSError as exc:
+            self.writes = False
+            logger.warning("lookahead %s; refused, drafting starts cold, and no snapshot is written to %s this run "
+                           "(the file could not be moved aside: %s)", why, path, exc.strerror or exc)
+        else:
+            logger.warning("lookahead %s; refused and kept as %s, drafting starts cold", why, aside)
 
     def _warm(self, drafter: Any) -> None:
         path = self.config.warm_start
@@ -116,8 +139,12 @@ class Persistence:
             self.save(drafter)
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now (a failure is logged, not raised)."""
+        """Write the snapshot now (a failure is logged, not raised; nothing where a refused
+        snapshot could not be moved aside)."""
         path = self.config.snapshot_path
+        if not self.writes:
+            logger.warning("lookahead snapshot %s: not written (a refused snapshot is still there)", path)
+            return None
         try:
             info = {"warm_start": self._warm_digest, "written_at": time.time()}
             snap = drafter.save_snapshot(path, self.identity(), info)

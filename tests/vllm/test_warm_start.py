@@ -117,15 +117,26 @@ def test_snapshot_written_when_the_proposer_is_collected(tmp_path, smollm2_dir, 
 
 
 def test_bad_snapshot_starts_cold_with_a_warning(tmp_path, smollm2_dir, caplog):
-    snap = tmp_path / "learned.bin"
-    snap.write_bytes(b"LKAHSNAP\x01\x00\x00\x00garbage")
+    """A refused snapshot is kept beside the path (``.refused``, then ``.refused.1``): the
+    run's own snapshot, written at shutdown, never overwrites it."""
+    snap, garbage = tmp_path / "learned.bin", b"LKAHSNAP\x01\x00\x00\x00garbage"
+    snap.write_bytes(garbage)
+    (tmp_path / "learned.bin.refused").write_bytes(b"an earlier refusal")
     with caplog.at_level(logging.WARNING):
         p = make_proposer(smollm2_dir, snapshot_path=str(snap))
     assert p.drafter.index.corpus_sequences() == []
-    assert any(str(snap) in r.getMessage() and "refused" in r.getMessage() for r in caplog.records)
+    assert any(str(snap) in r.getMessage() and "refused and kept as" in r.getMessage() for r in caplog.records)
+    assert not snap.exists() and (tmp_path / "learned.bin.refused.1").read_bytes() == garbage
+    assert (tmp_path / "learned.bin.refused").read_bytes() == b"an earlier refusal"
+    p.warm_start([[5, 6, 7, 8]])
+    p.close()
+    assert make_proposer(smollm2_dir, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+    assert (tmp_path / "learned.bin.refused.1").read_bytes() == garbage
 
 
 def test_snapshot_of_another_model_is_refused(tmp_path, smollm2_dir, tiny_llama_dir, caplog):
+    """The other model's engine starts cold and writes its own snapshot; the first model's
+    snapshot survives it (moved aside) and still loads into that model."""
     snap = tmp_path / "learned.bin"
     p = make_proposer(smollm2_dir, snapshot_path=str(snap))
     p.warm_start([[5, 6, 7, 8]])
@@ -134,6 +145,29 @@ def test_snapshot_of_another_model_is_refused(tmp_path, smollm2_dir, tiny_llama_
         other = make_proposer(tiny_llama_dir, snapshot_path=str(snap))
     assert other.drafter.index.corpus_sequences() == []
     assert any("vocab_size" in r.getMessage() or "model=" in r.getMessage() for r in caplog.records)
+    other.close()
+    kept = tmp_path / "learned.bin.refused"
+    assert make_proposer(smollm2_dir, snapshot_path=str(kept)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+
+
+def test_a_refused_snapshot_that_cannot_be_moved_is_never_overwritten(tmp_path, smollm2_dir, monkeypatch, caplog):
+    import os
+
+    snap, garbage = tmp_path / "learned.bin", b"LKAHSNAP\x01\x00\x00\x00garbage"
+    snap.write_bytes(garbage)
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with caplog.at_level(logging.WARNING):
+        p = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert any("no snapshot is written" in r.getMessage() and "Permission denied" in r.getMessage()
+               for r in caplog.records)
+    p.warm_start([[5, 6, 7, 8]])
+    p.save_snapshot()
+    p.close()
+    assert snap.read_bytes() == garbage and sorted(x.name for x in tmp_path.iterdir()) == ["learned.bin"]
 
 
 def test_warm_start_not_repeated_when_the_snapshot_holds_it(tmp_path, smollm2_dir):
