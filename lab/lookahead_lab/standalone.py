@@ -18,7 +18,8 @@ def engine_free_config(k: int, max_model_len: int, lookahead: dict[str, Any] | N
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         additional_config={"lookahead": dict(lookahead or {})},
-        model_config=SimpleNamespace(max_model_len=max_model_len, uses_mrope=False, **model),
+        model_config=SimpleNamespace(max_model_len=max_model_len, uses_mrope=False, is_hybrid=False,
+                                     is_attention_free=False, **model),
         scheduler_config=SimpleNamespace(async_scheduling=False),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         compilation_config=SimpleNamespace(cudagraph_mode=None),

@@ -37,7 +37,7 @@ Index nodes lead a merged tree; their ranking weight is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -121,6 +121,15 @@ class Drafter:
     def partition(self, salt: str | None) -> int:
         """The partition a request with vLLM ``cache_salt`` ``salt`` drafts in."""
         return self.partitions.of_salt(salt)
+
+    def release_partitions(self, held: Iterable[int]) -> int:
+        """Free the salted partitions that hold nothing: no running request (``held``: the
+        partitions of the requests the caller keeps state for, synced here or not yet) and
+        no output in any index (core/partitions.py). Returns how many were freed."""
+        in_use = set(held)
+        for index in self._indexes():
+            in_use.update(index.partition_bytes())  # settled: running sequences and outputs held
+        return self.partitions.release(in_use)
 
     def partition_stats(self) -> tuple[int, int]:
         """(partitions holding a request or an output, the corpus's charge in

@@ -29,16 +29,31 @@ Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and
 one without a salt get partitions 1, 2, 1 and 0; a restart restores only
 partition 0's outputs, and with ``per-salt-saved`` also the ``"a"`` and
 ``"b"`` outputs, each into whatever partition the salt gets then.
+
+Salted partitions are recycled: a server that sees a salt per user or per
+session would otherwise hold a record per salt forever, in Python and in
+each index (whose eviction scans them all). Once the labelled partitions
+reach :data:`SWEEP_FIRST`, and then twice as many as the last sweep left,
+the caller hands :meth:`Partitions.release` the partitions still in use
+(a running request's, or one holding outputs in an index); every other
+salted label is dropped and its id is free for the next new salt (lowest
+first, so every tensor-parallel rank numbers alike). A partition is freed
+only when it holds nothing, so a new salt never sees an old one's outputs.
+Past :data:`MAX_PARTITION` ids in use at once, a new salt drafts PRIVATE.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+from collections.abc import Iterable
 
 from lookahead_vllm.core.config import DRAFT_SHARINGS
 from lookahead_vllm.core.draft_index import DEFAULT, MAX_PARTITION, PRIVATE
 
 DEFAULT_LABEL = ""
+# Labelled partitions at which the first sweep (Partitions.release) is due.
+SWEEP_FIRST = 256
 
 
 def salt_label(salt: str) -> str:
@@ -48,15 +63,18 @@ def salt_label(salt: str) -> str:
 
 class Partitions:
     """Maps salts (and snapshot labels) to draft index partitions under one
-    sharing policy (module docstring). Salted partitions are numbered from 1
-    in order of first use and never reused while the engine runs."""
+    sharing policy (module docstring). Salted partitions are numbered from 1;
+    an id returns to use only after :meth:`release` freed it."""
 
     def __init__(self, sharing: str = "per-salt") -> None:
         if sharing not in DRAFT_SHARINGS:
             raise ValueError(f"draft_sharing={sharing!r}: must be one of {DRAFT_SHARINGS}")
         self.sharing = sharing
         self._by_label: dict[str, int] = {}
-        self._labels: list[str] = [DEFAULT_LABEL]  # partition id -> label
+        self._labels: dict[int, str] = {DEFAULT: DEFAULT_LABEL}  # partition id -> label
+        self._free: list[int] = []  # released ids (a heap: the lowest is reused first)
+        self._next = DEFAULT + 1  # the next id never used
+        self._sweep_at = SWEEP_FIRST
 
     @property
     def per_salt(self) -> bool:
@@ -81,10 +99,14 @@ class Partitions:
     def _of_label(self, label: str) -> int:
         partition = self._by_label.get(label)
         if partition is None:
-            if len(self._labels) > MAX_PARTITION:
-                raise ValueError(f"more than {MAX_PARTITION} salted partitions since the engine started")
-            partition = self._by_label[label] = len(self._labels)
-            self._labels.append(label)
+            if self._free:
+                partition = heapq.heappop(self._free)
+            elif self._next <= MAX_PARTITION:
+                partition, self._next = self._next, self._next + 1
+            else:  # every id in use at once: the request keeps to its own text
+                return PRIVATE
+            self._by_label[label] = partition
+            self._labels[partition] = label
         return partition
 
     def label(self, partition: int) -> str:
@@ -94,4 +116,24 @@ class Partitions:
         """The partitions a snapshot writes, by id."""
         if self.sharing == "none":
             return []
-        return list(range(len(self._labels))) if self.sharing == "per-salt-saved" else [DEFAULT]
+        return sorted(self._labels) if self.sharing == "per-salt-saved" else [DEFAULT]
+
+    @property
+    def labelled(self) -> int:
+        """Partitions with a label (the default one included)."""
+        return len(self._labels)
+
+    def sweep_due(self) -> bool:
+        """Whether enough salts arrived since the last :meth:`release` to call it again."""
+        return len(self._labels) >= self._sweep_at
+
+    def release(self, in_use: Iterable[int]) -> int:
+        """Drop every salted partition not in ``in_use`` (its label goes; its id is
+        reused); returns how many were dropped. Next due at twice the partitions kept."""
+        keep = set(in_use)
+        dropped = [p for p in self._labels if p != DEFAULT and p not in keep]
+        for p in dropped:
+            del self._by_label[self._labels.pop(p)]
+            heapq.heappush(self._free, p)
+        self._sweep_at = max(SWEEP_FIRST, 2 * len(self._labels))
+        return len(dropped)

@@ -333,6 +333,8 @@ class LookaheadProposer:
             # cache_salt: carried by the request_cache_salt patch (required at start).
             st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
             self._rows_version += 1
+        if self.drafter.partitions.sweep_due():  # salts that hold nothing any more give their ids back
+            self.drafter.release_partitions(st.partition for st in self._states.values())
 
     def _state(self, req_id: str) -> RequestState:
         st = self._states.get(req_id)
