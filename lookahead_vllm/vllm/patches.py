@@ -10,6 +10,9 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
                        the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
+drafter_near_max_len   ``GPUModelRunner._input_fits_in_drafter`` is true for lookahead: vLLM would
+                       otherwise, once any request is within k tokens of ``max_model_len``,
+                       skip the proposer for the whole batch and schedule k zero tokens a row.
 draftless_graphs       (profile ``draftless_graphs``) such steps also get full CUDA graphs of
                        their own, one token a request, beside the filled steps' ones.
 request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
@@ -67,7 +70,7 @@ _failed: dict[str, str] = {}
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
-                     "draftless_steps")
+                     "draftless_steps", "drafter_near_max_len")
 TREE_PATCHES = ("tree_verification",)
 
 
@@ -214,6 +217,25 @@ def patch_draftless_steps(original):
         return out
 
     return _prepare_inputs
+
+
+@method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
+def patch_drafter_near_max_len(original):
+    """Lookahead drafts every step, whatever the batch's longest request.
+
+    vLLM 0.32 runs a drafter only while the batch's longest sequence plus k tokens fits in
+    ``max_model_len`` (a draft model's own forward must fit); otherwise it schedules k zero
+    tokens for every row of the next step (1 + k scored tokens a row, nearly all rejected) and
+    the proposer misses the step. Lookahead scores no forward of its own and caps each row's
+    draft at ``max_model_len`` itself (``LookaheadProposer._budgets``).
+    """
+
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if isinstance(getattr(self, "drafter", None), LookaheadProposer):
+            return True
+        return original(self, common_attn_metadata)
+
+    return _input_fits_in_drafter
 
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
@@ -491,6 +513,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "runner_shutdown": patch_runner_shutdown,
     "request_cache_salt": patch_request_cache_salt,
     "draftless_steps": patch_draftless_steps,
+    "drafter_near_max_len": patch_drafter_near_max_len,
     "draftless_graphs": patch_draftless_graphs,
     "tree_verification": patch_tree_verification,
     "cpu_expand_kernel": patch_cpu_expand_kernel,

@@ -9,7 +9,10 @@ which no request carries a draft token as plain decoding. On SmolLM2 (fp32):
   greedy output equals plain vLLM's;
 * the default configuration on MT-Bench at batch 8 (drafts on some steps, not
   on others): exactly the steps whose batch carries a draft token reach the
-  rejection sampler, the rest run draftless, and the output equals plain's.
+  rejection sampler, the rest run draftless, and the output equals plain's;
+* a request decoding up to ``max_model_len``: within k tokens of it vLLM would
+  schedule k zero tokens a row (``drafter_near_max_len`` keeps the proposer in
+  charge), so with drafting stopped no step carries a draft there either.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from lookahead_lab.offline import count_mismatches, generate
 from .conftest import MAX_TOKENS, plain_run
 
 pytestmark = pytest.mark.vllm
+
+NO_DRAFTS = {"_profile": {"load_shrink_above": 0, "load_stop_at": 1}}  # a load that stops drafting
 
 
 def _greedy():
@@ -63,7 +68,7 @@ def test_a_load_that_stops_drafting_runs_plain_steps(engines, prompts, step_log)
     # One batch of 8 is enough to see every step run draftless.
     ps = prompts["humaneval"][:8]
     plain = plain_run(engines, ps, _greedy(), 8, ("humaneval[:8]", "greedy"))  # shared with other modules
-    llm = engines.get("lookahead-nodraft", lookahead={"_profile": {"load_shrink_above": 0, "load_stop_at": 1}})
+    llm = engines.get("lookahead-nodraft", lookahead=NO_DRAFTS)
     before = _proposer(llm).metrics.draftless_steps
     ours = generate(llm, ps, _greedy(), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
@@ -83,3 +88,19 @@ def test_only_steps_with_drafts_reach_the_rejection_sampler(engines, prompts, st
     assert 0 < drafted < len(step_log["drafted"])  # both kinds of step happened
     assert step_log["rejection_calls"] == drafted
     assert _proposer(llm).metrics.draftless_steps - before == len(step_log["drafted"]) - drafted
+
+
+def test_a_request_reaching_max_model_len_gets_no_zero_drafts(engines, tokenizer, step_log):
+    from vllm import SamplingParams
+
+    llm = engines.get("lookahead-nodraft", lookahead=NO_DRAFTS)
+    room = 24  # decoded up to max_model_len: the last 16 + 1 steps are within k of it
+    limit = llm.llm_engine.model_config.max_model_len
+    ids = tokenizer("def square(x):\n    return x * x\n\n" * 400, add_special_tokens=False)["input_ids"]
+    prompt = {"prompt_token_ids": ids[:limit - room]}
+    params = SamplingParams(temperature=0.0, max_tokens=room)
+    plain = plain_run(engines, [prompt], params, 1, ("near max_model_len", "greedy"))
+    ours = generate(llm, [prompt], params, 1)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0 and len(ours.token_ids[0]) == room
+    assert len(step_log["drafted"]) >= room - 1 and not any(step_log["drafted"])
+    assert step_log["rejection_calls"] == 0

@@ -878,3 +878,21 @@ def test_a_step_runs_draftless_only_without_drafts_or_recurrent_layers(hybrid, a
     output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled)
     assert runs_draftless(runner, output) is draftless
     assert runs_draftless(SimpleNamespace(drafter=object(), model_config=model), output) is False  # not lookahead's
+
+
+def test_lookahead_drafts_whatever_the_batchs_longest_request():
+    """patches.drafter_near_max_len: vLLM runs a drafter only while the longest sequence plus
+    k tokens fits max_model_len, else it schedules k zero tokens for every row; lookahead caps
+    each row itself (test_rows_without_sample_or_at_max_len_get_no_draft), so it always runs."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm import patches
+
+    assert patches.apply("drafter_near_max_len"), patches.failed()
+    near = SimpleNamespace(max_seq_len=MAX_LEN - 1)  # one row 1 token short of max_model_len
+    vllm_drafter = SimpleNamespace(num_spec_tokens=4, effective_drafter_max_model_len=MAX_LEN, drafter=object(),
+                                   speculative_config=SimpleNamespace(use_dflash=lambda: False))
+    assert GPUModelRunner._input_fits_in_drafter(vllm_drafter, near) is False  # vLLM's own rule, for others
+    ours = SimpleNamespace(**{**vars(vllm_drafter), "drafter": make_proposer()})
+    assert GPUModelRunner._input_fits_in_drafter(ours, near) is True
+    assert GPUModelRunner._input_fits_in_drafter(ours, None) is True
