@@ -32,6 +32,7 @@ from vllm.logger import init_logger
 from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost, prices_pinned
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
 from lookahead_vllm.core.config import Settings
+from lookahead_vllm.core.draft_index import PRIVATE
 from lookahead_vllm.core.drafter import Drafter, trailing_contexts
 from lookahead_vllm.core.load import load_scaled_budget
 from lookahead_vllm.core.prices import OnlinePrices
@@ -325,13 +326,22 @@ class LookaheadProposer:
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
         """Create the states of newly admitted requests with their options
-        (``extra_args``, validated when the request was made)."""
+        (``extra_args``, validated when the request was made; one that fails here,
+        changed after that, is logged and ignored rather than stopping the engine).
+        A prompt given as embeddings drafts nothing: vLLM leaves its positions of the
+        token table unwritten, so they hold an earlier request's tokens."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
-            st.cap = draft_cap(params.extra_args) if params is not None else None
+            try:
+                st.cap = draft_cap(params.extra_args) if params is not None else None
+            except ValueError as exc:
+                logger.warning("lookahead: request %s: %s; its options are ignored", req.req_id, exc)
+                st.cap = None
             # cache_salt: carried by the request_cache_salt patch (required at start).
             st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
+            if _has_embedded_prompt(req):
+                st.cap, st.partition = 0, PRIVATE
             self._rows_version += 1
         if self.drafter.partitions.sweep_due():  # salts that hold nothing any more give their ids back
             self.drafter.release_partitions(st.partition for st in self._states.values())
@@ -769,6 +779,14 @@ class StepShape:
             context = sum(computed.get(req_id, 0) for req_id, d in spec.items() if d)
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
                    bool(cached.req_ids), drafts > 0, rows, context)
+
+
+def _has_embedded_prompt(req: Any) -> bool:
+    """Whether a new request's prompt is (partly) embeddings (``NewRequestData``)."""
+    if getattr(req, "prompt_embeds", None) is not None:
+        return True
+    token_ids = getattr(req, "prompt_is_token_ids", None)
+    return token_ids is not None and not all(token_ids)
 
 
 def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tuple[int, float, float, float, float]:

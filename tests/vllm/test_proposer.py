@@ -146,6 +146,34 @@ def test_per_request_cap_and_off():
     assert p.num_request_states() == 1  # states (and their caps) go with their requests
 
 
+def test_an_option_that_fails_in_the_worker_is_ignored_not_fatal(caplog):
+    """extra_args are validated when the request is made; one changed after that (offline
+    use) is logged and ignored by the worker instead of raising inside the engine step."""
+    import logging
+
+    p = make_proposer()
+    bad = SimpleNamespace(extra_args={"lookahead_max_draft_tokens": "4"})
+    with caplog.at_level(logging.WARNING):
+        p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=bad)])
+    assert any("request a" in r.getMessage() and "lookahead_max_draft_tokens" in r.getMessage()
+               for r in caplog.records)
+    assert step(p, {"a": A + [1]}, {"a": len(A)}) == [[2, 3, 4, 5]] and p.request_state("a").cap is None
+
+
+@pytest.mark.parametrize("request_fields", [{"prompt_embeds": object()},
+                                            {"prompt_is_token_ids": [True, False, True]}])
+def test_a_prompt_given_as_embeddings_drafts_nothing(request_fields):
+    """vLLM leaves an embedded prompt's positions of the token table unwritten (they hold an
+    earlier request's tokens): such a request drafts nothing, in no partition."""
+    from lookahead_vllm.core.draft_index import PRIVATE
+
+    p = make_proposer()
+    p.on_new_requests([SimpleNamespace(req_id="e", sampling_params=None, cache_salt="t", **request_fields),
+                       SimpleNamespace(req_id="b", sampling_params=None, prompt_is_token_ids=[True] * 3)])
+    assert step(p, {"e": A + [1], "b": A + [1]}, {"e": len(A), "b": len(A)}) == [[], [2, 3, 4, 5]]
+    assert (p.request_state("e").cap, p.request_state("e").partition) == (0, PRIVATE)
+
+
 def test_a_steps_request_facts_follow_the_batch_and_its_options():
     """A step reuses its rows' states, slots, partitions and caps while the batch holds the same
     requests and none changed: an option that arrives for a request already running (its state
