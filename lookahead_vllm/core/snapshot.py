@@ -75,6 +75,10 @@ class SnapshotError(ValueError):
     """A snapshot that cannot be used; the message says why."""
 
 
+class SnapshotUnreadable(SnapshotError):
+    """A snapshot file the system would not read (permissions, I/O): its content was never judged."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrieTable:
     parents: np.ndarray  # [n] int32, each < its own row
@@ -233,7 +237,7 @@ def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],
         snap = decode(data)
         check_compatible(snap, identity, settings)
     except OSError as exc:
-        raise SnapshotError(f"snapshot {path}: cannot be read ({exc.strerror or exc})") from None
+        raise SnapshotUnreadable(f"snapshot {path}: cannot be read ({exc.strerror or exc})") from None
     except SnapshotError as exc:
         raise SnapshotError(f"snapshot {path}: {exc}") from None
     return snap

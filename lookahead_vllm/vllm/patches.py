@@ -227,11 +227,13 @@ def patch_drafter_near_max_len(original):
     ``max_model_len`` (a draft model's own forward must fit); otherwise it schedules k zero
     tokens for every row of the next step (1 + k scored tokens a row, nearly all rejected) and
     the proposer misses the step. Lookahead scores no forward of its own and caps each row's
-    draft at ``max_model_len`` itself (``LookaheadProposer._budgets``).
+    draft, Jacobi window included, at ``max_model_len`` itself (``LookaheadProposer._budgets``,
+    ``_can_fill``, ``_send_windows``). Without attention metadata (no KV-cache group) vLLM's own
+    rule stands.
     """
 
     def _input_fits_in_drafter(self, common_attn_metadata):
-        if isinstance(getattr(self, "drafter", None), LookaheadProposer):
+        if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
             return True
         return original(self, common_attn_metadata)
 

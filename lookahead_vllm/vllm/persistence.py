@@ -8,8 +8,10 @@
           tokenizer, unless the snapshot was written with that file. A corrupt,
           truncated or foreign snapshot is refused with a warning (drafting
           starts cold) and kept: moved to ``<path>.refused`` (``.refused.1``,
-          ... when taken), so that this run's snapshot does not overwrite it;
-          where it cannot be moved, this run writes no snapshot.
+          ... when taken), so that this run's snapshot does not overwrite it.
+          One that could not be judged (unreadable, not a regular file, the
+          tokenizer failed) or moved stays where it is, and this run writes
+          no snapshot.
   close   write the snapshot (atomically) once: on engine shutdown, from the
           proposer's ``close()``, its finalizer or ``atexit``.
 
@@ -30,7 +32,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, file_digest, identity_of
+from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, SnapshotUnreadable, file_digest, identity_of
 from lookahead_vllm.core.warm_start import read_warm_texts
 
 logger = init_logger(__name__)
@@ -49,7 +51,7 @@ class Persistence:
         self._identity: dict | None = None
         self._warm_digest = ""
         self.closed = False
-        # False once a refused snapshot could not be moved aside: writing would overwrite it.
+        # False once a snapshot was left in place unloaded: writing would overwrite it.
         self.writes = True
 
     # ---------------------------------------------------------------- start
@@ -75,19 +77,33 @@ class Persistence:
         if not os.path.exists(path):
             logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown)", path)
             return None
+        if not os.path.isfile(path):  # a directory, a device: nothing of ours to read or replace
+            return self._keep(path, "not a regular file")
+        try:
+            identity = self.identity()
+        except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
+            return self._keep(path, f"the tokenizer that names its identity did not load ({exc!r})")
         start = time.perf_counter()
         try:
-            snap = drafter.load_snapshot(path, self.identity())
+            snap = drafter.load_snapshot(path, identity)
+        except SnapshotUnreadable as exc:  # a passing I/O failure must not lose a good file
+            return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
             self._set_aside(path, str(exc))
             return None
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
-            self._set_aside(path, f"snapshot {path}: could not be loaded ({exc!r})")
-            return None
+            return self._keep(path, f"could not be loaded ({exc!r})")
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
         return snap
+
+    def _keep(self, path: str, why: str) -> None:
+        """A snapshot not judged (unreadable, not a file, no identity) stays as it is, and this
+        run writes none over it."""
+        self.writes = False
+        logger.warning("lookahead snapshot %s: %s; drafting starts cold, and no snapshot is written there this run",
+                       path, why)
 
     def _set_aside(self, path: str, why: str) -> None:
         """Keep a refused snapshot out of this run's way: renamed to the first free
@@ -143,7 +159,7 @@ class Persistence:
         snapshot could not be moved aside)."""
         path = self.config.snapshot_path
         if not self.writes:
-            logger.warning("lookahead snapshot %s: not written (a refused snapshot is still there)", path)
+            logger.warning("lookahead snapshot %s: not written (the snapshot found there at start is kept)", path)
             return None
         try:
             info = {"warm_start": self._warm_digest, "written_at": time.time()}

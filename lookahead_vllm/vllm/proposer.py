@@ -326,18 +326,19 @@ class LookaheadProposer:
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
         """Create the states of newly admitted requests with their options
-        (``extra_args``, validated when the request was made; one that fails here,
-        changed after that, is logged and ignored rather than stopping the engine).
+        (``extra_args``, validated when the request was made; a request whose options
+        fail here, changed after that, is logged and drafts nothing, rather than stopping
+        the engine).
         A prompt given as embeddings drafts nothing: vLLM leaves its positions of the
-        token table unwritten, so they hold an earlier request's tokens."""
+        token table unwritten (they hold an earlier request's tokens) or writes placeholders."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
             try:
                 st.cap = draft_cap(params.extra_args) if params is not None else None
-            except ValueError as exc:
-                logger.warning("lookahead: request %s: %s; its options are ignored", req.req_id, exc)
-                st.cap = None
+            except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
+                logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
+                st.cap = 0
             # cache_salt: carried by the request_cache_salt patch (required at start).
             st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
             if _has_embedded_prompt(req):
@@ -548,7 +549,8 @@ class LookaheadProposer:
             elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
                 drafts = [[] for _ in drafts]
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, rows[drafting], len(rows),
-                                      np.zeros(len(picked)) if entry is None else entry)
+                                      np.zeros(len(picked)) if entry is None else entry,
+                                      self.max_model_len - 1 - num_tokens[drafting])
                    if self._uses_jacobi and picked else {})
         planned = np.flatnonzero(offers.trees).tolist() + list(windows)
         p = self.config.profile
@@ -675,8 +677,8 @@ class LookaheadProposer:
                     num_tokens[known], windowed)
 
     def _send_windows(self, offers: TreeOffers, drafts: list[list[int]], calibrated: np.ndarray,
-                      tree_ok: np.ndarray, out_rows: np.ndarray, num_rows: int, entry: np.ndarray
-                      ) -> dict[int, tuple[int, ...]]:
+                      tree_ok: np.ndarray, out_rows: np.ndarray, num_rows: int, entry: np.ndarray,
+                      room: np.ndarray) -> dict[int, tuple[int, ...]]:
         """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
         changed in place); returns their lookahead tokens by offer row. The step scores ``tokens``
         tokens and is expected to emit ``gain``; a window of ``w`` nodes must be expected to add
@@ -684,7 +686,8 @@ class LookaheadProposer:
         what its extra tokens and its W column paths cost at the step's rate
         (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts at the
         trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a
-        window on a row that kept no node its row's ``entry``."""
+        window on a row that kept no node its row's ``entry``. A row's window goes only where its
+        kept nodes and the window fit the row's ``room`` before ``max_model_len``."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
@@ -694,8 +697,8 @@ class LookaheadProposer:
         # Paid where the cost model is on (cost_free_tokens 0: every window goes, as every draft does).
         drafted, priced = offers.lengths > 0, bool(cost.free_tokens)
         fees = np.where(drafted | (not priced), 0.0, entry)
-        cands = np.flatnonzero(tree_ok)
         jacobi = self.drafter.jacobi
+        cands = np.flatnonzero(tree_ok & (offers.lengths + jacobi.num_nodes <= room))
         m = np.arange(len(cands) + 1)
         costs = cost.many(tokens + m * jacobi.num_nodes, rounds + m * jacobi.window)
         chosen, ahead = jacobi.choose(offers.slots[cands], fees[cands], costs,

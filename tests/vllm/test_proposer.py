@@ -146,18 +146,20 @@ def test_per_request_cap_and_off():
     assert p.num_request_states() == 1  # states (and their caps) go with their requests
 
 
-def test_an_option_that_fails_in_the_worker_is_ignored_not_fatal(caplog):
-    """extra_args are validated when the request is made; one changed after that (offline
-    use) is logged and ignored by the worker instead of raising inside the engine step."""
+@pytest.mark.parametrize("extra_args", [{"lookahead_max_draft_tokens": "4", "lookahead_enabled": False},
+                                        ["not", "a", "mapping"]])
+def test_options_that_fail_in_the_worker_stop_drafting_not_the_engine(caplog, extra_args):
+    """extra_args are validated when the request is made; ones changed after that (offline
+    use) are logged by the worker and the request drafts nothing (it may have asked for that),
+    instead of raising inside the engine step."""
     import logging
 
     p = make_proposer()
-    bad = SimpleNamespace(extra_args={"lookahead_max_draft_tokens": "4"})
     with caplog.at_level(logging.WARNING):
-        p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=bad)])
-    assert any("request a" in r.getMessage() and "lookahead_max_draft_tokens" in r.getMessage()
-               for r in caplog.records)
-    assert step(p, {"a": A + [1]}, {"a": len(A)}) == [[2, 3, 4, 5]] and p.request_state("a").cap is None
+        p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(extra_args=extra_args))])
+    assert any("request a" in r.getMessage() and "drafts nothing" in r.getMessage() for r in caplog.records)
+    assert step(p, {"a": A + [1], "b": A + [1]}, {"a": len(A), "b": len(A)}) == [[], [2, 3, 4, 5]]
+    assert p.request_state("a").cap == 0
 
 
 @pytest.mark.parametrize("request_fields", [{"prompt_embeds": object()},
@@ -172,6 +174,20 @@ def test_a_prompt_given_as_embeddings_drafts_nothing(request_fields):
                        SimpleNamespace(req_id="b", sampling_params=None, prompt_is_token_ids=[True] * 3)])
     assert step(p, {"e": A + [1], "b": A + [1]}, {"e": len(A), "b": len(A)}) == [[], [2, 3, 4, 5]]
     assert (p.request_state("e").cap, p.request_state("e").partition) == (0, PRIVATE)
+
+
+def test_a_salted_request_not_yet_synced_keeps_its_partition_through_a_sweep(monkeypatch):
+    """The runner admits a request a step (or a chunked prefill) before its first draft: the
+    native index does not know it yet, so the proposer's own states must keep its partition
+    through a sweep, or a new salt would take its id (and later draft from its outputs)."""
+    from lookahead_vllm.core import partitions
+
+    monkeypatch.setattr(partitions, "SWEEP_FIRST", 2)
+    p = make_proposer()
+    p.on_new_requests([SimpleNamespace(req_id="x", sampling_params=None, cache_salt="kept")])  # a sweep is due
+    p.on_new_requests([SimpleNamespace(req_id="y", sampling_params=None, cache_salt="other")])
+    x, y = p.request_state("x").partition, p.request_state("y").partition
+    assert x != y and p.drafter.partition("kept") == x
 
 
 def test_a_steps_request_facts_follow_the_batch_and_its_options():
@@ -320,6 +336,22 @@ def test_with_the_cost_model_off_every_window_goes():
     drafts = step(p, {"a": prompt}, {"a": len(prompt)})
     assert step_plan(p.handed_out, "a").lookahead == (True,) * 5 and len(drafts[0]) == 5
     assert p.stats.jacobi_steps == 1
+
+
+@pytest.mark.parametrize("left, sent", [(16, 16), (15, 11)])
+def test_a_window_goes_only_where_it_fits_before_max_model_len(left, sent):
+    """A row ``left`` positions short of max_model_len - 1 keeps an 11-node draft (its own
+    repeats) and takes a 5-node window only if both fit: vLLM runs the proposer whatever the
+    batch's longest request (drafter_near_max_len), so the proposer bounds every row itself."""
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="both", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                      min_draft_confidence=0.0)
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    prompt = (A * 10)[:MAX_LEN - 1 - left]
+    drafts = step(p, {"a": prompt}, {"a": len(prompt)})
+    assert p.config.decoding_length == 11 and len(drafts[0]) == sent
+    assert p.stats.jacobi_steps == (sent > 11)
 
 
 def test_jacobi_state_rebuilt_identically_after_a_rewind():
@@ -923,4 +955,4 @@ def test_lookahead_drafts_whatever_the_batchs_longest_request():
     assert GPUModelRunner._input_fits_in_drafter(vllm_drafter, near) is False  # vLLM's own rule, for others
     ours = SimpleNamespace(**{**vars(vllm_drafter), "drafter": make_proposer()})
     assert GPUModelRunner._input_fits_in_drafter(ours, near) is True
-    assert GPUModelRunner._input_fits_in_drafter(ours, None) is True
+    assert GPUModelRunner._input_fits_in_drafter(ours, None) is False  # no metadata: vLLM's rule

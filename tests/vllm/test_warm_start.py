@@ -188,3 +188,35 @@ def test_missing_warm_start_file_starts_cold(tmp_path, smollm2_dir, caplog):
         p = make_proposer(smollm2_dir, warm_start=str(tmp_path / "absent.jsonl"))
     assert p.drafter.index.corpus_sequences() == []
     assert any("absent.jsonl" in r.getMessage() for r in caplog.records)
+
+
+def test_a_snapshot_not_judged_stays_in_place_and_nothing_is_written_over_it(tmp_path, smollm2_dir, monkeypatch,
+                                                                           caplog):
+    """A passing read failure or a directory at the path is no verdict on the content: the
+    file (or directory) stays where it is, the engine starts cold, and no snapshot replaces it."""
+    from lookahead_vllm.core import snapshot
+
+    good = make_proposer(smollm2_dir, snapshot_path=str(tmp_path / "learned.bin"))
+    good.warm_start([[5, 6, 7, 8]])
+    good.close()
+    written = (tmp_path / "learned.bin").read_bytes()
+
+    class Failing(type(tmp_path)):
+        def read_bytes(self):
+            raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(snapshot, "Path", Failing)
+        with caplog.at_level(logging.WARNING):
+            p = make_proposer(smollm2_dir, snapshot_path=str(tmp_path / "learned.bin"))
+    assert p.drafter.index.corpus_sequences() == []
+    assert any("Input/output error" in r.getMessage() and "no snapshot is written" in r.getMessage()
+               for r in caplog.records)
+    p.close()
+    assert (tmp_path / "learned.bin").read_bytes() == written and not (tmp_path / "learned.bin.refused").exists()
+
+    folder = tmp_path / "folder"
+    (folder / "inside").mkdir(parents=True)
+    p = make_proposer(smollm2_dir, snapshot_path=str(folder))
+    p.close()
+    assert (folder / "inside").is_dir() and not (tmp_path / "folder.refused").exists()
