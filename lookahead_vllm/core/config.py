@@ -80,7 +80,8 @@ class LookaheadConfig(BaseModel):
     # What the drafter learned (core/snapshot.py): loaded on start when the
     # file exists, written on shutdown (atomically); a corrupt or foreign file
     # is refused with a warning, kept as <path>.refused, and the engine starts
-    # cold (vllm/persistence.py). "" = none.
+    # cold; one that cannot be read stays and that run writes none
+    # (vllm/persistence.py). "" = none.
     snapshot_path: str = ""
     # Tenant isolation (core/partitions.py): whose outputs a request drafts from.
     # "per-salt": only same-cache_salt requests' (unsalted ones share one

@@ -202,8 +202,11 @@ def decode(data: bytes) -> Snapshot:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen])
         ns, nt, nn = int(header["num_sequences"]), int(header["num_tokens"]), int(header["trie_nodes"])
         salted = [str(label) for label in header.get("partitions", [])]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SnapshotError(f"unreadable header ({exc})") from None
+        identity, settings, info = header["identity"], header.get("settings", {}), header.get("info", {})
+        if not all(isinstance(part, dict) for part in (identity, settings, info)):
+            raise TypeError("identity, settings and info must be objects")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SnapshotError(f"unreadable header ({exc!r})") from None
     nl = ns if version >= 2 else 0
     sizes = ((ns, "<i4"), (nl, "<i4"), (nt, "<i4"), (nn, "<i4"), (nn, "<i4"), (nn, "<f8"))
     at, arrays = _PREFIX.size + hlen, []
@@ -225,7 +228,7 @@ def decode(data: bytes) -> Snapshot:
     sequences = [s.tolist() for s in np.split(tokens, bounds)] if ns else []
     trie = TrieTable(parents.astype(np.int32), ttokens.astype(np.int32), counts.astype(np.float64)) \
         if header.get("has_trie") else None
-    return Snapshot(header["identity"], header.get("settings", {}), header.get("info", {}), sequences, trie, labels)
+    return Snapshot(identity, settings, info, sequences, trie, labels)
 
 
 def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
+import stat
 import time
 import weakref
 from typing import Any
@@ -74,10 +75,14 @@ class Persistence:
         path = self.config.snapshot_path
         if not path:
             return None
-        if not os.path.exists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
             logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown)", path)
             return None
-        if not os.path.isfile(path):  # a directory, a device: nothing of ours to read or replace
+        except OSError as exc:  # a passing stat failure is no sign that the file is absent
+            return self._keep(path, f"cannot be inspected ({exc.strerror or exc})")
+        if not stat.S_ISREG(mode):  # a directory, a FIFO, a device: nothing of ours to read or replace
             return self._keep(path, "not a regular file")
         try:
             identity = self.identity()
@@ -87,6 +92,9 @@ class Persistence:
         try:
             snap = drafter.load_snapshot(path, identity)
         except SnapshotUnreadable as exc:  # a passing I/O failure must not lose a good file
+            if not os.path.lexists(path):  # moved aside meanwhile by another rank, which refused it
+                logger.warning("lookahead snapshot %s: refused by another rank; drafting starts cold", path)
+                return None
             return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
             self._set_aside(path, str(exc))
@@ -155,8 +163,8 @@ class Persistence:
             self.save(drafter)
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now (a failure is logged, not raised; nothing where a refused
-        snapshot could not be moved aside)."""
+        """Write the snapshot now (a failure is logged, not raised; nothing where the snapshot
+        found at start was left in place unloaded: ``writes``)."""
         path = self.config.snapshot_path
         if not self.writes:
             logger.warning("lookahead snapshot %s: not written (the snapshot found there at start is kept)", path)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
+import stat
 from types import SimpleNamespace
 
 import numpy as np
@@ -220,3 +222,50 @@ def test_a_snapshot_not_judged_stays_in_place_and_nothing_is_written_over_it(tmp
     p = make_proposer(smollm2_dir, snapshot_path=str(folder))
     p.close()
     assert (folder / "inside").is_dir() and not (tmp_path / "folder.refused").exists()
+
+    fifo = tmp_path / "fifo"  # read, it would block the engine's start for good
+    os.mkfifo(fifo)
+    with caplog.at_level(logging.WARNING):
+        p = make_proposer(smollm2_dir, snapshot_path=str(fifo))
+    assert any("not a regular file" in r.getMessage() for r in caplog.records)
+    p.close()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+    from lookahead_vllm.vllm.persistence import Persistence
+
+    identity, calls = Persistence.identity, []
+
+    def tokenizer_late(self):  # unavailable at start, back by shutdown
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("tokenizer files unavailable")
+        return identity(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(Persistence, "identity", tokenizer_late)
+        p = make_proposer(smollm2_dir, snapshot_path=str(tmp_path / "learned.bin"))
+        p.warm_start([[9, 9, 9, 9]])
+        p.close()
+    assert (tmp_path / "learned.bin").read_bytes() == written
+
+
+def test_a_snapshot_with_a_malformed_header_is_refused_and_kept_aside(tmp_path, smollm2_dir):
+    """A header with a valid checksum but no identity (another tool's file) is refused on its
+    content like any corrupt file: moved aside, not left to block every later write."""
+    import json
+    import struct
+    import zlib
+
+    from lookahead_vllm.core import snapshot
+
+    header = json.dumps({"num_sequences": 0, "num_tokens": 0, "trie_nodes": 0}).encode()
+    body = snapshot._PREFIX.pack(snapshot.MAGIC, max(snapshot.READ_VERSIONS), len(header)) + header
+    path = tmp_path / "learned.bin"
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    with pytest.raises(snapshot.SnapshotError, match="unreadable header"):
+        snapshot.decode(path.read_bytes())
+    p = make_proposer(smollm2_dir, snapshot_path=str(path))
+    p.warm_start([[5, 6, 7, 8]])
+    p.close()
+    assert (tmp_path / "learned.bin.refused").read_bytes() == body + struct.pack("<I", zlib.crc32(body))
+    assert make_proposer(smollm2_dir, snapshot_path=str(path)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
