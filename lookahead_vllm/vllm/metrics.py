@@ -198,15 +198,36 @@ def tp_rank() -> int:
         return 0
 
 
-def read_snapshots(directory: str) -> list[dict[str, Any]]:
-    """Snapshots written by live processes (files of dead processes are skipped)."""
-    out = []
+def read_snapshots(directory: str) -> dict[str, dict[str, Any]]:
+    """Snapshots written by live processes, by file name (files of dead processes are skipped)."""
+    out = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
             continue
         with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as f:
-            out.append(json.load(f))
+            out[name] = json.load(f)
     return out
+
+
+# The cumulative parts of a snapshot: counters and histograms (all else is a gauge).
+COUNTER_KEYS = ("steps", "draftless_steps", "draft_tokens", "accepted_tokens")
+HISTOGRAM_KEYS = ("drafter_seconds", "draft_tokens_per_step", "accepted_tokens_per_step")
+
+
+def add_cumulative(into: dict[str, Any], snap: dict[str, Any]) -> None:
+    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to start)."""
+    for key in COUNTER_KEYS:
+        into[key] = into.get(key, 0) + snap.get(key, 0)
+    skipped = into.setdefault("skipped_request_steps", dict.fromkeys(SKIP_REASONS, 0))
+    for reason in SKIP_REASONS:
+        skipped[reason] += snap.get("skipped_request_steps", {}).get(reason, 0)
+    for key in HISTOGRAM_KEYS:
+        hist = snap.get(key)
+        if hist is None:
+            continue
+        mine = into.setdefault(key, {"bounds": hist["bounds"], "counts": [0] * len(hist["counts"]), "total": 0.0})
+        mine["counts"] = [a + b for a, b in zip(mine["counts"], hist["counts"])]
+        mine["total"] += hist["total"]
 
 
 def _alive(pid: str) -> bool:
@@ -220,10 +241,17 @@ def _alive(pid: str) -> bool:
 
 
 class StatsCollector:
-    """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families."""
+    """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
+
+    A publisher that goes away (its proposer shut down, its engine process gone) keeps what its
+    last snapshot seen here counted: the ``lookahead_*`` counters and histograms never fall,
+    which Prometheus would read as a reset. Gauges and prices are the live publishers' alone."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self._last: dict[str, dict[str, Any]] = {}  # file name -> its snapshot at the last scrape
+        self._gone: dict[str, Any] = {}  # cumulative parts of the publishers gone since (add_cumulative)
+        self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:
         return []  # unchecked collector: nothing is read at registration
@@ -231,12 +259,19 @@ class StatsCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        snaps = read_snapshots(self.directory) if os.path.isdir(self.directory) else []
-        if not snaps:
+        live = read_snapshots(self.directory) if os.path.isdir(self.directory) else {}
+        with self._lock:
+            for name in self._last.keys() - live.keys():
+                add_cumulative(self._gone, self._last.pop(name))
+            self._last = live
+            gone = [json.loads(json.dumps(self._gone))] if self._gone else []  # a copy, read outside the lock
+        snaps = list(live.values())
+        if not snaps and not gone:
             return
+        counted = snaps + gone  # counters and histograms: the publishers gone since too
 
-        def total(key: str) -> float:
-            return sum(s.get(key, 0) for s in snaps)
+        def total(key: str, over: list[dict[str, Any]] = snaps) -> float:
+            return sum(s.get(key, 0) for s in over)
 
         for name, key, doc in (
             ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
@@ -260,7 +295,7 @@ class StatsCollector:
              "Fitted seconds of a step within the free tokens (0 until fitted)."),
             ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
         ):
-            yield GaugeMetricFamily(name, doc, value=total(key) / len(snaps))  # prices: averaged, not summed
+            yield GaugeMetricFamily(name, doc, value=total(key) / max(1, len(snaps)))  # prices: averaged
         for name, key, doc in (  # summed per draft_sharing policy
             ("lookahead_draft_partitions", "draft_partitions",
              "Draft index partitions holding a request or an output, by draft_sharing policy."),
@@ -280,11 +315,11 @@ class StatsCollector:
             ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
             ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
         ):
-            yield CounterMetricFamily(name, doc, value=total(key))
+            yield CounterMetricFamily(name, doc, value=total(key, counted))
         skipped = CounterMetricFamily("lookahead_skipped_request_steps", "Request-steps not drafted, by reason.",
                                       labels=["reason"])
         for reason in SKIP_REASONS:
-            skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in snaps))
+            skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in counted))
         yield skipped
         for name, key, doc in (
             ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
@@ -292,7 +327,7 @@ class StatsCollector:
             ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
              "Accepted lookahead draft tokens per engine step."),
         ):
-            yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in snaps])
+            yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in counted])
 
 
 def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:

@@ -48,6 +48,41 @@ def test_snapshots_of_live_processes_are_summed(tmp_path):
     assert got["lookahead_draft_tokens_per_step_bucket{le=+Inf}"] == 3
 
 
+def test_counters_never_fall_when_a_publisher_goes_away(tmp_path):
+    """A publisher's file removed (its proposer shut down) or its process dead: the counters
+    and histograms keep what it counted (Prometheus reads a fall as a reset); gauges drop it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.StatsCollector(str(tmp_path)))  # one collector across scrapes, as in a server
+
+    def scrape() -> dict[str, float]:
+        text = prometheus_client.generate_latest(registry).decode()
+        return {s.name + (f"{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}" if s.labels else ""):
+                s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    a, b = metrics.StepStats(trie_nodes=10), metrics.StepStats(trie_nodes=5)
+    a.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 1, "load": 0})
+    b.record_step(draft_tokens=3, accepted=3, seconds=0.02, skipped={"request": 0, "load": 2})
+    path_a, path_b = tmp_path / f"{os.getpid()}-0.json", tmp_path / f"{os.getpid()}-1.json"
+    metrics.write_snapshot(str(path_a), a.snapshot())
+    metrics.write_snapshot(str(path_b), b.snapshot())
+    first = scrape()
+    assert first["lookahead_draft_tokens_total"] == 9 and first["lookahead_trie_nodes"] == 15
+    path_b.unlink()  # b's proposer went away
+    second = scrape()
+    assert second["lookahead_draft_tokens_total"] == 9 and second["lookahead_steps_total"] == 2
+    assert second["lookahead_skipped_request_steps_total{reason=load}"] == 2
+    assert second["lookahead_drafter_seconds_count"] == 2 and second["lookahead_trie_nodes"] == 10
+    a.record_step(draft_tokens=1, accepted=1, seconds=0.0003, skipped={"request": 0, "load": 0})
+    metrics.write_snapshot(str(path_a), a.snapshot())
+    path_a.rename(tmp_path / "999999999-0.json")  # as if a's process died: its file is skipped from now on
+    third = scrape()
+    assert third["lookahead_draft_tokens_total"] == 9  # a's last snapshot seen here counted 6, b's 3
+    assert "lookahead_trie_nodes" in third and third["lookahead_trie_nodes"] == 0  # no live publisher
+    assert third["lookahead_draft_tokens_total"] >= second["lookahead_draft_tokens_total"]
+
+
 def test_live_prices_are_averaged_over_processes(tmp_path):
     a, b = metrics.StepStats(), metrics.StepStats()
     a.set_prices(SimpleNamespace(free_tokens=8, marginal_tokens=30.0, draft_setup=0.1, per_row=0.06,
