@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -153,15 +154,19 @@ class StatsPublisher:
         self.path = os.path.join(directory, f"{os.getpid()}-{next(_counter)}.json")
         stop = threading.Event()
         states = weakref.WeakMethod(owner.num_request_states) if hasattr(owner, "num_request_states") else None
-        threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states), name="lookahead-stats",
-                         daemon=True).start()
+        # Tells this publisher from a later one under the same file name (a reused process id).
+        instance = uuid.uuid4().hex
+        threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states, instance),
+                         name="lookahead-stats", daemon=True).start()
         # The owner (the proposer) going away stops the thread and removes its file.
         weakref.finalize(owner, _stop_publishing, stop, self.path)
 
 
-def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None) -> None:
+def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None,
+                  instance: str = "") -> None:
     while not stop.wait(PUBLISH_INTERVAL_S):
-        write_snapshot(path, snapshot_with_states(stats, states))
+        write_snapshot(path, {**snapshot_with_states(stats, states), "publisher": instance})
+    _remove_files(path)  # again: a write that raced the owner's removal may have put the file back
 
 
 def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]:
@@ -183,6 +188,10 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
 
 def _stop_publishing(stop: threading.Event, path: str) -> None:
     stop.set()
+    _remove_files(path)
+
+
+def _remove_files(path: str) -> None:
     for p in (path, f"{path}.tmp"):
         with contextlib.suppress(OSError):
             os.remove(p)
@@ -198,12 +207,14 @@ def tp_rank() -> int:
         return 0
 
 
-def read_snapshots(directory: str) -> dict[str, dict[str, Any]]:
-    """Snapshots written by live processes, by file name (files of dead processes are skipped)."""
-    out = {}
+def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
+    """Snapshots written by live processes, by file name (files of dead processes are skipped;
+    None: listed, but it could not be read this time)."""
+    out: dict[str, dict[str, Any] | None] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
             continue
+        out[name] = None
         with contextlib.suppress(OSError, ValueError), open(os.path.join(directory, name)) as f:
             out[name] = json.load(f)
     return out
@@ -243,29 +254,46 @@ def _alive(pid: str) -> bool:
 class StatsCollector:
     """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
 
-    A publisher that goes away (its proposer shut down, its engine process gone) keeps what its
-    last snapshot seen here counted: the ``lookahead_*`` counters and histograms never fall,
-    which Prometheus would read as a reset. Gauges and prices are the live publishers' alone."""
+    A publisher that goes away (its file removed, its process dead, another publisher under its
+    file name) keeps what its last snapshot seen here counted, and a file that could not be read
+    this time counts its last snapshot again: the ``lookahead_*`` counters and histograms never
+    fall, which Prometheus would read as a reset. Gauges and prices are the live publishers'
+    alone. Scrapes are serialized (one lock), so each one sees the files after the last."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._last: dict[str, dict[str, Any]] = {}  # file name -> its snapshot at the last scrape
         self._gone: dict[str, Any] = {}  # cumulative parts of the publishers gone since (add_cumulative)
+        # (file name, publisher) of those: a dead process's file that comes back (its id reused) is not
+        # counted again.
+        self._retired: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:
         return []  # unchecked collector: nothing is read at registration
 
     def collect(self) -> Iterator[Any]:
+        with self._lock:
+            families = list(self._families())
+        yield from families
+
+    def _families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         live = read_snapshots(self.directory) if os.path.isdir(self.directory) else {}
-        with self._lock:
-            for name in self._last.keys() - live.keys():
-                add_cumulative(self._gone, self._last.pop(name))
-            self._last = live
-            gone = [json.loads(json.dumps(self._gone))] if self._gone else []  # a copy, read outside the lock
-        snaps = list(live.values())
+        for name, snap in list(live.items()):
+            if snap is not None and (name, snap.get("publisher", "")) in self._retired:
+                del live[name]
+        for name, last in self._last.items():
+            now = live.get(name, last)
+            if name not in live or (now is not None and now.get("publisher") != last.get("publisher")):
+                add_cumulative(self._gone, last)  # gone, or another publisher under its name
+                self._retired.add((name, last.get("publisher", "")))
+            elif now is None:
+                live[name] = last  # listed but unreadable this time: its last snapshot still counts
+        self._last = {name: snap for name, snap in live.items() if snap is not None}
+        snaps = list(self._last.values())
+        gone = [self._gone] if self._gone else []
         if not snaps and not gone:
             return
         counted = snaps + gone  # counters and histograms: the publishers gone since too

@@ -48,9 +48,10 @@ def test_snapshots_of_live_processes_are_summed(tmp_path):
     assert got["lookahead_draft_tokens_per_step_bucket{le=+Inf}"] == 3
 
 
-def test_counters_never_fall_when_a_publisher_goes_away(tmp_path):
-    """A publisher's file removed (its proposer shut down) or its process dead: the counters
-    and histograms keep what it counted (Prometheus reads a fall as a reset); gauges drop it."""
+def test_counters_never_fall_when_a_publisher_goes_away(tmp_path, monkeypatch):
+    """A publisher's file removed (its proposer shut down), unreadable for a scrape, taken over by
+    another publisher (a reused process id), or its process dead: the counters and histograms keep
+    what each counted and count nothing twice (Prometheus reads a fall as a reset); gauges drop it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     registry = prometheus_client.CollectorRegistry()
@@ -61,26 +62,39 @@ def test_counters_never_fall_when_a_publisher_goes_away(tmp_path):
         return {s.name + (f"{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}" if s.labels else ""):
                 s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
+    def publish(path, stats, instance):
+        metrics.write_snapshot(str(path), {**stats.snapshot(), "publisher": instance})
+
     a, b = metrics.StepStats(trie_nodes=10), metrics.StepStats(trie_nodes=5)
     a.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 1, "load": 0})
     b.record_step(draft_tokens=3, accepted=3, seconds=0.02, skipped={"request": 0, "load": 2})
     path_a, path_b = tmp_path / f"{os.getpid()}-0.json", tmp_path / f"{os.getpid()}-1.json"
-    metrics.write_snapshot(str(path_a), a.snapshot())
-    metrics.write_snapshot(str(path_b), b.snapshot())
-    first = scrape()
-    assert first["lookahead_draft_tokens_total"] == 9 and first["lookahead_trie_nodes"] == 15
+    publish(path_a, a, "a")
+    publish(path_b, b, "b")
+    assert scrape()["lookahead_draft_tokens_total"] == 9
+    read = metrics.json.load
+    with monkeypatch.context() as m:  # a's file unreadable for one scrape (say, no file handle left)
+        m.setattr(metrics.json, "load", lambda f: read(f) if "-1.json" in f.name else int("x"))
+        assert scrape()["lookahead_draft_tokens_total"] == 9
+    assert scrape()["lookahead_draft_tokens_total"] == 9  # readable again: not counted twice
     path_b.unlink()  # b's proposer went away
     second = scrape()
     assert second["lookahead_draft_tokens_total"] == 9 and second["lookahead_steps_total"] == 2
     assert second["lookahead_skipped_request_steps_total{reason=load}"] == 2
     assert second["lookahead_drafter_seconds_count"] == 2 and second["lookahead_trie_nodes"] == 10
-    a.record_step(draft_tokens=1, accepted=1, seconds=0.0003, skipped={"request": 0, "load": 0})
-    metrics.write_snapshot(str(path_a), a.snapshot())
-    path_a.rename(tmp_path / "999999999-0.json")  # as if a's process died: its file is skipped from now on
+    c = metrics.StepStats(trie_nodes=1)
+    c.record_step(draft_tokens=1, accepted=0, seconds=0.0003, skipped={"request": 0, "load": 0})
+    publish(path_b, c, "c")  # a new publisher under b's old name
+    assert scrape()["lookahead_draft_tokens_total"] == 10
+    dead = tmp_path / "999999999-0.json"
+    path_a.rename(dead)  # a's process died: its file is skipped from now on
+    assert scrape()["lookahead_draft_tokens_total"] == 10
+    dead.rename(path_a)  # ... until its process id is reused: the stale file is not counted twice
     third = scrape()
-    assert third["lookahead_draft_tokens_total"] == 9  # a's last snapshot seen here counted 6, b's 3
-    assert "lookahead_trie_nodes" in third and third["lookahead_trie_nodes"] == 0  # no live publisher
-    assert third["lookahead_draft_tokens_total"] >= second["lookahead_draft_tokens_total"]
+    assert third["lookahead_draft_tokens_total"] == 10 and third["lookahead_trie_nodes"] == 1  # c alone is live
+    path_b.rename(tmp_path / "999999999-1.json")
+    last = scrape()
+    assert last["lookahead_draft_tokens_total"] == 10 and last["lookahead_trie_nodes"] == 0  # no live publisher
 
 
 def test_live_prices_are_averaged_over_processes(tmp_path):
