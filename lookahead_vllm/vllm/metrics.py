@@ -220,9 +220,23 @@ def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-# The cumulative parts of a snapshot: counters and histograms (all else is a gauge).
-COUNTER_KEYS = ("steps", "draftless_steps", "draft_tokens", "accepted_tokens")
-HISTOGRAM_KEYS = ("drafter_seconds", "draft_tokens_per_step", "accepted_tokens_per_step")
+# The cumulative parts of a snapshot, (series, snapshot key, help): counters and histograms (the
+# skip reasons too); all else is a gauge. The collector exports these and keeps departed ones'.
+COUNTERS = (
+    ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
+    ("lookahead_draftless_steps", "draftless_steps",
+     "Steps with no lookahead draft token in the batch, run as plain decoding."),
+    ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
+    ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
+)
+HISTOGRAMS = (
+    ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
+    ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),
+    ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
+     "Accepted lookahead draft tokens per engine step."),
+)
+COUNTER_KEYS = tuple(key for _, key, _ in COUNTERS)
+HISTOGRAM_KEYS = tuple(key for _, key, _ in HISTOGRAMS)
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any]) -> None:
@@ -336,25 +350,14 @@ class StatsCollector:
             for policy, value in sorted(by_policy.items()):
                 gauge.add_metric([policy], value)
             yield gauge
-        for name, key, doc in (
-            ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
-            ("lookahead_draftless_steps", "draftless_steps",
-             "Steps with no lookahead draft token in the batch, run as plain decoding."),
-            ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
-            ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
-        ):
+        for name, key, doc in COUNTERS:
             yield CounterMetricFamily(name, doc, value=total(key, counted))
         skipped = CounterMetricFamily("lookahead_skipped_request_steps", "Request-steps not drafted, by reason.",
                                       labels=["reason"])
         for reason in SKIP_REASONS:
             skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in counted))
         yield skipped
-        for name, key, doc in (
-            ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
-            ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),
-            ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
-             "Accepted lookahead draft tokens per engine step."),
-        ):
+        for name, key, doc in HISTOGRAMS:
             yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in counted])
 
 
