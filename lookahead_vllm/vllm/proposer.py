@@ -339,10 +339,10 @@ class LookaheadProposer:
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
                 st.cap = 0
-            # cache_salt: carried by the request_cache_salt patch (required at start).
-            st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
             if _has_embedded_prompt(req):
                 st.cap, st.partition = 0, PRIVATE
+            else:  # cache_salt: carried by the request_cache_salt patch (required at start)
+                st.partition = self.drafter.partition(getattr(req, "cache_salt", None))
             self._rows_version += 1
         if self.drafter.partitions.sweep_due():  # salts that hold nothing any more give their ids back
             self.drafter.release_partitions(st.partition for st in self._states.values())
