@@ -48,8 +48,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--split", default="test", choices=["test", "dev"])
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="as bench_offline's: a lookahead:NAME method with these lookahead settings")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    args.variants = {}
+    for spec in args.variant:
+        name, _, config = spec.partition("=")
+        try:
+            args.variants[f"lookahead:{name}"] = json.loads(config or "{}")
+        except ValueError as exc:
+            p.error(f"--variant {spec!r}: {exc}")
     if len(args.methods) < 2 or len(set(args.methods)) != len(args.methods):
         p.error(f"--methods {' '.join(args.methods)}: needs two or more different methods")
     for name, value, low in (("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1),
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if longest + args.max_tokens > args.max_model_len:
         raise SystemExit(f"--max-model-len {args.max_model_len}: a {longest}-token prompt plus --max-tokens "
                          f"{args.max_tokens} does not fit")
-    eargs = SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants={},
+    eargs = SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants=args.variants,
                             max_model_len=args.max_model_len, engine_overrides={"max_num_seqs": args.max_num_seqs})
     engines = {m: offline.build_engine(m, eargs) for m in args.methods}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -1188,7 +1188,8 @@ def test_bench_arrivals_rejects_bad_arguments(capsys):
                           (["--request-rate", "0"], "--request-rate 0.0: must be > 0"),
                           (["--rounds", "0"], "--rounds 0: must be >= 1"),
                           (["--max-tokens", "1"], "--max-tokens 1: must be >= 2"),
-                          (["--methods", "plain", "nosuch"], "--methods 'nosuch'")):
+                          (["--methods", "plain", "nosuch"], "--methods 'nosuch'"),
+                          (["--variant", "x={bad"], "--variant 'x={bad'")):
         with pytest.raises(SystemExit):
             bench_arrivals.parse_args(argv)
         assert message in capsys.readouterr().err
