@@ -16,8 +16,12 @@
           proposer's ``close()``, its finalizer or ``atexit``.
 
 Tensor-parallel ranks hold identical drafters and write the same bytes, each
-through its own temporary file. The tokenizer (loaded only when one of the two
-is set) also names the snapshot's identity: folder name and vocabulary size.
+through its own temporary file. Data-parallel engines learn apart: the engine of
+data-parallel rank 0 (or the only one) keeps ``snapshot_path``, rank ``r`` keeps
+``<path>.dp<r>`` (:func:`snapshot_file`) and, while it has none yet, starts from
+rank 0's file, read only (never moved aside: it is rank 0's). The tokenizer
+(loaded only when one of the two is set) also names the snapshot's identity:
+folder name and vocabulary size.
 """
 
 from __future__ import annotations
@@ -42,12 +46,20 @@ logger = init_logger(__name__)
 TOKENIZE_BATCH = 1024
 
 
+def snapshot_file(path: str, dp_rank: int) -> str:
+    """The snapshot file of the engine of data-parallel rank ``dp_rank`` (module docstring)."""
+    return f"{path}.dp{dp_rank}" if path and dp_rank else path
+
+
 class Persistence:
     """See the module docstring."""
 
-    def __init__(self, config: Settings, model_config: Any) -> None:
+    def __init__(self, config: Settings, model_config: Any, dp_rank: int = 0) -> None:
         self.config = config
         self.model_config = model_config
+        # This engine's file, and the file it starts from while it has none (rank 0's).
+        self.path = snapshot_file(config.snapshot_path, dp_rank)
+        self._shared = config.snapshot_path if self.path != config.snapshot_path else ""
         self._tokenizer: Any = None
         self._identity: dict | None = None
         self._warm_digest = ""
@@ -72,12 +84,14 @@ class Persistence:
             logger.warning("lookahead warm_start %s: not learned (%r)", self.config.warm_start, exc)
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
-        path = self.config.snapshot_path
+        path = self.path
         if not path:
             return None
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
+            if self._shared and os.path.isfile(self._shared):
+                return self._load_shared(drafter)
             logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown)", path)
             return None
         except OSError as exc:  # a passing stat failure is no sign that the file is absent
@@ -104,6 +118,19 @@ class Persistence:
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
+        return snap
+
+    def _load_shared(self, drafter: Any) -> Snapshot | None:
+        """Start from data-parallel rank 0's snapshot (this engine has none of its own yet):
+        read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
+        try:
+            snap = drafter.load_snapshot(self._shared, self.identity())
+        except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
+            logger.warning("lookahead snapshot %s: not loaded (%s); drafting starts cold, and this engine's own "
+                           "snapshot goes to %s", self._shared, exc, self.path)
+            return None
+        logger.info("lookahead snapshot %s loaded (this engine's own, %s, does not exist yet): %d outputs, "
+                    "%d tokens", self._shared, self.path, len(snap.sequences), snap.num_tokens)
         return snap
 
     def _keep(self, path: str, why: str) -> None:
@@ -165,7 +192,7 @@ class Persistence:
     def save(self, drafter: Any) -> Snapshot | None:
         """Write the snapshot now (a failure is logged, not raised; nothing where the snapshot
         found at start was left in place unloaded: ``writes``)."""
-        path = self.config.snapshot_path
+        path = self.path
         if not self.writes:
             logger.warning("lookahead snapshot %s: not written (the snapshot found there at start is kept)", path)
             return None

@@ -277,7 +277,9 @@ class LookaheadProposer:
         # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot
         # is written again when the engine shuts down (patch runner_shutdown, applied by
         # prepare_engine: close()), else at exit.
-        self._persistence = persistence.Persistence(self.config, vllm_config.model_config)
+        self._persistence = persistence.Persistence(
+            self.config, vllm_config.model_config,
+            getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0)
         self._persistence.start(self.drafter)
         if self.config.snapshot_path:
             persistence.close_at_exit(self)

@@ -24,12 +24,13 @@ TEXTS = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i *
          "The quick brown fox jumps over the lazy dog."]
 
 
-def make_proposer(tokenizer_dir: str, **fields):
+def make_proposer(tokenizer_dir: str, dp_rank: int = 0, **fields):
     from lookahead_lab.standalone import engine_free_config
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
     fields.setdefault("cost_free_tokens", 0)
     config = engine_free_config(8, MAX_LEN, lookahead(**fields), model=tokenizer_dir, tokenizer=tokenizer_dir)
+    config.parallel_config = SimpleNamespace(data_parallel_index=dp_rank)  # vLLM's, in each data-parallel engine
     return LookaheadProposer(config)
 
 
@@ -269,3 +270,32 @@ def test_a_snapshot_with_a_malformed_header_is_refused_and_kept_aside(tmp_path, 
     p.close()
     assert (tmp_path / "learned.bin.refused").read_bytes() == body + struct.pack("<I", zlib.crc32(body))
     assert make_proposer(smollm2_dir, snapshot_path=str(path)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+
+
+def test_data_parallel_engines_keep_snapshots_of_their_own(tmp_path, smollm2_dir, caplog):
+    """Data-parallel engines learn apart, so each keeps its own file (rank r: ``<path>.dp<r>``)
+    instead of the last one to shut down overwriting the others'; an engine without a file of its
+    own starts from rank 0's, which it reads and never moves or writes."""
+    snap = tmp_path / "learned.bin"
+    rank0 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    rank0.warm_start([[5, 6, 7, 8]])
+    rank0.close()
+    written = snap.read_bytes()
+    rank1 = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))
+    assert rank1.drafter.index.corpus_sequences() == [[5, 6, 7, 8]]  # started from rank 0's
+    rank1.warm_start([[9, 10, 11, 12]])
+    rank1.close()
+    assert snap.read_bytes() == written and (tmp_path / "learned.bin.dp1").is_file()
+    assert make_proposer(smollm2_dir, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+    again = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))
+    assert sorted(again.drafter.index.corpus_sequences()) == [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+    snap.write_bytes(b"not a snapshot")  # rank 0's file refused: rank 2 starts cold and leaves it be
+    with caplog.at_level(logging.WARNING):
+        rank2 = make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap))
+    assert rank2.drafter.index.corpus_sequences() == []
+    assert any("learned.bin.dp2" in r.getMessage() for r in caplog.records)
+    rank2.warm_start([[1, 2, 3]])
+    rank2.close()
+    assert snap.read_bytes() == b"not a snapshot" and not (tmp_path / "learned.bin.refused").exists()
+    assert make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[1, 2, 3]]
