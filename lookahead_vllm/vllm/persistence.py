@@ -18,8 +18,11 @@
 Tensor-parallel ranks hold identical drafters and write the same bytes, each
 through its own temporary file. Data-parallel engines learn apart: the engine of
 data-parallel rank 0 (or the only one) keeps ``snapshot_path``, rank ``r`` keeps
-``<path>.dp<r>`` (:func:`snapshot_file`) and, while it has none yet, starts from
-rank 0's file, read only (never moved aside: it is rank 0's). The tokenizer
+``<path>.dp<r>`` (:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``,
+the global rank, ``--data-parallel-rank`` included) and, while it has no usable
+one (none yet, or its own refused), starts from rank 0's file, read only (never
+moved aside: it is rank 0's). Servers that are not data-parallel ranks of one
+deployment and share a path still overwrite each other (the last one wins). The tokenizer
 (loaded only when one of the two is set) also names the snapshot's identity:
 folder name and vocabulary size.
 """
@@ -107,12 +110,14 @@ class Persistence:
             snap = drafter.load_snapshot(path, identity)
         except SnapshotUnreadable as exc:  # a passing I/O failure must not lose a good file
             if not os.path.lexists(path):  # moved aside meanwhile by another rank, which refused it
-                logger.warning("lookahead snapshot %s: refused by another rank; drafting starts cold", path)
-                return None
+                logger.warning("lookahead snapshot %s: refused by another rank", path)
+                return self._load_shared(drafter) if self._shared else None
             return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
             self._set_aside(path, str(exc))
-            return None
+            # Where this engine's own file was refused, every tensor-parallel rank starts alike:
+            # from rank 0's file (the ranks that find the file already moved aside do the same).
+            return self._load_shared(drafter) if self._shared else None
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             return self._keep(path, f"could not be loaded ({exc!r})")
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
@@ -121,16 +126,17 @@ class Persistence:
         return snap
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
-        """Start from data-parallel rank 0's snapshot (this engine has none of its own yet):
+        """Start from data-parallel rank 0's snapshot (this engine has no usable one of its own):
         read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
+        path = self._shared
         try:
-            snap = drafter.load_snapshot(self._shared, self.identity())
+            snap = drafter.load_snapshot(path, self.identity())
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             logger.warning("lookahead snapshot %s: not loaded (%s); drafting starts cold, and this engine's own "
-                           "snapshot goes to %s", self._shared, exc, self.path)
+                           "snapshot goes to %s", path, str(exc).removeprefix(f"snapshot {path}: "), self.path)
             return None
-        logger.info("lookahead snapshot %s loaded (this engine's own, %s, does not exist yet): %d outputs, "
-                    "%d tokens", self._shared, self.path, len(snap.sequences), snap.num_tokens)
+        logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own goes to %s): "
+                    "%d outputs, %d tokens", path, self.path, len(snap.sequences), snap.num_tokens)
         return snap
 
     def _keep(self, path: str, why: str) -> None:

@@ -299,3 +299,23 @@ def test_data_parallel_engines_keep_snapshots_of_their_own(tmp_path, smollm2_dir
     rank2.close()
     assert snap.read_bytes() == b"not a snapshot" and not (tmp_path / "learned.bin.refused").exists()
     assert make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[1, 2, 3]]
+
+
+def test_a_data_parallel_engine_whose_own_snapshot_is_refused_starts_from_rank_0s(tmp_path, smollm2_dir):
+    """Rank r's own file refused: set aside as ``<path>.dp<r>.refused``, and the engine starts
+    from rank 0's file, as a tensor-parallel rank of it that finds the file already moved aside
+    does (else the ranks' drafters would differ)."""
+    import vllm.config
+
+    assert "data_parallel_index" in vllm.config.ParallelConfig.__dataclass_fields__  # where the rank is read
+    snap = tmp_path / "learned.bin"
+    rank0 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    rank0.warm_start([[5, 6, 7, 8]])
+    rank0.close()
+    (tmp_path / "learned.bin.dp1").write_bytes(b"not a snapshot")
+    first = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))
+    assert first.drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+    assert (tmp_path / "learned.bin.dp1.refused").read_bytes() == b"not a snapshot"
+    assert not (tmp_path / "learned.bin.dp1").exists()
+    second = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))  # the file already moved aside
+    assert second.drafter.index.corpus_sequences() == first.drafter.index.corpus_sequences()
