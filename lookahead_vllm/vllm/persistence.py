@@ -16,7 +16,9 @@
           proposer's ``close()``, its finalizer or ``atexit``.
 
 Tensor-parallel ranks hold identical drafters and write the same bytes, each
-through its own temporary file. Data-parallel engines learn apart: the engine of
+through its own temporary file; in tree mode, where each rank verifies its own
+drafter's trees, ranks that learned different things at start (a file one of
+them could not read) all start cold and write nothing (the proposer checks). Data-parallel engines learn apart: the engine of
 data-parallel rank 0 (or the only one) keeps ``snapshot_path``, rank ``r`` keeps
 ``<path>.dp<r>`` (:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``,
 the global rank, ``--data-parallel-rank`` included) and, while it has no usable

@@ -281,8 +281,24 @@ class LookaheadProposer:
             self.config, vllm_config.model_config,
             getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0)
         self._persistence.start(self.drafter)
+        if self.tree_mode and (self.config.snapshot_path or self.config.warm_start):
+            self._agree_on_what_was_learned()
         if self.config.snapshot_path:
             persistence.close_at_exit(self)
+
+    def _agree_on_what_was_learned(self) -> None:
+        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so
+        the ranks must start from the same state. A snapshot or warm-start file that one rank
+        could not read (a passing I/O error, its tokenizer failing) would leave them apart: then
+        every rank starts cold and writes no snapshot (keeping the file)."""
+        trie = self.drafter.trie
+        learned = (self.drafter.partition_stats(), 0 if trie is None else trie.num_nodes)
+        if _differs_across_ranks(learned):
+            logger.warning("lookahead: the tensor-parallel ranks learned different things at start (a snapshot "
+                           "or warm-start file one of them could not read); every rank starts cold, and no "
+                           "snapshot is written this run")
+            self.reset()
+            self._persistence.writes = False
 
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the Drafter."""
@@ -792,6 +808,25 @@ def _has_embedded_prompt(req: Any) -> bool:
         return True
     token_ids = getattr(req, "prompt_is_token_ids", None)
     return token_ids is not None and not all(token_ids)
+
+
+def _differs_across_ranks(value: Any) -> bool:
+    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is
+    one rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    try:
+        if get_tensor_model_parallel_world_size() <= 1:
+            return False
+    except AssertionError:  # no distributed state (unit tests): a single rank
+        return False
+    import torch
+    import torch.distributed as dist
+
+    group = get_tp_group()
+    differs = torch.tensor([int(group.broadcast_object(value, src=0) != value)], dtype=torch.int64)
+    dist.all_reduce(differs, group=group.cpu_group)
+    return bool(differs.item())
 
 
 def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tuple[int, float, float, float, float]:

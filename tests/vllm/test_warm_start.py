@@ -319,3 +319,31 @@ def test_a_data_parallel_engine_whose_own_snapshot_is_refused_starts_from_rank_0
     assert not (tmp_path / "learned.bin.dp1").exists()
     second = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))  # the file already moved aside
     assert second.drafter.index.corpus_sequences() == first.drafter.index.corpus_sequences()
+
+
+def test_tree_mode_ranks_that_learned_differently_all_start_cold(tmp_path, smollm2_dir, monkeypatch, caplog):
+    """In tree mode each tensor-parallel rank verifies the trees its own drafter planned: where
+    the ranks' drafters differ after start (a file one rank could not read), every rank starts
+    cold and writes no snapshot; chains (drafted on the ranks alike, verified as vLLM sends
+    them) keep what they loaded."""
+    from lookahead_vllm.vllm import proposer as proposer_module
+
+    snap = tmp_path / "learned.bin"
+    writer = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    writer.warm_start([[5, 6, 7, 8]])
+    writer.close()
+    one = make_proposer(smollm2_dir, draft_shape="hier", snapshot_path=str(snap))
+    assert one.drafter.index.corpus_sequences() == [[5, 6, 7, 8]]  # one rank: nothing to agree on
+    one.close()
+    written = snap.read_bytes()
+    seen = []
+    monkeypatch.setattr(proposer_module, "_differs_across_ranks", lambda value: seen.append(value) or True)
+    with caplog.at_level(logging.WARNING):
+        tree = make_proposer(smollm2_dir, draft_shape="hier", snapshot_path=str(snap))
+    assert seen and tree.drafter.index.corpus_sequences() == []
+    assert any("every rank starts cold" in r.getMessage() for r in caplog.records)
+    tree.warm_start([[1, 2, 3]])
+    tree.close()
+    assert snap.read_bytes() == written
+    chain = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert chain.drafter.index.corpus_sequences() == [[5, 6, 7, 8]] and len(seen) == 1
