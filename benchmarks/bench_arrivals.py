@@ -54,11 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.variants = {}
     for spec in args.variant:
-        name, _, config = spec.partition("=")
+        name, sep, config = spec.partition("=")
         try:
-            args.variants[f"lookahead:{name}"] = json.loads(config or "{}")
+            fields = json.loads(config) if sep and name else None
         except ValueError as exc:
-            p.error(f"--variant {spec!r}: {exc}")
+            p.error(f"--variant {spec!r}: not JSON ({exc})")
+        if not isinstance(fields, dict):
+            p.error(f"--variant {spec!r}: expected NAME=JSON object")
+        args.variants[f"lookahead:{name}"] = fields
+    named = {m for m in args.methods if m.startswith("lookahead:")}
+    for method in sorted(named - set(args.variants)):
+        p.error(f"--methods {method!r}: no --variant {method.partition(':')[2]}=JSON given")
+    for method in sorted(set(args.variants) - named):
+        p.error(f"--variant {method.partition(':')[2]}: not among --methods (add {method!r})")
     if len(args.methods) < 2 or len(set(args.methods)) != len(args.methods):
         p.error(f"--methods {' '.join(args.methods)}: needs two or more different methods")
     for name, value, low in (("--num-prompts", args.num_prompts, 1), ("--rounds", args.rounds, 1),
@@ -71,6 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for method in args.methods:
         offline.check_method(p, method)
     return args
+
+
+def engine_args(args: argparse.Namespace) -> SimpleNamespace:
+    """bench_offline.build_engine's arguments for these (each method's engine: the variants' settings,
+    ``max_num_seqs`` as the servers had, prefix caching off)."""
+    return SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants=args.variants,
+                           max_model_len=args.max_model_len, engine_overrides={"max_num_seqs": args.max_num_seqs})
 
 
 def run_round(llm: Any, name: str, prompts: list[str], arrivals: list[float], params: Any) -> list[dict[str, Any]]:
@@ -129,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if longest + args.max_tokens > args.max_model_len:
         raise SystemExit(f"--max-model-len {args.max_model_len}: a {longest}-token prompt plus --max-tokens "
                          f"{args.max_tokens} does not fit")
-    eargs = SimpleNamespace(model=args.model, k=None, lookahead_config={}, prefix_caching="off", variants=args.variants,
-                            max_model_len=args.max_model_len, engine_overrides={"max_num_seqs": args.max_num_seqs})
+    eargs = engine_args(args)
     engines = {m: offline.build_engine(m, eargs) for m in args.methods}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     requests: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}

@@ -1189,7 +1189,16 @@ def test_bench_arrivals_rejects_bad_arguments(capsys):
                           (["--rounds", "0"], "--rounds 0: must be >= 1"),
                           (["--max-tokens", "1"], "--max-tokens 1: must be >= 2"),
                           (["--methods", "plain", "nosuch"], "--methods 'nosuch'"),
-                          (["--variant", "x={bad"], "--variant 'x={bad'")):
+                          (["--variant", "x={bad"], "--variant 'x={bad': not JSON"),
+                          (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
+                          (["--methods", "plain", "lookahead:x"], "--methods 'lookahead:x': no --variant x=JSON"),
+                          (["--variant", "x={}"], "--variant x: not among --methods")):
         with pytest.raises(SystemExit):
             bench_arrivals.parse_args(argv)
         assert message in capsys.readouterr().err
+    args = bench_arrivals.parse_args(["--methods", "plain", "lookahead:f", "--variant", 'f={"decoding_length": 4}'])
+    assert args.variants == {"lookahead:f": {"decoding_length": 4}}
+    offline = _import_bench("bench_offline")
+    eargs = bench_arrivals.engine_args(args)
+    assert offline.lookahead_config("lookahead:f", eargs) == {"decoding_length": 4}  # what build_engine applies
+    assert offline.lookahead_config("lookahead", eargs) == {}

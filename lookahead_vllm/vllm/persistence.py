@@ -71,12 +71,19 @@ class Persistence:
         self.closed = False
         # False once a snapshot was left in place unloaded: writing would overwrite it.
         self.writes = True
+        # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
+        # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
+        self.learned: dict[str, tuple] = {}
 
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
         """Learn the snapshot, then the warm-start texts (see the module docstring)."""
         if self.config.warm_start and os.path.isfile(self.config.warm_start):
-            self._warm_digest = file_digest(self.config.warm_start)
+            try:
+                self._warm_digest = file_digest(self.config.warm_start)
+            except OSError as exc:  # read again below, where a failure is logged; a warm start never stops the engine
+                logger.warning("lookahead warm_start %s: cannot be read (%s)", self.config.warm_start,
+                               exc.strerror or exc)
         snap = self._load_snapshot(drafter)
         if not self.config.warm_start:
             return
@@ -116,7 +123,7 @@ class Persistence:
                 return self._load_shared(drafter) if self._shared else None
             return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
-            self._set_aside(path, str(exc))
+            self._set_aside(path, str(exc), "starts from data-parallel rank 0's file" if self._shared else "")
             # Where this engine's own file was refused, every tensor-parallel rank starts alike:
             # from rank 0's file (the ranks that find the file already moved aside do the same).
             return self._load_shared(drafter) if self._shared else None
@@ -125,6 +132,7 @@ class Persistence:
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
+        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens)
         return snap
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
@@ -134,11 +142,12 @@ class Persistence:
         try:
             snap = drafter.load_snapshot(path, self.identity())
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
-            logger.warning("lookahead snapshot %s: not loaded (%s); drafting starts cold, and this engine's own "
-                           "snapshot goes to %s", path, str(exc).removeprefix(f"snapshot {path}: "), self.path)
+            logger.warning("lookahead snapshot %s: not loaded (%s); drafting starts cold", path,
+                           str(exc).removeprefix(f"snapshot {path}: "))
             return None
-        logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own goes to %s): "
+        logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own is %s): "
                     "%d outputs, %d tokens", path, self.path, len(snap.sequences), snap.num_tokens)
+        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens)
         return snap
 
     def _keep(self, path: str, why: str) -> None:
@@ -148,9 +157,10 @@ class Persistence:
         logger.warning("lookahead snapshot %s: %s; drafting starts cold, and no snapshot is written there this run",
                        path, why)
 
-    def _set_aside(self, path: str, why: str) -> None:
+    def _set_aside(self, path: str, why: str, instead: str = "") -> None:
         """Keep a refused snapshot out of this run's way: renamed to the first free
-        ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``)."""
+        ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``).
+        ``instead``: what drafting does (default: starts cold)."""
         aside, n = f"{path}.refused", 0
         while os.path.lexists(aside):
             n += 1
@@ -158,13 +168,14 @@ class Persistence:
         try:
             os.rename(path, aside)
         except FileNotFoundError:  # gone meanwhile (another rank of this engine moved it)
-            logger.warning("lookahead %s; refused, drafting starts cold", why)
+            logger.warning("lookahead %s; refused, drafting %s", why, instead or "starts cold")
         except OSError as exc:
             self.writes = False
-            logger.warning("lookahead %s; refused, drafting starts cold, and no snapshot is written to %s this run "
-                           "(the file could not be moved aside: %s)", why, path, exc.strerror or exc)
+            logger.warning("lookahead %s; refused, drafting %s, and no snapshot is written to %s this run "
+                           "(the file could not be moved aside: %s)", why, instead or "starts cold", path,
+                           exc.strerror or exc)
         else:
-            logger.warning("lookahead %s; refused and kept as %s, drafting starts cold", why, aside)
+            logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead or "starts cold")
 
     def _warm(self, drafter: Any) -> None:
         path = self.config.warm_start
@@ -187,6 +198,7 @@ class Persistence:
             if len(texts) > TOKENIZE_BATCH:
                 logger.info("lookahead warm_start %s: %d/%d texts", path, min(at + TOKENIZE_BATCH, len(texts)),
                             len(texts))
+        self.learned["warm_start"] = (len(texts), tokens)
         logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, len(texts), tokens,
                     time.perf_counter() - start)
 

@@ -292,7 +292,8 @@ class LookaheadProposer:
         could not read (a passing I/O error, its tokenizer failing) would leave them apart: then
         every rank starts cold and writes no snapshot (keeping the file)."""
         trie = self.drafter.trie
-        learned = (self.drafter.partition_stats(), 0 if trie is None else trie.num_nodes)
+        learned = (sorted(self._persistence.learned.items()), self.drafter.partition_stats(),
+                   0 if trie is None else trie.num_nodes)
         if _differs_across_ranks(learned):
             logger.warning("lookahead: the tensor-parallel ranks learned different things at start (a snapshot "
                            "or warm-start file one of them could not read); every rank starts cold, and no "

@@ -294,7 +294,7 @@ def test_data_parallel_engines_keep_snapshots_of_their_own(tmp_path, smollm2_dir
     with caplog.at_level(logging.WARNING):
         rank2 = make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap))
     assert rank2.drafter.index.corpus_sequences() == []
-    assert any("learned.bin.dp2" in r.getMessage() for r in caplog.records)
+    assert any(f"{snap}: not loaded" in r.getMessage() and "starts cold" in r.getMessage() for r in caplog.records)
     rank2.warm_start([[1, 2, 3]])
     rank2.close()
     assert snap.read_bytes() == b"not a snapshot" and not (tmp_path / "learned.bin.refused").exists()
@@ -341,9 +341,72 @@ def test_tree_mode_ranks_that_learned_differently_all_start_cold(tmp_path, smoll
     with caplog.at_level(logging.WARNING):
         tree = make_proposer(smollm2_dir, draft_shape="hier", snapshot_path=str(snap))
     assert seen and tree.drafter.index.corpus_sequences() == []
+    assert seen[0][0] == [("snapshot", (str(snap), 1, 4))]  # what the rank loaded is compared, not only sizes
     assert any("every rank starts cold" in r.getMessage() for r in caplog.records)
     tree.warm_start([[1, 2, 3]])
     tree.close()
     assert snap.read_bytes() == written
     chain = make_proposer(smollm2_dir, snapshot_path=str(snap))
     assert chain.drafter.index.corpus_sequences() == [[5, 6, 7, 8]] and len(seen) == 1
+
+
+@pytest.mark.parametrize("failure", ["unreadable", "refused"])
+def test_a_rank_that_finds_its_engines_file_moved_aside_starts_from_rank_0s(tmp_path, smollm2_dir, monkeypatch,
+                                                                           failure):
+    """Data-parallel rank 1's own file, refused by another tensor-parallel rank of its engine
+    while this one reads it (gone when read, or gone when this one moves it aside): this rank
+    too starts from rank 0's file, as the refusing rank does."""
+    from lookahead_vllm.core import drafter as drafter_module
+    from lookahead_vllm.core.snapshot import SnapshotError, SnapshotUnreadable
+
+    snap = tmp_path / "learned.bin"
+    rank0 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    rank0.warm_start([[5, 6, 7, 8]])
+    rank0.close()
+    own = tmp_path / "learned.bin.dp1"
+    own.write_bytes(b"not a snapshot")
+    load = drafter_module.Drafter.load_snapshot
+
+    def raced(self, path, identity):
+        if path == str(own):
+            own.unlink()  # the other rank moved it aside
+            if failure == "unreadable":
+                raise SnapshotUnreadable(f"snapshot {path}: No such file or directory")
+            raise SnapshotError(f"snapshot {path}: bad magic")
+        return load(self, path, identity)
+
+    monkeypatch.setattr(drafter_module.Drafter, "load_snapshot", raced)
+    rank1 = make_proposer(smollm2_dir, dp_rank=1, snapshot_path=str(snap))
+    assert rank1.drafter.index.corpus_sequences() == [[5, 6, 7, 8]]
+    assert rank1._persistence.learned["snapshot"][0] == str(snap)
+
+
+def test_ranks_compare_rank_0s_value_and_every_verdict(monkeypatch):
+    """``_differs_across_ranks`` over a stand-in tensor-parallel group of two: rank 0's value is
+    broadcast, and any rank's verdict makes every rank's answer True."""
+    import torch.distributed
+    import vllm.distributed
+
+    from lookahead_vllm.vllm.proposer import _differs_across_ranks
+
+    assert _differs_across_ranks(("anything",)) is False  # no distributed state: one rank
+    rank0_value, peer_verdict = ["a"], [0]
+
+    class Group:
+        cpu_group = "cpu"
+
+        def broadcast_object(self, value, src):
+            assert src == 0
+            return rank0_value[0]
+
+    def all_reduce(tensor, group):
+        assert group == "cpu"
+        tensor += peer_verdict[0]
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: Group())
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert _differs_across_ranks("a") is False
+    assert _differs_across_ranks("b") is True  # this rank differs from rank 0
+    peer_verdict[0] = 1
+    assert _differs_across_ranks("a") is True  # another rank differs
