@@ -5,7 +5,9 @@ The proposer runs in a worker, ``/metrics`` in the API server: each proposer's
 its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (made by the first
 process, :func:`setup_process`; inherited by the rest), and
 :class:`StatsCollector` sums the live processes' snapshots at each scrape,
-whatever the process layout (docs/how-it-works.md, "How serving works"). The
+whatever the process layout (docs/how-it-works.md, "How serving works"); a
+publisher that stops leaves a final snapshot, so its counts since the last scrape
+are not lost. The
 series and their help strings are in :class:`StatsCollector` and the README's
 metrics table (tests/test_readme.py keeps the two in step).
 
@@ -33,6 +35,8 @@ from typing import Any, Iterator
 
 STATS_DIR_ENV = "LOOKAHEAD_VLLM_STATS_DIR"
 PUBLISH_INTERVAL_S = 0.5
+# A publisher that stops writes its last snapshot to its file name plus this, for the collector.
+FINAL_SUFFIX = ".final"
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SKIP_REASONS = ("request", "load", "cost")
@@ -158,8 +162,9 @@ class StatsPublisher:
         instance = uuid.uuid4().hex
         threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states, instance),
                          name="lookahead-stats", daemon=True).start()
-        # The owner (the proposer) going away stops the thread and removes its file.
-        weakref.finalize(owner, _stop_publishing, stop, self.path)
+        # The owner (the proposer) going away stops the thread, leaves its last counts for the
+        # collector (FINAL_SUFFIX) and removes its file.
+        weakref.finalize(owner, _stop_publishing, stop, self.path, stats, instance)
 
 
 def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None,
@@ -186,8 +191,10 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def _stop_publishing(stop: threading.Event, path: str) -> None:
+def _stop_publishing(stop: threading.Event, path: str, stats: StepStats | None = None, instance: str = "") -> None:
     stop.set()
+    if stats is not None:  # what it counted since the collector last read its file
+        write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
     _remove_files(path)
 
 
@@ -205,6 +212,21 @@ def tp_rank() -> int:
         return get_tensor_model_parallel_rank()
     except Exception:  # noqa: BLE001 - no distributed state (unit tests): single rank
         return 0
+
+
+def take_final_snapshots(directory: str) -> dict[str, dict[str, Any]]:
+    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
+    name, each file removed once read (an unreadable one is left for the next time)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json" + FINAL_SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                out[name.removesuffix(FINAL_SUFFIX)] = json.load(f)
+            os.remove(path)
+    return out
 
 
 def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
@@ -294,7 +316,19 @@ class StatsCollector:
     def _families(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        live = read_snapshots(self.directory) if os.path.isdir(self.directory) else {}
+        found = os.path.isdir(self.directory)
+        # Live files first: a publisher stopping between the two reads is then seen live now and
+        # by its final snapshot next time, or by its final now, never by neither.
+        live = read_snapshots(self.directory) if found else {}
+        finals = take_final_snapshots(self.directory) if found else {}
+        for name, final in finals.items():  # stopped publishers: their last counts, exactly
+            key = (name, final.get("publisher", ""))
+            if key in self._retired:
+                continue
+            add_cumulative(self._gone, final)
+            self._retired.add(key)
+            if self._last.get(name, {}).get("publisher", "") == key[1]:
+                del self._last[name]  # counted by its final snapshot, not by its last seen here
         for name, snap in list(live.items()):
             if snap is not None and (name, snap.get("publisher", "")) in self._retired:
                 del live[name]

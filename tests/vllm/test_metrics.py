@@ -140,3 +140,47 @@ def test_interval_logger_reports_per_step_means():
     ]
     log.maybe_log(stats)  # no step since: no line
     assert len(lines) == 1
+
+
+def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_path, monkeypatch):
+    """A proposer that goes away between two scrapes: its last counts, not only those of the
+    last scrape, reach the counters (its final snapshot, read once and removed); one that lived
+    and stopped between two scrapes counts too."""
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.StatsCollector(str(tmp_path)))
+
+    def scrape() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = prometheus_client.generate_latest(registry).decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    monkeypatch.setenv(metrics.STATS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(metrics, "PUBLISH_INTERVAL_S", 0.01)
+
+    class Owner:
+        pass
+
+    owner, stats = Owner(), metrics.StepStats()
+    publisher = metrics.StatsPublisher(owner, stats)
+    stats.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 0, "load": 0})
+    deadline = metrics.time.monotonic() + 10
+    while scrape().get("lookahead_draft_tokens_total") != 6 and metrics.time.monotonic() < deadline:
+        metrics.time.sleep(0.01)
+    assert scrape()["lookahead_draft_tokens_total"] == 6
+    stats.record_step(draft_tokens=3, accepted=1, seconds=0.0003, skipped={"request": 0, "load": 0})
+    del owner  # the proposer goes away before the collector read the 3 more
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(publisher.path) and os.path.exists(publisher.path + metrics.FINAL_SUFFIX)
+    got = scrape()
+    assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_steps_total"] == 2
+    assert not os.path.exists(publisher.path + metrics.FINAL_SUFFIX)  # read once
+    assert scrape()["lookahead_draft_tokens_total"] == 9
+    brief, brief_stats = Owner(), metrics.StepStats()  # lives and stops between two scrapes
+    metrics.StatsPublisher(brief, brief_stats)
+    brief_stats.record_step(draft_tokens=2, accepted=2, seconds=0.0003, skipped={"request": 0, "load": 0})
+    del brief
+    gc.collect()
+    assert scrape()["lookahead_draft_tokens_total"] == 11
