@@ -192,9 +192,11 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
 
 
 def _stop_publishing(stop: threading.Event, path: str, stats: StepStats | None = None, instance: str = "") -> None:
-    stop.set()
+    # The final first: the thread, once stopped, removes the live file, and a scrape must never
+    # find neither (the collector also takes a final after its live file was seen gone).
     if stats is not None:  # what it counted since the collector last read its file
         write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
+    stop.set()
     _remove_files(path)
 
 
@@ -214,17 +216,20 @@ def tp_rank() -> int:
         return 0
 
 
-def take_final_snapshots(directory: str) -> dict[str, dict[str, Any]]:
+def take_final_snapshots(directory: str, since: float = 0.0) -> dict[str, dict[str, Any]]:
     """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
-    name, each file removed once read (an unreadable one is left for the next time)."""
+    name, each file removed once read (an unreadable one is left for the next time); one last
+    modified before ``since`` (an earlier server's, in a directory the user named) is removed
+    unread. The one collector of the directory takes them (a second would split them)."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError, ValueError):
-            with open(path) as f:
-                out[name.removesuffix(FINAL_SUFFIX)] = json.load(f)
+            if os.stat(path).st_mtime >= since:
+                with open(path) as f:
+                    out[name.removesuffix(FINAL_SUFFIX)] = json.load(f)
             os.remove(path)
     return out
 
@@ -261,20 +266,21 @@ COUNTER_KEYS = tuple(key for _, key, _ in COUNTERS)
 HISTOGRAM_KEYS = tuple(key for _, key, _ in HISTOGRAMS)
 
 
-def add_cumulative(into: dict[str, Any], snap: dict[str, Any]) -> None:
-    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to start)."""
+def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:
+    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to
+    start); ``sign`` -1 takes them away (a publisher's earlier snapshot, counted before its final)."""
     for key in COUNTER_KEYS:
-        into[key] = into.get(key, 0) + snap.get(key, 0)
+        into[key] = into.get(key, 0) + sign * snap.get(key, 0)
     skipped = into.setdefault("skipped_request_steps", dict.fromkeys(SKIP_REASONS, 0))
     for reason in SKIP_REASONS:
-        skipped[reason] += snap.get("skipped_request_steps", {}).get(reason, 0)
+        skipped[reason] += sign * snap.get("skipped_request_steps", {}).get(reason, 0)
     for key in HISTOGRAM_KEYS:
         hist = snap.get(key)
         if hist is None:
             continue
         mine = into.setdefault(key, {"bounds": hist["bounds"], "counts": [0] * len(hist["counts"]), "total": 0.0})
-        mine["counts"] = [a + b for a, b in zip(mine["counts"], hist["counts"])]
-        mine["total"] += hist["total"]
+        mine["counts"] = [a + sign * b for a, b in zip(mine["counts"], hist["counts"])]
+        mine["total"] += sign * hist["total"]
 
 
 def _alive(pid: str) -> bool:
@@ -300,9 +306,12 @@ class StatsCollector:
         self.directory = directory
         self._last: dict[str, dict[str, Any]] = {}  # file name -> its snapshot at the last scrape
         self._gone: dict[str, Any] = {}  # cumulative parts of the publishers gone since (add_cumulative)
-        # (file name, publisher) of those: a dead process's file that comes back (its id reused) is not
-        # counted again.
-        self._retired: set[tuple[str, str]] = set()
+        # (file name, publisher) of those -> the snapshot of it counted: a dead process's file that
+        # comes back (its id reused) is not counted again, and a final snapshot of a publisher
+        # already retired from its last-seen one adds only what it counted since.
+        self._retired: dict[tuple[str, str], dict[str, Any]] = {}
+        # Final snapshots older than this collector are an earlier server's: not counted.
+        self._since = time.time()
         self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:
@@ -320,15 +329,16 @@ class StatsCollector:
         # Live files first: a publisher stopping between the two reads is then seen live now and
         # by its final snapshot next time, or by its final now, never by neither.
         live = read_snapshots(self.directory) if found else {}
-        finals = take_final_snapshots(self.directory) if found else {}
+        finals = take_final_snapshots(self.directory, self._since) if found else {}
         for name, final in finals.items():  # stopped publishers: their last counts, exactly
             key = (name, final.get("publisher", ""))
-            if key in self._retired:
-                continue
+            counted = self._retired.get(key)
             add_cumulative(self._gone, final)
-            self._retired.add(key)
-            if self._last.get(name, {}).get("publisher", "") == key[1]:
+            if counted is not None:  # retired from its last-seen snapshot (its file gone before the final came)
+                add_cumulative(self._gone, counted, -1)
+            elif self._last.get(name, {}).get("publisher", "") == key[1]:
                 del self._last[name]  # counted by its final snapshot, not by its last seen here
+            self._retired[key] = final
         for name, snap in list(live.items()):
             if snap is not None and (name, snap.get("publisher", "")) in self._retired:
                 del live[name]
@@ -336,7 +346,7 @@ class StatsCollector:
             now = live.get(name, last)
             if name not in live or (now is not None and now.get("publisher") != last.get("publisher")):
                 add_cumulative(self._gone, last)  # gone, or another publisher under its name
-                self._retired.add((name, last.get("publisher", "")))
+                self._retired[(name, last.get("publisher", ""))] = last
             elif now is None:
                 live[name] = last  # listed but unreadable this time: its last snapshot still counts
         self._last = {name: snap for name, snap in live.items() if snap is not None}

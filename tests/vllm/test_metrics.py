@@ -173,7 +173,9 @@ def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_p
     import gc
 
     gc.collect()
-    assert not os.path.exists(publisher.path) and os.path.exists(publisher.path + metrics.FINAL_SUFFIX)
+    assert os.path.exists(publisher.path + metrics.FINAL_SUFFIX)
+    while os.path.exists(publisher.path) and metrics.time.monotonic() < deadline:  # the thread's last removal
+        metrics.time.sleep(0.01)
     got = scrape()
     assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_steps_total"] == 2
     assert not os.path.exists(publisher.path + metrics.FINAL_SUFFIX)  # read once
@@ -184,3 +186,34 @@ def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_p
     del brief
     gc.collect()
     assert scrape()["lookahead_draft_tokens_total"] == 11
+
+
+def test_a_final_snapshot_after_its_file_was_seen_gone_adds_what_it_counted_since(tmp_path):
+    """The publisher's file gone before its final snapshot came (a scrape in between counted its
+    last-seen snapshot): the final adds only what it counted since; a final older than the
+    collector (an earlier server's) is not counted, and removed."""
+    stale = tmp_path / "999999999-9.json.final"
+    metrics.write_snapshot(str(stale), {"steps": 50, "draft_tokens": 50, "publisher": "old"})
+    os.utime(stale, (1.0, 1.0))
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(metrics.StatsCollector(str(tmp_path)))
+
+    def scrape() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = prometheus_client.generate_latest(registry).decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    stats = metrics.StepStats()
+    stats.record_step(draft_tokens=6, accepted=4, seconds=0.0003, skipped={"request": 0, "load": 0})
+    path = tmp_path / f"{os.getpid()}-0.json"
+    metrics.write_snapshot(str(path), {**stats.snapshot(), "publisher": "p"})
+    assert scrape()["lookahead_draft_tokens_total"] == 6 and not stale.exists()
+    stats.record_step(draft_tokens=3, accepted=1, seconds=0.0003, skipped={"request": 0, "load": 0})
+    path.unlink()
+    assert scrape()["lookahead_draft_tokens_total"] == 6  # gone: its last-seen snapshot counts
+    metrics.write_snapshot(str(path) + metrics.FINAL_SUFFIX, {**stats.snapshot(), "publisher": "p"})
+    got = scrape()
+    assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_steps_total"] == 2
+    assert got["lookahead_drafter_seconds_count"] == 2
+    assert scrape()["lookahead_draft_tokens_total"] == 9
