@@ -283,6 +283,23 @@ def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) ->
         mine["total"] += sign * hist["total"]
 
 
+def _clock_of(directory: str) -> float:
+    """Now, as the file system holding ``directory`` stamps a file's modification time
+    (``time.time()`` where no file can be made there)."""
+    try:
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".clock-")
+    except OSError:
+        return time.time()
+    try:
+        os.close(fd)
+        return os.stat(path).st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
 def _alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -310,8 +327,9 @@ class StatsCollector:
         # comes back (its id reused) is not counted again, and a final snapshot of a publisher
         # already retired from its last-seen one adds only what it counted since.
         self._retired: dict[tuple[str, str], dict[str, Any]] = {}
-        # Final snapshots older than this collector are an earlier server's: not counted.
-        self._since = time.time()
+        # Final snapshots older than this collector are an earlier server's: not counted (read on
+        # the directory's own clock, which stamps the finals: its granularity and skew alike).
+        self._since = _clock_of(directory)
         self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:

@@ -78,22 +78,31 @@ class Persistence:
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
         """Learn the snapshot, then the warm-start texts (see the module docstring)."""
-        if self.config.warm_start and os.path.isfile(self.config.warm_start):
+        path, unread = self.config.warm_start, None
+        if path and os.path.isfile(path):
             try:
-                self._warm_digest = file_digest(self.config.warm_start)
-            except OSError as exc:  # read again below, where a failure is logged; a warm start never stops the engine
-                logger.warning("lookahead warm_start %s: cannot be read (%s)", self.config.warm_start,
-                               exc.strerror or exc)
+                self._warm_digest = file_digest(path)
+            except OSError as exc:  # a warm start never stops the engine
+                unread = exc.strerror or str(exc)
         snap = self._load_snapshot(drafter)
-        if not self.config.warm_start:
+        if not path:
             return
-        if snap is not None and self._warm_digest and snap.info.get("warm_start") == self._warm_digest:
-            logger.info("lookahead warm_start %s: already in the snapshot, not read again", self.config.warm_start)
+        # The warm-start file the snapshot holds: what the snapshot written at shutdown names
+        # unless this run learns the file whole (it must never name a file it does not hold).
+        held = snap.info.get("warm_start", "") if snap is not None else ""
+        if self._warm_digest and held == self._warm_digest:
+            logger.info("lookahead warm_start %s: already in the snapshot, not read again", path)
             return
-        try:
-            self._warm(drafter)
-        except Exception as exc:  # noqa: BLE001 - a warm start never stops the engine
-            logger.warning("lookahead warm_start %s: not learned (%r)", self.config.warm_start, exc)
+        learned = False
+        if unread is not None:  # whether the snapshot holds it cannot be told: not learned (twice) this run
+            logger.warning("lookahead warm_start %s: cannot be read (%s); not learned this run", path, unread)
+        else:
+            try:
+                learned = self._warm(drafter)
+            except Exception as exc:  # noqa: BLE001 - a warm start never stops the engine
+                logger.warning("lookahead warm_start %s: not learned (%r)", path, exc)
+        if not learned:
+            self._warm_digest = held
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
         path = self.path
@@ -132,7 +141,7 @@ class Persistence:
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
-        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens)
+        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
         return snap
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
@@ -147,7 +156,7 @@ class Persistence:
             return None
         logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own is %s): "
                     "%d outputs, %d tokens", path, self.path, len(snap.sequences), snap.num_tokens)
-        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens)
+        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
         return snap
 
     def _keep(self, path: str, why: str) -> None:
@@ -177,7 +186,8 @@ class Persistence:
         else:
             logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead or "starts cold")
 
-    def _warm(self, drafter: Any) -> None:
+    def _warm(self, drafter: Any) -> bool:
+        """Learn the warm-start texts; whether the file was read (every text learned)."""
         path = self.config.warm_start
         start = time.perf_counter()
         try:
@@ -185,7 +195,7 @@ class Persistence:
         except OSError as exc:
             logger.warning("lookahead warm_start %s: cannot be read (%s); drafting starts cold", path,
                            exc.strerror or exc)
-            return
+            return False
         if found.skipped_lines:
             logger.warning("lookahead warm_start %s: skipped %d line(s) without a text field (first: line %d)",
                            path, len(found.skipped_lines), found.skipped_lines[0])
@@ -201,6 +211,7 @@ class Persistence:
         self.learned["warm_start"] = (len(texts), tokens)
         logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, len(texts), tokens,
                     time.perf_counter() - start)
+        return True
 
     # ------------------------------------------------------------- shutdown
     def close(self, drafter: Any) -> None:

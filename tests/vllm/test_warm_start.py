@@ -186,6 +186,33 @@ def test_warm_start_not_repeated_when_the_snapshot_holds_it(tmp_path, smollm2_di
     assert len(third.drafter.index.corpus_sequences()) == len(TEXTS) + 1
 
 
+def test_a_snapshot_never_names_a_warm_start_file_it_does_not_hold(tmp_path, smollm2_dir, monkeypatch, caplog):
+    """A warm start that failed part-way (here the tokenizer) is not stamped into the snapshot,
+    so the next start learns the file; one whose digest cannot be read is not learned that run
+    (the snapshot may hold it already: learning it again would double it), and the snapshot
+    written then still names the file it holds."""
+    from lookahead_vllm.vllm import persistence
+
+    past = tmp_path / "past.txt"
+    past.write_text("\n\n".join(TEXTS))
+    snap = tmp_path / "learned.bin"
+    with monkeypatch.context() as m:
+        m.setattr(persistence.Persistence, "_warm", lambda self, drafter: int("tokenizer failed"))
+        make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap)).close()
+    learned = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    assert len(learned.drafter.index.corpus_sequences()) == len(TEXTS)  # learned now, not skipped as held
+    learned.close()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
+        m.setattr(persistence, "file_digest", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        unread = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+        assert len(unread.drafter.index.corpus_sequences()) == len(TEXTS)  # the snapshot's, not twice
+        unread.close()
+    assert any("Input/output error" in r.getMessage() and "not learned this run" in r.getMessage()
+               for r in caplog.records)
+    again = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    assert len(again.drafter.index.corpus_sequences()) == len(TEXTS)  # still named as held: not read again
+
+
 def test_missing_warm_start_file_starts_cold(tmp_path, smollm2_dir, caplog):
     with caplog.at_level(logging.WARNING):
         p = make_proposer(smollm2_dir, warm_start=str(tmp_path / "absent.jsonl"))
@@ -341,7 +368,8 @@ def test_tree_mode_ranks_that_learned_differently_all_start_cold(tmp_path, smoll
     with caplog.at_level(logging.WARNING):
         tree = make_proposer(smollm2_dir, draft_shape="hier", snapshot_path=str(snap))
     assert seen and tree.drafter.index.corpus_sequences() == []
-    assert seen[0][0] == [("snapshot", (str(snap), 1, 4))]  # what the rank loaded is compared, not only sizes
+    (kind, record), = seen[0][0]  # what the rank loaded is compared, not only sizes
+    assert kind == "snapshot" and record[:3] == (str(snap), 1, 4) and record[3] > 0  # file, outputs, tokens, written
     assert any("every rank starts cold" in r.getMessage() for r in caplog.records)
     tree.warm_start([[1, 2, 3]])
     tree.close()
