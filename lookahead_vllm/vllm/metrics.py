@@ -191,11 +191,11 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def _stop_publishing(stop: threading.Event, path: str, stats: StepStats | None = None, instance: str = "") -> None:
-    # The final first: the thread, once stopped, removes the live file, and a scrape must never
-    # find neither (the collector also takes a final after its live file was seen gone).
-    if stats is not None:  # what it counted since the collector last read its file
-        write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
+def _stop_publishing(stop: threading.Event, path: str, stats: StepStats, instance: str) -> None:
+    # The final first (what it counted since the collector last read its file): the thread, once
+    # stopped, removes the live file, and a scrape must never find neither (the collector also
+    # takes a final after its live file was seen gone).
+    write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
     stop.set()
     _remove_files(path)
 

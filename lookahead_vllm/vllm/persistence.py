@@ -18,15 +18,18 @@
 Tensor-parallel ranks hold identical drafters and write the same bytes, each
 through its own temporary file; in tree mode, where each rank verifies its own
 drafter's trees, ranks that learned different things at start (a file one of
-them could not read) all start cold and write nothing (the proposer checks). Data-parallel engines learn apart: the engine of
-data-parallel rank 0 (or the only one) keeps ``snapshot_path``, rank ``r`` keeps
-``<path>.dp<r>`` (:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``,
-the global rank, ``--data-parallel-rank`` included) and, while it has no usable
-one (none yet, or its own refused), starts from rank 0's file, read only (never
-moved aside: it is rank 0's). Servers that are not data-parallel ranks of one
-deployment and share a path still overwrite each other (the last one wins). The tokenizer
-(loaded only when one of the two is set) also names the snapshot's identity:
-folder name and vocabulary size.
+them could not read) all start cold and write nothing (the proposer checks).
+
+Data-parallel engines learn apart: the engine of data-parallel rank 0 (or the
+only one) keeps ``snapshot_path``, rank ``r`` keeps ``<path>.dp<r>``
+(:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``, the global rank,
+``--data-parallel-rank`` included) and, while it has no usable one (none yet,
+or its own refused), starts from rank 0's file, read only (never moved aside:
+it is rank 0's). Servers that are not data-parallel ranks of one deployment and
+share a path still overwrite each other (the last one wins).
+
+The tokenizer (loaded only when one of the two is set) also names the
+snapshot's identity: folder name and vocabulary size.
 """
 
 from __future__ import annotations
@@ -141,8 +144,7 @@ class Persistence:
         logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
                     time.perf_counter() - start)
-        self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
-        return snap
+        return self._learned(path, snap)
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
         """Start from data-parallel rank 0's snapshot (this engine has no usable one of its own):
@@ -156,6 +158,10 @@ class Persistence:
             return None
         logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own is %s): "
                     "%d outputs, %d tokens", path, self.path, len(snap.sequences), snap.num_tokens)
+        return self._learned(path, snap)
+
+    def _learned(self, path: str, snap: Snapshot) -> Snapshot:
+        """Book the snapshot loaded from ``path`` in ``learned``; returns it."""
         self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
         return snap
 

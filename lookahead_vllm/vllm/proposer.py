@@ -811,20 +811,26 @@ def _has_embedded_prompt(req: Any) -> bool:
     return token_ids is not None and not all(token_ids)
 
 
-def _differs_across_ranks(value: Any) -> bool:
-    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is
-    one rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group, or None where there is one rank (or no distributed state:
+    unit tests)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 
     try:
-        if get_tensor_model_parallel_world_size() <= 1:
-            return False
-    except AssertionError:  # no distributed state (unit tests): a single rank
+        return get_tp_group() if get_tensor_model_parallel_world_size() > 1 else None
+    except AssertionError:
+        return None
+
+
+def _differs_across_ranks(value: Any) -> bool:
+    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is
+    one rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
+    group = _tp_group()
+    if group is None:
         return False
     import torch
     import torch.distributed as dist
 
-    group = get_tp_group()
     differs = torch.tensor([int(group.broadcast_object(value, src=0) != value)], dtype=torch.int64)
     dist.all_reduce(differs, group=group.cpu_group)
     return bool(differs.item())
@@ -833,11 +839,5 @@ def _differs_across_ranks(value: Any) -> bool:
 def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tuple[int, float, float, float, float]:
     """Tensor-parallel rank 0's prices on every rank (the same values where
     there is one rank)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-    try:
-        if get_tensor_model_parallel_world_size() <= 1:
-            return prices
-    except AssertionError:  # no distributed state (unit tests): a single rank
-        return prices
-    return tuple(get_tp_group().broadcast_object(prices, src=0))
+    group = _tp_group()
+    return prices if group is None else tuple(group.broadcast_object(prices, src=0))
