@@ -1,5 +1,8 @@
-"""Sampling ops: one target sample per tree row, and a fix for vLLM's ``expand_kernel``.
+"""Sampling ops: greedy verification of a batch, one target sample per tree row, and a fix for
+vLLM's ``expand_kernel``.
 
+``row_argmax`` / ``greedy_verify``: the greedy tokens of a step's logits rows, and vLLM's greedy
+rejection sampling of a batch's drafts against them (``patches.patch_runner_sampling``).
 ``filtered_probs`` / ``sample_row``: the target distribution of one logits row
 under a request's temperature, top-k and top-p, and one draw from it with the
 request's generator (tree acceptance samples lazily, row by row).
@@ -9,7 +12,45 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
+
+
+def row_argmax(logits: torch.Tensor) -> np.ndarray:
+    """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row
+    has one (the rule of torch's argmax and of vLLM's CPU ``greedy_argmax`` op, which both read
+    float32 logits). On the CPU through numpy, whose argmax over a 49k-token vocabulary takes a
+    fraction of theirs; other dtypes are cast to float32 first, as vLLM's sampler does."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).cpu().numpy()
+    rows = logits.detach()
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    return rows.numpy().argmax(axis=-1)
+
+
+def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray,
+                  target_rows: np.ndarray, bonus_rows: np.ndarray, width: int) -> np.ndarray:
+    """vLLM's greedy rejection sampling of a batch, from its logits rows' greedy tokens.
+
+    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after
+    request); draft ``j`` is checked against ``argmax[target_rows[j]]`` and request ``i``'s bonus
+    is ``argmax[bonus_rows[i]]``. A request emits the target's token at each place until the
+    first draft that differs from it (that place's target token included), or all its drafts and
+    the bonus. Returns ``[batch, width + 1]`` int32 padded with -1, as vLLM's ``rejection_sample``
+    (``width``: the longest draft)."""
+    num_draft_tokens = np.asarray(num_draft_tokens, np.int64)
+    batch = len(num_draft_tokens)
+    owner = np.repeat(np.arange(batch), num_draft_tokens)  # each draft token's request
+    place = np.arange(len(owner)) - np.repeat(np.cumsum(num_draft_tokens) - num_draft_tokens, num_draft_tokens)
+    target = np.full((batch, width + 1), -1, np.int64)  # the target's token at each place, then the bonus
+    target[owner, place] = argmax[target_rows]
+    target[np.arange(batch), num_draft_tokens] = argmax[bonus_rows]
+    matches = np.zeros((batch, width + 1), bool)
+    matches[owner, place] = argmax[target_rows] == draft_token_ids
+    accepted = np.cumprod(matches, axis=1).sum(axis=1)  # leading drafts equal to the target's
+    emitted = np.arange(width + 1)[None, :] <= accepted[:, None]
+    return np.where(emitted, target, -1).astype(np.int32)
 
 
 def expand_kernel_impl(

@@ -10,6 +10,10 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
                        the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
+runner_sampling        ``GPUModelRunner._sample``: on the CPU a batch that samples greedily
+                       with nothing that moves the argmax takes its tokens from one numpy
+                       argmax over its logits (``greedy_sample``); in tree mode the tree
+                       verifier then replaces the tree requests' rows.
 drafter_near_max_len   ``GPUModelRunner._input_fits_in_drafter`` is true for lookahead: vLLM would
                        otherwise, once any request is within k tokens of ``max_model_len``,
                        skip the proposer for the whole batch and schedule k zero tokens a row.
@@ -26,9 +30,9 @@ cpu_kernel_overrides_once
                        (re-registering breaks the third engine).
 runner_shutdown        ``GPUModelRunner.shutdown`` closes the proposer first, so its snapshot
                        is written then (optional: process exit writes it too).
-tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``_sample`` (tree
-                       acceptance + KV compaction), ``initialize_attn_backend`` and the
-                       attention impls' ``forward`` (tree mask); see ``tree_verify``.
+tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``initialize_attn_backend``
+                       and the attention impls' ``forward`` (tree mask); tree acceptance and KV
+                       compaction run after sampling (``runner_sampling``); see ``tree_verify``.
 request_options, cli_speculative_model
                        serving (serve_patches.py).
 
@@ -47,12 +51,16 @@ remembered, and plain vLLM keeps working; when lookahead is selected,
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterable
+
+import numpy as np
 
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.config import Settings
+from lookahead_vllm.ops import sampling as sampling_ops
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
@@ -70,7 +78,7 @@ _failed: dict[str, str] = {}
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
-                     "draftless_steps", "drafter_near_max_len")
+                     "draftless_steps", "drafter_near_max_len", "runner_sampling")
 TREE_PATCHES = ("tree_verification",)
 
 
@@ -191,6 +199,83 @@ def patch_runner_request_ids(original):
         return original(self, scheduler_output)
 
     return _update_states
+
+
+@method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
+def patch_runner_sampling(original):
+    """A lookahead step samples through :func:`greedy_sample` where it applies (else vLLM's
+    samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = None
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, LookaheadProposer) and drafter.config.profile.argmax_sampling:
+            out = greedy_sample(self, logits, spec_decode_metadata)
+        if out is None:
+            out = original(self, logits, spec_decode_metadata)
+        verifier = getattr(drafter, "verifier", None)
+        if verifier is not None:
+            verifier.finish_step(self, logits, spec_decode_metadata, out)
+        return out
+
+    return _sample
+
+
+def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
+    """The step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
+    samplers must run. On the CPU vLLM's sampler takes a row's argmax with its own op
+    (``_C.greedy_argmax``) and its rejection sampler with torch's, each several times numpy's over
+    a 49k-token vocabulary (docs/prices.md). Taken only when every request samples greedily with
+    nothing that moves the argmax (no logprobs, penalties, bad words, allowed tokens,
+    ``min_tokens``, logit bias, thinking budget or custom logits processor), verification is
+    vLLM's standard rule and scheduling is synchronous: then vLLM's samplers emit each row's
+    argmax, and accept drafts up to the first that differs from the target's token
+    (``ops.sampling.greedy_verify``): the same tokens."""
+    if logits is None or logits.device.type != "cpu" or getattr(runner, "use_async_scheduling", False):
+        return None
+    method = getattr(runner.speculative_config, "rejection_sample_method", "standard")
+    if method != "standard" or getattr(getattr(runner, "rejection_sampler", None), "synthetic_mode", False):
+        return None  # an acceptance rule that is not greedy verification
+    sm = runner.input_batch.sampling_metadata
+    if (not sm.all_greedy or sm.max_num_logprobs is not None or sm.logprob_token_ids or not sm.no_penalties
+            or sm.allowed_token_ids_mask is not None or sm.bad_words_token_ids):
+        return None
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return None
+    if any(type(p) not in _argmax_processors() for p in sm.logitsprocs.non_argmax_invariant):
+        return None
+    requests = runner.requests
+    if not all(_moves_no_argmax(getattr(requests.get(req_id), "sampling_params", None))
+               for req_id in runner.input_batch.req_ids):
+        return None
+    import torch
+    from vllm.v1.outputs import SamplerOutput
+
+    argmax = sampling_ops.row_argmax(logits)
+    if spec_metadata is None:
+        tokens = argmax.astype(np.int32)[:, None]
+    else:
+        tokens = sampling_ops.greedy_verify(
+            argmax, spec_metadata.draft_token_ids.numpy(), np.asarray(spec_metadata.num_draft_tokens),
+            spec_metadata.target_logits_indices.numpy(), spec_metadata.bonus_logits_indices.numpy(),
+            spec_metadata.max_spec_len)
+    return SamplerOutput(sampled_token_ids=torch.from_numpy(tokens), logprobs_tensors=None)
+
+
+def _moves_no_argmax(params: Any) -> bool:
+    """Whether no built-in logits processor touches this request's rows (vLLM 0.32's
+    non-argmax-invariant ones: ``min_tokens`` and ``logit_bias``)."""
+    return params is not None and not params.min_tokens and not params.logit_bias
+
+
+@functools.cache
+def _argmax_processors() -> tuple[type, ...]:
+    """vLLM's built-in logits processors that move the argmax only for requests that ask
+    (:func:`_moves_no_argmax`)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    return (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
@@ -405,16 +490,6 @@ def patch_tree_verification() -> bool:
 
         return _prepare_inputs
 
-    def make_sample(original):
-        def _sample(self, logits, spec_decode_metadata):
-            out = original(self, logits, spec_decode_metadata)
-            verifier = getattr(getattr(self, "drafter", None), "verifier", None)
-            if verifier is not None:
-                verifier.finish_step(self, logits, spec_decode_metadata, out)
-            return out
-
-        return _sample
-
     def make_attn_backend(original):
         def initialize_attn_backend(self, kv_cache_config, *args, **kwargs):
             out = original(self, kv_cache_config, *args, **kwargs)
@@ -443,7 +518,7 @@ def patch_tree_verification() -> bool:
 
         return forward
 
-    targets = [(GPUModelRunner, "_prepare_inputs", make_prepare), (GPUModelRunner, "_sample", make_sample),
+    targets = [(GPUModelRunner, "_prepare_inputs", make_prepare),
                (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
     targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
     _wrap_all(targets, TREE_PARAMS)
@@ -453,7 +528,6 @@ def patch_tree_verification() -> bool:
 # Leading parameters the tree_verification wrappers pass on (vLLM 0.32.0 / 0.33.0).
 TREE_PARAMS = {
     "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
-    "_sample": ("self", "logits", "spec_decode_metadata"),
     "initialize_attn_backend": ("self", "kv_cache_config"),
     "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
 }
@@ -515,6 +589,7 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "runner_shutdown": patch_runner_shutdown,
     "request_cache_salt": patch_request_cache_salt,
     "draftless_steps": patch_draftless_steps,
+    "runner_sampling": patch_runner_sampling,
     "drafter_near_max_len": patch_drafter_near_max_len,
     "draftless_graphs": patch_draftless_graphs,
     "tree_verification": patch_tree_verification,

@@ -9,8 +9,8 @@ per tree) and three hooks make the forward and the acceptance treat it as a tree
 ``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
 sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
 after the attention backend's stock ``forward``, rows off the leading chain are
-recomputed with the tree mask (:data:`TREE_ATTENTION`); ``GPUModelRunner._sample``
-replaces tree requests' rejection-sampler rows by a tree walk written as
+recomputed with the tree mask (:data:`TREE_ATTENTION`); after ``GPUModelRunner._sample``
+(``patches.patch_runner_sampling``) tree requests' chain-verification rows become a tree walk written as
 ``[accepted..., bonus, -1...]`` like a chain result (vLLM's bookkeeping unchanged),
 then compacts the accepted path's K/V (slot ``C + 1 + n_j`` to ``C + j``), so
 rejected nodes never stay in the committed sequence (nor reach the prefix cache).
@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
 from lookahead_vllm.core.tree_plan import TreeBatch, index_within
-from lookahead_vllm.ops.sampling import sample_row
+from lookahead_vllm.ops.sampling import row_argmax, sample_row
 from lookahead_vllm.ops.tree_attention import pack_tree_mask, tree_attention_dense
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
@@ -253,7 +253,7 @@ class TreeVerifier:
         ends = spec_metadata.cu_num_sampled_tokens.cpu().numpy()[step.rows]
         firsts = ends - num_rows  # each tree's first logits row
         lo, hi = int(firsts.min()), int(ends.max())
-        argmax = logits[lo:hi].argmax(dim=-1).cpu().numpy()  # every tree row's greedy target (one read)
+        argmax = row_argmax(logits[lo:hi])  # every tree row's greedy target (one read)
         ats = firsts - lo  # each tree's rows in ``argmax``
         sampled = sampler_output.sampled_token_ids
         chain_only = np.flatnonzero(~step.walk)

@@ -1,15 +1,15 @@
-"""Steps without drafts cost what plain vLLM's cost: no speculative metadata, no rejection sampler.
+"""Steps without drafts cost what plain vLLM's cost: no speculative metadata, no rejection sampling.
 
 vLLM 0.32 runs every step of a speculative engine through the rejection
 sampler, drafts or none; lookahead's ``draftless_steps`` patch runs a step in
 which no request carries a draft token as plain decoding. On SmolLM2 (fp32):
 
 * a load that stops drafting altogether (``load_stop_at=1``): no step drafts,
-  none reaches the rejection sampler, every one is counted draftless, and the
+  none is sampled with speculative metadata, every one is counted draftless, and the
   greedy output equals plain vLLM's;
 * the default configuration on MT-Bench at batch 8 (drafts on some steps, not
-  on others): exactly the steps whose batch carries a draft token reach the
-  rejection sampler, the rest run draftless, and the output equals plain's;
+  on others): exactly the steps whose batch carries a draft token are
+  sampled with speculative metadata, the rest run draftless, and the output equals plain's;
 * a request decoding up to ``max_model_len``: within k tokens of it vLLM would
   schedule k zero tokens a row (``drafter_near_max_len`` keeps the proposer in
   charge), so with drafting stopped no step carries a draft there either.
@@ -36,24 +36,27 @@ def _greedy():
 
 @pytest.fixture
 def step_log(monkeypatch):
-    """Per engine step: whether its batch carried draft tokens; and the rejection sampler's calls."""
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    """Per engine step: whether its batch carried draft tokens; and the steps sampled with
+    speculative metadata (vLLM's rejection sampler, or ``greedy_verify`` in its place)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from lookahead_vllm.vllm import patches
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
-    log = {"drafted": [], "rejection_calls": 0}
-    on_step, forward = LookaheadProposer.on_step, RejectionSampler.forward
+    assert patches.apply("runner_sampling")  # before the wrap below, which teardown undoes
+    log = {"drafted": [], "verify_calls": 0}
+    on_step, sample = LookaheadProposer.on_step, GPUModelRunner._sample
 
     def logged_on_step(self, input_batch, finished, scheduled=None, shape=None):
         log["drafted"].append(any((scheduled or {}).values()))
         return on_step(self, input_batch, finished, scheduled, shape)
 
-    def counted_forward(self, *args, **kwargs):
-        log["rejection_calls"] += 1
-        return forward(self, *args, **kwargs)
+    def counted_sample(self, logits, spec_decode_metadata):
+        log["verify_calls"] += spec_decode_metadata is not None
+        return sample(self, logits, spec_decode_metadata)
 
     monkeypatch.setattr(LookaheadProposer, "on_step", logged_on_step)
-    monkeypatch.setattr(RejectionSampler, "forward", counted_forward)
+    monkeypatch.setattr(GPUModelRunner, "_sample", counted_sample)
     return log
 
 
@@ -73,11 +76,11 @@ def test_a_load_that_stops_drafting_runs_plain_steps(engines, prompts, step_log)
     ours = generate(llm, ps, _greedy(), 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert ours.num_drafts == 0 and not any(step_log["drafted"])
-    assert step_log["rejection_calls"] == 0
+    assert step_log["verify_calls"] == 0
     assert _proposer(llm).metrics.draftless_steps - before == len(step_log["drafted"]) > 0
 
 
-def test_only_steps_with_drafts_reach_the_rejection_sampler(engines, prompts, step_log):
+def test_only_steps_with_drafts_are_verified(engines, prompts, step_log):
     ps = prompts["mtbench"]
     plain = plain_run(engines, ps, _greedy(), 8, ("mtbench", "greedy"))
     llm = engines.get("lookahead")
@@ -86,7 +89,7 @@ def test_only_steps_with_drafts_reach_the_rejection_sampler(engines, prompts, st
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     drafted = sum(step_log["drafted"])
     assert 0 < drafted < len(step_log["drafted"])  # both kinds of step happened
-    assert step_log["rejection_calls"] == drafted
+    assert step_log["verify_calls"] == drafted
     assert _proposer(llm).metrics.draftless_steps - before == len(step_log["drafted"]) - drafted
 
 
@@ -103,4 +106,4 @@ def test_a_request_reaching_max_model_len_gets_no_zero_drafts(engines, tokenizer
     ours = generate(llm, [prompt], params, 1)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0 and len(ours.token_ids[0]) == room
     assert len(step_log["drafted"]) >= room - 1 and not any(step_log["drafted"])
-    assert step_log["rejection_calls"] == 0
+    assert step_log["verify_calls"] == 0

@@ -15,6 +15,8 @@ import pytest
 
 from lookahead_lab.offline import generate
 
+from .conftest import PINNED_PRICES
+
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 48
@@ -79,12 +81,15 @@ def test_same_seed_reproduces_text(engines, sampling_prompts):
     Drafts come from the engine-wide trie, and vLLM's rejection sampler draws
     one uniform per draft token, so a seeded request reproduces when the trie
     state is the same (a fresh engine, or a deterministic job), not across a
-    trie that has learnt from other traffic in between.
+    trie that has learnt from other traffic in between; and when the token
+    prices are pinned: prices fitted online from step times make the drafts'
+    lengths, and so the uniforms drawn, depend on how busy the machine was.
     """
-    first = _sample(engines.get("lookahead-seed-a"), sampling_prompts[:6], seed=7)
+    pinned = {"lookahead": dict(PINNED_PRICES)}
+    first = _sample(engines.get("lookahead-seed-a", **pinned), sampling_prompts[:6], seed=7)
     engines.shutdown("lookahead-seed-a")  # used here only: the shared engines stay alive
-    second = _sample(engines.get("lookahead-seed-b"), sampling_prompts[:6], seed=7)
-    other = _sample(engines.get("lookahead-seed-b"), sampling_prompts[:6], seed=8)
+    second = _sample(engines.get("lookahead-seed-b", **pinned), sampling_prompts[:6], seed=7)
+    other = _sample(engines.get("lookahead-seed-b", **pinned), sampling_prompts[:6], seed=8)
     assert first == second
     assert first != other
 

@@ -1,0 +1,81 @@
+"""On a real engine's steps, greedy sampling from one argmax gives what vLLM's samplers give.
+
+Lookahead's ``runner_sampling`` patch samples a greedy batch from one numpy argmax over its
+logits (``patches.greedy_sample``). Here every step of the shared lookahead engine on MT-Bench at
+batch 8 (steps with drafts and steps without) is sampled both ways, from the same logits: the
+tokens are the same at every step, both kinds of step took the argmax, and the output equals
+plain vLLM's. A batch holding one request that asks for logprobs is left to vLLM's samplers, and so is
+every step with the profile's `argmax_sampling` off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lookahead_lab.offline import count_mismatches, generate
+
+from .conftest import MAX_TOKENS, plain_run
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def both_ways(monkeypatch):
+    """Each step's argmax sample beside vLLM's own sample of the same logits."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lookahead_vllm.vllm import patches
+
+    assert patches.apply("runner_sampling")
+    stock = GPUModelRunner._sample.__lookahead_original__  # vLLM's _sample, under the patch
+    fast = patches.greedy_sample
+    log = {"drafted": 0, "draftless": 0, "stock_only": 0, "differ": []}
+
+    def compared(runner, logits, spec_metadata):
+        ours = fast(runner, logits, spec_metadata)
+        theirs = stock(runner, logits.clone(), spec_metadata)
+        if ours is None:
+            log["stock_only"] += 1
+            return None
+        log["drafted" if spec_metadata is not None else "draftless"] += 1
+        if ours.sampled_token_ids.tolist() != theirs.sampled_token_ids.tolist():
+            log["differ"].append((ours.sampled_token_ids.tolist(), theirs.sampled_token_ids.tolist()))
+        return ours
+
+    monkeypatch.setattr(patches, "greedy_sample", compared)
+    return log
+
+
+def test_every_step_samples_what_vllms_samplers_sample(engines, prompts, both_ways):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ps = prompts["mtbench"]
+    plain = plain_run(engines, ps, params, 8, ("mtbench", "greedy"))
+    ours = generate(engines.get("lookahead"), ps, params, 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert both_ways["differ"] == []
+    assert both_ways["drafted"] > 0 and both_ways["draftless"] > 0 and both_ways["stock_only"] == 0
+
+
+def test_a_batch_with_logprobs_keeps_vllms_samplers(engines, prompts, both_ways):
+    from vllm import SamplingParams
+
+    ps = prompts["humaneval"][:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, logprobs=2 if i == 1 else None) for i in range(4)]
+    plain = plain_run(engines, ps, params, 4, ("humaneval[:4]", "greedy, one with logprobs"))
+    ours = generate(engines.get("lookahead"), ps, params, 4)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert both_ways["stock_only"] > 0 and both_ways["differ"] == []
+
+
+def test_argmax_sampling_off_keeps_vllms_samplers(engines, prompts, both_ways):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ps = prompts["humaneval"][:8]
+    plain = plain_run(engines, ps, params, 8, ("humaneval[:8]", "greedy"))
+    llm = engines.get("lookahead-stock-sampling", lookahead={"_profile": {"argmax_sampling": False}})
+    ours = generate(llm, ps, params, 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0 and ours.num_drafts > 0
+    assert both_ways == {"drafted": 0, "draftless": 0, "stock_only": 0, "differ": []}

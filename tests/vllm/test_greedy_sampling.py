@@ -1,0 +1,207 @@
+"""Greedy sampling from one numpy argmax (``patches.greedy_sample``) gives vLLM's samplers' tokens.
+
+* ``row_argmax`` is torch's ``argmax(dim=-1)`` and vLLM's CPU ``greedy_argmax``: the first of
+  equal maxima, the first NaN, half precision included;
+* ``greedy_verify`` is vLLM's own greedy ``rejection_sample`` (run here on the CPU), batch by
+  batch, drafts of every length (none included), accepted or not;
+* ``greedy_sample`` leaves every step that vLLM's samplers must take to them: sampling that is
+  not greedy, logprobs, penalties, bad words, allowed tokens, ``min_tokens``, logit bias, a
+  thinking budget, a custom logits processor, a GPU, asynchronous scheduling, an acceptance
+  rule other than vLLM's standard one.
+
+A real engine's steps are compared one by one in ``tests/e2e/test_greedy_sampling.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead_vllm.ops.sampling import greedy_verify, row_argmax
+from lookahead_vllm.vllm import patches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_argmax_is_torchs(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 300, generator=gen).to(dtype)
+    logits[1, [7, 40, 200]] = 50.0  # equal maxima: the first wins
+    logits[2] = float("-inf")  # all equal
+    logits[3, 11] = float("nan")
+    logits[3, 90] = float("nan")  # the first NaN
+    logits[4, :] = 1.0
+    logits[5, 299] = 1e4
+    got = row_argmax(logits)
+    assert got.dtype == np.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[1] == 7 and got[3] == 11 and got[5] == 299
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_row_argmax_is_vllms_cpu_greedy_argmax(rows):
+    """vLLM's CPU sampler takes greedy tokens with its own op (float32 logits only)."""
+    import vllm._C  # noqa: F401 - registers torch.ops._C
+
+    greedy_argmax = getattr(torch.ops._C, "greedy_argmax", None)
+    if greedy_argmax is None:
+        pytest.skip("vLLM's CPU greedy_argmax op: a CPU build of vLLM")
+    gen = torch.Generator().manual_seed(rows)
+    for fill in ("random", "ties", "nan", "inf", "-inf", "equal"):
+        logits = torch.randn(rows, 49152, generator=gen)
+        if fill == "ties":
+            logits[:, [7, 4000, 40000]] = 50.0
+        elif fill == "nan":
+            logits[:, [11, 900]] = float("nan")
+        elif fill in ("inf", "-inf"):
+            logits[:, [5, 9]] = float(fill)
+        elif fill == "equal":
+            logits[:] = 1.0
+        assert row_argmax(logits).tolist() == greedy_argmax(logits).tolist(), fill
+
+
+def _cpu_rejection_sample():
+    """vLLM's ``rejection_sample`` with its CPU kernels registered (once per process)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU kernels: a CPU build of vLLM")
+    patches.apply("cpu_kernel_overrides_once")
+    current_platform.register_triton_kernel_overrides()
+    return rejection_sampler.rejection_sample
+
+
+@st.composite
+def batches(draw):
+    vocab = draw(st.integers(2, 12))
+    counts = draw(st.lists(st.integers(0, 6), min_size=1, max_size=6))
+    if not any(counts):  # vLLM runs its rejection sampler only on steps with a draft
+        counts[draw(st.integers(0, len(counts) - 1))] = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    hit = draw(st.floats(0.0, 1.0))  # how often a draft is the target's token
+    return vocab, counts, seed, hit
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_greedy_verify_is_vllms_greedy_rejection_sampling(batch):
+    rejection_sample = _cpu_rejection_sample()
+    vocab, counts, seed, hit = batch
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.standard_normal((sum(counts) + len(counts), vocab)).astype(np.float32))
+    sampled = np.cumsum(np.asarray(counts) + 1)  # the rows of request i end at sampled[i]
+    bonus_rows = sampled - 1
+    target_rows = np.concatenate([np.arange(end - 1 - n, end - 1) for end, n in zip(sampled, counts)]).astype(np.int64)
+    argmax = row_argmax(logits)
+    drafts = np.where(rng.random(len(target_rows)) < hit, argmax[target_rows],
+                      rng.integers(0, vocab, len(target_rows))).astype(np.int32)
+    width = max(counts)
+    got = greedy_verify(argmax, drafts, np.asarray(counts), target_rows, bonus_rows, width)
+    bonus = torch.from_numpy(argmax[bonus_rows]).view(-1, 1)
+    want = rejection_sample(torch.from_numpy(drafts), counts, width,
+                            torch.from_numpy(np.cumsum(counts).astype(np.int32)), None,
+                            logits[torch.from_numpy(target_rows)], bonus,
+                            SimpleNamespace(all_greedy=True, all_random=False))
+    assert got.dtype == np.int32 and got.shape == (len(counts), width + 1)
+    assert got.tolist() == want.tolist()
+
+
+# ----------------------------------------------------------------- when vLLM's samplers run
+
+
+class _Params(SimpleNamespace):
+    def __init__(self, **changes):
+        super().__init__(**{"min_tokens": 0, "logit_bias": None, **changes})
+
+
+def _runner(params=None, **metadata):
+    """A stand-in runner whose batch holds two requests."""
+    params = params or [_Params(), _Params()]
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    processors = [object.__new__(MinTokensLogitsProcessor), object.__new__(LogitBiasLogitsProcessor)]
+    sm = SimpleNamespace(**{
+        "all_greedy": True, "max_num_logprobs": None, "logprob_token_ids": None, "no_penalties": True,
+        "allowed_token_ids_mask": None, "bad_words_token_ids": {}, "thinking_budget_state_holder": None,
+        "logitsprocs": SimpleNamespace(non_argmax_invariant=processors), **metadata})
+    ids = [f"r{i}" for i in range(len(params))]
+    return SimpleNamespace(input_batch=SimpleNamespace(sampling_metadata=sm, req_ids=ids),
+                           requests={i: SimpleNamespace(sampling_params=p) for i, p in zip(ids, params)},
+                           use_async_scheduling=False, rejection_sampler=SimpleNamespace(synthetic_mode=False),
+                           speculative_config=SimpleNamespace(rejection_sample_method="standard"))
+
+
+def _logits(rows=2):
+    return torch.tensor([[0.0, 3.0, 1.0]] * rows)
+
+
+def test_a_plain_greedy_batch_is_sampled_from_the_argmax():
+    out = patches.greedy_sample(_runner(), _logits(), None)
+    assert out is not None and out.logprobs_tensors is None
+    assert out.sampled_token_ids.dtype == torch.int32 and out.sampled_token_ids.tolist() == [[1], [1]]
+
+
+class _Holder:
+    def __init__(self, tracked):
+        self.tracked = tracked
+
+    def has_tracked_requests(self):
+        return self.tracked
+
+
+class _CustomProcessor:
+    pass
+
+
+@pytest.mark.parametrize("metadata", [
+    {"all_greedy": False}, {"max_num_logprobs": 0}, {"logprob_token_ids": {0: [1]}}, {"no_penalties": False},
+    {"allowed_token_ids_mask": torch.zeros(2, 3, dtype=torch.bool)}, {"bad_words_token_ids": {0: [[2]]}},
+    {"thinking_budget_state_holder": _Holder(True)},
+    {"logitsprocs": SimpleNamespace(non_argmax_invariant=[_CustomProcessor()])},
+], ids=lambda m: next(iter(m)))
+def test_a_batch_that_needs_vllms_samplers_gets_them(metadata):
+    assert patches.greedy_sample(_runner(**metadata), _logits(), None) is None
+
+
+def test_an_idle_thinking_budget_keeps_the_argmax():
+    assert patches.greedy_sample(_runner(thinking_budget_state_holder=_Holder(False)), _logits(), None) is not None
+
+
+@pytest.mark.parametrize("changes", [{"min_tokens": 4}, {"logit_bias": {2: 9.0}}], ids=lambda c: next(iter(c)))
+def test_one_request_with_a_processor_sends_the_batch_to_vllms_samplers(changes):
+    assert patches.greedy_sample(_runner([_Params(), _Params(**changes)]), _logits(), None) is None
+
+
+def test_asynchronous_scheduling_gpus_and_other_acceptance_rules_keep_vllms_samplers():
+    runner = _runner()
+    runner.use_async_scheduling = True
+    assert patches.greedy_sample(runner, _logits(), None) is None
+    logits = SimpleNamespace(device=torch.device("cuda"))  # never read: the device decides first
+    assert patches.greedy_sample(_runner(), logits, None) is None
+    runner = _runner()
+    runner.speculative_config.rejection_sample_method = "synthetic"
+    assert patches.greedy_sample(runner, _logits(), None) is None
+    runner = _runner()
+    runner.rejection_sampler.synthetic_mode = True
+    assert patches.greedy_sample(runner, _logits(), None) is None
+    assert patches.greedy_sample(_runner(), _logits(), None) is not None
+
+
+def test_a_step_with_drafts_is_verified_from_the_argmax():
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    # Request 0 drafted [1, 2] (the target's tokens are 1 then 0: the second is rejected), request 1 nothing.
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    meta = SpecDecodeMetadata(draft_token_ids=ints(1, 2), num_draft_tokens=[2, 0], cu_num_draft_tokens=ints(2, 2),
+                              cu_num_sampled_tokens=ints(3, 4), target_logits_indices=ints(0, 1),
+                              bonus_logits_indices=ints(2, 3), logits_indices=ints(0, 1, 2, 3))
+    logits = torch.tensor([[0.0, 5.0, 1.0], [7.0, 0.0, 1.0], [0.0, 0.0, 9.0], [0.0, 0.0, 4.0]])
+    out = patches.greedy_sample(_runner(), logits, meta)
+    assert out.sampled_token_ids.tolist() == [[1, 0, -1], [2, -1, -1]]
