@@ -298,6 +298,7 @@ def build_engine(method: str, args: argparse.Namespace, label: str | None = None
         kwargs["speculative_config"] = baseline_config(method)
     llm = LLM(model=str(args.model), **kwargs)
     time_vllm_drafter(llm)
+    time_sampling(llm)
     llm.generate([WARMUP_PROMPT], warmup_params(), use_tqdm=False)
     reset_drafters(llm)  # "cold" means cold: forget the warm-up text
     log(f"built {label or method} engine in {time.perf_counter() - start:.1f} s")
@@ -382,6 +383,30 @@ def _time_vllm_drafter(root: Any) -> None:
 
     drafter.propose = timed_propose
     drafter.bench_counters = counters
+
+
+def time_sampling(llm: Any) -> None:
+    """Time the runner's ``_sample`` (vLLM's samplers, or lookahead's argmax path where it
+    applies): ``runner.bench_sample_counters`` gets ``sample_ns`` and ``sample_steps``, which
+    drafter_counters adds to the drafter's."""
+    on_engine(llm, _time_sampling)
+
+
+def _time_sampling(root: Any) -> None:
+    runner = model_runner(root)
+    if runner is None or hasattr(runner, "bench_sample_counters"):
+        return
+    counters: Counter = Counter()
+    sample = runner._sample  # the class's method (lookahead's patch included), bound
+
+    def timed_sample(logits: Any, spec_decode_metadata: Any) -> Any:
+        start = time.perf_counter_ns()
+        out = sample(logits, spec_decode_metadata)
+        counters.update(sample_ns=time.perf_counter_ns() - start, sample_steps=1)
+        return out
+
+    runner._sample = timed_sample
+    runner.bench_sample_counters = counters
 
 
 def model_runner(root: Any) -> Any:
@@ -498,6 +523,7 @@ def drafter_counters(llm: Any) -> Counter:
 
 def _drafter_counters(root: Any) -> dict[str, int]:
     total: Counter = Counter(getattr(vllm_drafter(root), "bench_counters", {}))
+    total.update(getattr(model_runner(root), "bench_sample_counters", {}))
     for proposer in proposers(root):
         total.update(proposer.stats.counters())
     return {k: int(v) for k, v in total.items()}  # plain ints in a plain dict: collective_rpc's encoder
@@ -560,6 +586,8 @@ class MethodRun:
     drafter_size_end: int | None = None
     # The engine's confidence calibration after the cell (cumulative over its cells).
     calibration: dict | None = None
+    # Per step kind, the cell's steps and their median period (read_step_clock).
+    step_periods: dict | None = None
 
     def run_chunk(self, llm: Any, chunk: list[str], params: Any) -> float:
         """Generate one chunk, timed; return its tok/s."""
@@ -597,6 +625,8 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
     """Interleave all methods chunk by chunk over ``prompts``."""
     runs = {m: MethodRun(m, drafter_size_start=drafter_size(llm)) for m, llm in engines.items()}
     chunks = [prompts[lo:lo + bs] for lo in range(0, len(prompts), bs)]
+    for llm in engines.values():
+        start_step_clock(llm)
     for i, chunk in enumerate(chunks):
         meter.start()
         speeds = {m: runs[m].run_chunk(engines[m], chunk, params) for m in rotated(list(engines), i)}
@@ -606,6 +636,7 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
     for m, llm in engines.items():
         runs[m].drafter_size_end = drafter_size(llm)
         runs[m].calibration = calibration(llm)
+        runs[m].step_periods = read_step_clock(llm)
     return runs
 
 
@@ -638,6 +669,7 @@ def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
         "calibration": run.calibration,
         "mismatches": count_mismatches(plain.token_ids, run.token_ids),
         "mismatched_prompts": mismatched,
+        "step_periods": run.step_periods,
         "chunk_tokens": run.chunk_tokens,
         "chunk_seconds": [round(s, 4) for s in run.chunk_seconds],
         "chunk_other_cpu_s": run.noise.samples,
@@ -646,10 +678,12 @@ def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
 
 def drafter_summary(counters: Counter) -> dict[str, Any]:
     steps, req_steps = counters.get("steps", 0), counters.get("request_steps", 0)
+    sampled = counters.get("sample_steps", 0)
+    sampling = {"sample_ms_per_step": round(counters["sample_ns"] / 1e6 / sampled, 4) if sampled else None}
     if not steps:
-        return {"drafter_ms_per_step": None, "drafter_ms_per_request_step": None, "drafter_steps": 0}
+        return {"drafter_ms_per_step": None, "drafter_ms_per_request_step": None, "drafter_steps": 0, **sampling}
     ms = counters["propose_ns"] / 1e6
-    return {"drafter_ms_per_step": round(ms / steps, 4),
+    return {**sampling, "drafter_ms_per_step": round(ms / steps, 4),
             "drafter_ms_per_request_step": round(ms / max(req_steps, 1), 4), "drafter_steps": steps,
             "tree_request_steps": counters.get("tree_request_steps", 0),
             "tree_off_chain_accepts": counters.get("tree_off_chain_accepts", 0),

@@ -596,6 +596,9 @@ def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir,
     assert list(rows) == ["plain", "ngram4-w2-4", "suffix-d8"]
     for method in ("ngram4-w2-4", "suffix-d8"):
         assert rows[method]["mismatches"] == 0 and rows[method]["drafter_ms_per_step"] is not None
+    assert all(row["sample_ms_per_step"] > 0 for row in rows.values())  # the runner's _sample, timed
+    plain_steps = rows["plain"]["step_periods"]  # the cell's step clock: plain never drafts
+    assert plain_steps["decode_draftless"]["steps"] > 0 and plain_steps["decode_drafted"]["steps"] == 0
 
 
 def test_sim_acceptance_index_drafts_a_repeated_answer_across_rounds():

@@ -10,10 +10,10 @@ lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config
 runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
                        the proposer each step's input batch, finished ids and drafts.
 draftless_steps        a step without draft tokens runs as plain decoding.
-runner_sampling        ``GPUModelRunner._sample``: on the CPU a batch that samples greedily
-                       with nothing that moves the argmax takes its tokens from one numpy
-                       argmax over its logits (``greedy_sample``); in tree mode the tree
-                       verifier then replaces the tree requests' rows.
+runner_sampling        ``GPUModelRunner._sample``: on the CPU a step with drafts whose batch
+                       samples greedily with nothing that moves the argmax takes its tokens
+                       from one argmax over its logits (``greedy_sample``); in tree mode the
+                       tree verifier then replaces the tree requests' rows.
 drafter_near_max_len   ``GPUModelRunner._input_fits_in_drafter`` is true for lookahead: vLLM would
                        otherwise, once any request is within k tokens of ``max_model_len``,
                        skip the proposer for the whole batch and schedule k zero tokens a row.
@@ -203,13 +203,15 @@ def patch_runner_request_ids(original):
 
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
 def patch_runner_sampling(original):
-    """A lookahead step samples through :func:`greedy_sample` where it applies (else vLLM's
-    samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
+    """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
+    vLLM's samplers; a draftless step runs vLLM's plain sampler, as plain decoding does); then,
+    in tree mode, tree verification replaces the tree requests' rows."""
 
     def _sample(self, logits, spec_decode_metadata):
         out = None
         drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, LookaheadProposer) and drafter.config.profile.argmax_sampling:
+        if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
+                and drafter.config.profile.argmax_sampling):
             out = greedy_sample(self, logits, spec_decode_metadata)
         if out is None:
             out = original(self, logits, spec_decode_metadata)
@@ -222,15 +224,16 @@ def patch_runner_sampling(original):
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
-    """The step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
-    samplers must run. On the CPU vLLM's sampler takes a row's argmax with its own op
-    (``_C.greedy_argmax``) and its rejection sampler with torch's, each several times numpy's over
-    a 49k-token vocabulary (docs/prices.md). Taken only when every request samples greedily with
-    nothing that moves the argmax (no logprobs, penalties, bad words, allowed tokens,
-    ``min_tokens``, logit bias, thinking budget or custom logits processor), verification is
-    vLLM's standard rule and scheduling is synchronous: then vLLM's samplers emit each row's
-    argmax, and accept drafts up to the first that differs from the target's token
-    (``ops.sampling.greedy_verify``): the same tokens."""
+    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
+    samplers must run. On the CPU vLLM's rejection sampler takes the argmax of a step's draft
+    rows with torch's, several times vLLM's own CPU op (``ops.sampling.row_argmax``), and
+    samples the bonus rows apart (docs/prices.md). Taken only when every request samples
+    greedily with nothing that moves the argmax (no logprobs, penalties, bad words, allowed
+    tokens, ``min_tokens``, logit bias, thinking budget or custom logits processor),
+    verification is vLLM's standard rule and scheduling is synchronous: then vLLM's samplers
+    accept drafts up to the first that differs from the target's token and emit that token or
+    the bonus (``ops.sampling.greedy_verify``): the same tokens. Without drafts
+    (``spec_metadata`` None) the row's argmax."""
     if logits is None or logits.device.type != "cpu" or getattr(runner, "use_async_scheduling", False):
         return None
     method = getattr(runner.speculative_config, "rejection_sample_method", "standard")

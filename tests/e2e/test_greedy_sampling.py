@@ -1,11 +1,12 @@
-"""On a real engine's steps, greedy sampling from one argmax gives what vLLM's samplers give.
+"""On a real engine's steps, greedy verification from one argmax gives what vLLM's samplers give.
 
-Lookahead's ``runner_sampling`` patch samples a greedy batch from one numpy argmax over its
-logits (``patches.greedy_sample``). Here every step of the shared lookahead engine on MT-Bench at
-batch 8 (steps with drafts and steps without) is sampled both ways, from the same logits: the
-tokens are the same at every step, both kinds of step took the argmax, and the output equals
-plain vLLM's. A batch holding one request that asks for logprobs is left to vLLM's samplers, and so is
-every step with the profile's `argmax_sampling` off.
+Lookahead's ``runner_sampling`` patch verifies a greedy batch's drafts from one argmax over its
+logits (``patches.greedy_sample``). Here every step with drafts of the shared lookahead engine
+on MT-Bench at batch 8 is sampled both ways, from the same logits: the tokens are the same at
+every step, and the output equals plain vLLM's; the steps without drafts (there are some) run
+vLLM's plain sampler and never reach the argmax path. A batch holding one request that asks
+for logprobs is left to vLLM's samplers, and so is every step with the profile's
+`argmax_sampling` off.
 """
 
 from __future__ import annotations
@@ -50,12 +51,18 @@ def test_every_step_samples_what_vllms_samplers_sample(engines, prompts, both_wa
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    from lookahead_lab.offline import find_proposers
+
     ps = prompts["mtbench"]
     plain = plain_run(engines, ps, params, 8, ("mtbench", "greedy"))
-    ours = generate(engines.get("lookahead"), ps, params, 8)
+    llm = engines.get("lookahead")
+    (proposer,) = find_proposers(llm)
+    draftless = proposer.metrics.draftless_steps
+    ours = generate(llm, ps, params, 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert both_ways["differ"] == []
-    assert both_ways["drafted"] > 0 and both_ways["draftless"] > 0 and both_ways["stock_only"] == 0
+    assert both_ways["drafted"] > 0 and both_ways["stock_only"] == 0
+    assert both_ways["draftless"] == 0 and proposer.metrics.draftless_steps > draftless
 
 
 def test_a_batch_with_logprobs_keeps_vllms_samplers(engines, prompts, both_ways):

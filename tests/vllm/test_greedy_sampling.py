@@ -1,7 +1,7 @@
-"""Greedy sampling from one numpy argmax (``patches.greedy_sample``) gives vLLM's samplers' tokens.
+"""Greedy verification from one argmax (``patches.greedy_sample``) gives vLLM's samplers' tokens.
 
-* ``row_argmax`` is torch's ``argmax(dim=-1)`` and vLLM's CPU ``greedy_argmax``: the first of
-  equal maxima, the first NaN, half precision included;
+* ``row_argmax`` (vLLM's CPU ``greedy_argmax`` op, or numpy without it) is torch's
+  ``argmax(dim=-1)``: the first of equal maxima, the first NaN, half precision included;
 * ``greedy_verify`` is vLLM's own greedy ``rejection_sample`` (run here on the CPU), batch by
   batch, drafts of every length (none included), accepted or not;
 * ``greedy_sample`` leaves every step that vLLM's samplers must take to them: sampling that is
@@ -26,8 +26,15 @@ from lookahead_vllm.ops.sampling import greedy_verify, row_argmax
 from lookahead_vllm.vllm import patches
 
 
+@pytest.mark.parametrize("with_op", [True, False], ids=["vllm-op", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_argmax_is_torchs(dtype):
+def test_row_argmax_is_torchs(dtype, with_op, monkeypatch):
+    from lookahead_vllm.ops import sampling
+
+    if not with_op:
+        monkeypatch.setattr(sampling, "_cpu_greedy_argmax", lambda: None)
+    elif sampling._cpu_greedy_argmax() is None:
+        pytest.skip("vLLM's CPU greedy_argmax op: a CPU build of vLLM")
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(9, 300, generator=gen).to(dtype)
     logits[1, [7, 40, 200]] = 50.0  # equal maxima: the first wins
