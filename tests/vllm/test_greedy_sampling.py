@@ -26,15 +26,17 @@ from lookahead_vllm.ops.sampling import greedy_verify, row_argmax
 from lookahead_vllm.vllm import patches
 
 
+def _greedy_argmax_op():
+    op = patches._cpu_greedy_argmax()
+    if op is None:
+        pytest.skip("vLLM's CPU greedy_argmax op: a CPU build of vLLM")
+    return op
+
+
 @pytest.mark.parametrize("with_op", [True, False], ids=["vllm-op", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_row_argmax_is_torchs(dtype, with_op, monkeypatch):
-    from lookahead_vllm.ops import sampling
-
-    if not with_op:
-        monkeypatch.setattr(sampling, "_cpu_greedy_argmax", lambda: None)
-    elif sampling._cpu_greedy_argmax() is None:
-        pytest.skip("vLLM's CPU greedy_argmax op: a CPU build of vLLM")
+def test_row_argmax_is_torchs(dtype, with_op):
+    op = _greedy_argmax_op() if with_op else None
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(9, 300, generator=gen).to(dtype)
     logits[1, [7, 40, 200]] = 50.0  # equal maxima: the first wins
@@ -43,7 +45,7 @@ def test_row_argmax_is_torchs(dtype, with_op, monkeypatch):
     logits[3, 90] = float("nan")  # the first NaN
     logits[4, :] = 1.0
     logits[5, 299] = 1e4
-    got = row_argmax(logits)
+    got = row_argmax(logits, op)
     assert got.dtype == np.int64
     assert got.tolist() == logits.argmax(dim=-1).tolist()
     assert got[1] == 7 and got[3] == 11 and got[5] == 299
@@ -51,12 +53,9 @@ def test_row_argmax_is_torchs(dtype, with_op, monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_row_argmax_is_vllms_cpu_greedy_argmax(rows):
-    """vLLM's CPU sampler takes greedy tokens with its own op (float32 logits only)."""
-    import vllm._C  # noqa: F401 - registers torch.ops._C
-
-    greedy_argmax = getattr(torch.ops._C, "greedy_argmax", None)
-    if greedy_argmax is None:
-        pytest.skip("vLLM's CPU greedy_argmax op: a CPU build of vLLM")
+    """vLLM's CPU sampler takes greedy tokens with its own op (float32 logits only): numpy's
+    argmax (row_argmax without the op) follows the same rule."""
+    greedy_argmax = _greedy_argmax_op()
     gen = torch.Generator().manual_seed(rows)
     for fill in ("random", "ties", "nan", "inf", "-inf", "equal"):
         logits = torch.randn(rows, 49152, generator=gen)
@@ -104,7 +103,7 @@ def test_greedy_verify_is_vllms_greedy_rejection_sampling(batch):
     sampled = np.cumsum(np.asarray(counts) + 1)  # the rows of request i end at sampled[i]
     bonus_rows = sampled - 1
     target_rows = np.concatenate([np.arange(end - 1 - n, end - 1) for end, n in zip(sampled, counts)]).astype(np.int64)
-    argmax = row_argmax(logits)
+    argmax = row_argmax(logits, patches._cpu_greedy_argmax())  # the op the patch uses, where there is one
     drafts = np.where(rng.random(len(target_rows)) < hit, argmax[target_rows],
                       rng.integers(0, vocab, len(target_rows))).astype(np.int32)
     width = max(counts)
@@ -143,14 +142,34 @@ def _runner(params=None, **metadata):
                            speculative_config=SimpleNamespace(rejection_sample_method="standard"))
 
 
-def _logits(rows=2):
-    return torch.tensor([[0.0, 3.0, 1.0]] * rows)
+def _ints(*values):
+    return torch.tensor(values, dtype=torch.int32)
 
 
-def test_a_plain_greedy_batch_is_sampled_from_the_argmax():
-    out = patches.greedy_sample(_runner(), _logits(), None)
+def _meta():
+    """A step in which request 0 drafted [1, 2] and request 1 nothing: rows 0-1 are request 0's
+    drafts' targets, row 2 its bonus, row 3 request 1's bonus."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    return SpecDecodeMetadata(draft_token_ids=_ints(1, 2), num_draft_tokens=[2, 0], cu_num_draft_tokens=_ints(2, 2),
+                              cu_num_sampled_tokens=_ints(3, 4), target_logits_indices=_ints(0, 1),
+                              bonus_logits_indices=_ints(2, 3), logits_indices=_ints(0, 1, 2, 3))
+
+
+def _logits():
+    # Greedy tokens 1, 0, 2, 2: request 0's first draft is accepted, its second (2, the target 0) not.
+    return torch.tensor([[0.0, 5.0, 1.0], [7.0, 0.0, 1.0], [0.0, 0.0, 9.0], [0.0, 0.0, 4.0]])
+
+
+def test_a_step_with_drafts_is_verified_from_the_argmax():
+    out = patches.greedy_sample(_runner(), _logits(), _meta())
     assert out is not None and out.logprobs_tensors is None
-    assert out.sampled_token_ids.dtype == torch.int32 and out.sampled_token_ids.tolist() == [[1], [1]]
+    assert out.sampled_token_ids.dtype == torch.int32
+    assert out.sampled_token_ids.tolist() == [[1, 0, -1], [2, -1, -1]]
+
+
+def test_a_step_without_drafts_keeps_vllms_plain_sampler():
+    assert patches.greedy_sample(_runner(), _logits(), None) is None
 
 
 class _Holder:
@@ -172,43 +191,28 @@ class _CustomProcessor:
     {"logitsprocs": SimpleNamespace(non_argmax_invariant=[_CustomProcessor()])},
 ], ids=lambda m: next(iter(m)))
 def test_a_batch_that_needs_vllms_samplers_gets_them(metadata):
-    assert patches.greedy_sample(_runner(**metadata), _logits(), None) is None
+    assert patches.greedy_sample(_runner(**metadata), _logits(), _meta()) is None
 
 
 def test_an_idle_thinking_budget_keeps_the_argmax():
-    assert patches.greedy_sample(_runner(thinking_budget_state_holder=_Holder(False)), _logits(), None) is not None
+    assert patches.greedy_sample(_runner(thinking_budget_state_holder=_Holder(False)), _logits(), _meta()) is not None
 
 
 @pytest.mark.parametrize("changes", [{"min_tokens": 4}, {"logit_bias": {2: 9.0}}], ids=lambda c: next(iter(c)))
 def test_one_request_with_a_processor_sends_the_batch_to_vllms_samplers(changes):
-    assert patches.greedy_sample(_runner([_Params(), _Params(**changes)]), _logits(), None) is None
+    assert patches.greedy_sample(_runner([_Params(), _Params(**changes)]), _logits(), _meta()) is None
 
 
 def test_asynchronous_scheduling_gpus_and_other_acceptance_rules_keep_vllms_samplers():
     runner = _runner()
     runner.use_async_scheduling = True
-    assert patches.greedy_sample(runner, _logits(), None) is None
+    assert patches.greedy_sample(runner, _logits(), _meta()) is None
     logits = SimpleNamespace(device=torch.device("cuda"))  # never read: the device decides first
-    assert patches.greedy_sample(_runner(), logits, None) is None
+    assert patches.greedy_sample(_runner(), logits, _meta()) is None
     runner = _runner()
     runner.speculative_config.rejection_sample_method = "synthetic"
-    assert patches.greedy_sample(runner, _logits(), None) is None
+    assert patches.greedy_sample(runner, _logits(), _meta()) is None
     runner = _runner()
     runner.rejection_sampler.synthetic_mode = True
-    assert patches.greedy_sample(runner, _logits(), None) is None
-    assert patches.greedy_sample(_runner(), _logits(), None) is not None
-
-
-def test_a_step_with_drafts_is_verified_from_the_argmax():
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    # Request 0 drafted [1, 2] (the target's tokens are 1 then 0: the second is rejected), request 1 nothing.
-    def ints(*values):
-        return torch.tensor(values, dtype=torch.int32)
-
-    meta = SpecDecodeMetadata(draft_token_ids=ints(1, 2), num_draft_tokens=[2, 0], cu_num_draft_tokens=ints(2, 2),
-                              cu_num_sampled_tokens=ints(3, 4), target_logits_indices=ints(0, 1),
-                              bonus_logits_indices=ints(2, 3), logits_indices=ints(0, 1, 2, 3))
-    logits = torch.tensor([[0.0, 5.0, 1.0], [7.0, 0.0, 1.0], [0.0, 0.0, 9.0], [0.0, 0.0, 4.0]])
-    out = patches.greedy_sample(_runner(), logits, meta)
-    assert out.sampled_token_ids.tolist() == [[1, 0, -1], [2, -1, -1]]
+    assert patches.greedy_sample(runner, _logits(), _meta()) is None
+    assert patches.greedy_sample(_runner(), _logits(), _meta()) is not None

@@ -28,9 +28,14 @@ def _plugin():
 
 @pytest.fixture
 def break_patch(monkeypatch):
-    """``break_patch(name)``: the named patch is not applied yet and raises when applied."""
+    """``break_patch(name)``: the named patch is not applied yet and raises when applied. The
+    other runner patches (those an engine applies at start) apply as no-ops here: ``_applied``
+    is restored after the test, so a runner method wrapped under it would be wrapped a second
+    time by the next engine (``_sample`` twice: the argmax path and tree acceptance run twice)."""
     monkeypatch.setattr(patches, "_applied", set(patches._applied))
     monkeypatch.setattr(patches, "_failed", dict(patches._failed))
+    for name in set(patches.PATCHES) - set(patches.EAGER):
+        monkeypatch.setitem(patches.PATCHES, name, lambda: True)
 
     def boom() -> bool:
         raise AttributeError(MOVED)
