@@ -37,6 +37,12 @@ file in the same folder, fsync, ``os.replace``; a crash leaves the old
 snapshot or the new one, never a part. Version 1 files (no labels: all
 outputs in the default partition) are still read.
 
+One writer a file: the engine that writes a snapshot holds an advisory lock
+on it (:class:`SnapshotLock`: ``flock`` on ``<path>.lock``) from its start to
+its shutdown, so a second server given the same path finds it taken instead
+of overwriting the first one's file; the kernel drops the lock of a process
+that dies.
+
 Worked example: an engine served two requests whose outputs were ``5 6 7``
 then ``8 9``; its snapshot holds lengths ``[3, 2]`` and tokens
 ``5 6 7 8 9``. A new engine adds ``5 6 7`` then ``8 9`` as finished outputs
@@ -46,10 +52,12 @@ and drafts exactly as the old one did from its corpus.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import errno
+import fcntl
 import io
 import json
 import os
+import socket
 import struct
 import tempfile
 import zlib
@@ -124,13 +132,67 @@ def settings_of(config: Any) -> dict[str, Any]:
     return {name: getattr(config if hasattr(config, name) else config.profile, name) for name in DRAFT_SETTINGS}
 
 
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (names a warm_start file's contents)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# -------------------------------------------------------------------- lock
+class SnapshotLock:
+    """The advisory lock of the one process that writes the snapshot at ``path``:
+    ``flock(LOCK_EX | LOCK_NB)`` on ``<path>.lock``, whose text names the holder
+    (``pid <pid> on <host>``). Locks conflict between processes and between two
+    opens of the file in one process (flock locks an open file description); the
+    kernel releases the lock of a process that dies. ``release`` removes the file,
+    so ``acquire`` checks that the file it locked is still the one at the path."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = f"{path}.lock"
+        # The locked file while held.
+        self._fd: int | None = None
+        # Who held it when acquire found it taken ("" unknown).
+        self.holder = ""
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> bool:
+        """Take the lock without waiting: True when taken (held until ``release``),
+        False when another holds it (``holder``); OSError when it cannot be tried."""
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                with contextlib.suppress(OSError):
+                    self.holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                return False
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._is_at_path(fd):
+                with contextlib.suppress(OSError):  # the holder's name only informs
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                self._fd = fd
+                return True
+            os.close(fd)
+        raise OSError(errno.EAGAIN, "the lock file kept being replaced", self.path)
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it) and unlock; no-op when not held."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if self._is_at_path(fd):
+                os.unlink(self.path)
+        os.close(fd)
+
+    def _is_at_path(self, fd: int) -> bool:
+        try:
+            at, held = os.stat(self.path), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
 # ------------------------------------------------------------------- write

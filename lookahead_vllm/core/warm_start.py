@@ -11,13 +11,21 @@ Two formats, told apart by the file name:
 Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives
 one text and one skipped line; the plain text ``"a b\\n\\nc\\n"`` gives
 ``["a b", "c"]``.
+
+The file is read once (:func:`read_warm_file`): its digest (sha256, what a
+snapshot names as the file it holds) and its texts come from the same bytes,
+so a file replaced while the engine starts is never named by one version and
+learned as another.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 # JSONL fields holding a text, in order of preference.
@@ -32,14 +40,38 @@ class WarmTexts:
     skipped_lines: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class WarmFile:
+    """A warm-start file as read once: its bytes and their sha256."""
+    path: str
+    data: bytes
+    # sha256 (hex) of ``data``: names this version of the file in a snapshot.
+    digest: str
+
+    def texts(self) -> WarmTexts:
+        """The texts of these bytes (see the module docstring)."""
+        # As a file opened in text mode reads: universal newlines.
+        text = self.data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+        if self.path.endswith(".jsonl"):
+            return _jsonl_texts(text)
+        return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
+
+
+def read_warm_file(path: str | os.PathLike) -> WarmFile:
+    """Read a warm-start file's bytes once; OSError if it cannot be read or is
+    not a regular file (a FIFO would block the engine's start)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = f.read()
+    return WarmFile(str(path), data, hashlib.sha256(data).hexdigest())
+
+
 def read_warm_texts(path: str | os.PathLike) -> WarmTexts:
     """The texts of a warm-start file (see the module docstring); OSError if
     it cannot be read."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        data = f.read()
-    if str(path).endswith(".jsonl"):
-        return _jsonl_texts(data)
-    return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(data) if p.strip()])
+    return read_warm_file(path).texts()
 
 
 def _jsonl_texts(data: str) -> WarmTexts:

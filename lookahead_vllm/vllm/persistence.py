@@ -3,9 +3,11 @@
 ``Persistence`` does, for one proposer, what the config's ``warm_start`` and
 ``snapshot_path`` ask for:
 
-  start   load the snapshot (core/snapshot.py) if its file exists, then
-          learn the ``warm_start`` texts (core/warm_start.py) with the model's
-          tokenizer, unless the snapshot was written with that file. A corrupt,
+  start   take the snapshot file's lock (below), load the snapshot
+          (core/snapshot.py) if its file exists, then read the ``warm_start``
+          file once and learn its texts (core/warm_start.py) with the model's
+          tokenizer, unless the snapshot was written with those bytes (their
+          digest is what the snapshot names). A corrupt,
           truncated or foreign snapshot is refused with a warning (drafting
           starts cold) and kept: moved to ``<path>.refused`` (``.refused.1``,
           ... when taken), so that this run's snapshot does not overwrite it.
@@ -13,20 +15,30 @@
           tokenizer failed) or moved stays where it is, and this run writes
           no snapshot.
   close   write the snapshot (atomically) once: on engine shutdown, from the
-          proposer's ``close()``, its finalizer or ``atexit``.
+          proposer's ``close()``, its finalizer or ``atexit``; then release
+          the lock.
 
-Tensor-parallel ranks hold identical drafters and write the same bytes, each
-through its own temporary file; in tree mode, where each rank verifies its own
-drafter's trees, ranks that learned different things at start (a file one of
-them could not read) all start cold and write nothing (the proposer checks).
+One writer a file. Tensor-parallel ranks hold identical drafters: only the
+engine's first drafting rank (tensor-parallel rank 0 of prefill-context-parallel
+rank 0; the only one without distributed state) writes, holding the file's lock
+(``SnapshotLock``, ``<path>.lock``) from start to shutdown; the other ranks load
+the file read only (one they refuse stays in place for the first rank to move
+aside) and write nothing. An engine whose first rank finds the lock held by
+another live process (another server given the same path, or an earlier engine
+of this process not yet shut down) loads the file read only too, writes
+nothing, and says so once in a warning: its learning is not saved. The kernel
+releases the lock of a process that dies, so a crashed server blocks no one. In
+tree mode, where each rank verifies its own drafter's trees, ranks that learned
+different things at start (a file one of them could not read) all start cold
+and write nothing (the proposer checks).
 
 Data-parallel engines learn apart: the engine of data-parallel rank 0 (or the
 only one) keeps ``snapshot_path``, rank ``r`` keeps ``<path>.dp<r>``
 (:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``, the global rank,
 ``--data-parallel-rank`` included) and, while it has no usable one (none yet,
 or its own refused), starts from rank 0's file, read only (never moved aside:
-it is rank 0's). Servers that are not data-parallel ranks of one deployment and
-share a path still overwrite each other (the last one wins).
+it is rank 0's). Each rank locks its own file, so data-parallel ranks never
+find each other's lock.
 
 The tokenizer (loaded only when one of the two is set) also names the
 snapshot's identity: folder name and vocabulary size.
@@ -45,8 +57,8 @@ from typing import Any
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.config import Settings
-from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, SnapshotUnreadable, file_digest, identity_of
-from lookahead_vllm.core.warm_start import read_warm_texts
+from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, SnapshotLock, SnapshotUnreadable, identity_of
+from lookahead_vllm.core.warm_start import WarmFile, read_warm_file
 
 logger = init_logger(__name__)
 
@@ -57,6 +69,21 @@ TOKENIZE_BATCH = 1024
 def snapshot_file(path: str, dp_rank: int) -> str:
     """The snapshot file of the engine of data-parallel rank ``dp_rank`` (module docstring)."""
     return f"{path}.dp{dp_rank}" if path and dp_rank else path
+
+
+def _first_drafting_rank() -> bool:
+    """Whether this process is its engine's first drafting rank, the one that writes the
+    snapshot: tensor-parallel rank 0 of prefill-context-parallel rank 0 (drafters run on the
+    last pipeline stage only). True without distributed state (one rank: unit tests)."""
+    from vllm.distributed import parallel_state
+
+    for name in ("get_tp_group", "get_pcp_group"):
+        try:
+            if getattr(parallel_state, name)().rank_in_group:
+                return False
+        except (AssertionError, AttributeError):  # the group not initialized (or not in this vLLM)
+            pass
+    return True
 
 
 class Persistence:
@@ -74,38 +101,67 @@ class Persistence:
         self.closed = False
         # False once a snapshot was left in place unloaded: writing would overwrite it.
         self.writes = True
+        # Whether this process writes the file (start() decides: the engine's first drafting rank
+        # holding its lock); one that does not only reads it, and never moves it aside.
+        self.owner = False
+        self._lock: SnapshotLock | None = None
+        # Why this engine does not write its file ("" where it does, or is not its first rank).
+        self._read_only = ""
         # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
         # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
         self.learned: dict[str, tuple] = {}
 
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
-        """Learn the snapshot, then the warm-start texts (see the module docstring)."""
-        path, unread = self.config.warm_start, None
-        if path and os.path.isfile(path):
-            try:
-                self._warm_digest = file_digest(path)
-            except OSError as exc:  # a warm start never stops the engine
-                unread = exc.strerror or str(exc)
+        """Lock the snapshot file, learn the snapshot, then the warm-start texts (see the module
+        docstring)."""
+        self._claim()
         snap = self._load_snapshot(drafter)
+        path = self.config.warm_start
         if not path:
             return
         # The warm-start file the snapshot holds: what the snapshot written at shutdown names
         # unless this run learns the file whole (it must never name a file it does not hold).
-        held = snap.info.get("warm_start", "") if snap is not None else ""
-        if self._warm_digest and held == self._warm_digest:
-            logger.info("lookahead warm_start %s: already in the snapshot, not read again", path)
+        held = self._warm_digest = snap.info.get("warm_start", "") if snap is not None else ""
+        try:
+            warm = read_warm_file(path)  # read once: the digest and the texts learned are of these bytes
+        except OSError as exc:  # whether the snapshot holds it cannot be told: not learned (twice) this run
+            logger.warning("lookahead warm_start %s: cannot be read (%s); not learned this run", path,
+                           exc.strerror or exc)
             return
-        learned = False
-        if unread is not None:  # whether the snapshot holds it cannot be told: not learned (twice) this run
-            logger.warning("lookahead warm_start %s: cannot be read (%s); not learned this run", path, unread)
-        else:
-            try:
-                learned = self._warm(drafter)
-            except Exception as exc:  # noqa: BLE001 - a warm start never stops the engine
-                logger.warning("lookahead warm_start %s: not learned (%r)", path, exc)
-        if not learned:
-            self._warm_digest = held
+        if warm.digest == held:
+            logger.info("lookahead warm_start %s: already in the snapshot, not learned again", path)
+            return
+        try:
+            self._warm(drafter, warm)
+        except Exception as exc:  # noqa: BLE001 - a warm start never stops the engine
+            logger.warning("lookahead warm_start %s: not learned (%r)", path, exc)
+            return
+        self._warm_digest = warm.digest
+
+    def _claim(self) -> None:
+        """Decide whether this process writes the snapshot file: the engine's first drafting rank
+        does, holding the file's lock, unless another process holds it (module docstring)."""
+        if not self.path or not _first_drafting_rank():
+            return
+        lock = SnapshotLock(self.path)
+        try:
+            taken = lock.acquire()
+        except OSError as exc:  # the file system cannot lock: written as before, unguarded
+            logger.warning("lookahead snapshot %s: cannot be locked (%s); written without a lock, so another "
+                           "server given the same path would go unnoticed", self.path, exc.strerror or exc)
+            self.owner = True
+            return
+        if taken:
+            self.owner, self._lock = True, lock
+            return
+        self._read_only = "another engine holds it"
+        holder = lock.holder or "unknown"
+        if holder.startswith(f"pid {os.getpid()} "):
+            holder += ", an engine of this process not yet shut down"
+        logger.warning("lookahead snapshot %s: another engine holds it (%s; lock %s); this engine starts from it "
+                       "read only, and its learning will not be saved. Give each server its own snapshot_path",
+                       self.path, holder, lock.path)
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
         path = self.path
@@ -116,7 +172,8 @@ class Persistence:
         except FileNotFoundError:
             if self._shared and os.path.isfile(self._shared):
                 return self._load_shared(drafter)
-            logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown)", path)
+            logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown%s)", path,
+                        "" if self.owner else " by the engine that holds it")
             return None
         except OSError as exc:  # a passing stat failure is no sign that the file is absent
             return self._keep(path, f"cannot be inspected ({exc.strerror or exc})")
@@ -175,7 +232,12 @@ class Persistence:
     def _set_aside(self, path: str, why: str, instead: str = "") -> None:
         """Keep a refused snapshot out of this run's way: renamed to the first free
         ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``).
-        ``instead``: what drafting does (default: starts cold)."""
+        ``instead``: what drafting does (default: starts cold). A process that does not write
+        the file leaves it in place (its writer moves it aside, or keeps it: another engine's)."""
+        if not self.owner:
+            logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
+                           why, instead or "starts cold")
+            return
         aside, n = f"{path}.refused", 0
         while os.path.lexists(aside):
             n += 1
@@ -192,16 +254,11 @@ class Persistence:
         else:
             logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead or "starts cold")
 
-    def _warm(self, drafter: Any) -> bool:
-        """Learn the warm-start texts; whether the file was read (every text learned)."""
+    def _warm(self, drafter: Any, warm: WarmFile) -> None:
+        """Learn the texts of the warm-start file read (raises where not every text was learned)."""
         path = self.config.warm_start
         start = time.perf_counter()
-        try:
-            found = read_warm_texts(path)
-        except OSError as exc:
-            logger.warning("lookahead warm_start %s: cannot be read (%s); drafting starts cold", path,
-                           exc.strerror or exc)
-            return False
+        found = warm.texts()
         if found.skipped_lines:
             logger.warning("lookahead warm_start %s: skipped %d line(s) without a text field (first: line %d)",
                            path, len(found.skipped_lines), found.skipped_lines[0])
@@ -217,19 +274,31 @@ class Persistence:
         self.learned["warm_start"] = (len(texts), tokens)
         logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, len(texts), tokens,
                     time.perf_counter() - start)
-        return True
 
     # ------------------------------------------------------------- shutdown
     def close(self, drafter: Any) -> None:
-        """Write the snapshot (once; later calls do nothing). Never raises."""
+        """Write the snapshot, then release the file's lock (once; later calls do nothing).
+        Never raises."""
         closed, self.closed = self.closed, True
-        if not closed and self.config.snapshot_path:
-            self.save(drafter)
+        if closed:
+            return
+        try:
+            if self.config.snapshot_path:
+                self.save(drafter)
+        finally:
+            self.owner, self._read_only = False, self._read_only or "this engine was shut down"
+            if self._lock is not None:
+                self._lock.release()
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now (a failure is logged, not raised; nothing where the snapshot
-        found at start was left in place unloaded: ``writes``)."""
+        """Write the snapshot now (a failure is logged, not raised; nothing where this process
+        does not write the file: ``owner``, or where the snapshot found at start was left in
+        place unloaded: ``writes``)."""
         path = self.path
+        if not self.owner:
+            if self._read_only:  # (the other ranks of an engine never write: nothing to say)
+                logger.info("lookahead snapshot %s: not written (%s)", path, self._read_only)
+            return None
         if not self.writes:
             logger.warning("lookahead snapshot %s: not written (the snapshot found there at start is kept)", path)
             return None

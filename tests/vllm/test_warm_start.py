@@ -188,7 +188,7 @@ def test_warm_start_not_repeated_when_the_snapshot_holds_it(tmp_path, smollm2_di
 
 def test_a_snapshot_never_names_a_warm_start_file_it_does_not_hold(tmp_path, smollm2_dir, monkeypatch, caplog):
     """A warm start that failed part-way (here the tokenizer) is not stamped into the snapshot,
-    so the next start learns the file; one whose digest cannot be read is not learned that run
+    so the next start learns the file; one that cannot be read is not learned that run
     (the snapshot may hold it already: learning it again would double it), and the snapshot
     written then still names the file it holds."""
     from lookahead_vllm.vllm import persistence
@@ -197,13 +197,13 @@ def test_a_snapshot_never_names_a_warm_start_file_it_does_not_hold(tmp_path, smo
     past.write_text("\n\n".join(TEXTS))
     snap = tmp_path / "learned.bin"
     with monkeypatch.context() as m:
-        m.setattr(persistence.Persistence, "_warm", lambda self, drafter: int("tokenizer failed"))
+        m.setattr(persistence.Persistence, "_warm", lambda self, drafter, warm: int("tokenizer failed"))
         make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap)).close()
     learned = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
     assert len(learned.drafter.index.corpus_sequences()) == len(TEXTS)  # learned now, not skipped as held
     learned.close()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
-        m.setattr(persistence, "file_digest", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        m.setattr(persistence, "read_warm_file", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
         unread = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
         assert len(unread.drafter.index.corpus_sequences()) == len(TEXTS)  # the snapshot's, not twice
         unread.close()
@@ -325,7 +325,8 @@ def test_data_parallel_engines_keep_snapshots_of_their_own(tmp_path, smollm2_dir
     rank2.warm_start([[1, 2, 3]])
     rank2.close()
     assert snap.read_bytes() == b"not a snapshot" and not (tmp_path / "learned.bin.refused").exists()
-    assert make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap)).drafter.index.corpus_sequences() == [[1, 2, 3]]
+    rank2 = make_proposer(smollm2_dir, dp_rank=2, snapshot_path=str(snap))
+    assert rank2.drafter.index.corpus_sequences() == [[1, 2, 3]]
 
 
 def test_a_data_parallel_engine_whose_own_snapshot_is_refused_starts_from_rank_0s(tmp_path, smollm2_dir):

@@ -1,0 +1,240 @@
+"""Snapshots and warm starts against other processes: a warm_start file replaced while the
+engine starts is named in the snapshot by the bytes learned; one engine writes a snapshot file
+(its lock), a second server given the same path reads it and never writes it, the other
+tensor-parallel ranks of an engine never lock or write, and a crashed holder blocks no one."""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import hashlib
+import io
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lookahead_vllm.core.snapshot import decode
+from tests.vllm.test_warm_start import TEXTS, make_proposer
+
+pytestmark = pytest.mark.vllm
+
+HOLDER = "another engine holds it"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def _corpus(proposer) -> list[list[int]]:
+    return proposer.drafter.index.corpus_sequences()
+
+
+def _seeded(smollm2_dir, snap, outputs) -> None:
+    """A snapshot at ``snap`` holding ``outputs`` (written by an engine now shut down)."""
+    p = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    p.warm_start(outputs)
+    p.close()
+
+
+def _holder_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if HOLDER in r.getMessage()]
+
+
+def test_flock_conflicts_between_two_opens_in_one_process(tmp_path):
+    """What the tests below rest on: flock locks an open file description, so two opens of
+    one file in one process conflict as two processes do."""
+    a, b = (os.open(tmp_path / "x.lock", os.O_RDWR | os.O_CREAT) for _ in range(2))
+    try:
+        fcntl.flock(a, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(a)
+    fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(b)
+
+
+def test_a_warm_start_file_is_read_once_as_text_mode_read_it(tmp_path):
+    """``read_warm_file``: the digest is of the bytes whose texts it gives (newlines read as a
+    file opened in text mode reads them); a FIFO is refused, not waited on."""
+    from lookahead_vllm.core.warm_start import read_warm_file
+
+    path = tmp_path / "past.txt"
+    path.write_bytes(b"one\r\ntwo\r\n\r\nthree\rfour")
+    warm = read_warm_file(path)
+    assert warm.digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert warm.texts().texts == ["one\ntwo", "three\nfour"]
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="not a regular file"):
+        read_warm_file(tmp_path / "fifo")
+
+
+def test_the_snapshot_names_the_warm_start_bytes_it_learned(tmp_path, smollm2_dir, tokenizer, monkeypatch):
+    """The warm_start file is replaced (atomically, as a deploy does) right after the engine
+    first opens it: the digest the snapshot names is that of the bytes learned, so the next
+    start learns the new file once (not skipped as held, not learned twice)."""
+    past, snap = tmp_path / "past.txt", tmp_path / "learned.bin"
+    old, new = "\n\n".join(TEXTS[:2]), TEXTS[2]
+    past.write_text(old)
+    replaced = []
+
+    def replace_after_first_open(opened, path):
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path) == str(past) and not replaced:
+            replaced.append(path)
+            (tmp_path / "past.new").write_text(new)
+            os.replace(tmp_path / "past.new", past)
+        return opened
+
+    for module, name in ((os, "open"), (builtins, "open"), (io, "open")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda path, *a, real=real, **k: replace_after_first_open(
+            real(path, *a, **k), path))
+    first = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    first.close()
+    monkeypatch.undo()
+    assert replaced and past.read_text() == new
+    tokens = {hashlib.sha256(text.encode()).hexdigest(): [tokenizer(t, add_special_tokens=False)["input_ids"]
+                                                         for t in text.split("\n\n")] for text in (old, new)}
+    named = decode(snap.read_bytes()).info["warm_start"]
+    assert named in tokens and _corpus(first) == tokens[named]  # named by the bytes it learned
+    again = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
+    assert _corpus(again) == tokens[named] + tokens[hashlib.sha256(new.encode()).hexdigest()]
+    again.close()
+
+
+def test_a_second_engine_on_the_same_snapshot_reads_it_and_never_writes_it(tmp_path, smollm2_dir, caplog):
+    """Two servers given one snapshot_path: the first to start holds the file; the second
+    starts from it read only, warns once that its learning will not be saved, and writes
+    nothing at shutdown, though it stops last (before the lock: it won, and the first one's
+    learning was lost). Once the first has shut down, a new engine holds the file."""
+    snap = tmp_path / "learned.bin"
+    _seeded(smollm2_dir, snap, [[1, 2, 3, 4]])
+    first = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    with caplog.at_level(logging.WARNING):
+        second = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert _corpus(second) == [[1, 2, 3, 4]]  # started from the file
+    first.warm_start([[5, 6, 7, 8]])
+    second.warm_start([[9, 9, 9, 9]])
+    first.close()
+    written = snap.read_bytes()
+    second.close()
+    assert snap.read_bytes() == written  # the first one's learning survives
+    warnings = _holder_warnings(caplog)
+    assert len(warnings) == 1 and str(snap) in warnings[0] and "will not be saved" in warnings[0]
+    assert "its own snapshot_path" in warnings[0] and f"pid {os.getpid()} " in warnings[0]
+    assert not (tmp_path / "learned.bin.lock").exists()  # removed when the first released it
+    third = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert sorted(_corpus(third)) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    third.warm_start([[7, 7, 7]])
+    third.close()
+    last = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert sorted(_corpus(last)) == [[1, 2, 3, 4], [5, 6, 7, 8], [7, 7, 7]]
+    last.close()
+
+
+def test_a_second_engine_leaves_a_held_file_it_refuses_in_place(tmp_path, smollm2_dir, tiny_llama_dir):
+    """A server of another model given a path another engine holds refuses the file and
+    starts cold, but never moves it aside: the file is the holder's."""
+    snap = tmp_path / "learned.bin"
+    first = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    first.warm_start([[5, 6, 7, 8]])
+    first.save_snapshot()
+    other = make_proposer(tiny_llama_dir, snapshot_path=str(snap))
+    assert _corpus(other) == []
+    other.close()
+    assert snap.is_file() and not (tmp_path / "learned.bin.refused").exists()
+    first.close()
+    assert _corpus(make_proposer(smollm2_dir, snapshot_path=str(snap))) == [[5, 6, 7, 8]]
+
+
+def test_the_other_tensor_parallel_ranks_of_an_engine_never_lock_or_write(tmp_path, smollm2_dir, monkeypatch,
+                                                                          caplog):
+    """Ranks other than the engine's first load its file read only, with no warning (the lock
+    they would find is their own engine's), take no lock and write nothing; a file they refuse
+    stays in place for the first rank to move aside."""
+    from lookahead_vllm.vllm import persistence
+
+    snap = tmp_path / "learned.bin"
+    _seeded(smollm2_dir, snap, [[1, 2, 3, 4]])
+    rank0 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
+        m.setattr(persistence, "_first_drafting_rank", lambda: False)
+        rank1 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert _corpus(rank1) == _corpus(rank0) == [[1, 2, 3, 4]] and not _holder_warnings(caplog)
+    rank0.close()
+    written = snap.read_bytes()
+    rank1.warm_start([[9, 9, 9, 9]])
+    rank1.close()
+    assert snap.read_bytes() == written
+
+    snap.write_bytes(b"not a snapshot")
+    with monkeypatch.context() as m:
+        m.setattr(persistence, "_first_drafting_rank", lambda: False)
+        rank1 = make_proposer(smollm2_dir, snapshot_path=str(snap))
+        assert not (tmp_path / "learned.bin.lock").exists()  # no lock taken
+        assert _corpus(rank1) == [] and snap.read_bytes() == b"not a snapshot"
+    rank0 = make_proposer(smollm2_dir, snapshot_path=str(snap))  # not locked out by rank 1
+    assert _corpus(rank0) == [] and (tmp_path / "learned.bin.refused").read_bytes() == b"not a snapshot"
+    rank1.close()
+    rank0.close()
+
+
+def test_the_first_drafting_rank_is_tensor_and_prefill_context_parallel_rank_0(monkeypatch):
+    from vllm.distributed import parallel_state
+
+    from lookahead_vllm.vllm.persistence import _first_drafting_rank
+
+    assert _first_drafting_rank()  # no distributed state: one rank
+    ranks = {"get_tp_group": 0, "get_pcp_group": 0}
+    for name in ranks:
+        monkeypatch.setattr(parallel_state, name, lambda name=name: type("Group", (), {
+            "rank_in_group": ranks[name]})())
+    assert _first_drafting_rank()
+    ranks["get_tp_group"] = 1
+    assert not _first_drafting_rank()
+    ranks.update(get_tp_group=0, get_pcp_group=2)
+    assert not _first_drafting_rank()
+
+
+def test_data_parallel_ranks_alive_together_each_hold_their_own_file(tmp_path, smollm2_dir, caplog):
+    snap = tmp_path / "learned.bin"
+    with caplog.at_level(logging.WARNING):
+        ranks = [make_proposer(smollm2_dir, dp_rank=r, snapshot_path=str(snap)) for r in range(3)]
+    assert not _holder_warnings(caplog)
+    for r, p in enumerate(ranks):
+        p.warm_start([[r + 1] * 4])
+        p.close()
+    for r in range(3):
+        assert _corpus(make_proposer(smollm2_dir, dp_rank=r, snapshot_path=str(snap)))[-1] == [r + 1] * 4
+
+
+def test_a_crashed_holder_blocks_no_one(tmp_path, smollm2_dir, caplog):
+    """Another process holds the file (its lock): this engine writes nothing; the process is
+    killed (no shutdown, its lock file left behind): the next engine holds the file."""
+    snap = tmp_path / "learned.bin"
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); os.write(fd, b'pid %d on elsewhere' % os.getpid()); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, f"{snap}.lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING):
+            blocked = make_proposer(smollm2_dir, snapshot_path=str(snap))
+        assert any(f"pid {holder.pid} on elsewhere" in w for w in _holder_warnings(caplog))
+        blocked.warm_start([[9, 9, 9, 9]])
+        blocked.close()
+        assert not snap.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "learned.bin.lock").exists()
+    after = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    after.warm_start([[5, 6, 7, 8]])
+    after.close()
+    assert _corpus(make_proposer(smollm2_dir, snapshot_path=str(snap))) == [[5, 6, 7, 8]]
