@@ -6,10 +6,18 @@ strings: JSON ``true``/``false`` arrive as 1/0), offline in
 ``SamplingParams(extra_args=...)``:
 
   lookahead_enabled           true/false (or 1/0); false = never draft for
-                              this request (default true)
+                              this request (default true, except for seeded
+                              sampling: below)
   lookahead_max_draft_tokens  0..256: cap on this request's draft nodes per
                               step (0 = off); the engine's decoding_length
                               and load adaptation still apply on top
+
+A request that samples with a seed (temperature > 0 and ``seed`` set) drafts
+nothing unless it sets ``lookahead_enabled`` true itself: its text is then plain
+vLLM's for that seed, every time. vLLM's rejection sampler draws one uniform per
+draft token from the request's generator, and lookahead's drafts depend on other
+requests' outputs and on measured step times, so a drafted seeded request keeps
+the target distribution but not the text a seed names.
 
 Every other key starting with ``lookahead`` is rejected, so a typo cannot
 silently leave speculation on. Example::
@@ -28,20 +36,18 @@ KEYS = (ENABLED, MAX_DRAFT_TOKENS)
 MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound (its schema's maximum)
 
 
-def draft_cap(extra_args: Mapping[str, Any] | None) -> int | None:
-    """This request's cap on draft nodes per step (None = no cap, 0 = off).
+def draft_cap(extra_args: Mapping[str, Any] | None, seeded: bool = False) -> int | None:
+    """This request's cap on draft nodes per step (None = no cap, 0 = off); ``seeded``: the
+    request samples with a seed (off unless ``lookahead_enabled`` says otherwise).
 
     Raises ``ValueError`` naming the key, the value and what is allowed.
     """
     ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("lookahead")}
-    if not ours:
-        return None
     unknown = sorted(set(ours) - set(KEYS))
     if unknown:
         raise ValueError(f"unknown per-request lookahead key(s) {unknown}; allowed keys: {list(KEYS)}")
-    cap = None
-    if ENABLED in ours and not _as_bool(ENABLED, ours[ENABLED]):
-        cap = 0
+    enabled = _as_bool(ENABLED, ours[ENABLED]) if ENABLED in ours else not seeded
+    cap = None if enabled else 0
     if MAX_DRAFT_TOKENS in ours:
         value = ours[MAX_DRAFT_TOKENS]
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CAP:

@@ -28,6 +28,7 @@ import numpy as np
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.sampling_params import SamplingType
 
 from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost, prices_pinned
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
@@ -347,14 +348,15 @@ class LookaheadProposer:
         """Create the states of newly admitted requests with their options
         (``extra_args``, validated when the request was made; a request whose options
         fail here, changed after that, is logged and drafts nothing, rather than stopping
-        the engine).
+        the engine). A request that samples with a seed drafts nothing unless it enables
+        lookahead itself (core/request_options.py): its text is then plain vLLM's for the seed.
         A prompt given as embeddings drafts nothing: vLLM leaves its positions of the
         token table unwritten (they hold an earlier request's tokens) or writes placeholders."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
             try:
-                st.cap = draft_cap(params.extra_args) if params is not None else None
+                st.cap = draft_cap(params.extra_args, _seeded(params)) if params is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
                 st.cap = 0
@@ -801,6 +803,12 @@ class StepShape:
             context = sum(computed.get(req_id, 0) for req_id, d in spec.items() if d)
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
                    bool(cached.req_ids), drafts > 0, rows, context)
+
+
+def _seeded(params: Any) -> bool:
+    """Whether the request samples with a seed (vLLM's ``SamplingType.RANDOM_SEED``: temperature
+    above greedy and ``seed`` set)."""
+    return getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED
 
 
 def _has_embedded_prompt(req: Any) -> bool:

@@ -50,6 +50,21 @@ def test_draft_cap(extra, cap):
 
 
 @pytest.mark.parametrize(
+    "extra, cap",
+    [
+        (None, 0),  # seeded sampling drafts nothing by default: the seed's text is plain's
+        ({"kv_transfer_params": {"x": 1}}, 0),
+        ({"lookahead_max_draft_tokens": 3}, 0),  # a cap does not opt in
+        ({"lookahead_enabled": True}, None),  # the request opts in
+        ({"lookahead_enabled": 1, "lookahead_max_draft_tokens": 3}, 3),
+        ({"lookahead_enabled": False}, 0),
+    ],
+)
+def test_draft_cap_of_seeded_sampling(extra, cap):
+    assert draft_cap(extra, seeded=True) == cap
+
+
+@pytest.mark.parametrize(
     "extra, message",
     [
         ({"lookahead_enable": False}, r"unknown per-request lookahead key\(s\) \['lookahead_enable'\]"),

