@@ -205,7 +205,8 @@ def patch_runner_request_ids(original):
 def patch_runner_sampling(original):
     """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
     vLLM's samplers; a draftless step runs vLLM's plain sampler, as plain decoding does); then,
-    in tree mode, tree verification replaces the tree requests' rows."""
+    in tree mode, tree verification replaces the tree requests' rows (from the argmax
+    ``greedy_sample`` took, where it ran)."""
 
     def _sample(self, logits, spec_decode_metadata):
         out = None
@@ -234,7 +235,8 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     accept drafts up to the first that differs from the target's token and emit that token or
     the bonus (``ops.sampling.greedy_verify``): the same tokens. A step without drafts
     (``spec_metadata`` None) is left to vLLM's plain sampler, which takes its argmax with the
-    same op."""
+    same op. The output carries the argmax (:func:`_argmax_output_type`): tree verification
+    reads its tree rows' greedy targets from it rather than taking a second one."""
     if (spec_metadata is None or logits is None or logits.device.type != "cpu"
             or getattr(runner, "use_async_scheduling", False)):
         return None
@@ -250,19 +252,34 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
         return None
     if any(type(p) not in _argmax_processors() for p in sm.logitsprocs.non_argmax_invariant):
         return None
-    requests = runner.requests
-    if not all(_moves_no_argmax(getattr(requests.get(req_id), "sampling_params", None))
-               for req_id in runner.input_batch.req_ids):
+    if not _batch_moves_no_argmax(runner, sm):
         return None
     import torch
-    from vllm.v1.outputs import SamplerOutput
 
     argmax = sampling_ops.row_argmax(logits, _cpu_greedy_argmax())
     tokens = sampling_ops.greedy_verify(
         argmax, spec_metadata.draft_token_ids.numpy(), np.asarray(spec_metadata.num_draft_tokens),
         spec_metadata.target_logits_indices.numpy(), spec_metadata.bonus_logits_indices.numpy(),
         spec_metadata.max_spec_len)
-    return SamplerOutput(sampled_token_ids=torch.from_numpy(tokens), logprobs_tensors=None)
+    return _argmax_output_type()(sampled_token_ids=torch.from_numpy(tokens), logprobs_tensors=None,
+                                 logits_argmax=argmax)
+
+
+@functools.cache
+def _argmax_output_type() -> type:
+    """vLLM's ``SamplerOutput`` with ``logits_argmax``: the argmax of every logits row of the
+    step (what :func:`greedy_sample` verified from), which ``TreeVerifier.finish_step`` reads
+    its tree rows' greedy targets from. Defined on first use: importing ``vllm.v1.outputs``
+    costs about a second in processes that never sample."""
+    from dataclasses import dataclass
+
+    from vllm.v1.outputs import SamplerOutput
+
+    @dataclass
+    class ArgmaxSamplerOutput(SamplerOutput):
+        logits_argmax: np.ndarray  # [num_logits_rows] int64
+
+    return ArgmaxSamplerOutput
 
 
 @functools.cache
@@ -280,6 +297,27 @@ def _cpu_greedy_argmax() -> Any:
         return torch.ops._C.greedy_argmax
     except (ImportError, AttributeError, RuntimeError):
         return None
+
+
+# The last batch :func:`_batch_moves_no_argmax` judged: its sampling metadata and the verdict.
+_batch_verdict: tuple[Any, bool] = (None, False)
+
+
+def _batch_moves_no_argmax(runner: Any, sm: Any) -> bool:
+    """Whether every request of the runner's batch moves no argmax (:func:`_moves_no_argmax`),
+    judged once per batch: vLLM's input batch makes a new ``sampling_metadata`` (``sm``) on
+    every step where a request joins or leaves it (``refresh_metadata``), so while it is the
+    same object the batch holds the same requests with the same params. At 256 requests the
+    loop costs 35-70 us (a step whose batch changed still pays it), the reuse 0.1-0.2 us. Holds
+    the last ``sm`` judged, so no other object can take its ``id``."""
+    global _batch_verdict
+    judged, verdict = _batch_verdict
+    if judged is not sm:
+        requests = runner.requests
+        verdict = all(_moves_no_argmax(getattr(requests.get(req_id), "sampling_params", None))
+                      for req_id in runner.input_batch.req_ids)
+        _batch_verdict = (sm, verdict)
+    return verdict
 
 
 def _moves_no_argmax(params: Any) -> bool:

@@ -245,7 +245,10 @@ class TreeVerifier:
         """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
         host work is a few batch transfers whatever the number of trees: one argmax over the
         tree rows' logits read once, the chain-only rows read once, the walks' rows written once;
-        the greedy trees walked in one native call (sampled ones draw row by row as they walk)."""
+        the greedy trees walked in one native call (sampled ones draw row by row as they walk).
+        Where the step was sampled from one argmax over all its logits rows (``sampler_output``
+        carries it as ``logits_argmax``: ``patches.greedy_sample``), the tree rows' targets are
+        read from it; else (vLLM's samplers ran) taken here."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
@@ -253,7 +256,8 @@ class TreeVerifier:
         ends = spec_metadata.cu_num_sampled_tokens.cpu().numpy()[step.rows]
         firsts = ends - num_rows  # each tree's first logits row
         lo, hi = int(firsts.min()), int(ends.max())
-        argmax = row_argmax(logits[lo:hi])  # every tree row's greedy target (one read)
+        handed = getattr(sampler_output, "logits_argmax", None)  # [num_logits_rows], or None
+        argmax = row_argmax(logits[lo:hi]) if handed is None else handed[lo:hi]  # every tree row's greedy target
         ats = firsts - lo  # each tree's rows in ``argmax``
         sampled = sampler_output.sampled_token_ids
         chain_only = np.flatnonzero(~step.walk)

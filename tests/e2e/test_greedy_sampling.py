@@ -6,7 +6,8 @@ on MT-Bench at batch 8 is sampled both ways, from the same logits: the tokens ar
 every step, and the output equals plain vLLM's; the steps without drafts (there are some) run
 vLLM's plain sampler and never reach the argmax path. A batch holding one request that asks
 for logprobs is left to vLLM's samplers, and so is every step with the profile's
-`argmax_sampling` off.
+`argmax_sampling` off. In tree mode a greedy step takes one argmax: tree verification reads the
+tree rows' targets from the one ``greedy_sample`` took.
 """
 
 from __future__ import annotations
@@ -86,3 +87,40 @@ def test_argmax_sampling_off_keeps_vllms_samplers(engines, prompts, both_ways):
     ours = generate(llm, ps, params, 8)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0 and ours.num_drafts > 0
     assert both_ways == {"drafted": 0, "draftless": 0, "stock_only": 0, "differ": []}
+
+
+def test_tree_steps_read_the_argmax_greedy_sample_took(engines, prompts, both_ways, monkeypatch):
+    """In tree mode a greedy step with drafts takes one argmax: tree verification reads its tree
+    rows' targets from the one ``greedy_sample`` took (which the output carries), and the output
+    stays plain vLLM's."""
+    from vllm import SamplingParams
+
+    from lookahead_lab.offline import find_proposers
+    from lookahead_vllm.ops.sampling import row_argmax
+    from lookahead_vllm.vllm import tree_verify
+
+    log = {"tree_steps": 0, "handed": 0, "taken": 0}
+    finish_step = tree_verify.TreeVerifier.finish_step
+
+    def counted(self, runner, logits, spec_metadata, sampler_output):
+        if self.current is not None and spec_metadata is not None:
+            log["tree_steps"] += 1
+            log["handed"] += getattr(sampler_output, "logits_argmax", None) is not None
+        return finish_step(self, runner, logits, spec_metadata, sampler_output)
+
+    def taken(rows, *args):
+        log["taken"] += 1
+        return row_argmax(rows, *args)
+
+    monkeypatch.setattr(tree_verify.TreeVerifier, "finish_step", counted)
+    monkeypatch.setattr(tree_verify, "row_argmax", taken)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ps = prompts["humaneval"][:8]
+    plain = plain_run(engines, ps, params, 8, ("humaneval[:8]", "greedy"))
+    # The engine test_tree_verify's index trees use (conftest.SHARED_ENGINES).
+    llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
+    assert find_proposers(llm)[0].tree_mode
+    ours = generate(llm, ps, params, 8)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert both_ways["differ"] == [] and both_ways["stock_only"] == 0
+    assert log["tree_steps"] > 0 and log["handed"] == log["tree_steps"] and log["taken"] == 0, log

@@ -7,7 +7,10 @@
 * ``greedy_sample`` leaves every step that vLLM's samplers must take to them: sampling that is
   not greedy, logprobs, penalties, bad words, allowed tokens, ``min_tokens``, logit bias, a
   thinking budget, a custom logits processor, a GPU, asynchronous scheduling, an acceptance
-  rule other than vLLM's standard one.
+  rule other than vLLM's standard one;
+* the requests' params are judged once a batch: again when vLLM's input batch makes new
+  sampling metadata, which it does whenever a request joins or leaves (held to vLLM's own
+  ``InputBatch``).
 
 A real engine's steps are compared one by one in ``tests/e2e/test_greedy_sampling.py``.
 """
@@ -216,3 +219,78 @@ def test_asynchronous_scheduling_gpus_and_other_acceptance_rules_keep_vllms_samp
     runner.rejection_sampler.synthetic_mode = True
     assert patches.greedy_sample(runner, _logits(), _meta()) is None
     assert patches.greedy_sample(_runner(), _logits(), _meta()) is not None
+
+
+def test_the_output_carries_the_argmax_it_was_verified_from():
+    """Tree verification reads the tree rows' greedy targets from it (``TreeVerifier.finish_step``)."""
+    out = patches.greedy_sample(_runner(), _logits(), _meta())
+    assert out.logits_argmax.tolist() == [1, 0, 2, 2]
+
+
+# ------------------------------------------------------ the batch's requests, judged once a batch
+
+
+class _CountedRequests(dict):
+    """``runner.requests`` that counts its lookups."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def test_a_batch_is_judged_once_while_its_sampling_metadata_stays():
+    """While vLLM keeps the batch's sampling metadata (no request joined or left) the requests'
+    params are judged once; a request with a logit bias that joins (new sampling metadata, as
+    vLLM's input batch makes then) sends the step to vLLM's samplers."""
+    runner = _runner()
+    runner.requests = _CountedRequests(runner.requests)
+    for _ in range(3):
+        assert patches.greedy_sample(runner, _logits(), _meta()) is not None
+    assert runner.requests.lookups == 2  # one judgement of its two requests
+    runner.requests["r2"] = SimpleNamespace(sampling_params=_Params(logit_bias={2: 9.0}))
+    runner.input_batch.req_ids.append("r2")
+    runner.input_batch.sampling_metadata = SimpleNamespace(**vars(runner.input_batch.sampling_metadata))
+    assert patches.greedy_sample(runner, _logits(), _meta()) is None
+    del runner.requests["r2"], runner.input_batch.req_ids[2]  # it left again
+    runner.input_batch.sampling_metadata = SimpleNamespace(**vars(runner.input_batch.sampling_metadata))
+    assert patches.greedy_sample(runner, _logits(), _meta()) is not None
+
+
+def test_vllms_input_batch_makes_new_sampling_metadata_when_a_request_joins_or_leaves():
+    """What judging once a batch rests on: vLLM's ``InputBatch`` keeps its ``sampling_metadata``
+    while its requests stay and makes a new one when one joins or leaves (``refresh_metadata``),
+    a request whose params are replaced in place (streaming input) included."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
+                       vocab_size=32, block_sizes=[16], max_num_blocks_per_req=[4])
+
+    def state(req_id, **params):
+        return CachedRequestState(req_id=req_id, prompt_token_ids=[1, 2, 3], mm_features=[],
+                                  sampling_params=SamplingParams(temperature=0.0, **params), generator=None,
+                                  block_ids=([0],), num_computed_tokens=0, output_token_ids=[])
+
+    def step(change=None):
+        before = batch.sampling_metadata
+        if change is not None:
+            change()
+            batch.condense()
+        batch.refresh_metadata()
+        return batch.sampling_metadata is not before
+
+    assert step(lambda: batch.add_request(state("a")))
+    assert not step() and not step()
+    assert step(lambda: batch.add_request(state("b", logit_bias={1: 5.0})))
+    assert not step()
+    assert step(lambda: batch.remove_request("a"))
+    streamed = state("b")  # vLLM's _update_streaming_request: remove, new params, add back
+
+    def stream():
+        batch.remove_request("b")
+        batch.add_request(streamed)
+
+    assert step(stream)
+    assert batch.req_ids == ["b"] and not step()

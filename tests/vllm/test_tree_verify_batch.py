@@ -168,6 +168,34 @@ def test_batched_host_work_equals_request_by_request(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_the_argmax_greedy_sample_took_is_read_not_taken_again(seed, monkeypatch):
+    """Where the step was sampled from one argmax over all its logits rows (the output carries
+    it: ``patches.greedy_sample``), ``finish_step`` reads the tree rows' targets from it and
+    takes no argmax of its own: the same rows as the reference; and the rows follow the argmax
+    handed over, not the logits (one that differs gives other walks)."""
+    from lookahead_vllm.ops.sampling import row_argmax
+    from lookahead_vllm.vllm import tree_verify
+
+    taken = []
+    monkeypatch.setattr(tree_verify, "row_argmax", lambda rows: taken.append(len(rows)) or row_argmax(rows))
+
+    def finish(logits_argmax):
+        verifier, runner, sched, num_tokens, logits, spec, sampled, results = _step(seed)
+        verifier.begin_step(runner, sched, num_tokens)
+        out = SimpleNamespace(sampled_token_ids=sampled, logits_argmax=logits_argmax(logits))
+        verifier.finish_step(runner, logits, spec, out)
+        return out.sampled_token_ids, tree_result_rows(results[0])
+
+    _, runner, _, num_tokens, logits, _, sampled, _ = _step(seed)
+    _, expected_sampled, expected = _reference(runner, num_tokens, logits, sampled, seed)
+    got_sampled, got = finish(lambda logits: logits.argmax(dim=-1).numpy())
+    assert taken == [] and got == expected and torch.equal(got_sampled, expected_sampled)
+    assert finish(lambda logits: None)[1] == expected and len(taken) == 1  # none handed over: its own
+    other = finish(lambda logits: (logits.argmax(dim=-1).numpy() + 1) % logits.shape[1])
+    assert other[1] != expected and len(taken) == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_compaction_moves_each_accepted_node_to_its_depths_row(seed, monkeypatch):
     """Compaction gets, per tree, every accepted node off its depth's row: its row among the
     step's tokens (root + 1 + node) to the row of its depth (root + 1 + j), as a request-by-request
