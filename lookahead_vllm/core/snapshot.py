@@ -157,7 +157,10 @@ class SnapshotLock:
         False when another holds it (``holder``); OSError when it cannot be tried."""
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except PermissionError:  # another user's lock file: flock works on a read-only open too
+                fd = os.open(self.path, os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

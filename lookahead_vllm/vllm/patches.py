@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -299,8 +300,9 @@ def _cpu_greedy_argmax() -> Any:
         return None
 
 
-# The last batch :func:`_batch_moves_no_argmax` judged: its sampling metadata and the verdict.
-_batch_verdict: tuple[Any, bool] = (None, False)
+# The last batch :func:`_batch_moves_no_argmax` judged: its sampling metadata (a weak
+# reference: a shut-down engine's is not kept alive) and the verdict.
+_batch_verdict: tuple[Callable[[], Any], bool] = (lambda: None, False)
 
 
 def _batch_moves_no_argmax(runner: Any, sm: Any) -> bool:
@@ -308,15 +310,19 @@ def _batch_moves_no_argmax(runner: Any, sm: Any) -> bool:
     judged once per batch: vLLM's input batch makes a new ``sampling_metadata`` (``sm``) on
     every step where a request joins or leaves it (``refresh_metadata``), so while it is the
     same object the batch holds the same requests with the same params. At 256 requests the
-    loop costs 35-70 us (a step whose batch changed still pays it), the reuse 0.1-0.2 us. Holds
-    the last ``sm`` judged, so no other object can take its ``id``."""
+    loop costs 35-70 us (a step whose batch changed still pays it), the reuse 0.1-0.2 us. Compared
+    by identity through a weak reference: a new object never passes for a dead one."""
     global _batch_verdict
     judged, verdict = _batch_verdict
-    if judged is not sm:
+    if judged() is not sm:
         requests = runner.requests
         verdict = all(_moves_no_argmax(getattr(requests.get(req_id), "sampling_params", None))
                       for req_id in runner.input_batch.req_ids)
-        _batch_verdict = (sm, verdict)
+        try:
+            judged = weakref.ref(sm)
+        except TypeError:  # an object without weak references (a test's stand-in): held
+            judged = lambda: sm  # noqa: E731
+        _batch_verdict = (judged, verdict)
     return verdict
 
 

@@ -26,7 +26,8 @@ the file read only (one they refuse stays in place for the first rank to move
 aside) and write nothing. An engine whose first rank finds the lock held by
 another live process (another server given the same path, or an earlier engine
 of this process not yet shut down) loads the file read only too, writes
-nothing, and says so once in a warning: its learning is not saved. The kernel
+nothing while that process holds it, and says so once in a warning; at its own
+shutdown, if the holder has released the lock by then, it takes it and writes. The kernel
 releases the lock of a process that dies, so a crashed server blocks no one. In
 tree mode, where each rank verifies its own drafter's trees, ranks that learned
 different things at start (a file one of them could not read) all start cold
@@ -69,6 +70,10 @@ TOKENIZE_BATCH = 1024
 def snapshot_file(path: str, dp_rank: int) -> str:
     """The snapshot file of the engine of data-parallel rank ``dp_rank`` (module docstring)."""
     return f"{path}.dp{dp_rank}" if path and dp_rank else path
+
+
+# Why an engine's first rank does not write its file: another live engine holds its lock.
+HELD = "another engine holds it"
 
 
 def _first_drafting_rank() -> bool:
@@ -147,6 +152,11 @@ class Persistence:
         lock = SnapshotLock(self.path)
         try:
             taken = lock.acquire()
+        except PermissionError as exc:  # another user's lock file, unreadable to us: never written over
+            self._read_only = f"its lock file {lock.path} cannot be opened"
+            logger.warning("lookahead snapshot %s: %s (%s); this engine starts from it read only and writes nothing",
+                           self.path, self._read_only, exc.strerror or exc)
+            return
         except OSError as exc:  # the file system cannot lock: written as before, unguarded
             logger.warning("lookahead snapshot %s: cannot be locked (%s); written without a lock, so another "
                            "server given the same path would go unnoticed", self.path, exc.strerror or exc)
@@ -155,12 +165,13 @@ class Persistence:
         if taken:
             self.owner, self._lock = True, lock
             return
-        self._read_only = "another engine holds it"
+        self._read_only = HELD
         holder = lock.holder or "unknown"
         if holder.startswith(f"pid {os.getpid()} "):
             holder += ", an engine of this process not yet shut down"
         logger.warning("lookahead snapshot %s: another engine holds it (%s; lock %s); this engine starts from it "
-                       "read only, and its learning will not be saved. Give each server its own snapshot_path",
+                       "read only, and writes it at shutdown only if that engine has shut down first (replacing "
+                       "what it learned since). Give each server its own snapshot_path",
                        self.path, holder, lock.path)
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
@@ -237,6 +248,7 @@ class Persistence:
         if not self.owner:
             logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
                            why, instead or "starts cold")
+            self.writes = False  # not overwritten by this engine either, should it take the lock later
             return
         aside, n = f"{path}.refused", 0
         while os.path.lexists(aside):
@@ -295,6 +307,8 @@ class Persistence:
         does not write the file: ``owner``, or where the snapshot found at start was left in
         place unloaded: ``writes``)."""
         path = self.path
+        if self._read_only == HELD:
+            self._retake()
         if not self.owner:
             if self._read_only:  # (the other ranks of an engine never write: nothing to say)
                 logger.info("lookahead snapshot %s: not written (%s)", path, self._read_only)
@@ -311,6 +325,19 @@ class Persistence:
         logger.info("lookahead snapshot %s written: %d outputs, %d tokens, %d trie nodes", path,
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens))
         return snap
+
+    def _retake(self) -> None:
+        """A read-only engine whose file's holder has shut down since takes the lock and
+        writes (it started from that file; the holder's learning since then is replaced)."""
+        lock = SnapshotLock(self.path)
+        try:
+            taken = lock.acquire()
+        except OSError:
+            return
+        if taken:
+            logger.info("lookahead snapshot %s: the engine that held it has shut down; this engine writes it",
+                        self.path)
+            self.owner, self._lock, self._read_only = True, lock, ""
 
     # ------------------------------------------------------------ tokenizer
     def tokenizer(self) -> Any:

@@ -125,7 +125,8 @@ def test_n_greater_than_one(plain, lookahead, code_prompts):
             complete(server, code_prompts[0], n=2)
     # Sampled n > 1 works with lookahead: n independent choices.
     r = lookahead.client().completions.create(
-        model=lookahead.model, prompt=code_prompts[1], max_tokens=16, temperature=0.8, seed=1, n=2
+        model=lookahead.model, prompt=code_prompts[1], max_tokens=16, temperature=0.8, seed=1, n=2,
+        extra_body={"vllm_xargs": {"lookahead_enabled": True}},  # seeded: drafts only where enabled
     )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.text for c in r.choices) and r.usage.completion_tokens > 16

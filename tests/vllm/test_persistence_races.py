@@ -1,6 +1,7 @@
 """Snapshots and warm starts against other processes: a warm_start file replaced while the
 engine starts is named in the snapshot by the bytes learned; one engine writes a snapshot file
-(its lock), a second server given the same path reads it and never writes it, the other
+(its lock), a second server given the same path reads it and writes it only once the first
+has shut down, the other
 tensor-parallel ranks of an engine never lock or write, and a crashed holder blocks no one."""
 
 from __future__ import annotations
@@ -108,48 +109,72 @@ def test_the_snapshot_names_the_warm_start_bytes_it_learned(tmp_path, smollm2_di
     again.close()
 
 
-def test_a_second_engine_on_the_same_snapshot_reads_it_and_never_writes_it(tmp_path, smollm2_dir, caplog):
-    """Two servers given one snapshot_path: the first to start holds the file; the second
-    starts from it read only, warns once that its learning will not be saved, and writes
-    nothing at shutdown, though it stops last (before the lock: it won, and the first one's
-    learning was lost). Once the first has shut down, a new engine holds the file."""
+def test_a_second_engine_on_the_same_snapshot_writes_only_after_the_holder(tmp_path, smollm2_dir, caplog):
+    """Two engines given one snapshot_path (two servers, or a notebook that builds a second
+    LLM before the first is gone): the first to start holds the file; the second starts from
+    it read only, warns once, and writes nothing while the first lives (before the lock the
+    last to write won whenever it wrote); once the first has shut down, the second takes the
+    lock at its own shutdown and writes (it started from the file: what it learned is kept)."""
     snap = tmp_path / "learned.bin"
     _seeded(smollm2_dir, snap, [[1, 2, 3, 4]])
+    seeded = snap.read_bytes()
     first = make_proposer(smollm2_dir, snapshot_path=str(snap))
     with caplog.at_level(logging.WARNING):
         second = make_proposer(smollm2_dir, snapshot_path=str(snap))
     assert _corpus(second) == [[1, 2, 3, 4]]  # started from the file
     first.warm_start([[5, 6, 7, 8]])
     second.warm_start([[9, 9, 9, 9]])
+    second.save_snapshot()
+    assert snap.read_bytes() == seeded  # the first one holds the file: the second wrote nothing
     first.close()
-    written = snap.read_bytes()
-    second.close()
-    assert snap.read_bytes() == written  # the first one's learning survives
+    assert sorted(_corpus(make_proposer(smollm2_dir, snapshot_path=str(snap)))) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     warnings = _holder_warnings(caplog)
-    assert len(warnings) == 1 and str(snap) in warnings[0] and "will not be saved" in warnings[0]
+    assert len(warnings) == 1 and str(snap) in warnings[0] and "only if that engine has shut down" in warnings[0]
     assert "its own snapshot_path" in warnings[0] and f"pid {os.getpid()} " in warnings[0]
-    assert not (tmp_path / "learned.bin.lock").exists()  # removed when the first released it
-    third = make_proposer(smollm2_dir, snapshot_path=str(snap))
-    assert sorted(_corpus(third)) == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    third.warm_start([[7, 7, 7]])
-    third.close()
+    second.close()  # the holder has shut down: the second writes what it holds
+    assert not (tmp_path / "learned.bin.lock").exists()  # removed when the second released it
     last = make_proposer(smollm2_dir, snapshot_path=str(snap))
-    assert sorted(_corpus(last)) == [[1, 2, 3, 4], [5, 6, 7, 8], [7, 7, 7]]
+    assert sorted(_corpus(last)) == [[1, 2, 3, 4], [9, 9, 9, 9]]
     last.close()
+
+
+def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
+    """A lock file this process may not open for writing (another user's, mode 0644) is
+    opened read only: flock still excludes the other engine, instead of writing unguarded."""
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    snap = tmp_path / "learned.bin"
+    holder = SnapshotLock(snap)
+    assert holder.acquire()
+    real_open = os.open
+
+    def no_write(path, flags, *args):
+        if os.fspath(path).endswith(".lock") and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_write)
+    other = SnapshotLock(snap)
+    assert other.acquire() is False and other.holder.startswith(f"pid {os.getpid()} ")
+    holder.release()
+    (tmp_path / "learned.bin.lock").write_text("")  # the other user's file stays at the path
+    assert other.acquire() is True
+    other.release()
 
 
 def test_a_second_engine_leaves_a_held_file_it_refuses_in_place(tmp_path, smollm2_dir, tiny_llama_dir):
     """A server of another model given a path another engine holds refuses the file and
-    starts cold, but never moves it aside: the file is the holder's."""
+    starts cold, but never moves it aside (the file is the holder's) nor writes it, even
+    after the holder has shut down."""
     snap = tmp_path / "learned.bin"
     first = make_proposer(smollm2_dir, snapshot_path=str(snap))
     first.warm_start([[5, 6, 7, 8]])
     first.save_snapshot()
     other = make_proposer(tiny_llama_dir, snapshot_path=str(snap))
     assert _corpus(other) == []
-    other.close()
-    assert snap.is_file() and not (tmp_path / "learned.bin.refused").exists()
     first.close()
+    other.close()  # the holder has shut down, but the file it refused is not its to write over
+    assert snap.is_file() and not (tmp_path / "learned.bin.refused").exists()
     assert _corpus(make_proposer(smollm2_dir, snapshot_path=str(snap))) == [[5, 6, 7, 8]]
 
 
