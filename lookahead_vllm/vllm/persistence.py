@@ -74,6 +74,8 @@ def snapshot_file(path: str, dp_rank: int) -> str:
 
 # Why an engine's first rank does not write its file: another live engine holds its lock.
 HELD = "another engine holds it"
+# How often a read-only engine tries that lock again while it runs (Persistence.poll).
+RETAKE_EVERY_S = 30.0
 
 
 def _first_drafting_rank() -> bool:
@@ -112,6 +114,9 @@ class Persistence:
         self._lock: SnapshotLock | None = None
         # Why this engine does not write its file ("" where it does, or is not its first rank).
         self._read_only = ""
+        # True while this engine waits for another's lock (HELD): poll() tries it now and then.
+        self.waiting = False
+        self._next_retake = 0.0
         # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
         # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
         self.learned: dict[str, tuple] = {}
@@ -165,14 +170,16 @@ class Persistence:
         if taken:
             self.owner, self._lock = True, lock
             return
-        self._read_only = HELD
+        self._read_only, self.waiting = HELD, True
+        self._next_retake = time.monotonic() + RETAKE_EVERY_S
         holder = lock.holder or "unknown"
         if holder.startswith(f"pid {os.getpid()} "):
             holder += ", an engine of this process not yet shut down"
         logger.warning("lookahead snapshot %s: another engine holds it (%s; lock %s); this engine starts from it "
-                       "read only, and writes it at shutdown only if that engine has shut down first (replacing "
-                       "what it learned since). Give each server its own snapshot_path",
-                       self.path, holder, lock.path)
+                       "read only and writes nothing while that engine holds it; it tries the lock every %.0f s and, "
+                       "once it holds it, writes at its own shutdown, replacing what that engine saved. Give each "
+                       "server its own snapshot_path",
+                       self.path, holder, lock.path, RETAKE_EVERY_S)
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
         path = self.path
@@ -184,7 +191,7 @@ class Persistence:
             if self._shared and os.path.isfile(self._shared):
                 return self._load_shared(drafter)
             logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown%s)", path,
-                        "" if self.owner else " by the engine that holds it")
+                        "" if self.owner else " by the engine that holds its lock")
             return None
         except OSError as exc:  # a passing stat failure is no sign that the file is absent
             return self._keep(path, f"cannot be inspected ({exc.strerror or exc})")
@@ -297,8 +304,8 @@ class Persistence:
         try:
             if self.config.snapshot_path:
                 self.save(drafter)
-        finally:
-            self.owner, self._read_only = False, self._read_only or "this engine was shut down"
+        finally:  # a later save() never takes the lock again
+            self.owner, self._read_only, self.waiting = False, "this engine was shut down", False
             if self._lock is not None:
                 self._lock.release()
 
@@ -326,18 +333,31 @@ class Persistence:
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens))
         return snap
 
+    def poll(self) -> None:
+        """While another engine holds this engine's file (``waiting``), try its lock every
+        :data:`RETAKE_EVERY_S` (the proposer calls this after its steps): once the holder has
+        shut down, this engine holds the file before any engine started later can."""
+        now = time.monotonic()
+        if now >= self._next_retake:
+            self._next_retake = now + RETAKE_EVERY_S
+            self._retake()
+
     def _retake(self) -> None:
-        """A read-only engine whose file's holder has shut down since takes the lock and
-        writes (it started from that file; the holder's learning since then is replaced)."""
+        """A read-only engine whose file's holder has shut down takes the lock: it writes the
+        file at shutdown (it started from it; what the holder saved after that is replaced). Not
+        one that will not write (``writes``: a file refused or left in place unread)."""
+        if self._read_only != HELD or not self.writes:
+            self.waiting = False
+            return
         lock = SnapshotLock(self.path)
         try:
             taken = lock.acquire()
         except OSError:
             return
         if taken:
-            logger.info("lookahead snapshot %s: the engine that held it has shut down; this engine writes it",
-                        self.path)
-            self.owner, self._lock, self._read_only = True, lock, ""
+            logger.info("lookahead snapshot %s: the engine that held it has shut down; this engine holds it now "
+                        "and writes it at shutdown", self.path)
+            self.owner, self._lock, self._read_only, self.waiting = True, lock, "", False
 
     # ------------------------------------------------------------ tokenizer
     def tokenizer(self) -> Any:

@@ -488,6 +488,8 @@ class LookaheadProposer:
         self.metrics.load_budget = load_budget
         self.metrics.record_step(step_tokens, accepted, (time.perf_counter_ns() - start) / 1e9, skipped)
         self._interval_log.maybe_log(self.metrics)
+        if self._persistence.waiting:  # another engine holds the snapshot file: try its lock now and then
+            self._persistence.poll()
         if self._trace_dir:
             draft_trace.record(self.metrics.steps, batch.req_ids, drafts, self._trace_dir)
         return drafts

@@ -112,9 +112,11 @@ def test_the_snapshot_names_the_warm_start_bytes_it_learned(tmp_path, smollm2_di
 def test_a_second_engine_on_the_same_snapshot_writes_only_after_the_holder(tmp_path, smollm2_dir, caplog):
     """Two engines given one snapshot_path (two servers, or a notebook that builds a second
     LLM before the first is gone): the first to start holds the file; the second starts from
-    it read only, warns once, and writes nothing while the first lives (before the lock the
-    last to write won whenever it wrote); once the first has shut down, the second takes the
-    lock at its own shutdown and writes (it started from the file: what it learned is kept)."""
+    it read only, warns once, and writes nothing while the first holds it (before the lock the
+    last to write won whenever it wrote); once the first has shut down, the second's poll takes
+    the lock before an engine started later can, and it writes at its shutdown (it started from
+    the file: what it learned is kept, the first one's last save replaced); after its shutdown
+    a save takes nothing."""
     snap = tmp_path / "learned.bin"
     _seeded(smollm2_dir, snap, [[1, 2, 3, 4]])
     seeded = snap.read_bytes()
@@ -127,15 +129,52 @@ def test_a_second_engine_on_the_same_snapshot_writes_only_after_the_holder(tmp_p
     second.save_snapshot()
     assert snap.read_bytes() == seeded  # the first one holds the file: the second wrote nothing
     first.close()
-    assert sorted(_corpus(make_proposer(smollm2_dir, snapshot_path=str(snap)))) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert _saved(snap) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     warnings = _holder_warnings(caplog)
-    assert len(warnings) == 1 and str(snap) in warnings[0] and "only if that engine has shut down" in warnings[0]
+    assert len(warnings) == 1 and str(snap) in warnings[0] and "tries the lock every 30 s" in warnings[0]
     assert "its own snapshot_path" in warnings[0] and f"pid {os.getpid()} " in warnings[0]
-    second.close()  # the holder has shut down: the second writes what it holds
+    keeper = second._persistence
+    assert keeper.waiting and not keeper.owner
+    keeper._next_retake = 0.0  # as after RETAKE_EVERY_S: the step's poll takes the freed lock
+    keeper.poll()
+    assert keeper.owner and not keeper.waiting
+    with caplog.at_level(logging.WARNING):
+        later = make_proposer(smollm2_dir, snapshot_path=str(snap))  # started after: read only now
+    assert len(_holder_warnings(caplog)) == 2
+    later.close()
+    assert _saved(snap) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    second.close()  # it holds the file: it writes what it holds (the first one's last save is replaced)
     assert not (tmp_path / "learned.bin.lock").exists()  # removed when the second released it
-    last = make_proposer(smollm2_dir, snapshot_path=str(snap))
-    assert sorted(_corpus(last)) == [[1, 2, 3, 4], [9, 9, 9, 9]]
-    last.close()
+    assert _saved(snap) == [[1, 2, 3, 4], [9, 9, 9, 9]]
+    written = snap.read_bytes()
+    second.save_snapshot()  # after shutdown: no lock taken again, nothing written
+    later.save_snapshot()  # shut down while another held the file: nor does it take the freed lock
+    assert snap.read_bytes() == written and not (tmp_path / "learned.bin.lock").exists()
+
+
+def _saved(snap) -> list[list[int]]:
+    """The outputs the snapshot file holds, sorted."""
+    return sorted(map(list, decode(snap.read_bytes()).sequences))
+
+
+def test_an_engine_that_cannot_open_the_lock_file_writes_nothing(tmp_path, smollm2_dir, monkeypatch):
+    """A lock file this process cannot open at all (another user's, unreadable) leaves the
+    engine read only: it starts from the file and never writes over it."""
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    snap = tmp_path / "learned.bin"
+    _seeded(smollm2_dir, snap, [[1, 2, 3, 4]])
+    seeded = snap.read_bytes()
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", self.path)
+
+    monkeypatch.setattr(SnapshotLock, "acquire", denied)
+    engine = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    assert _corpus(engine) == [[1, 2, 3, 4]] and not engine._persistence.owner
+    engine.warm_start([[9, 9, 9, 9]])
+    engine.close()
+    assert snap.read_bytes() == seeded
 
 
 def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
@@ -173,7 +212,9 @@ def test_a_second_engine_leaves_a_held_file_it_refuses_in_place(tmp_path, smollm
     other = make_proposer(tiny_llama_dir, snapshot_path=str(snap))
     assert _corpus(other) == []
     first.close()
-    other.close()  # the holder has shut down, but the file it refused is not its to write over
+    other.save_snapshot()  # the holder has shut down, but the file it refused is not its to lock
+    assert not other._persistence.owner
+    other.close()  # nor to write over
     assert snap.is_file() and not (tmp_path / "learned.bin.refused").exists()
     assert _corpus(make_proposer(smollm2_dir, snapshot_path=str(snap))) == [[5, 6, 7, 8]]
 
