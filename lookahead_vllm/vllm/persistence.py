@@ -114,8 +114,7 @@ class Persistence:
         self._lock: SnapshotLock | None = None
         # Why this engine does not write its file ("" where it does, or is not its first rank).
         self._read_only = ""
-        # True while this engine waits for another's lock (HELD): poll() tries it now and then.
-        self.waiting = False
+        # When poll() next tries the lock another engine holds (``waiting``).
         self._next_retake = 0.0
         # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
         # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
@@ -170,7 +169,7 @@ class Persistence:
         if taken:
             self.owner, self._lock = True, lock
             return
-        self._read_only, self.waiting = HELD, True
+        self._read_only = HELD
         self._next_retake = time.monotonic() + RETAKE_EVERY_S
         holder = lock.holder or "unknown"
         if holder.startswith(f"pid {os.getpid()} "):
@@ -305,7 +304,7 @@ class Persistence:
             if self.config.snapshot_path:
                 self.save(drafter)
         finally:  # a later save() never takes the lock again
-            self.owner, self._read_only, self.waiting = False, "this engine was shut down", False
+            self.owner, self._read_only = False, "this engine was shut down"
             if self._lock is not None:
                 self._lock.release()
 
@@ -314,7 +313,7 @@ class Persistence:
         does not write the file: ``owner``, or where the snapshot found at start was left in
         place unloaded: ``writes``)."""
         path = self.path
-        if self._read_only == HELD:
+        if self.waiting:
             self._retake()
         if not self.owner:
             if self._read_only:  # (the other ranks of an engine never write: nothing to say)
@@ -333,6 +332,12 @@ class Persistence:
                     len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens))
         return snap
 
+    @property
+    def waiting(self) -> bool:
+        """Whether this engine waits for the lock another engine holds, to write its file (not
+        one that will not write: ``writes``)."""
+        return self._read_only == HELD and self.writes
+
     def poll(self) -> None:
         """While another engine holds this engine's file (``waiting``), try its lock every
         :data:`RETAKE_EVERY_S` (the proposer calls this after its steps): once the holder has
@@ -346,8 +351,7 @@ class Persistence:
         """A read-only engine whose file's holder has shut down takes the lock: it writes the
         file at shutdown (it started from it; what the holder saved after that is replaced). Not
         one that will not write (``writes``: a file refused or left in place unread)."""
-        if self._read_only != HELD or not self.writes:
-            self.waiting = False
+        if not self.waiting:
             return
         lock = SnapshotLock(self.path)
         try:
@@ -357,7 +361,7 @@ class Persistence:
         if taken:
             logger.info("lookahead snapshot %s: the engine that held it has shut down; this engine holds it now "
                         "and writes it at shutdown", self.path)
-            self.owner, self._lock, self._read_only, self.waiting = True, lock, "", False
+            self.owner, self._lock, self._read_only = True, lock, ""
 
     # ------------------------------------------------------------ tokenizer
     def tokenizer(self) -> Any:
