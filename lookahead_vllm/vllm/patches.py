@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -231,7 +230,7 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     rows with torch's, several times slower than vLLM's own CPU op (:func:`_cpu_greedy_argmax`),
     and samples the bonus rows apart (docs/prices.md). Taken only when every request samples
     greedily with nothing that moves the argmax (no logprobs, penalties, bad words, allowed
-    tokens, ``min_tokens``, logit bias, thinking budget or custom logits processor),
+    tokens, a ``min_tokens`` not reached, logit bias, thinking budget or custom logits processor),
     verification is vLLM's standard rule and scheduling is synchronous: then vLLM's samplers
     accept drafts up to the first that differs from the target's token and emit that token or
     the bonus (``ops.sampling.greedy_verify``): the same tokens. A step without drafts
@@ -251,9 +250,7 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     holder = getattr(sm, "thinking_budget_state_holder", None)
     if holder is not None and holder.has_tracked_requests():
         return None
-    if any(type(p) not in _argmax_processors() for p in sm.logitsprocs.non_argmax_invariant):
-        return None
-    if not _batch_moves_no_argmax(runner, sm):
+    if any(map(_moves_argmax, sm.logitsprocs.non_argmax_invariant)):
         return None
     import torch
 
@@ -300,45 +297,28 @@ def _cpu_greedy_argmax() -> Any:
         return None
 
 
-# The last batch :func:`_batch_moves_no_argmax` judged: its sampling metadata (a weak
-# reference: a shut-down engine's is not kept alive) and the verdict.
-_batch_verdict: tuple[Callable[[], Any], bool] = (lambda: None, False)
-
-
-def _batch_moves_no_argmax(runner: Any, sm: Any) -> bool:
-    """Whether every request of the runner's batch moves no argmax (:func:`_moves_no_argmax`),
-    judged once per batch: vLLM's input batch makes a new ``sampling_metadata`` (``sm``) on
-    every step where a request joins or leaves it (``refresh_metadata``), so while it is the
-    same object the batch holds the same requests with the same params. At 256 requests the
-    loop costs 35-70 us (a step whose batch changed still pays it), the reuse 0.1-0.2 us. Compared
-    by identity through a weak reference: a new object never passes for a dead one."""
-    global _batch_verdict
-    judged, verdict = _batch_verdict
-    if judged() is not sm:
-        requests = runner.requests
-        verdict = all(_moves_no_argmax(getattr(requests.get(req_id), "sampling_params", None))
-                      for req_id in runner.input_batch.req_ids)
-        try:
-            judged = weakref.ref(sm)
-        except TypeError:  # an object without weak references (a test's stand-in): held
-            judged = lambda: sm  # noqa: E731
-        _batch_verdict = (judged, verdict)
-    return verdict
-
-
-def _moves_no_argmax(params: Any) -> bool:
-    """Whether no built-in logits processor touches this request's rows (vLLM 0.32's
-    non-argmax-invariant ones: ``min_tokens`` and ``logit_bias``)."""
-    return params is not None and not params.min_tokens and not params.logit_bias
+def _moves_argmax(processor: Any) -> bool:
+    """Whether a logits processor that may move the argmax moves it for some row of this step.
+    vLLM's built-in ones keep the requests they apply to, brought up to date by the input batch's
+    ``refresh_metadata`` before every forward: ``MinTokensLogitsProcessor.min_toks`` the requests
+    still under their ``min_tokens``, ``LogitBiasLogitsProcessor.biases`` those with a logit bias;
+    with none, their ``apply`` leaves the logits as they are. Any other processor (a custom one)
+    moves it; so does a built-in one without that state (another vLLM: fail closed)."""
+    min_tokens, logit_bias = _argmax_processors()
+    if type(processor) is min_tokens:
+        return bool(getattr(processor, "min_toks", True))
+    if type(processor) is logit_bias:
+        return bool(getattr(processor, "biases", True))
+    return True
 
 
 @functools.cache
 def _argmax_processors() -> tuple[type, ...]:
     """vLLM's built-in logits processors that move the argmax only for requests that ask
-    (:func:`_moves_no_argmax`)."""
+    (:func:`_moves_argmax`): ``min_tokens``'s and ``logit_bias``'s."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    return (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
+    return (MinTokensLogitsProcessor, LogitBiasLogitsProcessor)
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))

@@ -5,9 +5,9 @@ logits (``patches.greedy_sample``). Here every step with drafts of the shared lo
 on MT-Bench at batch 8 is sampled both ways, from the same logits: the tokens are the same at
 every step, and the output equals plain vLLM's; the steps without drafts (there are some) run
 vLLM's plain sampler and never reach the argmax path. A batch holding one request that asks
-for logprobs is left to vLLM's samplers, and so is every step with the profile's
-`argmax_sampling` off. In tree mode a greedy step takes one argmax: tree verification reads the
-tree rows' targets from the one ``greedy_sample`` took.
+for logprobs is left to vLLM's samplers, so is one under its ``min_tokens`` until it has them,
+and so is every step with the profile's `argmax_sampling` off. In tree mode a greedy step takes
+one argmax: tree verification reads the tree rows' targets from the one ``greedy_sample`` took.
 """
 
 from __future__ import annotations
@@ -75,6 +75,23 @@ def test_a_batch_with_logprobs_keeps_vllms_samplers(engines, prompts, both_ways)
     ours = generate(engines.get("lookahead"), ps, params, 4)
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert both_ways["stock_only"] > 0 and both_ways["differ"] == []
+
+
+def test_min_tokens_keeps_vllms_samplers_only_until_it_is_reached(engines, prompts, both_ways):
+    """A request under its ``min_tokens`` sends its batch's steps to vLLM's samplers (its stop
+    tokens are masked); once it has its minimum, vLLM's processor lets it go and the steps take
+    the argmax again. The output is plain vLLM's for the same params."""
+    from vllm import SamplingParams
+
+    ps = prompts["humaneval"][:4]
+    # The others finish first: every step with drafts holds the min_tokens request, so the argmax
+    # steps are ones after it reached its minimum.
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS if i == 1 else 8, min_tokens=24 if i == 1 else 0)
+              for i in range(4)]
+    plain = plain_run(engines, ps, params, 4, ("humaneval[:4]", "greedy, one with min_tokens 24, 3 of 8 tokens"))
+    ours = generate(engines.get("lookahead"), ps, params, 4)
+    assert count_mismatches(plain.token_ids, ours.token_ids) == 0
+    assert both_ways["stock_only"] > 0 and both_ways["drafted"] > 0 and both_ways["differ"] == []
 
 
 def test_argmax_sampling_off_keeps_vllms_samplers(engines, prompts, both_ways):

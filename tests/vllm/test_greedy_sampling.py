@@ -8,9 +8,9 @@
   not greedy, logprobs, penalties, bad words, allowed tokens, ``min_tokens``, logit bias, a
   thinking budget, a custom logits processor, a GPU, asynchronous scheduling, an acceptance
   rule other than vLLM's standard one;
-* the requests' params are judged once a batch: again when vLLM's input batch makes new
-  sampling metadata, which it does whenever a request joins or leaves (held to vLLM's own
-  ``InputBatch``).
+* ``min_tokens`` and logit bias are read from vLLM's own processors' state: a step takes the
+  argmax while none of its requests is under its ``min_tokens`` or carries a bias (held to vLLM's
+  own ``InputBatch`` as requests join, leave and reach their ``min_tokens``).
 
 A real engine's steps are compared one by one in ``tests/e2e/test_greedy_sampling.py``.
 """
@@ -123,24 +123,24 @@ def test_greedy_verify_is_vllms_greedy_rejection_sampling(batch):
 # ----------------------------------------------------------------- when vLLM's samplers run
 
 
-class _Params(SimpleNamespace):
-    def __init__(self, **changes):
-        super().__init__(**{"min_tokens": 0, "logit_bias": None, **changes})
-
-
-def _runner(params=None, **metadata):
-    """A stand-in runner whose batch holds two requests."""
-    params = params or [_Params(), _Params()]
+def _processors(min_toks=None, biases=None):
+    """vLLM's built-in min_tokens and logit_bias processors holding the given requests."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    processors = [object.__new__(MinTokensLogitsProcessor), object.__new__(LogitBiasLogitsProcessor)]
+    min_tokens = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    logit_bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    min_tokens.min_toks.update(min_toks or {})
+    logit_bias.biases.update(biases or {})
+    return [min_tokens, logit_bias]
+
+
+def _runner(processors=None, **metadata):
+    """A stand-in runner whose batch samples greedily with nothing else."""
     sm = SimpleNamespace(**{
         "all_greedy": True, "max_num_logprobs": None, "logprob_token_ids": None, "no_penalties": True,
         "allowed_token_ids_mask": None, "bad_words_token_ids": {}, "thinking_budget_state_holder": None,
-        "logitsprocs": SimpleNamespace(non_argmax_invariant=processors), **metadata})
-    ids = [f"r{i}" for i in range(len(params))]
-    return SimpleNamespace(input_batch=SimpleNamespace(sampling_metadata=sm, req_ids=ids),
-                           requests={i: SimpleNamespace(sampling_params=p) for i, p in zip(ids, params)},
+        "logitsprocs": SimpleNamespace(non_argmax_invariant=processors or _processors()), **metadata})
+    return SimpleNamespace(input_batch=SimpleNamespace(sampling_metadata=sm),
                            use_async_scheduling=False, rejection_sampler=SimpleNamespace(synthetic_mode=False),
                            speculative_config=SimpleNamespace(rejection_sample_method="standard"))
 
@@ -201,9 +201,18 @@ def test_an_idle_thinking_budget_keeps_the_argmax():
     assert patches.greedy_sample(_runner(thinking_budget_state_holder=_Holder(False)), _logits(), _meta()) is not None
 
 
-@pytest.mark.parametrize("changes", [{"min_tokens": 4}, {"logit_bias": {2: 9.0}}], ids=lambda c: next(iter(c)))
-def test_one_request_with_a_processor_sends_the_batch_to_vllms_samplers(changes):
-    assert patches.greedy_sample(_runner([_Params(), _Params(**changes)]), _logits(), _meta()) is None
+@pytest.mark.parametrize("held", [{"min_toks": {1: (4, [], {0}, False)}}, {"biases": {1: {2: 9.0}}}],
+                         ids=["min_tokens", "logit_bias"])
+def test_one_request_with_a_processor_sends_the_batch_to_vllms_samplers(held):
+    assert patches.greedy_sample(_runner(_processors(**held)), _logits(), _meta()) is None
+
+
+def test_a_builtin_processor_without_its_state_sends_the_batch_to_vllms_samplers():
+    """Another vLLM whose processor keeps no ``min_toks`` / ``biases``: fail closed."""
+    for i in range(2):
+        processors = _processors()
+        del vars(processors[i])["min_toks" if i == 0 else "biases"]
+        assert patches.greedy_sample(_runner(processors), _logits(), _meta()) is None
 
 
 def test_asynchronous_scheduling_gpus_and_other_acceptance_rules_keep_vllms_samplers():
@@ -227,70 +236,43 @@ def test_the_output_carries_the_argmax_it_was_verified_from():
     assert out.logits_argmax.tolist() == [1, 0, 2, 2]
 
 
-# ------------------------------------------------------ the batch's requests, judged once a batch
+# ------------------------------------------------- min_tokens and logit bias, from vLLM's processors
 
 
-class _CountedRequests(dict):
-    """``runner.requests`` that counts its lookups."""
-
-    lookups = 0
-
-    def get(self, key, default=None):
-        self.lookups += 1
-        return super().get(key, default)
-
-
-def test_a_batch_is_judged_once_while_its_sampling_metadata_stays():
-    """While vLLM keeps the batch's sampling metadata (no request joined or left) the requests'
-    params are judged once; a request with a logit bias that joins (new sampling metadata, as
-    vLLM's input batch makes then) sends the step to vLLM's samplers."""
-    runner = _runner()
-    runner.requests = _CountedRequests(runner.requests)
-    for _ in range(3):
-        assert patches.greedy_sample(runner, _logits(), _meta()) is not None
-    assert runner.requests.lookups == 2  # one judgement of its two requests
-    runner.requests["r2"] = SimpleNamespace(sampling_params=_Params(logit_bias={2: 9.0}))
-    runner.input_batch.req_ids.append("r2")
-    runner.input_batch.sampling_metadata = SimpleNamespace(**vars(runner.input_batch.sampling_metadata))
-    assert patches.greedy_sample(runner, _logits(), _meta()) is None
-    del runner.requests["r2"], runner.input_batch.req_ids[2]  # it left again
-    runner.input_batch.sampling_metadata = SimpleNamespace(**vars(runner.input_batch.sampling_metadata))
-    assert patches.greedy_sample(runner, _logits(), _meta()) is not None
-
-
-def test_vllms_input_batch_makes_new_sampling_metadata_when_a_request_joins_or_leaves():
-    """What judging once a batch rests on: vLLM's ``InputBatch`` keeps its ``sampling_metadata``
-    while its requests stay and makes a new one when one joins or leaves (``refresh_metadata``),
-    a request whose params are replaced in place (streaming input) included."""
+def test_the_processors_state_follows_vllms_input_batch():
+    """What reading the processors rests on: vLLM's ``InputBatch`` brings its ``min_tokens`` and
+    ``logit_bias`` processors up to date in ``refresh_metadata`` (before every forward), so the
+    argmax is taken exactly while no request of the batch carries a bias or is under its
+    ``min_tokens``: a biased request joins and leaves, a ``min_tokens`` request reaches its minimum."""
     from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
     batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
-                       vocab_size=32, block_sizes=[16], max_num_blocks_per_req=[4])
+                       vocab_size=32, block_sizes=[16], max_num_blocks_per_req=[4],
+                       logitsprocs=LogitsProcessors(_processors()))
+    runner = _runner()
+    runner.input_batch = batch
 
     def state(req_id, **params):
         return CachedRequestState(req_id=req_id, prompt_token_ids=[1, 2, 3], mm_features=[],
                                   sampling_params=SamplingParams(temperature=0.0, **params), generator=None,
                                   block_ids=([0],), num_computed_tokens=0, output_token_ids=[])
 
-    def step(change=None):
-        before = batch.sampling_metadata
+    def takes_argmax(change=None):
         if change is not None:
             change()
             batch.condense()
         batch.refresh_metadata()
-        return batch.sampling_metadata is not before
+        return patches.greedy_sample(runner, _logits(), _meta()) is not None
 
-    assert step(lambda: batch.add_request(state("a")))
-    assert not step() and not step()
-    assert step(lambda: batch.add_request(state("b", logit_bias={1: 5.0})))
-    assert not step()
-    assert step(lambda: batch.remove_request("a"))
-    streamed = state("b")  # vLLM's _update_streaming_request: remove, new params, add back
-
-    def stream():
-        batch.remove_request("b")
-        batch.add_request(streamed)
-
-    assert step(stream)
-    assert batch.req_ids == ["b"] and not step()
+    assert takes_argmax(lambda: batch.add_request(state("a")))
+    assert not takes_argmax(lambda: batch.add_request(state("b", logit_bias={1: 5.0})))
+    assert not takes_argmax()
+    assert takes_argmax(lambda: batch.remove_request("b"))
+    c = state("c", min_tokens=2)
+    assert not takes_argmax(lambda: batch.add_request(c))
+    c.output_token_ids.append(7)
+    assert not takes_argmax()
+    c.output_token_ids.append(8)  # its minimum reached: the processor drops it
+    assert takes_argmax()
