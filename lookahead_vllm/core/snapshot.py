@@ -60,6 +60,7 @@ import os
 import socket
 import struct
 import tempfile
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,7 +140,13 @@ class SnapshotLock:
     (``pid <pid> on <host>``). Locks conflict between processes and between two
     opens of the file in one process (flock locks an open file description); the
     kernel releases the lock of a process that dies. ``release`` removes the file,
-    so ``acquire`` checks that the file it locked is still the one at the path."""
+    so ``acquire`` checks that the file it locked is still the one at the path.
+    A child forked while the lock is held closes its copy of the descriptor at
+    once (``os.register_at_fork``): else the child (a compile worker, a
+    subprocess pool) would keep the lock after this process is gone."""
+
+    # The locks held in this process, for the forked child to let go of.
+    _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = f"{path}.lock"
@@ -176,6 +183,7 @@ class SnapshotLock:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
                 self._fd = fd
+                SnapshotLock._held.add(self)
                 return True
             os.close(fd)
         raise OSError(errno.EAGAIN, "the lock file kept being replaced", self.path)
@@ -185,10 +193,22 @@ class SnapshotLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        SnapshotLock._held.discard(self)
         with contextlib.suppress(OSError):
             if self._is_at_path(fd):
                 os.unlink(self.path)
         os.close(fd)
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        """In a forked child: close this process's copies of the held locks' descriptors
+        (the lock stays the parent's: it belongs to the open file description) and hold none."""
+        for lock in list(cls._held):
+            fd, lock._fd = lock._fd, None
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        cls._held = weakref.WeakSet()
 
     def _is_at_path(self, fd: int) -> bool:
         try:
@@ -196,6 +216,9 @@ class SnapshotLock:
         except FileNotFoundError:
             return False
         return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
+
+
+os.register_at_fork(after_in_child=SnapshotLock._forget_in_child)
 
 
 # ------------------------------------------------------------------- write

@@ -201,6 +201,43 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
     other.release()
 
 
+_FORKING_HOLDER = """
+import os, sys
+from lookahead_vllm.core.snapshot import SnapshotLock
+lock = SnapshotLock(sys.argv[1])
+assert lock.acquire()
+pid = os.fork()
+if pid == 0:  # the child: alive until the test closes its stdin
+    print(lock.held, flush=True)
+    sys.stdin.read()
+    os._exit(0)
+print(pid, flush=True)
+os._exit(0)  # the holder ends without releasing (as a killed engine)
+"""
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
+    """A process forked by the holder (a compile worker, a subprocess pool) closes its copy of
+    the lock's descriptor at once: when the holder is gone the lock is free, though the child
+    lives on (else the next engine would find it held by a dead process's child)."""
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    snap = tmp_path / "learned.bin"
+    run = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, str(snap)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [run.stdout.readline().strip() for _ in range(2)]
+        run.wait(timeout=60)
+        child = int(next(line for line in lines if line.isdigit()))
+        assert "False" in lines  # the child holds no lock
+        os.kill(child, 0)  # still alive
+        lock = SnapshotLock(snap)
+        assert lock.acquire() is True
+        lock.release()
+    finally:
+        run.stdin.close()
+
+
 def test_a_second_engine_leaves_a_held_file_it_refuses_in_place(tmp_path, smollm2_dir, tiny_llama_dir):
     """A server of another model given a path another engine holds refuses the file and
     starts cold, but never moves it aside (the file is the holder's) nor writes it, even
