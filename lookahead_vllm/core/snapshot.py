@@ -60,6 +60,7 @@ import os
 import socket
 import struct
 import tempfile
+import threading
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -143,7 +144,9 @@ class SnapshotLock:
     so ``acquire`` checks that the file it locked is still the one at the path.
     A child forked while the lock is held closes its copy of the descriptor at
     once (``os.register_at_fork``): else the child (a compile worker, a
-    subprocess pool) would keep the lock after this process is gone."""
+    subprocess pool) would keep the lock after this process is gone. A fork
+    waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``), so no
+    child is forked between the open and the lock's entry in ``_held``."""
 
     # The locks held in this process, for the forked child to let go of.
     _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()
@@ -163,6 +166,10 @@ class SnapshotLock:
         """Take the lock without waiting: True when taken (held until ``release``),
         False when another holds it (``holder``); OSError when it cannot be tried."""
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        with _FORK_GUARD[0]:
+            return self._acquire()
+
+    def _acquire(self) -> bool:
         for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -190,14 +197,15 @@ class SnapshotLock:
 
     def release(self) -> None:
         """Remove the lock file (while still holding it) and unlock; no-op when not held."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        SnapshotLock._held.discard(self)
-        with contextlib.suppress(OSError):
-            if self._is_at_path(fd):
-                os.unlink(self.path)
-        os.close(fd)
+        with _FORK_GUARD[0]:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            SnapshotLock._held.discard(self)
+            with contextlib.suppress(OSError):
+                if self._is_at_path(fd):
+                    os.unlink(self.path)
+            os.close(fd)
 
     @classmethod
     def _forget_in_child(cls) -> None:
@@ -218,7 +226,18 @@ class SnapshotLock:
         return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
-os.register_at_fork(after_in_child=SnapshotLock._forget_in_child)
+# Held by SnapshotLock.acquire / release, and by os.fork around the fork (in a list: the child
+# gets a new one, the one it inherits being held by the forking thread).
+_FORK_GUARD = [threading.Lock()]
+
+
+def _after_fork_in_child() -> None:
+    _FORK_GUARD[0] = threading.Lock()
+    SnapshotLock._forget_in_child()
+
+
+os.register_at_fork(before=lambda: _FORK_GUARD[0].acquire(), after_in_parent=lambda: _FORK_GUARD[0].release(),
+                    after_in_child=_after_fork_in_child)
 
 
 # ------------------------------------------------------------------- write

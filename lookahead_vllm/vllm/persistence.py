@@ -119,6 +119,9 @@ class Persistence:
         # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
         # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
         self.learned: dict[str, tuple] = {}
+        # The process that started it: a child forked from it (which closed its copy of the lock,
+        # core/snapshot.py) neither writes nor releases (an atexit handler it inherited calls close).
+        self._pid = os.getpid()
 
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
@@ -298,7 +301,7 @@ class Persistence:
         """Write the snapshot, then release the file's lock (once; later calls do nothing).
         Never raises."""
         closed, self.closed = self.closed, True
-        if closed:
+        if closed or os.getpid() != self._pid:
             return
         try:
             if self.config.snapshot_path:
@@ -313,6 +316,8 @@ class Persistence:
         does not write the file: ``owner``, or where the snapshot found at start was left in
         place unloaded: ``writes``)."""
         path = self.path
+        if os.getpid() != self._pid:
+            return None
         if self.waiting:
             self._retake()
         if not self.owner:

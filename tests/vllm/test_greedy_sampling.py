@@ -5,7 +5,7 @@
 * ``greedy_verify`` is vLLM's own greedy ``rejection_sample`` (run here on the CPU), batch by
   batch, drafts of every length (none included), accepted or not;
 * ``greedy_sample`` leaves every step that vLLM's samplers must take to them: sampling that is
-  not greedy, logprobs, penalties, bad words, allowed tokens, ``min_tokens``, logit bias, a
+  not greedy, logprobs, penalties, bad words, allowed tokens, a ``min_tokens`` not reached, logit bias, a
   thinking budget, a custom logits processor, a GPU, asynchronous scheduling, an acceptance
   rule other than vLLM's standard one;
 * ``min_tokens`` and logit bias are read from vLLM's own processors' state: a step takes the

@@ -223,9 +223,8 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
     from lookahead_vllm.core.snapshot import SnapshotLock
 
     snap = tmp_path / "learned.bin"
-    run = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, str(snap)], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    try:
+    with subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, str(snap)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as run:
         lines = [run.stdout.readline().strip() for _ in range(2)]
         run.wait(timeout=60)
         child = int(next(line for line in lines if line.isdigit()))
@@ -234,8 +233,78 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
         lock = SnapshotLock(snap)
         assert lock.acquire() is True
         lock.release()
-    finally:
-        run.stdin.close()
+        run.stdin.close()  # the child ends
+
+
+def test_a_fork_waits_for_an_acquire_under_way(tmp_path, monkeypatch):
+    """A thread forking while another takes the lock waits until the lock is taken (and so
+    listed for the child to let go of): forked between the open and that, the child would keep
+    the lock's file description."""
+    import threading
+
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    inside, go = threading.Event(), threading.Event()
+    real_open = os.open
+
+    def slow_open(path, *args):
+        fd = real_open(path, *args)
+        if os.fspath(path).endswith(".lock"):
+            inside.set()
+            go.wait(10)
+        return fd
+
+    monkeypatch.setattr(os, "open", slow_open)
+    lock = SnapshotLock(tmp_path / "learned.bin")
+    taker = threading.Thread(target=lock.acquire)
+    taker.start()
+    assert inside.wait(10)
+    forked = {}
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not lock.held else 3)
+        forked["pid"] = pid
+
+    forker = threading.Thread(target=fork)
+    forker.start()
+    forker.join(0.5)
+    waited = forker.is_alive()
+    go.set()
+    taker.join(10)
+    forker.join(10)
+    _, status = os.waitpid(forked["pid"], 0)
+    assert waited and os.waitstatus_to_exitcode(status) == 0
+    assert lock.held
+    lock.release()
+
+
+def test_a_forked_child_neither_writes_the_snapshot_nor_releases_the_lock(tmp_path, smollm2_dir):
+    """A child forked from a process whose engine holds the snapshot file inherits its atexit
+    handler, which closes the engine: there it writes nothing and leaves the lock (and the
+    lock file) to the parent, which still writes at its own shutdown."""
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    snap = tmp_path / "learned.bin"
+    proposer = make_proposer(smollm2_dir, snapshot_path=str(snap))
+    proposer.warm_start([[5, 6, 7, 8]])
+    pid = os.fork()
+    if pid == 0:  # the child: what its inherited atexit handler does
+        try:
+            proposer.close()
+            os._exit(0 if not snap.exists() and (tmp_path / "learned.bin.lock").exists() else 3)
+        finally:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert SnapshotLock(snap).acquire() is False  # still the parent's
+    proposer.close()
+    assert _corpus_of_file(snap) == [[5, 6, 7, 8]]
+
+
+def _corpus_of_file(snap) -> list[list[int]]:
+    return [list(map(int, s)) for s in decode(snap.read_bytes()).sequences]
 
 
 def test_a_second_engine_leaves_a_held_file_it_refuses_in_place(tmp_path, smollm2_dir, tiny_llama_dir):
