@@ -330,7 +330,8 @@ class Profile:
 
 # Where CPU and GPU differ (measurements: docs/prices.md, docs/gpu.md). "cpu":
 # this project's 2-core host with SmolLM2: 5 tokens free and 20 more per
-# forward; the path rounds cost 0.09 forwards for a step that runs any and 0.02
+# forward (the prior of the online fit; at batch 1 none is free: docs/prices.md);
+# the path rounds cost 0.09 forwards for a step that runs any and 0.02
 # per round (bench_forward_cost.py --nodes 8 16 --paths 1 2 3 4 8: 8 nodes in
 # 1/2/3/4/8 root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
 # 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free tokens,

@@ -227,17 +227,30 @@ class SnapshotLock:
 
 
 # Held by SnapshotLock.acquire / release, and by os.fork around the fork (in a list: the child
-# gets a new one, the one it inherits being held by the forking thread).
-_FORK_GUARD = [threading.Lock()]
+# gets a new one, the one it inherits being held by the forking thread). Reentrant: a release
+# can run inside an acquire on one thread (a garbage collection closing an old engine).
+_FORK_GUARD = [threading.RLock()]
+# Whether the fork under way took the guard (a signal can interrupt the wait; the fork goes on).
+_FORK_TOOK = [False]
+
+
+def _before_fork() -> None:
+    _FORK_TOOK[0] = False
+    _FORK_TOOK[0] = _FORK_GUARD[0].acquire()
+
+
+def _after_fork_in_parent() -> None:
+    took, _FORK_TOOK[0] = _FORK_TOOK[0], False
+    if took:
+        _FORK_GUARD[0].release()
 
 
 def _after_fork_in_child() -> None:
-    _FORK_GUARD[0] = threading.Lock()
+    _FORK_GUARD[0], _FORK_TOOK[0] = threading.RLock(), False
     SnapshotLock._forget_in_child()
 
 
-os.register_at_fork(before=lambda: _FORK_GUARD[0].acquire(), after_in_parent=lambda: _FORK_GUARD[0].release(),
-                    after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 # ------------------------------------------------------------------- write

@@ -356,7 +356,7 @@ class Persistence:
         """A read-only engine whose file's holder has shut down takes the lock: it writes the
         file at shutdown (it started from it; what the holder saved after that is replaced). Not
         one that will not write (``writes``: a file refused or left in place unread)."""
-        if not self.waiting:
+        if not self.waiting or os.getpid() != self._pid:
             return
         lock = SnapshotLock(self.path)
         try:

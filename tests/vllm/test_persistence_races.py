@@ -246,10 +246,12 @@ def test_a_fork_waits_for_an_acquire_under_way(tmp_path, monkeypatch):
 
     inside, go = threading.Event(), threading.Event()
     real_open = os.open
+    opened = []
 
     def slow_open(path, *args):
         fd = real_open(path, *args)
         if os.fspath(path).endswith(".lock"):
+            opened.append(fd)
             inside.set()
             go.wait(10)
         return fd
@@ -263,8 +265,12 @@ def test_a_fork_waits_for_an_acquire_under_way(tmp_path, monkeypatch):
 
     def fork():
         pid = os.fork()
-        if pid == 0:
-            os._exit(0 if not lock.held else 3)
+        if pid == 0:  # the lock's file description must not be open here
+            try:
+                os.fstat(opened[0])
+            except OSError:
+                os._exit(0 if not lock.held else 3)
+            os._exit(4)
         forked["pid"] = pid
 
     forker = threading.Thread(target=fork)
