@@ -119,8 +119,9 @@ class Persistence:
         # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
         # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
         self.learned: dict[str, tuple] = {}
-        # The process that started it: a child forked from it (which closed its copy of the lock,
-        # core/snapshot.py) neither writes nor releases (an atexit handler it inherited calls close).
+        # The process that started it: a child forked from it neither writes nor takes the lock (an
+        # atexit handler it inherited calls close; its copy of the lock was let go at the fork, so
+        # close releases nothing there: core/snapshot.py).
         self._pid = os.getpid()
 
     # ---------------------------------------------------------------- start
@@ -301,7 +302,7 @@ class Persistence:
         """Write the snapshot, then release the file's lock (once; later calls do nothing).
         Never raises."""
         closed, self.closed = self.closed, True
-        if closed or os.getpid() != self._pid:
+        if closed:
             return
         try:
             if self.config.snapshot_path:
@@ -318,8 +319,7 @@ class Persistence:
         path = self.path
         if os.getpid() != self._pid:
             return None
-        if self.waiting:
-            self._retake()
+        self._retake()
         if not self.owner:
             if self._read_only:  # (the other ranks of an engine never write: nothing to say)
                 logger.info("lookahead snapshot %s: not written (%s)", path, self._read_only)
