@@ -73,11 +73,14 @@ def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
         model = argv[0]
     elif "--model" in argv[:-1]:
         model = argv[argv.index("--model") + 1]
+    else:
+        model = next((a.split("=", 1)[1] for a in argv if a.startswith("--model=")), None)
     if model == BUNDLED:
         from lookahead_vllm.models import prepare_smollm2
 
         path = str(prepare_smollm2())
-        argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model") else a for i, a in enumerate(argv)]
+        argv = [path if a == BUNDLED and (i == 0 or argv[i - 1] == "--model")
+                else f"--model={path}" if a == f"--model={BUNDLED}" else a for i, a in enumerate(argv)]
         model = path
         if not any(a in ("--dtype", "--config") or a.startswith(("--dtype=", "--config=")) for a in argv):
             # vLLM's "auto" dtype downcasts a float32 model to bfloat16, where a verification
@@ -101,6 +104,8 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
             resolve_lookahead_config(args.additional_config, spec["num_speculative_tokens"])
     except ValueError as e:
         return f"lookahead config: {e}"
+    except TypeError:  # e.g. "num_speculative_tokens": "8": vLLM's own config coerces or refuses it
+        return None
     return None
 
 

@@ -46,3 +46,29 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     from lookahead_lab.models import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(autouse=True)
+def _caplog_sees_the_package(request):
+    """The package's records go to the ``vllm`` logger, which stops propagating once vLLM has
+    configured its logging (vllm/logs.py): a test that reads ``caplog`` also gets them at the
+    levels the root logger passes, as if they propagated."""
+    if "caplog" not in request.fixturenames:
+        yield
+        return
+    import logging
+
+    caplog_handler = request.getfixturevalue("caplog").handler
+
+    class AsPropagated(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.getLogger().getEffectiveLevel():
+                caplog_handler.handle(record)
+
+    ours = logging.getLogger("lookahead_vllm")
+    handler = None if ours.propagate else AsPropagated()  # while it propagates, caplog sees them already
+    if handler is not None:
+        ours.addHandler(handler)
+    yield
+    if handler is not None:
+        ours.removeHandler(handler)

@@ -115,9 +115,28 @@ class LookaheadConfig(BaseModel):
             raise ValueError("must be -1 (measured online) or in [1, 1e+06]")
         return value
 
+    @model_validator(mode="after")
+    def _snapshot_is_not_the_warm_file(self) -> "LookaheadConfig":
+        # A snapshot_path file that is not a snapshot is moved aside (<path>.refused) and replaced
+        # at shutdown: naming the warm-start file there would cost the user that file.
+        if self.snapshot_path and self.warm_start and _same_file(self.snapshot_path, self.warm_start):
+            raise ValueError(f"snapshot_path={self.snapshot_path!r} names the warm_start file: the snapshot "
+                             "(a binary file the engine writes at shutdown) needs a path of its own")
+        return self
+
     @property
     def sources(self) -> tuple[str, ...]:
         return sources_of(self.source)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (the same path once resolved, or the same inode)."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except OSError:  # either does not exist (yet)
+        pass
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def sources_of(source: str) -> tuple[str, ...]:
@@ -198,7 +217,7 @@ class Profile:
     # Token prices (core/budget.py): a forward scores free_tokens tokens for
     # the price of one; marginal_tokens more cost one more forward.
     free_tokens: int = _knob(within=(1, 1 << 16))
-    marginal_tokens: float = _knob(within=(1.0, 1e6))
+    marginal_tokens: float = _knob(within=(1.0, 8192.0))  # the online fit's bounds (prices.MARGINAL_BOUNDS)
     # Forwards a tree step pays for running separate root-to-leaf attention
     # paths (the CPU path rounds): path_setup once, cost_per_path per path.
     path_setup: float = _knob(within=(0.0, 100.0))

@@ -83,7 +83,9 @@ def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray,
 class Drafter:
     """See the module docstring."""
 
-    def __init__(self, config: Settings) -> None:
+    def __init__(self, config: Settings, partitions: Partitions | None = None) -> None:
+        """``partitions``: an earlier drafter's (a reset with requests still running keeps
+        which salt owns which partition)."""
         self.config = config
         knobs = config.profile
         self.index = make_index(config) if config.uses_index else None
@@ -93,7 +95,7 @@ class Drafter:
         self.jacobi = make_jacobi(config) if config.uses_jacobi else None
         self.threads = knobs.draft_threads
         # Salts -> partitions under the config's draft_sharing policy.
-        self.partitions = Partitions(config.draft_sharing)
+        self.partitions = partitions if partitions is not None else Partitions(config.draft_sharing)
         # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
         self._warm_slots = 0
 

@@ -212,6 +212,8 @@ class OnlinePrices:
         score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
         best = int(np.argmin(score))  # the first of equal scores: the smallest free count
         free, (t0, row, inv_marginal, setup, per_context) = self._free_grid[best], theta[best]
+        if not (np.isfinite(score[best]) and np.isfinite(theta[best]).all() and t0 > 0 and inv_marginal > 0):
+            return self.prices  # a degenerate solve: keep pricing as before
         marginal = min(MARGINAL_BOUNDS[1], 1.0 / inv_marginal)
         return Prices(int(free), round(float(marginal), 2), round(float(setup), 3), round(float(row), 4),
                       round(float(per_context), 4), float(t0), len(tokens), int(weight.sum()))

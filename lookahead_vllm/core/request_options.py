@@ -19,8 +19,8 @@ draft token from the request's generator, and lookahead's drafts depend on other
 requests' outputs and on measured step times, so a drafted seeded request keeps
 the target distribution but not the text a seed names.
 
-Every other key starting with ``lookahead`` is rejected, so a typo cannot
-silently leave speculation on. Example::
+Every other key starting with ``lookahead`` (in any case) is rejected, so a
+typo cannot silently leave speculation on. Example::
 
     SamplingParams(max_tokens=64, extra_args={"lookahead_max_draft_tokens": 2})
     client.completions.create(..., extra_body={"vllm_xargs": {"lookahead_enabled": False}})
@@ -42,7 +42,7 @@ def draft_cap(extra_args: Mapping[str, Any] | None, seeded: bool = False) -> int
 
     Raises ``ValueError`` naming the key, the value and what is allowed.
     """
-    ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("lookahead")}
+    ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.lower().startswith("lookahead")}
     unknown = sorted(set(ours) - set(KEYS))
     if unknown:
         raise ValueError(f"unknown per-request lookahead key(s) {unknown}; allowed keys: {list(KEYS)}")

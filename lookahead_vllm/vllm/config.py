@@ -56,6 +56,23 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             "num_speculative_tokens": default_decoding_length(current_platform_name()) if k is None else k}
 
 
+def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
+    """Why lookahead settings in ``additional_config`` would go unread, or None: a key that
+    looks meant for them but is not ``"lookahead"`` (``"Lookahead"``, ``"look_ahead"``), or
+    ``"lookahead"`` itself where the engine's speculative method is not lookahead."""
+    if not isinstance(additional_config, dict):
+        return None
+    near = sorted(k for k in additional_config if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
+                  and k.lower().replace("_", "").replace("-", "") == ADDITIONAL_CONFIG_KEY)
+    if near:
+        return (f"additional_config key(s) {near} are not read; lookahead's settings go under "
+                f"{ADDITIONAL_CONFIG_KEY!r}")
+    if not lookahead and ADDITIONAL_CONFIG_KEY in additional_config:
+        return (f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is not read: this engine's speculative method is "
+                "not lookahead (select it with --speculative-config '{\"method\": \"lookahead\"}')")
+    return None
+
+
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,
                              platform: str | None = None) -> Settings:
     """Validate ``additional_config["lookahead"]`` against ``k`` and resolve

@@ -1,7 +1,11 @@
 """Route this package's log records through vLLM's logging setup.
 
 vLLM configures only the ``vllm`` logger; records of ``lookahead_vllm.*``
-loggers would reach Python's last-resort handler, which drops INFO.
+loggers would reach Python's last-resort handler, which drops INFO. vLLM
+configures it after the plugins load (``LLM.__init__``, the CLI after parsing
+its arguments), and a forked worker keeps whatever its parent had then; so
+the records are handed to the ``vllm`` logger when they are logged, not its
+handlers copied when the plugin loads.
 """
 
 from __future__ import annotations
@@ -11,12 +15,21 @@ import logging
 PACKAGE_LOGGER = "lookahead_vllm"
 
 
+class _ThroughVllm(logging.Handler):
+    """Log a record as if it came from a child of the ``vllm`` logger: its level, its
+    handlers, and its propagation (to the root where vLLM's configuration is off)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        theirs = logging.getLogger("vllm")
+        if record.levelno >= theirs.getEffectiveLevel():
+            theirs.handle(record)
+
+
 def share_vllm_handlers() -> None:
-    """Give the ``lookahead_vllm`` logger vLLM's handlers and level (idempotent)."""
-    ours, theirs = logging.getLogger(PACKAGE_LOGGER), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    """Hand the ``lookahead_vllm`` logger's records to the ``vllm`` logger (idempotent)."""
+    ours = logging.getLogger(PACKAGE_LOGGER)
+    if any(isinstance(h, _ThroughVllm) for h in ours.handlers):
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
+    ours.addHandler(_ThroughVllm())
+    ours.setLevel(logging.DEBUG)  # the vllm logger's level decides, when the record is logged
     ours.propagate = False

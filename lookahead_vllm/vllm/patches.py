@@ -153,7 +153,11 @@ def patch_speculative_method(original):
 @method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
 def patch_lookahead_validation(original):
     def __post_init__(self):
-        if not la_config.is_lookahead(self.speculative_config):
+        lookahead = la_config.is_lookahead(self.speculative_config)
+        unread = la_config.unread_settings(self.additional_config, lookahead)
+        if unread:
+            logger.warning_once("lookahead: %s", unread)
+        if not lookahead:
             return original(self)
         config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
         original(self)

@@ -421,8 +421,9 @@ class LookaheadProposer:
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
         policy (benchmarks' cold start). Running requests keep their options
-        and are indexed anew on their next step."""
-        self.drafter = Drafter(self.config)
+        and partitions, and are indexed anew on their next step."""
+        old = getattr(self, "drafter", None)
+        self.drafter = Drafter(self.config, old.partitions if old is not None else None)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py; raw ones, a calibrator that never learns,
         # where the profile turns calibration off).
@@ -573,13 +574,21 @@ class LookaheadProposer:
                 drafts = [[] for _ in drafts]
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, rows[drafting], len(rows),
                                       np.zeros(len(picked)) if entry is None else entry,
-                                      self.max_model_len - 1 - num_tokens[drafting])
+                                      self._room(num_tokens[drafting], [caps[j] for j in picked]))
                    if self._uses_jacobi and picked else {})
         planned = np.flatnonzero(offers.trees).tolist() + list(windows)
         p = self.config.profile
         self.handed_out = StepDrafts(offers, {req_ids[picked[d]]: d for d in planned}, windows, p.jacobi_window,
                                      p.jacobi_ngram)
         return drafts, len(rows), skipped, load_budget
+
+    def _room(self, num_tokens: np.ndarray, caps: list[int | None]) -> np.ndarray:
+        """Per drafting row, the draft nodes it may carry in all (a Jacobi window's included):
+        what fits before max_model_len, and no more than its request's own cap."""
+        room = self.max_model_len - 1 - num_tokens
+        if caps.count(None) == len(caps):
+            return room
+        return np.minimum(room, [room[j] if cap is None else cap for j, cap in enumerate(caps)])
 
     def _fill_pays(self, cost: ForwardCost, num_rows: int, calibrated: np.ndarray, lens: np.ndarray,
                    entry: np.ndarray | None) -> bool:
@@ -710,7 +719,8 @@ class LookaheadProposer:
         (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts at the
         trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a
         window on a row that kept no node its row's ``entry``. A row's window goes only where its
-        kept nodes and the window fit the row's ``room`` before ``max_model_len``."""
+        kept nodes and the window fit the row's ``room`` (:meth:`_room`: before ``max_model_len``,
+        within its request's own cap)."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.

@@ -69,6 +69,7 @@ def test_draft_cap_of_seeded_sampling(extra, cap):
     [
         ({"lookahead_enable": False}, r"unknown per-request lookahead key\(s\) \['lookahead_enable'\]"),
         ({"lookahead": {"enabled": False}}, r"unknown per-request lookahead key\(s\) \['lookahead'\]"),
+        ({"Lookahead_enabled": False}, r"unknown per-request lookahead key\(s\) \['Lookahead_enabled'\]"),
         ({"lookahead_enabled": "no"}, r"lookahead_enabled='no': must be true or false"),
         ({"lookahead_enabled": 2}, r"lookahead_enabled=2: must be true or false"),
         ({"lookahead_max_draft_tokens": -1}, r"lookahead_max_draft_tokens=-1: must be an integer in \[0, 256\]"),

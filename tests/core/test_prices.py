@@ -155,6 +155,36 @@ def test_invalid_samples_and_prior_are_refused():
         OnlinePrices((5, 20.0, 0.05, 2.0))
 
 
+def test_a_degenerate_solve_keeps_the_prices(monkeypatch):
+    """A solve that comes back non-finite (or with a step time of 0) is not adopted: the
+    fitter keeps pricing as before rather than handing NaN prices to the planner."""
+    fitter = OnlinePrices(CPU_PRIOR)
+    feed(fitter, ForwardCost(9, 33.0), 300, 40, seed=1)
+    before = fitter.prices
+    assert before.samples > 0
+    solve = P._solve
+
+    for bad in (np.nan, 0.0):
+        def broken(*args, bad=bad):
+            theta, sse = solve(*args)
+            theta = theta.copy()
+            theta[:, 0] = bad
+            return theta, sse
+
+        monkeypatch.setattr(P, "_solve", broken)
+        assert fitter.fit() == before
+
+
+def test_the_profile_prior_stays_within_the_fits_bounds():
+    """Every marginal-token prior the profile accepts is one the online fit accepts too."""
+    from lookahead_vllm.core.config import resolve
+
+    top = P.MARGINAL_BOUNDS[1]
+    assert OnlinePrices((5, top)).prior.marginal_tokens == top
+    with pytest.raises(ValueError, match="marginal_tokens"):
+        resolve({"_profile": {"marginal_tokens": top + 1}})
+
+
 def test_refits_every_refit_every_samples():
     fitter = OnlinePrices(CPU_PRIOR)
     refits = [fitter.observe(1 + i % 30, 0.01 * (1 + max(0, 1 + i % 30 - 5) / 20)) for i in range(3 * P.REFIT_EVERY)]

@@ -33,7 +33,7 @@ def _parse(argv: list[str]):
     return make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
 
 
-@pytest.mark.parametrize("head", [["bundled"], ["--model", "bundled"]])
+@pytest.mark.parametrize("head", [["bundled"], ["--model", "bundled"], ["--model=bundled"]])
 def test_bundled_defaults_to_float32(bundled_dir, head):
     argv, model = serve.resolve_model([*head, "--speculative-model", "lookahead", "--port", "8000"])
     assert model == bundled_dir

@@ -88,3 +88,18 @@ def test_bad_lookahead_config_at_startup_exits_nonzero_naming_field(smollm2_dir)
     out, err = results["vllm"]
     assert procs["vllm"].returncode != 0
     assert "decoding_length=6: must be <= speculative_config.num_speculative_tokens=4" in err
+
+
+def test_the_precheck_leaves_a_non_integer_k_to_vllm():
+    """``"num_speculative_tokens": "8"`` (vLLM's config coerces it or refuses it itself) does not
+    stop the console script's early check with a traceback; a bad field still does."""
+    from argparse import Namespace
+
+    from lookahead_vllm.serve import lookahead_config_error
+
+    args = Namespace(speculative_config={"method": "lookahead", "num_speculative_tokens": "8"},
+                     additional_config={"lookahead": {"draft_shape": "one"}})
+    assert lookahead_config_error(args) is None
+    args.speculative_config["num_speculative_tokens"] = 8
+    args.additional_config = {"lookahead": {"draft_shape": "star"}}
+    assert "draft_shape='star'" in lookahead_config_error(args)

@@ -91,6 +91,8 @@ def test_plain_config_untouched(tiny_llama_dir):
         ({"_profile": {"max_match_length": 40}}, 8, r"_profile.max_match_length=40: must be in \[1, 11\]"),
         ({"_profile": {"insert_prompt": 1}}, 8, r"_profile.insert_prompt=1: must be true or false"),
         ({"bogus": 1}, 8, r"unknown lookahead field\(s\) \['bogus'\]"),
+        ({"snapshot_path": "/tmp/la.jsonl", "warm_start": "/tmp/../tmp/la.jsonl"}, 8,
+         r"snapshot_path='/tmp/la.jsonl' names the warm_start file"),
     ],
 )
 def test_bad_lookahead_config_rejected_before_engine(tiny_llama_dir, lookahead, k, message):
@@ -100,6 +102,35 @@ def test_bad_lookahead_config_rejected_before_engine(tiny_llama_dir, lookahead, 
             speculative_config={"method": "lookahead", "num_speculative_tokens": k},
             additional_config={"lookahead": lookahead},
         )
+
+
+@pytest.mark.parametrize(
+    "spec, additional, unread",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3}, {"lookahead": {"draft_shape": "hier"}},
+         r"additional_config\['lookahead'\] is not read: this engine's speculative method is not lookahead"),
+        (None, {"lookahead": {}}, r"is not read: this engine's speculative method is not lookahead"),
+        ({"method": "lookahead"}, {"Lookahead": {"draft_shape": "hier"}},
+         r"additional_config key\(s\) \['Lookahead'\] are not read"),
+        ({"method": "ngram", "num_speculative_tokens": 3}, {"look_ahead": {}}, r"\['look_ahead'\] are not read"),
+        ({"method": "lookahead"}, {"lookahead": {"draft_shape": "hier"}}, None),
+        (None, {"other_plugin": 1}, None),
+    ],
+)
+def test_unread_lookahead_settings_are_warned_about(tiny_llama_dir, monkeypatch, spec, additional, unread):
+    """Lookahead settings that no engine reads (the method is not lookahead, or a near-miss
+    key) are named in a warning rather than dropped without a word."""
+    import re
+
+    from lookahead_vllm.vllm import patches
+
+    said = []
+    monkeypatch.setattr(patches.logger, "warning_once", lambda msg, *args: said.append(msg % args))
+    _engine_config(tiny_llama_dir, speculative_config=spec, additional_config=additional)
+    if unread is None:
+        assert said == []
+    else:
+        assert said and all(re.search(unread, m) for m in said)
 
 
 def test_non_mapping_lookahead_config_rejected(tiny_llama_dir):

@@ -190,6 +190,17 @@ def test_a_salted_request_not_yet_synced_keeps_its_partition_through_a_sweep(mon
     assert x != y and p.drafter.partition("kept") == x
 
 
+def test_a_reset_keeps_the_running_requests_partitions():
+    """``reset`` (a cold start with requests still running) forgets what was learned, not
+    which salt owns which partition: a new salt never takes a running request's id."""
+    p = make_proposer()
+    p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=None, cache_salt="tenant-a")])
+    a = p.request_state("a").partition
+    p.reset()
+    p.on_new_requests([SimpleNamespace(req_id="b", sampling_params=None, cache_salt="tenant-b")])
+    assert p.request_state("b").partition != a and p.drafter.partition("tenant-a") == a
+
+
 def test_a_steps_request_facts_follow_the_batch_and_its_options():
     """A step reuses its rows' states, slots, partitions and caps while the batch holds the same
     requests and none changed: an option that arrives for a request already running (its state
@@ -336,6 +347,24 @@ def test_with_the_cost_model_off_every_window_goes():
     drafts = step(p, {"a": prompt}, {"a": len(prompt)})
     assert step_plan(p.handed_out, "a").lookahead == (True,) * 5 and len(drafts[0]) == 5
     assert p.stats.jacobi_steps == 1
+
+
+@pytest.mark.parametrize("cap, sent", [(None, 16), (16, 16), (15, 11), (4, 4)])
+def test_a_window_stays_within_its_requests_cap(cap, sent):
+    """A request's own cap (``lookahead_max_draft_tokens``) bounds every draft node of its
+    step, a Jacobi window's too: an 11-node draft (its own repeats) takes the 5-node window
+    only where the cap holds both (a cap below decoding_length never opens a window)."""
+    from vllm import SamplingParams
+
+    p = make_proposer(k=16, source="both", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2,
+                      min_draft_confidence=0.0)
+    extra = {} if cap is None else {"lookahead_max_draft_tokens": cap}
+    p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(extra_args=extra))])
+    p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
+    prompt = (A * 10)[:40]
+    drafts = step(p, {"a": prompt}, {"a": len(prompt)})
+    assert p.config.decoding_length == 11 and len(drafts[0]) == sent
+    assert p.stats.jacobi_steps == (sent > 11)
 
 
 @pytest.mark.parametrize("left, sent", [(16, 16), (15, 11)])
