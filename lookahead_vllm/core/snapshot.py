@@ -173,8 +173,11 @@ class SnapshotLock:
         for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except PermissionError:  # another user's lock file: flock works on a read-only open too
-                fd = os.open(self.path, os.O_RDONLY)
+            except PermissionError as denied:  # another user's lock file: flock works on a read-only open too
+                try:
+                    fd = os.open(self.path, os.O_RDONLY)
+                except FileNotFoundError:  # none there, and this process may not make one (the folder's mode)
+                    raise denied from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -161,7 +161,7 @@ class Persistence:
         try:
             taken = lock.acquire()
         except PermissionError as exc:  # another user's lock file, unreadable to us: never written over
-            self._read_only = f"its lock file {lock.path} cannot be opened"
+            self._read_only = f"its lock file {lock.path} cannot be opened or created"
             logger.warning("lookahead snapshot %s: %s (%s); this engine starts from it read only and writes nothing",
                            self.path, self._read_only, exc.strerror or exc)
             return

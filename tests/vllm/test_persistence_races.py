@@ -201,6 +201,25 @@ def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
     other.release()
 
 
+def test_a_lock_file_that_may_not_be_created_is_a_permission_error(tmp_path, monkeypatch):
+    """Where no lock file exists and this process may not create one (a folder it cannot
+    write), acquiring says so (PermissionError: the engine starts read only) rather than
+    "no such file" (taken for a file system that cannot lock: written unguarded, and the
+    write at shutdown fails)."""
+    from lookahead_vllm.core.snapshot import SnapshotLock
+
+    real_open = os.open
+
+    def no_create(path, flags, *args):
+        if os.fspath(path).endswith(".lock") and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_create)
+    with pytest.raises(PermissionError):
+        SnapshotLock(tmp_path / "learned.bin").acquire()
+
+
 _FORKING_HOLDER = """
 import os, sys
 from lookahead_vllm.core.snapshot import SnapshotLock
