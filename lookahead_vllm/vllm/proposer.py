@@ -243,7 +243,9 @@ class LookaheadProposer:
         self.metrics = metrics.StepStats()
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
-        self._interval_log = metrics.IntervalLogger(logger, float(envs.VLLM_LOG_STATS_INTERVAL))
+        # One line per interval from tensor-parallel rank 0 (every rank drafts the same tokens).
+        self._interval_log = metrics.IntervalLogger(
+            logger, float(envs.VLLM_LOG_STATS_INTERVAL) if metrics.tp_rank() == 0 else float("inf"))
         # Tree verification's state in this worker (tree_verify.TreeVerifier):
         # the runner patches and the attention wrapper reach it from here.
         self.verifier = TreeVerifier()

@@ -201,6 +201,19 @@ def test_a_reset_keeps_the_running_requests_partitions():
     assert p.request_state("b").partition != a and p.drafter.partition("tenant-a") == a
 
 
+@pytest.mark.parametrize("rank, logs", [(0, True), (1, False)])
+def test_only_the_first_tensor_parallel_rank_logs_the_interval_line(monkeypatch, rank, logs):
+    """Every tensor-parallel rank drafts the same tokens: one periodic line per engine, not one
+    per rank."""
+    import math
+
+    from lookahead_vllm.vllm import metrics
+
+    monkeypatch.setattr(metrics, "tp_rank", lambda: rank)
+    p = make_proposer()
+    assert math.isfinite(p._interval_log.interval_s) == logs
+
+
 def test_a_steps_request_facts_follow_the_batch_and_its_options():
     """A step reuses its rows' states, slots, partitions and caps while the batch holds the same
     requests and none changed: an option that arrives for a request already running (its state
