@@ -51,8 +51,9 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(autouse=True)
 def _caplog_sees_the_package(request):
     """The package's records go to the ``vllm`` logger, which stops propagating once vLLM has
-    configured its logging (vllm/logs.py): a test that reads ``caplog`` also gets them at the
-    levels the root logger passes, as if they propagated."""
+    configured its logging (vllm/logs.py): a test that reads ``caplog`` also gets them then, at
+    the levels the root logger passes, as if they propagated (once: while the ``vllm`` logger
+    still propagates, they reach caplog through it)."""
     if "caplog" not in request.fixturenames:
         yield
         return
@@ -62,13 +63,14 @@ def _caplog_sees_the_package(request):
 
     class AsPropagated(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
+            ours = logging.getLogger("lookahead_vllm")
+            if ours.propagate or logging.getLogger("vllm").propagate:
+                return
             if record.levelno >= logging.getLogger().getEffectiveLevel():
                 caplog_handler.handle(record)
 
     ours = logging.getLogger("lookahead_vllm")
-    handler = None if ours.propagate else AsPropagated()  # while it propagates, caplog sees them already
-    if handler is not None:
-        ours.addHandler(handler)
+    handler = AsPropagated()
+    ours.addHandler(handler)
     yield
-    if handler is not None:
-        ours.removeHandler(handler)
+    ours.removeHandler(handler)

@@ -136,7 +136,7 @@ def _same_file(a: str, b: str) -> bool:
             return True
     except OSError:  # either does not exist (yet)
         pass
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def sources_of(source: str) -> tuple[str, ...]:

@@ -210,10 +210,13 @@ class OnlinePrices:
         xs[:, :, 2] = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])
         theta, sse = _solve(xs, seconds, weight, prior, strength, lower, upper)
         score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
-        best = int(np.argmin(score))  # the first of equal scores: the smallest free count
+        # A degenerate candidate (non-finite, or no positive step time or token price) is never picked;
+        # where every one is, pricing stays as it was.
+        valid = np.isfinite(score) & np.isfinite(theta).all(axis=1) & (theta[:, 0] > 0) & (theta[:, 2] > 0)
+        if not valid.any():
+            return self.prices
+        best = int(np.argmin(np.where(valid, score, np.inf)))  # the first of equal scores: the smallest free count
         free, (t0, row, inv_marginal, setup, per_context) = self._free_grid[best], theta[best]
-        if not (np.isfinite(score[best]) and np.isfinite(theta[best]).all() and t0 > 0 and inv_marginal > 0):
-            return self.prices  # a degenerate solve: keep pricing as before
         marginal = min(MARGINAL_BOUNDS[1], 1.0 / inv_marginal)
         return Prices(int(free), round(float(marginal), 2), round(float(setup), 3), round(float(row), 4),
                       round(float(per_context), 4), float(t0), len(tokens), int(weight.sum()))

@@ -170,14 +170,16 @@ class SnapshotLock:
             return self._acquire()
 
     def _acquire(self) -> bool:
+        denied: PermissionError | None = None
         for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except PermissionError as denied:  # another user's lock file: flock works on a read-only open too
+            except PermissionError as exc:  # another user's lock file: flock works on a read-only open too
                 try:
                     fd = os.open(self.path, os.O_RDONLY)
-                except FileNotFoundError:  # none there, and this process may not make one (the folder's mode)
-                    raise denied from None
+                except FileNotFoundError:  # none there (a holder removed it, or none may be made here)
+                    denied = exc
+                    continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -196,6 +198,8 @@ class SnapshotLock:
                 SnapshotLock._held.add(self)
                 return True
             os.close(fd)
+        if denied is not None:  # this process may not make the lock file (the folder's mode)
+            raise denied
         raise OSError(errno.EAGAIN, "the lock file kept being replaced", self.path)
 
     def release(self) -> None:

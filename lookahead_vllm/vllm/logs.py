@@ -31,5 +31,6 @@ def share_vllm_handlers() -> None:
     if any(isinstance(h, _ThroughVllm) for h in ours.handlers):
         return
     ours.addHandler(_ThroughVllm())
-    ours.setLevel(logging.DEBUG)  # the vllm logger's level decides, when the record is logged
+    if ours.level == logging.NOTSET:  # the vllm logger's level decides, when the record is logged
+        ours.setLevel(logging.DEBUG)  # (a level set here by the user still filters first)
     ours.propagate = False

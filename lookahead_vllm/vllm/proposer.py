@@ -423,9 +423,11 @@ class LookaheadProposer:
     def reset(self) -> None:
         """Forget everything learned: a fresh Drafter, calibration and window
         policy (benchmarks' cold start). Running requests keep their options
-        and partitions, and are indexed anew on their next step."""
+        and partitions (numbered afresh where none runs: tensor-parallel ranks that reset at start
+        number alike), and are indexed anew on their next step."""
         old = getattr(self, "drafter", None)
-        self.drafter = Drafter(self.config, old.partitions if old is not None else None)
+        running = old is not None and bool(getattr(self, "_states", None))
+        self.drafter = Drafter(self.config, old.partitions if running else None)
         # Draft confidences calibrated from what verification accepted
         # (core/calibration.py; raw ones, a calibrator that never learns,
         # where the profile turns calibration off).

@@ -174,6 +174,19 @@ def test_a_degenerate_solve_keeps_the_prices(monkeypatch):
         monkeypatch.setattr(P, "_solve", broken)
         assert fitter.fit() == before
 
+    def one_broken(*args):  # only the first candidate free count degenerates: the others still fit
+        theta, sse = solve(*args)
+        theta, sse = theta.copy(), sse.copy()
+        theta[0, 0], sse[0] = np.nan, -1.0
+        return theta, sse
+
+    monkeypatch.setattr(P, "_solve", solve)
+    normal = fitter.fit()
+    assert normal.free_tokens != P.FREE_GRID[0]
+    fitter.prices = P.Prices(7, 7.0)  # what a fallback to the prices in use would return
+    monkeypatch.setattr(P, "_solve", one_broken)
+    assert fitter.fit() == normal
+
 
 def test_the_profile_prior_stays_within_the_fits_bounds():
     """Every marginal-token prior the profile accepts is one the online fit accepts too."""

@@ -199,6 +199,10 @@ def test_a_reset_keeps_the_running_requests_partitions():
     p.reset()
     p.on_new_requests([SimpleNamespace(req_id="b", sampling_params=None, cache_salt="tenant-b")])
     assert p.request_state("b").partition != a and p.drafter.partition("tenant-a") == a
+    idle = make_proposer()  # none running (a start that ends cold): numbered afresh, as on every rank
+    idle.drafter.partition("learned-from-a-snapshot")
+    idle.reset()
+    assert idle.drafter.partition("tenant-b") == make_proposer().drafter.partition("tenant-b")
 
 
 @pytest.mark.parametrize("rank, logs", [(0, True), (1, False)])
