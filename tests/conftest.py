@@ -59,17 +59,18 @@ def _caplog_sees_the_package(request):
         return
     import logging
 
+    from lookahead_vllm.vllm.logs import PACKAGE_LOGGER
+
     caplog_handler = request.getfixturevalue("caplog").handler
+    ours = logging.getLogger(PACKAGE_LOGGER)
 
     class AsPropagated(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            ours = logging.getLogger("lookahead_vllm")
             if ours.propagate or logging.getLogger("vllm").propagate:
                 return
             if record.levelno >= logging.getLogger().getEffectiveLevel():
                 caplog_handler.handle(record)
 
-    ours = logging.getLogger("lookahead_vllm")
     handler = AsPropagated()
     ours.addHandler(handler)
     yield
