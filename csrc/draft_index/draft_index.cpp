@@ -314,7 +314,7 @@ void DraftIndex::append(uint32_t slot, const int32_t* tokens, size_t n) {
       const int32_t* text = s.tokens.data();
       const int32_t* key = text + p - ng;
       const size_t i = s.own.find_or_insert(ngram_tag(key, ng), [&](const OwnLast& v) {
-        return std::equal(key, key + ng, text + v.pos - ng);
+        return same_tokens(key, text + v.pos - ng, ng);
       });
       OwnLast& last = s.own.value(i);
       s.own_prev[p] = last.pos;
@@ -350,7 +350,7 @@ void DraftIndex::push_corpus(uint32_t slot, uint32_t q) {
   const size_t i = corpus_.find_or_insert(partition_tag(ngram_tag(key, ng), part), [&](const CorpusList& l) {
     const Entry& newest = entries_[l.tail];
     const Sequence& other = *seqs_[newest.seq];
-    return other.part == part && std::equal(key, key + ng, other.out() + newest.pos - ng);
+    return other.part == part && same_tokens(key, other.out() + newest.pos - ng, ng);
   });
   CorpusList& list = corpus_.value(i);
   Partition& p = parts_[part];
@@ -413,7 +413,7 @@ size_t DraftIndex::find_corpus(const int32_t* key, uint32_t tag, int32_t part) c
   return corpus_.find(tag, [&](const CorpusList& l) {
     const Entry& newest = entries_[l.tail];
     const Sequence& other = *seqs_[newest.seq];
-    return other.part == part && std::equal(key, key + ng, other.out() + newest.pos - ng);
+    return other.part == part && same_tokens(key, other.out() + newest.pos - ng, ng);
   });
 }
 
@@ -574,7 +574,7 @@ void DraftIndex::gather_occurrences(Scratch& s, const uint32_t* slots, int64_t n
     const int32_t* text = seq.tokens.data();
     const int32_t* key = text + end - ng;
     const uint32_t tag = ngram_tag(key, ng);
-    const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return std::equal(key, key + ng, text + v.pos - ng); });
+    const size_t own = seq.own.find(tag, [&](const OwnLast& v) { return same_tokens(key, text + v.pos - ng, ng); });
     if (own != seq.own.npos) {
       s.own_cursor[i] = seq.own.value(own).pos;
       __builtin_prefetch(seq.own_prev.data() + s.own_cursor[i]);
@@ -663,9 +663,15 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot, int64_t row) cons
     s.cands.push_back(Candidate{m, own ? kOwn : kCorpus, o.seq, o.pos});
     if ((full += m == cfg_.max_match) >= cfg_.max_candidates) break;  // the rest (and the corpus) skipped
   }
-  std::stable_sort(s.cands.begin(), s.cands.end(), [](const Candidate& a, const Candidate& b) {
-    return a.m != b.m ? a.m > b.m : a.scope < b.scope;
-  });
+  // Stable, by match length (longest first), own before corpus: an insertion
+  // sort (a row has at most 2 * max_occurrences; std::stable_sort allocates a buffer per call).
+  auto before = [](const Candidate& a, const Candidate& b) { return a.m != b.m ? a.m > b.m : a.scope < b.scope; };
+  for (size_t i = 1; i < s.cands.size(); ++i) {
+    const Candidate c = s.cands[i];
+    size_t j = i;
+    for (; j > 0 && before(c, s.cands[j - 1]); --j) s.cands[j] = s.cands[j - 1];
+    s.cands[j] = c;
+  }
   if (s.cands.size() > static_cast<size_t>(cfg_.max_candidates)) s.cands.resize(cfg_.max_candidates);
 }
 
@@ -775,6 +781,18 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
   };
   int count = 0;
   for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
+    if (s.alive.size() == 1) {  // one candidate left: the rest of the chain is its continuation
+      const int32_t c = s.alive[0];
+      double conf = path_confidence(s.cands[c].m, s.cands[c].m, d + 1, root_weight);
+      for (; d < s.ends[c] && d < budget && conf >= floor; ++d) {
+        out.tokens[count] = s.continuation[c * width + d];
+        out.parents[count] = count - 1;
+        out.confidence[count] = conf;
+        ++count;
+        conf *= s.cands[c].m / (s.cands[c].m + 1.0);  // path_confidence's next factor
+      }
+      break;
+    }
     s.children.clear();
     for (const int32_t c : s.alive) {
       const int64_t token = token_at(c, d);

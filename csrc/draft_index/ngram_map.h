@@ -27,6 +27,15 @@ inline uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
   return x;
 }
 
+// Whether a[0:n] == b[0:n] (n <= 4: the index's keys), inlined (std::equal
+// calls memcmp for every probe's confirmation).
+inline bool same_tokens(const int32_t* a, const int32_t* b, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
 // Hash tag of tokens[0:n] (n <= 4): the tokens packed exactly into two words, mixed.
 inline uint32_t ngram_tag(const int32_t* tokens, int n) {
   uint64_t lo = 0, hi = 0;
