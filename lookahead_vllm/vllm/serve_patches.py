@@ -3,6 +3,10 @@
 request_options          ``SamplingParams._verify_args`` validates the per-request lookahead
                          keys of ``extra_args`` (core/request_options.py): offline that raises
                          at construction, in the API server the request gets an HTTP 400.
+multiprocess_metrics     with several API servers (``--api-server-count``, data parallel) ``/metrics``
+                         is served from a registry built for each scrape holding prometheus's
+                         ``MultiProcessCollector`` (vLLM's and its instrumentator's): the
+                         ``lookahead_*`` collector joins every such registry (metrics.export_to).
 cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model lookahead``
                          (only that value; it sets ``--spec-model``, which the
                          ``speculative_method`` patch routes to the proposer) and
@@ -12,6 +16,7 @@ cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model
 from __future__ import annotations
 
 from lookahead_vllm.core.request_options import draft_cap
+from lookahead_vllm.vllm import metrics
 from lookahead_vllm.vllm.config import METHOD
 from lookahead_vllm.vllm.wrap import method_patch
 
@@ -52,3 +57,13 @@ def patch_cli_speculative_model(original):
         return parser
 
     return add_cli_args
+
+
+@method_patch("prometheus_client.multiprocess.MultiProcessCollector", "__init__", ("self", "registry"))
+def patch_multiprocess_metrics(original):
+    def __init__(self, registry, *args, **kwargs):
+        original(self, registry, *args, **kwargs)
+        if registry is not None:
+            metrics.export_to(registry)
+
+    return __init__

@@ -246,3 +246,30 @@ def _wait_for(server, predicate, timeout_s: float = 10.0) -> dict[str, float]:
         if predicate(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.25)
+
+
+@pytest.mark.slow
+def test_several_api_servers_each_serve_the_lookahead_series(plain, smollm2_dir, code_prompts, tmp_path):
+    """``--api-server-count 2`` (prometheus multiprocess mode, as with data parallel): greedy
+    output stays plain's, and every scrape, whichever API server answers it, carries the
+    ``lookahead_*`` series with the engine's totals, which agree with the responses."""
+    from tests.serve.conftest import start_server, wait_healthy
+
+    server = start_server("two-api-servers", smollm2_dir,
+                          ["--speculative-model", "lookahead", "--api-server-count", "2",
+                           "--per-request-spec-decode-metrics", "summary"], tmp_path)
+    try:
+        wait_healthy([server])
+        accepted = 0
+        for prompt in code_prompts[:3]:
+            text, _, r = complete(server, prompt)
+            assert text == complete(plain, prompt)[0]
+            accepted += spec_metrics(r)["num_accepted_draft_tokens"]
+        assert accepted > 0
+        scrapes = [_wait_for(server, lambda m: m.get("lookahead_accepted_tokens_total", 0) >= accepted)
+                   for _ in range(6)]  # SO_REUSEPORT spreads them over both API servers
+        assert "ApiServer_1" in server.log_text()
+        for m in scrapes:
+            assert m["lookahead_accepted_tokens_total"] == accepted and m["lookahead_steps_total"] > 0
+    finally:
+        server.stop()

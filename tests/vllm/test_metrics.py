@@ -217,3 +217,32 @@ def test_a_final_snapshot_after_its_file_was_seen_gone_adds_what_it_counted_sinc
     assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_steps_total"] == 2
     assert got["lookahead_drafter_seconds_count"] == 2
     assert scrape()["lookahead_draft_tokens_total"] == 9
+
+
+
+def test_several_api_servers_serve_the_series_through_multiprocess_registries(tmp_path, monkeypatch):
+    """With several API servers (prometheus multiprocess mode) ``/metrics`` is served from a
+    registry built for each scrape around a ``MultiProcessCollector`` (vLLM's
+    ``get_prometheus_registry``; its instrumentator's handler builds one per request): the
+    plugin's patch adds the lookahead collector to every such registry."""
+    from prometheus_client import multiprocess
+
+    from lookahead_vllm.vllm.plugin import register
+
+    register()  # the plugin in this process: its patches and its collector
+    from vllm.v1.metrics import prometheus
+
+    stats = metrics.StepStats()
+    stats.record_step(draft_tokens=5, accepted=3, seconds=0.001, skipped={"request": 0, "load": 0})
+    monkeypatch.setattr(metrics._collector, "directory", str(tmp_path))
+    monkeypatch.setattr(metrics._collector, "_last", {})
+    monkeypatch.setattr(metrics._collector, "_gone", {})
+    metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-0.json"), stats.snapshot())
+    (tmp_path / "prom").mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    ephemeral = prometheus_client.CollectorRegistry()  # as the instrumentator's /metrics handler does
+    multiprocess.MultiProcessCollector(ephemeral)
+    for registry in (prometheus.get_prometheus_registry(), ephemeral):
+        assert registry is not prometheus_client.REGISTRY
+        text = prometheus_client.generate_latest(registry).decode()
+        assert "lookahead_draft_tokens_total 5.0" in text and "lookahead_accepted_tokens_total 3.0" in text
