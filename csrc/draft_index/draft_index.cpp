@@ -254,10 +254,14 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
     if (num[i] > static_cast<int64_t>(n)) __builtin_prefetch(table.address(rows[i], static_cast<int64_t>(n)));
   }
   // The third reads each row's new tokens (up to kSyncAhead of them) and
-  // starts loading the own-table slot of every key the appends will insert.
+  // starts loading the own-table slot of every key the appends will insert;
+  // the fourth, from those slots, the text each names (an append confirms a
+  // key against the text at its last position: a random place in the text).
   const int ng = cfg_.ngram;
   std::vector<int32_t> buf;
   int32_t window[kSyncAhead + 4];
+  std::vector<std::pair<uint32_t, uint32_t>>& keys = sync_keys_;  // (slot, tag) of each key pass 3 loads
+  keys.clear();
   for (int64_t i = 0; i < batch; ++i) {
     if (slot[i] == kNone) continue;
     const Sequence& s = *seqs_[slot[i]];
@@ -267,7 +271,15 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
     table.read(rows[i], n, n + count, buf);
     std::copy(s.tokens.end() - ng, s.tokens.end(), window);
     std::copy(buf.begin(), buf.begin() + (count - 1), window + ng);
-    for (int64_t j = 0; j < count; ++j) s.own.prefetch(ngram_tag(window + j, ng));
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t tag = ngram_tag(window + j, ng);
+      s.own.prefetch(tag);
+      keys.emplace_back(slot[i], tag);
+    }
+  }
+  for (const auto& [at, tag] : keys) {
+    const Sequence& s = *seqs_[at];
+    if (const OwnLast* last = s.own.home(tag)) __builtin_prefetch(s.tokens.data() + last->pos - ng);
   }
   int64_t rewound = 0;
   for (int64_t i = 0; i < batch; ++i) {

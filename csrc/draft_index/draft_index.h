@@ -356,6 +356,7 @@ class DraftIndex {
   std::exception_ptr worker_error_;
   // sync's per-row slots (kept to reuse their memory).
   std::vector<uint32_t> sync_slots_;
+  std::vector<std::pair<uint32_t, uint32_t>> sync_keys_;  // sync: (slot, tag) of the keys its appends insert
   // Scratch of single drafts, and of draft_rows' threads.
   Scratch scratch_;
   std::vector<Scratch> pool_scratch_;
