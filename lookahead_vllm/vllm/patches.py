@@ -305,25 +305,15 @@ def _moves_argmax(processor: Any) -> bool:
     """Whether a logits processor that may move the argmax moves it for some row of this step.
     vLLM's built-in ones keep the requests they apply to, brought up to date by the input batch's
     ``refresh_metadata`` before every forward: ``MinTokensLogitsProcessor.min_toks`` the requests
-    still under their ``min_tokens``, each with the stop tokens it masks (none with ``ignore_eos``
-    and no ``stop_token_ids``: it masks nothing), ``LogitBiasLogitsProcessor.biases`` those with a
-    logit bias; with none, their ``apply`` leaves the logits as they are. Any other processor (a
-    custom one) moves it; so does a built-in one without that state (another vLLM: fail closed)."""
+    still under their ``min_tokens``, ``LogitBiasLogitsProcessor.biases`` those with a logit bias;
+    with none, their ``apply`` leaves the logits as they are. Any other processor (a custom one)
+    moves it; so does a built-in one without that state (another vLLM: fail closed)."""
     min_tokens, logit_bias = _argmax_processors()
     if type(processor) is min_tokens:
-        held = getattr(processor, "min_toks", None)
-        return not isinstance(held, dict) or any(_masks_stop_tokens(entry) for entry in held.values())
+        return bool(getattr(processor, "min_toks", True))
     if type(processor) is logit_bias:
         return bool(getattr(processor, "biases", True))
     return True
-
-
-def _masks_stop_tokens(entry: Any) -> bool:
-    """Whether a ``min_toks`` entry ``(min_tokens, output ids, stop token ids, structured)`` masks
-    a token (anything else: assumed to, fail closed)."""
-    if not isinstance(entry, tuple) or len(entry) != 4 or not isinstance(entry[2], (set, frozenset)):
-        return True
-    return bool(entry[2])
 
 
 @functools.cache

@@ -207,17 +207,6 @@ def test_one_request_with_a_processor_sends_the_batch_to_vllms_samplers(held):
     assert patches.greedy_sample(_runner(_processors(**held)), _logits(), _meta()) is None
 
 
-def test_a_min_tokens_request_that_masks_no_stop_token_keeps_the_argmax():
-    """``min_tokens`` with ``ignore_eos`` and no stop token ids (benchmarks fixing output lengths):
-    vLLM's processor holds the request with an empty stop set and leaves the logits alone."""
-    held = _processors(min_toks={1: (4, [], set(), False)})
-    assert patches.greedy_sample(_runner(held), _logits(), _meta()) is not None
-    held = _processors(min_toks={0: (4, [], set(), False), 1: (4, [], {2}, False)})  # one masks: vLLM's samplers
-    assert patches.greedy_sample(_runner(held), _logits(), _meta()) is None
-    held = _processors(min_toks={1: (4, [], [], False)})  # not the entry this vLLM keeps: fail closed
-    assert patches.greedy_sample(_runner(held), _logits(), _meta()) is None
-
-
 def test_a_builtin_processor_without_its_state_sends_the_batch_to_vllms_samplers():
     """Another vLLM whose processor keeps no ``min_toks`` / ``biases``: fail closed."""
     for i in range(2):
@@ -254,8 +243,7 @@ def test_the_processors_state_follows_vllms_input_batch():
     """What reading the processors rests on: vLLM's ``InputBatch`` brings its ``min_tokens`` and
     ``logit_bias`` processors up to date in ``refresh_metadata`` (before every forward), so the
     argmax is taken exactly while no request of the batch carries a bias or is under its
-    ``min_tokens`` with a stop token to mask: a biased request joins and leaves, a ``min_tokens``
-    request reaches its minimum, one with nothing to mask keeps the argmax."""
+    ``min_tokens``: a biased request joins and leaves, a ``min_tokens`` request reaches its minimum."""
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -282,11 +270,9 @@ def test_the_processors_state_follows_vllms_input_batch():
     assert not takes_argmax(lambda: batch.add_request(state("b", logit_bias={1: 5.0})))
     assert not takes_argmax()
     assert takes_argmax(lambda: batch.remove_request("b"))
-    c = state("c", min_tokens=2, stop_token_ids=[5])
+    c = state("c", min_tokens=2)
     assert not takes_argmax(lambda: batch.add_request(c))
     c.output_token_ids.append(7)
     assert not takes_argmax()
     c.output_token_ids.append(8)  # its minimum reached: the processor drops it
     assert takes_argmax()
-    # Under its min_tokens with no stop token to mask (no EOS given here, no stop_token_ids).
-    assert takes_argmax(lambda: batch.add_request(state("d", min_tokens=4)))
