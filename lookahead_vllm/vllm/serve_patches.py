@@ -15,10 +15,14 @@ cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
+
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.vllm import metrics
 from lookahead_vllm.vllm.config import METHOD
 from lookahead_vllm.vllm.wrap import method_patch
+
+logger = init_logger(__name__)
 
 
 @method_patch("vllm.sampling_params.SamplingParams", "_verify_args", ("self",))
@@ -63,7 +67,11 @@ def patch_cli_speculative_model(original):
 def patch_multiprocess_metrics(original):
     def __init__(self, registry, *args, **kwargs):
         original(self, registry, *args, **kwargs)
-        if registry is not None:
+        if registry is None:
+            return
+        try:
             metrics.export_to(registry)
+        except Exception:  # noqa: BLE001 - never break vLLM's /metrics for the plugin's series
+            logger.exception("lookahead-vllm: the lookahead_* series could not join a multiprocess registry")
 
     return __init__

@@ -208,13 +208,18 @@ def test_upkeep_pushes_before_it_evicts(make):
     assert ix.corpus_tokens() == 0 and ix.num_sequences() == 2
 
 
-@pytest.mark.parametrize("upkeep_thread", [False, True])
-def test_real_text_stream_matches_reference(upkeep_thread):
+@pytest.mark.parametrize("upkeep_thread, ngram, occurrences, candidates",
+                         [(False, 3, 8, 6), (True, 3, 8, 6), (False, 1, 64, 80)],
+                         ids=["inline", "thread", "wide"])
+def test_real_text_stream_matches_reference(upkeep_thread, ngram, occurrences, candidates):
     """Requests over real text bytes: prompts admitted and outputs committed 1-3
     tokens a step through sync, drafted each step with draft_batch, finished
-    requests evicted by the upkeep (on its thread, or inline)."""
+    requests evicted by the upkeep (on its thread, or inline). ``wide``: single-byte
+    keys with 64 occurrences each, so rows gather more candidates than the insertion
+    sort takes (collect_candidates' std::stable_sort)."""
     text = np.frombuffer(TEXT.read_bytes(), dtype=np.uint8).astype(np.int32)
-    cfg = index_config(ngram=3, max_match=32, max_occurrences=8, max_candidates=6, corpus_bytes=90_000)
+    cfg = index_config(ngram=ngram, max_match=32, max_occurrences=occurrences, max_candidates=candidates,
+                       corpus_bytes=90_000)
     ref, nat = _pair(cfg, upkeep_thread)
     rng = np.random.default_rng(0)
     table = np.zeros((8, 1024), np.int32)

@@ -219,7 +219,6 @@ def test_a_final_snapshot_after_its_file_was_seen_gone_adds_what_it_counted_sinc
     assert scrape()["lookahead_draft_tokens_total"] == 9
 
 
-
 def test_several_api_servers_serve_the_series_through_multiprocess_registries(tmp_path, monkeypatch):
     """With several API servers (prometheus multiprocess mode) ``/metrics`` is served from a
     registry built for each scrape around a ``MultiProcessCollector`` (vLLM's
