@@ -147,14 +147,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog=PROG, description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    if args.model_tag is not None:
-        args.model = args.model_tag
     error = lookahead_config_error(args)
     if error:
         parser.exit(2, f"{PROG}: error: {error}\n")
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    ServeSubcommand.cmd(args)  # as `vllm serve`: one API server here, or several (--api-server-count), headless
+    ServeSubcommand.cmd(args)  # as `vllm serve` (it takes the positional model too): one API server or several
 
 
 if __name__ == "__main__":

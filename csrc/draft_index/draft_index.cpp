@@ -800,15 +800,18 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     return d < s.ends[c] ? s.continuation[c * width + d] : -1;
   };
   int count = 0;
+  auto emit = [&](int32_t token, double conf) {
+    out.tokens[count] = token;
+    out.parents[count] = count - 1;
+    out.confidence[count] = conf;
+    ++count;
+  };
   for (int64_t d = 0; d < budget && !s.alive.empty(); ++d) {
     if (s.alive.size() == 1) {  // one candidate left: the rest of the chain is its continuation
       const int32_t c = s.alive[0];
       double conf = path_confidence(s.cands[c].m, s.cands[c].m, d + 1, root_weight);
       for (; d < s.ends[c] && d < budget && conf >= floor; ++d) {
-        out.tokens[count] = s.continuation[c * width + d];
-        out.parents[count] = count - 1;
-        out.confidence[count] = conf;
-        ++count;
+        emit(s.continuation[c * width + d], conf);
         conf *= s.cands[c].m / (s.cands[c].m + 1.0);  // path_confidence's next factor
       }
       break;
@@ -833,10 +836,7 @@ int DraftIndex::draft_chain(Scratch& s, uint32_t slot, int budget, double floor,
     }
     const double conf = path_confidence(best->weight, best->max_m, d + 1, root_weight);
     if (conf < floor) break;
-    out.tokens[count] = best->token;
-    out.parents[count] = count - 1;
-    out.confidence[count] = conf;
-    ++count;
+    emit(best->token, conf);
     s.next_alive.clear();  // the candidates through the chosen child
     for (const int32_t c : s.alive) {
       if (token_at(c, d) == best->token) s.next_alive.push_back(c);
