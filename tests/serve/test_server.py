@@ -3,7 +3,8 @@
 Greedy text must equal a plain server's on the same prompts, for completions
 and chat, streaming or not, with stop strings and max_tokens; per-request
 control works (and bad per-request input is a 400 that leaves the server
-serving); ``/metrics`` counters move by what the responses imply.
+serving); a tenant's outputs do not speed up another tenant (``cache_salt``);
+``/metrics`` counters move by what the responses imply.
 """
 
 from __future__ import annotations
@@ -154,6 +155,25 @@ def test_per_request_cap(plain, lookahead, code_prompts):
     assert la[:2] == ref[:2]
     m = spec_metrics(la[2])
     assert 0 < m["num_draft_tokens"] <= m["num_spec_steps"]  # at most one draft token per step
+
+
+def test_one_tenant_does_not_speed_up_another(lookahead, chat_questions, code_prompts):
+    """Tenant isolation seen from outside: with vLLM's ``cache_salt`` in the request body, what
+    tenant A's requests wrote does not make tenant B's same requests accept more drafts (B
+    accepts about what A did when A's text was new), while A asking again accepts far more (its
+    own outputs: the control, what a salt-blind drafter would also give B)."""
+    def accepted(salt: str) -> int:
+        total = 0
+        for question in chat_questions:
+            total += spec_metrics(chat(lookahead, question, max_tokens=64, extra_body={"cache_salt": salt})[2])[
+                "num_accepted_draft_tokens"]
+        total += spec_metrics(complete(lookahead, code_prompts[1], max_tokens=64, extra_body={"cache_salt": salt})[2])[
+            "num_accepted_draft_tokens"]
+        return total
+
+    first_a, b, again_a = accepted("tenant-a"), accepted("tenant-b"), accepted("tenant-a")
+    assert again_a > 1.5 * first_a  # a tenant's own outputs are there to draft from
+    assert b < (first_a + again_a) / 2, (first_a, b, again_a)  # another tenant's are not
 
 
 @pytest.mark.parametrize(
