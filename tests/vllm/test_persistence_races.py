@@ -227,10 +227,10 @@ lock = SnapshotLock(sys.argv[1])
 assert lock.acquire()
 pid = os.fork()
 if pid == 0:  # the child: alive until the test closes its stdin
-    print(lock.held, flush=True)
+    os.write(1, f"{lock.held}\\n".encode())  # one write each: the two lines share the pipe
     sys.stdin.read()
     os._exit(0)
-print(pid, flush=True)
+os.write(1, f"{pid}\\n".encode())
 os._exit(0)  # the holder ends without releasing (as a killed engine)
 """
 
