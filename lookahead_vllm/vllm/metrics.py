@@ -1,15 +1,9 @@
 """Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
 
-The proposer runs in a worker, ``/metrics`` in the API server: each proposer's
-:class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of
-its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (made by the first
-process, :func:`setup_process`; inherited by the rest), and
-:class:`StatsCollector` sums the live processes' snapshots at each scrape,
-whatever the process layout (docs/how-it-works.md, "How serving works"); a
-publisher that stops leaves a final snapshot, so its counts since the last scrape
-are not lost. The
-series and their help strings are in :class:`StatsCollector` and the README's
-metrics table (tests/test_readme.py keeps the two in step).
+Each proposer's :class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots
+of its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (:func:`setup_process`), and the
+API server's :class:`StatsCollector` sums them at each scrape (docs/how-it-works.md, "How
+serving works"). The series are in the README's metrics table (tests/test_readme.py).
 
 Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
 tokens accepted ``m - 1`` drafts of the previous step.
@@ -220,9 +214,7 @@ def tp_rank() -> int:
 def take_final_snapshots(directory: str, since: float = 0.0) -> dict[str, dict[str, Any]]:
     """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
     name, each file removed once read (an unreadable one is left for the next time); one last
-    modified before ``since`` (an earlier server's, in a directory the user named) is removed
-    unread. The collector that reads a final first takes it: with several API servers (a collector
-    each) the others count that publisher from its last snapshot they saw (:func:`export_to`)."""
+    modified before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
