@@ -25,16 +25,15 @@ from typing import Sequence
 BUNDLED = "bundled"
 BUNDLED_DTYPE = "float32"  # the bundled weights' own dtype, unless --dtype (or --config) says otherwise
 PROG = "lookahead-vllm-serve"
-# Defaults for fast, deterministic vLLM on a small CPU machine (see DESIGN.md),
-# set where the caller has not set them; they must be in place before vllm is imported.
+# Defaults for fast, deterministic vLLM on a small CPU machine, set where the caller has not set
+# them; they must be in place before vllm is imported.
 CPU_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "2",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
-    # Only our plugin: arctic-inference (installed for the "suffix" baseline,
-    # which imports arctic_inference.suffix_decoding directly) registers a
+    # Only our plugin: arctic-inference (installed for the "suffix" baseline) registers a
     # vllm.general_plugins entry point that must not load in our engines.
     "VLLM_PLUGINS": "lookahead",
 }

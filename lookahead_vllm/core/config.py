@@ -43,16 +43,11 @@ PLATFORMS = ("cpu", "gpu")
 
 
 class LookaheadConfig(BaseModel):
-    """The public configuration (``additional_config={"lookahead": {...}}``).
-
-    Validation raises ``ValueError`` naming the field, the value and what is
-    allowed; unknown fields are refused by name, retired ones name their
-    replacement (or say they are internal now).
-    """
+    """The public configuration; validation raises ``ValueError`` naming the field, the value and
+    what is allowed (retired fields: :data:`RETIRED`). Each field's meaning: docs/configuration.md."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    # Each field's meaning: docs/configuration.md's table.
     # Where drafts come from (core/draft_index.py, core/trie.py, core/jacobi.py), merged in that order.
     source: Literal[SOURCES] = "index"
     # A chain ("one") or a tree ("hier", "par"), verified with tree attention (vllm/tree_verify.py).
@@ -177,10 +172,8 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Internal tuning knobs: one set of defaults, per-platform values in
-    :data:`PLATFORM_VALUES`. Build with :meth:`for_platform`."""
+    """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
-    # Each knob's meaning: docs/configuration.md's developer table.
     # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
     # "cpu" or "gpu": what the values below were chosen for.
     platform: str
