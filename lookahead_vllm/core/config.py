@@ -15,6 +15,7 @@ docs/configuration.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -31,14 +32,9 @@ SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 # Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
-# vLLM's num_speculative_tokens when the user gives none (and decoding_length
-# without an engine). CPU: on the dev suite's acceptance replay 16 beat 8 on every
-# class (the forward-cost model keeps only the nodes that pay). GPU: every step
-# is filled to k tokens a row (uniform steps, for vLLM's full CUDA graphs), so k
-# sets the step's price and how many rows get full graphs at all (rows x (1 + k)
-# within the largest graph: 30 rows at k 16 with vLLM's 512-token default, 56 at
-# k 8). On an H200 a batch-32 chain at k 16 ran ragged at 0.49x plain, vLLM's
-# ngram at k 8 uniform at 0.79x; batch 8 0.95x and 1.21x (docs/gpu.md).
+# vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine).
+# CPU: 16 beat 8 on every class of the dev suite's replay. GPU: steps are filled to k tokens a row
+# for full CUDA graphs, so k sets the step's price and how many rows fit a graph (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
 PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
 # The key, next to the public fields, that sets profile knobs (developers only).
@@ -47,51 +43,26 @@ PLATFORMS = ("cpu", "gpu")
 
 
 class LookaheadConfig(BaseModel):
-    """The public configuration (``additional_config={"lookahead": {...}}``).
-
-    Validation raises ``ValueError`` naming the field, the value and what is
-    allowed; unknown fields are refused by name, retired ones name their
-    replacement (or say they are internal now).
-    """
+    """The public configuration; validation raises ``ValueError`` naming the field, the value and
+    what is allowed (retired fields: :data:`RETIRED`). Each field's meaning: docs/configuration.md."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    # Where drafts come from: "index" (core/draft_index.py: continuations of the
-    # longest earlier matches in the request's text and all outputs), "trie"
-    # (core/trie.py, with each request's context chain), "jacobi" (core/jacobi.py), or several
-    # merged into one tree in that order ("both" = trie and Jacobi). Jacobi adds
-    # its window (W * (N - 1) - 1 nodes) on top of decoding_length and needs trees.
+    # Where drafts come from (core/draft_index.py, core/trie.py, core/jacobi.py), merged in that order.
     source: Literal[SOURCES] = "index"
-    # "one" drafts a chain; "hier" a token tree with shared prefixes merged,
-    # "par" whole branches side by side; trees are verified in one forward
-    # with tree attention (vllm/tree_verify.py).
+    # A chain ("one") or a tree ("hier", "par"), verified with tree attention (vllm/tree_verify.py).
     draft_shape: Literal[DRAFT_SHAPES] = "one"
-    # Max draft nodes per request per step (root excluded). None: vLLM's
-    # num_speculative_tokens (default 16) less the Jacobi window; it may not
-    # exceed that.
+    # Max draft nodes per request per step (None: num_speculative_tokens less the Jacobi window).
     decoding_length: int | None = Field(None, ge=1, le=256)
-    # Memory cap of the outputs kept for cross-request drafting: the corpus's
-    # charge in bytes (an output token is charged 80-190 of it), split evenly
-    # between the index and its back-off; the oldest finished outputs go first.
+    # Memory cap, in bytes, of the outputs kept for cross-request drafting.
     index_corpus_bytes: int = Field(128 << 20, ge=0, le=1 << 40)
-    # A file of past responses or a corpus, learned at engine start (formats:
-    # core/warm_start.py). "" = none.
+    # Texts learned at engine start (core/warm_start.py); "" = none.
     warm_start: str = ""
-    # What the drafter learned (core/snapshot.py): loaded on start when the
-    # file exists, written on shutdown (atomically); a corrupt or foreign file
-    # is refused with a warning, kept as <path>.refused, and the engine starts
-    # cold; one that cannot be read stays and that run writes none
-    # (vllm/persistence.py). "" = none.
+    # What the drafter learned, loaded on start and written on shutdown (vllm/persistence.py); "" = none.
     snapshot_path: str = ""
-    # Tenant isolation (core/partitions.py): whose outputs a request drafts from.
-    # "per-salt": only same-cache_salt requests' (unsalted ones share one
-    # partition); "per-salt-saved": the same, and the snapshot keeps the salted
-    # partitions too; "all": salts ignored; "none": no cross-request drafting.
+    # Whose outputs a request drafts from (core/partitions.py).
     draft_sharing: Literal[DRAFT_SHARINGS] = "per-salt"
-    # Forward-cost model (core/budget.py): up to cost_free_tokens tokens cost one
-    # forward, each cost_marginal_tokens more one more. -1 (both) = fitted online
-    # (core/prices.py); either >= 0 pins both (the other at the platform's
-    # prior); cost_free_tokens=0 turns the model off.
+    # Forward-cost model (core/budget.py): -1 (both) = fitted online (core/prices.py); 0 free tokens = off.
     cost_free_tokens: int = Field(-1, ge=-1, le=1 << 16)
     cost_marginal_tokens: float = Field(-1.0, ge=-1.0, le=1e6)
 
@@ -124,18 +95,12 @@ class LookaheadConfig(BaseModel):
                              "(a binary file the engine writes at shutdown) needs a path of its own")
         return self
 
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return sources_of(self.source)
-
 
 def _same_file(a: str, b: str) -> bool:
     """Whether two paths name one file (the same path once resolved, or the same inode)."""
-    try:
+    with contextlib.suppress(OSError):  # either does not exist (yet)
         if os.path.samefile(a, b):
             return True
-    except OSError:  # either does not exist (yet)
-        pass
     return os.path.realpath(a) == os.path.realpath(b)
 
 
@@ -162,10 +127,9 @@ def check_field_names(values: Mapping[str, Any]) -> None:
         if name in RETIRED:
             raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
         if name in PROFILE_FIELDS:
-            raise ValueError(
-                f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the platform "
-                f"profile, docs/configuration.md 'Developer settings'); the public fields are {list(PUBLIC_FIELDS)}"
-            )
+            raise ValueError(f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the platform "
+                             "profile, docs/configuration.md 'Developer settings'); the public fields are "
+                             f"{list(PUBLIC_FIELDS)}")
     unknown = sorted(set(values) - set(PUBLIC_FIELDS))
     if unknown:
         raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
@@ -208,42 +172,27 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Internal tuning knobs: one set of defaults, per-platform values in
-    :data:`PLATFORM_VALUES`. Build with :meth:`for_platform`."""
+    """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
     # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
     # "cpu" or "gpu": what the values below were chosen for.
     platform: str
-    # Token prices (core/budget.py): a forward scores free_tokens tokens for
-    # the price of one; marginal_tokens more cost one more forward.
+    # Token prices (core/budget.py), in forwards.
     free_tokens: int = _knob(within=(1, 1 << 16))
     marginal_tokens: float = _knob(within=(1.0, 8192.0))  # the online fit's bounds (prices.MARGINAL_BOUNDS)
-    # Forwards a tree step pays for running separate root-to-leaf attention
-    # paths (the CPU path rounds): path_setup once, cost_per_path per path.
     path_setup: float = _knob(within=(0.0, 100.0))
     cost_per_path: float = _knob(within=(0.0, 100.0))
-    # Forwards a step with any draft costs over a draftless one (speculative
-    # metadata and the rejection sampler; a draftless step runs as plain decoding).
     draft_setup: float = _knob(within=(0.0, 10.0))
-    # Forwards every row of a step past the first adds, whatever its tokens.
     row_price: float = _knob(within=(0.0, 1.0))
-    # Forwards a row that carries drafts adds per thousand tokens of its context.
     context_price: float = _knob(within=(0.0, 2.0))
-    # Load adaptation (core/load.py): the per-request budget shrinks above
-    # load_shrink_above running requests; nothing is drafted at load_stop_at.
+    # Load adaptation (core/load.py).
     load_shrink_above: int = _knob(within=(0, 1 << 16))
     load_stop_at: int = _knob(within=(1, (1 << 16) + 1))
-    # The native index's upkeep on a thread of its own while the forward runs
-    # (GPUs), or inline after the batch call (the CPU, whose cores the forward
-    # keeps busy). The drafts are the same either way.
+    # The native index's upkeep on a thread while the forward runs, or inline (same drafts).
     upkeep_thread: bool
 
     # ---- one default everywhere
-    # Trie (source "trie"): max branch depth and insertion window; longest
-    # and shortest trailing context matched; stop shortening the match once
-    # the sub-trie yields min_retrieved_nodes; node capacity (decay-and-prune
-    # past it); weight of a request's own prompt counts; insert prompt
-    # windows on admission (generated tokens always enter).
+    # Trie (core/trie.py).
     branch_length: int = _knob(12, within=(2, 128))
     max_match_length: int = _knob(6, within=(1, 127))
     min_match_length: int = _knob(1, within=(1, 127))
@@ -251,34 +200,19 @@ class Profile:
     trie_capacity: int = _knob(1 << 16, within=(64, 1 << 26))
     prompt_weight: float = _knob(1e4, within=(0.0, 1e9))
     insert_prompt: bool = True
-    # Context match (core/trie.py, source "trie"): the continuation
-    # of the last earlier occurrence of the request's last context_match
-    # tokens leads its draft. 0 = off.
     context_match: int = _knob(3, within=(0, 64))
-    # Stop a branch once its path confidence falls below this floor (scaled
-    # with the batch when the cost model is off, budget.confidence_floor).
+    # Branch confidence floor (budget.confidence_floor) and draft tokens per step (0 = no cap).
     min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
-    # Draft tokens per step across the batch (0 = no cap).
     step_draft_budget: int = _knob(0, within=(0, 1 << 16))
-    # Under full decode CUDA graphs (cudagraph_mode FULL_AND_PIECEWISE or
-    # FULL_DECODE_ONLY), fill every row's chain to exactly k draft tokens when the
-    # step then fits the largest graph: vLLM replays them only for uniform 1 + k
-    # steps (on an H200, piecewise SmolLM2 steps took 9-21 ms, uniform 2.7-4.4 ms).
+    # Full CUDA graphs: fill chains to k (vLLM replays full graphs only for uniform 1 + k steps),
+    # and capture draftless steps too (vllm/patches.py draftless_graphs; docs/gpu.md).
     uniform_steps: bool = True
-    # With uniform steps: also capture full graphs for draftless steps (one token a
-    # row; vllm/patches.py draftless_graphs), and send no draft where a filled
-    # step is not expected to pay or would pass the largest graph, so every step
-    # replays a full graph. Off until a GPU run measures it (docs/gpu.md).
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True
-    # On the CPU, verify a step's drafts, where the batch is greedy with nothing moving the
-    # argmax, from one argmax over its logits instead of vLLM's samplers (the same tokens;
-    # vllm/patches.py greedy_sample). Off: vLLM's samplers every step (for A/B runs).
+    # CPU: greedy steps verified from one argmax over the logits (vllm/patches.py greedy_sample).
     argmax_sampling: bool = True
-    # Draft index: key length, back-off key length (0 = none), how far
-    # matches are measured back, candidates merged per draft, occurrences
-    # kept per key, threads a step's rows are drafted on (0 = min(4, cores)).
+    # Draft index (core/draft_index.py); index_threads 0 = min(4, cores).
     index_ngram: int = _knob(2, within=(1, 4))
     index_backoff: int = _knob(1, within=(0, 3))
     index_max_match: int = _knob(64, within=(1, 1 << 16))
@@ -289,8 +223,7 @@ class Profile:
     jacobi_window: int = _knob(4, within=(1, 64))
     jacobi_ngram: int = _knob(3, within=(2, 16))
     jacobi_guesses: int = _knob(4, within=(1, 64))
-    # Debug only: switch off pieces of tree verification ("positions",
-    # "mask", "compaction") to prove each is needed; output is NOT lossless.
+    # Debug only: switch off pieces of tree verification (DEBUG_SWITCHES); output is NOT lossless.
     debug_disable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -347,18 +280,9 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# Where CPU and GPU differ (measurements: docs/prices.md, docs/gpu.md). "cpu":
-# this project's 2-core host with SmolLM2: 5 tokens free and 20 more per
-# forward (the prior of the online fit; at batch 1 none is free: docs/prices.md);
-# the path rounds cost 0.09 forwards for a step that runs any and 0.02
-# per round (bench_forward_cost.py --nodes 8 16 --paths 1 2 3 4 8: 8 nodes in
-# 1/2/3/4/8 root branches cost 1.05/1.16/1.21/1.19/1.24 plain steps, 16 nodes
-# 1.49/1.63/1.61/1.65/1.79); a batch of 8 already scores past the free tokens,
-# so load adaptation starts there. "gpu": one H200 (gpu_h200.json, a
-# Llama-3-8B shape, bf16): 32 tokens free and 675 more per forward, steps of
-# 1, 8 and 32 rows on one curve (row price 0); the CUDA kernel runs all paths in
-# one launch (no path price); draft setup and context price unmeasured (0); load
-# adaptation from 32 to 128 rows (the cost model keeps no draft from ~64 on).
+# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md; the path
+# prices: docs/history.md); "gpu": one H200, a Llama-3-8B shape in bf16 (gpu_h200.json, docs/gpu.md), whose
+# CUDA kernel runs every path in one launch (no path price); draft setup and context price unmeasured (0).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
@@ -459,24 +383,19 @@ def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platfo
         raise ValueError(f"{PROFILE_KEY} must be a mapping of profile knobs, got {type(overrides).__name__}")
     user = LookaheadConfig(**values)
     profile = Profile.for_platform(platform, overrides)
-    window = profile.jacobi_nodes if "jacobi" in user.sources else 0
+    window = profile.jacobi_nodes if "jacobi" in sources_of(user.source) else 0
     k = num_speculative_tokens
     length = user.decoding_length
     if k is not None:
         if window and profile.jacobi_step_slots > k:
-            raise ValueError(
-                f"_profile jacobi_window={profile.jacobi_window}, jacobi_ngram={profile.jacobi_ngram}, "
-                f"jacobi_guesses={profile.jacobi_guesses}: the step needs (W + G) * (N - 1) - 1 = "
-                f"{profile.jacobi_step_slots} draft slots, more than "
-                f"speculative_config.num_speculative_tokens={k} (raise num_speculative_tokens)"
-            )
+            raise ValueError(f"_profile jacobi_window={profile.jacobi_window}, jacobi_ngram={profile.jacobi_ngram}, "
+                             f"jacobi_guesses={profile.jacobi_guesses}: the step needs (W + G) * (N - 1) - 1 = "
+                             f"{profile.jacobi_step_slots} draft slots, more than "
+                             f"speculative_config.num_speculative_tokens={k} (raise num_speculative_tokens)")
         length = k - window if length is None else length
         if length < 1 or length + window > k:
             extra = f" + {window} Jacobi lookahead nodes" if window else ""
-            raise ValueError(
-                f"decoding_length={length}{extra}: must be <= speculative_config.num_speculative_tokens={k} "
-                "(raise num_speculative_tokens or lower decoding_length)"
-            )
-    fields = user.model_dump()
-    fields["decoding_length"] = default_decoding_length(platform) if length is None else length
-    return Settings(**fields, profile=profile)
+            raise ValueError(f"decoding_length={length}{extra}: must be <= speculative_config.num_speculative_tokens="
+                             f"{k} (raise num_speculative_tokens or lower decoding_length)")
+    length = default_decoding_length(platform) if length is None else length
+    return Settings(**{**user.model_dump(), "decoding_length": length}, profile=profile)

@@ -1,26 +1,14 @@
 """Per-request lookahead control, carried in ``SamplingParams.extra_args``.
 
-vLLM has no per-request speculation switch; these keys give one. Over HTTP
-they travel in the request body's ``vllm_xargs`` (flat keys, numbers or
-strings: JSON ``true``/``false`` arrive as 1/0), offline in
-``SamplingParams(extra_args=...)``:
+vLLM has no per-request speculation switch; these keys give one (README's per-request
+table): ``lookahead_enabled`` and ``lookahead_max_draft_tokens``. Over HTTP they travel
+in the request body's ``vllm_xargs`` (flat keys: JSON ``true``/``false`` arrive as 1/0).
 
-  lookahead_enabled           true/false (or 1/0); false = never draft for
-                              this request (default true, except for seeded
-                              sampling: below)
-  lookahead_max_draft_tokens  0..256: cap on this request's draft nodes per
-                              step (0 = off); the engine's decoding_length
-                              and load adaptation still apply on top
-
-A request that samples with a seed (temperature > 0 and ``seed`` set) drafts
-nothing unless it sets ``lookahead_enabled`` true itself: its text is then plain
-vLLM's for that seed, every time. vLLM's rejection sampler draws one uniform per
-draft token from the request's generator, and lookahead's drafts depend on other
-requests' outputs and on measured step times, so a drafted seeded request keeps
-the target distribution but not the text a seed names.
-
-Every other key starting with ``lookahead`` (in any case) is rejected, so a
-typo cannot silently leave speculation on. Example::
+A request that samples with a seed drafts nothing unless it sets ``lookahead_enabled``
+itself: vLLM's rejection sampler draws one uniform per draft token from the request's
+generator, and the drafts depend on other requests and on step times, so a drafted seeded
+request keeps the target distribution but not the text its seed names. Every other key
+starting with ``lookahead`` (in any case) is rejected, so a typo cannot leave speculation on::
 
     SamplingParams(max_tokens=64, extra_args={"lookahead_max_draft_tokens": 2})
     client.completions.create(..., extra_body={"vllm_xargs": {"lookahead_enabled": False}})

@@ -35,13 +35,7 @@ change what is stored are checked (``branch_length``, the trie table's
 depth, when the snapshot has a trie table). Writes are atomic: a temporary
 file in the same folder, fsync, ``os.replace``; a crash leaves the old
 snapshot or the new one, never a part. Version 1 files (no labels: all
-outputs in the default partition) are still read.
-
-One writer a file: the engine that writes a snapshot holds an advisory lock
-on it (:class:`SnapshotLock`: ``flock`` on ``<path>.lock``) from its start to
-its shutdown, so a second server given the same path finds it taken instead
-of overwriting the first one's file; the kernel drops the lock of a process
-that dies.
+outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
 
 Worked example: an engine served two requests whose outputs were ``5 6 7``
 then ``8 9``; its snapshot holds lengths ``[3, 2]`` and tokens
@@ -54,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import io
 import json
 import os
 import socket
@@ -129,8 +122,7 @@ def identity_of(model: str, vocab_size: int) -> dict[str, Any]:
 
 
 def settings_of(config: Any) -> dict[str, Any]:
-    """The DRAFT_SETTINGS of ``config`` (a ``core.config.Settings``: public
-    fields on it, the rest on its profile)."""
+    """The DRAFT_SETTINGS of ``config`` (a ``core.config.Settings``: public fields, then its profile's)."""
     return {name: getattr(config if hasattr(config, name) else config.profile, name) for name in DRAFT_SETTINGS}
 
 
@@ -273,13 +265,10 @@ def encode(snap: Snapshot) -> bytes:
         "num_sequences": len(lengths), "num_tokens": int(lengths.sum()),
         "trie_nodes": len(trie.tokens), "has_trie": snap.trie is not None, "partitions": salted,
     }, sort_keys=True).encode()
-    buf = io.BytesIO()
-    buf.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
-    buf.write(header)
-    for arr, dtype in ((lengths, "<i4"), (labels, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
-                       (trie.counts, "<f8")):
-        buf.write(np.ascontiguousarray(arr, dtype).tobytes())
-    body = buf.getvalue()
+    arrays = ((lengths, "<i4"), (labels, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
+              (trie.counts, "<f8"))
+    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + b"".join(
+        np.ascontiguousarray(arr, dtype).tobytes() for arr, dtype in arrays)
     return body + struct.pack("<I", zlib.crc32(body))
 
 

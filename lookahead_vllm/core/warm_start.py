@@ -68,12 +68,6 @@ def read_warm_file(path: str | os.PathLike) -> WarmFile:
     return WarmFile(str(path), data, hashlib.sha256(data).hexdigest())
 
 
-def read_warm_texts(path: str | os.PathLike) -> WarmTexts:
-    """The texts of a warm-start file (see the module docstring); OSError if
-    it cannot be read."""
-    return read_warm_file(path).texts()
-
-
 def _jsonl_texts(data: str) -> WarmTexts:
     out = WarmTexts()
     for lineno, line in enumerate(data.splitlines(), 1):

@@ -1,24 +1,11 @@
 """Draft trace: a debug record proving every tensor-parallel rank drafted the same.
 
-Under tensor parallelism each rank (worker process) runs its own
-:class:`~lookahead_vllm.vllm.proposer.LookaheadProposer` on the same token
-ids. The scheduler keeps only one rank's drafts, but tree verification uses
-each rank's own step plan, so a rank whose drafts differ verifies a tree the
-others do not and the ranks diverge. This module makes that checkable.
-
-With ``$LOOKAHEAD_DRAFT_TRACE_DIR`` set, :func:`record` (called once per
-engine step at the end of ``LookaheadProposer.propose``) appends one line to
-``<dir>/rank<r>-<pid>.trace``::
-
-    <step> <digest> <rows> <draft tokens>
-
-where ``digest`` is a 16-hex-digit BLAKE2b hash of the step's request ids and
-drafts (so two ranks with the same drafts write the same line). The proposer
-reads the variable once, when the engine starts; unset, a step costs nothing.
-The lab's comparer reports the first step where two traces of a directory
-differ (exit status 1 if ranks differ)::
-
-    python -m lookahead_lab.draft_traces DIR
+Each tensor-parallel rank runs its own proposer; the scheduler keeps one rank's drafts, but
+tree verification uses each rank's own step plan, so ranks whose drafts differ diverge. With
+``$LOOKAHEAD_DRAFT_TRACE_DIR`` set (read once, at engine start), :func:`record` appends one
+line a step to ``<dir>/rank<r>-<pid>.trace``: ``<step> <digest> <rows> <draft tokens>``
+(``digest``: :func:`draft_digest`). ``python -m lookahead_lab.draft_traces DIR`` reports
+the first step where two ranks' traces differ.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ def draft_digest(req_ids: Sequence[Any], drafts: Sequence[Sequence[int]]) -> str
 
 
 def directory() -> str | None:
-    """The trace directory (``$LOOKAHEAD_DRAFT_TRACE_DIR``; None: no trace). The proposer reads it
-    once, when the engine starts."""
+    """The trace directory (``$LOOKAHEAD_DRAFT_TRACE_DIR``; None: no trace)."""
     return os.environ.get(TRACE_DIR_ENV) or None
 
 

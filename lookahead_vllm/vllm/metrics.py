@@ -1,15 +1,9 @@
 """Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
 
-The proposer runs in a worker, ``/metrics`` in the API server: each proposer's
-:class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of
-its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (made by the first
-process, :func:`setup_process`; inherited by the rest), and
-:class:`StatsCollector` sums the live processes' snapshots at each scrape,
-whatever the process layout (docs/how-it-works.md, "How serving works"); a
-publisher that stops leaves a final snapshot, so its counts since the last scrape
-are not lost. The
-series and their help strings are in :class:`StatsCollector` and the README's
-metrics table (tests/test_readme.py keeps the two in step).
+Each proposer's :class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots
+of its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (:func:`setup_process`), and the
+API server's :class:`StatsCollector` sums them at each scrape (docs/how-it-works.md, "How
+serving works"). The series are in the README's metrics table (tests/test_readme.py).
 
 Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
 tokens accepted ``m - 1`` drafts of the previous step.
@@ -220,9 +214,7 @@ def tp_rank() -> int:
 def take_final_snapshots(directory: str, since: float = 0.0) -> dict[str, dict[str, Any]]:
     """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
     name, each file removed once read (an unreadable one is left for the next time); one last
-    modified before ``since`` (an earlier server's, in a directory the user named) is removed
-    unread. The collector that reads a final first takes it: with several API servers (a collector
-    each) the others count that publisher from its last snapshot they saw (:func:`export_to`)."""
+    modified before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
@@ -289,17 +281,10 @@ def _clock_of(directory: str) -> float:
     """Now, as the file system holding ``directory`` stamps a file's modification time
     (``time.time()`` where no file can be made there)."""
     try:
-        fd, path = tempfile.mkstemp(dir=directory, prefix=".clock-")
+        with tempfile.TemporaryFile(dir=directory, prefix=".clock-") as f:
+            return os.fstat(f.fileno()).st_mtime
     except OSError:
         return time.time()
-    try:
-        os.close(fd)
-        return os.stat(path).st_mtime
-    except OSError:
-        return time.time()
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)
 
 
 def _alive(pid: str) -> bool:
@@ -371,13 +356,14 @@ class StatsCollector:
                 live[name] = last  # listed but unreadable this time: its last snapshot still counts
         self._last = {name: snap for name, snap in live.items() if snap is not None}
         snaps = list(self._last.values())
-        gone = [self._gone] if self._gone else []
-        if not snaps and not gone:
+        if not snaps and not self._gone:
             return
-        counted = snaps + gone  # counters and histograms: the publishers gone since too
+        counted: dict[str, Any] = {}  # counters and histograms: the publishers gone since too
+        for snap in snaps + ([self._gone] if self._gone else []):
+            add_cumulative(counted, snap)
 
-        def total(key: str, over: list[dict[str, Any]] = snaps) -> float:
-            return sum(s.get(key, 0) for s in over)
+        def total(key: str) -> float:
+            return sum(s.get(key, 0) for s in snaps)
 
         for name, key, doc in (
             ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
@@ -415,22 +401,17 @@ class StatsCollector:
                 gauge.add_metric([policy], value)
             yield gauge
         for name, key, doc in COUNTERS:
-            yield CounterMetricFamily(name, doc, value=total(key, counted))
+            yield CounterMetricFamily(name, doc, value=counted[key])
         skipped = CounterMetricFamily("lookahead_skipped_request_steps", "Request-steps not drafted, by reason.",
                                       labels=["reason"])
         for reason in SKIP_REASONS:
-            skipped.add_metric([reason], sum(s["skipped_request_steps"].get(reason, 0) for s in counted))
+            skipped.add_metric([reason], counted["skipped_request_steps"][reason])
         yield skipped
         for name, key, doc in HISTOGRAMS:
-            yield _histogram(HistogramMetricFamily, name, doc, [s[key] for s in counted])
-
-
-def _histogram(family: Any, name: str, doc: str, hists: list[dict[str, Any]]) -> Any:
-    bounds = hists[0]["bounds"]
-    counts = [sum(h["counts"][i] for h in hists) for i in range(len(bounds) + 1)]
-    cumulative = list(itertools.accumulate(counts))
-    buckets = [(str(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
-    return family(name, doc, buckets=buckets, sum_value=sum(h["total"] for h in hists))
+            hist = counted[key]
+            cumulative = list(itertools.accumulate(hist["counts"]))
+            buckets = [(str(float(b)), c) for b, c in zip(hist["bounds"], cumulative)] + [("+Inf", cumulative[-1])]
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist["total"])
 
 
 def setup_process() -> None:
@@ -453,12 +434,8 @@ def setup_process() -> None:
 
 
 def export_to(registry: Any) -> None:
-    """Also export the ``lookahead_*`` series through ``registry``. With several API servers
-    (prometheus multiprocess mode) ``/metrics`` is served from a registry built for the scrape,
-    not ``prometheus_client.REGISTRY`` (serve_patches.patch_multiprocess_metrics): each API
-    server then serves the sums over the engines that share its stats directory (those this
-    node's ``serve`` command started). A publisher that stops counts its final snapshot in the
-    one server that reads the final first and, in the others, what they last saw of it: their
-    totals can then differ by what it counted in its last half second."""
+    """Also export the ``lookahead_*`` series through ``registry``: with several API servers
+    ``/metrics`` is served from a registry built for the scrape (serve_patches.patch_multiprocess_metrics;
+    what each server sums: docs/how-it-works.md, "How serving works")."""
     if _collector is not None:
         registry.register(_collector)

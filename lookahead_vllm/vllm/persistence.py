@@ -1,48 +1,23 @@
 """Warm start and snapshots at engine start and shutdown.
 
 ``Persistence`` does, for one proposer, what the config's ``warm_start`` and
-``snapshot_path`` ask for:
+``snapshot_path`` ask for (the rules users see: docs/configuration.md, those two rows):
 
-  start   take the snapshot file's lock (below), load the snapshot
-          (core/snapshot.py) if its file exists, then read the ``warm_start``
-          file once and learn its texts (core/warm_start.py) with the model's
-          tokenizer, unless the snapshot was written with those bytes (their
-          digest is what the snapshot names). A corrupt,
-          truncated or foreign snapshot is refused with a warning (drafting
-          starts cold) and kept: moved to ``<path>.refused`` (``.refused.1``,
-          ... when taken), so that this run's snapshot does not overwrite it.
-          One that could not be judged (unreadable, not a regular file, the
-          tokenizer failed) or moved stays where it is, and this run writes
-          no snapshot.
-  close   write the snapshot (atomically) once: on engine shutdown, from the
-          proposer's ``close()``, its finalizer or ``atexit``; then release
-          the lock.
+  start   take the snapshot file's lock, load the snapshot (core/snapshot.py) if its
+          file exists, then learn the ``warm_start`` file's texts (core/warm_start.py)
+          unless the snapshot was written with those bytes (it names their digest). A
+          refused snapshot is moved to ``<path>.refused[.N]``; one that could not be
+          judged, or moved, stays and this run writes none.
+  close   write the snapshot (atomically) once, from the proposer's ``close()``, its
+          finalizer or ``atexit``; then release the lock.
 
-One writer a file. Tensor-parallel ranks hold identical drafters: only the
-engine's first drafting rank (tensor-parallel rank 0 of prefill-context-parallel
-rank 0; the only one without distributed state) writes, holding the file's lock
-(``SnapshotLock``, ``<path>.lock``) from start to shutdown; the other ranks load
-the file read only (one they refuse stays in place for the first rank to move
-aside) and write nothing. An engine whose first rank finds the lock held by
-another live process (another server given the same path, or an earlier engine
-of this process not yet shut down) loads the file read only too, writes
-nothing while that process holds it, and says so once in a warning; at its own
-shutdown, if the holder has released the lock by then, it takes it and writes. The kernel
-releases the lock of a process that dies, so a crashed server blocks no one. In
-tree mode, where each rank verifies its own drafter's trees, ranks that learned
-different things at start (a file one of them could not read) all start cold
-and write nothing (the proposer checks).
-
-Data-parallel engines learn apart: the engine of data-parallel rank 0 (or the
-only one) keeps ``snapshot_path``, rank ``r`` keeps ``<path>.dp<r>``
-(:func:`snapshot_file`; ``r`` vLLM's ``data_parallel_index``, the global rank,
-``--data-parallel-rank`` included) and, while it has no usable one (none yet,
-or its own refused), starts from rank 0's file, read only (never moved aside:
-it is rank 0's). Each rank locks its own file, so data-parallel ranks never
-find each other's lock.
-
-The tokenizer (loaded only when one of the two is set) also names the
-snapshot's identity: folder name and vocabulary size.
+One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of
+prefill-context-parallel rank 0), holding ``SnapshotLock`` (``<path>.lock``) from start to
+shutdown; other ranks, and engines that find the lock held by another live process, load
+the file read only, never move it aside and write nothing (a read-only engine takes the
+lock once its holder releases it). Data-parallel rank ``r`` keeps ``<path>.dp<r>``
+(:func:`snapshot_file`) and, while it has no usable one, starts from rank 0's, read only.
+The tokenizer (loaded only when one of the two is set) also names the snapshot's identity.
 """
 
 from __future__ import annotations
@@ -79,9 +54,8 @@ RETAKE_EVERY_S = 30.0
 
 
 def _first_drafting_rank() -> bool:
-    """Whether this process is its engine's first drafting rank, the one that writes the
-    snapshot: tensor-parallel rank 0 of prefill-context-parallel rank 0 (drafters run on the
-    last pipeline stage only). True without distributed state (one rank: unit tests)."""
+    """Whether this process is its engine's first drafting rank (drafters run on the last pipeline
+    stage only). True without distributed state (one rank: unit tests)."""
     from vllm.distributed import parallel_state
 
     for name in ("get_tp_group", "get_pcp_group"):
@@ -94,8 +68,6 @@ def _first_drafting_rank() -> bool:
 
 
 class Persistence:
-    """See the module docstring."""
-
     def __init__(self, config: Settings, model_config: Any, dp_rank: int = 0) -> None:
         self.config = config
         self.model_config = model_config
@@ -126,8 +98,7 @@ class Persistence:
 
     # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
-        """Lock the snapshot file, learn the snapshot, then the warm-start texts (see the module
-        docstring)."""
+        """Lock the snapshot file, learn the snapshot, then the warm-start texts."""
         self._claim()
         snap = self._load_snapshot(drafter)
         path = self.config.warm_start
@@ -153,8 +124,7 @@ class Persistence:
         self._warm_digest = warm.digest
 
     def _claim(self) -> None:
-        """Decide whether this process writes the snapshot file: the engine's first drafting rank
-        does, holding the file's lock, unless another process holds it (module docstring)."""
+        """Decide whether this process writes the snapshot file (the module docstring)."""
         if not self.path or not _first_drafting_rank():
             return
         lock = SnapshotLock(self.path)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.warm_start import read_warm_texts
+from lookahead_vllm.core.warm_start import read_warm_file
 from tests.settings import lookahead
 
 pytestmark = pytest.mark.vllm
@@ -65,11 +65,11 @@ def test_warm_texts_formats(tmp_path):
     jsonl = tmp_path / "past.jsonl"
     jsonl.write_text("\n".join([json.dumps({"text": "a"}), "", json.dumps({"response": "b", "id": 1}),
                                 json.dumps({"output": 3, "completion": "c"}), "not json", json.dumps(["x"])]))
-    found = read_warm_texts(jsonl)
+    found = read_warm_file(jsonl).texts()
     assert found.texts == ["a", "b", "c"] and found.skipped_lines == [5, 6]
     plain = tmp_path / "corpus.txt"
     plain.write_text("first para\nline two\n\n  \nsecond\n\n\nthird  \n")
-    assert read_warm_texts(plain).texts == ["first para\nline two", "second", "third"]
+    assert read_warm_file(plain).texts().texts == ["first para\nline two", "second", "third"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt"])
