@@ -11,7 +11,7 @@ wheel, whose ``vllm`` console script fails; ``bundled`` serves the bundled SmolL
 the CPU preload (:mod:`lookahead_vllm.cpu_preload`); a bad lookahead configuration exits with
 status 2 and ``error: ...`` naming the field before anything loads. ``--speculative-model
 lookahead`` is shorthand for ``--speculative-config '{"method": "lookahead"}'`` (with both, they
-merge; the plugin adds it to ``vllm serve`` too: README, "Server").
+merge; the plugin adds it to ``vllm serve`` too: README, Quickstart).
 """
 
 from __future__ import annotations

@@ -177,7 +177,8 @@ class Profile:
     # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
     # "cpu" or "gpu": what the values below were chosen for.
     platform: str
-    # Token prices (core/budget.py), in forwards.
+    # Token prices (core/budget.py): free_tokens scored for the price of one forward, one more forward
+    # every marginal_tokens past them; the knobs from path_setup on are in forwards.
     free_tokens: int = _knob(within=(1, 1 << 16))
     marginal_tokens: float = _knob(within=(1.0, 8192.0))  # the online fit's bounds (prices.MARGINAL_BOUNDS)
     path_setup: float = _knob(within=(0.0, 100.0))
@@ -205,7 +206,7 @@ class Profile:
     min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
     step_draft_budget: int = _knob(0, within=(0, 1 << 16))
     # Full CUDA graphs: fill chains to k (vLLM replays full graphs only for uniform 1 + k steps),
-    # and capture draftless steps too (vllm/patches.py draftless_graphs; docs/gpu.md).
+    # and, with draftless_graphs, capture draftless steps too (vllm/patches.py; docs/gpu.md).
     uniform_steps: bool = True
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
@@ -283,6 +284,7 @@ class Profile:
 # Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md; the path
 # prices: docs/history.md); "gpu": one H200, a Llama-3-8B shape in bf16 (gpu_h200.json, docs/gpu.md), whose
 # CUDA kernel runs every path in one launch (no path price); draft setup and context price unmeasured (0).
+# Load adaptation starts at 8 rows on the CPU: a batch of 8 already scores past the free tokens.
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,

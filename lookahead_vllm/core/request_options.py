@@ -5,7 +5,7 @@ table): ``lookahead_enabled`` and ``lookahead_max_draft_tokens``. Over HTTP they
 in the request body's ``vllm_xargs`` (flat keys: JSON ``true``/``false`` arrive as 1/0).
 
 A request that samples with a seed drafts nothing unless it sets ``lookahead_enabled``
-itself: vLLM's rejection sampler draws one uniform per draft token from the request's
+true itself: vLLM's rejection sampler draws one uniform per draft token from the request's
 generator, and the drafts depend on other requests and on step times, so a drafted seeded
 request keeps the target distribution but not the text its seed names. Every other key
 starting with ``lookahead`` (in any case) is rejected, so a typo cannot leave speculation on::

@@ -14,9 +14,10 @@
 One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of
 prefill-context-parallel rank 0), holding ``SnapshotLock`` (``<path>.lock``) from start to
 shutdown; other ranks, and engines that find the lock held by another live process, load
-the file read only, never move it aside and write nothing (a read-only engine takes the
-lock once its holder releases it). Data-parallel rank ``r`` keeps ``<path>.dp<r>``
-(:func:`snapshot_file`) and, while it has no usable one, starts from rank 0's, read only.
+the file read only, never move it aside and write nothing (an engine that found the lock
+held retries it now and then and at shutdown, and writes once it holds it). Data-parallel
+rank ``r`` keeps ``<path>.dp<r>`` (:func:`snapshot_file`) and, while it has no usable one,
+starts from rank 0's, read only.
 The tokenizer (loaded only when one of the two is set) also names the snapshot's identity.
 """
 
