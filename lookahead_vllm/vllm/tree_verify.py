@@ -1,24 +1,11 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the picture
-and what it is proven against: docs/how-it-works.md, "Tree verification".
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions,
+attention, acceptance, compaction), the picture and what they are proven against:
+docs/how-it-works.md, "Tree verification".
 
-The proposer hands vLLM a flattened draft tree (parent-first DFS order, so any
-prefix the scheduler keeps is still a tree) and keeps the step's plans
-(``StepDrafts``). Next step the trees the scheduler kept become one
-:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object
-per tree) and three hooks make the forward and the acceptance treat it as a tree:
-``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
-sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
-after the attention backend's stock ``forward``, rows off the leading chain are
-recomputed with the tree mask (:data:`TREE_ATTENTION`); after ``GPUModelRunner._sample``
-(``patches.patch_runner_sampling``) tree requests' chain-verification rows become a tree walk written as
-``[accepted..., bonus, -1...]`` like a chain result (vLLM's bookkeeping unchanged),
-then compacts the accepted path's K/V (slot ``C + 1 + n_j`` to ``C + j``), so
-rejected nodes never stay in the committed sequence (nor reach the prefix cache).
-
-Requests whose sampling needs the token history along the draft get chains
-(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is
-verified. The profile's ``debug_disable`` turns off ``positions``, ``mask`` or
-``compaction`` so tests can prove each piece is needed.
+The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`,
+its trees one :class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per
+tree). Requests whose sampling needs the token history along the draft get chains
+(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is verified.
 """
 
 from __future__ import annotations
@@ -85,12 +72,6 @@ class TreeStep:
     kernel_args: tuple | None = None
     # Each tree's visibility among its rows, for the dense reference attention.
     visible: list[torch.Tensor] | None = None
-
-    @classmethod
-    def empty(cls, num_tokens: int = 0) -> "TreeStep":
-        none = np.zeros(0, np.int64)
-        return cls([], none, none, TreeBatch(np.zeros((0, 1), np.int32), np.full((0, 1), -1, np.int32), none, none),
-                   none, np.zeros(0, bool), [], num_tokens, frozenset())
 
     @property
     def num_rows(self) -> np.ndarray:
@@ -242,13 +223,10 @@ class TreeVerifier:
             out[rows] = tree_attention_dense(query[rows], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
-        host work is a few batch transfers whatever the number of trees: one argmax over the
-        tree rows' logits read once, the chain-only rows read once, the walks' rows written once;
-        the greedy trees walked in one native call (sampled ones draw row by row as they walk).
-        Where the step was sampled from one argmax over all its logits rows (``sampler_output``
-        carries it as ``logits_argmax``: ``patches.greedy_sample``), the tree rows' targets are
-        read from it; else (vLLM's samplers ran) taken here."""
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch
+        transfers a step whatever the number of trees (docs/how-it-works.md). The tree rows' greedy
+        targets come from ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it,
+        else from one argmax here."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
@@ -311,11 +289,8 @@ def _cpu_path_rounds(
     step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
 ) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time. The stock
-    causal call already got the root and the leading chain right (there the tree mask is
-    causal). In round ``j`` every tree request writes the K/V of its ``j``-th other path into
-    its next slots and runs the path's new rows as the tail of a causal query: for them that is
-    exactly tree attention. Then the overwritten slots get their own rows' K/V back."""
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`):
+    each path's K/V written into its request's next slots, its new rows the tail of a causal query."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -347,12 +322,9 @@ def _flash_path_rounds(
     step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
 ) -> None:
-    """Tree attention on GPU with vLLM's own FlashAttention: the CPU's path rounds
-    (:func:`_cpu_path_rounds`) through the backend's stock ``forward`` and
-    ``do_kv_cache_update``, so every tree row comes from the kernel, and with the
-    rounding, plain decoding uses. The tree kernel's rows (``LOOKAHEAD_TREE_ATTENTION=
-    kernel``) left greedy outputs at bf16 near-ties on the H200 (docs/gpu.md).
-    """
+    """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
+    ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses
+    (the tree kernel's rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
     if step.device_path_plan is None:
         step.device_path_plan = _path_plan(step, metadata).to(query.device)
         for rnd in step.device_path_plan.rounds:
