@@ -65,11 +65,6 @@ def apply(name: str) -> bool:
     return done
 
 
-def lookahead_patches(tree_mode: bool) -> tuple[str, ...]:
-    """The patches lookahead needs (tree mode: tree verification too)."""
-    return LOOKAHEAD_PATCHES + (TREE_PATCHES if tree_mode else ())
-
-
 def require(names: Iterable[str], what: str) -> None:
     """Apply ``names``; if any is not applied, refuse to start naming each and why."""
     missing = [name for name in names if not apply(name)]
@@ -86,7 +81,8 @@ def require(names: Iterable[str], what: str) -> None:
 def prepare_engine(config: Settings) -> None:
     """Worker side: apply the patches this engine needs, or raise RuntimeError naming each that failed."""
     tree = guards.is_tree_mode(config)
-    require(lookahead_patches(tree), f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead")
+    what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
+    require(LOOKAHEAD_PATCHES + (TREE_PATCHES if tree else ()), what)
     if config.profile.draftless_graphs and not tree:
         require(("draftless_graphs",), "lookahead with _profile draftless_graphs")
     if config.snapshot_path:
@@ -96,12 +92,6 @@ def prepare_engine(config: Settings) -> None:
 def failed() -> dict[str, str]:
     """Patches that are not applied, and why."""
     return dict(_failed)
-
-
-def apply_all() -> None:
-    """Patches the plugin applies in every process (cheap: config classes only)."""
-    for name in EAGER:
-        apply(name)
 
 
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
@@ -265,23 +255,20 @@ def _cpu_greedy_argmax() -> Any:
 
 def _moves_argmax(processor: Any) -> bool:
     """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's
-    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (``min_toks``,
-    ``biases``, refreshed before every forward); any other processor, or one of those without that
-    state (another vLLM: fail closed), moves it."""
-    min_tokens, logit_bias = _argmax_processors()
-    if type(processor) is min_tokens:
-        return bool(getattr(processor, "min_toks", True))
-    if type(processor) is logit_bias:
-        return bool(getattr(processor, "biases", True))
-    return True
+    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (refreshed before
+    every forward); any other processor, or one of those without that state (another vLLM: fail
+    closed), moves it."""
+    kept = _argmax_processors().get(type(processor))
+    return kept is None or bool(getattr(processor, kept, True))
 
 
 @functools.cache
-def _argmax_processors() -> tuple[type, ...]:
-    """vLLM's built-in logits processors that move the argmax only for requests that ask."""
+def _argmax_processors() -> dict[type, str]:
+    """vLLM's built-in logits processors that move the argmax only for the requests they keep, and
+    the attribute that keeps them."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    return (MinTokensLogitsProcessor, LogitBiasLogitsProcessor)
+    return {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))

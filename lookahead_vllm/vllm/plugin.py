@@ -30,6 +30,7 @@ def register() -> None:
         logger.warning("lookahead-vllm: %s; lookahead will be refused unless %s=1", problem, guards.SKIP_VERSION_ENV)
 
     logs.share_vllm_handlers()
-    patches.apply_all()
+    for name in patches.EAGER:  # cheap: config classes only
+        patches.apply(name)
     LookaheadProposer.prepare_engine = staticmethod(patches.prepare_engine)
     metrics.setup_process()  # lookahead_* series on /metrics (see metrics.py)

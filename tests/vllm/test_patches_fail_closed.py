@@ -86,7 +86,7 @@ def test_require_names_failed_patch_and_reason(break_patch):
     assert "AttributeError" in patches.failed()["runner_request_ids"]
     with pytest.raises(RuntimeError, match=r"lookahead cannot start: .*patch\(es\) runner_request_ids "
                                            r"\(AttributeError: GPUModelRunner has no attribute"):
-        patches.require(patches.lookahead_patches(tree_mode=False), "lookahead")
+        patches.require(patches.LOOKAHEAD_PATCHES, "lookahead")
 
 
 def test_engine_start_names_config_patch(break_patch):
