@@ -1,22 +1,10 @@
-"""Startup guards: what lookahead cannot serve is refused before the first request.
-
-*Tree mode* (:func:`is_tree_mode`) verifies drafts as trees through the
-``tree_verification`` patches; chain mode hands vLLM plain chains. Guards only
-read the config and vLLM's state and raise ``ValueError`` naming the setting and
-the fix (what lookahead changes is in ``patches``). They run at three moments:
-
-``on_config``                 ``VllmConfig.__post_init__`` (patch ``lookahead_validation``),
-                              before any model loads: Model Runner V2; in tree mode async
-                              scheduling, fp8 KV, M-RoPE, an attention backend we do not
-                              wrap, CUDA without ``LOOKAHEAD_VLLM_GPU_TREES=1`` (docs/gpu.md)
-                              and features that need full CUDA graphs.
-``check_engine_start``        ``LookaheadProposer.__init__``, in every worker: the same
-                              checks again, for what slipped past the config hook.
-``check_attention_backends``  ``GPUModelRunner.initialize_attn_backend`` (patch
-                              ``tree_verification``): the backends vLLM actually picked.
-
-An untested vLLM is refused earlier, by the ``speculative_method`` patch; plain
-vLLM (no lookahead) is never touched by any guard.
+"""Startup guards: what lookahead cannot serve is refused before the first request, with a
+``ValueError`` naming the setting and the fix. Guards only read the config and vLLM's state (what
+lookahead changes is in ``patches``); plain vLLM is never touched by any. They run when the config
+is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker
+(:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the
+attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
+(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
 """
 
 from __future__ import annotations
@@ -96,8 +84,8 @@ def stack_problem(vllm: str, torch: str) -> str | None:
 
 
 def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
-    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested
-    (:data:`TESTED_VLLM`, :data:`TESTED_TORCH`); the environment variable overrides."""
+    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested (:data:`TESTED_VLLM`,
+    :data:`TESTED_TORCH`; patch ``speculative_method``, and every worker); the environment variable overrides."""
     version = vllm_version() if version is None else version
     problem = stack_problem(version, torch_version() if torch is None else torch)
     if problem is None:
@@ -232,22 +220,17 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
         )
 
 
-def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
-    """Worker-side backstop: full graphs still on (the config hook did not run) is refused."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(
-            f"lookahead {what} (tree verification) cannot run with cudagraph_mode={mode.name}: "
-            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
-        )
-
-
 # ---------------------------------------------------------------- engine start
 
 
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
-    """Everything lookahead needs, checked again where the proposer is built (every worker)."""
+    """Everything lookahead needs, checked again where the proposer is built (every worker); in tree
+    mode full CUDA graphs still on (the config hook did not run) are refused too."""
     check_vllm_version()
     on_config(vllm_config, config)
-    if is_tree_mode(config):
-        check_no_full_cudagraphs(vllm_config, tree_mode_label(config))
+    mode = vllm_config.compilation_config.cudagraph_mode if is_tree_mode(config) else None
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"lookahead {tree_mode_label(config)} (tree verification) cannot run with cudagraph_mode={mode.name}: "
+            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
+        )

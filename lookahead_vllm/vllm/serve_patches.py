@@ -1,17 +1,4 @@
-"""Named patches for serving (registered in :mod:`.patches`).
-
-request_options          ``SamplingParams._verify_args`` validates the per-request lookahead
-                         keys of ``extra_args`` (core/request_options.py): offline that raises
-                         at construction, in the API server the request gets an HTTP 400.
-multiprocess_metrics     with several API servers (``--api-server-count``, data parallel) ``/metrics``
-                         is served from a registry built for each scrape holding prometheus's
-                         ``MultiProcessCollector`` (vLLM's and its instrumentator's): the
-                         ``lookahead_*`` collector joins every such registry (metrics.export_to).
-cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model lookahead``
-                         (only that value; it sets ``--spec-model``, which the
-                         ``speculative_method`` patch routes to the proposer) and
-                         ``--num-speculative-tokens``, an alias of ``--spec-tokens``.
-"""
+"""Named patches for serving (registered in :mod:`.patches`; docs/how-it-works.md, "How serving works")."""
 
 from __future__ import annotations
 
@@ -27,6 +14,8 @@ logger = init_logger(__name__)
 
 @method_patch("vllm.sampling_params.SamplingParams", "_verify_args", ("self",))
 def patch_request_options(original):
+    """Validate the per-request lookahead keys of ``extra_args`` (core/request_options.py): offline that
+    raises at construction, in the API server the request gets an HTTP 400."""
     from vllm.exceptions import VLLMValidationError
 
     class LookaheadRequestError(VLLMValidationError, ValueError):
@@ -44,6 +33,9 @@ def patch_request_options(original):
 
 @method_patch("vllm.engine.arg_utils.EngineArgs", "add_cli_args", ("parser",))  # a staticmethod, put back as one
 def patch_cli_speculative_model(original):
+    """vLLM's parser accepts the removed ``--speculative-model lookahead`` (only that value: it sets
+    ``--spec-model``, which ``speculative_method`` routes) and ``--num-speculative-tokens``."""
+
     def add_cli_args(parser):
         parser = original(parser)
         known = set(parser._option_string_actions)
@@ -65,6 +57,9 @@ def patch_cli_speculative_model(original):
 
 @method_patch("prometheus_client.multiprocess.MultiProcessCollector", "__init__", ("self", "registry"))
 def patch_multiprocess_metrics(original):
+    """With several API servers ``/metrics`` is served from a registry built for each scrape holding a
+    ``MultiProcessCollector`` (vLLM's and its instrumentator's): the ``lookahead_*`` collector joins it."""
+
     def __init__(self, registry, *args, **kwargs):
         original(self, registry, *args, **kwargs)
         if registry is None:
