@@ -1,11 +1,6 @@
-"""Sampling ops: greedy verification of a batch, one target sample per tree row, and a fix for
-vLLM's ``expand_kernel``.
-
-``row_argmax`` / ``greedy_verify``: the greedy tokens of a step's logits rows, and vLLM's greedy
-rejection sampling of a batch's drafts against them (``patches.patch_runner_sampling``).
-``filtered_probs`` / ``sample_row``: the target distribution of one logits row
-under a request's temperature, top-k and top-p, and one draw from it with the
-request's generator (tree acceptance samples lazily, row by row).
+"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``),
+one target sample per tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's
+``expand_kernel``.
 """
 
 from __future__ import annotations

@@ -140,10 +140,7 @@ class TreeVerifier:
         drafter = runner.drafter
         handed_out = drafter.handed_out
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if not handed_out.rows or not spec:
-            return
-        planned = handed_out.rows
-        ids = [req_id for req_id, draft in spec.items() if draft and req_id in planned]
+        ids = [req_id for req_id, draft in spec.items() if draft and req_id in handed_out.rows]
         if not ids:
             return
         drafts = list(map(spec.__getitem__, ids))
