@@ -30,7 +30,7 @@ from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
-from lookahead_vllm.vllm.wrap import check_params, method_patch
+from lookahead_vllm.vllm.wrap import calling, check_params, method_patch
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
@@ -95,37 +95,29 @@ def failed() -> dict[str, str]:
 
 
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
-def patch_speculative_method(original):
+def patch_speculative_method(original, self, *args, **kwargs):
     """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) becomes vLLM's ``custom_class``
     route with our proposer."""
-
-    def __init__(self, *args, **kwargs):
-        if la_config.selects_lookahead(kwargs):
-            guards.check_vllm_version()
-        original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
-
-    return __init__
+    if la_config.selects_lookahead(kwargs):
+        guards.check_vllm_version()
+    original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
 
 
 @method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
-def patch_lookahead_validation(original):
+def patch_lookahead_validation(original, self):
     """Resolve ``additional_config["lookahead"]`` once, before any engine starts, and run the config guards;
     in tree mode full CUDA graphs become piecewise (:func:`make_cudagraphs_piecewise`)."""
-
-    def __post_init__(self):
-        lookahead = la_config.is_lookahead(self.speculative_config)
-        unread = la_config.unread_settings(self.additional_config, lookahead)
-        if unread:
-            logger.warning_once("lookahead: %s", unread)
-        if not lookahead:
-            return original(self)
-        config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
-        original(self)
-        guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
-        if guards.is_tree_mode(config):
-            make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
-
-    return __post_init__
+    lookahead = la_config.is_lookahead(self.speculative_config)
+    unread = la_config.unread_settings(self.additional_config, lookahead)
+    if unread:
+        logger.warning_once("lookahead: %s", unread)
+    if not lookahead:
+        return original(self)
+    config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
+    original(self)
+    guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
+    if guards.is_tree_mode(config):
+        make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
@@ -153,39 +145,31 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
 
 
 @method_patch(RUNNER, "_update_states", ("self", "scheduler_output"))
-def patch_runner_request_ids(original):
+def patch_runner_request_ids(original, self, scheduler_output):
     """The proposer gets each step's input batch, finished ids and drafts (the CPU runner inherits this)."""
-
-    def _update_states(self, scheduler_output):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, LookaheadProposer):
-            drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
-                            scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
-            drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
-        return original(self, scheduler_output)
-
-    return _update_states
+    drafter = getattr(self, "drafter", None)
+    if isinstance(drafter, LookaheadProposer):
+        drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
+                        scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
+        drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
+    return original(self, scheduler_output)
 
 
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
-def patch_runner_sampling(original):
+def patch_runner_sampling(original, self, logits, spec_decode_metadata):
     """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
     vLLM's samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
-
-    def _sample(self, logits, spec_decode_metadata):
-        out = None
-        drafter = getattr(self, "drafter", None)
-        if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
-                and drafter.config.profile.argmax_sampling):
-            out = greedy_sample(self, logits, spec_decode_metadata)
-        if out is None:
-            out = original(self, logits, spec_decode_metadata)
-        verifier = getattr(drafter, "verifier", None)
-        if verifier is not None:
-            verifier.finish_step(self, logits, spec_decode_metadata, out)
-        return out
-
-    return _sample
+    out = None
+    drafter = getattr(self, "drafter", None)
+    if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
+            and drafter.config.profile.argmax_sampling):
+        out = greedy_sample(self, logits, spec_decode_metadata)
+    if out is None:
+        out = original(self, logits, spec_decode_metadata)
+    verifier = getattr(drafter, "verifier", None)
+    if verifier is not None:
+        verifier.finish_step(self, logits, spec_decode_metadata, out)
+    return out
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
@@ -272,27 +256,23 @@ def _argmax_processors() -> dict[type, str]:
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
-def patch_draftless_steps(original):
+def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
     """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs``
     with the speculative config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft
     cost what plain vLLM's cost")."""
-
-    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        if not runs_draftless(self, scheduler_output):
-            return original(self, scheduler_output, *args, **kwargs)
-        spec, self.speculative_config = self.speculative_config, None
-        try:
-            out = original(self, scheduler_output, *args, **kwargs)
-        finally:
-            self.speculative_config = spec
-        self.drafter.on_draftless_step()
-        return out
-
-    return _prepare_inputs
+    if not runs_draftless(self, scheduler_output):
+        return original(self, scheduler_output, *args, **kwargs)
+    spec, self.speculative_config = self.speculative_config, None
+    try:
+        out = original(self, scheduler_output, *args, **kwargs)
+    finally:
+        self.speculative_config = spec
+    self.drafter.on_draftless_step()
+    return out
 
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
-def patch_drafter_near_max_len(original):
+def patch_drafter_near_max_len(original, self, common_attn_metadata):
     """Lookahead drafts every step, whatever the batch's longest request.
 
     vLLM 0.32 runs a drafter only while the batch's longest sequence plus k tokens fits in
@@ -303,13 +283,9 @@ def patch_drafter_near_max_len(original):
     ``_can_fill``, ``_send_windows``). Without attention metadata (no KV-cache group) vLLM's own
     rule stands.
     """
-
-    def _input_fits_in_drafter(self, common_attn_metadata):
-        if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
-            return True
-        return original(self, common_attn_metadata)
-
-    return _input_fits_in_drafter
+    if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
+        return True
+    return original(self, common_attn_metadata)
 
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
@@ -325,12 +301,12 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
 
 
 def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:
-    """Wrap every ``(owner, attr, make, params)`` of ``targets`` through :func:`.wrap.wrap`, every
+    """Wrap every ``(owner, attr, hook, params)`` of ``targets`` as :func:`.wrap.method_patch` does, every
     signature checked before any is wrapped: all or nothing."""
     for owner, attr, _, params in targets:
         check_params(owner, attr, params)
-    for target in targets:
-        _wrap(*target)
+    for owner, attr, hook, params in targets:
+        _wrap(owner, attr, calling(hook), params)
 
 
 def patch_draftless_graphs() -> bool:
@@ -347,39 +323,30 @@ def patch_draftless_graphs() -> bool:
         drafter = getattr(runner, "drafter", None)
         return isinstance(drafter, LookaheadProposer) and drafter.draftless_rows > 0
 
-    def make_keys(original):
-        def _check_and_update_cudagraph_mode(self, attention_backends, kv_cache_groups, *args, **kwargs):
-            out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
-            if wants(self):
-                add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
-            return out
+    def _check_and_update_cudagraph_mode(original, self, attention_backends, kv_cache_groups, *args, **kwargs):
+        out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
+        if wants(self):
+            add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
+        return out
 
-        return _check_and_update_cudagraph_mode
+    def _warmup_and_capture(original, self, desc, *args, **kwargs):
+        draftless = wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)
+        with one_token_decode(self) if draftless else contextlib.nullcontext():
+            return original(self, desc, *args, **kwargs)
 
-    def make_capture(original):
-        def _warmup_and_capture(self, desc, *args, **kwargs):
-            draftless = wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)
-            with one_token_decode(self) if draftless else contextlib.nullcontext():
-                return original(self, desc, *args, **kwargs)
-
-        return _warmup_and_capture
-
-    def make_dispatch(original):
-        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                                   max_num_scheduled_tokens, *args, **kwargs):
-            draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
-                         and kwargs.get("force_uniform_decode") is not False and wants(self))
-            with one_token_decode(self) if draftless else contextlib.nullcontext():
-                return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
-                                *args, **kwargs)
-
-        return _determine_batch_execution_and_padding
+    def _determine_batch_execution_and_padding(original, self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                               max_num_scheduled_tokens, *args, **kwargs):
+        draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+                     and kwargs.get("force_uniform_decode") is not False and wants(self))
+        with one_token_decode(self) if draftless else contextlib.nullcontext():
+            return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                            *args, **kwargs)
 
     _wrap_all([
-        (GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys, ("self", "attention_backends",
-                                                                         "kv_cache_groups")),
-        (GPUModelRunner, "_warmup_and_capture", make_capture, ("self", "desc")),
-        (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch,
+        (GPUModelRunner, "_check_and_update_cudagraph_mode", _check_and_update_cudagraph_mode,
+         ("self", "attention_backends", "kv_cache_groups")),
+        (GPUModelRunner, "_warmup_and_capture", _warmup_and_capture, ("self", "desc")),
+        (GPUModelRunner, "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding,
          ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")),
     ])
     return True
@@ -423,29 +390,21 @@ def one_token_decode(runner: Any):
 
 
 @method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
-def patch_request_cache_salt(original):
+def patch_request_cache_salt(original, cls, request, *args, **kwargs):
     """The request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's partitions
     (config ``draft_sharing``)."""
-
-    def from_request(cls, request, *args, **kwargs):
-        data = original(cls, request, *args, **kwargs)
-        data.cache_salt = getattr(request, "cache_salt", None)
-        return data
-
-    return from_request
+    data = original(cls, request, *args, **kwargs)
+    data.cache_salt = getattr(request, "cache_salt", None)
+    return data
 
 
 @method_patch(RUNNER, "shutdown", ("self",))
-def patch_runner_shutdown(original):
+def patch_runner_shutdown(original, self):
     """Close the proposer first, so its snapshot is written then."""
-
-    def shutdown(self):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, LookaheadProposer):
-            drafter.close()
-        return original(self)
-
-    return shutdown
+    drafter = getattr(self, "drafter", None)
+    if isinstance(drafter, LookaheadProposer):
+        drafter.close()
+    return original(self)
 
 
 def patch_tree_verification() -> bool:
@@ -453,48 +412,41 @@ def patch_tree_verification() -> bool:
     impl's ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make_prepare(original):
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-            out = original(self, scheduler_output, num_scheduled_tokens)
-            drafter = getattr(self, "drafter", None)
-            if getattr(drafter, "tree_mode", False):
-                drafter.verifier.begin_step(self, scheduler_output, num_scheduled_tokens)
-            return out
+    def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "tree_mode", False):
+            drafter.verifier.begin_step(self, scheduler_output, num_scheduled_tokens)
+        return out
 
-        return _prepare_inputs
+    def initialize_attn_backend(original, self, kv_cache_config, *args, **kwargs):
+        out = original(self, kv_cache_config, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "tree_mode", False):
+            what = guards.tree_mode_label(drafter.config)
+            groups = [group for groups in self.attn_groups for group in groups]
+            guards.check_attention_backends([group.backend for group in groups], what)
+            layers = self.vllm_config.compilation_config.static_forward_context
+            names = [name for group in groups for name in group.layer_names]
+            impls = [getattr(layers.get(n), "impl", None) for n in names]
+            guards.check_attention_layers(impls, what)
+            for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
+                setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
+        return out
 
-    def make_attn_backend(original):
-        def initialize_attn_backend(self, kv_cache_config, *args, **kwargs):
-            out = original(self, kv_cache_config, *args, **kwargs)
-            drafter = getattr(self, "drafter", None)
-            if getattr(drafter, "tree_mode", False):
-                what = guards.tree_mode_label(drafter.config)
-                groups = [group for groups in self.attn_groups for group in groups]
-                guards.check_attention_backends([group.backend for group in groups], what)
-                layers = self.vllm_config.compilation_config.static_forward_context
-                names = [name for group in groups for name in group.layer_names]
-                impls = [getattr(layers.get(n), "impl", None) for n in names]
-                guards.check_attention_layers(impls, what)
-                for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
-                    setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
-            return out
+    def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        verifier = getattr(self, tree_verify.IMPL_ATTR, None)
+        if verifier is not None and verifier.current is not None and self.attn_type == "decoder":
+            verifier.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        return result
 
-        return initialize_attn_backend
-
-    def make_forward(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            verifier = getattr(self, tree_verify.IMPL_ATTR, None)
-            if verifier is not None and verifier.current is not None and self.attn_type == "decoder":
-                verifier.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
-            return result
-
-        return forward
-
-    forward = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
-    _wrap_all([(GPUModelRunner, "_prepare_inputs", make_prepare, ("self", "scheduler_output", "num_scheduled_tokens")),
-               (GPUModelRunner, "initialize_attn_backend", make_attn_backend, ("self", "kv_cache_config")),
-               *((impl, "forward", make_forward, forward) for impl in guards.wrapped_attention_impls())])
+    forward_params = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+    _wrap_all([
+        (GPUModelRunner, "_prepare_inputs", _prepare_inputs, ("self", "scheduler_output", "num_scheduled_tokens")),
+        (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
+        *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()),
+    ])
     return True
 
 

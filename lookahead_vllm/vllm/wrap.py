@@ -45,17 +45,30 @@ def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: t
     setattr(owner, attr, kind(wrapped) if kind is not None else wrapped)
 
 
-def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
-    """Decorator: ``make`` becomes a named patch (``() -> True``) wrapping ``attr`` of the class
-    ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
+def calling(hook: Callable) -> Callable[[Callable], Callable]:
+    """A ``make`` for :func:`wrap` whose wrapper calls ``hook(original, *args, **kwargs)``."""
 
-    def decorate(make: Callable[[Callable], Callable]) -> Callable[[], bool]:
+    def make(original: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            return hook(original, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
+    """Decorator: ``hook(original, *args, **kwargs)`` becomes a named patch (``() -> True``) wrapping
+    ``attr`` of the class ``owner`` (a dotted path, imported when the patch is applied) through
+    :func:`wrap`: the wrapper calls ``hook`` with the original first."""
+
+    def decorate(hook: Callable) -> Callable[[], bool]:
         def apply() -> bool:
             module, _, name = owner.rpartition(".")
-            wrap(getattr(importlib.import_module(module), name), attr, make, params)
+            wrap(getattr(importlib.import_module(module), name), attr, calling(hook), params)
             return True
 
-        apply.__name__, apply.__qualname__, apply.__doc__ = make.__name__, make.__qualname__, make.__doc__
+        apply.__name__, apply.__qualname__, apply.__doc__ = hook.__name__, hook.__qualname__, hook.__doc__
         return apply
 
     return decorate
