@@ -273,16 +273,10 @@ def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
 def patch_drafter_near_max_len(original, self, common_attn_metadata):
-    """Lookahead drafts every step, whatever the batch's longest request.
-
-    vLLM 0.32 runs a drafter only while the batch's longest sequence plus k tokens fits in
-    ``max_model_len`` (a draft model's own forward must fit); otherwise it schedules k zero
-    tokens for every row of the next step (1 + k scored tokens a row, nearly all rejected) and
-    the proposer misses the step. Lookahead scores no forward of its own and caps each row's
-    draft, Jacobi window included, at ``max_model_len`` itself (``LookaheadProposer._budgets``,
-    ``_can_fill``, ``_send_windows``). Without attention metadata (no KV-cache group) vLLM's own
-    rule stands.
-    """
+    """Lookahead drafts every step, whatever the batch's longest request: vLLM 0.32 runs a drafter only
+    while the longest sequence plus k tokens fits in ``max_model_len`` (else it schedules k zero tokens
+    a row), but lookahead runs no forward of its own and caps each row's draft at ``max_model_len``
+    itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's own rule stands."""
     if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
         return True
     return original(self, common_attn_metadata)
@@ -330,7 +324,9 @@ def patch_draftless_graphs() -> bool:
         return out
 
     def _warmup_and_capture(original, self, desc, *args, **kwargs):
-        draftless = wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)
+        # a key add_draftless_keys added: n requests of one token, where filled steps score more a request
+        draftless = (wants(self) and self.uniform_decode_query_len > 1 and bool(desc.uniform)
+                     and desc.num_reqs == desc.num_tokens)
         with one_token_decode(self) if draftless else contextlib.nullcontext():
             return original(self, desc, *args, **kwargs)
 
@@ -368,12 +364,6 @@ def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
     for key in keys:
         dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, key)
     return keys
-
-
-def is_draftless_key(desc: Any, query_len: int) -> bool:
-    """Whether ``desc`` is a draftless key (:func:`add_draftless_keys`) of an engine whose
-    filled steps score ``query_len`` tokens a request."""
-    return query_len > 1 and bool(desc.uniform) and desc.num_reqs == desc.num_tokens
 
 
 @contextlib.contextmanager

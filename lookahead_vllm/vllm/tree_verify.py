@@ -111,13 +111,9 @@ def tree_verifiable(sp: Any) -> bool:
 
 
 class TreeVerifier:
-    """Tree verification's state in one worker; one per proposer (``LookaheadProposer.verifier``).
-
-    The runner patches reach it through ``runner.drafter``, the attention wrapper through
-    the layer impls (:data:`IMPL_ATTR`). It verifies the plans of the proposer's
-    ``handed_out`` (``core/tree_plan.StepDrafts``) and hands back one :class:`TreeResults`
-    a step.
-    """
+    """Tree verification's state in one worker, one per proposer (``LookaheadProposer.verifier``; the
+    attention wrapper finds it on the layer impls, :data:`IMPL_ATTR`): verifies the plans of the
+    proposer's ``handed_out`` and hands back one :class:`TreeResults` a step."""
 
     def __init__(self) -> None:
         # The step being executed (between begin_step and finish_step).
@@ -245,9 +241,10 @@ class TreeVerifier:
                 found[t] = walk
         for t, chain_row in zip(chain_only.tolist(), stock):
             found[t] = _leading_chain_result(int(step.chain[t]), chain_row)
-        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():
-            first = int(firsts[t])
-            found[t] = _walk(trees, t, _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
+        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():  # drawn as the walk reaches a row
+            rows, sp = logits[int(firsts[t]):int(ends[t])], step.sampling_params[t]  # rows: [1 + k, vocab]
+            generator = runner.input_batch.generators.get(int(step.rows[t]))
+            found[t] = _walk(trees, t, lambda i: sample_row(rows[i], sp.temperature, sp.top_k, sp.top_p, generator))
         windows = _window_outputs(runner.drafter.config, trees, ats, argmax)
         count = len(found)
         accepted = np.fromiter((len(nodes) for nodes, _ in found), np.int64, count)
@@ -361,13 +358,9 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
                   out: torch.Tensor) -> None:
-    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the
-    rows off each request's leading chain are written back.
-
-    The stock causal call already computed the root and the leading chain exactly (the tree mask
-    is causal there), with the very kernel plain decoding uses: keeping its rows keeps their bf16
-    rounding, so a step accepted along the leading chain gives plain's tokens bit for bit.
-    """
+    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the rows off
+    each request's leading chain are written back: the stock causal call's rows there are exact and keep
+    plain decoding's bf16 rounding, so a step accepted along the leading chain gives plain's tokens."""
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
@@ -516,13 +509,6 @@ def check_supported(impl: Any) -> None:
 
 
 # ---------------------------------------------------------------- acceptance
-
-
-def _sampler(runner: Any, step: TreeStep, t: int, logits: torch.Tensor):  # logits: [1 + k, vocab]
-    """Tree ``t``'s target at a row, drawn when the walk reaches it."""
-    sp = step.sampling_params[t]
-    generator = runner.input_batch.generators.get(int(step.rows[t]))
-    return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
 
 
 def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
