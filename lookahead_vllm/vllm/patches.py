@@ -222,9 +222,8 @@ def _argmax_output_type() -> type:
 
 @functools.cache
 def _cpu_greedy_argmax() -> Any:
-    """vLLM's CPU ``greedy_argmax`` op (what its CPU sampler takes greedy tokens with), or None
-    (not the CPU platform, or no such op: ``row_argmax`` then uses numpy's, same rule). The
-    platform imports the kernel library built for this CPU (AVX2, AVX512, AVX512-BF16)."""
+    """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports
+    for this CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
     try:
         import torch
         from vllm.platforms import current_platform
@@ -473,38 +472,25 @@ def patch_cpu_kernel_overrides_once() -> bool:
     except ImportError:
         return False
 
-    def make(original):
-        done = []
+    done = []
 
-        def register_triton_kernel_overrides(cls) -> None:
-            if not done:
-                original(cls)
-                done.append(True)
+    def register_triton_kernel_overrides(original, cls) -> None:
+        if not done:
+            original(cls)
+            done.append(True)
 
-        return register_triton_kernel_overrides
-
-    _wrap(CpuPlatform, "register_triton_kernel_overrides", make, ("cls",))
+    _wrap(CpuPlatform, "register_triton_kernel_overrides", calling(register_triton_kernel_overrides), ("cls",))
     return True
 
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model")
-PATCHES: dict[str, Callable[[], bool]] = {
-    "speculative_method": patch_speculative_method,
-    "lookahead_validation": patch_lookahead_validation,
-    "runner_request_ids": patch_runner_request_ids,
-    "runner_shutdown": patch_runner_shutdown,
-    "request_cache_salt": patch_request_cache_salt,
-    "draftless_steps": patch_draftless_steps,
-    "runner_sampling": patch_runner_sampling,
-    "drafter_near_max_len": patch_drafter_near_max_len,
-    "draftless_graphs": patch_draftless_graphs,
-    "tree_verification": patch_tree_verification,
-    "cpu_expand_kernel": patch_cpu_expand_kernel,
-    "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
-    # Serving: see serve_patches.py.
-    "request_options": serve_patches.patch_request_options,
-    "multiprocess_metrics": serve_patches.patch_multiprocess_metrics,
-    "cli_speculative_model": serve_patches.patch_cli_speculative_model,
-}
+# Each patch by its name: its function's, less "patch_".
+PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
+    patch_speculative_method, patch_lookahead_validation, patch_runner_request_ids, patch_runner_shutdown,
+    patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling, patch_drafter_near_max_len,
+    patch_draftless_graphs, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
+    serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
+    serve_patches.patch_cli_speculative_model,
+)}
