@@ -10,11 +10,8 @@ fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, and V row
 major). We never hard-code that: the first use writes probe values through
 vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where each (token,
 dim) landed, giving a permutation per (dtype, block size, head dim, ISA).
-Writes always go through the op itself.
-
-``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape, read as
-K/V ``[num_blocks, block_size, num_kv_heads, head_dim]`` views), read and
-written directly.
+Writes always go through the op itself. ``FlashPagedKV``: the GPU FlashAttention
+cache (same 4-D shape), read and written directly.
 """
 
 from __future__ import annotations

@@ -89,11 +89,6 @@ def prepare_engine(config: Settings) -> None:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
 
-def failed() -> dict[str, str]:
-    """Patches that are not applied, and why."""
-    return dict(_failed)
-
-
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
 def patch_speculative_method(original, self, *args, **kwargs):
     """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) becomes vLLM's ``custom_class``

@@ -182,10 +182,8 @@ class TreeVerifier:
                            "chain (%d such request-steps so far)", req_id, list(draft)[:16],
                            planned[:16], self.plan_mismatches)
 
-    def fix_tree_rows(
-        self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor,
-    ) -> None:
+    def fix_tree_rows(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """Recompute the current step's tree rows of one attention layer (after the stock kernel)."""
         step = self.current
         if step is None or metadata is None or metadata.num_actual_tokens != step.num_tokens:
@@ -279,10 +277,8 @@ def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
 # ---------------------------------------------------------------- attention
 
 
-def _cpu_path_rounds(
-    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
-) -> None:
+def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
     """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`):
     each path's K/V written into its request's next slots, its new rows the tail of a causal query."""
     from vllm import _custom_ops as ops
@@ -312,10 +308,8 @@ def _cpu_path_rounds(
     _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)
 
 
-def _flash_path_rounds(
-    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
-) -> None:
+def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
     """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
     ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses
     (the tree kernel's rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""

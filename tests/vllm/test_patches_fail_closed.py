@@ -83,7 +83,7 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
 def test_require_names_failed_patch_and_reason(break_patch):
     break_patch("runner_request_ids")
     assert patches.apply("runner_request_ids") is False  # logged, not raised: plain vLLM goes on
-    assert "AttributeError" in patches.failed()["runner_request_ids"]
+    assert "AttributeError" in patches._failed["runner_request_ids"]
     with pytest.raises(RuntimeError, match=r"lookahead cannot start: .*patch\(es\) runner_request_ids "
                                            r"\(AttributeError: GPUModelRunner has no attribute"):
         patches.require(patches.LOOKAHEAD_PATCHES, "lookahead")
