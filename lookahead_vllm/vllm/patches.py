@@ -298,13 +298,10 @@ def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> Non
 
 
 def patch_draftless_graphs() -> bool:
-    """Full CUDA graphs for draftless steps too (profile ``draftless_graphs``; docs/configuration.md).
-
-    vLLM 0.32 captures a speculative engine's full graphs only for steps of ``1 + k`` tokens a
-    request (``uniform_decode_query_len``). This adds, for every full-graph size ``n`` up to
-    ``max_num_seqs``, one of ``n`` requests of one token (key ``(n, n, uniform)``), captured and
-    dispatched with ``uniform_decode_query_len`` 1 for the call (:func:`one_token_decode`).
-    """
+    """Full CUDA graphs for draftless steps too (profile ``draftless_graphs``; docs/configuration.md): vLLM
+    0.32 captures a speculative engine's only for steps of ``1 + k`` tokens a request; this adds one of ``n``
+    requests of one token per full-graph size ``n`` (:func:`add_draftless_keys`), captured and dispatched
+    with ``uniform_decode_query_len`` 1 for the call (:func:`one_token_decode`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def wants(runner: Any) -> bool:
