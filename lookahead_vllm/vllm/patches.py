@@ -30,7 +30,7 @@ from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
-from lookahead_vllm.vllm.wrap import calling, check_params, method_patch
+from lookahead_vllm.vllm.wrap import check_params, method_patch
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
@@ -294,7 +294,7 @@ def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> Non
     for owner, attr, _, params in targets:
         check_params(owner, attr, params)
     for owner, attr, hook, params in targets:
-        _wrap(owner, attr, calling(hook), params)
+        _wrap(owner, attr, hook, params)
 
 
 def patch_draftless_graphs() -> bool:
@@ -471,7 +471,7 @@ def patch_cpu_kernel_overrides_once() -> bool:
             original(cls)
             done.append(True)
 
-    _wrap(CpuPlatform, "register_triton_kernel_overrides", calling(register_triton_kernel_overrides), ("cls",))
+    _wrap(CpuPlatform, "register_triton_kernel_overrides", register_triton_kernel_overrides, ("cls",))
     return True
 
 

@@ -56,7 +56,8 @@ def test_changed_signature_is_refused():
             return logits
 
     with pytest.raises(patches.PatchTargetChanged, match=r"Runner._sample takes \(self, logits, metadata, \.\.\.\)"):
-        patches._wrap(Runner, "_sample", lambda original: original, ("self", "logits", "spec_decode_metadata"))
+        patches._wrap(Runner, "_sample", lambda original, *args: original(*args),
+                      ("self", "logits", "spec_decode_metadata"))
     assert Runner._sample.__name__ == "_sample" and not hasattr(Runner._sample, "__lookahead_original__")
 
 
@@ -74,8 +75,8 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
             return cls
 
     with pytest.raises(patches.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
-        patches._wrap(Args, "from_request", lambda original: original, ("cls", "request"))
-    patches._wrap(Args, "add_cli_args", lambda original: lambda parser: [original(parser)], ("parser",))
+        patches._wrap(Args, "from_request", lambda original, *args: original(*args), ("cls", "request"))
+    patches._wrap(Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",))
     assert isinstance(inspect.getattr_static(Args, "add_cli_args"), staticmethod)
     assert Args().add_cli_args(1) == [1] and Args.add_cli_args.__name__ == "add_cli_args"
 
