@@ -196,9 +196,6 @@ def wrapped_attention_impls() -> list[type]:
     return [getattr(importlib.import_module(module), cls) for module, cls in targets]
 
 
-# ---------------------------------------------------------------- CUDA graphs
-
-
 def check_full_graph_features(vllm_config: Any, what: str) -> None:
     """Called by ``patches.make_cudagraphs_piecewise`` with full CUDA graphs on: a feature that needs
     them means the switch to piecewise graphs cannot be made, refused."""

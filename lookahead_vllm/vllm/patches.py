@@ -1,12 +1,9 @@
-"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once and logged; each
-says what it does in its docstring, docs/how-it-works.md says why, docs/vllm-versions.md what
-each relies on in vLLM.
-
-Patches that wrap a method go through the signature-checked :func:`.wrap.wrap` (most by
-:func:`.wrap.method_patch`); ``cpu_expand_kernel``, which replaces a function, checks the
-signature itself. The plugin applies :data:`EAGER` in every process; the runner patches are
-applied in the worker by :func:`prepare_engine`, which the plugin hands to ``LookaheadProposer``
-(imports point one way: plugin -> patches -> {proposer, guards}).
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once and logged and saying
+what it does in its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md).
+Those that wrap a method go through the signature-checked :func:`.wrap.wrap`; ``cpu_expand_kernel``,
+which replaces a function, checks the signature itself. The plugin applies :data:`EAGER` in every
+process; the worker applies the runner patches (:func:`prepare_engine`, which the plugin hands to
+``LookaheadProposer``: imports point one way, plugin -> patches -> {proposer, guards}).
 
 Failing closed: a patch that raises or finds no target is logged and remembered, and plain
 vLLM keeps working; when lookahead is selected, :func:`require` refuses the engine, naming

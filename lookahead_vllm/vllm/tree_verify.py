@@ -237,8 +237,10 @@ class TreeVerifier:
         if len(greedy):
             for t, walk in zip(greedy.tolist(), _greedy_walks(trees.take(greedy), ats[greedy], argmax)):
                 found[t] = walk
-        for t, chain_row in zip(chain_only.tolist(), stock):
-            found[t] = _leading_chain_result(int(step.chain[t]), chain_row)
+        for t, chain_row in zip(chain_only.tolist(), stock):  # the stock result cut to the plan's leading chain
+            tokens = [token for token in chain_row if token >= 0]
+            keep = min(len(tokens) - 1, int(step.chain[t]))  # its rows are exact
+            found[t] = list(range(keep)), tokens[: keep + 1]
         for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():  # drawn as the walk reaches a row
             rows, sp = logits[int(firsts[t]):int(ends[t])], step.sampling_params[t]  # rows: [1 + k, vocab]
             generator = runner.input_batch.generators.get(int(step.rows[t]))
@@ -545,13 +547,6 @@ def _window_outputs(cfg: Any, trees: TreeBatch, ats: np.ndarray, argmax: np.ndar
     on = np.asarray(output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram), np.int64)
     at = ats[full, None] + np.where(on < 0, 0, 1 + trees.verify[full, None] + on)
     return dict(zip(full.tolist(), argmax[at].tolist()))
-
-
-def _leading_chain_result(chain_prefix: int, chain_row: list[int]) -> tuple[list[int], list[int]]:
-    """The stock chain result cut to the plan's leading chain (its rows are exact)."""
-    tokens = [t for t in chain_row if t >= 0]
-    keep = min(len(tokens) - 1, chain_prefix)
-    return list(range(keep)), tokens[: keep + 1]
 
 
 def _compact(step: TreeStep, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
