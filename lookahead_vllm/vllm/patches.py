@@ -277,12 +277,9 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
     """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for
     the runner, no request carries a draft token, and the model keeps no recurrent state (there
     vLLM's speculative path sets each decode row's draft count, which the recurrent layers read)."""
-    if not isinstance(getattr(runner, "drafter", None), LookaheadProposer):
-        return False
-    if any(scheduler_output.scheduled_spec_decode_tokens.values()):
-        return False
-    model_config = runner.model_config
-    return not (model_config.is_hybrid or model_config.is_attention_free)
+    return (isinstance(getattr(runner, "drafter", None), LookaheadProposer)
+            and not any(scheduler_output.scheduled_spec_decode_tokens.values())
+            and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
 
 
 def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:

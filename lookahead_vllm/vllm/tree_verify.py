@@ -28,13 +28,11 @@ from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 logger = init_logger(__name__)
 
-# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round),
-# "reference" (CPU: gather the paged KV, pure-torch masked attention) or
-# "kernel" (GPU: the csrc tree kernel, one launch a step).
+# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round), "reference" (CPU: gather
+# the paged KV, pure-torch masked attention) or "kernel" (GPU: the csrc tree kernel, one launch a step).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
-# The attribute the tree_verification patch sets on every attention impl of a tree-mode
-# engine: that engine's TreeVerifier.
+# Set by the tree_verification patch on every attention impl of a tree-mode engine: its TreeVerifier.
 IMPL_ATTR = "_lookahead_verifier"
 
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
@@ -81,9 +79,8 @@ class TreeStep:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeResults:
-    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``), the
-    contract back to the proposer (``LookaheadProposer.on_tree_results``). Each tree emitted its
-    accepted nodes' tokens and a bonus."""
+    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``; each emitted its
+    accepted nodes' tokens and a bonus), the contract back to ``LookaheadProposer.on_tree_results``."""
 
     req_ids: list[str]
     num_nodes: np.ndarray  # [T] int64: plan nodes verified

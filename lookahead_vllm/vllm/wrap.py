@@ -32,12 +32,10 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
 
 
 def wrap(owner: type, attr: str, hook: Callable, params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.attr`` by a wrapper calling ``hook(original, *args, **kwargs)``, after checking
-    that the original's leading parameters are ``params``, the ones the hook passes on (else
-    :class:`PatchTargetChanged`, and the method is left alone). Plain methods, classmethods and
-    staticmethods alike: the wrapper is put back as the same kind (``original`` is the plain function,
-    ``cls`` first for a classmethod). It keeps the original's name and docstring and the original as
-    ``__lookahead_original__``."""
+    """Replace ``owner.attr`` by a wrapper calling ``hook(original, *args, **kwargs)``, once the original's
+    leading parameters are checked to be ``params``, those the hook passes on (else :class:`PatchTargetChanged`,
+    the method left alone). Classmethods and staticmethods are put back as such (``original`` is the plain
+    function, ``cls`` first); the wrapper keeps the original's name, docstring, and it as ``__lookahead_original__``."""
     check_params(owner, attr, params)
     original, kind = _target(owner, attr)
 
