@@ -1,10 +1,7 @@
 """Dispatchers for the CUDA kernels in ``csrc/``, taking the arguments of their torch references
-(:mod:`.tree_attention`), which run instead for CPU tensors, a failed build or
-``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``.
-
-Nothing is built at import or inside an engine step: ``lookahead-vllm-build-kernels`` prebuilds,
-and :func:`prepare_kernels` loads (or builds) at engine start; a caller outside the engine loads
-on first use, with a warning. A load failure is logged once and the reference used from then on.
+(:mod:`.tree_attention`), which run instead for CPU tensors, a failed build or ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``.
+Nothing is built at import or inside an engine step: ``lookahead-vllm-build-kernels`` prebuilds, and
+:func:`prepare_kernels` loads (or builds) at engine start; a load failure is logged once.
 """
 
 from __future__ import annotations
