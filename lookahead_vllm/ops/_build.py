@@ -116,11 +116,8 @@ def host_cxx() -> str:
 
 
 def bindings_include_paths(work_dir: Path) -> list[str]:
-    """Include folders for compiling the bindings with the installed torch (CPU wheels included).
-
-    The CPU torch wheel lacks the CMake-generated ``c10/cuda/impl/cuda_cmake_macros.h``;
-    if so, a copy with the content CUDA builds generate is written under ``work_dir``.
-    """
+    """Include folders for compiling the bindings with the installed torch; where it lacks the CMake-made
+    ``c10/cuda/impl/cuda_cmake_macros.h`` (CPU wheels), a copy is written under ``work_dir``."""
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), str(find_cuda_include()), str(csrc_dir())]
@@ -153,11 +150,8 @@ def compile_objects(out_dir: Path, archs: tuple[str, ...] = CI_ARCHS, jobs: int 
 
 
 def load_extension(verbose: bool = False) -> str:
-    """JIT-build (or reuse) and load the full extension; returns the library path.
-
-    Loading registers ``torch.ops.lookahead_vllm.tree_attention`` and ``.compact_kv``.
-    Needs a CUDA build of torch and nvcc; raises otherwise.
-    """
+    """JIT-build (or reuse) and load the extension, registering ``torch.ops.lookahead_vllm.*``; returns
+    the library path. Needs a CUDA build of torch and nvcc; raises otherwise."""
     import torch
     from torch.utils import cpp_extension
 

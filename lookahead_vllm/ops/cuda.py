@@ -1,16 +1,7 @@
-"""Dispatchers for the CUDA kernels in ``csrc/``, with the torch reference as fallback.
-
-:func:`tree_attention` and :func:`compact_kv` take the arguments of
-:func:`~lookahead_vllm.ops.tree_attention.paged_tree_attention_ref` and
-:func:`~lookahead_vllm.ops.tree_attention.compact_kv_ref`. CUDA tensors use the
-compiled kernels when the extension loads; everything else (CPU tensors, a
-failed build, ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``) runs the reference.
-
-Nothing is built at import or inside an engine step: ``lookahead-vllm-build-kernels``
-prebuilds (the GPU Dockerfile runs it), and :func:`prepare_kernels`, called when
-``LookaheadProposer`` starts in tree mode on CUDA, loads (or builds) that build and
-logs the outcome. A caller outside the engine loads them on first use, with a
-warning; a load failure is logged once and the reference is used from then on.
+"""Dispatchers for the CUDA kernels in ``csrc/``, taking the arguments of their torch references
+(:mod:`.tree_attention`), which run instead for CPU tensors, a failed build or ``LOOKAHEAD_VLLM_DISABLE_KERNELS=1``.
+Nothing is built at import or inside an engine step: ``lookahead-vllm-build-kernels`` prebuilds, and
+:func:`prepare_kernels` loads (or builds) at engine start; a load failure is logged once.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Sampling ops: greedy verification of a batch, one target sample per tree row, and a fix for
-vLLM's ``expand_kernel``.
-
-``row_argmax`` / ``greedy_verify``: the greedy tokens of a step's logits rows, and vLLM's greedy
-rejection sampling of a batch's drafts against them (``patches.patch_runner_sampling``).
-``filtered_probs`` / ``sample_row``: the target distribution of one logits row
-under a request's temperature, top-k and top-p, and one draw from it with the
-request's generator (tree acceptance samples lazily, row by row).
+"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``),
+one target sample per tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's
+``expand_kernel``.
 """
 
 from __future__ import annotations
@@ -17,11 +12,9 @@ import torch
 
 
 def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
-    """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row
-    has one (the rule of torch's argmax and of vLLM's CPU ``greedy_argmax`` op, which both read
-    float32 logits). On the CPU through ``cpu_op`` where given (vLLM's op, threaded over rows:
-    the caller looks it up), else numpy's argmax, each a fraction of torch's there; other dtypes
-    are cast to float32 first, as vLLM's sampler does."""
+    """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row has one
+    (torch's rule, and that of vLLM's CPU ``greedy_argmax`` op). On the CPU through ``cpu_op`` where given
+    (that op), else numpy's, each a fraction of torch's there, over float32 as vLLM's sampler casts."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).cpu().numpy()
     rows = logits.detach()
@@ -76,12 +69,9 @@ def expand_kernel_impl(
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``softmax(logits / T)`` restricted to the top-k tokens, then to the top-p nucleus.
-
-    ``logits``: ``[vocab]``. top_k <= 0 or >= vocab and top_p >= 1 disable the
-    filters. The nucleus keeps the most likely tokens until their mass reaches
-    ``top_p`` (the token that crosses it included), as vLLM's sampler does.
-    """
+    """``softmax(logits / T)`` (``logits``: ``[vocab]``) restricted to the top-k tokens, then to the top-p
+    nucleus: the most likely tokens until their mass reaches ``top_p``, the one that crosses it included, as
+    vLLM's sampler does. top_k <= 0 or >= vocab and top_p >= 1 disable the filters."""
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]

@@ -122,11 +122,8 @@ def compact_kv_ref(
     src_slots: torch.Tensor,  # [n] int64: accepted nodes' slots
     dst_slots: torch.Tensor,  # [n] int64: the sequence's next contiguous slots
 ) -> None:
-    """Move the accepted path's K/V into place, in place (reference for csrc).
-
-    Reads all sources before writing, so overlapping moves (``dst <= src``,
-    as along an accepted path) are safe.
-    """
+    """Move the accepted path's K/V into place, in place (reference for csrc); all sources are read
+    before any write, so overlapping moves (``dst <= src``, as along an accepted path) are safe."""
     assert src_slots.shape == dst_slots.shape
     block_size = key_cache.shape[1]
     src, dst = src_slots.long(), dst_slots.long()

@@ -1,11 +1,8 @@
-"""Mapping between vLLM's configs and lookahead's (core/config.py).
+"""Mapping between vLLM's configs and lookahead's (core/config.py; docs/configuration.md).
 
-``speculative_config={"method": "lookahead"}`` selects the method (vLLM's
-``custom_class`` route; ``num_speculative_tokens`` defaults to 16, 8 on a GPU), and
-``additional_config={"lookahead": {...}}`` configures it. The settings are
-resolved once, where the engine's config is built (:func:`resolve_engine_settings`),
-and carried in that config to the workers (:func:`engine_settings`); see
-docs/configuration.md.
+``speculative_config={"method": "lookahead"}`` selects the method (vLLM's ``custom_class`` route),
+``additional_config={"lookahead": {...}}`` configures it: resolved once, where the engine's config is
+built (:func:`resolve_engine_settings`), and carried in that config to the workers (:func:`engine_settings`).
 """
 
 from __future__ import annotations

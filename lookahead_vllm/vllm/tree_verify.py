@@ -1,24 +1,11 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the picture
-and what it is proven against: docs/how-it-works.md, "Tree verification".
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions,
+attention, acceptance, compaction), the picture and what they are proven against:
+docs/how-it-works.md, "Tree verification".
 
-The proposer hands vLLM a flattened draft tree (parent-first DFS order, so any
-prefix the scheduler keeps is still a tree) and keeps the step's plans
-(``StepDrafts``). Next step the trees the scheduler kept become one
-:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object
-per tree) and three hooks make the forward and the acceptance treat it as a tree:
-``GPUModelRunner._prepare_inputs`` gives tree rows root + depth positions (RoPE
-sees each node at its depth; node ``i`` still writes its K/V to slot ``C + 1 + i``);
-after the attention backend's stock ``forward``, rows off the leading chain are
-recomputed with the tree mask (:data:`TREE_ATTENTION`); after ``GPUModelRunner._sample``
-(``patches.patch_runner_sampling``) tree requests' chain-verification rows become a tree walk written as
-``[accepted..., bonus, -1...]`` like a chain result (vLLM's bookkeeping unchanged),
-then compacts the accepted path's K/V (slot ``C + 1 + n_j`` to ``C + j``), so
-rejected nodes never stay in the committed sequence (nor reach the prefix cache).
-
-Requests whose sampling needs the token history along the draft get chains
-(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is
-verified. The profile's ``debug_disable`` turns off ``positions``, ``mask`` or
-``compaction`` so tests can prove each piece is needed.
+The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`,
+its trees one :class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per
+tree). Requests whose sampling needs the token history along the draft get chains
+(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is verified.
 """
 
 from __future__ import annotations
@@ -41,13 +28,11 @@ from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 logger = init_logger(__name__)
 
-# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round),
-# "reference" (CPU: gather the paged KV, pure-torch masked attention) or
-# "kernel" (GPU: the csrc tree kernel, one launch a step).
+# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round), "reference" (CPU: gather
+# the paged KV, pure-torch masked attention) or "kernel" (GPU: the csrc tree kernel, one launch a step).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
-# The attribute the tree_verification patch sets on every attention impl of a tree-mode
-# engine: that engine's TreeVerifier.
+# Set by the tree_verification patch on every attention impl of a tree-mode engine: its TreeVerifier.
 IMPL_ATTR = "_lookahead_verifier"
 
 # vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
@@ -86,12 +71,6 @@ class TreeStep:
     # Each tree's visibility among its rows, for the dense reference attention.
     visible: list[torch.Tensor] | None = None
 
-    @classmethod
-    def empty(cls, num_tokens: int = 0) -> "TreeStep":
-        none = np.zeros(0, np.int64)
-        return cls([], none, none, TreeBatch(np.zeros((0, 1), np.int32), np.full((0, 1), -1, np.int32), none, none),
-                   none, np.zeros(0, bool), [], num_tokens, frozenset())
-
     @property
     def num_rows(self) -> np.ndarray:
         """``[T]``: each tree's rows among the step's tokens (its root and nodes)."""
@@ -100,9 +79,8 @@ class TreeStep:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeResults:
-    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``), the
-    contract back to the proposer (``LookaheadProposer.on_tree_results``). Each tree emitted its
-    accepted nodes' tokens and a bonus."""
+    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``; each emitted its
+    accepted nodes' tokens and a bonus), the contract back to ``LookaheadProposer.on_tree_results``."""
 
     req_ids: list[str]
     num_nodes: np.ndarray  # [T] int64: plan nodes verified
@@ -130,13 +108,9 @@ def tree_verifiable(sp: Any) -> bool:
 
 
 class TreeVerifier:
-    """Tree verification's state in one worker; one per proposer (``LookaheadProposer.verifier``).
-
-    The runner patches reach it through ``runner.drafter``, the attention wrapper through
-    the layer impls (:data:`IMPL_ATTR`). It verifies the plans of the proposer's
-    ``handed_out`` (``core/tree_plan.StepDrafts``) and hands back one :class:`TreeResults`
-    a step.
-    """
+    """Tree verification's state in one worker, one per proposer (``LookaheadProposer.verifier``; the
+    attention wrapper finds it on the layer impls, :data:`IMPL_ATTR`): verifies the plans of the
+    proposer's ``handed_out`` and hands back one :class:`TreeResults` a step."""
 
     def __init__(self) -> None:
         # The step being executed (between begin_step and finish_step).
@@ -159,10 +133,7 @@ class TreeVerifier:
         drafter = runner.drafter
         handed_out = drafter.handed_out
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if not handed_out.rows or not spec:
-            return
-        planned = handed_out.rows
-        ids = [req_id for req_id, draft in spec.items() if draft and req_id in planned]
+        ids = [req_id for req_id, draft in spec.items() if draft and req_id in handed_out.rows]
         if not ids:
             return
         drafts = list(map(spec.__getitem__, ids))
@@ -208,10 +179,8 @@ class TreeVerifier:
                            "chain (%d such request-steps so far)", req_id, list(draft)[:16],
                            planned[:16], self.plan_mismatches)
 
-    def fix_tree_rows(
-        self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor,
-    ) -> None:
+    def fix_tree_rows(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
         """Recompute the current step's tree rows of one attention layer (after the stock kernel)."""
         step = self.current
         if step is None or metadata is None or metadata.num_actual_tokens != step.num_tokens:
@@ -242,13 +211,10 @@ class TreeVerifier:
             out[rows] = tree_attention_dense(query[rows], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. The step's
-        host work is a few batch transfers whatever the number of trees: one argmax over the
-        tree rows' logits read once, the chain-only rows read once, the walks' rows written once;
-        the greedy trees walked in one native call (sampled ones draw row by row as they walk).
-        Where the step was sampled from one argmax over all its logits rows (``sampler_output``
-        carries it as ``logits_argmax``: ``patches.greedy_sample``), the tree rows' targets are
-        read from it; else (vLLM's samplers ran) taken here."""
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch
+        transfers a step whatever the number of trees (docs/how-it-works.md). The tree rows' greedy
+        targets come from ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it,
+        else from one argmax here."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
@@ -268,11 +234,14 @@ class TreeVerifier:
         if len(greedy):
             for t, walk in zip(greedy.tolist(), _greedy_walks(trees.take(greedy), ats[greedy], argmax)):
                 found[t] = walk
-        for t, chain_row in zip(chain_only.tolist(), stock):
-            found[t] = _leading_chain_result(int(step.chain[t]), chain_row)
-        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():
-            first = int(firsts[t])
-            found[t] = _walk(trees, t, _sampler(runner, step, t, logits[first:first + int(num_rows[t])]))
+        for t, chain_row in zip(chain_only.tolist(), stock):  # the stock result cut to the plan's leading chain
+            tokens = [token for token in chain_row if token >= 0]
+            keep = min(len(tokens) - 1, int(step.chain[t]))  # its rows are exact
+            found[t] = list(range(keep)), tokens[: keep + 1]
+        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():  # drawn as the walk reaches a row
+            rows, sp = logits[int(firsts[t]):int(ends[t])], step.sampling_params[t]  # rows: [1 + k, vocab]
+            generator = runner.input_batch.generators.get(int(step.rows[t]))
+            found[t] = _walk(trees, t, lambda i: sample_row(rows[i], sp.temperature, sp.top_k, sp.top_p, generator))
         windows = _window_outputs(runner.drafter.config, trees, ats, argmax)
         count = len(found)
         accepted = np.fromiter((len(nodes) for nodes, _ in found), np.int64, count)
@@ -307,15 +276,10 @@ def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
 # ---------------------------------------------------------------- attention
 
 
-def _cpu_path_rounds(
-    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
-) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path at a time. The stock
-    causal call already got the root and the leading chain right (there the tree mask is
-    causal). In round ``j`` every tree request writes the K/V of its ``j``-th other path into
-    its next slots and runs the path's new rows as the tail of a causal query: for them that is
-    exactly tree attention. Then the overwritten slots get their own rows' K/V back."""
+def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`):
+    each path's K/V written into its request's next slots, its new rows the tail of a causal query."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -343,16 +307,11 @@ def _cpu_path_rounds(
     _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)
 
 
-def _flash_path_rounds(
-    step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor,
-) -> None:
-    """Tree attention on GPU with vLLM's own FlashAttention: the CPU's path rounds
-    (:func:`_cpu_path_rounds`) through the backend's stock ``forward`` and
-    ``do_kv_cache_update``, so every tree row comes from the kernel, and with the
-    rounding, plain decoding uses. The tree kernel's rows (``LOOKAHEAD_TREE_ATTENTION=
-    kernel``) left greedy outputs at bf16 near-ties on the H200 (docs/gpu.md).
-    """
+def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
+    """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
+    ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses
+    (the tree kernel's rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
     if step.device_path_plan is None:
         step.device_path_plan = _path_plan(step, metadata).to(query.device)
         for rnd in step.device_path_plan.rounds:
@@ -392,13 +351,9 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
                   out: torch.Tensor) -> None:
-    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the
-    rows off each request's leading chain are written back.
-
-    The stock causal call already computed the root and the leading chain exactly (the tree mask
-    is causal there), with the very kernel plain decoding uses: keeping its rows keeps their bf16
-    rounding, so a step accepted along the leading chain gives plain's tokens bit for bit.
-    """
+    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the rows off
+    each request's leading chain are written back: the stock causal call's rows there are exact and keep
+    plain decoding's bf16 rounding, so a step accepted along the leading chain gives plain's tokens."""
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
@@ -549,13 +504,6 @@ def check_supported(impl: Any) -> None:
 # ---------------------------------------------------------------- acceptance
 
 
-def _sampler(runner: Any, step: TreeStep, t: int, logits: torch.Tensor):  # logits: [1 + k, vocab]
-    """Tree ``t``'s target at a row, drawn when the walk reaches it."""
-    sp = step.sampling_params[t]
-    generator = runner.input_batch.generators.get(int(step.rows[t]))
-    return lambda i: sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, generator)
-
-
 def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
     """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token
     (``target_at(row)``, called once a reached row, in walk order, so a sampler draws as the
@@ -596,13 +544,6 @@ def _window_outputs(cfg: Any, trees: TreeBatch, ats: np.ndarray, argmax: np.ndar
     on = np.asarray(output_nodes(cfg.profile.jacobi_window, cfg.profile.jacobi_ngram), np.int64)
     at = ats[full, None] + np.where(on < 0, 0, 1 + trees.verify[full, None] + on)
     return dict(zip(full.tolist(), argmax[at].tolist()))
-
-
-def _leading_chain_result(chain_prefix: int, chain_row: list[int]) -> tuple[list[int], list[int]]:
-    """The stock chain result cut to the plan's leading chain (its rows are exact)."""
-    tokens = [t for t in chain_row if t >= 0]
-    keep = min(len(tokens) - 1, chain_prefix)
-    return list(range(keep)), tokens[: keep + 1]
 
 
 def _compact(step: TreeStep, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:

@@ -31,31 +31,33 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
         )
 
 
-def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.attr`` by ``make(original)``, after checking that the original's leading
-    parameters are ``params``, the ones the wrapper passes on (else :class:`PatchTargetChanged`, and
-    the method is left alone). Plain methods, classmethods and staticmethods alike: the wrapper is put
-    back as the same kind (``make`` gets the plain function, ``cls`` first for a classmethod). The
-    wrapper keeps the original's name and docstring and the original as ``__lookahead_original__``."""
+def wrap(owner: type, attr: str, hook: Callable, params: tuple[str, ...] = ()) -> None:
+    """Replace ``owner.attr`` by a wrapper calling ``hook(original, *args, **kwargs)``, once the original's
+    leading parameters are checked to be ``params``, those the hook passes on (else :class:`PatchTargetChanged`,
+    the method left alone). Classmethods and staticmethods are put back as such (``original`` is the plain
+    function, ``cls`` first); the wrapper keeps the original's name, docstring, and it as ``__lookahead_original__``."""
     check_params(owner, attr, params)
     original, kind = _target(owner, attr)
-    wrapped = make(original)
-    functools.update_wrapper(wrapped, original)
-    wrapped.__lookahead_original__ = original
-    setattr(owner, attr, kind(wrapped) if kind is not None else wrapped)
+
+    def wrapper(*args, **kwargs):
+        return hook(original, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, original)
+    wrapper.__lookahead_original__ = original
+    setattr(owner, attr, kind(wrapper) if kind is not None else wrapper)
 
 
 def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
-    """Decorator: ``make`` becomes a named patch (``() -> True``) wrapping ``attr`` of the class
-    ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
+    """Decorator: ``hook(original, *args, **kwargs)`` becomes a named patch (``() -> True``) wrapping
+    ``attr`` of the class ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
 
-    def decorate(make: Callable[[Callable], Callable]) -> Callable[[], bool]:
+    def decorate(hook: Callable) -> Callable[[], bool]:
         def apply() -> bool:
             module, _, name = owner.rpartition(".")
-            wrap(getattr(importlib.import_module(module), name), attr, make, params)
+            wrap(getattr(importlib.import_module(module), name), attr, hook, params)
             return True
 
-        apply.__name__, apply.__qualname__, apply.__doc__ = make.__name__, make.__qualname__, make.__doc__
+        apply.__name__, apply.__qualname__, apply.__doc__ = hook.__name__, hook.__qualname__, hook.__doc__
         return apply
 
     return decorate

@@ -64,7 +64,7 @@ def runner_cls():
 
     from lookahead_vllm.vllm import patches
 
-    assert patches.apply("draftless_graphs"), patches.failed()
+    assert patches.apply("draftless_graphs"), patches._failed
     return GPUModelRunner
 
 

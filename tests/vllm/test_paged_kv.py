@@ -80,17 +80,17 @@ def test_tree_steps_reuse_each_layers_accessor_until_its_cache_changes():
     impl = _tree_impl()
     layer = SimpleNamespace(isa=_get_attn_isa(torch.float32, BS, D))
     kv = torch.zeros(NB, H, BS, 2 * D)
-    steps = [tree_verify.TreeStep.empty() for _ in range(3)]
+    steps = [SimpleNamespace(caches={}) for _ in range(3)]  # all _cache_accessor reads of a TreeStep
     got = [tree_verify._cache_accessor(step, impl, layer, kv) for step in steps]
     assert isinstance(got[0], CpuPagedKV) and got[0].kv_cache is kv
     assert got[1] is got[0] and got[2] is got[0]
     assert all(step.caches == {kv.data_ptr(): got[0]} for step in steps)  # each step lists it for compaction
     kv2 = torch.zeros(NB, H, BS, 2 * D)
-    fresh = tree_verify._cache_accessor(tree_verify.TreeStep.empty(), impl, layer, kv2)
+    fresh = tree_verify._cache_accessor(SimpleNamespace(caches={}), impl, layer, kv2)
     assert fresh is not got[0] and fresh.kv_cache is kv2
     impl.sliding_window = 64  # unsupported features are refused when the accessor is built
     with pytest.raises(NotImplementedError, match="sliding window"):
-        tree_verify._cache_accessor(tree_verify.TreeStep.empty(), impl, layer, torch.zeros(NB, H, BS, 2 * D))
+        tree_verify._cache_accessor(SimpleNamespace(caches={}), impl, layer, torch.zeros(NB, H, BS, 2 * D))
 
 
 def one_tree_step(plan, start: int):

@@ -56,7 +56,8 @@ def test_changed_signature_is_refused():
             return logits
 
     with pytest.raises(patches.PatchTargetChanged, match=r"Runner._sample takes \(self, logits, metadata, \.\.\.\)"):
-        patches._wrap(Runner, "_sample", lambda original: original, ("self", "logits", "spec_decode_metadata"))
+        patches._wrap(Runner, "_sample", lambda original, *args: original(*args),
+                      ("self", "logits", "spec_decode_metadata"))
     assert Runner._sample.__name__ == "_sample" and not hasattr(Runner._sample, "__lookahead_original__")
 
 
@@ -74,8 +75,8 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
             return cls
 
     with pytest.raises(patches.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
-        patches._wrap(Args, "from_request", lambda original: original, ("cls", "request"))
-    patches._wrap(Args, "add_cli_args", lambda original: lambda parser: [original(parser)], ("parser",))
+        patches._wrap(Args, "from_request", lambda original, *args: original(*args), ("cls", "request"))
+    patches._wrap(Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",))
     assert isinstance(inspect.getattr_static(Args, "add_cli_args"), staticmethod)
     assert Args().add_cli_args(1) == [1] and Args.add_cli_args.__name__ == "add_cli_args"
 
@@ -83,10 +84,10 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
 def test_require_names_failed_patch_and_reason(break_patch):
     break_patch("runner_request_ids")
     assert patches.apply("runner_request_ids") is False  # logged, not raised: plain vLLM goes on
-    assert "AttributeError" in patches.failed()["runner_request_ids"]
+    assert "AttributeError" in patches._failed["runner_request_ids"]
     with pytest.raises(RuntimeError, match=r"lookahead cannot start: .*patch\(es\) runner_request_ids "
                                            r"\(AttributeError: GPUModelRunner has no attribute"):
-        patches.require(patches.lookahead_patches(tree_mode=False), "lookahead")
+        patches.require(patches.LOOKAHEAD_PATCHES, "lookahead")
 
 
 def test_engine_start_names_config_patch(break_patch):

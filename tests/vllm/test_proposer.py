@@ -994,7 +994,7 @@ def test_lookahead_drafts_whatever_the_batchs_longest_request():
 
     from lookahead_vllm.vllm import patches
 
-    assert patches.apply("drafter_near_max_len"), patches.failed()
+    assert patches.apply("drafter_near_max_len"), patches._failed
     near = SimpleNamespace(max_seq_len=MAX_LEN - 1)  # one row 1 token short of max_model_len
     vllm_drafter = SimpleNamespace(num_spec_tokens=4, effective_drafter_max_model_len=MAX_LEN, drafter=object(),
                                    speculative_config=SimpleNamespace(use_dflash=lambda: False))
