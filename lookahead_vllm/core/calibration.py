@@ -1,31 +1,22 @@
 """Online calibration of draft confidences from verification outcomes.
 
-The forward-cost model (core/budget.py) keeps a draft node only while its
-confidence (the estimated probability that it is accepted) pays for its
-cost, so the confidences must be probabilities, not just a ranking. The
-trie's are products of smoothed ``P(child | parent)`` counts: about right on
-a tree's leading chain, but far too high off it (docs/how-it-works.md,
-"Forward-cost model", has the measurements). The Jacobi pool's n-grams and
-the context chain's tokens (core/trie.py) have only priors
-(``POOL_CONFIDENCE ** depth``; ``(m / (m + 1)) ** depth`` for a context match
-of ``m`` tokens).
-
-The calibrator learns a correction per node *kind* (leading chain, side
-branch, pool, context chain) and raw-confidence bin from what verification
-accepted::
+The forward-cost model (core/budget.py) keeps a draft node only while its confidence (the
+estimated probability that it is accepted) pays for its cost, so the confidences must be
+probabilities, not just a ranking. The trie's are far too high off a tree's leading chain
+(docs/how-it-works.md, "Forward-cost model"); the Jacobi pool's n-grams and the context chains
+(core/trie.py) have only priors. The calibrator learns a correction per node *kind* (leading
+chain, side branch, pool, context chain) and raw-confidence bin from what verification accepted::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
-where ``predicted`` is the sum of the raw confidences of the bin's verified
-nodes and ``accepted`` how many of them were accepted. With no data the factor
-is 1 (raw confidences); ``prior`` (in accepted tokens) says how much evidence
-overrides it. Counts are halved once a bin has seen ``HALF_LIFE_NODES``
-nodes, so the correction follows a changing workload. Calibrated confidences
-never grow along a path (a node is accepted only with its parent).
-The proposer books one step's verified nodes at once (``observe_trees``,
-native), so halving and the new factors apply per step; the planner applies
-the factors natively too (core/tree_plan.py). The pure-Python reference of
-both is ``lookahead_lab.reference.planner`` (``calibrate``, ``observe_nodes``).
+where ``predicted`` is the sum of the raw confidences of the bin's verified nodes and
+``accepted`` how many of them were accepted. With no data the factor is 1 (raw confidences);
+``prior`` (in accepted tokens) says how much evidence overrides it. Counts are halved once a
+bin has seen ``HALF_LIFE_NODES`` nodes, so the correction follows a changing workload.
+Calibrated confidences never grow along a path (a node is accepted only with its parent).
+A step's verified nodes are booked at once (``observe_trees``, native) and the planner applies
+the factors natively (core/tree_plan.py); the pure-Python reference of both is
+``lookahead_lab.reference.planner`` (``calibrate``, ``observe_nodes``).
 """
 
 from __future__ import annotations
@@ -67,27 +58,18 @@ class ConfidenceCalibrator:
 
     def observe_trees(self, raw: np.ndarray, kinds: np.ndarray, accepted: np.ndarray, at: np.ndarray,
                       verified: np.ndarray) -> None:
-        """Learn from verified drafts stored as rows (core/tree_plan.py), in
-        order: row ``at[i]`` of ``raw``/``kinds``/``accepted [D, W]`` (raw
-        confidences, calibration kinds, whether accepted) had its first
-        ``verified[i]`` nodes verified."""
+        """Learn from verified drafts stored as rows (core/tree_plan.py), in order: row ``at[i]`` of
+        ``raw``/``kinds``/``accepted [D, W]`` (raw confidences, calibration kinds, whether accepted)
+        had its first ``verified[i]`` nodes verified."""
         if self.learns:
             native.extension().observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                              raw, kinds, accepted, at, verified, self.prior, float(HALF_LIFE_NODES))
 
     def summary(self) -> dict[str, list[dict[str, float]]]:
         """Per kind, the bins that saw nodes: range, nodes, mean raw confidence, acceptance rate, factor."""
-        out: dict[str, list[dict[str, float]]] = {}
-        lows = (0.0, *BIN_EDGES)
-        highs = (*BIN_EDGES, 1.0)
-        for kind, name in enumerate(KIND_NAMES):
-            rows = []
-            for b, n in enumerate(self.nodes[kind]):
-                if n:
-                    rows.append({
-                        "low": lows[b], "high": highs[b], "nodes": float(n),
+        lows, highs = (0.0, *BIN_EDGES), (*BIN_EDGES, 1.0)
+        return {name: [{"low": lows[b], "high": highs[b], "nodes": float(n),
                         "mean_confidence": float(self.predicted[kind, b] / n),
-                        "acceptance": float(self.accepted[kind, b] / n), "factor": float(self._factor[kind, b]),
-                    })
-            out[name] = rows
-        return out
+                        "acceptance": float(self.accepted[kind, b] / n), "factor": float(self._factor[kind, b])}
+                       for b, n in enumerate(self.nodes[kind]) if n]
+                for kind, name in enumerate(KIND_NAMES)}

@@ -1,38 +1,26 @@
 """``Drafter``: the engine-wide drafting state behind one batch call per step.
 
-It owns the sources that draft from text (``config.sources``):
+It owns the sources (``config.sources``), each keeping a request's record by an integer *slot*
+the caller assigns (the proposer maps vLLM's request ids to slots):
 
-  index  core/draft_index.py (native): the continuations of the
-         longest earlier matches in the request's own text and in every
-         request's output; one ``sync`` and one ``draft_batch`` per step.
-  trie   core/trie.py (native: csrc/draft_index/token_trie.h), a request's
-         record (its context chain, the tokens it inserted) kept there by
-         slot: one ``sync``, one ``retrieve_slots`` and one ``context_slots``
-         per step.
+  index   core/draft_index.py (native): the continuations of the longest earlier matches in the
+          request's own text and in every request's output.
+  trie    core/trie.py (native: csrc/draft_index/token_trie.h): the shared trie, and each
+          request's context chain.
+  jacobi  core/jacobi.py (native: csrc/draft_index/jacobi.h): a request's Jacobi window and
+          n-gram pool; the proposer opens and feeds the windows.
 
-A step's drafts are rows of arrays from a few batch calls: the index's, the
-trie's and the context chains', then one native ``merge_rows`` that puts
-each row's lead first and the trie's nodes after it, with every node's
-calibration kind.
+Per step the caller hands the runner's token table once (``sync``) and asks for every drafting
+row's tree (``draft``): a few batch calls, then one native ``merge_rows`` that puts each row's
+lead (the index's tree, else its context chain) first and the trie's nodes after it, with every
+node's calibration kind. Finished requests are dropped with ``finish``. Index nodes lead a merged
+tree; their ranking weight is ``INDEX_WEIGHT * confidence`` so a chain cut from the tree follows
+them.
 
-Requests are named by integer *slots* the caller assigns (the proposer maps
-vLLM's request ids to slots). Per step the caller hands the runner's token
-table once (``sync``) and asks for every drafting row's tree (``draft``);
-finished requests are dropped with ``finish``.
-
-  jacobi core/jacobi.py (native: csrc/draft_index/jacobi.h): a request's
-         Jacobi window and n-gram pool, by slot; the proposer opens the
-         windows of the requests that may verify a tree and feeds them the
-         forward's lookahead outputs.
-
-Tenant isolation (core/partitions.py, config ``draft_sharing``): a request
-is admitted into the partition of its salt (``partition``); the index keeps
-partitions apart, warm-start texts join the default partition, snapshots
-keep the partitions the policy saves, each under its label. The trie is one
-shared structure: only default-partition requests feed it and draft from it.
-
-Index nodes lead a merged tree; their ranking weight is
-``INDEX_WEIGHT * confidence`` so a chain cut from the tree follows them.
+Tenant isolation (core/partitions.py, config ``draft_sharing``): a request is admitted into the
+partition of its salt (``partition``); the index keeps partitions apart, warm-start texts join
+the default partition, snapshots keep the partitions the policy saves, each under its label. The
+trie is one shared structure: only default-partition requests feed it and draft from it.
 """
 
 from __future__ import annotations
@@ -56,15 +44,14 @@ INDEX_WEIGHT = 1e18
 
 
 def make_index(config: Settings, ngram: int | None = None) -> Any:
-    """The native draft index for ``config`` (keyed by ``ngram`` tokens,
-    default the profile's ``index_ngram``), its upkeep on a thread of its own
-    where the profile says it pays."""
+    """The native draft index for ``config`` (keyed by ``ngram`` tokens, default the profile's
+    ``index_ngram``), its upkeep on a thread of its own where the profile says it pays."""
     return native.make_draft_index(config.index_config(ngram), config.profile.upkeep_thread)
 
 
 def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
-    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents
-    (-1: the root; parents first), weights, confidence, and the lengths."""
+    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents (-1: the
+    root; parents first), weights, confidence, and the lengths."""
     return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
             np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
 
@@ -84,8 +71,8 @@ class Drafter:
     """See the module docstring."""
 
     def __init__(self, config: Settings, partitions: Partitions | None = None) -> None:
-        """``partitions``: an earlier drafter's (a reset with requests still running keeps
-        which salt owns which partition)."""
+        """``partitions``: an earlier drafter's (a reset with requests still running keeps which
+        salt owns which partition)."""
         self.config = config
         knobs = config.profile
         self.index = make_index(config) if config.uses_index else None
@@ -126,35 +113,32 @@ class Drafter:
 
     def release_partitions(self, held: Iterable[int]) -> int:
         """Free the salted partitions that hold nothing: no running request (``held``: the
-        partitions of the requests the caller keeps state for, synced here or not yet) and
-        no output in any index (core/partitions.py). Returns how many were freed."""
+        partitions of the requests the caller keeps state for, synced here or not yet) and no output
+        in any index (core/partitions.py). Returns how many were freed."""
         in_use = set(held)
         for index in self._indexes():
             in_use.update(index.partition_bytes())  # settled: running sequences and outputs held
         return self.partitions.release(in_use)
 
     def partition_stats(self) -> tuple[int, int]:
-        """(partitions holding a request or an output, the corpus's charge in
-        bytes over all of them, back-off index included)."""
+        """(partitions holding a request or an output, the corpus's charge in bytes over all of
+        them, back-off index included)."""
         charges = [index.partition_bytes() for index in self._indexes()]
         return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
     # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
              num_tokens: Sequence[int], prompt_lens: Sequence[int], partitions: Sequence[int] | None = None) -> int:
-        """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s
-        committed tokens (its first ``prompt_lens[i]`` the prompt): admit new
-        requests (into ``partitions[i]``, from :meth:`partition`; None: the
-        partition of no salt), extend or rewind known ones. Returns how many
-        were rewound."""
-        rewound = []
+        """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s committed tokens (its
+        first ``prompt_lens[i]`` the prompt): admit new requests (into ``partitions[i]``, from
+        :meth:`partition`; None: the partition of no salt), extend or rewind known ones. Returns how
+        many were rewound."""
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
-        if partitions is None:
-            partitions = np.full(len(args[0]), self.partition(None), np.int64)
-        partitions = np.asarray(partitions, np.int64)
-        if self.index is not None:  # and its back-off, in one call
-            rewound.append(self.index.sync(*args, self.backoff, partitions))
+        partitions = np.asarray(np.full(len(args[0]), self.partition(None)) if partitions is None else partitions,
+                                np.int64)
+        # The index and its back-off in one call.
+        rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions)]
         if self.trie is not None:
             rewound.append(self.trie.sync(*args, partitions))
         return int(rewound[0]) if rewound else 0
@@ -172,10 +156,9 @@ class Drafter:
             self.jacobi.finish(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
-        """Learn a past response (warm start): into the index's corpus as a
-        finished output of the default partition, and into the trie as
-        output counts (nothing where no request shares: ``draft_sharing``
-        "none")."""
+        """Learn a past response (warm start): into the index's corpus as a finished output of the
+        default partition, and into the trie as output counts (nothing where no request shares:
+        ``draft_sharing`` "none")."""
         self._learn(tokens, self.partition(None), self.trie is not None)
 
     def _learn(self, tokens: Sequence[int], partition: int, trie: bool) -> None:
@@ -192,17 +175,14 @@ class Drafter:
     def draft(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray] | None, budgets: Sequence[int],
               floor: float, tree: bool, cut: np.ndarray | None = None, pool: tuple[np.ndarray, ...] | None = None
               ) -> tuple[np.ndarray, ...]:
-        """Every request's draft as rows (a few batch calls): ``tokens``,
-        ``parents``, ``weights``, ``confidence``, calibration ``kinds [R, W]``
-        and ``lengths [R]``; row ``i`` at most ``budgets[i]`` nodes, none below
-        ``floor``, the index's tree (a chain unless ``tree``) or, where it has
-        none, the request's context chain, first, the trie's merged after it,
-        then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of`
-        arrays: ``jacobi.pool_rows``) (the native ``merge_rows``); cut to its best path where
-        ``cut[i]``.
-        ``contexts``: the requests' last ``max_match_length`` tokens as
-        ``(tokens [R, W], lengths [R])``, row ``i``'s first ``lengths[i]``
-        columns (trie source only; None otherwise)."""
+        """Every request's draft as rows (a few batch calls): ``tokens``, ``parents``, ``weights``,
+        ``confidence``, calibration ``kinds [R, W]`` and ``lengths [R]``; row ``i`` at most
+        ``budgets[i]`` nodes, none below ``floor``, the index's tree (a chain unless ``tree``) or,
+        where it has none, the request's context chain, first, the trie's merged after it, then
+        ``pool``'s row (the Jacobi pool's branches, :func:`rows_of` arrays: ``jacobi.pool_rows``)
+        (the native ``merge_rows``); cut to its best path where ``cut[i]``. ``contexts``: the
+        requests' last ``max_match_length`` tokens as ``(tokens [R, W], lengths [R])``, row ``i``'s
+        first ``lengths[i]`` columns (trie source only; None otherwise)."""
         count = len(slots)
         budgets = np.asarray(budgets, np.int64)
         width = max(1, int(budgets.max(initial=0)))
@@ -222,30 +202,26 @@ class Drafter:
             if len(need):
                 chains = self.trie.context_slots(slots[need], budgets[need], floor)
                 n = chains[0].shape[1]
-                for a, b in zip(lead, chains):
-                    if a.ndim == 2:
-                        a[need, :n] = b
-                    else:
-                        a[need] = b
+                for a, b in zip(lead, chains):  # [R, W] arrays take the chains' first n columns
+                    a[(need, slice(n)) if a.ndim == 2 else need] = b
                 lead_context[need] = chains[4] > 0
         return native.extension().merge_rows(lead, lead_context.astype(np.uint8), trie, budgets,
                                              None if cut is None else np.asarray(cut, np.uint8), pool)
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The index's drafts for many requests as arrays (chains unless
-        ``tree``): ``tokens``, ``parents`` (-1: the root; parents first),
-        ``confidence [R, W]`` and ``lengths [R]``, row ``i`` holding
-        ``lengths[i]`` nodes (the back-off index's where the main one finds no
+        """The index's drafts for many requests as arrays (chains unless ``tree``): ``tokens``,
+        ``parents`` (-1: the root; parents first), ``confidence [R, W]`` and ``lengths [R]``, row
+        ``i`` holding ``lengths[i]`` nodes (the back-off index's where the main one finds no
         candidate)."""
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
     # ------------------------------------------------------------ snapshots
     def snapshot(self, identity: dict, info: dict | None = None) -> "Snapshot":
-        """What the drafter learned (core/snapshot.py): the index's corpus in
-        the partitions its policy saves (``Partitions.saved``), each output
-        with its partition's label, and the trie's output counts."""
+        """What the drafter learned (core/snapshot.py): the index's corpus in the partitions its
+        policy saves (``Partitions.saved``), each output with its partition's label, and the trie's
+        output counts."""
         from lookahead_vllm.core.snapshot import Snapshot, TrieTable, settings_of
 
         sequences, labels = [], []
@@ -269,13 +245,11 @@ class Drafter:
         return snap
 
     def load_snapshot(self, path: str, identity: dict) -> "Snapshot":
-        """Read a snapshot written for ``identity`` and learn it: its corpus
-        (oldest first) into the index as finished outputs, each into the
-        partition its label names under this policy (``Partitions.of_label``;
-        outputs of partitions the policy does not restore are skipped), its
-        output counts into the trie (or, without a trie table, its default
-        partition's outputs as warm texts). Raises SnapshotError, before
-        changing anything, if it is refused."""
+        """Read a snapshot written for ``identity`` and learn it: its corpus (oldest first) into the
+        index as finished outputs, each into the partition its label names under this policy
+        (``Partitions.of_label``; outputs of partitions the policy does not restore are skipped),
+        its output counts into the trie (or, without a trie table, its default partition's outputs
+        as warm texts). Raises SnapshotError, before changing anything, if it is refused."""
         from lookahead_vllm.core.snapshot import read_snapshot, settings_of
 
         snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)

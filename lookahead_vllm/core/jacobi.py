@@ -1,36 +1,30 @@
 """Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool.
 
-Every request's window and pool live in the native ``JacobiTable``
-(csrc/draft_index/jacobi.h), by the caller's slot, and move a whole step's
-rows per call: ``track`` (which rows must open their window: admitted or
-rewound), ``open``, ``pool_rows`` (the pool's branches for every drafting
-row), ``choose`` (the windows that go out), ``update`` (the forward's new
-tokens: slide, fill the pools, credit the yields). Its pure-Python
-reference is ``lookahead_lab.reference.jacobi``.
+Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h),
+by the caller's slot, and move a whole step's rows per call: ``track`` (which rows must open their
+window: admitted or rewound), ``open``, ``pool_rows`` (the pool's branches for every drafting row),
+``choose`` (the windows that go out), ``update`` (the forward's new tokens: slide, fill the pools,
+credit the yields). Its pure-Python reference is ``lookahead_lab.reference.jacobi``.
 
 Terms (digest sections 2 and 5):
-  W, N, G    window columns, n-gram size (the window keeps N - 1 levels), and
-             the most pool n-grams verified per step (also the most kept per
-             key).
-  window     per request, level 0 holds W - 1 tokens (columns 1..W-1;
-             column 0 of level 0 is x0, the last committed token) and
-             levels 1..N-2 hold W tokens each; filled from the prompt at
-             admission and after a rewind (node j of plan order: the prompt's
-             token at ``splitmix64(seed + j + 1) % len``, ``seed`` the
-             prompt's FNV-1a hash: a recomputed request gets the same one).
-  lookahead  the window's nodes in a step plan. Node (l, i) sits at position
-             p + l + i and sees x0, (0, 1..i) and (1..l, i): exactly its
-             ancestors if (l, i)'s parent is (l-1, i), (1, 0)'s and (0, 1)'s
-             parent is x0 and (0, i)'s is (0, i-1). So the window is a token
-             tree rooted at x0, verified by the same tree attention as the trie's
-             drafts; its nodes are never accepted.
-  new tokens the target's argmax at the N-2 level (at x0 for column 0 when
-             N = 2): one new token per column, for position p + N - 1 + i.
-  n-grams    column i yields ((0, i), (1, i), ..., (N-2, i), new_i), keyed by
-             its first token ((0, 0) = x0). The pool keeps, per key, the G most
-             recently seen continuations (LRU).
-  verify     up to G pool n-grams keyed by x0 become draft branches from x0,
-             merged with the trie's tree (shared prefixes merged).
+  W, N, G    window columns, n-gram size (the window keeps N - 1 levels), and the most pool
+             n-grams verified per step (also the most kept per key).
+  window     per request, level 0 holds W - 1 tokens (columns 1..W-1; column 0 of level 0 is
+             x0, the last committed token) and levels 1..N-2 hold W tokens each; filled from the
+             prompt at admission and after a rewind (node j of plan order: the prompt's token at
+             ``splitmix64(seed + j + 1) % len``, ``seed`` the prompt's FNV-1a hash: a recomputed
+             request gets the same one).
+  lookahead  the window's nodes in a step plan. Node (l, i) sits at position p + l + i and sees
+             x0, (0, 1..i) and (1..l, i): exactly its ancestors if (l, i)'s parent is (l-1, i),
+             (1, 0)'s and (0, 1)'s parent is x0 and (0, i)'s is (0, i-1). So the window is a
+             token tree rooted at x0, verified by the same tree attention as the trie's drafts;
+             its nodes are never accepted.
+  new tokens the target's argmax at the N-2 level (at x0 for column 0 when N = 2): one new token
+             per column, for position p + N - 1 + i.
+  n-grams    column i yields ((0, i), (1, i), ..., (N-2, i), new_i), keyed by its first token
+             ((0, 0) = x0). The pool keeps, per key, the G most recently seen continuations (LRU).
+  verify     up to G pool n-grams keyed by x0 become draft branches from x0, merged with the
+             trie's tree (shared prefixes merged).
 
 Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
 
@@ -38,17 +32,14 @@ Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
     level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
     level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
 
-After the forward, the slide drops level 0 and level 1's first column: level 1
-less (1,0) becomes level 0, level 2 becomes level 1, the new tokens level 2.
+After the forward, the slide drops level 0 and level 1's first column: level 1 less (1,0) becomes
+level 0, level 2 becomes level 1, the new tokens level 2.
 
-Window policy (core/budget.py prices it): a request's expected pool tokens
-per window step starts at the last credited window's (``YIELD_PRIOR`` at
-first) and follows a moving average (weight ``YIELD_ALPHA``); the step's
-windows go out most expected yield first, each while its yield pays for
-what its nodes and column paths add to the step given those before it; a
-window that does not pay is still sent after ``PROBE_EVERY`` steps to
-re-measure it, and each probe that brings nothing doubles that wait (up to
-``MAX_PROBE_EVERY``).
+Window policy (core/budget.py prices it; docs/how-it-works.md, "Jacobi lookahead"): a request's
+expected pool tokens per window step starts at the last credited window's (``YIELD_PRIOR`` at
+first) and follows a moving average (weight ``YIELD_ALPHA``); a window goes out while its yield
+pays for what it adds to the step, and else after ``PROBE_EVERY`` steps to re-measure it, each
+probe that brings nothing doubling that wait (up to ``MAX_PROBE_EVERY``).
 """
 
 from __future__ import annotations
@@ -61,8 +52,8 @@ from lookahead_vllm.core import native
 if TYPE_CHECKING:
     from lookahead_vllm.core.config import Settings
 
-# Draft confidence given to a pool n-gram's node at depth d (the pool has no
-# counts; Jacobi n-grams are right roughly this often on chat text).
+# Draft confidence given to a pool n-gram's node at depth d (the pool has no counts; Jacobi n-grams
+# are right roughly this often on chat text).
 POOL_CONFIDENCE = 0.5
 
 # The window policy (module docstring; the native table's kYield*, kProbeEvery).
@@ -80,8 +71,8 @@ def make_jacobi(config: "Settings") -> Any:
 
 @lru_cache(maxsize=256)
 def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]:
-    """Parent of every lookahead node in plan order (-1 = x0), see the module
-    docstring; after ``base`` nodes of a verify tree, their indices shifted by it."""
+    """Parent of every lookahead node in plan order (-1 = x0), see the module docstring; after
+    ``base`` nodes of a verify tree, their indices shifted by it."""
     parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
     for level in range(1, ngram - 1):
         for col in range(window):
@@ -91,9 +82,7 @@ def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]
 
 def _index(level: int, col: int, window: int) -> int:
     """Plan index of node (level, col) among the lookahead nodes; -1 for x0."""
-    if level == 0:
-        return col - 1
-    return window - 1 + (level - 1) * window + col
+    return col - 1 if level == 0 else window - 1 + (level - 1) * window + col
 
 
 def output_nodes(window: int, ngram: int) -> list[int]:

@@ -1,9 +1,9 @@
 """Partitions: which requests draft from each other's outputs (tenant isolation).
 
-Speculative decoding never changes a token, but it changes timing: how many
-draft tokens a step accepts tells a client whether someone else's text
-continues its prompt the same way. vLLM isolates its prefix cache per tenant
-with a request's ``cache_salt``; the drafter isolates its corpus the same way.
+Speculative decoding never changes a token, but it changes timing: how many draft tokens a step
+accepts tells a client whether someone else's text continues its prompt the same way. vLLM isolates
+its prefix cache per tenant with a request's ``cache_salt``; the drafter isolates its corpus the
+same way.
 
 Terms:
 
@@ -25,21 +25,18 @@ Terms:
              none            PRIVATE          PRIVATE           nothing
              ==============  ===============  ================  ==============
 
-Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and
-one without a salt get partitions 1, 2, 1 and 0; a restart restores only
-partition 0's outputs, and with ``per-salt-saved`` also the ``"a"`` and
-``"b"`` outputs, each into whatever partition the salt gets then.
+Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one without a salt get
+partitions 1, 2, 1 and 0; a restart restores only partition 0's outputs, and with ``per-salt-saved``
+also the ``"a"`` and ``"b"`` outputs, each into whatever partition the salt gets then.
 
-Salted partitions are recycled: a server that sees a salt per user or per
-session would otherwise hold a record per salt forever, in Python and in
-each index (whose eviction scans them all). Once the labelled partitions
-reach :data:`SWEEP_FIRST`, and then twice as many as the last sweep left,
-the caller hands :meth:`Partitions.release` the partitions still in use
-(a running request's, or one holding outputs in an index); every other
-salted label is dropped and its id is free for the next new salt (lowest
-first, so every tensor-parallel rank numbers alike). A partition is freed
-only when it holds nothing, so a new salt never sees an old one's outputs.
-Past :data:`MAX_PARTITION` ids in use at once, a new salt drafts PRIVATE.
+Salted partitions are recycled: a server that sees a salt per user or per session would otherwise
+hold a record per salt forever, in Python and in each index (whose eviction scans them all). Once
+the labelled partitions reach :data:`SWEEP_FIRST`, and then twice as many as the last sweep left,
+the caller hands :meth:`Partitions.release` the partitions still in use (a running request's, or one
+holding outputs in an index); every other salted label is dropped and its id is free for the next
+new salt (lowest first, so every tensor-parallel rank numbers alike). A partition is freed only when
+it holds nothing, so a new salt never sees an old one's outputs. Past :data:`MAX_PARTITION` ids in
+use at once, a new salt drafts PRIVATE.
 """
 
 from __future__ import annotations
@@ -62,9 +59,9 @@ def salt_label(salt: str) -> str:
 
 
 class Partitions:
-    """Maps salts (and snapshot labels) to draft index partitions under one
-    sharing policy (module docstring). Salted partitions are numbered from 1;
-    an id returns to use only after :meth:`release` freed it."""
+    """Maps salts (and snapshot labels) to draft index partitions under one sharing policy (module
+    docstring). Salted partitions are numbered from 1; an id returns to use only after
+    :meth:`release` freed it."""
 
     def __init__(self, sharing: str = "per-salt") -> None:
         if sharing not in DRAFT_SHARINGS:
@@ -89,9 +86,8 @@ class Partitions:
         return self._of_label(salt_label(salt))
 
     def of_label(self, label: str) -> int | None:
-        """The partition a snapshot's ``label`` restores into (None: not
-        under this policy: a salted partition only where salts partition,
-        nothing under "none")."""
+        """The partition a snapshot's ``label`` restores into (None: not under this policy: a salted
+        partition only where salts partition, nothing under "none")."""
         if self.sharing == "none" or (label != DEFAULT_LABEL and not self.per_salt):
             return None
         return DEFAULT if label == DEFAULT_LABEL else self._of_label(label)
@@ -128,8 +124,8 @@ class Partitions:
         return len(self._labels) >= self._sweep_at
 
     def release(self, in_use: Iterable[int]) -> int:
-        """Drop every salted partition not in ``in_use`` (its label goes; its id is
-        reused); returns how many were dropped. Next due at twice the partitions kept."""
+        """Drop every salted partition not in ``in_use`` (its label goes; its id is reused); returns
+        how many were dropped. Next due at twice the partitions kept."""
         keep = set(in_use)
         dropped = [p for p in self._labels if p != DEFAULT and p not in keep]
         for p in dropped:

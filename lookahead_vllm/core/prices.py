@@ -13,14 +13,13 @@ time ``t0`` (docs/prices.md tells why each price is there)::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
-How it buckets the samples (by ``T``, ``R``, ``K`` and drafted or not, each
-by the median of its ring) and holds the profile's prices as a prior is in
-docs/prices.md ("What is measured"). The same samples give the same prices bit
-for bit (and tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
+How it buckets the samples (by ``T``, ``R``, ``K`` and drafted or not, each by the median of its
+ring) and holds the profile's prices as a prior is in docs/prices.md ("What is measured"). The same
+samples give the same prices bit for bit (and tensor-parallel ranks adopt rank 0's,
+vllm/proposer.py).
 
-Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior
-(5, 20): a flat start then 0.6 forwards over 12 tokens: ``free`` near 5 and
-``marginal`` near 20.
+Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior (5, 20): a flat start then
+0.6 forwards over 12 tokens: ``free`` near 5 and ``marginal`` near 20.
 """
 
 from __future__ import annotations
@@ -36,42 +35,41 @@ RING = 32
 MIN_BUCKET_SAMPLES = 6
 # Buckets visited within this many observed steps enter the fit.
 MAX_AGE_STEPS = 4096
-# Token counts up to EXACT_TOKENS get a bucket each; past it buckets grow
-# geometrically by GROWTH up to MAX_TOKENS (larger counts share the last).
+# Token counts up to EXACT_TOKENS get a bucket each; past it buckets grow geometrically by GROWTH up
+# to MAX_TOKENS (larger counts share the last).
 EXACT_TOKENS = 64
 GROWTH = 1.0625
 MAX_TOKENS = 1 << 16
 NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
-# Prior strength: a price a factor of 2 from the prior costs as much as a
-# log-time residual of 0.5 on one sample. A full bucket's median scatters by
-# ~0.04 on a busy 2-core CPU, so noise alone does not move a price, while a real
-# slope does (17 tokens 60% dearer than 5 is ~0.5 per sample off a flat curve).
+# Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5
+# on one sample. A full bucket's median scatters by ~0.04 on a busy 2-core CPU, so noise alone does
+# not move a price, while a real slope does (17 tokens 60% dearer than 5 is ~0.5 per sample off a
+# flat curve).
 PRIOR_WEIGHT = 0.25
-# The candidate free-token counts: every count up to 16, then 25% apart up
-# to 4096. For each, the other prices have a closed form (a weighted least
-# squares), within these bounds.
+# The candidate free-token counts: every count up to 16, then 25% apart up to 4096. For each, the
+# other prices have a closed form (a weighted least squares), within these bounds.
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
 ROW_BOUNDS = (0.0, 1.0)
 CONTEXT_BOUNDS = (0.0, 2.0)
-# Widths of the normal priors (in forwards): a setup SETUP_WIDTH from its
-# prior costs as much as a token price a factor of 2 off.
+# Widths of the normal priors (in forwards): a setup SETUP_WIDTH from its prior costs as much as a
+# token price a factor of 2 off.
 SETUP_WIDTH = 0.25
 ROW_WIDTH = 0.1
 CONTEXT_WIDTH = 0.1
-# Drafted rows' context, in thousands of tokens: buckets CONTEXT_GROWTH wide
-# from CONTEXT_FIRST up (below it, one bucket).
+# Drafted rows' context, in thousands of tokens: buckets CONTEXT_GROWTH wide from CONTEXT_FIRST up
+# (below it, one bucket).
 CONTEXT_FIRST = 0.125
 CONTEXT_GROWTH = 1.25
 CONTEXT_BUCKETS = 48
 # The weight that holds a price the samples cannot tell (or one at its bound).
 HELD = 1e6
-# Buckets kept at once (each a ring of RING samples): memory stays bounded
-# whatever the mix of token and row counts.
+# Buckets kept at once (each a ring of RING samples): memory stays bounded whatever the mix of token
+# and row counts.
 MAX_BUCKETS = 512
-# Refit after this many new samples (a fit takes 10-25 ms at ~80 live buckets
-# on this 2-core CPU: ~0.3 ms a step).
+# Refit after this many new samples (a fit takes 10-25 ms at ~80 live buckets on this 2-core CPU:
+# ~0.3 ms a step).
 REFIT_EVERY = 64
 
 
@@ -122,8 +120,8 @@ class OnlinePrices:
                              f"and the context price in {list(CONTEXT_BOUNDS)}")
         self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
-        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in
-        # the arrays (at most MAX_BUCKETS; the least recently visited makes room).
+        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays
+        # (at most MAX_BUCKETS; the least recently visited makes room).
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
         # Per sample: scored tokens, rows, seconds, drafted rows' context (thousands of tokens).
@@ -137,10 +135,9 @@ class OnlinePrices:
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
 
     def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1, context: int = 0) -> bool:
-        """One pure decode step of ``rows`` requests that scored ``tokens``
-        tokens in ``seconds`` (``drafted``: it carried draft tokens, in rows
-        whose contexts sum to ``context`` tokens); True when the prices were
-        refitted (every :data:`REFIT_EVERY` samples)."""
+        """One pure decode step of ``rows`` requests that scored ``tokens`` tokens in ``seconds``
+        (``drafted``: it carried draft tokens, in rows whose contexts sum to ``context`` tokens);
+        True when the prices were refitted (every :data:`REFIT_EVERY` samples)."""
         if (tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds)
                 or not context >= 0):
             return False
@@ -175,9 +172,9 @@ class OnlinePrices:
         return b
 
     def buckets(self) -> tuple[np.ndarray, ...]:
-        """The buckets that enter the fit: median scored tokens, median rows,
-        median seconds, sample count, whether the steps were drafted and the
-        median drafted-row context (thousands of tokens), of each."""
+        """The buckets that enter the fit: median scored tokens, median rows, median seconds, sample
+        count, whether the steps were drafted and the median drafted-row context (thousands of
+        tokens), of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
         tokens, rows, seconds, context = _ring_median(self._samples[idx], n[idx]).T
@@ -186,9 +183,9 @@ class OnlinePrices:
     def fit(self) -> Prices:
         """The prices that best explain the live buckets, under the prior.
 
-        For every candidate ``free`` the other prices come in closed form
-        (:func:`_solve`); the best ``free`` (residuals plus its own prior) wins.
-        A price the samples cannot tell from ``t0`` is held at the prior."""
+        For every candidate ``free`` the other prices come in closed form (:func:`_solve`); the best
+        ``free`` (residuals plus its own prior) wins. A price the samples cannot tell from ``t0`` is
+        held at the prior."""
         tokens, rows, seconds, weight, drafted, context = self.buckets()
         if len(tokens) < 2:
             return self.prior
@@ -210,8 +207,8 @@ class OnlinePrices:
         xs[:, :, 2] = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])
         theta, sse = _solve(xs, seconds, weight, prior, strength, lower, upper)
         score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
-        # A degenerate candidate (non-finite, or no positive step time or token price) is never picked;
-        # where every one is, pricing stays as it was.
+        # A degenerate candidate (non-finite, or no positive step time or token price) is never
+        # picked; where every one is, pricing stays as it was.
         valid = np.isfinite(score) & np.isfinite(theta).all(axis=1) & (theta[:, 0] > 0) & (theta[:, 2] > 0)
         if not valid.any():
             return self.prices
@@ -225,19 +222,16 @@ class OnlinePrices:
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
            lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)``
-    on relative errors weighted by ``weight``: the row price ``c1``,
-    ``1 / marginal`` ``c2``, the setup ``c3`` and the context price ``c4``,
-    each pulled towards ``prior[j]`` with ``strength[j]`` (normal priors,
-    ``c2``'s log-normal) and kept within ``[lower, upper]``.
+    on relative errors weighted by ``weight``: the row price ``c1``, ``1 / marginal`` ``c2``, the
+    setup ``c3`` and the context price ``c4``, each pulled towards ``prior[j]`` with ``strength[j]``
+    (normal priors, ``c2``'s log-normal) and kept within ``[lower, upper]``.
 
-    Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a
-    pseudo-observation ``(theta_j - target_j * theta_0) / t0`` with the last
-    pass's ``t0`` (and ``c2``'s log-normal prior a normal one around the last
-    pass's ``c2``): three passes, each one batched least-squares solve of all
-    candidates (QR, the samples' rows reduced once); a price past its
-    bounds is held at the bound from the next pass on. Returns ``[F, 5]``
-    rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums of squared relative
-    residuals plus the priors' penalty on the prices they do not hold."""
+    Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a pseudo-observation ``(theta_j -
+    target_j * theta_0) / t0`` with the last pass's ``t0`` (and ``c2``'s log-normal prior a normal
+    one around the last pass's ``c2``): three passes, each one batched least-squares solve of all
+    candidates (QR, the samples' rows reduced once); a price past its bounds is held at the bound
+    from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums
+    of squared relative residuals plus the priors' penalty on the prices they do not hold."""
     f, k = x.shape[0], len(prior)
     sw = np.sqrt(weight) / seconds
     c = np.repeat(prior[None], f, axis=0)
@@ -245,8 +239,8 @@ def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.nda
     bound = np.zeros((f, k), bool)
     eye = np.zeros((k, k + 1))
     eye[np.arange(k), np.arange(1, k + 1)] = 1.0
-    # The samples' block is the same in every pass: reduce it once to its R (least squares on
-    # [R; pseudo] equals least squares on [samples; pseudo]), so each pass solves 5 + 4 rows.
+    # The samples' block is the same in every pass: reduce it once to its R (least squares on [R;
+    # pseudo] equals least squares on [samples; pseudo]), so each pass solves 5 + 4 rows.
     q0, r0 = np.linalg.qr(x * sw[None, :, None])
     rhs = np.concatenate([np.einsum("fnj,n->fj", q0, seconds * sw), np.zeros((f, k))], axis=1)
     for _ in range(3):

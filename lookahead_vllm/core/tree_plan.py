@@ -1,39 +1,32 @@
 """The planner: one engine step's draft math, over the whole batch.
 
-Every source and shape plans here; a chain is a tree whose node ``i`` has
-parent ``i - 1``. The draft index drafts every row's tree (or chain) with one ``draft_batch`` call
-(``tokens``/``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``,
-parents first); merged sources come as the same rows with their nodes'
-calibration kinds (``Drafter.draft``: core/drafter.py). Besides syncing,
-the proposer then:
+Every source and shape plans here; a chain is a tree whose node ``i`` has parent ``i - 1``. The
+draft index drafts every row's tree (or chain) with one ``draft_batch`` call (``tokens``/
+``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``, parents first); merged sources come
+as the same rows with their nodes' calibration kinds (``Drafter.draft``: core/drafter.py).
+Besides syncing, the proposer then:
 
-1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer
-   the scheduler verified (a prefix of it) with the tokens its row emitted
-   (the accepted nodes' tokens, then the bonus),
-   and :meth:`TreeOffers.observe` books the verified nodes into the
-   calibrator (``ConfidenceCalibrator.observe_trees``);
-2. **plans** this step's trees (:func:`plan_trees`): a row whose request may
-   not verify a tree keeps its best path as a chain (the heaviest child at every depth);
-   every node gets its calibration kind (``KIND_CONTEXT`` on the drafted
-   tree's leading chain, ``KIND_BRANCH`` off it) and
-   calibrated confidence (core/calibration.py); the batch keeps
-   the prefix of the merged draft-order heads that maximises the expected
-   tokens per forward, a node that opens an attention path priced as such,
-   a drafted step's setup once (core/budget.py);
-3. keeps what it handed out as the next :class:`StepDrafts` (the offers, with
-   the Jacobi windows that ride on them), which tree verification reads as one
-   :class:`TreeBatch` of the trees the scheduler kept (:meth:`StepDrafts.batch`).
+1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer the scheduler verified
+   (a prefix of it) with the tokens its row emitted (the accepted nodes' tokens, then the bonus),
+   and :meth:`TreeOffers.observe` books the verified nodes into the calibrator;
+2. **plans** this step's trees (:func:`plan_trees`): a row whose request may not verify a tree
+   keeps its best path as a chain (the heaviest child at every depth); every node gets its
+   calibration kind (``KIND_CONTEXT`` on the drafted tree's leading chain, ``KIND_BRANCH`` off it)
+   and calibrated confidence (core/calibration.py); the batch keeps the prefix of the merged
+   draft-order heads that maximises the expected tokens per forward, a node that opens an
+   attention path priced as such, a drafted step's setup once (core/budget.py);
+3. keeps what it handed out as the next :class:`StepDrafts` (the offers, with the Jacobi windows
+   that ride on them), which tree verification reads as one :class:`TreeBatch` of the trees the
+   scheduler kept (:meth:`StepDrafts.batch`).
 
-Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw
-confidences ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with
-factor 1 and no cost model, a budget of 2 keeps ``a, b`` (a chain: no plan),
-a budget of 3 all three (a tree: ``c`` opens a second path).
+Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw confidences
+``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with factor 1 and no cost model, a budget
+of 2 keeps ``a, b`` (a chain: no plan), a budget of 3 all three (a tree: ``c`` opens a second
+path).
 
-Each runs as one call into ``lookahead_vllm._draft_index``
-(csrc/draft_index/trees.cpp); tests hold the calls to the pure-Python
-reference ``lookahead_lab.reference.planner`` (built from its DraftTree, the
-calibration rule and the step allocation core/budget.py defines), confidences bit for
-bit.
+Each runs as one call into ``lookahead_vllm._draft_index`` (csrc/draft_index/trees.cpp); tests
+hold the calls to the pure-Python reference ``lookahead_lab.reference.planner``, confidences bit
+for bit.
 """
 
 from __future__ import annotations
@@ -54,10 +47,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TreeOffers:
-    """The drafts the planner handed out in one step, one row
-    per drafting request (a tree, or a chain where its request may not verify
-    one): booked against what verification accepted in the next step, then
-    replaced."""
+    """The drafts the planner handed out in one step, one row per drafting request (a tree, or a
+    chain where its request may not verify one): booked against what verification accepted in the
+    next step, then replaced."""
 
     slots: np.ndarray  # [D] int64 request slots, each at most once
     tokens: np.ndarray  # [D, W] int32 node tokens
@@ -75,19 +67,18 @@ class TreeOffers:
 
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This step's rows (``slots``; ``scheduled``: draft tokens the
-        scheduler verified; ``emitted``: the tokens each row emitted) against
-        the offers. Per row that verified part of its offer, in row order:
-        the offer's index and the nodes verified (at most the offer's
+        """This step's rows (``slots``; ``scheduled``: draft tokens the scheduler verified;
+        ``emitted``: the tokens each row emitted) against the offers. Per row that verified part of
+        its offer, in row order: the offer's index and the nodes verified (at most the offer's
         length); and ``hits [D, W]``: the verified nodes accepted."""
         return native.extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
                                               scheduled, emitted)
 
     def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
                 hits: np.ndarray) -> tuple[int, int]:
-        """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into
-        the calibrator (:meth:`match`'s results); returns how many accepted
-        nodes were context nodes and how many Jacobi pool nodes."""
+        """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into the calibrator
+        (:meth:`match`'s results); returns how many accepted nodes were context nodes and how many
+        Jacobi pool nodes."""
         calibrator.observe_trees(self.raw, self.kinds, hits, at, verified)
         return (int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT])),
                 int(np.count_nonzero(hits[self.kinds == KIND_POOL])))
@@ -96,14 +87,11 @@ class TreeOffers:
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeBatch:
     """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds
-    ``lengths[t]`` nodes, parents first (-1: the root), of which the first ``verify[t]`` may be
-    accepted and the rest are a Jacobi window's lookahead nodes (never accepted: their outputs
-    refill the window and its pool). A tree's nodes come in DFS order, so any prefix the
-    scheduler keeps is a tree; its rows are the root (the last committed token) and then its
-    nodes, each at the root's position plus its depth, seeing the root, its ancestors and itself.
-    Acceptance walks from the root: a reached row's target token is accepted where a child of
-    it carries the token, else it is the bonus (``lookahead_lab.reference.trees``: the same
-    as one object per request)."""
+    ``lengths[t]`` nodes in DFS order, parents first (-1: the root), of which the first
+    ``verify[t]`` may be accepted and the rest are a Jacobi window's lookahead nodes (never
+    accepted: their outputs refill the window and its pool). docs/how-it-works.md, "Tree
+    verification", has the forward; ``lookahead_lab.reference.trees`` the same as one object per
+    request."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
@@ -158,12 +146,12 @@ class TreeBatch:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StepDrafts:
-    """What one step handed out, as tree verification reads it in the next (the proposer's
-    only hand-over to ``tree_verify``): the planner's offers (booked against what the rows
-    emit), the offer row of each request that verifies a plan other than a chain, and the
-    Jacobi windows riding on offer rows (offer row -> the window's lookahead tokens in plan
-    order; one shape for every window: ``window`` columns, ``ngram``). Tree verification reads
-    the scheduled trees as one :class:`TreeBatch` (:meth:`batch`)."""
+    """What one step handed out, as tree verification reads it in the next (the proposer's only
+    hand-over to ``tree_verify``): the planner's offers (booked against what the rows emit), the
+    offer row of each request that verifies a plan other than a chain, and the Jacobi windows riding
+    on offer rows (offer row -> the window's lookahead tokens in plan order; one shape for every
+    window: ``window`` columns, ``ngram``). Tree verification reads the scheduled trees as one
+    :class:`TreeBatch` (:meth:`batch`)."""
 
     offers: TreeOffers
     rows: dict[str, int]
@@ -178,8 +166,8 @@ class StepDrafts:
     def batch(self, req_ids: Sequence[str], counts: np.ndarray) -> tuple[TreeBatch, np.ndarray]:
         """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first
         ``counts[i]`` nodes (what the scheduler kept), as one :class:`TreeBatch` (the offer's kept
-        nodes, then its window's lookahead nodes, parents as ``lookahead_parents``), and each
-        whole plan's nodes (more than ``counts[i]``: the scheduler cut it)."""
+        nodes, then its window's lookahead nodes, parents as ``lookahead_parents``), and each whole
+        plan's nodes (more than ``counts[i]``: the scheduler cut it)."""
         offers = self.offers
         d = np.fromiter(map(self.rows.__getitem__, req_ids), np.int64, len(req_ids))
         kept = offers.lengths[d]
@@ -188,7 +176,6 @@ class StepDrafts:
         nodes = len(next((a for a in ahead if a is not None), ()))
         full = kept + nodes * windowed
         width = max(1, int(full.max(initial=0)))
-        cols = np.arange(width)
         src = min(width, offers.tokens.shape[1])
         # The offers' cells past their kept nodes are overwritten by a window or cut below.
         tokens = np.zeros((len(d), width), np.int32)
@@ -201,7 +188,7 @@ class StepDrafts:
             base = np.asarray(lookahead_parents(self.window, self.ngram), np.int32)
             parents[w[:, None], at] = np.where(base >= 0, base + kept[w, None], -1)
         lengths = np.minimum(full, np.asarray(counts, np.int64))
-        within = cols < lengths[:, None]
+        within = np.arange(width) < lengths[:, None]
         trees = TreeBatch(np.where(within, tokens, 0).astype(np.int32),
                           np.where(within, parents, -1).astype(np.int32), lengths, np.minimum(kept, lengths))
         return trees, full
@@ -218,16 +205,14 @@ def plan_trees(
     slots: np.ndarray, out_rows: np.ndarray, num_out: int, kinds: np.ndarray | None = None,
     entry: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
-    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft
-    index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
-    ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With
-    ``kinds [R, W]`` given (merged sources: ``Drafter.draft``), the rows are
-    planned as they are, already cut to what their requests may verify.
-    ``entry [R]``: what a row pays, in forwards, once it keeps any node
-    (``ForwardCost.entry`` of its context; None: nothing).
-    Returns the offers (each row's kept prefix), the calibrated confidences
-    of the offered rows (cells past a row's length are unspecified) and the
-    ``num_out`` batch rows' drafts (``[]`` where none)."""
+    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft index's tree of
+    ``lengths[r]`` nodes for request ``slots[r]`` at batch row ``out_rows[r]``; ``tree_ok[r]``:
+    whether it may verify a tree. With ``kinds [R, W]`` given (merged sources: ``Drafter.draft``),
+    the rows are planned as they are, already cut to what their requests may verify. ``entry [R]``:
+    what a row pays, in forwards, once it keeps any node (``ForwardCost.entry`` of its context;
+    None: nothing). Returns the offers (each row's kept prefix), the calibrated confidences of the
+    offered rows (cells past a row's length are unspecified) and the ``num_out`` batch rows' drafts
+    (``[]`` where none)."""
     tok, par, conf, out_kinds, keep, calibrated, trees, drafts = native.extension().plan_trees(
         tokens, parents, raw, lengths, np.asarray(tree_ok, bool), calibrator.bin_edges, calibrator.factor_table(),
         -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),

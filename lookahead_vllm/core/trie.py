@@ -1,54 +1,44 @@
 """Global token trie of prompt and output n-grams (seed 000, section 4.3).
 
-One trie lives per engine and is shared by every request. A path from
-the (token-less) root is an n-gram; a node's counts say how many inserted
-windows pass through it:
+One trie lives per engine and is shared by every request. A path from the (token-less) root is an
+n-gram; a node's counts say how many inserted windows pass through it:
 
-  out     output count (float, decays on pruning): windows of generated text,
-          inserted on the fly every step, and warm-up text.
+  out     output count (float, decays on pruning): windows of generated text, inserted on the
+          fly every step, and warm-up text.
   prompt  per-request prompt counts ``{request slot: count}``: every window
-          ``P[i:i+branch_length]`` of a request's prompt, inserted on admission
-          and removed again ("eliminated") when the request finishes or aborts.
+          ``P[i:i+branch_length]`` of a request's prompt, inserted on admission and removed
+          again ("eliminated") when the request finishes or aborts.
 
-Retrieval matches the longest trailing context first (multi-stage matching),
-then picks the highest-weighted nodes below the match within the node budget;
-a chain tries the next shorter match while the match yields fewer than
-``min_retrieved_nodes`` nodes and keeps the largest draft; a tree keeps the
-longer matches' branches and adds shorter matches' below them (shared
-prefixes merged) until the budget is full (on the acceptance simulator this
-raised hier's mean accepted length by 2-7% at the same node budget)::
+Retrieval matches the longest trailing context first (multi-stage matching), then picks the
+highest-weighted nodes below the match within the node budget; a chain tries the next shorter
+match while the match yields fewer than ``min_retrieved_nodes`` nodes and keeps the largest
+draft; a tree keeps the longer matches' branches and adds shorter matches' below them (shared
+prefixes merged) until the budget is full::
 
     weight = prompt_weight * own_prompt + other_prompts + out
 
-Worked example (branch_length 4): after prompt ``a b c a b d`` the trie holds
-``a b c a``, ``b c a b``, ``c a b d``, ``a b d``, ``b d``, ``d``; the context
-``... a b`` matches ``a -> b`` whose children are ``c`` (1) and ``d`` (1), and
-``b`` alone matches ``b -> c, d``.
+Worked example (branch_length 4): after prompt ``a b c a b d`` the trie holds ``a b c a``,
+``b c a b``, ``c a b d``, ``a b d``, ``b d``, ``d``; the context ``... a b`` matches ``a -> b``
+whose children are ``c`` (1) and ``d`` (1), and ``b`` alone matches ``b -> c, d``.
 
-When the node count exceeds ``trie_capacity`` the trie decays output counts by
-half, drops nodes whose weight fell below one, and if still too large drops the
-lightest leaves until it is at 75% of capacity.
+When the node count exceeds ``trie_capacity`` the trie decays output counts by half, drops nodes
+whose weight fell below one, and if still too large drops the lightest leaves until it is at 75%
+of capacity.
 
-Each request's record also holds its *context chain* (profile
-``context_match`` = ``m``): the tokens that followed the latest of the
-``RECENT_OCCURRENCES`` (8) earlier occurrences of its last ``m`` tokens whose
-match extends furthest backwards (at most 32 tokens); where they run into the
-sequence's end the text is periodic and the chain repeats the period. A match
-of ``l`` tokens drafts at confidence ``(l / (l + 1)) ** depth`` (Laplace's
-rule). It leads a request's draft where the index has none: the trie cuts
-branches at ``branch_length`` tokens, so a long repeat of the request's own
-text (a signature reused, a question quoted) drafts better from it. Example
-(``m = 2``): ``a b c d x a b`` ends with ``a b``, seen at 0..1 and followed by
-``c d x a b``: the chain is ``c d x a`` for a budget of 4.
+Each request's record also holds its *context chain* (profile ``context_match`` = ``m``): the
+tokens that followed the latest of the ``RECENT_OCCURRENCES`` (8) earlier occurrences of its last
+``m`` tokens whose match extends furthest backwards (at most 32 tokens); where they run into the
+sequence's end the text is periodic and the chain repeats the period. A match of ``l`` tokens
+drafts at confidence ``(l / (l + 1)) ** depth`` (Laplace's rule). It leads a request's draft where
+the index has none: the trie cuts branches at ``branch_length`` tokens, so a long repeat of the
+request's own text (a signature reused, a question quoted) drafts better from it. Example
+(``m = 2``): ``a b c d x a b`` ends with ``a b``, seen at 0..1 and followed by ``c d x a b``: the
+chain is ``c d x a`` for a budget of 4.
 
-The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``),
-which keeps each request's record by the caller's slot: a step's admissions,
-new tokens and rewinds in one ``sync`` call, its rows' trees in one
-``retrieve_slots`` call, its context chains in one ``context_slots`` call
-(made of the native core's calls by record handle, which tests drive through
-``lookahead_lab.reference.trie.native_trie``). The pure-Python reference
-tests hold it to is ``lookahead_lab.reference.trie`` (the slot methods:
-``lookahead_lab.reference``'s trie core).
+The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``), which keeps each
+request's record by the caller's slot: per step one ``sync``, one ``retrieve_slots`` and one
+``context_slots`` call. Tests hold it to ``lookahead_lab.reference.trie`` (its record-handle calls
+through ``lookahead_lab.reference.trie.native_trie``).
 """
 
 from __future__ import annotations
@@ -68,24 +58,19 @@ class NativeTrie:
         self.config = config
         self._core = core
 
-    @property
-    def num_nodes(self) -> int:
-        return self._core.num_nodes
-
-    @property
-    def num_bytes(self) -> int:
-        return self._core.memory_bytes()
+    num_nodes = property(lambda self: self._core.num_nodes)
+    num_bytes = property(lambda self: self._core.memory_bytes())
+    num_slots = property(lambda self: self._core.num_slots)
+    num_slot_contexts = property(lambda self: self._core.num_slot_contexts)
 
     def insert_output(self, tokens: Sequence[int]) -> None:
         self._core.insert_output(tokens)
 
-    # The engine's requests by the caller's slot, each with one native record (its handle and
-    # the tokens it inserted): a step's admissions, new tokens and rewinds in one ``sync`` call.
     def sync(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
              prompt_lens: np.ndarray, partitions: np.ndarray | None = None) -> int:
         """Row ``i``: slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]`` (the first
-        ``prompt_lens[i]`` its prompt), in ``partitions[i]`` (only the default partition's
-        requests feed and draft from the shared trie); returns how many were rewound."""
+        ``prompt_lens[i]`` its prompt), in ``partitions[i]`` (only the default partition's requests
+        feed and draft from the shared trie); returns how many were rewound."""
         return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions)
 
     def finish_slot(self, slot: int) -> None:
@@ -105,14 +90,6 @@ class NativeTrie:
     def slot_context_length(self, slot: int) -> int:
         """Tokens in the slot's context chain (-1: it has none)."""
         return self._core.slot_context_length(slot)
-
-    @property
-    def num_slots(self) -> int:
-        return self._core.num_slots
-
-    @property
-    def num_slot_contexts(self) -> int:
-        return self._core.num_slot_contexts
 
     def output_counts(self) -> tuple[list[int], list[int], list[float]]:
         return self._core.output_counts()

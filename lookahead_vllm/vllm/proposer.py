@@ -1,19 +1,14 @@
 """``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
 
-Per step, for the rows that just sampled: book last step's drafts, one
-``Drafter.sync`` (appends every committed token not yet seen, so it is robust
-to steps in which vLLM skipped drafting, and re-indexes rewound requests), one
-``Drafter.draft`` and one ``plan_trees`` call for the whole batch, then the
-Jacobi windows that pay (docs/how-it-works.md, "The drafting pipeline"). vLLM
-gets each row's best chain (``draft_shape="one"``) or its whole tree flattened
-parent-first; what a step handed out is one :class:`StepDrafts`
-(``handed_out``), from which ``tree_verify`` reads each tree's plan and the
-next step books the drafts.
+Per step, for the rows that just sampled: book last step's drafts, one ``Drafter.sync`` (every
+committed token not yet seen: robust to steps vLLM skipped drafting, and to rewinds), one
+``Drafter.draft`` and one ``plan_trees`` call for the whole batch, then the Jacobi windows that pay
+(docs/how-it-works.md, "The drafting pipeline"). What a step handed out is one :class:`StepDrafts`
+(``handed_out``): ``tree_verify`` reads each tree's plan from it, the next step books it.
 
-A request's drafting state is one :class:`RequestState`, dropped in one place
-(``finish``); a rewind (preemption) keeps its options. The proposer checks
-(``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine`
-applies the worker's patches (``patches`` imports this module, never the reverse).
+A request's drafting state is one :class:`RequestState`, dropped in one place (``finish``). The
+proposer checks (``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine` applies
+the worker's patches (``patches`` imports this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -48,9 +43,9 @@ logger = init_logger(__name__)
 
 @dataclass(slots=True)
 class ProposerStats:
-    """Counters for benchmarks and tests. Steps, draft tokens and drafter time
-    are counted once, in the :class:`metrics.StepStats` the server publishes
-    (``step``); :meth:`counters` reads them from there."""
+    """Counters for benchmarks and tests. Steps, draft tokens and drafter time are counted once, in
+    the :class:`metrics.StepStats` the server publishes (``step``); :meth:`counters` reads them from
+    there."""
 
     step: metrics.StepStats = field(default_factory=metrics.StepStats, repr=False)
     # Request-steps that were given a (possibly empty) draft.
@@ -59,29 +54,28 @@ class ProposerStats:
     rewinds: int = 0
     # Largest number of draft tokens handed out in one step (whole batch).
     max_step_draft_tokens: int = 0
-    # Tree verification: request-steps verified as trees, their draft nodes,
-    # tokens emitted (accepted + bonus), and accepted nodes that were not on
-    # the leading chain (what chain verification could not have accepted).
+    # Tree verification: request-steps verified as trees, their draft nodes, tokens emitted
+    # (accepted + bonus), and accepted nodes that were not on the leading chain (what chain
+    # verification could not have accepted).
     tree_request_steps: int = 0
     tree_nodes: int = 0
     tree_tokens: int = 0
     tree_off_chain_accepts: int = 0
     # Trees the scheduler cut to a prefix (token budget / max_model_len).
     tree_truncated: int = 0
-    # Jacobi lookahead: request-steps that carried the window, its nodes,
-    # n-grams added to the pools, pool branches offered for verification and
-    # accepted tokens that came from pool nodes.
+    # Jacobi lookahead: request-steps that carried the window (its nodes: times the profile's
+    # jacobi_nodes), n-grams added to the pools, pool branches offered for verification and accepted
+    # tokens that came from pool nodes.
     jacobi_steps: int = 0
-    jacobi_nodes: int = 0
     pool_ngrams_added: int = 0
     pool_branches: int = 0
     pool_accepted_tokens: int = 0
-    # Context match: request-steps whose draft led with a context chain, and
-    # accepted tokens that came from context chains.
+    # Context match: request-steps whose draft led with a context chain, and accepted tokens that
+    # came from context chains.
     context_drafts: int = 0
     context_accepted_tokens: int = 0
-    # Uniform steps (profile uniform_steps): steps whose rows were filled to
-    # exactly k draft tokens, and the tokens added past the planned drafts.
+    # Uniform steps (profile uniform_steps): steps whose rows were filled to exactly k draft tokens,
+    # and the tokens added past the planned drafts.
     uniform_steps: int = 0
     fill_tokens: int = 0
 
@@ -95,33 +89,30 @@ class ProposerStats:
     def as_dict(self) -> dict[str, float]:
         c = self.counters()
         ms = c["propose_ns"] / 1e6
-        return {
-            **{k: c[k] for k in ("steps", "request_steps", "draft_tokens", "max_step_draft_tokens")},
-            "drafter_ms_per_step": ms / (c["steps"] or 1),
-            "drafter_ms_per_request_step": ms / (c["request_steps"] or 1),
-            "tree_request_steps": c["tree_request_steps"],
-            "tree_tokens_per_request_step": c["tree_tokens"] / (c["tree_request_steps"] or 1),
-            **{k: c[k] for k in ("tree_off_chain_accepts", "jacobi_steps", "pool_ngrams_added", "pool_branches",
-                                 "pool_accepted_tokens", "context_drafts", "context_accepted_tokens")},
-        }
+        return {**{k: c[k] for k in ("steps", "request_steps", "draft_tokens", "max_step_draft_tokens")},
+                "drafter_ms_per_step": ms / (c["steps"] or 1),
+                "drafter_ms_per_request_step": ms / (c["request_steps"] or 1),
+                "tree_request_steps": c["tree_request_steps"],
+                "tree_tokens_per_request_step": c["tree_tokens"] / (c["tree_request_steps"] or 1),
+                **{k: c[k] for k in ("tree_off_chain_accepts", "jacobi_steps", "pool_ngrams_added", "pool_branches",
+                                     "pool_accepted_tokens", "context_drafts", "context_accepted_tokens")}}
 
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """Everything the proposer keeps for one running request (compared by
-    identity: a step looks its states up in bulk, ``None in states``)."""
+    """Everything the proposer keeps for one running request (compared by identity: a step looks its
+    states up in bulk, ``None in states``)."""
 
     # The request's id in the Drafter (its index slot).
     slot: int
-    # Per-request draft cap from extra_args (None = none; 0 = off). Kept
-    # across rewinds: it is the request's option, not drafting state.
+    # Per-request draft cap from extra_args (None = none; 0 = off). Kept across rewinds: it is the
+    # request's option, not drafting state.
     cap: int | None = None
-    # Its draft index partition (its cache_salt's: Drafter.partition; a
-    # request made without the runner's new-request hook: that of no salt).
-    # Kept across rewinds, like the cap.
+    # Its draft index partition (its cache_salt's: Drafter.partition; a request made without the
+    # runner's new-request hook: that of no salt). Kept across rewinds, like the cap.
     partition: int = 0
-    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable;
-    # None until the runner knows the request). Fixed for its lifetime.
+    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable; None until the runner
+    # knows the request). Fixed for its lifetime.
     verifiable: bool | None = None
 
 
@@ -130,37 +121,34 @@ _SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgette
 # A step in which no row drafts: its (empty) draft rows, lengths and offers.
 _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np.int64), TreeOffers.none()
 
-# The drafter's memory gauges are refreshed every this many steps (and on
-# the first): the native estimate visits every sequence the index holds, up
-# to thousands with a full corpus, which a step need not pay for.
+# The drafter's memory gauges are refreshed every this many steps (and on the first): the native
+# estimate visits every sequence the index holds, up to thousands with a full corpus, which a step
+# need not pay for.
 MEMORY_GAUGE_EVERY = 16
 
 
 def graph_tokens(vllm_config: Any) -> int:
     """The most tokens one step runs inside a captured CUDA graph (0 where none are captured)."""
     compilation = getattr(vllm_config, "compilation_config", None)
-    model = getattr(vllm_config, "model_config", None)
-    if compilation is None or getattr(model, "enforce_eager", True):
-        return 0
     mode = getattr(compilation, "cudagraph_mode", None)
-    if mode is None or str(getattr(mode, "name", mode)).upper() == "NONE":
+    eager = getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True)
+    if eager or mode is None or str(getattr(mode, "name", mode)).upper() == "NONE":
         return 0
     return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
 
 
 def full_graph_tokens(vllm_config: Any, k: int) -> int:
-    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a
-    full CUDA graph (0 where the engine captures none: no graphs, or piecewise only, as tree
-    verification makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and
-    drops those past the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``),
-    after this proposer is built: the same rounding here."""
+    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a full
+    CUDA graph (0 where the engine captures none: no graphs, or piecewise only, as tree verification
+    makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and drops those past
+    the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), after this proposer
+    is built: the same rounding here."""
     return max(_full_graph_sizes(vllm_config, k), default=0)
 
 
 def _full_graph_sizes(vllm_config: Any, k: int) -> list[int]:
-    """The token counts of the engine's full CUDA graphs as vLLM 0.32 captures them with k draft
-    tokens (capture sizes rounded up to multiples of 1 + k, none past the largest; [] where it
-    captures no full graph)."""
+    """The token counts of the engine's full CUDA graphs with k draft tokens, ascending
+    (:func:`full_graph_tokens`; [] where it captures none)."""
     largest = graph_tokens(vllm_config)
     compilation = vllm_config.compilation_config if largest else None
     mode = getattr(compilation, "cudagraph_mode", None)
@@ -172,8 +160,8 @@ def _full_graph_sizes(vllm_config: Any, k: int) -> list[int]:
 
 
 def draftless_graph_rows(vllm_config: Any, k: int) -> int:
-    """The most rows a draftless step (one token a row) may hold and replay a full CUDA graph of
-    its own (patches.draftless_graphs captures one per full-graph size that is no more than
+    """The most rows a draftless step (one token a row) may hold and replay a full CUDA graph of its
+    own (patches.draftless_graphs captures one per full-graph size that is no more than
     max_num_seqs): the largest such size, or 0."""
     max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 0)
     return max((s for s in _full_graph_sizes(vllm_config, k) if s <= max_rows), default=0)
@@ -190,19 +178,17 @@ def separate_decode_graphs(vllm_config: Any) -> bool:
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
-    # Applies the patches the worker needs for these settings, or raises
-    # naming them: the plugin sets it (patches.prepare_engine) in every
-    # process. None: no plugin registered, which only an engine-free proposer
-    # (no model runner to patch, lab/standalone.py) may run without.
+    # Applies the patches the worker needs for these settings, or raises naming them: the plugin
+    # sets it (patches.prepare_engine) in every process. None: no plugin registered, which only an
+    # engine-free proposer (no model runner to patch, lab/standalone.py) may run without.
     prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         # Resolved once where the engine's config was built, carried in it.
         self.config = engine_settings(vllm_config)
-        # Before any step: the patches this worker needs (applied, or the
-        # engine refuses naming them); version, tree settings, CUDA graphs
-        # checked; the kernels loaded.
+        # Before any step: the patches this worker needs (applied, or the engine refuses naming
+        # them); version, tree settings, CUDA graphs checked; the kernels loaded.
         if self.prepare_engine is not None:
             self.prepare_engine(self.config)
         elif isinstance(vllm_config, VllmConfig):
@@ -210,8 +196,8 @@ class LookaheadProposer:
                                "(vLLM's general plugin 'lookahead'; VLLM_PLUGINS, if set, must name it)")
         guards.check_engine_start(vllm_config, self.config)
         self.tree_mode = guards.is_tree_mode(self.config)
-        # Read once, not every step: the sources (the index alone drafts through one call) and
-        # the draft trace's directory ($LOOKAHEAD_DRAFT_TRACE_DIR; None: no trace).
+        # Read once, not every step: the sources (the index alone drafts through one call) and the
+        # draft trace's directory ($LOOKAHEAD_DRAFT_TRACE_DIR; None: no trace).
         self._index_only = self.config.sources == ("index",)
         self._uses_jacobi = self.config.uses_jacobi
         self._trace_dir = draft_trace.directory()
@@ -223,10 +209,8 @@ class LookaheadProposer:
 
                 la_cuda.prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
-        # The largest step CUDA graphs cover (0: no graphs, as on the CPU). On an H200 a step
-        # past it ran eager at 2-3x the time of one inside it (benchmarks/results/gpu_h200.json,
-        # cost part): drafts stop short of it. With full graphs vLLM rounds every capture size to
-        # a multiple of 1 + k (full_graph_tokens), piecewise ones too.
+        # The largest step CUDA graphs cover (0: none, as on the CPU): drafts stop short of it (past
+        # it an H200 step ran eager at 2-3x the time, benchmarks/results/gpu_h200.json).
         full = full_graph_tokens(vllm_config, self.k)
         self._graph_tokens = full or graph_tokens(vllm_config)
         self._input_batch: Any = None
@@ -246,27 +230,23 @@ class LookaheadProposer:
         # One line per interval from tensor-parallel rank 0 (every rank drafts the same tokens).
         self._interval_log = metrics.IntervalLogger(
             logger, float(envs.VLLM_LOG_STATS_INTERVAL) if metrics.tp_rank() == 0 else float("inf"))
-        # Tree verification's state in this worker (tree_verify.TreeVerifier):
-        # the runner patches and the attention wrapper reach it from here.
+        # Tree verification's state in this worker (tree_verify.TreeVerifier): the runner patches
+        # and the attention wrapper reach it from here.
         self.verifier = TreeVerifier()
-        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA
-        # graph; vLLM runs any other step piecewise (0: fill nothing). Only where decode steps
-        # have graphs of their own (FULL_AND_PIECEWISE, FULL_DECODE_ONLY): with cudagraph_mode
-        # FULL every step up to the largest size replays one, ragged or not. Chains only: tree
-        # verification makes the engine's graphs piecewise.
+        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph,
+        # any other runs piecewise (0: fill nothing; docs/gpu.md, uniform steps). Only where decode
+        # steps have graphs of their own (separate_decode_graphs), chains only.
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
         # Draftless steps of up to this many rows replay full graphs of their own (profile
-        # draftless_graphs; patches.draftless_graphs captures them; 0: none). Then a step is
-        # either filled to k a row or sent no draft at all, never ragged: where the filled step
-        # is not expected to pay (_fill_pays), or where rows x (1 + k) pass the largest graph,
-        # nothing is drafted.
+        # draftless_graphs, captured by patches.draftless_graphs; 0: none): a step is then filled to
+        # k a row or sent no draft, never ragged (_fill_pays, _ragged_only).
         self.draftless_rows = (draftless_graph_rows(vllm_config, self.k)
                                if self._uniform_tokens and self.config.profile.draftless_graphs else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
-        # Token prices fitted to this engine's own step times (core/prices.py),
-        # unless the configuration pins them or turns the cost model off.
+        # Token prices fitted to this engine's own step times (core/prices.py), unless the
+        # configuration pins them or turns the cost model off.
         p = self.config.profile
         self.prices = (None if prices_pinned(self.config)
                        else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price,
@@ -277,8 +257,8 @@ class LookaheadProposer:
         # Draft tokens vLLM scheduled per request this step (on_step).
         self._scheduled: dict[str, list[int]] = {}
         logger.info("lookahead proposer ready: %s", self.config)
-        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot
-        # is written again when the engine shuts down (patch runner_shutdown, applied by
+        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot is
+        # written again when the engine shuts down (patch runner_shutdown, applied by
         # prepare_engine: close()), else at exit.
         self._persistence = persistence.Persistence(
             self.config, vllm_config.model_config,
@@ -290,10 +270,10 @@ class LookaheadProposer:
             persistence.close_at_exit(self)
 
     def _agree_on_what_was_learned(self) -> None:
-        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so
-        the ranks must start from the same state. A snapshot or warm-start file that one rank
-        could not read (a passing I/O error, its tokenizer failing) would leave them apart: then
-        every rank starts cold and writes no snapshot (keeping the file)."""
+        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so the
+        ranks must start from the same state. A snapshot or warm-start file that one rank could not
+        read (a passing I/O error, its tokenizer failing) would leave them apart: then every rank
+        starts cold and writes no snapshot (keeping the file)."""
         trie = self.drafter.trie
         learned = (sorted(self._persistence.learned.items()), self.drafter.partition_stats(),
                    0 if trie is None else trie.num_nodes)
@@ -324,11 +304,10 @@ class LookaheadProposer:
         self.metrics.draftless_steps += 1
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
-        """The last step's time (its start to this one's) becomes a price
-        sample if it was a pure decode step and the engine did not idle in
-        between (this step continues a request the last one ran). Draftless
-        steps run the plain sampler path and are cheaper by a fixed amount:
-        the fit learns that amount as the draft setup (core/prices.py)."""
+        """The last step's time (its start to this one's) becomes a price sample if it was a pure
+        decode step and the engine did not idle in between (this step continues a request the last
+        one ran). Draftless steps run the plain sampler path and are cheaper by a fixed amount: the
+        fit learns that amount as the draft setup (core/prices.py)."""
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
@@ -336,10 +315,9 @@ class LookaheadProposer:
             self._adopt_prices()
 
     def _adopt_prices(self) -> None:
-        """Price the next steps with the new fit; tensor-parallel ranks take
-        rank 0's, so every rank drafts the same tokens (a refit falls on the
-        same step everywhere: the samples' count depends on the schedule
-        alone)."""
+        """Price the next steps with the new fit; tensor-parallel ranks take rank 0's, so every rank
+        drafts the same tokens (a refit falls on the same step everywhere: the samples' count
+        depends on the schedule alone)."""
         fit = self.prices.prices
         free, marginal, setup, row, context = _shared_across_ranks(
             (fit.free_tokens, fit.marginal_tokens, fit.draft_setup, fit.row_price, fit.context_price))
@@ -347,18 +325,19 @@ class LookaheadProposer:
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
-        """Create the states of newly admitted requests with their options
-        (``extra_args``, validated when the request was made; a request whose options
-        fail here, changed after that, is logged and drafts nothing, rather than stopping
-        the engine). A request that samples with a seed drafts nothing unless it enables
-        lookahead itself (core/request_options.py): its text is then plain vLLM's for the seed.
-        A prompt given as embeddings drafts nothing: vLLM leaves its positions of the
-        token table unwritten (they hold an earlier request's tokens) or writes placeholders."""
+        """Create the states of newly admitted requests with their options (``extra_args``,
+        validated when the request was made; a request whose options fail here, changed after that,
+        is logged and drafts nothing, rather than stopping the engine). A request that samples with
+        a seed drafts nothing unless it enables lookahead itself (core/request_options.py): its text
+        is then plain vLLM's for the seed. A prompt given as embeddings drafts nothing: vLLM leaves
+        its positions of the token table unwritten (they hold an earlier request's tokens) or writes
+        placeholders."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
+            seeded = getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED  # temperature > 0, seed set
             try:
-                st.cap = draft_cap(params.extra_args, _seeded(params)) if params is not None else None
+                st.cap = draft_cap(params.extra_args, seeded) if params is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
                 st.cap = 0
@@ -379,9 +358,9 @@ class LookaheadProposer:
         return st
 
     def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list[int | None]]:
-        """The rows' states (created for requests not seen yet), slots, partitions and caps,
-        kept while the batch holds the same requests in the same order and no state was made,
-        changed or dropped (``_rows_version``)."""
+        """The rows' states (created for requests not seen yet), slots, partitions and caps, kept
+        while the batch holds the same requests in the same order and no state was made, changed or
+        dropped (``_rows_version``)."""
         cached = self._rows_cache
         if cached is not None and cached[0] == self._rows_version and cached[1] == req_ids:
             return cached[2]
@@ -408,37 +387,34 @@ class LookaheadProposer:
 
     def num_request_states(self) -> int:
         """Requests holding drafting state (0 once the engine drained). A request's state is its
-        ``RequestState``: the Drafter's slot record is made and dropped only through it (sync, finish)."""
+        ``RequestState``: the Drafter's slot record is made and dropped only through it (sync,
+        finish)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
-        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no
-        more than keeps the step's scored tokens within the largest CUDA graph."""
-        budget = self.config.profile.step_draft_budget or None
-        if self._graph_tokens > num_rows:
-            room = self._graph_tokens - num_rows
-            budget = room if budget is None else min(budget, room)
-        return budget
+        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no more
+        than keeps the step's scored tokens within the largest CUDA graph."""
+        room = max(0, self._graph_tokens - num_rows)
+        return min((cap for cap in (self.config.profile.step_draft_budget, room) if cap), default=None)
 
     def reset(self) -> None:
-        """Forget everything learned: a fresh Drafter, calibration and window
-        policy (benchmarks' cold start). Running requests keep their options
-        and partitions (numbered afresh where none runs: tensor-parallel ranks that reset at start
-        number alike), and are indexed anew on their next step."""
+        """Forget everything learned: a fresh Drafter, calibration and window policy (benchmarks'
+        cold start). Running requests keep their options and partitions (numbered afresh where none
+        runs: tensor-parallel ranks that reset at start number alike), and are indexed anew on their
+        next step."""
         old = getattr(self, "drafter", None)
         running = old is not None and bool(getattr(self, "_states", None))
         self.drafter = Drafter(self.config, old.partitions if running else None)
-        # Draft confidences calibrated from what verification accepted
-        # (core/calibration.py; raw ones, a calibrator that never learns,
-        # where the profile turns calibration off).
+        # Draft confidences calibrated from what verification accepted (core/calibration.py; raw
+        # ones, a calibrator that never learns, where the profile turns calibration off).
         self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
-        # The drafts handed out last step, as tree verification reads them and the next step
-        # books them (core/tree_plan.py).
+        # The drafts handed out last step, as tree verification reads them and the next step books
+        # them (core/tree_plan.py).
         self.handed_out = StepDrafts.none()
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
-        """Learn past responses (token ids) before serving: they join the
-        draft index's corpus (and the trie's output counts)."""
+        """Learn past responses (token ids) before serving: they join the draft index's corpus (and
+        the trie's output counts)."""
         for tokens in texts:
             self.drafter.warm(tokens)
 
@@ -448,9 +424,9 @@ class LookaheadProposer:
             self._persistence.save(self.drafter)
 
     def close(self) -> None:
-        """Engine shutdown: write the snapshot (``snapshot_path``) once. The
-        requests still held finish first (the last step's finished ids reach
-        the proposer only with the next step), so their outputs are in it."""
+        """Engine shutdown: write the snapshot (``snapshot_path``) once. The requests still held
+        finish first (the last step's finished ids reach the proposer only with the next step), so
+        their outputs are in it."""
         keeper = getattr(self, "_persistence", None)
         if keeper is None or keeper.closed:
             return
@@ -501,38 +477,28 @@ class LookaheadProposer:
 
     def _budgets(self, num_tokens: np.ndarray, caps: list[int | None], batch: Any
                  ) -> tuple[np.ndarray, dict[str, int], int]:
-        """Per row its draft budget: load adaptation (core/load.py), the
-        cost model (no draft can pay at this many rows: ForwardCost.draft_pays),
-        the request's cap, the room left before max_model_len; and the rows
-        skipped (by load, by cost, by their request's cap)."""
+        """Per row its draft budget: load adaptation (core/load.py), the cost model (no draft can
+        pay at this many rows: ForwardCost.draft_pays), the request's cap, the room left before
+        max_model_len; and the rows skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
         if (load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens))
                 or self._ragged_only(len(num_tokens))):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
-        budgets = np.minimum(load_budget, self.max_model_len - np.asarray(num_tokens, np.int64) - 1)
-        if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
-            return budgets, skipped, load_budget
-        for j, cap in enumerate(caps):
-            if cap is not None:
-                budgets[j] = min(budgets[j], cap)
-                skipped["request"] += cap == 0
-        return budgets, skipped, load_budget
+        skipped["request"] = caps.count(0)
+        return np.minimum(load_budget, self._room(num_tokens, caps)), skipped, load_budget
 
     def _ragged_only(self, num_rows: int) -> bool:
-        """Whether any draft would make this step ragged while a draftless one replays a full
-        graph: with draftless graphs, a step whose rows x (1 + k) pass the largest uniform graph."""
+        """Whether any draft would make this step ragged while a draftless one replays a full graph:
+        with draftless graphs, a step whose rows x (1 + k) pass the largest uniform graph."""
         return 0 < num_rows <= self.draftless_rows and num_rows * (1 + self.k) > self._uniform_tokens
 
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
                         ) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """Book last step's drafts, sync, and draft: the batch's drafts as
-        rows of one array (a chain unless the request may verify a tree),
-        calibrated and cut by the forward-cost model, extra attention paths
-        priced, in one :func:`plan_trees` call (core/tree_plan.py); then the
-        Jacobi windows that pay."""
+        """Book last step's drafts, sync, draft and plan the batch's rows in one :func:`plan_trees`
+        call (a chain unless the request may verify a tree); then the Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         if len(rows) == num_out:  # every row (the usual step): no per-row gathering in Python
@@ -541,13 +507,11 @@ class LookaheadProposer:
             row_list = rows.tolist()
             req_ids, emitted = [batch.req_ids[i] for i in row_list], [sampled_token_ids[i] for i in row_list]
         states, slots, partitions, caps = self._rows_of(req_ids)
-        num_tokens = num_tokens_no_spec[rows]
+        num_tokens, prompt_lens = num_tokens_no_spec[rows], batch.num_prompt_tokens[rows]
         self._book_trees(slots, req_ids, emitted)
-        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, batch.num_prompt_tokens[rows],
-                                                partitions)
+        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, prompt_lens, partitions)
         if self._uses_jacobi:
-            self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens,
-                                batch.num_prompt_tokens[rows])
+            self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens, prompt_lens)
         budgets, skipped, load_budget = self._budgets(num_tokens, caps, batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
@@ -587,22 +551,20 @@ class LookaheadProposer:
         return drafts, len(rows), skipped, load_budget
 
     def _room(self, num_tokens: np.ndarray, caps: list[int | None]) -> np.ndarray:
-        """Per drafting row, the draft nodes it may carry in all (a Jacobi window's included):
-        what fits before max_model_len, and no more than its request's own cap."""
-        room = self.max_model_len - 1 - num_tokens
-        if caps.count(None) == len(caps):
+        """Per row, the draft nodes it may carry in all (a Jacobi window's included): what fits
+        before max_model_len, and no more than its request's own cap."""
+        room = self.max_model_len - 1 - np.asarray(num_tokens, np.int64)
+        if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
             return room
-        return np.minimum(room, [room[j] if cap is None else cap for j, cap in enumerate(caps)])
+        return np.minimum(room, [r if cap is None else cap for r, cap in zip(room.tolist(), caps)])
 
     def _fill_pays(self, cost: ForwardCost, num_rows: int, calibrated: np.ndarray, lens: np.ndarray,
                    entry: np.ndarray | None) -> bool:
         """With draftless graphs, whether this step filled to k tokens a row is expected to emit
-        more tokens per unit of time than a draftless one: ``(rows + gain) / (cost.drafted(rows
-        * (1 + k)) + entries) > rows / cost(rows)``, ``gain`` the calibrated confidences of every
-        drafting row's draft up to k nodes (``calibrated``, ``lens``: the planner's; a fill's
-        repeated last token counts nothing), ``entries`` what the rows with a draft pay; ``cost``:
-        the step's model (``ForwardCost.at_rows``). With the cost model off (no token prices) a
-        fill pays whenever any row drafted."""
+        more tokens per unit of time than a draftless one (``cost``: the step's model): ``(rows +
+        gain) / (cost.drafted(rows * (1 + k)) + entries) > rows / cost(rows)``, ``gain`` the
+        calibrated confidences of the planned drafts up to k nodes (a fill's repeated token counts
+        nothing), ``entries`` what the rows with a draft pay. With no token prices: any draft."""
         within = np.arange(calibrated.shape[1]) < np.minimum(lens, self.k)[:, None]
         gain = float(np.where(within, calibrated, 0.0).sum())
         if not cost.free_tokens:
@@ -623,9 +585,9 @@ class LookaheadProposer:
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
         """Fill every row's chain to exactly k tokens (in place; the step passed :meth:`_can_fill`).
-        A row's fill is its draft's unplanned continuation (``tok[j, :lens[j]]``, which the
-        planned chain is a prefix of), then its last token repeated. Verification keeps the
-        output identical; the booking reads only the planned part (``TreeOffers.match``)."""
+        A row's fill is its draft's unplanned continuation (``tok[j, :lens[j]]``, which the planned
+        chain is a prefix of), then its last token repeated. Verification keeps the output
+        identical; the booking reads only the planned part (``TreeOffers.match``)."""
         k = self.k
         raw = {int(r): tok[j, :lens[j]] for j, r in enumerate(drafted_rows.tolist())}
         added = 0
@@ -645,10 +607,9 @@ class LookaheadProposer:
     def _merged_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The drafting rows' trees from every source as :func:`plan_trees`
-        rows with their nodes' calibration kinds (``Drafter.draft``: the
-        index's or the context chain, then the trie's, then the Jacobi pool's
-        branches keyed by the row's last token, cut to the best path where
+        """The drafting rows' trees from every source as :func:`plan_trees` rows with their nodes'
+        calibration kinds (``Drafter.draft``: the index's or the context chain, then the trie's,
+        then the Jacobi pool's branches keyed by the row's last token, cut to the best path where
         the request may not verify a tree)."""
         contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
                                       self.config.profile.max_match_length) if self.drafter.trie is not None else None)
@@ -662,10 +623,9 @@ class LookaheadProposer:
 
     def _pool_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray, token_ids_cpu: np.ndarray,
                    rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Per drafting row with a Jacobi window, the pool's n-grams keyed by
-        its last committed token as branches from the root (confidence
-        ``POOL_CONFIDENCE ** depth``), :func:`rows_of` arrays, in one call; the
-        window rides along only with the full budget (no load shrink, no
+        """Per drafting row with a Jacobi window, the pool's n-grams keyed by its last committed
+        token as branches from the root (confidence ``POOL_CONFIDENCE ** depth``), :func:`rows_of`
+        arrays, in one call; the window rides along only with the full budget (no load shrink, no
         per-request cap)."""
         lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1]  # each row's last committed token
         pool, branches = self.drafter.jacobi.pool_rows(slots, lasts, budgets == self.config.decoding_length)
@@ -673,8 +633,8 @@ class LookaheadProposer:
         return pool
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
-        """Whether the request may verify a tree (asked of the verifier once
-        the runner knows the request, then kept)."""
+        """Whether the request may verify a tree (asked of the verifier once the runner knows the
+        request, then kept)."""
         if st.verifiable is None:
             if req_id not in self.verifier.runner_requests:
                 return False
@@ -682,10 +642,9 @@ class LookaheadProposer:
         return st.verifiable
 
     def _book_trees(self, slots: np.ndarray, req_ids: list[str], emitted: list[list[int]]) -> None:
-        """Book last step's :class:`TreeOffers` against what this step's rows
-        emitted (``emitted[i]``: the accepted tokens, then the bonus), cut to
-        what the scheduler verified of them: context and pool tokens accepted
-        and the calibrator's evidence (core/tree_plan.py)."""
+        """Book last step's :class:`TreeOffers` against what this step's rows emitted
+        (``emitted[i]``: the accepted tokens, then the bonus), cut to what the scheduler verified of
+        them: context and pool tokens accepted and the calibrator's evidence (core/tree_plan.py)."""
         offers = self.handed_out.offers
         if not len(offers.slots):
             return
@@ -699,10 +658,9 @@ class LookaheadProposer:
 
     def _track_windows(self, req_ids: list[str], states: list[RequestState], slots: np.ndarray, rows: np.ndarray,
                        token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
-        """Open the Jacobi window of each request admitted or rewound (fewer
-        committed tokens than last step), on verifiable requests only (a
-        request the runner does not know yet is asked again next step); the
-        others' windows leave the step until their row drafts."""
+        """Open the Jacobi window of each request admitted or rewound (fewer committed tokens than
+        last step), on verifiable requests only (a request the runner does not know yet is asked
+        again next step); the others' windows leave the step until their row drafts."""
         jacobi = self.drafter.jacobi
         stale = jacobi.track(slots, num_tokens).tolist()
         if not stale:
@@ -719,12 +677,11 @@ class LookaheadProposer:
         changed in place); returns their lookahead tokens by offer row. The step scores ``tokens``
         tokens and is expected to emit ``gain``; a window of ``w`` nodes must be expected to add
         more accepted tokens than ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
-        what its extra tokens and its W column paths cost at the step's rate
-        (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts at the
-        trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a
-        window on a row that kept no node its row's ``entry``. A row's window goes only where its
-        kept nodes and the window fit the row's ``room`` (:meth:`_room`: before ``max_model_len``,
-        within its request's own cap)."""
+        what its extra tokens and its W column paths cost at the step's rate (``JacobiTable.choose``,
+        the step's windows priced together); ``extra`` starts at the trees' own path ``rounds``. The
+        first draft of a step also pays the draft setup, and a window on a row that kept no node its
+        row's ``entry``. A row's window goes only where its kept nodes and the window fit the row's
+        ``room`` (:meth:`_room`)."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
@@ -748,15 +705,12 @@ class LookaheadProposer:
         for r, kept_tokens, n, window in zip(out_rows[went].tolist(), offers.tokens[went].tolist(),
                                              offers.lengths[went].tolist(), windows):
             drafts[r] = kept_tokens[:n] + window
-        sent = dict(zip(went.tolist(), map(tuple, windows)))
         self.stats.jacobi_steps += len(chosen)
-        self.stats.jacobi_nodes += len(chosen) * jacobi.num_nodes
-        return sent
+        return dict(zip(went.tolist(), map(tuple, windows)))
 
     def _read_memory_gauges(self) -> None:
-        """The drafter's size (the estimate walks every held sequence). Read
-        before the step's drafting: by then the last step's upkeep is done,
-        so this does not wait for it."""
+        """The drafter's size (the estimate walks every held sequence). Read before the step's
+        drafting: by then the last step's upkeep is done, so this does not wait for it."""
         trie = self.drafter.trie
         self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
         self.metrics.drafter_bytes = self.drafter.memory_bytes()
@@ -769,9 +723,9 @@ class LookaheadProposer:
         self.stats.tree_truncated += count
 
     def on_tree_results(self, results: TreeResults) -> None:
-        """Book what verification did with this step's trees, and feed the Jacobi windows their
-        new tokens in one call: each window slides, fills its pool, and is credited the pool
-        nodes accepted (the yield new windows start from)."""
+        """Book what verification did with this step's trees, and feed the Jacobi windows their new
+        tokens in one call: each window slides, fills its pool, and is credited the pool nodes
+        accepted (the yield new windows start from)."""
         s, accepted = self.stats, results.accepted
         s.tree_request_steps += len(accepted)
         s.tree_nodes += int(results.num_nodes.sum())
@@ -792,18 +746,17 @@ class StepShape:
 
     # Tokens the forward scores (prefill chunks, decode rows, draft tokens).
     tokens: int
-    # No prefill in the step: every scheduled request scores its one new
-    # token and its draft.
+    # No prefill in the step: every scheduled request scores its one new token and its draft.
     pure_decode: bool
     # The step runs a request that the step before it ran too (no idle gap).
     continuing: bool
-    # Some request in the step carries draft tokens (else the step runs as
-    # plain decoding: patches.patch_draftless_steps).
+    # Some request in the step carries draft tokens (else the step runs as plain decoding:
+    # patches.patch_draftless_steps).
     drafted: bool = True
     # Requests in the step.
     rows: int = 1
-    # Context tokens of the requests that carry drafts, summed (each row's
-    # tokens computed before this step).
+    # Context tokens of the requests that carry drafts, summed (each row's tokens computed before
+    # this step).
     context: int = 0
 
     @classmethod
@@ -821,12 +774,6 @@ class StepShape:
                    bool(cached.req_ids), drafts > 0, rows, context)
 
 
-def _seeded(params: Any) -> bool:
-    """Whether the request samples with a seed (vLLM's ``SamplingType.RANDOM_SEED``: temperature
-    above greedy and ``seed`` set)."""
-    return getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED
-
-
 def _has_embedded_prompt(req: Any) -> bool:
     """Whether a new request's prompt is (partly) embeddings (``NewRequestData``)."""
     if getattr(req, "prompt_embeds", None) is not None:
@@ -836,8 +783,8 @@ def _has_embedded_prompt(req: Any) -> bool:
 
 
 def _tp_group() -> Any:
-    """vLLM's tensor-parallel group, or None where there is one rank (or no distributed state:
-    unit tests)."""
+    """vLLM's tensor-parallel group, or None where there is one rank (or no distributed state: unit
+    tests)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 
     try:
@@ -847,8 +794,8 @@ def _tp_group() -> Any:
 
 
 def _differs_across_ranks(value: Any) -> bool:
-    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is
-    one rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
+    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is one
+    rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
     group = _tp_group()
     if group is None:
         return False
@@ -861,7 +808,6 @@ def _differs_across_ranks(value: Any) -> bool:
 
 
 def _shared_across_ranks(prices: tuple[int, float, float, float, float]) -> tuple[int, float, float, float, float]:
-    """Tensor-parallel rank 0's prices on every rank (the same values where
-    there is one rank)."""
+    """Tensor-parallel rank 0's prices on every rank (the same values where there is one rank)."""
     group = _tp_group()
     return prices if group is None else tuple(group.broadcast_object(prices, src=0))
