@@ -87,9 +87,10 @@ class TreeOffers:
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeBatch:
     """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds
-    ``lengths[t]`` nodes in DFS order, parents first (-1: the root), of which the first
-    ``verify[t]`` may be accepted and the rest are a Jacobi window's lookahead nodes (never
-    accepted: their outputs refill the window and its pool). docs/how-it-works.md, "Tree
+    ``lengths[t]`` nodes, parents first (-1: the root; a tree's nodes in DFS order, so any prefix
+    the scheduler keeps is a tree), of which the first ``verify[t]`` may be accepted and the rest
+    are a Jacobi window's lookahead nodes (never accepted: their outputs refill the window and its
+    pool). docs/how-it-works.md, "Tree
     verification", has the forward; ``lookahead_lab.reference.trees`` the same as one object per
     request."""
 

@@ -234,7 +234,7 @@ class LookaheadProposer:
         # and the attention wrapper reach it from here.
         self.verifier = TreeVerifier()
         # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph,
-        # any other runs piecewise (0: fill nothing; docs/gpu.md, uniform steps). Only where decode
+        # any other runs piecewise (0: fill nothing; docs/gpu.md, "Fifth session: uniform steps"). Only where decode
         # steps have graphs of their own (separate_decode_graphs), chains only.
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
@@ -335,8 +335,8 @@ class LookaheadProposer:
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
-            seeded = getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED  # temperature > 0, seed set
             try:
+                seeded = getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED  # sampled, seed set
                 st.cap = draft_cap(params.extra_args, seeded) if params is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
