@@ -386,10 +386,10 @@ void TokenTrie::finish_request(int64_t handle) {
   }
 }
 
-bool TokenTrie::extend(int64_t handle, const int32_t* tokens, size_t n) {
+bool TokenTrie::extend(int64_t handle, const int32_t* tokens, size_t n, size_t uncounted) {
   auto it = requests_.find(handle);
   if (it == requests_.end()) return false;
-  for (size_t i = 0; i < n; ++i) extend_one(it->second, tokens[i]);
+  for (size_t i = 0; i < n; ++i) extend_one(it->second, tokens[i], i < uncounted ? 0.0 : 1.0);
   if (it->second.context) it->second.context->extend(tokens, n);
   maybe_prune();
   return true;
@@ -405,7 +405,7 @@ void TokenTrie::insert_output(const int32_t* tokens, size_t n) {
 // found through are fetched for all of them first (hints only: one cache
 // miss latency for the token rather than one per cursor); the updates then
 // run in the reference's order.
-void TokenTrie::extend_one(Request& req, int32_t token) {
+void TokenTrie::extend_one(Request& req, int32_t token, double count) {
   const size_t m = req.cursors.size();
   for (size_t j = 0; j < m; ++j) {
     __builtin_prefetch(&nodes_[req.cursors[j].id]);
@@ -421,11 +421,11 @@ void TokenTrie::extend_one(Request& req, int32_t token) {
     int32_t node = req.cursors[j].id;
     if (!live(req.cursors[j])) node = walk(req.window.data() + j, req.window.size() - j, true);
     const int32_t c = child(node, token);
-    nodes_[c].out += 1.0;
+    nodes_[c].out += count;
     cursors.push_back(ref(c));
   }
   const int32_t first = child(0, token);
-  nodes_[first].out += 1.0;
+  nodes_[first].out += count;
   cursors.push_back(ref(first));
   req.window.push_back(token);
   if (req.window.size() >= static_cast<size_t>(config_.branch_length)) {
@@ -689,8 +689,10 @@ int64_t TokenTrie::sync(const int64_t* sids, const int64_t* rows, const int64_t*
       continue;
     }
     auto it = slots_.find(sids[i]);
+    int64_t counted = 0;
     if (it != slots_.end() && num[i] < it->second.inserted) {  // the runner rewound tokens: start over
       ++rewound;
+      counted = std::max(it->second.counted, it->second.inserted);
       finish_request(it->second.handle);
       slots_.erase(it);
       it = slots_.end();
@@ -698,12 +700,14 @@ int64_t TokenTrie::sync(const int64_t* sids, const int64_t* rows, const int64_t*
     if (it == slots_.end()) {
       const int64_t prompt = std::min(prompt_lens[i], num[i]);
       table.read(rows[i], 0, prompt, tokens);
-      it = slots_.emplace(sids[i], SlotRecord{add_request(tokens.data(), tokens.size()), prompt}).first;
+      it = slots_.emplace(sids[i], SlotRecord{add_request(tokens.data(), tokens.size()), prompt, counted}).first;
     }
     SlotRecord& rec = it->second;
     if (num[i] > rec.inserted) {
       table.read(rows[i], rec.inserted, num[i], tokens);
-      extend(rec.handle, tokens.data(), tokens.size());
+      // Positions it counted before a rewind are not counted again.
+      extend(rec.handle, tokens.data(), tokens.size(),
+             static_cast<size_t>(std::clamp<int64_t>(rec.counted - rec.inserted, 0, num[i] - rec.inserted)));
       rec.inserted = num[i];
     }
   }

@@ -136,8 +136,10 @@ class TokenTrie {
   int64_t add_request(const int32_t* prompt, std::size_t n);
   // Eliminate its prompt counts; unknown handles are ignored.
   void finish_request(int64_t handle);
-  // Insert its newly generated tokens; false if the handle is unknown.
-  bool extend(int64_t handle, const int32_t* tokens, std::size_t n);
+  // Insert its newly generated tokens; false if the handle is unknown. The
+  // first `uncounted` of them extend its windows without adding output counts
+  // (tokens it counted before a rewind).
+  bool extend(int64_t handle, const int32_t* tokens, std::size_t n, std::size_t uncounted = 0);
   // A whole text as output counts (warm start).
   void insert_output(const int32_t* tokens, std::size_t n);
   // The draft for the tokens after `context` (multi-stage matching); the
@@ -238,7 +240,7 @@ class TokenTrie {
   int32_t child(int32_t id, int32_t token);  // found or created
   int32_t walk(const int32_t* tokens, std::size_t n, bool create);
   void insert_prompt(int64_t slot, Request& req, const int32_t* prompt, std::size_t n);
-  void extend_one(Request& req, int32_t token);
+  void extend_one(Request& req, int32_t token, double count = 1.0);
   void drop_if_empty(int32_t id);
   void detach(int32_t id);
   void maybe_prune();
@@ -257,10 +259,12 @@ class TokenTrie {
   int64_t prompt_bytes_ = 0;  // the nodes' prompt-count vectors' capacity, in bytes
   std::vector<NodeRef> next_cursors_;  // extend_one's scratch (swapped with a request's cursors)
   std::unordered_map<int64_t, Request> requests_;
-  // sync's slots: the record handle (kOffTrie: kept off the trie) and the tokens inserted.
+  // sync's slots: the record handle (kOffTrie: kept off the trie), the tokens inserted, and the
+  // most it ever inserted (a rewound request's tokens up to there are not counted again).
   struct SlotRecord {
     int64_t handle = kOffTrie;
     int64_t inserted = 0;
+    int64_t counted = 0;
   };
   std::unordered_map<int64_t, SlotRecord> slots_;
   std::vector<int32_t> sync_tokens_;  // sync's scratch

@@ -281,6 +281,24 @@ def test_slot_sync_admits_extends_rewinds_and_keeps_partitions_off():
         core.sync([3], [0], table, [9], [2], [0])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_rewound_request_counts_its_tokens_once(native):
+    """A request rewound (sync with fewer tokens than it inserted) and extended again over the
+    same tokens leaves the trie's output counts as if it had never been rewound: its tokens up to
+    the most it inserted were counted the first time; those past it count as usual."""
+    from lookahead_lab.reference import extension as reference_extension
+
+    ext = core_native.extension() if native else reference_extension
+    table = np.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]], np.int32)
+    straight, rewound = (ext.TokenTrie(4, 3, 1, 4, 4096, 1.0, True, 2) for _ in range(2))
+    for n in (5, 9, 12):
+        straight.sync([0], [0], table, [n], [3], [0])
+    for n, was_rewound in ((5, 0), (9, 0), (6, 1), (8, 0), (4, 1), (12, 0)):
+        assert rewound.sync([0], [0], table, [n], [3], [0]) == was_rewound
+    assert list(rewound.output_counts()) == list(straight.output_counts())
+    assert sum(straight.output_counts()[2]) > 0
+
+
 def test_memory_estimate_follows_what_the_trie_holds():
     """The trie's memory estimate (kept as it changes, not walked) counts an admitted prompt's
     counts, one entry of 16 bytes on every node of its windows at least (against a twin that

@@ -49,7 +49,8 @@ class _TrieCore:
                                 insert_prompt=insert_prompt, context_match=context_match, min_draft_confidence=0.0)
         self.trie = TokenTrie(SimpleNamespace(profile=knobs, decoding_length=0, draft_shape="hier"))
         self._records: dict[int, TrieRecord] = {}
-        # The caller's slots (sync): slot -> [record handle (None: kept off the trie), tokens inserted].
+        # The caller's slots (sync): slot -> [record handle (None: kept off the trie), tokens inserted,
+        # the most it ever inserted (a rewound request's tokens up to there are not counted again)].
         self._slots: dict[int, list] = {}
 
     num_nodes = property(lambda self: self.trie.num_nodes)
@@ -71,8 +72,8 @@ class _TrieCore:
         if record is not None:
             self.trie.finish_request(record)
 
-    def extend(self, handle: int, tokens: Sequence[int]) -> None:
-        self.trie.extend(self._records[handle], tokens)
+    def extend(self, handle: int, tokens: Sequence[int], uncounted: int = 0) -> None:
+        self.trie.extend(self._records[handle], tokens, uncounted)
 
     def insert_output(self, tokens: Sequence[int]) -> None:
         self.trie.insert_output(list(tokens))
@@ -105,18 +106,19 @@ class _TrieCore:
         for sid, row, n, plen, part in zip(map(int, sids), map(int, rows), map(int, num_tokens),
                                            map(int, prompt_lens), map(int, parts)):
             if part != 0:
-                self._slots.setdefault(sid, [None, 0])
+                self._slots.setdefault(sid, [None, 0, 0])
                 continue
-            rec = self._slots.get(sid)
+            rec, counted = self._slots.get(sid), 0
             if rec is not None and n < rec[1]:
                 rewound += 1
+                counted = max(rec[2], rec[1])
                 self.finish_slot(sid)
                 rec = None
             if rec is None:
                 prompt = min(plen, n)
-                rec = self._slots[sid] = [self.add_request(token_ids[row, :prompt].tolist()), prompt]
+                rec = self._slots[sid] = [self.add_request(token_ids[row, :prompt].tolist()), prompt, counted]
             if n > rec[1]:
-                self.extend(rec[0], token_ids[row, rec[1]:n].tolist())
+                self.extend(rec[0], token_ids[row, rec[1]:n].tolist(), min(max(rec[2] - rec[1], 0), n - rec[1]))
                 rec[1] = n
         return rewound
 

@@ -187,13 +187,14 @@ class TokenTrie:
         for node in sorted(st.prompt_nodes, key=_depth, reverse=True):
             self._drop_if_empty(node)
 
-    def extend(self, st: TrieRecord, tokens: Iterable[int]) -> None:
-        """Insert newly generated tokens of a request (on-the-fly output insertion)."""
+    def extend(self, st: TrieRecord, tokens: Iterable[int], uncounted: int = 0) -> None:
+        """Insert newly generated tokens of a request (on-the-fly output insertion); the first
+        ``uncounted`` extend its windows without adding output counts (counted before a rewind)."""
         if st.finished:
             raise ValueError("extend: the request has finished")
         tokens = [int(t) for t in tokens]
-        for t in tokens:
-            self._extend_one(st, t)
+        for i, t in enumerate(tokens):
+            self._extend_one(st, t, 0.0 if i < uncounted else 1.0)
         if st.context is not None:
             st.context.extend(tokens)
         self._maybe_prune()
@@ -416,16 +417,16 @@ class TokenTrie:
                 node.ptotal += 1
                 st.prompt_nodes[node] = st.prompt_nodes.get(node, 0) + 1
 
-    def _extend_one(self, st: TrieRecord, token: int) -> None:
+    def _extend_one(self, st: TrieRecord, token: int, count: float = 1.0) -> None:
         cursors = []
         for j, node in enumerate(st.cursors):
             if not node.alive:
                 node = self._walk(st.window[j:], create=True)
             child = self._child(node, token)
-            child.out += 1.0
+            child.out += count
             cursors.append(child)
         first = self._child(self.root, token)
-        first.out += 1.0
+        first.out += count
         cursors.append(first)
         st.window.append(token)
         if len(st.window) >= self.knobs.branch_length:
