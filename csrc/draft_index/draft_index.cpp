@@ -1,4 +1,4 @@
-// DraftIndex core (see draft_index.h and the reference's module docstring).
+// DraftIndex core (see draft_index.h and docs/how-it-works.md, "The draft index").
 #include "draft_index.h"
 
 #include <thread>

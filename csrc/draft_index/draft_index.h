@@ -1,9 +1,9 @@
 // DraftIndex: the drafting core, natively. No Python here (bindings.cpp).
 //
 // Semantics are those of the pure-Python reference
-// lookahead_vllm/core/draft_index.py (its module docstring defines sequence,
-// key, candidate, continuation, draft and confidence); tests hold the two to
-// identical drafts. Layout:
+// lab/lookahead_lab/reference/draft_index.py (docs/how-it-works.md, "The draft
+// index", defines sequence, key, candidate, continuation, draft and
+// confidence); tests hold the two to identical drafts. Layout:
 //
 //   Sequence  one per sequence id, in `seqs_` (slots reused). `tokens` is the
 //             whole text while it runs and only its output once finished

@@ -1,7 +1,7 @@
 """Pure-Python reference of the native draft index
 (``csrc/draft_index/draft_index.cpp``): the same class with the same drafts,
 counts and charges, the oracle tests hold the native index to. The terms are
-defined in lookahead_vllm/core/draft_index.py.
+defined in docs/how-it-works.md, "The draft index".
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def check_partition(partition: int) -> int:
 
 
 class DraftIndex:
-    """Pure-Python reference of the drafting core (see the module docstring)."""
+    """Pure-Python reference of the drafting core (docs/how-it-works.md, "The draft index")."""
 
     native = False
     # The upkeep runs where it is due, never on a thread of its own.
@@ -80,7 +80,7 @@ class DraftIndex:
     def add(self, sid: int, tokens: Sequence[int], prompt_len: int, partition: int = DEFAULT) -> None:
         """Admit sequence ``sid`` with its first ``tokens`` (the prompt, and
         any output already generated: ``tokens[prompt_len:]``) into
-        ``partition`` (module docstring)."""
+        ``partition`` (docs/how-it-works.md, "The draft index")."""
         self.settle()
         self._add(sid, tokens, prompt_len, partition)
 
@@ -141,7 +141,7 @@ class DraftIndex:
         self._finished_tokens += len(self._outputs[sid])
 
     def settle(self) -> None:
-        """Run the pending upkeep (module docstring) now."""
+        """Run the pending upkeep (docs/how-it-works.md, "The draft index") now."""
         n, cap = self.config.ngram, self.config.max_occurrences
         for sid, q in self._pending:
             out = self._outputs[sid]
@@ -228,7 +228,7 @@ class DraftIndex:
         return self._finished_tokens
 
     def corpus_bytes(self) -> int:
-        """The corpus's charge (module docstring), what ``corpus_bytes`` caps."""
+        """The corpus's charge (docs/how-it-works.md, "The draft index"), what ``corpus_bytes`` caps."""
         self.settle()
         return self._charge()
 
@@ -272,7 +272,7 @@ class DraftIndex:
     def draft(self, sid: int, budget: int, floor: float = 0.0, tree: bool = False
               ) -> tuple[list[int], list[int], list[float]]:
         """(tokens, parents, confidences) of one sequence's draft; see the
-        module docstring. Parents index earlier nodes, -1 = the root."""
+        docs/how-it-works.md, "The draft index". Parents index earlier nodes, -1 = the root."""
         self.settle()
         return self._draft(sid, budget, floor, tree) or ([], [], [])
 
