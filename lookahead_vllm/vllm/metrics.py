@@ -162,8 +162,7 @@ class StatsPublisher:
         weakref.finalize(owner, _stop_publishing, stop, self.path, stats, instance)
 
 
-def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None,
-                  instance: str = "") -> None:
+def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any, instance: str) -> None:
     while not stop.wait(PUBLISH_INTERVAL_S):
         write_snapshot(path, {**snapshot_with_states(stats, states), "publisher": instance})
     _remove_files(path)  # again: a write that raced the owner's removal may have put the file back
