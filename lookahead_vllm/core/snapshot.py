@@ -332,8 +332,7 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError("sequence lengths do not add up to the token count")
     if nn and ((parents < -1) | (parents >= np.arange(nn))).any():
         raise SnapshotError("trie table has a parent that is not an earlier row")
-    bounds = np.cumsum(lengths)[:-1] if ns else []
-    sequences = [s.tolist() for s in np.split(tokens, bounds)] if ns else []
+    sequences = [s.tolist() for s in np.split(tokens, np.cumsum(lengths)[:-1])] if ns else []
     trie = TrieTable(parents.astype(np.int32), ttokens.astype(np.int32), counts.astype(np.float64)) \
         if header.get("has_trie") else None
     return Snapshot(identity, settings, info, sequences, trie, labels)

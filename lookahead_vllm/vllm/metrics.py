@@ -299,11 +299,10 @@ def _alive(pid: str) -> bool:
 class StatsCollector:
     """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
 
-    A publisher that goes away (its file removed, its process dead, another publisher under its
-    file name) keeps what its last snapshot seen here counted, and a file that could not be read
-    this time counts its last snapshot again: the ``lookahead_*`` counters and histograms never
-    fall, which Prometheus would read as a reset. Gauges and prices are the live publishers'
-    alone. Scrapes are serialized (one lock), so each one sees the files after the last."""
+    Counters and histograms never fall (Prometheus would read a reset): a publisher that goes away
+    (file removed, process dead, another publisher under its file name) keeps what its last snapshot
+    seen here (or its final one) counted, and an unreadable file counts its last snapshot again.
+    Gauges and prices are the live publishers'. Scrapes are serialized (one lock), each after the last."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
