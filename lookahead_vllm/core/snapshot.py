@@ -204,17 +204,6 @@ class SnapshotLock:
                     os.unlink(self.path)
             os.close(fd)
 
-    @classmethod
-    def _forget_in_child(cls) -> None:
-        """In a forked child: close this process's copies of the held locks' descriptors
-        (the lock stays the parent's: it belongs to the open file description) and hold none."""
-        for lock in list(cls._held):
-            fd, lock._fd = lock._fd, None
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        cls._held = weakref.WeakSet()
-
     def _is_at_path(self, fd: int) -> bool:
         try:
             at, held = os.stat(self.path), os.fstat(fd)
@@ -243,8 +232,15 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """Close this process's copies of the held locks' descriptors (the lock stays the parent's:
+    it belongs to the open file description) and hold none."""
     _FORK_GUARD[0], _FORK_TOOK[0] = threading.RLock(), False
-    SnapshotLock._forget_in_child()
+    for lock in list(SnapshotLock._held):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    SnapshotLock._held = weakref.WeakSet()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
