@@ -32,9 +32,8 @@ File layout (little-endian)::
 
 ``settings`` records the config fields that shape drafts; only those that
 change what is stored are checked (``branch_length``, the trie table's
-depth, when the snapshot has a trie table). Writes are atomic: a temporary
-file in the same folder, fsync, ``os.replace``; a crash leaves the old
-snapshot or the new one, never a part. Version 1 files (no labels: all
+depth, when the snapshot has a trie table). A crash leaves the old snapshot or
+the new one, never a part (:func:`write_snapshot`). Version 1 files (no labels: all
 outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
 
 Worked example: an engine served two requests whose outputs were ``5 6 7``
@@ -266,7 +265,7 @@ def encode(snap: Snapshot) -> bytes:
 
 
 def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> None:
-    """Write ``snap`` atomically (temp file, fsync, ``os.replace``)."""
+    """Write ``snap`` atomically (a temporary file in the same folder, fsync, ``os.replace``)."""
     path = Path(path)
     data = encode(snap)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -297,9 +297,8 @@ class Persistence:
         return self._read_only == HELD and self.writes
 
     def poll(self) -> None:
-        """While another engine holds this engine's file (``waiting``), try its lock every
-        :data:`RETAKE_EVERY_S` (the proposer calls this after its steps): once the holder has
-        shut down, this engine holds the file before any engine started later can."""
+        """While ``waiting``, try the lock every :data:`RETAKE_EVERY_S` (the proposer calls this after
+        its steps), so this engine holds the file before any engine started later can."""
         now = time.monotonic()
         if now >= self._next_retake:
             self._next_retake = now + RETAKE_EVERY_S
