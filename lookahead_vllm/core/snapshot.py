@@ -32,9 +32,8 @@ File layout (little-endian)::
 
 ``settings`` records the config fields that shape drafts; only those that
 change what is stored are checked (``branch_length``, the trie table's
-depth, when the snapshot has a trie table). Writes are atomic: a temporary
-file in the same folder, fsync, ``os.replace``; a crash leaves the old
-snapshot or the new one, never a part. Version 1 files (no labels: all
+depth, when the snapshot has a trie table). A crash leaves the old snapshot or
+the new one, never a part (:func:`write_snapshot`). Version 1 files (no labels: all
 outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
 
 Worked example: an engine served two requests whose outputs were ``5 6 7``
@@ -56,7 +55,7 @@ import tempfile
 import threading
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -69,9 +68,9 @@ READ_VERSIONS = (1, 2)
 # Config fields written to the header (those that shape drafts).
 DRAFT_SETTINGS = ("source", "branch_length", "index_ngram", "index_backoff",
                   "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
-# Of those, the ones a snapshot's trie table must match (its windows' depth).
-TRIE_SETTINGS = ("branch_length",)
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
+# The arrays after the header, in file order: lengths, labels, tokens, trie parents, tokens, counts.
+_DTYPES = ("<i4", "<i4", "<i4", "<i4", "<i4", "<f8")
 
 
 class SnapshotError(ValueError):
@@ -96,17 +95,15 @@ class Snapshot:
     # DRAFT_SETTINGS of the engine that wrote it.
     settings: dict[str, Any]
     # Free-form facts (e.g. the warm_start file's digest).
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any]
     # Finished outputs, oldest first.
-    sequences: list[list[int]] = field(default_factory=list)
+    sequences: list[list[int]]
     # The trie's output counts (None: no trie source).
-    trie: TrieTable | None = None
-    # Each output's partition label (core/partitions.py); None = all "".
-    labels: list[str] | None = None
+    trie: TrieTable | None
+    # Each output's partition label (core/partitions.py).
+    labels: list[str]
 
     def __post_init__(self) -> None:
-        if self.labels is None:
-            object.__setattr__(self, "labels", [""] * len(self.sequences))
         if len(self.labels) != len(self.sequences):
             raise ValueError(f"labels: {len(self.labels)} for {len(self.sequences)} sequences")
 
@@ -206,17 +203,6 @@ class SnapshotLock:
                     os.unlink(self.path)
             os.close(fd)
 
-    @classmethod
-    def _forget_in_child(cls) -> None:
-        """In a forked child: close this process's copies of the held locks' descriptors
-        (the lock stays the parent's: it belongs to the open file description) and hold none."""
-        for lock in list(cls._held):
-            fd, lock._fd = lock._fd, None
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        cls._held = weakref.WeakSet()
-
     def _is_at_path(self, fd: int) -> bool:
         try:
             at, held = os.stat(self.path), os.fstat(fd)
@@ -245,8 +231,15 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """Close this process's copies of the held locks' descriptors (the lock stays the parent's:
+    it belongs to the open file description) and hold none."""
     _FORK_GUARD[0], _FORK_TOOK[0] = threading.RLock(), False
-    SnapshotLock._forget_in_child()
+    for lock in list(SnapshotLock._held):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    SnapshotLock._held = weakref.WeakSet()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
@@ -265,15 +258,14 @@ def encode(snap: Snapshot) -> bytes:
         "num_sequences": len(lengths), "num_tokens": int(lengths.sum()),
         "trie_nodes": len(trie.tokens), "has_trie": snap.trie is not None, "partitions": salted,
     }, sort_keys=True).encode()
-    arrays = ((lengths, "<i4"), (labels, "<i4"), (tokens, "<i4"), (trie.parents, "<i4"), (trie.tokens, "<i4"),
-              (trie.counts, "<f8"))
+    arrays = (lengths, labels, tokens, trie.parents, trie.tokens, trie.counts)
     body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + b"".join(
-        np.ascontiguousarray(arr, dtype).tobytes() for arr, dtype in arrays)
+        np.ascontiguousarray(arr, dtype).tobytes() for arr, dtype in zip(arrays, _DTYPES))
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> int:
-    """Write ``snap`` atomically (temp file, fsync, ``os.replace``); returns bytes written."""
+def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> None:
+    """Write ``snap`` atomically (a temporary file in the same folder, fsync, ``os.replace``)."""
     path = Path(path)
     data = encode(snap)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,13 +280,8 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
-    return len(data)
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # best effort: not every file system syncs a folder
-        fd = os.open(folder, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the folder's entry too; best effort: not every file system syncs a folder
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -324,7 +311,7 @@ def decode(data: bytes) -> Snapshot:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"unreadable header ({exc!r})") from None
     nl = ns if version >= 2 else 0
-    sizes = ((ns, "<i4"), (nl, "<i4"), (nt, "<i4"), (nn, "<i4"), (nn, "<i4"), (nn, "<f8"))
+    sizes = tuple(zip((ns, nl, nt, nn, nn, nn), _DTYPES))
     at, arrays = _PREFIX.size + hlen, []
     if at + sum(n * np.dtype(d).itemsize for n, d in sizes) != len(data) - 4:
         raise SnapshotError("payload size does not match the header (truncated or corrupt file)")
@@ -340,8 +327,7 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError("sequence lengths do not add up to the token count")
     if nn and ((parents < -1) | (parents >= np.arange(nn))).any():
         raise SnapshotError("trie table has a parent that is not an earlier row")
-    bounds = np.cumsum(lengths)[:-1] if ns else []
-    sequences = [s.tolist() for s in np.split(tokens, bounds)] if ns else []
+    sequences = [s.tolist() for s in np.split(tokens, np.cumsum(lengths)[:-1])] if ns else []
     trie = TrieTable(parents.astype(np.int32), ttokens.astype(np.int32), counts.astype(np.float64)) \
         if header.get("has_trie") else None
     return Snapshot(identity, settings, info, sequences, trie, labels)
@@ -349,26 +335,20 @@ def decode(data: bytes) -> Snapshot:
 
 def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],
                   settings: Mapping[str, Any] | None = None) -> Snapshot:
-    """Read a snapshot written for ``identity``; SnapshotError (naming the file
-    and the reason) when it is unreadable, corrupt or someone else's."""
+    """Read a snapshot written for ``identity`` (and, where it has a trie table, ``settings``'
+    ``branch_length``: its windows' depth); SnapshotError (naming the file and the reason)
+    when it is unreadable, corrupt or someone else's."""
     try:
-        data = Path(path).read_bytes()
-        snap = decode(data)
-        check_compatible(snap, identity, settings)
+        snap = decode(Path(path).read_bytes())
+        for key, want in identity.items():
+            if snap.identity.get(key) != want:
+                raise SnapshotError(f"written for {key}={snap.identity.get(key)!r}, this engine has {key}={want!r}")
+        if snap.trie is not None and len(snap.trie.tokens) and "branch_length" in (settings or {}):
+            have, want = snap.settings.get("branch_length"), settings["branch_length"]
+            if have != want:
+                raise SnapshotError(f"trie written with branch_length={have!r}, this engine has branch_length={want!r}")
     except OSError as exc:
         raise SnapshotUnreadable(f"snapshot {path}: cannot be read ({exc.strerror or exc})") from None
     except SnapshotError as exc:
         raise SnapshotError(f"snapshot {path}: {exc}") from None
     return snap
-
-
-def check_compatible(snap: Snapshot, identity: Mapping[str, Any], settings: Mapping[str, Any] | None) -> None:
-    for key, want in identity.items():
-        have = snap.identity.get(key)
-        if have != want:
-            raise SnapshotError(f"written for {key}={have!r}, this engine has {key}={want!r}")
-    if settings is not None and snap.trie is not None and len(snap.trie.tokens):
-        for key in TRIE_SETTINGS:
-            if key in settings and snap.settings.get(key) != settings[key]:
-                raise SnapshotError(f"trie written with {key}={snap.settings.get(key)!r}, "
-                                    f"this engine has {key}={settings[key]!r}")

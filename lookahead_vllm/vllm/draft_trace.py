@@ -35,21 +35,11 @@ def directory() -> str | None:
     return os.environ.get(TRACE_DIR_ENV) or None
 
 
-def record(step: int, req_ids: Sequence[Any], drafts: Sequence[Sequence[int]], directory: str | None = None
-           ) -> None:
-    """Append this step's digest to this rank's trace in ``directory`` (default
-    ``$LOOKAHEAD_DRAFT_TRACE_DIR``; no-op where neither is set)."""
-    directory = directory or os.environ.get(TRACE_DIR_ENV)
-    if not directory:
-        return
-    out = _writer(directory)
-    out.write(f"{int(step)} {draft_digest(req_ids, drafts)} {len(drafts)} {sum(len(d) for d in drafts)}\n")
-
-
-def _writer(directory: str) -> Any:
+def record(step: int, req_ids: Sequence[Any], drafts: Sequence[Sequence[int]], directory: str) -> None:
+    """Append this step's digest to this rank's trace in ``directory`` (:func:`directory`, read once)."""
     key = (os.getpid(), directory)
     if key not in _writers:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{tp_rank()}-{os.getpid()}{SUFFIX}")
         _writers[key] = open(path, "a", buffering=1)  # line-buffered: readable while the engine runs
-    return _writers[key]
+    _writers[key].write(f"{int(step)} {draft_digest(req_ids, drafts)} {len(drafts)} {sum(len(d) for d in drafts)}\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -36,7 +37,6 @@ TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SKIP_REASONS = ("request", "load", "cost")
 
 _counter = itertools.count()
-_setup_done = False
 _collector: "StatsCollector | None" = None  # this process's, once setup_process registered it
 
 
@@ -162,8 +162,7 @@ class StatsPublisher:
         weakref.finalize(owner, _stop_publishing, stop, self.path, stats, instance)
 
 
-def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any = None,
-                  instance: str = "") -> None:
+def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: Any, instance: str) -> None:
     while not stop.wait(PUBLISH_INTERVAL_S):
         write_snapshot(path, {**snapshot_with_states(stats, states), "publisher": instance})
     _remove_files(path)  # again: a write that raced the owner's removal may have put the file back
@@ -256,19 +255,17 @@ HISTOGRAMS = (
     ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
      "Accepted lookahead draft tokens per engine step."),
 )
-COUNTER_KEYS = tuple(key for _, key, _ in COUNTERS)
-HISTOGRAM_KEYS = tuple(key for _, key, _ in HISTOGRAMS)
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:
     """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to
     start); ``sign`` -1 takes them away (a publisher's earlier snapshot, counted before its final)."""
-    for key in COUNTER_KEYS:
+    for _, key, _ in COUNTERS:
         into[key] = into.get(key, 0) + sign * snap.get(key, 0)
     skipped = into.setdefault("skipped_request_steps", dict.fromkeys(SKIP_REASONS, 0))
     for reason in SKIP_REASONS:
         skipped[reason] += sign * snap.get("skipped_request_steps", {}).get(reason, 0)
-    for key in HISTOGRAM_KEYS:
+    for _, key, _ in HISTOGRAMS:
         hist = snap.get(key)
         if hist is None:
             continue
@@ -300,11 +297,10 @@ def _alive(pid: str) -> bool:
 class StatsCollector:
     """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
 
-    A publisher that goes away (its file removed, its process dead, another publisher under its
-    file name) keeps what its last snapshot seen here counted, and a file that could not be read
-    this time counts its last snapshot again: the ``lookahead_*`` counters and histograms never
-    fall, which Prometheus would read as a reset. Gauges and prices are the live publishers'
-    alone. Scrapes are serialized (one lock), so each one sees the files after the last."""
+    Counters and histograms never fall (Prometheus would read a reset): a publisher that goes away
+    (file removed, process dead, another publisher under its file name) keeps what its last snapshot
+    seen here (or its final one) counted, and an unreadable file counts its last snapshot again.
+    Gauges and prices are the live publishers'. Scrapes are serialized (one lock), each after the last."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -414,12 +410,10 @@ class StatsCollector:
             yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist["total"])
 
 
+@functools.cache  # once per process
 def setup_process() -> None:
     """Stats directory in the environment (created by the first process) and the collector registered."""
-    global _setup_done, _collector
-    if _setup_done:
-        return
-    _setup_done = True
+    global _collector
     directory = os.environ.get(STATS_DIR_ENV)
     if not directory:
         directory = tempfile.mkdtemp(prefix="lookahead-vllm-stats-")

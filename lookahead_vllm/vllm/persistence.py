@@ -1,24 +1,12 @@
-"""Warm start and snapshots at engine start and shutdown.
+"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start``
+and ``snapshot_path`` rows, has the rules users see).
 
-``Persistence`` does, for one proposer, what the config's ``warm_start`` and
-``snapshot_path`` ask for (the rules users see: docs/configuration.md, those two rows):
-
-  start   take the snapshot file's lock, load the snapshot (core/snapshot.py) if its
-          file exists, then learn the ``warm_start`` file's texts (core/warm_start.py)
-          unless the snapshot was written with those bytes (it names their digest). A
-          refused snapshot is moved to ``<path>.refused[.N]``; one that could not be
-          judged, or moved, stays and this run writes none.
-  close   write the snapshot (atomically) once, from the proposer's ``close()``, its
-          finalizer or ``atexit``; then release the lock.
-
-One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of
-prefill-context-parallel rank 0), holding ``SnapshotLock`` (``<path>.lock``) from start to
-shutdown; other ranks, and engines that find the lock held by another live process, load
-the file read only, never move it aside and write nothing (an engine that found the lock
-held retries it now and then and at shutdown, and writes once it holds it). Data-parallel
-rank ``r`` keeps ``<path>.dp<r>`` (:func:`snapshot_file`) and, while it has no usable one,
-starts from rank 0's, read only.
-The tokenizer (loaded only when one of the two is set) also names the snapshot's identity.
+``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then
+learns the ``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest;
+``close`` writes the snapshot once (from the proposer's ``close()``, its finalizer or ``atexit``).
+One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of prefill-context-parallel
+rank 0) holding ``SnapshotLock``; every other process reads it only, never moves it aside and writes
+nothing. Data-parallel rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while it has none.
 """
 
 from __future__ import annotations
@@ -43,11 +31,6 @@ logger = init_logger(__name__)
 TOKENIZE_BATCH = 1024
 
 
-def snapshot_file(path: str, dp_rank: int) -> str:
-    """The snapshot file of the engine of data-parallel rank ``dp_rank`` (module docstring)."""
-    return f"{path}.dp{dp_rank}" if path and dp_rank else path
-
-
 # Why an engine's first rank does not write its file: another live engine holds its lock.
 HELD = "another engine holds it"
 # How often a read-only engine tries that lock again while it runs (Persistence.poll).
@@ -59,11 +42,11 @@ def _first_drafting_rank() -> bool:
     stage only). True without distributed state (one rank: unit tests)."""
     from vllm.distributed import parallel_state
 
-    for name in ("get_tp_group", "get_pcp_group"):
+    for group in (parallel_state.get_tp_group, parallel_state.get_pcp_group):
         try:
-            if getattr(parallel_state, name)().rank_in_group:
+            if group().rank_in_group:
                 return False
-        except (AssertionError, AttributeError):  # the group not initialized (or not in this vLLM)
+        except AssertionError:  # the group not initialized
             pass
     return True
 
@@ -73,8 +56,9 @@ class Persistence:
         self.config = config
         self.model_config = model_config
         # This engine's file, and the file it starts from while it has none (rank 0's).
-        self.path = snapshot_file(config.snapshot_path, dp_rank)
-        self._shared = config.snapshot_path if self.path != config.snapshot_path else ""
+        shared = config.snapshot_path
+        self.path = f"{shared}.dp{dp_rank}" if shared and dp_rank else shared
+        self._shared = shared if self.path != shared else ""
         self._tokenizer: Any = None
         self._identity: dict | None = None
         self._warm_digest = ""
@@ -184,33 +168,32 @@ class Persistence:
                 return self._load_shared(drafter) if self._shared else None
             return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
-            self._set_aside(path, str(exc), "starts from data-parallel rank 0's file" if self._shared else "")
+            self._set_aside(path, str(exc),
+                            "starts from data-parallel rank 0's file" if self._shared else "starts cold")
             # Where this engine's own file was refused, every tensor-parallel rank starts alike:
             # from rank 0's file (the ranks that find the file already moved aside do the same).
             return self._load_shared(drafter) if self._shared else None
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             return self._keep(path, f"could not be loaded ({exc!r})")
-        logger.info("lookahead snapshot %s loaded: %d outputs, %d tokens, %d trie nodes (%.2f s)", path,
-                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
-                    time.perf_counter() - start)
-        return self._learned(path, snap)
+        return self._learned(path, snap, start)
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
         """Start from data-parallel rank 0's snapshot (this engine has no usable one of its own):
         read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
-        path = self._shared
+        path, start = self._shared, time.perf_counter()
         try:
             snap = drafter.load_snapshot(path, self.identity())
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             logger.warning("lookahead snapshot %s: not loaded (%s); drafting starts cold", path,
                            str(exc).removeprefix(f"snapshot {path}: "))
             return None
-        logger.info("lookahead snapshot %s loaded (data-parallel rank 0's; this engine's own is %s): "
-                    "%d outputs, %d tokens", path, self.path, len(snap.sequences), snap.num_tokens)
-        return self._learned(path, snap)
+        return self._learned(path, snap, start, f" (data-parallel rank 0's; this engine's own is {self.path})")
 
-    def _learned(self, path: str, snap: Snapshot) -> Snapshot:
-        """Book the snapshot loaded from ``path`` in ``learned``; returns it."""
+    def _learned(self, path: str, snap: Snapshot, start: float, whose: str = "") -> Snapshot:
+        """Log the snapshot loaded from ``path`` (since ``start``) and book it in ``learned``; returns it."""
+        logger.info("lookahead snapshot %s loaded%s: %d outputs, %d tokens, %d trie nodes (%.2f s)", path, whose,
+                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
+                    time.perf_counter() - start)
         self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
         return snap
 
@@ -221,14 +204,14 @@ class Persistence:
         logger.warning("lookahead snapshot %s: %s; drafting starts cold, and no snapshot is written there this run",
                        path, why)
 
-    def _set_aside(self, path: str, why: str, instead: str = "") -> None:
+    def _set_aside(self, path: str, why: str, instead: str) -> None:
         """Keep a refused snapshot out of this run's way: renamed to the first free
         ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``).
-        ``instead``: what drafting does (default: starts cold). A process that does not write
-        the file leaves it in place (its writer moves it aside, or keeps it: another engine's)."""
+        ``instead``: what drafting does. A process that does not write the file leaves it
+        in place (its writer moves it aside, or keeps it: another engine's)."""
         if not self.owner:
             logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
-                           why, instead or "starts cold")
+                           why, instead)
             self.writes = False  # not overwritten by this engine either, should it take the lock later
             return
         aside, n = f"{path}.refused", 0
@@ -238,14 +221,13 @@ class Persistence:
         try:
             os.rename(path, aside)
         except FileNotFoundError:  # gone meanwhile (another rank of this engine moved it)
-            logger.warning("lookahead %s; refused, drafting %s", why, instead or "starts cold")
+            logger.warning("lookahead %s; refused, drafting %s", why, instead)
         except OSError as exc:
             self.writes = False
             logger.warning("lookahead %s; refused, drafting %s, and no snapshot is written to %s this run "
-                           "(the file could not be moved aside: %s)", why, instead or "starts cold", path,
-                           exc.strerror or exc)
+                           "(the file could not be moved aside: %s)", why, instead, path, exc.strerror or exc)
         else:
-            logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead or "starts cold")
+            logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead)
 
     def _warm(self, drafter: Any, warm: WarmFile) -> None:
         """Learn the texts of the warm-start file read (raises where not every text was learned)."""
@@ -315,9 +297,8 @@ class Persistence:
         return self._read_only == HELD and self.writes
 
     def poll(self) -> None:
-        """While another engine holds this engine's file (``waiting``), try its lock every
-        :data:`RETAKE_EVERY_S` (the proposer calls this after its steps): once the holder has
-        shut down, this engine holds the file before any engine started later can."""
+        """While ``waiting``, try the lock every :data:`RETAKE_EVERY_S` (the proposer calls this after
+        its steps), so this engine holds the file before any engine started later can."""
         now = time.monotonic()
         if now >= self._next_retake:
             self._next_retake = now + RETAKE_EVERY_S

@@ -99,11 +99,10 @@ def test_one_trace_is_not_a_comparison(tmp_path):
 def test_record_writes_one_line_per_step_only_when_enabled(tmp_path, monkeypatch):
     monkeypatch.setattr(draft_trace, "tp_rank", lambda: 0)  # no vLLM import here
     monkeypatch.delenv(draft_trace.TRACE_DIR_ENV, raising=False)
-    draft_trace.record(1, ["a"], [[1, 2]])
-    assert not list(tmp_path.iterdir())
+    assert draft_trace.directory() is None  # the proposer records nothing
     monkeypatch.setenv(draft_trace.TRACE_DIR_ENV, str(tmp_path / "traces"))
-    draft_trace.record(1, ["a", None], [[1, 2], []])
-    draft_trace.record(2, ["a"], [[3]])
+    draft_trace.record(1, ["a", None], [[1, 2], []], draft_trace.directory())
+    draft_trace.record(2, ["a"], [[3]], draft_trace.directory())
     (path,) = (tmp_path / "traces").iterdir()
     assert path.name == f"rank0-{os.getpid()}{draft_trace.SUFFIX}"
     trace = draft_traces.read_trace(path)
