@@ -1,37 +1,29 @@
-"""Sharing one step's draft budget across the batch, by expected gain vs cost.
+"""Sharing one step's draft budget across the batch, by expected gain vs cost (docs/how-it-works.md,
+"Forward-cost model"; the measurements behind the prices: docs/prices.md).
 
-A forward over ``T`` tokens costs about the same as one token only up to a machine-dependent
-*critical decoding length*; beyond it every draft token costs real time. The forward-cost model
-(:class:`ForwardCost`) says how much::
+A forward over ``T`` tokens costs about one token's up to ``free_tokens``, then (in forwards)::
 
-    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
+    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
 
-Every row past the first adds ``per_row`` (folded into the other prices by
-:meth:`ForwardCost.at_rows`), a row that carries drafts ``per_context`` per thousand tokens of its
-context (:meth:`ForwardCost.entry`), and a step that carries any draft ``draft_setup`` (a
-draftless step runs as plain decoding). The prices are the profile's prior (core/config.py),
-fitted online by core/prices.py unless pinned (:func:`prices_pinned`); docs/prices.md and
-docs/how-it-works.md hold the measurements behind them.
+plus ``per_row`` for every row past the first (:meth:`ForwardCost.at_rows`), ``per_context`` per
+thousand context tokens of a drafted row (:meth:`ForwardCost.entry`) and ``draft_setup`` for a step
+with any draft (a draftless one runs as plain decoding). The prices are the profile's prior
+(core/config.py), fitted online by core/prices.py unless pinned (:func:`prices_pinned`).
 
-Every request offers its draft nodes in draft order, each with its path confidence: the estimated
-probability that the node is accepted. A request emits ``1 + sum(confidence of its nodes)``
-tokens in expectation (the accepted nodes form one path, and the bonus token is always emitted),
-so a step with ``R`` requests that keeps nodes of total confidence ``S`` emits ``R + S`` tokens in
-``cost(R + kept) + draft_setup`` forwards. The planner merges the requests' nodes
-most-confident-first (each request keeps a prefix of its draft order) and keeps the prefix of
-that merged order with the best throughput ``(R + S) / (cost(R + kept) + draft_setup)``, capped
-at ``budget`` tokens, or nothing where no prefix beats ``R / cost(R)``.
-
-Where tree attention runs each extra root-to-leaf path separately (the CPU path rounds), a node
-that opens a new path (a parent's second or later child) also costs ``per_path``, and the step's
-first such node ``path_setup``; the rounds are shared by the batch, so a prefix pays
-``path_setup + per_path * rounds`` with ``rounds`` the most paths any one request opens.
+A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests
+keeping nodes of total confidence ``S`` emits ``R + S`` tokens (the bonus token always comes) in
+``cost(R + kept) + draft_setup`` forwards. The planner merges the requests' nodes most-confident-first
+(each request keeps a prefix of its draft order) and keeps the merged prefix with the best
+``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget`` tokens, or nothing where none beats
+``R / cost(R)``. Where tree attention runs each extra root-to-leaf path separately (the CPU path
+rounds), a prefix also pays ``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's
+second or later child opens one) any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` +
 ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
 
-The allocation runs natively inside the planner's ``plan_trees`` (core/tree_plan.py); its
-pure-Python reference is ``lookahead_lab.reference.planner.allocate_step_budget``.
+The allocation runs natively in ``plan_trees`` (core/tree_plan.py); reference:
+``lookahead_lab.reference.planner.allocate_step_budget``.
 """
 
 from __future__ import annotations
@@ -47,24 +39,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
-    # Tokens one forward scores at about the cost of one token (0 = no cost model: every draft token
-    # is free).
+    """The forward-cost model (module docstring); every price in single-token forwards."""
+
+    # Tokens one forward scores at about the cost of one (0 = no cost model: every draft token is free).
     free_tokens: int
     # Past ``free_tokens``, this many more tokens cost one more forward.
     marginal_tokens: float
-    # Extra cost, in forwards, of each root-to-leaf path the tree attention runs separately (the CPU
-    # path rounds; 0 where one kernel launch covers all), and the fixed cost of a step that runs
-    # any.
+    # Each root-to-leaf path tree attention runs separately (0 where one kernel launch covers all),
+    # and a step that runs any.
     per_path: float = 0.0
     path_setup: float = 0.0
-    # Extra cost of a step that carries any draft token over a draftless one
-    # (patches.patch_draftless_steps); the first kept draft token pays it.
+    # A step with any draft token over a draftless one (patches.patch_draftless_steps); the first kept
+    # draft token pays it.
     draft_setup: float = 0.0
-    # Extra cost of every row of the step past the first, whatever its tokens (per-sequence
-    # attention, sampling, bookkeeping); see :meth:`at_rows`.
+    # Every row past the first, whatever its tokens (per-sequence attention, sampling, bookkeeping).
     per_row: float = 0.0
-    # Extra cost of a row that carries any draft token, per thousand tokens of its context; see
-    # :meth:`entry`.
+    # A row that carries any draft token, per thousand tokens of its context.
     per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
@@ -128,8 +118,7 @@ def prices_pinned(config: "Settings") -> bool:
     return config.cost_free_tokens >= 0 or config.cost_marginal_tokens >= 0
 
 
-# The batch-scaled confidence floor never exceeds this, so large batches still draft their most
-# certain continuations.
+# The batch-scaled floor's cap: large batches still draft their most certain continuations.
 MAX_CONFIDENCE_FLOOR = 0.5
 
 

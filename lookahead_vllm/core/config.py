@@ -1,16 +1,10 @@
-"""Lookahead configuration: the public fields, the internal profile, the resolved settings.
+"""Lookahead configuration (fields, knobs and terms: docs/configuration.md).
 
-  LookaheadConfig   the public fields (a pydantic model): exactly the keys of
-                    ``additional_config={"lookahead": {...}}``.
-  Profile           every tuning knob (a frozen dataclass, internal): one set of
-                    defaults, per-platform values in :data:`PLATFORM_VALUES`; set
-                    by developers under the ``"_profile"`` key.
-  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve`
-                    where the engine's config is built and carried to the workers
-                    (:meth:`Settings.to_carried` / :meth:`Settings.from_carried`).
-
-Fields, knobs and terms (decoding, branch and match length; draft shapes):
-docs/configuration.md.
+  LookaheadConfig   the public fields (pydantic): exactly the keys of ``additional_config={"lookahead": {...}}``.
+  Profile           every tuning knob (a frozen dataclass, internal): per-platform values in
+                    :data:`PLATFORM_VALUES`; set by developers under the ``"_profile"`` key.
+  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve` where the engine's
+                    config is built, carried to the workers (:meth:`Settings.to_carried` / ``from_carried``).
 """
 
 from __future__ import annotations
@@ -75,8 +69,19 @@ class LookaheadConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, values: Any) -> Any:
-        if isinstance(values, Mapping):
-            check_field_names(values)
+        """Refuse retired, internal and unknown field names, by name."""
+        if not isinstance(values, Mapping):
+            return values
+        for name in values:
+            if name in RETIRED:
+                raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
+            if name in PROFILE_FIELDS:
+                raise ValueError(f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the "
+                                 "platform profile, docs/configuration.md 'Developer settings'); the public fields "
+                                 f"are {list(PUBLIC_FIELDS)}")
+        unknown = sorted(set(values) - set(PUBLIC_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
         return values
 
     @field_validator("cost_marginal_tokens")
@@ -119,20 +124,6 @@ RETIRED = {
     "insert_output": "removed (it was never read: generated tokens always enter the trie)",
     "cost_per_path": "internal now (the platform profile's path_setup and cost_per_path)",
 }
-
-
-def check_field_names(values: Mapping[str, Any]) -> None:
-    """Refuse retired, internal and unknown public field names, by name."""
-    for name in values:
-        if name in RETIRED:
-            raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
-        if name in PROFILE_FIELDS:
-            raise ValueError(f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the platform "
-                             "profile, docs/configuration.md 'Developer settings'); the public fields are "
-                             f"{list(PUBLIC_FIELDS)}")
-    unknown = sorted(set(values) - set(PUBLIC_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
 
 
 def _explain(err: ValidationError) -> str:
@@ -276,8 +267,7 @@ class Profile:
 
     @property
     def jacobi_step_slots(self) -> int:
-        """Draft slots a full Jacobi step needs: the window plus G pool n-grams
-        of N - 1 tokens, (W + G) * (N - 1) - 1 (the root is the step's own token)."""
+        """Draft slots a full Jacobi step needs, the window plus G pool n-grams: (W + G) * (N - 1) - 1."""
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
@@ -297,8 +287,7 @@ PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What the engine runs on: the public fields (``decoding_length``
-    resolved) and the profile. Build with :func:`resolve`."""
+    """What the engine runs on: the public fields (``decoding_length`` resolved) and the profile (:func:`resolve`)."""
 
     source: str
     draft_shape: str
@@ -343,9 +332,8 @@ class Settings:
                                 p.index_candidates, self.index_corpus_bytes // shares)
 
     def to_carried(self) -> dict[str, Any]:
-        """A JSON-able mapping that carries these settings inside vLLM's
-        ``additional_config`` to the workers (:meth:`from_carried`); it is
-        also input :func:`resolve` maps to these same settings."""
+        """A JSON-able mapping that carries these settings in vLLM's ``additional_config`` to the workers
+        (:meth:`from_carried`); :func:`resolve` maps it to these same settings."""
         profile = dataclasses.asdict(self.profile)
         profile["debug_disable"] = list(self.profile.debug_disable)
         return {**{name: getattr(self, name) for name in PUBLIC_FIELDS}, PROFILE_KEY: profile}
@@ -363,18 +351,15 @@ class Settings:
 
 
 def default_decoding_length(platform: str) -> int:
-    """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform``."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS}")
+    """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform`` ("cpu" or "gpu")."""
     return PLATFORM_DECODING_LENGTH[platform]
 
 
 def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platform: str = "cpu",
             num_speculative_tokens: int | None = None) -> Settings:
-    """The settings of the public ``values`` (plus an optional ``"_profile"``
-    mapping of knobs) on ``platform``, checked against vLLM's
-    ``num_speculative_tokens`` (None: no engine; ``decoding_length`` defaults
-    to the platform's :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
+    """The settings of the public ``values`` (plus an optional ``"_profile"`` mapping of knobs) on
+    ``platform``, checked against vLLM's ``num_speculative_tokens`` (None: no engine; ``decoding_length``
+    defaults to :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
     if isinstance(values, LookaheadConfig):
         values = values.model_dump()
     if values is not None and not isinstance(values, Mapping):
@@ -386,8 +371,7 @@ def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platfo
     user = LookaheadConfig(**values)
     profile = Profile.for_platform(platform, overrides)
     window = profile.jacobi_nodes if "jacobi" in sources_of(user.source) else 0
-    k = num_speculative_tokens
-    length = user.decoding_length
+    k, length = num_speculative_tokens, user.decoding_length
     if k is not None:
         if window and profile.jacobi_step_slots > k:
             raise ValueError(f"_profile jacobi_window={profile.jacobi_window}, jacobi_ngram={profile.jacobi_ngram}, "

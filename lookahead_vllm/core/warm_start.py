@@ -1,21 +1,14 @@
-"""Warm-start files: past responses or a corpus the drafter learns before
-serving (config ``warm_start``).
+"""Warm-start files (config ``warm_start``): past responses or a corpus the drafter learns before
+serving. ``*.jsonl``: one JSON object a line, its text the first of ``TEXT_FIELDS`` that holds a
+string (blank lines skipped; any other line skipped and counted); any other name: plain text,
+paragraphs split on blank lines, each stripped.
 
-Two formats, told apart by the file name:
+Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one text and one skipped
+line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
-  ``*.jsonl``  one JSON object a line; its text is the first of the fields
-               ``TEXT_FIELDS`` that holds a string. Blank lines are skipped;
-               a line that is not such an object is skipped and counted.
-  any other    plain text: paragraphs split on blank lines, each stripped.
-
-Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives
-one text and one skipped line; the plain text ``"a b\\n\\nc\\n"`` gives
-``["a b", "c"]``.
-
-The file is read once (:func:`read_warm_file`): its digest (sha256, what a
-snapshot names as the file it holds) and its texts come from the same bytes,
-so a file replaced while the engine starts is never named by one version and
-learned as another.
+The file is read once (:func:`read_warm_file`): its digest (sha256, what a snapshot names) and its
+texts come from the same bytes, so a file replaced while the engine starts is never named by one
+version and learned as another.
 """
 
 from __future__ import annotations

@@ -74,17 +74,16 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
                              platform: str | None = None) -> Settings:
     """Validate ``additional_config["lookahead"]`` against ``k`` and resolve
     it for ``platform`` (None: this process's); ValueError naming the field."""
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN  # the most drafts per request it verifies
+
     values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
     if values is not None and not isinstance(values, dict):
-        raise ValueError(
-            f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
-        )
-    limit = _max_spec_len()
-    if num_speculative_tokens > limit:
-        raise ValueError(
-            f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection sampler "
-            f"verifies at most {limit} draft tokens per request (MAX_SPEC_LEN); lower it (and decoding_length)"
-        )
+        raise ValueError(f"additional_config['lookahead'] must be a mapping of lookahead fields, "
+                         f"got {type(values).__name__}")
+    if num_speculative_tokens > MAX_SPEC_LEN:
+        raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection "
+                         f"sampler verifies at most {MAX_SPEC_LEN} draft tokens per request (MAX_SPEC_LEN); "
+                         "lower it (and decoding_length)")
     return resolve(values, platform=platform or current_platform_name(),
                    num_speculative_tokens=num_speculative_tokens)
 
@@ -111,12 +110,3 @@ def current_platform_name() -> str:
     from vllm.platforms import current_platform
 
     return "cpu" if current_platform.is_cpu() else "gpu"
-
-
-def _max_spec_len() -> int:
-    """vLLM's per-request draft limit (the rejection sampler asserts on it)."""
-    try:
-        from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
-    except ImportError:  # no vLLM here (pure config checks): no limit to enforce
-        return 1 << 16
-    return int(MAX_SPEC_LEN)
