@@ -58,9 +58,8 @@ class ForwardCost:
     per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
-        """This model for one step of ``rows`` rows, in units of its draftless base ``1 + per_row *
-        (rows - 1)``: the row part does not change with the drafts, so the scaled model ranks the
-        step's drafts the same way (throughputs are ratios of costs)."""
+        """This model for a step of ``rows`` rows in units of its draftless base ``1 + per_row * (rows - 1)``,
+        which drafts do not change: it ranks the step's drafts the same (throughputs are cost ratios)."""
         if not self.per_row or rows <= 1 or not self.free_tokens:
             return self
         base = 1.0 + self.per_row * (rows - 1)
@@ -68,13 +67,12 @@ class ForwardCost:
                            self.path_setup / base, self.draft_setup / base, 0.0, self.per_context / base)
 
     def entry(self, context: np.ndarray) -> np.ndarray:
-        """What each row pays, in forwards, for carrying any draft token at ``context`` tokens of
-        context (its first kept node pays it)."""
+        """What each row at ``context`` tokens of context pays for any draft (its first kept node pays it)."""
         return np.asarray(context, np.float64) * (self.per_context / 1000.0)
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
-        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths, in
-        single-token forwards (one row, or a model :meth:`at_rows` made for the step)."""
+        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or
+        a model :meth:`at_rows` made for the step)."""
         if self.free_tokens == 0:
             return 1.0
         extra = self.path_setup + paths * self.per_path if paths else 0.0
@@ -93,17 +91,14 @@ class ForwardCost:
         return self(tokens, paths) + self.draft_setup
 
     def draft_pays(self, rows: int) -> bool:
-        """Whether any draft token can raise the expected throughput of a step of ``rows`` one-token
-        rows. Not once the step is past the free tokens and ``marginal_tokens <= free_tokens``: then
-        ``t / cost(t)`` no longer grows with ``t``, so ``m`` tokens gaining at most ``m`` never beat
-        ``rows / cost(rows)`` (paths and the setup only add cost)."""
+        """Whether any draft can raise the expected throughput of a step of ``rows`` one-token rows: not
+        past the free tokens with ``marginal_tokens <= free_tokens``, where ``t / cost(t)`` no longer grows."""
         return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
 
 
 def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
-    """The cost model ``config`` asks for: token prices pinned by the public fields (>= 0) or the
-    profile's prior; the profile's path prices where the step's drafts may open extra attention
-    paths (``paths``: tree mode)."""
+    """The cost model of ``config``: token prices pinned by the public fields (>= 0) or the profile's
+    prior; its path prices where drafts may open extra attention paths (``paths``: tree mode)."""
     p = config.profile
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
@@ -112,9 +107,8 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
 
 
 def prices_pinned(config: "Settings") -> bool:
-    """Whether ``config`` sets the token prices by hand (``cost_free_tokens`` or
-    ``cost_marginal_tokens`` >= 0; ``cost_free_tokens=0`` turns the model off): then the engine does
-    not fit its own (core/prices.py)."""
+    """Whether ``config`` pins the token prices (a ``cost_*`` field >= 0; ``cost_free_tokens=0``: model
+    off), so the engine fits none (core/prices.py)."""
     return config.cost_free_tokens >= 0 or config.cost_marginal_tokens >= 0
 
 
@@ -123,11 +117,8 @@ MAX_CONFIDENCE_FLOOR = 0.5
 
 
 def confidence_floor(config: "Settings", drafting: int) -> float:
-    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``.
-
-    The forward-cost model (on unless ``cost_free_tokens=0``) already prices every node against the
-    step's load, so the floor stays flat (a floor scaled with the batch cut free drafts at the GPU's
-    prices). Without the model the floor is the load's only check: it scales with the requests
-    drafting in the step, at most :data:`MAX_CONFIDENCE_FLOOR`."""
+    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``, flat while the
+    cost model prices every node against the load (scaled, it cut free drafts at the GPU's prices); with
+    the model off, times the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)

@@ -106,8 +106,7 @@ class OnlinePrices:
                              f"and the context price in {list(CONTEXT_BOUNDS)}")
         self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
-        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays
-        # (at most MAX_BUCKETS; the least recently visited makes room).
+        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays.
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
         # Per sample: scored tokens, rows, seconds, drafted rows' context (thousands of tokens).
@@ -116,7 +115,6 @@ class OnlinePrices:
         self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
         self._drafted = np.zeros(MAX_BUCKETS, bool)
         self.observed = 0  # samples so far
-        self._since_fit = 0
         # The candidates, the prior's own prices among them.
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
 
@@ -129,18 +127,13 @@ class OnlinePrices:
             return False
         kilo = context / 1000.0 if drafted else 0.0
         key = (bucket_of(tokens), bucket_of(rows), bool(drafted), context_bucket(kilo))
-        b = self._slot.get(key)
-        if b is None:
-            b = self._new_slot(key)
-        pos = self._count[b] % RING
-        self._samples[b, pos] = tokens, rows, seconds, kilo
+        b = self._slot[key] if key in self._slot else self._new_slot(key)
+        self._samples[b, self._count[b] % RING] = tokens, rows, seconds, kilo
         self._count[b] += 1
         self._last_seen[b] = self.observed
         self.observed += 1
-        self._since_fit += 1
-        if self._since_fit < REFIT_EVERY:
+        if self.observed % REFIT_EVERY:
             return False
-        self._since_fit = 0
         self.prices = self.fit()
         return True
 

@@ -57,9 +57,8 @@ class NativeTrie:
 
     def sync(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
              prompt_lens: np.ndarray, partitions: np.ndarray | None = None) -> int:
-        """Row ``i``: slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]`` (the first
-        ``prompt_lens[i]`` its prompt), in ``partitions[i]`` (only the default partition's requests
-        feed and draft from the shared trie); returns how many were rewound."""
+        """Slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]``, its prompt the first ``prompt_lens[i]``,
+        in ``partitions[i]`` (only the default partition's use the shared trie); returns how many rewound."""
         return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions)
 
     def finish_slot(self, slot: int) -> None:
@@ -67,9 +66,8 @@ class NativeTrie:
 
     def retrieve_slots(self, slots: np.ndarray, contexts: np.ndarray, context_lens: np.ndarray,
                        budgets: np.ndarray, floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        """The rows' trees by slot (``retrieve_rows`` of their records), and per row whether its
-        slot drafts from the trie (a slot kept off it drafts nothing; one never synced drafts with
-        no record)."""
+        """The rows' trees by slot, and per row whether its slot drafts from the trie (a slot kept off it
+        drafts nothing; one never synced drafts with no record)."""
         return self._core.retrieve_slots(slots, contexts, context_lens, budgets, float(floor),
                                          shape or self.config.draft_shape)
 
@@ -88,8 +86,7 @@ class NativeTrie:
 
 
 def make_trie(config: Settings, kind: type[NativeTrie] = NativeTrie) -> NativeTrie:
-    """The engine's trie for ``config`` (ImportError if the extension is not built), a
-    :class:`NativeTrie` or a subclass ``kind``."""
+    """The engine's trie for ``config``, a :class:`NativeTrie` or subclass ``kind`` (ImportError: no extension)."""
     k = config.profile
     core = native.extension().TokenTrie(
         k.branch_length, k.max_match_length, k.min_match_length, k.min_retrieved_nodes, k.trie_capacity,
