@@ -1,10 +1,8 @@
-"""The CPU preload vLLM's CPU install guide recommends: tcmalloc and Intel OpenMP.
+"""The CPU preload vLLM's CPU install guide recommends (it warns without): tcmalloc and Intel OpenMP.
 
-vLLM on the CPU warns without them. Preloading both raised tokens/s by a median
-1.13x on a 2-core host (``benchmarks/results/cpu_preload.json``), so it is on by
-default wherever the libraries are found: ``lookahead-vllm-serve`` re-executes
-itself with them and ``scripts/cpu_env.sh`` exports them.
-``LOOKAHEAD_CPU_PRELOAD=0`` turns it off. Libraries not found are skipped.
+It raised tokens/s by a median 1.13x on a 2-core host (``benchmarks/results/cpu_preload.json``), so it
+is on wherever the libraries are found (``LOOKAHEAD_CPU_PRELOAD=0``: off): ``lookahead-vllm-serve``
+re-executes itself with them and ``scripts/cpu_env.sh`` exports them.
 
     python -m lookahead_vllm.cpu_preload      # the LD_PRELOAD it would set ('' if none found)
 """

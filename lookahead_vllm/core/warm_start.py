@@ -45,9 +45,16 @@ class WarmFile:
         """The texts of these bytes (see the module docstring)."""
         # As a file opened in text mode reads: universal newlines.
         text = self.data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-        if self.path.endswith(".jsonl"):
-            return _jsonl_texts(text)
-        return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
+        if not self.path.endswith(".jsonl"):
+            return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
+        out = WarmTexts()
+        for lineno, line in enumerate(text.splitlines(), 1):
+            found = _text_of(line) if line.strip() else ""
+            if found is None:
+                out.skipped_lines.append(lineno)
+            elif found:
+                out.texts.append(found)
+        return out
 
 
 def read_warm_file(path: str | os.PathLike) -> WarmFile:
@@ -59,17 +66,6 @@ def read_warm_file(path: str | os.PathLike) -> WarmFile:
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         data = f.read()
     return WarmFile(str(path), data, hashlib.sha256(data).hexdigest())
-
-
-def _jsonl_texts(data: str) -> WarmTexts:
-    out = WarmTexts()
-    for lineno, line in enumerate(data.splitlines(), 1):
-        text = _text_of(line) if line.strip() else ""
-        if text is None:
-            out.skipped_lines.append(lineno)
-        elif text:
-            out.texts.append(text)
-    return out
 
 
 def _text_of(line: str) -> str | None:
