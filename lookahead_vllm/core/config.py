@@ -1,16 +1,10 @@
-"""Lookahead configuration: the public fields, the internal profile, the resolved settings.
+"""Lookahead configuration (fields, knobs and terms: docs/configuration.md).
 
-  LookaheadConfig   the public fields (a pydantic model): exactly the keys of
-                    ``additional_config={"lookahead": {...}}``.
-  Profile           every tuning knob (a frozen dataclass, internal): one set of
-                    defaults, per-platform values in :data:`PLATFORM_VALUES`; set
-                    by developers under the ``"_profile"`` key.
-  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve`
-                    where the engine's config is built and carried to the workers
-                    (:meth:`Settings.to_carried` / :meth:`Settings.from_carried`).
-
-Fields, knobs and terms (decoding, branch and match length; draft shapes):
-docs/configuration.md.
+  LookaheadConfig   the public fields (pydantic): exactly the keys of ``additional_config={"lookahead": {...}}``.
+  Profile           every tuning knob (a frozen dataclass, internal): per-platform values in
+                    :data:`PLATFORM_VALUES`; set by developers under the ``"_profile"`` key.
+  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve` where the engine's
+                    config is built, carried to the workers (:meth:`Settings.to_carried` / ``from_carried``).
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
 # Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
-# vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine).
-# CPU: 16 beat 8 on every class of the dev suite's replay. GPU: steps are filled to k tokens a row
-# for full CUDA graphs, so k sets the step's price and how many rows fit a graph (docs/gpu.md).
+# vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine). CPU: 16
+# beat 8 on every class of the dev suite's replay; GPU: k sets a full-graph step's price (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
 PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
 # The key, next to the public fields, that sets profile knobs (developers only).
@@ -75,8 +68,19 @@ class LookaheadConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, values: Any) -> Any:
-        if isinstance(values, Mapping):
-            check_field_names(values)
+        """Refuse retired, internal and unknown field names, by name."""
+        if not isinstance(values, Mapping):
+            return values
+        for name in values:
+            if name in RETIRED:
+                raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
+            if name in PROFILE_FIELDS:
+                raise ValueError(f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the "
+                                 "platform profile, docs/configuration.md 'Developer settings'); the public fields "
+                                 f"are {list(PUBLIC_FIELDS)}")
+        unknown = sorted(set(values) - set(PUBLIC_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
         return values
 
     @field_validator("cost_marginal_tokens")
@@ -111,28 +115,13 @@ def sources_of(source: str) -> tuple[str, ...]:
 
 PUBLIC_FIELDS = tuple(LookaheadConfig.model_fields)
 
-# Fields that were public once: what to use instead. A field not named here
-# that the profile holds is "internal now".
+# Fields that were public once: what to use instead (a profile knob not named here is "internal now").
 RETIRED = {
     "index_corpus_tokens": "renamed; use index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)",
     "index_upkeep": "internal now (the platform profile's upkeep_thread: a thread on GPUs, inline on the CPU)",
     "insert_output": "removed (it was never read: generated tokens always enter the trie)",
     "cost_per_path": "internal now (the platform profile's path_setup and cost_per_path)",
 }
-
-
-def check_field_names(values: Mapping[str, Any]) -> None:
-    """Refuse retired, internal and unknown public field names, by name."""
-    for name in values:
-        if name in RETIRED:
-            raise ValueError(f"{name}: no longer a lookahead field; {RETIRED[name]}")
-        if name in PROFILE_FIELDS:
-            raise ValueError(f"{name}: no longer a lookahead field; it is internal now (a tuning knob of the platform "
-                             "profile, docs/configuration.md 'Developer settings'); the public fields are "
-                             f"{list(PUBLIC_FIELDS)}")
-    unknown = sorted(set(values) - set(PUBLIC_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown lookahead field(s) {unknown}; the fields are {list(PUBLIC_FIELDS)}")
 
 
 def _explain(err: ValidationError) -> str:
@@ -174,8 +163,7 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 class Profile:
     """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
-    # ---- per platform (PLATFORM_VALUES); the prices are the online fit's prior (core/prices.py)
-    # "cpu" or "gpu": what the values below were chosen for.
+    # ---- per platform (PLATFORM_VALUES): "cpu" or "gpu"; the prices are the online fit's prior (core/prices.py)
     platform: str
     # Token prices (core/budget.py): free_tokens scored for the price of one forward, one more forward
     # every marginal_tokens past them; the knobs from path_setup on are in forwards.
@@ -205,8 +193,8 @@ class Profile:
     # Branch confidence floor (budget.confidence_floor) and draft tokens per step (0 = no cap).
     min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
     step_draft_budget: int = _knob(0, within=(0, 1 << 16))
-    # Full CUDA graphs: fill chains to k (vLLM replays full graphs only for uniform 1 + k steps),
-    # and, with draftless_graphs, capture draftless steps too (vllm/patches.py; docs/gpu.md).
+    # Full CUDA graphs: fill chains to k (vLLM replays them for uniform 1 + k steps only), and capture
+    # draftless steps too (vllm/patches.py; docs/gpu.md).
     uniform_steps: bool = True
     draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
@@ -276,15 +264,13 @@ class Profile:
 
     @property
     def jacobi_step_slots(self) -> int:
-        """Draft slots a full Jacobi step needs: the window plus G pool n-grams
-        of N - 1 tokens, (W + G) * (N - 1) - 1 (the root is the step's own token)."""
+        """Draft slots a full Jacobi step needs, the window plus G pool n-grams: (W + G) * (N - 1) - 1."""
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md; the path
-# prices: docs/history.md); "gpu": one H200, a Llama-3-8B shape in bf16 (gpu_h200.json, docs/gpu.md), whose
-# CUDA kernel runs every path in one launch (no path price); draft setup and context price unmeasured (0).
-# Load adaptation starts at 8 rows on the CPU: a batch of 8 already scores past the free tokens.
+# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md, docs/history.md;
+# load adaptation from 8 rows: they already score past the free tokens); "gpu": one H200, a Llama-3-8B shape
+# in bf16 (docs/gpu.md; one kernel launch runs every path: no path price; setup and context price unmeasured).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
@@ -297,8 +283,7 @@ PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What the engine runs on: the public fields (``decoding_length``
-    resolved) and the profile. Build with :func:`resolve`."""
+    """What the engine runs on: the public fields (``decoding_length`` resolved) and the profile (:func:`resolve`)."""
 
     source: str
     draft_shape: str
@@ -343,9 +328,8 @@ class Settings:
                                 p.index_candidates, self.index_corpus_bytes // shares)
 
     def to_carried(self) -> dict[str, Any]:
-        """A JSON-able mapping that carries these settings inside vLLM's
-        ``additional_config`` to the workers (:meth:`from_carried`); it is
-        also input :func:`resolve` maps to these same settings."""
+        """A JSON-able mapping that carries these settings in vLLM's ``additional_config`` to the workers
+        (:meth:`from_carried`); :func:`resolve` maps it to these same settings."""
         profile = dataclasses.asdict(self.profile)
         profile["debug_disable"] = list(self.profile.debug_disable)
         return {**{name: getattr(self, name) for name in PUBLIC_FIELDS}, PROFILE_KEY: profile}
@@ -363,18 +347,15 @@ class Settings:
 
 
 def default_decoding_length(platform: str) -> int:
-    """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform``."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS}")
+    """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform`` ("cpu" or "gpu")."""
     return PLATFORM_DECODING_LENGTH[platform]
 
 
 def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platform: str = "cpu",
             num_speculative_tokens: int | None = None) -> Settings:
-    """The settings of the public ``values`` (plus an optional ``"_profile"``
-    mapping of knobs) on ``platform``, checked against vLLM's
-    ``num_speculative_tokens`` (None: no engine; ``decoding_length`` defaults
-    to the platform's :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
+    """The settings of the public ``values`` (plus an optional ``"_profile"`` mapping of knobs) on
+    ``platform``, checked against vLLM's ``num_speculative_tokens`` (None: no engine; ``decoding_length``
+    defaults to :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
     if isinstance(values, LookaheadConfig):
         values = values.model_dump()
     if values is not None and not isinstance(values, Mapping):
@@ -386,8 +367,7 @@ def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platfo
     user = LookaheadConfig(**values)
     profile = Profile.for_platform(platform, overrides)
     window = profile.jacobi_nodes if "jacobi" in sources_of(user.source) else 0
-    k = num_speculative_tokens
-    length = user.decoding_length
+    k, length = num_speculative_tokens, user.decoding_length
     if k is not None:
         if window and profile.jacobi_step_slots > k:
             raise ValueError(f"_profile jacobi_window={profile.jacobi_window}, jacobi_ngram={profile.jacobi_ngram}, "

@@ -1,30 +1,21 @@
-"""Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool.
+"""Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool
+(docs/how-it-works.md, "Jacobi lookahead").
 
-Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h),
-by the caller's slot, and move a whole step's rows per call: ``track`` (which rows must open their
-window: admitted or rewound), ``open``, ``pool_rows`` (the pool's branches for every drafting row),
-``choose`` (the windows that go out), ``update`` (the forward's new tokens: slide, fill the pools,
-credit the yields). Its pure-Python reference is ``lookahead_lab.reference.jacobi``.
+Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h) by
+the caller's slot, a whole step's rows per call; pure-Python reference: ``lookahead_lab.reference.jacobi``.
 
 Terms (digest sections 2 and 5):
-  W, N, G    window columns, n-gram size (the window keeps N - 1 levels), and the most pool
-             n-grams verified per step (also the most kept per key).
-  window     per request, level 0 holds W - 1 tokens (columns 1..W-1; column 0 of level 0 is
-             x0, the last committed token) and levels 1..N-2 hold W tokens each; filled from the
-             prompt at admission and after a rewind (node j of plan order: the prompt's token at
-             ``splitmix64(seed + j + 1) % len``, ``seed`` the prompt's FNV-1a hash: a recomputed
-             request gets the same one).
-  lookahead  the window's nodes in a step plan. Node (l, i) sits at position p + l + i and sees
-             x0, (0, 1..i) and (1..l, i): exactly its ancestors if (l, i)'s parent is (l-1, i),
-             (1, 0)'s and (0, 1)'s parent is x0 and (0, i)'s is (0, i-1). So the window is a
-             token tree rooted at x0, verified by the same tree attention as the trie's drafts;
-             its nodes are never accepted.
-  new tokens the target's argmax at the N-2 level (at x0 for column 0 when N = 2): one new token
-             per column, for position p + N - 1 + i.
-  n-grams    column i yields ((0, i), (1, i), ..., (N-2, i), new_i), keyed by its first token
-             ((0, 0) = x0). The pool keeps, per key, the G most recently seen continuations (LRU).
-  verify     up to G pool n-grams keyed by x0 become draft branches from x0, merged with the
-             trie's tree (shared prefixes merged).
+  W, N, G    window columns, n-gram size (N - 1 levels), most pool n-grams verified per step and kept per key.
+  window     level 0 holds W - 1 tokens (column 0 is x0, the last committed token), levels 1..N-2 W each;
+             filled from the prompt at admission and after a rewind (node j of plan order: the prompt's
+             token at ``splitmix64(seed + j + 1) % len``, ``seed`` the prompt's FNV-1a hash).
+  lookahead  the window's nodes in a step plan: node (l, i) sits at position p + l + i and its parent is
+             (l-1, i), (0, i-1) on level 0, x0 for (1, 0) and (0, 1); a token tree rooted at x0,
+             verified by the same tree attention as the trie's drafts, whose nodes are never accepted.
+  new tokens the target's argmax at level N-2 (at x0 for column 0 when N = 2): one per column, for
+             position p + N - 1 + i; column i yields the n-gram ((0, i), ..., (N-2, i), new_i), keyed by
+             its first token. The pool keeps per key the G most recently seen continuations (LRU); up to
+             G keyed by x0 become draft branches from x0, merged with the trie's tree.
 
 Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
 
@@ -32,14 +23,12 @@ Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
     level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
     level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
 
-After the forward, the slide drops level 0 and level 1's first column: level 1 less (1,0) becomes
-level 0, level 2 becomes level 1, the new tokens level 2.
+After the forward, the slide drops level 0 and (1,0): level 1 becomes level 0, level 2 level 1, the
+new tokens level 2.
 
-Window policy (core/budget.py prices it; docs/how-it-works.md, "Jacobi lookahead"): a request's
-expected pool tokens per window step starts at the last credited window's (``YIELD_PRIOR`` at
-first) and follows a moving average (weight ``YIELD_ALPHA``); a window goes out while its yield
-pays for what it adds to the step, and else after ``PROBE_EVERY`` steps to re-measure it, each
-probe that brings nothing doubling that wait (up to ``MAX_PROBE_EVERY``).
+Window policy: a window goes out while its expected pool tokens per step (from the last credited
+window's, ``YIELD_PRIOR`` at first, a moving average of weight ``YIELD_ALPHA``) pay for its nodes
+(core/budget.py), else every ``PROBE_EVERY`` steps, each empty probe doubling that up to ``MAX_PROBE_EVERY``.
 """
 
 from __future__ import annotations
@@ -52,10 +41,8 @@ from lookahead_vllm.core import native
 if TYPE_CHECKING:
     from lookahead_vllm.core.config import Settings
 
-# Draft confidence given to a pool n-gram's node at depth d (the pool has no counts; Jacobi n-grams
-# are right roughly this often on chat text).
+# A pool n-gram's node at depth d drafts at POOL_CONFIDENCE ** d (the pool has no counts).
 POOL_CONFIDENCE = 0.5
-
 # The window policy (module docstring; the native table's kYield*, kProbeEvery).
 YIELD_PRIOR = 1.0
 YIELD_ALPHA = 0.25
@@ -74,9 +61,7 @@ def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]
     """Parent of every lookahead node in plan order (-1 = x0), see the module docstring; after
     ``base`` nodes of a verify tree, their indices shifted by it."""
     parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
-    for level in range(1, ngram - 1):
-        for col in range(window):
-            parents.append(_index(level - 1, col, window))
+    parents += [_index(level - 1, col, window) for level in range(1, ngram - 1) for col in range(window)]
     return tuple(p if p < 0 else p + base for p in parents)
 
 

@@ -1,10 +1,7 @@
-"""The native drafting core: ``lookahead_vllm._draft_index`` (C++, ``csrc/draft_index``, compiled by
-``pip install -e .``). It holds the draft index, the trie and the planner's batch kernels
-(``merge_rows``, ``plan_trees``, ``match_trees``, ``observe_trees``); every caller reaches it
-through :func:`extension`, so tests can run the whole pipeline on the pure-Python reference of the
-same interface (``lookahead_lab.reference``).
-
-Never compiles anything: a missing extension is an ImportError that says how to build it.
+"""The native drafting core ``lookahead_vllm._draft_index`` (C++, ``csrc/draft_index``, compiled by
+``pip install -e .``): the draft index, the trie and the planner's batch kernels. Every caller reaches it
+through :func:`extension`, so tests can run the pipeline on its pure-Python reference
+(``lookahead_lab.reference``). Never compiles anything: a missing build is an ImportError saying how to build it.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ def extension():
 
 
 def load_extension():
-    """The extension module, or None where it is not built: the name the GPU kit's install check
-    (``../shared/gpu/install.sh``) imports to report which drafting core a machine has."""
+    """The extension module, or None where it is not built (``../shared/gpu/install.sh`` imports this name)."""
     try:
         return extension()
     except ImportError:
@@ -37,9 +33,8 @@ def load_extension():
 
 
 def make_draft_index(config: DraftIndexConfig, upkeep_thread: bool = False):
-    """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes and evictions,
-    core/draft_index.py) runs on a thread of its own while the forward runs (the drafts are the
-    same)."""
+    """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes and evictions, core/draft_index.py)
+    runs on a thread of its own while the forward runs (the drafts are the same)."""
     index = extension().DraftIndex(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
                                    config.corpus_bytes, upkeep_thread=upkeep_thread)
     index.config = config

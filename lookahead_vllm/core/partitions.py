@@ -1,42 +1,33 @@
-"""Partitions: which requests draft from each other's outputs (tenant isolation).
+"""Partitions: which requests draft from each other's outputs (tenant isolation; config
+``draft_sharing``, docs/configuration.md). Drafts never change a token but change timing, which tells a
+client whether someone else's text continues its prompt the same way, so the drafter isolates its
+corpus by vLLM's ``cache_salt`` as vLLM isolates its prefix cache.
 
-Speculative decoding never changes a token, but it changes timing: how many draft tokens a step
-accepts tells a client whether someone else's text continues its prompt the same way. vLLM isolates
-its prefix cache per tenant with a request's ``cache_salt``; the drafter isolates its corpus the
-same way.
+  partition  an int of the draft index (core/draft_index.py): a request drafts from its own text and
+             the outputs of its partition only. ``DEFAULT`` (0): requests without a salt; ``PRIVATE``
+             (-1): none at all (own text only).
+  label      a partition's name in a snapshot: ``""`` for the default one, ``"sha256:<hex>"`` of the
+             salt for a salted one (the salt itself is never written).
 
-Terms:
-
-  partition  an int of the draft index (core/draft_index.py): a request
-             drafts from its own text and from the outputs of its partition
-             only. ``DEFAULT`` (0) is shared by requests without a salt;
-             ``PRIVATE`` (-1) is none at all (own text only).
-  label      a partition's name in a snapshot: ``""`` for the default one,
-             ``"sha256:<hex>"`` of the salt for a salted one (the salt itself
-             is never written).
-  sharing    the policy, config ``draft_sharing``:
-
-             ==============  ===============  ================  ==============
-             sharing         salted request   unsalted request  snapshot keeps
-             ==============  ===============  ================  ==============
-             per-salt        its salt's       DEFAULT           DEFAULT
-             per-salt-saved  its salt's       DEFAULT           all partitions
-             all             DEFAULT          DEFAULT           DEFAULT
-             none            PRIVATE          PRIVATE           nothing
-             ==============  ===============  ================  ==============
+  ==============  ===============  ================  ==============
+  sharing         salted request   unsalted request  snapshot keeps
+  ==============  ===============  ================  ==============
+  per-salt        its salt's       DEFAULT           DEFAULT
+  per-salt-saved  its salt's       DEFAULT           all partitions
+  all             DEFAULT          DEFAULT           DEFAULT
+  none            PRIVATE          PRIVATE           nothing
+  ==============  ===============  ================  ==============
 
 Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one without a salt get
-partitions 1, 2, 1 and 0; a restart restores only partition 0's outputs, and with ``per-salt-saved``
-also the ``"a"`` and ``"b"`` outputs, each into whatever partition the salt gets then.
+partitions 1, 2, 1 and 0; a restart restores only partition 0's outputs (``per-salt-saved``: also
+``"a"``'s and ``"b"``'s, each into whatever partition the salt gets then).
 
-Salted partitions are recycled: a server that sees a salt per user or per session would otherwise
-hold a record per salt forever, in Python and in each index (whose eviction scans them all). Once
-the labelled partitions reach :data:`SWEEP_FIRST`, and then twice as many as the last sweep left,
-the caller hands :meth:`Partitions.release` the partitions still in use (a running request's, or one
-holding outputs in an index); every other salted label is dropped and its id is free for the next
-new salt (lowest first, so every tensor-parallel rank numbers alike). A partition is freed only when
-it holds nothing, so a new salt never sees an old one's outputs. Past :data:`MAX_PARTITION` ids in
-use at once, a new salt drafts PRIVATE.
+Salted partitions are recycled, so a salt per user or session does not hold a record forever: once
+the labelled partitions reach :data:`SWEEP_FIRST`, then twice as many as the last sweep left, the
+caller hands :meth:`Partitions.release` the partitions in use (a running request's, or one holding
+outputs in an index) and every other salted label is dropped, its id free for the next new salt
+(lowest first, so every tensor-parallel rank numbers alike). A partition freed holds nothing, so a new
+salt never sees an old one's outputs. Past :data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
 """
 
 from __future__ import annotations
@@ -59,9 +50,8 @@ def salt_label(salt: str) -> str:
 
 
 class Partitions:
-    """Maps salts (and snapshot labels) to draft index partitions under one sharing policy (module
-    docstring). Salted partitions are numbered from 1; an id returns to use only after
-    :meth:`release` freed it."""
+    """Salts (and snapshot labels) -> draft index partitions under one sharing policy (module docstring);
+    salted ones numbered from 1, an id reused only after :meth:`release` freed it."""
 
     def __init__(self, sharing: str = "per-salt") -> None:
         if sharing not in DRAFT_SHARINGS:

@@ -1,23 +1,16 @@
-"""Token prices the engine measures itself: the forward-cost model fitted online.
+"""Token prices the engine measures itself: the forward-cost model fitted online (docs/prices.md:
+why each price is there, how samples are bucketed and the prior held).
 
-The forward-cost model (core/budget.py) prices a step that scores ``T``
-tokens in ``R`` rows at ``cost(T) = 1 + max(0, T - free_tokens) /
-marginal_tokens`` single-token forwards plus ``row_price`` per row past the
-first; a step that carries drafts adds ``draft_setup`` (a draftless one runs as
-plain decoding), and each drafted row ``context_price`` per thousand tokens of
-its context (``K``: the drafted rows' context in thousands). Every pure decode
-step (no prefill) is a sample ``(T, R, K, seconds, drafted)``: the wall time to
-the start of the next step, as ``benchmarks/bench_forward_cost.py`` times
-``engine.step()``. :class:`OnlinePrices` fits the five prices and a per-step
-time ``t0`` (docs/prices.md tells why each price is there)::
+The cost model (core/budget.py) prices a step scoring ``T`` tokens in ``R`` rows at ``cost(T) = 1 +
+max(0, T - free_tokens) / marginal_tokens`` forwards plus ``row_price`` per row past the first,
+``draft_setup`` if it carries drafts, and ``context_price`` per thousand context tokens of its drafted
+rows (``K``). Every pure decode step is a sample ``(T, R, K, seconds, drafted)``, seconds to the start
+of the next step (as ``benchmarks/bench_forward_cost.py`` times ``engine.step()``); :class:`OnlinePrices`
+fits the five prices and a per-step time ``t0``::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
-How it buckets the samples (by ``T``, ``R``, ``K`` and drafted or not, each by the median of its
-ring) and holds the profile's prices as a prior is in docs/prices.md ("What is measured"). The same
-samples give the same prices bit for bit (and tensor-parallel ranks adopt rank 0's,
-vllm/proposer.py).
-
+The same samples give the same prices bit for bit (tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
 Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior (5, 20): a flat start then
 0.6 forwards over 12 tokens: ``free`` near 5 and ``marginal`` near 20.
 """
@@ -35,41 +28,34 @@ RING = 32
 MIN_BUCKET_SAMPLES = 6
 # Buckets visited within this many observed steps enter the fit.
 MAX_AGE_STEPS = 4096
-# Token counts up to EXACT_TOKENS get a bucket each; past it buckets grow geometrically by GROWTH up
-# to MAX_TOKENS (larger counts share the last).
+# A bucket per count up to EXACT_TOKENS, then GROWTH times wider each up to MAX_TOKENS (then the last).
 EXACT_TOKENS = 64
 GROWTH = 1.0625
 MAX_TOKENS = 1 << 16
 NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
-# Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5
-# on one sample. A full bucket's median scatters by ~0.04 on a busy 2-core CPU, so noise alone does
-# not move a price, while a real slope does (17 tokens 60% dearer than 5 is ~0.5 per sample off a
-# flat curve).
+# Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5 on
+# one sample; a full bucket's median scatters by ~0.04 on a busy 2-core CPU, a real slope by ~0.5.
 PRIOR_WEIGHT = 0.25
-# The candidate free-token counts: every count up to 16, then 25% apart up to 4096. For each, the
-# other prices have a closed form (a weighted least squares), within these bounds.
+# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the other prices:
+# a weighted least squares per candidate, within these bounds).
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
 ROW_BOUNDS = (0.0, 1.0)
 CONTEXT_BOUNDS = (0.0, 2.0)
-# Widths of the normal priors (in forwards): a setup SETUP_WIDTH from its prior costs as much as a
-# token price a factor of 2 off.
+# Widths of the normal priors (in forwards): SETUP_WIDTH off costs as much as a token price 2x off.
 SETUP_WIDTH = 0.25
 ROW_WIDTH = 0.1
 CONTEXT_WIDTH = 0.1
-# Drafted rows' context, in thousands of tokens: buckets CONTEXT_GROWTH wide from CONTEXT_FIRST up
-# (below it, one bucket).
+# Drafted rows' context (thousands of tokens): one bucket below CONTEXT_FIRST, then CONTEXT_GROWTH wide.
 CONTEXT_FIRST = 0.125
 CONTEXT_GROWTH = 1.25
 CONTEXT_BUCKETS = 48
 # The weight that holds a price the samples cannot tell (or one at its bound).
 HELD = 1e6
-# Buckets kept at once (each a ring of RING samples): memory stays bounded whatever the mix of token
-# and row counts.
+# Buckets kept at once (each a ring of RING samples): bounded memory whatever the mix of steps.
 MAX_BUCKETS = 512
-# Refit after this many new samples (a fit takes 10-25 ms at ~80 live buckets on this 2-core CPU:
-# ~0.3 ms a step).
+# Refit after this many new samples (docs/prices.md: a fit's time).
 REFIT_EVERY = 64
 
 
@@ -120,8 +106,7 @@ class OnlinePrices:
                              f"and the context price in {list(CONTEXT_BOUNDS)}")
         self.prior = Prices(int(free), float(marginal), float(setup), float(row), float(context))
         self.prices = self.prior
-        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays
-        # (at most MAX_BUCKETS; the least recently visited makes room).
+        # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays.
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
         # Per sample: scored tokens, rows, seconds, drafted rows' context (thousands of tokens).
@@ -130,7 +115,6 @@ class OnlinePrices:
         self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
         self._drafted = np.zeros(MAX_BUCKETS, bool)
         self.observed = 0  # samples so far
-        self._since_fit = 0
         # The candidates, the prior's own prices among them.
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
 
@@ -143,18 +127,13 @@ class OnlinePrices:
             return False
         kilo = context / 1000.0 if drafted else 0.0
         key = (bucket_of(tokens), bucket_of(rows), bool(drafted), context_bucket(kilo))
-        b = self._slot.get(key)
-        if b is None:
-            b = self._new_slot(key)
-        pos = self._count[b] % RING
-        self._samples[b, pos] = tokens, rows, seconds, kilo
+        b = self._slot[key] if key in self._slot else self._new_slot(key)
+        self._samples[b, self._count[b] % RING] = tokens, rows, seconds, kilo
         self._count[b] += 1
         self._last_seen[b] = self.observed
         self.observed += 1
-        self._since_fit += 1
-        if self._since_fit < REFIT_EVERY:
+        if self.observed % REFIT_EVERY:
             return False
-        self._since_fit = 0
         self.prices = self.fit()
         return True
 
@@ -221,17 +200,14 @@ class OnlinePrices:
 
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
            lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)``
-    on relative errors weighted by ``weight``: the row price ``c1``, ``1 / marginal`` ``c2``, the
-    setup ``c3`` and the context price ``c4``, each pulled towards ``prior[j]`` with ``strength[j]``
-    (normal priors, ``c2``'s log-normal) and kept within ``[lower, upper]``.
-
-    Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a pseudo-observation ``(theta_j -
-    target_j * theta_0) / t0`` with the last pass's ``t0`` (and ``c2``'s log-normal prior a normal
-    one around the last pass's ``c2``): three passes, each one batched least-squares solve of all
-    candidates (QR, the samples' rows reduced once); a price past its bounds is held at the bound
-    from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums
-    of squared relative residuals plus the priors' penalty on the prices they do not hold."""
+    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)`` on
+    relative errors weighted by ``weight`` (``c1``..``c4``: row price, ``1 / marginal``, setup, context
+    price), each ``c`` pulled to ``prior[j]`` with ``strength[j]`` (normal priors, ``c2``'s log-normal)
+    and kept within ``[lower, upper]``. Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a
+    pseudo-observation ``(theta_j - target_j * theta_0) / t0`` at the last pass's ``t0`` (``c2``'s prior
+    a normal one around the last ``c2``): three batched QR passes; a price past a bound is held there
+    from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums of
+    squared relative residuals plus the priors' penalty on the prices they do not hold."""
     f, k = x.shape[0], len(prior)
     sw = np.sqrt(weight) / seconds
     c = np.repeat(prior[None], f, axis=0)

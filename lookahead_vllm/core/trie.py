@@ -1,44 +1,33 @@
-"""Global token trie of prompt and output n-grams (seed 000, section 4.3).
+"""Global token trie of prompt and output n-grams (seed 000, section 4.3), one per engine, shared by
+every request. A path from the (token-less) root is an n-gram; a node's counts say how many inserted
+windows pass through it:
 
-One trie lives per engine and is shared by every request. A path from the (token-less) root is an
-n-gram; a node's counts say how many inserted windows pass through it:
+  out     output count (float, decays on pruning): windows of generated text, inserted every step,
+          and warm-up text.
+  prompt  per-request counts ``{request slot: count}``: every window ``P[i:i+branch_length]`` of a
+          request's prompt, inserted on admission and removed when the request finishes or aborts.
 
-  out     output count (float, decays on pruning): windows of generated text, inserted on the
-          fly every step, and warm-up text.
-  prompt  per-request prompt counts ``{request slot: count}``: every window
-          ``P[i:i+branch_length]`` of a request's prompt, inserted on admission and removed
-          again ("eliminated") when the request finishes or aborts.
-
-Retrieval matches the longest trailing context first (multi-stage matching), then picks the
-highest-weighted nodes below the match within the node budget; a chain tries the next shorter
-match while the match yields fewer than ``min_retrieved_nodes`` nodes and keeps the largest
-draft; a tree keeps the longer matches' branches and adds shorter matches' below them (shared
-prefixes merged) until the budget is full::
-
-    weight = prompt_weight * own_prompt + other_prompts + out
+Retrieval matches the longest trailing context first, then picks the highest-weighted nodes below
+the match within the node budget, ``weight = prompt_weight * own_prompt + other_prompts + out``; a
+chain tries shorter matches while a match yields under ``min_retrieved_nodes`` nodes and keeps the
+largest draft; a tree adds the shorter matches' branches below the longer ones' until the budget is full.
 
 Worked example (branch_length 4): after prompt ``a b c a b d`` the trie holds ``a b c a``,
 ``b c a b``, ``c a b d``, ``a b d``, ``b d``, ``d``; the context ``... a b`` matches ``a -> b``
 whose children are ``c`` (1) and ``d`` (1), and ``b`` alone matches ``b -> c, d``.
 
-When the node count exceeds ``trie_capacity`` the trie decays output counts by half, drops nodes
-whose weight fell below one, and if still too large drops the lightest leaves until it is at 75%
-of capacity.
+Past ``trie_capacity`` nodes the trie halves output counts, drops nodes whose weight fell below one,
+then the lightest leaves until it is at 75% of capacity.
 
-Each request's record also holds its *context chain* (profile ``context_match`` = ``m``): the
-tokens that followed the latest of the ``RECENT_OCCURRENCES`` (8) earlier occurrences of its last
-``m`` tokens whose match extends furthest backwards (at most 32 tokens); where they run into the
-sequence's end the text is periodic and the chain repeats the period. A match of ``l`` tokens
-drafts at confidence ``(l / (l + 1)) ** depth`` (Laplace's rule). It leads a request's draft where
-the index has none: the trie cuts branches at ``branch_length`` tokens, so a long repeat of the
-request's own text (a signature reused, a question quoted) drafts better from it. Example
-(``m = 2``): ``a b c d x a b`` ends with ``a b``, seen at 0..1 and followed by ``c d x a b``: the
-chain is ``c d x a`` for a budget of 4.
+A request's *context chain* (profile ``context_match`` = ``m``): the tokens (at most 32) that followed
+the one of the latest 8 earlier occurrences of its last ``m`` tokens whose match extends furthest
+backwards, the period repeated where they run into the sequence's end; a match of ``l`` tokens drafts
+at confidence ``(l / (l + 1)) ** depth``. It leads a request's draft where the index has none (the
+trie cuts branches at ``branch_length``). Example (``m = 2``): ``a b c d x a b`` ends with ``a b``,
+seen at 0..1 and followed by ``c d x a b``: the chain is ``c d x a`` for a budget of 4.
 
-The engine drafts from :class:`NativeTrie` (``csrc/draft_index/token_trie.h``), which keeps each
-request's record by the caller's slot: per step one ``sync``, one ``retrieve_slots`` and one
-``context_slots`` call. Tests hold it to ``lookahead_lab.reference.trie`` (its record-handle calls
-through ``lookahead_lab.reference.trie.native_trie``).
+Native: ``csrc/draft_index/token_trie.h``, each request's record by slot (per step one ``sync``, one
+``retrieve_slots``, one ``context_slots``); reference: ``lookahead_lab.reference.trie``.
 """
 
 from __future__ import annotations
@@ -68,9 +57,8 @@ class NativeTrie:
 
     def sync(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
              prompt_lens: np.ndarray, partitions: np.ndarray | None = None) -> int:
-        """Row ``i``: slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]`` (the first
-        ``prompt_lens[i]`` its prompt), in ``partitions[i]`` (only the default partition's requests
-        feed and draft from the shared trie); returns how many were rewound."""
+        """Slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]``, its prompt the first ``prompt_lens[i]``,
+        in ``partitions[i]`` (only the default partition's use the shared trie); returns how many rewound."""
         return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions)
 
     def finish_slot(self, slot: int) -> None:
@@ -78,9 +66,8 @@ class NativeTrie:
 
     def retrieve_slots(self, slots: np.ndarray, contexts: np.ndarray, context_lens: np.ndarray,
                        budgets: np.ndarray, floor: float, shape: str | None = None) -> tuple[np.ndarray, ...]:
-        """The rows' trees by slot (``retrieve_rows`` of their records), and per row whether its
-        slot drafts from the trie (a slot kept off it drafts nothing; one never synced drafts with
-        no record)."""
+        """The rows' trees by slot, and per row whether its slot drafts from the trie (a slot kept off it
+        drafts nothing; one never synced drafts with no record)."""
         return self._core.retrieve_slots(slots, contexts, context_lens, budgets, float(floor),
                                          shape or self.config.draft_shape)
 
@@ -99,8 +86,7 @@ class NativeTrie:
 
 
 def make_trie(config: Settings, kind: type[NativeTrie] = NativeTrie) -> NativeTrie:
-    """The engine's trie for ``config`` (ImportError if the extension is not built), a
-    :class:`NativeTrie` or a subclass ``kind``."""
+    """The engine's trie for ``config``, a :class:`NativeTrie` or subclass ``kind`` (ImportError: no extension)."""
     k = config.profile
     core = native.extension().TokenTrie(
         k.branch_length, k.max_match_length, k.min_match_length, k.min_retrieved_nodes, k.trie_capacity,

@@ -1,21 +1,14 @@
-"""Warm-start files: past responses or a corpus the drafter learns before
-serving (config ``warm_start``).
+"""Warm-start files (config ``warm_start``): past responses or a corpus the drafter learns before
+serving. ``*.jsonl``: one JSON object a line, its text the first of ``TEXT_FIELDS`` that holds a
+string (blank lines skipped; any other line skipped and counted); any other name: plain text,
+paragraphs split on blank lines, each stripped.
 
-Two formats, told apart by the file name:
+Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one text and one skipped
+line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
-  ``*.jsonl``  one JSON object a line; its text is the first of the fields
-               ``TEXT_FIELDS`` that holds a string. Blank lines are skipped;
-               a line that is not such an object is skipped and counted.
-  any other    plain text: paragraphs split on blank lines, each stripped.
-
-Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives
-one text and one skipped line; the plain text ``"a b\\n\\nc\\n"`` gives
-``["a b", "c"]``.
-
-The file is read once (:func:`read_warm_file`): its digest (sha256, what a
-snapshot names as the file it holds) and its texts come from the same bytes,
-so a file replaced while the engine starts is never named by one version and
-learned as another.
+The file is read once (:func:`read_warm_file`): its digest (sha256, what a snapshot names) and its
+texts come from the same bytes, so a file replaced while the engine starts is never named by one
+version and learned as another.
 """
 
 from __future__ import annotations
@@ -52,9 +45,16 @@ class WarmFile:
         """The texts of these bytes (see the module docstring)."""
         # As a file opened in text mode reads: universal newlines.
         text = self.data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-        if self.path.endswith(".jsonl"):
-            return _jsonl_texts(text)
-        return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
+        if not self.path.endswith(".jsonl"):
+            return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
+        out = WarmTexts()
+        for lineno, line in enumerate(text.splitlines(), 1):
+            found = _text_of(line) if line.strip() else ""
+            if found is None:
+                out.skipped_lines.append(lineno)
+            elif found:
+                out.texts.append(found)
+        return out
 
 
 def read_warm_file(path: str | os.PathLike) -> WarmFile:
@@ -66,17 +66,6 @@ def read_warm_file(path: str | os.PathLike) -> WarmFile:
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         data = f.read()
     return WarmFile(str(path), data, hashlib.sha256(data).hexdigest())
-
-
-def _jsonl_texts(data: str) -> WarmTexts:
-    out = WarmTexts()
-    for lineno, line in enumerate(data.splitlines(), 1):
-        text = _text_of(line) if line.strip() else ""
-        if text is None:
-            out.skipped_lines.append(lineno)
-        elif text:
-            out.texts.append(text)
-    return out
 
 
 def _text_of(line: str) -> str | None:

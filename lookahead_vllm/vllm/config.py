@@ -1,8 +1,7 @@
-"""Mapping between vLLM's configs and lookahead's (core/config.py; docs/configuration.md).
-
+"""Mapping between vLLM's configs and lookahead's (core/config.py; docs/configuration.md):
 ``speculative_config={"method": "lookahead"}`` selects the method (vLLM's ``custom_class`` route),
-``additional_config={"lookahead": {...}}`` configures it: resolved once, where the engine's config is
-built (:func:`resolve_engine_settings`), and carried in that config to the workers (:func:`engine_settings`).
+``additional_config={"lookahead": {...}}`` configures it, resolved once where the engine's config is
+built (:func:`resolve_engine_settings`) and carried in it to the workers (:func:`engine_settings`).
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
-    """Why lookahead settings in ``additional_config`` would go unread, or None: a key that
-    looks meant for them but is not ``"lookahead"`` (``"Lookahead"``, ``"look_ahead"``), or
-    ``"lookahead"`` itself where the engine's speculative method is not lookahead."""
+    """Why lookahead settings in ``additional_config`` would go unread, or None: a key meant for them but
+    not ``"lookahead"`` (``"Look_ahead"``), or ``"lookahead"`` where the speculative method is another."""
     if not isinstance(additional_config, dict):
         return None
     near = sorted(k for k in additional_config if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
@@ -72,26 +70,25 @@ def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
 
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,
                              platform: str | None = None) -> Settings:
-    """Validate ``additional_config["lookahead"]`` against ``k`` and resolve
-    it for ``platform`` (None: this process's); ValueError naming the field."""
+    """``additional_config["lookahead"]`` validated against ``num_speculative_tokens`` and resolved for
+    ``platform`` (None: this process's); ValueError naming the field."""
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN  # the most drafts per request it verifies
+
     values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
     if values is not None and not isinstance(values, dict):
-        raise ValueError(
-            f"additional_config['lookahead'] must be a mapping of lookahead fields, got {type(values).__name__}"
-        )
-    limit = _max_spec_len()
-    if num_speculative_tokens > limit:
-        raise ValueError(
-            f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection sampler "
-            f"verifies at most {limit} draft tokens per request (MAX_SPEC_LEN); lower it (and decoding_length)"
-        )
+        raise ValueError(f"additional_config['lookahead'] must be a mapping of lookahead fields, "
+                         f"got {type(values).__name__}")
+    if num_speculative_tokens > MAX_SPEC_LEN:
+        raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection "
+                         f"sampler verifies at most {MAX_SPEC_LEN} draft tokens per request (MAX_SPEC_LEN); "
+                         "lower it (and decoding_length)")
     return resolve(values, platform=platform or current_platform_name(),
                    num_speculative_tokens=num_speculative_tokens)
 
 
 def resolve_engine_settings(vllm_config: Any) -> Settings:
-    """Resolve the settings of ``vllm_config`` and carry them in a new ``additional_config`` dict
-    (the caller's is not touched) as :meth:`Settings.to_carried`, which resolves to the same settings."""
+    """Resolve the settings of ``vllm_config`` and carry them (:meth:`Settings.to_carried`) in a new
+    ``additional_config`` dict (the caller's is not touched)."""
     settings = resolve_lookahead_config(vllm_config.additional_config,
                                         vllm_config.speculative_config.num_speculative_tokens)
     additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
@@ -111,12 +108,3 @@ def current_platform_name() -> str:
     from vllm.platforms import current_platform
 
     return "cpu" if current_platform.is_cpu() else "gpu"
-
-
-def _max_spec_len() -> int:
-    """vLLM's per-request draft limit (the rejection sampler asserts on it)."""
-    try:
-        from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
-    except ImportError:  # no vLLM here (pure config checks): no limit to enforce
-        return 1 << 16
-    return int(MAX_SPEC_LEN)
