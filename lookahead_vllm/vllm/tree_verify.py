@@ -97,9 +97,8 @@ def tree_verifiable(sp: Any) -> bool:
     return (sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
             and sp.min_p == 0.0 and sp.min_tokens == 0 and sp.logprobs is None and sp.logprob_token_ids is None
             and not sp.logit_bias and sp.allowed_token_ids is None and not sp.bad_words
-            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
-            and getattr(sp, "thinking_token_budget", None) is None
-            and getattr(sp, "repetition_detection", None) is None)
+            and sp.structured_outputs is None and not sp.watermarking and sp.thinking_token_budget is None
+            and sp.repetition_detection is None)
 
 
 # ---------------------------------------------------------------- the verifier
