@@ -89,23 +89,21 @@ def tree_attention(
 
 
 def compact_kv(
-    key_caches: torch.Tensor | Sequence[torch.Tensor],  # one or per-layer [num_blocks, block_size, H, D]
-    value_caches: torch.Tensor | Sequence[torch.Tensor],
+    key_caches: Sequence[torch.Tensor],  # per layer [num_blocks, block_size, H, D]
+    value_caches: Sequence[torch.Tensor],
     src_slots: torch.Tensor,  # [n] int: accepted nodes' slots
     dst_slots: torch.Tensor,  # [n] int: the sequence's next contiguous slots
 ) -> None:
     """Move the accepted path's K/V into place in every given layer (one launch on CUDA)."""
-    keys = [key_caches] if isinstance(key_caches, torch.Tensor) else list(key_caches)
-    values = [value_caches] if isinstance(value_caches, torch.Tensor) else list(value_caches)
-    if len(keys) != len(values):
-        raise ValueError(f"compact_kv: {len(keys)} key caches but {len(values)} value caches")
-    if not keys:
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"compact_kv: {len(key_caches)} key caches but {len(value_caches)} value caches")
+    if not key_caches:
         return
-    device = keys[0].device  # slots may come from the CPU: move them next to the caches
+    device = key_caches[0].device  # slots may come from the CPU: move them next to the caches
     src = src_slots.to(device=device, dtype=torch.int64, non_blocking=True)
     dst = dst_slots.to(device=device, dtype=torch.int64, non_blocking=True)
-    if keys[0].is_cuda and kernels_available():  # any strides with a contiguous head_dim (vLLM's HND too)
-        torch.ops.lookahead_vllm.compact_kv(keys, values, src, dst)
+    if key_caches[0].is_cuda and kernels_available():  # any strides with a contiguous head_dim (vLLM's HND too)
+        torch.ops.lookahead_vllm.compact_kv(key_caches, value_caches, src, dst)
         return
-    for key, value in zip(keys, values):
+    for key, value in zip(key_caches, value_caches):
         compact_kv_ref(key, value, src, dst)

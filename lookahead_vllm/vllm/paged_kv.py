@@ -1,17 +1,13 @@
-"""Reading and writing token slots of vLLM's per-layer paged KV caches.
+"""Token slots of vLLM's per-layer paged KV caches, for tree verification: moving the accepted nodes' K/V
+to the sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as
+``[seq_len, num_kv_heads, head_dim]``.
 
-Tree verification needs two things from a layer's cache: a request's K/V as
-dense ``[seq_len, num_kv_heads, head_dim]`` tensors (tree attention) and moving
-the accepted nodes' K/V to the sequence's next slots (compaction).
-
-``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads,
-block_size, 2 * head_dim]`` whose block interiors depend on the ISA kernel (the
-fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, and V row
-major). We never hard-code that: the first use writes probe values through
-vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where each (token,
-dim) landed, giving a permutation per (dtype, block size, head dim, ISA).
-Writes always go through the op itself. ``FlashPagedKV``: the GPU FlashAttention
-cache (same 4-D shape), read and written directly.
+``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose block
+interiors depend on the ISA kernel (the fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, V row
+major). Never hard-coded: the first use writes probe values through vLLM's own ``cpu_attn_reshape_and_cache``
+and reads back where each (token, dim) landed, a permutation per (dtype, block size, head dim, ISA); writes
+always go through the op itself. ``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape), read and
+written directly.
 """
 
 from __future__ import annotations
@@ -20,8 +16,6 @@ import functools
 from typing import Any
 
 import torch
-
-from lookahead_vllm.ops import tree_attention as ta
 
 
 class CpuPagedKV:
@@ -100,10 +94,6 @@ class FlashPagedKV:
         by_token = kv_cache.transpose(1, 2)  # [nb, bs, H, 2D]
         self.key_cache, self.value_cache = by_token.split(impl.head_size, dim=-1)
         self.block_size = self.key_cache.shape[1]
-
-    def gather_seq(self, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ta.gather_paged(self.key_cache, block_table, seq_len)
-        return key, ta.gather_paged(self.value_cache, block_table, seq_len)
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blk, off = slots.long() // self.block_size, slots.long() % self.block_size

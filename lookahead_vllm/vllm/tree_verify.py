@@ -63,10 +63,8 @@ class TreeStep:
     slot_mapping: torch.Tensor | None = None
     # One slot accessor per distinct KV cache tensor, in layer order.
     caches: dict[int, Any] = field(default_factory=dict)
-    # Built lazily, shared by all layers: path rounds (and their copy on the GPU),
-    # the csrc kernel's arguments.
+    # Built lazily, shared by all layers: the path rounds, the csrc kernel's arguments.
     path_plan: PathPlan | None = None
-    device_path_plan: PathPlan | None = None
     kernel_args: tuple | None = None
     # Each tree's visibility among its rows, for the dense reference attention.
     visible: list[torch.Tensor] | None = None
@@ -99,9 +97,8 @@ def tree_verifiable(sp: Any) -> bool:
     return (sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
             and sp.min_p == 0.0 and sp.min_tokens == 0 and sp.logprobs is None and sp.logprob_token_ids is None
             and not sp.logit_bias and sp.allowed_token_ids is None and not sp.bad_words
-            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
-            and getattr(sp, "thinking_token_budget", None) is None
-            and getattr(sp, "repetition_detection", None) is None)
+            and sp.structured_outputs is None and not sp.watermarking and sp.thinking_token_budget is None
+            and sp.repetition_detection is None)
 
 
 # ---------------------------------------------------------------- the verifier
@@ -191,24 +188,21 @@ class TreeVerifier:
         if "mask" in step.disabled:
             return
         out = output.view(-1, impl.num_heads, impl.head_size)
-        if isinstance(cache, CpuPagedKV) and TREE_ATTENTION != "reference":
+        if isinstance(cache, FlashPagedKV) and TREE_ATTENTION == "kernel":
+            _paged_kernel(step, impl, query, cache, metadata, out)
+        elif isinstance(cache, FlashPagedKV):
+            _flash_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
+        elif TREE_ATTENTION != "reference":
             _cpu_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
-            return
-        if isinstance(cache, FlashPagedKV):
-            if TREE_ATTENTION == "kernel":
-                _paged_kernel(step, impl, query, cache, metadata, out)
-            else:
-                _flash_path_rounds(step, impl, layer, query, key, value, kv_cache, metadata, out)
-            return
-        seq_lens = metadata.seq_lens.tolist()
-        if step.visible is None:  # built once, read by every layer
-            vis = step.trees.visibility(int(step.num_rows.max()))
-            step.visible = [torch.from_numpy(vis[t, :n, :n]) for t, n in enumerate(step.num_rows.tolist())]
-        for row, start, n, visible in zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(),
-                                          step.visible):
-            rows = slice(start, start + n)
-            k, v = cache.gather_seq(metadata.block_table[row], seq_lens[row])
-            out[rows] = tree_attention_dense(query[rows], k, v, visible, impl.scale)
+        else:  # the dense reference (LOOKAHEAD_TREE_ATTENTION=reference on the CPU)
+            if step.visible is None:  # built once, read by every layer
+                vis = step.trees.visibility(int(step.num_rows.max()))
+                step.visible = [torch.from_numpy(vis[t, :n, :n]) for t, n in enumerate(step.num_rows.tolist())]
+            seq_lens = metadata.seq_lens.tolist()
+            for row, start, n, visible in zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(),
+                                              step.visible):
+                k, v = cache.gather_seq(metadata.block_table[row], seq_lens[row])
+                out[start:start + n] = tree_attention_dense(query[start:start + n], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
         """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch
@@ -312,9 +306,13 @@ def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tenso
     """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
     ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses
     (the tree kernel's rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
-    if step.device_path_plan is None:
-        step.device_path_plan = _path_plan(step, metadata).to(query.device)
-        for rnd in step.device_path_plan.rounds:
+    forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
+
+    def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
+
+    def attend(rnd: PathRound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
+        if rnd.kernel_meta is None:
             rnd.kernel_meta = replace(
                 metadata, num_actual_tokens=rnd.q.stop - rnd.q.start,
                 max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
@@ -322,15 +320,9 @@ def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tenso
                 seq_lens=rnd.seq_lens.to(query.device), block_table=rnd.block_table.to(query.device),
                 slot_mapping=rnd.slots, scheduler_metadata=None, causal=True,
             )
-    forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
-
-    def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
-
-    def attend(rnd: PathRound, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> None:
         forward(impl, layer, q, k, v, kv_cache, rnd.kernel_meta, o)
 
-    _run_path_rounds(step.device_path_plan, query, key, value, out, write, attend)
+    _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)
 
 
 def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -395,15 +387,11 @@ class PathPlan:
     """The step's path rounds; shared by all layers."""
 
     rounds: list[PathRound]
+    # Row and slot indices live on the step's device (the slot mapping's).
     kv_rows: torch.Tensor  # [n] long: step rows whose K/V the rounds write, round by round
     query_rows: torch.Tensor  # [m] long: step rows the rounds compute, round by round
     restore_rows: torch.Tensor  # [r] long: rows whose slots the rounds overwrote
     restore_slots: torch.Tensor  # [r] long: their own slots
-
-    def to(self, device: torch.device) -> PathPlan:
-        """A copy whose row and slot indices live on ``device`` (the rounds' metadata stays)."""
-        return PathPlan([replace(r, slots=r.slots.to(device)) for r in self.rounds],
-                        *(t.to(device) for t in (self.kv_rows, self.query_rows, self.restore_rows, self.restore_slots)))
 
 
 def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
@@ -437,9 +425,9 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
             slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
             block_table[torch.tensor(table_rows, device=block_table.device)],
         ))
-    restore_rows = torch.tensor(sorted(restore), dtype=torch.long)
-    step.path_plan = PathPlan(rounds, torch.tensor(all_kv, dtype=torch.long), torch.tensor(all_q, dtype=torch.long),
-                              restore_rows, step.slot_mapping[restore_rows])
+    kv_rows, query_rows, restore_rows = (torch.tensor(rows, dtype=torch.long, device=slot_mapping.device)
+                                         for rows in (all_kv, all_q, sorted(restore)))
+    step.path_plan = PathPlan(rounds, kv_rows, query_rows, restore_rows, slot_mapping[restore_rows])
     return step.path_plan
 
 

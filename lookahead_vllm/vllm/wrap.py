@@ -22,8 +22,6 @@ def _target(owner: type, attr: str) -> tuple[Callable, type | None]:
 
 def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
     """Raise :class:`PatchTargetChanged` unless ``owner.attr`` starts with ``params``."""
-    if not params:
-        return
     names = tuple(inspect.signature(_target(owner, attr)[0]).parameters)[: len(params)]
     if names != params:
         raise PatchTargetChanged(

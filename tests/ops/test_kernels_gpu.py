@@ -148,7 +148,7 @@ def test_compact_kv_kernel_many_slots_and_strided_blocks():
     expected = kv.clone()  # by hand: compact_kv_ref needs contiguous caches (it flattens with .view)
     for s, d in zip(src.tolist(), dst.tolist()):
         expected[d // 8, :, d % 8] = kv[s // 8, :, s % 8]
-    ops_cuda.compact_kv(key, value, src, dst)
+    ops_cuda.compact_kv([key], [value], src, dst)
     assert torch.equal(kv, expected)
 
 
@@ -163,7 +163,7 @@ def test_compact_kv_hnd_cache_layout():
     expected = kv.clone()
     for s, d in zip(src.tolist(), dst.tolist()):
         expected[:, d // 8, d % 8] = kv[:, s // 8, s % 8]
-    ops_cuda.compact_kv(key, value, src, dst)
+    ops_cuda.compact_kv([key], [value], src, dst)
     assert torch.equal(kv, expected)
 
 

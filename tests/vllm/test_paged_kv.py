@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lookahead_vllm.ops.tree_attention import gather_paged
 from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 NB, H, BS, D = 6, 3, 128, 64
@@ -41,7 +42,8 @@ def _sequence(length: int, table: list[int], dtype):
 def test_cpu_layout_roundtrip_through_vllm_op(dtype):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    cache = CpuPagedKV(_CpuImpl(), SimpleNamespace(isa=_get_attn_isa(dtype, BS, D)), torch.zeros(NB, H, BS, 2 * D, dtype=dtype))
+    cache = CpuPagedKV(_CpuImpl(), SimpleNamespace(isa=_get_attn_isa(dtype, BS, D)),
+                       torch.zeros(NB, H, BS, 2 * D, dtype=dtype))
     table = [4, 1, 3]
     slots, key, value = _sequence(300, table, dtype)
     cache.write_slots(slots, key, value)
@@ -66,7 +68,7 @@ def test_flash_layout_matches_flash_attention_view():
     # Where vLLM 0.32's FLASH_ATTN reads them: (B, H, N, 2D) -> (B, N, H, D) x 2.
     fa_k, fa_v = kv_cache.transpose(1, 2).split(D, dim=-1)
     assert torch.equal(fa_k[5, 3], key[128 + 3]) and torch.equal(fa_v[2, 7], value[7])
-    k, v = cache.gather_seq(torch.tensor(table, dtype=torch.int32), 200)
+    k, v = (gather_paged(c, torch.tensor(table, dtype=torch.int32), 200) for c in (cache.key_cache, cache.value_cache))
     assert torch.equal(k, key) and torch.equal(v, value)
 
 
@@ -149,7 +151,7 @@ class _FlashRefImpl:
         cache = FlashPagedKV(self, layer, kv_cache)
         qsl = meta.query_start_loc.tolist()
         for i, seq_len in enumerate(meta.seq_lens.tolist()):
-            k, v = cache.gather_seq(meta.block_table[i], seq_len)
+            k, v = (gather_paged(c, meta.block_table[i], seq_len) for c in (cache.key_cache, cache.value_cache))
             q = query[qsl[i]: qsl[i + 1]]
             n = len(q)
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
