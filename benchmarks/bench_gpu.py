@@ -76,9 +76,7 @@ VARIANTS = {"chain": {"draft_shape": "one"}, "hier": {"draft_shape": "hier"},
             "chain-ragged": {"draft_shape": "one", "_profile": {"uniform_steps": False}},
             # the CPU's k on a GPU (the GPU default is 8, core.config.PLATFORM_DECODING_LENGTH): 17 tokens a row in
             # every uniform step, full graphs for at most 23 rows with CAPTURE_SIZES
-            "chain-k16": {"draft_shape": "one", "decoding_length": 16},
-            # chains whose draftless steps replay full graphs of their own (not yet run on a GPU)
-            "chain-dg": {"draft_shape": "one", "_profile": {"draftless_graphs": True}}}
+            "chain-k16": {"draft_shape": "one", "decoding_length": 16}}
 DEFAULT_VARIANTS = ("chain", "hier", "index+jacobi")
 KIT_CONFIGS = Path("/tmp/lookahead-kit/model-configs")
 COST_MODELS = ("qwen2.5-1.5b-shape", "llama3-8b-shape")

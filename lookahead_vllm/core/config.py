@@ -193,10 +193,8 @@ class Profile:
     # Branch confidence floor (budget.confidence_floor) and draft tokens per step (0 = no cap).
     min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
     step_draft_budget: int = _knob(0, within=(0, 1 << 16))
-    # Full CUDA graphs: fill chains to k (vLLM replays them for uniform 1 + k steps only), and capture
-    # draftless steps too (vllm/patches.py; docs/gpu.md).
+    # Full CUDA graphs: fill chains to k (vLLM replays them for uniform 1 + k steps only; docs/gpu.md).
     uniform_steps: bool = True
-    draftless_graphs: bool = False
     # Learn how often each kind of draft node is accepted (core/calibration.py).
     calibrate_confidence: bool = True
     # CPU: greedy steps verified from one argmax over the logits (vllm/patches.py greedy_sample).

@@ -8,7 +8,6 @@ Failing closed: a patch that raises or finds no target is logged and remembered,
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -23,9 +22,7 @@ from lookahead_vllm.ops import sampling as sampling_ops
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
-from lookahead_vllm.vllm.wrap import PatchTargetChanged  # noqa: F401 - raised by _wrap, named here too
-from lookahead_vllm.vllm.wrap import check_params, method_patch
-from lookahead_vllm.vllm.wrap import wrap as _wrap
+from lookahead_vllm.vllm.wrap import check_params, method_patch, wrap
 
 logger = init_logger(__name__)
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
@@ -76,8 +73,6 @@ def prepare_engine(config: Settings) -> None:
     tree = guards.is_tree_mode(config)
     what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
     require(LOOKAHEAD_PATCHES + (("tree_verification",) if tree else ()), what)
-    if config.profile.draftless_graphs and not tree:
-        require(("draftless_graphs",), "lookahead with _profile draftless_graphs")
     if config.snapshot_path:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
@@ -267,80 +262,7 @@ def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> Non
     for owner, attr, _, params in targets:
         check_params(owner, attr, params)
     for owner, attr, hook, params in targets:
-        _wrap(owner, attr, hook, params)
-
-
-def patch_draftless_graphs() -> bool:
-    """Full CUDA graphs for draftless steps too (profile ``draftless_graphs``; docs/configuration.md): vLLM
-    0.32 captures a speculative engine's only for steps of ``1 + k`` tokens a request; this adds one of ``n``
-    requests of one token per full-graph size ``n`` (:func:`add_draftless_keys`), captured and dispatched
-    with ``uniform_decode_query_len`` 1 for the call (:func:`one_token_decode`)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    def wants(runner: Any) -> bool:
-        drafter = getattr(runner, "drafter", None)
-        return isinstance(drafter, LookaheadProposer) and drafter.draftless_rows > 0
-
-    def _check_and_update_cudagraph_mode(original, self, attention_backends, kv_cache_groups, *args, **kwargs):
-        out = original(self, attention_backends, kv_cache_groups, *args, **kwargs)
-        if wants(self):
-            add_draftless_keys(self.cudagraph_dispatcher, self.max_num_reqs)
-        return out
-
-    def _warmup_and_capture(original, self, desc, *args, **kwargs):
-        # a key add_draftless_keys added: n requests of one token, where filled steps score more a request
-        draftless = (wants(self) and self.uniform_decode_query_len > 1 and bool(desc.uniform)
-                     and desc.num_reqs == desc.num_tokens)
-        with one_token_decode(self) if draftless else contextlib.nullcontext():
-            return original(self, desc, *args, **kwargs)
-
-    def _determine_batch_execution_and_padding(original, self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                                               max_num_scheduled_tokens, *args, **kwargs):
-        draftless = (max_num_scheduled_tokens == 1 and num_tokens == num_reqs
-                     and kwargs.get("force_uniform_decode") is not False and wants(self))
-        with one_token_decode(self) if draftless else contextlib.nullcontext():
-            return original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
-                            *args, **kwargs)
-
-    _wrap_all([
-        (GPUModelRunner, "_check_and_update_cudagraph_mode", _check_and_update_cudagraph_mode,
-         ("self", "attention_backends", "kv_cache_groups")),
-        (GPUModelRunner, "_warmup_and_capture", _warmup_and_capture, ("self", "desc")),
-        (GPUModelRunner, "_determine_batch_execution_and_padding", _determine_batch_execution_and_padding,
-         ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")),
-    ])
-    return True
-
-
-def add_draftless_keys(dispatcher: Any, max_num_reqs: int) -> list[Any]:
-    """Add to ``dispatcher``'s full-graph keys one draftless key per full uniform-decode size
-    ``n`` up to ``max_num_reqs`` (``n`` requests of one token); returns the keys added (none
-    unless decode steps have full graphs of their own and LoRA is off)."""
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import BatchDescriptor
-
-    mode = dispatcher.cudagraph_mode
-    if (mode.decode_mode() != CUDAGraphMode.FULL or not mode.separate_routine()
-            or dispatcher.vllm_config.lora_config is not None):
-        return []
-    sizes = {d.num_tokens for d in dispatcher.cudagraph_keys[CUDAGraphMode.FULL] if d.uniform}
-    keys = [BatchDescriptor(num_tokens=n, num_reqs=n, uniform=True) for n in sorted(sizes) if n <= max_num_reqs]
-    for key in keys:
-        dispatcher.add_cudagraph_key(CUDAGraphMode.FULL, key)
-    return keys
-
-
-@contextlib.contextmanager
-def one_token_decode(runner: Any):
-    """The runner and its CUDA-graph dispatcher take uniform decode steps to be one token a
-    request for the duration (the query length plain vLLM's decode graphs have)."""
-    dispatcher = runner.cudagraph_dispatcher
-    saved = runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len
-    runner.uniform_decode_query_len = dispatcher.uniform_decode_query_len = 1
-    try:
-        yield
-    finally:
-        runner.uniform_decode_query_len, dispatcher.uniform_decode_query_len = saved
+        wrap(owner, attr, hook, params)
 
 
 @method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
@@ -447,7 +369,7 @@ EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cp
 PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
     patch_speculative_method, patch_lookahead_validation, patch_runner_request_ids, patch_runner_shutdown,
     patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling, patch_drafter_near_max_len,
-    patch_draftless_graphs, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
+    patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
     serve_patches.patch_cli_speculative_model,
 )}

@@ -143,28 +143,14 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
     makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and drops those past
     the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), after this proposer
     is built: the same rounding here."""
-    return max(_full_graph_sizes(vllm_config, k), default=0)
-
-
-def _full_graph_sizes(vllm_config: Any, k: int) -> list[int]:
-    """The token counts of the engine's full CUDA graphs with k draft tokens, ascending
-    (:func:`full_graph_tokens`; [] where it captures none)."""
     largest = graph_tokens(vllm_config)
     compilation = vllm_config.compilation_config if largest else None
     mode = getattr(compilation, "cudagraph_mode", None)
     if mode is None or not mode.has_full_cudagraphs():
-        return []
+        return 0
     q = 1 + k
     sizes = {-(-s // q) * q for s in (getattr(compilation, "cudagraph_capture_sizes", None) or [largest])}
-    return sorted(s for s in sizes if s <= largest) or ([q] if q <= largest else [])
-
-
-def draftless_graph_rows(vllm_config: Any, k: int) -> int:
-    """The most rows a draftless step (one token a row) may hold and replay a full CUDA graph of its
-    own (patches.draftless_graphs captures one per full-graph size that is no more than
-    max_num_seqs): the largest such size, or 0."""
-    max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 0)
-    return max((s for s in _full_graph_sizes(vllm_config, k) if s <= max_rows), default=0)
+    return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
 
 
 def separate_decode_graphs(vllm_config: Any) -> bool:
@@ -238,11 +224,6 @@ class LookaheadProposer:
         # steps have graphs of their own (separate_decode_graphs), chains only.
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
-        # Draftless steps of up to this many rows replay full graphs of their own (profile
-        # draftless_graphs, captured by patches.draftless_graphs; 0: none): a step is then filled to
-        # k a row or sent no draft, never ragged (_fill_pays, _ragged_only).
-        self.draftless_rows = (draftless_graph_rows(vllm_config, self.k)
-                               if self._uniform_tokens and self.config.profile.draftless_graphs else 0)
         # Chains open no extra attention paths: only trees pay path prices.
         self.cost = forward_cost(self.config, paths=self.tree_mode)
         # Token prices fitted to this engine's own step times (core/prices.py), unless the
@@ -482,17 +463,11 @@ class LookaheadProposer:
         max_model_len; and the rows skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
-        if (load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens))
-                or self._ragged_only(len(num_tokens))):
+        if load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens)):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         skipped["request"] = caps.count(0)
         return np.minimum(load_budget, self._room(num_tokens, caps)), skipped, load_budget
-
-    def _ragged_only(self, num_rows: int) -> bool:
-        """Whether any draft would make this step ragged while a draftless one replays a full graph:
-        with draftless graphs, a step whose rows x (1 + k) pass the largest uniform graph."""
-        return 0 < num_rows <= self.draftless_rows and num_rows * (1 + self.k) > self._uniform_tokens
 
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
@@ -536,10 +511,7 @@ class LookaheadProposer:
                                                     self._step_budget(len(rows)), len(rows), cost,
                                                     slots[drafting], rows[drafting], num_out, kinds, entry)
         if self._can_fill(drafts, rows, num_tokens, states):
-            if not self.draftless_rows or self._fill_pays(cost, len(rows), calibrated, lens, entry):
-                self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
-            elif any(drafts):  # neither ragged nor filled: the draftless step replays its own graph
-                drafts = [[] for _ in drafts]
+            self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, rows[drafting], len(rows),
                                       np.zeros(len(picked)) if entry is None else entry,
                                       self._room(num_tokens[drafting], [caps[j] for j in picked]))
@@ -557,20 +529,6 @@ class LookaheadProposer:
         if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
             return room
         return np.minimum(room, [r if cap is None else cap for r, cap in zip(room.tolist(), caps)])
-
-    def _fill_pays(self, cost: ForwardCost, num_rows: int, calibrated: np.ndarray, lens: np.ndarray,
-                   entry: np.ndarray | None) -> bool:
-        """With draftless graphs, whether this step filled to k tokens a row is expected to emit
-        more tokens per unit of time than a draftless one (``cost``: the step's model): ``(rows +
-        gain) / (cost.drafted(rows * (1 + k)) + entries) > rows / cost(rows)``, ``gain`` the
-        calibrated confidences of the planned drafts up to k nodes (a fill's repeated token counts
-        nothing), ``entries`` what the rows with a draft pay. With no token prices: any draft."""
-        within = np.arange(calibrated.shape[1]) < np.minimum(lens, self.k)[:, None]
-        gain = float(np.where(within, calibrated, 0.0).sum())
-        if not cost.free_tokens:
-            return bool(np.any(lens))
-        fee = float(entry[lens > 0].sum()) if entry is not None else 0.0
-        return (num_rows + gain) / (cost.drafted(num_rows * (1 + self.k)) + fee) > num_rows / cost(num_rows)
 
     def _can_fill(self, drafts: list[list[int]], rows: np.ndarray, num_tokens: np.ndarray,
                   states: list[RequestState]) -> bool:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lookahead_vllm.vllm import patches  # noqa: E402
+from lookahead_vllm.vllm import patches, wrap  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -55,8 +55,8 @@ def test_changed_signature_is_refused():
         def _sample(self, logits, metadata):  # vLLM renamed spec_decode_metadata
             return logits
 
-    with pytest.raises(patches.PatchTargetChanged, match=r"Runner._sample takes \(self, logits, metadata, \.\.\.\)"):
-        patches._wrap(Runner, "_sample", lambda original, *args: original(*args),
+    with pytest.raises(wrap.PatchTargetChanged, match=r"Runner._sample takes \(self, logits, metadata, \.\.\.\)"):
+        wrap.wrap(Runner, "_sample", lambda original, *args: original(*args),
                       ("self", "logits", "spec_decode_metadata"))
     assert Runner._sample.__name__ == "_sample" and not hasattr(Runner._sample, "__lookahead_original__")
 
@@ -74,9 +74,9 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
         def from_request(cls, req):
             return cls
 
-    with pytest.raises(patches.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
-        patches._wrap(Args, "from_request", lambda original, *args: original(*args), ("cls", "request"))
-    patches._wrap(Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",))
+    with pytest.raises(wrap.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
+        wrap.wrap(Args, "from_request", lambda original, *args: original(*args), ("cls", "request"))
+    wrap.wrap(Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",))
     assert isinstance(inspect.getattr_static(Args, "add_cli_args"), staticmethod)
     assert Args().add_cli_args(1) == [1] and Args.add_cli_args.__name__ == "add_cli_args"
 
@@ -143,8 +143,7 @@ def test_plain_engine_starts_with_a_failed_patch(tiny_llama_dir, break_patch):
         shutdown_engine(llm)
 
 
-@pytest.mark.parametrize("name, lookahead", [("runner_request_ids", {}), ("tree_verification", {"draft_shape": "hier"}),
-                                             ("draftless_graphs", {"_profile": {"draftless_graphs": True}})])
+@pytest.mark.parametrize("name, lookahead", [("runner_request_ids", {}), ("tree_verification", {"draft_shape": "hier"})])
 def test_lookahead_engine_refuses_to_start(tiny_llama_dir, break_patch, name, lookahead):
     break_patch(name)
     with pytest.raises(Exception, match=rf"{name}.*{MOVED[:20]}|{name} patch"):

@@ -849,17 +849,6 @@ def test_full_graph_tokens_round_capture_sizes_as_vllm_does():
     single.compilation_config.cudagraph_mode = SimpleNamespace(name="FULL", has_full_cudagraphs=lambda: True,
                                                                separate_routine=lambda: False)
     assert full_graph_tokens(single, 16) == 391 and not separate_decode_graphs(single)
-    # Draftless graphs: one per full-graph size up to max_num_seqs (one token a request), the largest
-    from lookahead_vllm.vllm.proposer import draftless_graph_rows
-
-    def with_seqs(cfg, n):
-        cfg.scheduler_config = SimpleNamespace(max_num_seqs=n)
-        return cfg
-
-    assert draftless_graph_rows(with_seqs(config(True), 32), 8) == 27  # 9, 18, 27 of round_up(s, 9)
-    assert draftless_graph_rows(with_seqs(config(True), 256), 8) == 198
-    assert draftless_graph_rows(with_seqs(config(True), 8), 8) == 0  # no graph of 9 requests or fewer
-    assert draftless_graph_rows(with_seqs(config(False), 256), 8) == 0
 
 
 def test_uniform_steps_fill_every_row_to_k_keeping_the_planned_draft():
@@ -895,54 +884,6 @@ def test_uniform_steps_leave_a_request_capped_below_k_alone():
     ])
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
     assert [len(d) for d in drafts] == [4, 2] and p.stats.uniform_steps == 0
-
-
-def test_draftless_graphs_send_a_filled_step_or_none(monkeypatch):
-    """With draftless graphs (``draftless_rows``) a step is filled to k a row only where that
-    pays (without token prices: where some row drafted); where it does not, or where rows x
-    (1 + k) pass the largest full graph, no row gets a draft (a step of one token a row, which
-    replays a graph of its own), planned drafts included."""
-    k = 8
-    rows = {"a": A + [1], "b": B + [7], "c": [40, 41, 42, 43]}
-    lens = {"a": len(A), "b": len(B), "c": 3}
-    p = make_proposer(k=k)
-    p._uniform_tokens, p.draftless_rows = 3 * (1 + k), 16
-    assert [len(d) for d in step(p, rows, lens)] == [k, k, k] and p.stats.uniform_steps == 1
-    fresh = {"c": [40, 41, 42, 43], "d": [50, 51, 52, 53]}  # no earlier occurrence: nothing to draft
-    quiet = make_proposer(k=k)
-    quiet._uniform_tokens, quiet.draftless_rows = 2 * (1 + k), 16
-    assert step(quiet, fresh, {"c": 3, "d": 3}) == [[], []] and quiet.stats.uniform_steps == 0
-    without = make_proposer(k=k)  # the same step without draftless graphs: filled anyway
-    without._uniform_tokens = 2 * (1 + k)
-    assert [len(d) for d in step(without, fresh, {"c": 3, "d": 3})] == [k, k]
-    wide = make_proposer(k=k)  # 3 rows x 9 tokens pass a 26-token graph: no drafts at all
-    wide._uniform_tokens, wide.draftless_rows = 3 * (1 + k) - 1, 16
-    assert step(wide, rows, lens) == [[], [], []] and wide.metrics.skipped_request_steps["cost"] == 3
-    past = make_proposer(k=k)  # more rows than a draftless graph holds: drafted as planned, ragged
-    past._uniform_tokens, past.draftless_rows = 3 * (1 + k) - 1, 2
-    assert step(past, rows, lens) == step(make_proposer(k=k), rows, lens)
-    unpaid = make_proposer(k=k)  # drafts planned, but the filled step would not pay: none sent
-    unpaid._uniform_tokens, unpaid.draftless_rows = 3 * (1 + k), 16
-    monkeypatch.setattr(unpaid, "_fill_pays", lambda *a: False)
-    assert step(unpaid, rows, lens) == [[], [], []] and unpaid.stats.uniform_steps == 0
-
-
-def test_a_filled_step_pays_when_its_expected_tokens_beat_its_price():
-    """``(rows + gain) / cost(rows x (1 + k)) > rows / cost(rows)``: 2 rows, k 8, one token in
-    20 past the first 4 costing a forward (20.8 at 2 rows with the CPU profile's row price, plus
-    its draft setup): the filled step (18 tokens) costs 1.72 forwards, the draftless one 1, so
-    the rows' drafts must be expected to add more than 1.44 tokens."""
-    p = make_proposer(k=8, cost_free_tokens=4, cost_marginal_tokens=20)
-    calibrated = np.zeros((2, 10))
-    calibrated[0, :3] = 0.5  # 1.5 expected tokens: pays
-    assert p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), None)
-    calibrated[0, 2] = 0.3  # 1.3: does not
-    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), None)
-    calibrated[1, 8:] = 1.0  # nodes past k are never scored
-    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 10]), None)
-    calibrated[0, 2] = 0.5  # 1.5 again, but the drafted rows' entries (0.05 forwards each) now cost
-    assert not p._fill_pays(p.cost.at_rows(2), 2, calibrated, np.array([3, 0]), np.array([0.05, 0.0]))
-    assert make_proposer(k=8)._fill_pays(make_proposer(k=8).cost, 2, np.zeros((2, 10)), np.array([1, 0]), None)  # no prices: any draft
 
 
 def test_tree_results_book_every_tree_and_feed_the_windows_of_live_requests():
