@@ -1164,7 +1164,7 @@ void bind_jacobi(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_draft_index, m) {
-  m.doc() = "Native DraftIndex (csrc/draft_index); semantics: lookahead_vllm/core/draft_index.py";
+  m.doc() = "Native DraftIndex (csrc/draft_index); semantics: docs/how-it-works.md, The draft index";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
-import functools
 import itertools
 import json
 import os
@@ -37,6 +36,7 @@ TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SKIP_REASONS = ("request", "load", "cost")
 
 _counter = itertools.count()
+_setup_done = False
 _collector: "StatsCollector | None" = None  # this process's, once setup_process registered it
 
 
@@ -410,10 +410,13 @@ class StatsCollector:
             yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist["total"])
 
 
-@functools.cache  # once per process
 def setup_process() -> None:
-    """Stats directory in the environment (created by the first process) and the collector registered."""
-    global _collector
+    """Stats directory in the environment (created by the first process) and the collector registered;
+    once per process (a failed registration is not retried)."""
+    global _setup_done, _collector
+    if _setup_done:
+        return
+    _setup_done = True
     directory = os.environ.get(STATS_DIR_ENV)
     if not directory:
         directory = tempfile.mkdtemp(prefix="lookahead-vllm-stats-")

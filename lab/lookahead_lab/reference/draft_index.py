@@ -271,8 +271,8 @@ class DraftIndex:
     # ------------------------------------------------------------- drafting
     def draft(self, sid: int, budget: int, floor: float = 0.0, tree: bool = False
               ) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, confidences) of one sequence's draft; see the
-        docs/how-it-works.md, "The draft index". Parents index earlier nodes, -1 = the root."""
+        """(tokens, parents, confidences) of one sequence's draft (docs/how-it-works.md,
+        "The draft index"). Parents index earlier nodes, -1 = the root."""
         self.settle()
         return self._draft(sid, budget, floor, tree) or ([], [], [])
 
