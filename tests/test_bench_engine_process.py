@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.slow  # 29 s: the lab harness's engine-process probe
 def test_drafters_reached_in_an_engine_process(tmp_path, monkeypatch):
     import bench_offline as offline
     from vllm import SamplingParams

@@ -247,6 +247,7 @@ def test_jacobi_scaling_rejects_bad_arguments(argv, message, capsys):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # 24 s: a lab benchmark's engines (kept out of the default suite's 20 minutes)
 def test_jacobi_ceiling_compares_both_with_the_trie_at_the_same_budget(tiny_llama_dir, tmp_path):
     out = tmp_path / "ceiling.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_jacobi_scaling.py"), "--model", tiny_llama_dir,
@@ -574,6 +575,7 @@ def test_bench_offline_tenant_counts_of_the_readme_split_the_agent_class_as_docu
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # 22 s: bench_offline's own run above covers its vLLM baselines with the plugin
 def test_bench_offline_runs_vllm_baselines_without_arctic_plugin(tiny_llama_dir, tmp_path):
     """suffix runs from arctic_inference.suffix_decoding alone: the harness's
     engines load no plugin but ours (VLLM_PLUGINS from CPU_ENV)."""
@@ -1158,6 +1160,7 @@ def test_bench_tree_verify_times_both_host_calls_and_digests_the_rows(tmp_path):
         bench.main(["--nodes", "2", "--out", str(tmp_path / "x.json")])
 
 
+@pytest.mark.slow  # 19 s: a lab benchmark's engines
 def test_bench_arrivals_pairs_in_process_engines_at_the_same_arrivals(tiny_llama_dir, tmp_path):
     """The open loop without servers: every method gets the same arrivals and prompts each round;
     request by request ratios with an interval, each request's times in order, step periods."""
