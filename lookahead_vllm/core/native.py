@@ -33,8 +33,8 @@ def load_extension():
 
 
 def make_draft_index(config: DraftIndexConfig, upkeep_thread: bool = False):
-    """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes and evictions; docs/how-it-works.md, "The draft index")
-    runs on a thread of its own while the forward runs (the drafts are the same)."""
+    """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes and evictions; docs/how-it-works.md,
+    "The draft index") runs on a thread of its own while the forward runs (the drafts are the same)."""
     index = extension().DraftIndex(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
                                    config.corpus_bytes, upkeep_thread=upkeep_thread)
     index.config = config

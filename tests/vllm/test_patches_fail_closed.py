@@ -143,7 +143,8 @@ def test_plain_engine_starts_with_a_failed_patch(tiny_llama_dir, break_patch):
         shutdown_engine(llm)
 
 
-@pytest.mark.parametrize("name, lookahead", [("runner_request_ids", {}), ("tree_verification", {"draft_shape": "hier"})])
+@pytest.mark.parametrize("name, lookahead", [("runner_request_ids", {}),
+                                             ("tree_verification", {"draft_shape": "hier"})])
 def test_lookahead_engine_refuses_to_start(tiny_llama_dir, break_patch, name, lookahead):
     break_patch(name)
     with pytest.raises(Exception, match=rf"{name}.*{MOVED[:20]}|{name} patch"):
