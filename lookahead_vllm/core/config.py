@@ -346,6 +346,8 @@ class Settings:
 
 def default_decoding_length(platform: str) -> int:
     """vLLM's ``num_speculative_tokens`` when the user gives none, on ``platform`` ("cpu" or "gpu")."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS}")
     return PLATFORM_DECODING_LENGTH[platform]
 
 

@@ -85,6 +85,16 @@ def test_profile_has_one_set_of_defaults_and_per_platform_values():
         Profile()
 
 
+def test_a_retired_knob_and_an_unknown_platform_are_named():
+    from lookahead_vllm.core.config import default_decoding_length
+
+    with pytest.raises(ValueError, match=r"_profile: unknown knob\(s\) \['draftless_graphs'\]; the knobs are \["):
+        resolve({PROFILE_KEY: {"draftless_graphs": True}})
+    with pytest.raises(ValueError, match=r"platform='tpu': must be one of \('cpu', 'gpu'\)"):
+        default_decoding_length("tpu")
+    assert default_decoding_length("cpu") == resolve(platform="cpu").decoding_length
+
+
 def test_profile_overrides_are_explicit_and_checked():
     s = resolve({"source": "trie", PROFILE_KEY: {"branch_length": 8, "upkeep_thread": True}})
     assert (s.profile.branch_length, s.profile.upkeep_thread, s.profile.max_match_length) == (8, True, 6)
