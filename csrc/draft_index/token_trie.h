@@ -259,9 +259,9 @@ class TokenTrie {
   int64_t prompt_bytes_ = 0;  // the nodes' prompt-count vectors' capacity, in bytes
   std::vector<NodeRef> next_cursors_;  // extend_one's scratch (swapped with a request's cursors)
   std::unordered_map<int64_t, Request> requests_;
-  // sync's slots (a rewind starts a slot over; its tokens up to the most it
-  // ever inserted are walked again without counting): the record handle (kOffTrie: kept off the trie), the tokens inserted, and the
-  // most it ever inserted (a rewound request's tokens up to there are not counted again).
+  // sync's slots: the record handle (kOffTrie: kept off the trie), the tokens
+  // inserted, and the most it ever inserted (a rewind starts the slot over; its
+  // tokens up to there are walked again without counting).
   struct SlotRecord {
     int64_t handle = kOffTrie;
     int64_t inserted = 0;
