@@ -21,7 +21,8 @@ wall seconds), the speedup vs plain, and per wave the paired ratio to plain
 (same prompts, same moment): their geometric mean with a 95% confidence
 interval (Student t on the log ratios; one wave gives none), the mean acceptance length and the share
 of drafted tokens accepted (from the server's ``vllm:spec_decode_*`` counters),
-and mismatches (requests whose text differs from plain's: must be 0). Every
+and mismatches (requests whose text differs from plain's: must be 0; greedy only: with
+``--temperature T`` the requests sample, ignoring the end-of-text token, and texts are not compared). Every
 request's latency, TTFT, tokens and send time (seconds into its wave) and every
 prompt's length are kept in the cell (what a tail is made of). Other
 processes' CPU use is measured around every wave (machine busy jiffies minus
@@ -32,6 +33,7 @@ the CPU time of this script's process tree).
     python benchmarks/bench_serve.py --datasets mixed --concurrency 1 4 8 16 32 --waves 4   # the load curve
     python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 128 --vary-lengths 16   # sustained, answers of varied length
     python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 64 --request-rate 0.7   # open loop: equal arrivals
+    python benchmarks/bench_serve.py --datasets mixed --concurrency 1 8 --waves 12 --temperature 0.8   # sampled
     python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
@@ -123,6 +125,7 @@ class Cell:
     other_cpu_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     open_loop: bool = False  # requests sent at arrival times, not as others finish
+    sampled: bool = False  # temperature > 0: texts differ by their draws, so none is compared with plain's
 
 
 def free_port() -> int:
@@ -177,12 +180,15 @@ def stop_servers(servers: list[Server]) -> None:
             s.proc.wait(timeout=30)
 
 
-async def one_request(client: Any, server: Server, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+async def one_request(client: Any, server: Server, prompt: str, max_tokens: int, temperature: float = 0.0
+                      ) -> tuple[float, float, int, str]:
+    """One streamed completion: greedy, or sampled at ``temperature`` with the end-of-text token ignored
+    (every method then generates ``max_tokens``, whatever its draws)."""
     start = time.perf_counter()
     ttft, text, tokens = None, "", 0
     stream = await client.completions.create(
-        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if temperature else None,
     )
     async for chunk in stream:
         for c in chunk.choices:
@@ -195,7 +201,7 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int)
 
 
 async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None,
-                   arrivals: Sequence[float] | None = None) -> tuple[float, list]:
+                   arrivals: Sequence[float] | None = None, temperature: float = 0.0) -> tuple[float, list]:
     """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th) with at most
     ``in_flight`` requests out at once (None: all at once), or each at its ``arrivals``
     offset (seconds from the wave's start, whatever is in flight: an open loop);
@@ -216,7 +222,7 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequenc
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with slots:
             sent = time.perf_counter() - start
-            return (*await one_request(client, server, prompt, cap), sent)
+            return (*await one_request(client, server, prompt, cap, temperature), sent)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(p, cap, at) for p, cap, at in
@@ -285,11 +291,11 @@ def busy_seconds() -> float:
 
 
 def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1,
-             rate: float | None = None) -> Cell:
+             rate: float | None = None, temperature: float = 0.0) -> Cell:
     """Waves of ``c * depth`` prompts, at most ``c`` requests in flight, or (``rate`` requests a
     second) sent at Poisson arrival times, the same for every method; every method runs each wave
-    (``max_tokens``: one cap, or one per prompt)."""
-    cell = Cell(open_loop=rate is not None)
+    (``max_tokens``: one cap, or one per prompt; sampled at ``temperature`` where it is not 0)."""
+    cell = Cell(open_loop=rate is not None, sampled=temperature > 0)
     roots = [os.getpid()] + [s.proc.pid for s in servers]
     spec_before = {s.name: spec_counters(s) for s in servers}
     start = time.perf_counter()
@@ -302,7 +308,7 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
         arrivals = poisson_arrivals(len(wave), rate, seed=w) if rate else None
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals))
+            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals, temperature))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -382,7 +388,8 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
             "tokens": sum(cell.tokens[name]),
             "seconds": sum(cell.seconds[name]),
             "requests": len(cell.latency[name]),
-            "mismatches": sum(cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"]),
+            "mismatches": None if cell.sampled else sum(cell.texts[name][i] != cell.texts["plain"][i]
+                                                        for i in cell.texts["plain"]),
             **acceptance(cell.spec.get(name, {})),
             # How many of a wave's refills went out together (closed loop: 1.0 each alone, c in lockstep).
             "refills_sent_together": None if cell.open_loop else refills_sent_together(cell.sent.get(name, []), c, size),
@@ -439,11 +446,12 @@ def print_table(cells: list[dict[str, Any]]) -> None:
     for cell in cells:
         for name, m in cell["methods"].items():
             mal, rate = m["mean_acceptance_length"], m["acceptance_rate"]
+            mismatches = "-" if m["mismatches"] is None else m["mismatches"]  # None: sampled, not compared
             print(f"{cell['dataset']:<10} {cell['concurrency']:>4}  {name:<12} {m['output_tok_s']:>7.1f} "
                   f"{m['speedup']:>7.2f}x {m['speedup_geomean']:>6.2f}x {_interval(m['speedup_ci95']):>13} "
                   f"{m['latency_p50_s']:>7.2f} "
                   f"{m['latency_p99_s']:>7.2f} {m['ttft_p50_s']:>8.3f} {'-' if mal is None else f'{mal:.2f}':>5} "
-                  f"{'-' if rate is None else f'{rate:.2f}':>5} {m['mismatches']:>8}")
+                  f"{'-' if rate is None else f'{rate:.2f}':>5} {mismatches:>8}")
         for name, m in cell["methods"].items():
             if name != "plain" and m.get("ttft_ratio_geomean") is not None:
                 print(f"  {name} paired with plain: TTFT {m['ttft_ratio_geomean']:.3f}x "
@@ -531,6 +539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each request's max_tokens drawn from LOW..--max-tokens (seeded by the prompt, the same "
                              "for every method): answers end at different steps, as real traffic's do, instead of "
                              "all together at one cap")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, every text compared with plain's; T > 0: sampled at T with the "
+                             "end-of-text token ignored (every method generates --max-tokens), texts not compared")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
     parser.add_argument("--omp-threads", type=int, default=2)
@@ -581,6 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, low in (("max_tokens", 1), ("max_model_len", 16), ("omp_threads", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
+    if not 0 <= args.temperature <= 2:
+        parser.error(f"--temperature {args.temperature}: must be in [0, 2]")
     if args.request_rate is not None and not args.request_rate > 0:
         parser.error(f"--request-rate {args.request_rate}: must be > 0 requests a second")
     if args.vary_lengths is not None and not 1 <= args.vary_lengths <= args.max_tokens:
@@ -666,7 +679,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
                 cell_prompts = prompts[dataset][first:first + n]
                 caps = length_caps(cell_prompts, args)
-                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate)
+                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate, args.temperature)
                 cells.append(summarize(cell, c, dataset, args.depth))
                 if args.vary_lengths is not None:
                     cells[-1]["max_tokens"] = caps
