@@ -323,13 +323,14 @@ class Persistence:
 
     # ------------------------------------------------------------ tokenizer
     def tokenizer(self) -> Any:
+        """The model's tokenizer as vLLM loads it (its ``tokenizer_mode``, revision and remote code)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from vllm.tokenizers import get_tokenizer
 
             mc = self.model_config
-            name = getattr(mc, "tokenizer", None) or mc.model
-            self._tokenizer = AutoTokenizer.from_pretrained(
-                name, revision=getattr(mc, "tokenizer_revision", None),
+            self._tokenizer = get_tokenizer(
+                getattr(mc, "tokenizer", None) or mc.model, tokenizer_mode=getattr(mc, "tokenizer_mode", "auto"),
+                revision=getattr(mc, "tokenizer_revision", None),
                 trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
         return self._tokenizer
 

@@ -439,3 +439,43 @@ def test_ranks_compare_rank_0s_value_and_every_verdict(monkeypatch):
     assert _differs_across_ranks("b") is True  # this rank differs from rank 0
     peer_verdict[0] = 1
     assert _differs_across_ranks("a") is True  # another rank differs
+
+
+
+class RegisteredTokenizer:
+    """A tokenizer mode registered with vLLM (as a plugin would): numbers each text's characters."""
+
+    is_fast = True
+
+    @classmethod
+    def from_pretrained(cls, name, *args, **kwargs):
+        return cls()
+
+    def __len__(self) -> int:
+        return 256
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(ch) % 256 for ch in text] for text in texts]}
+
+
+@pytest.mark.parametrize("mode", ["auto", "lookahead-test-chars"])
+def test_warm_start_tokenizes_as_the_engine_does(smollm2_dir, mode):
+    """The warm-start file and the snapshot identity use the model's tokenizer as vLLM loads it for
+    the engine's ``tokenizer_mode`` (a mode registered with vLLM's TokenizerRegistry included), not
+    AutoTokenizer's, which ignores the mode."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers import TokenizerRegistry
+
+    from lookahead_vllm.core.config import resolve
+    from lookahead_vllm.vllm.persistence import Persistence
+
+    TokenizerRegistry.register("lookahead-test-chars", __name__, "RegisteredTokenizer")
+    model_config = SimpleNamespace(model=smollm2_dir, tokenizer=smollm2_dir, tokenizer_mode=mode,
+                                   tokenizer_revision=None, trust_remote_code=False)
+    persistence = Persistence(resolve(), model_config)
+    ids = persistence.tokenizer()(TEXTS, add_special_tokens=False)["input_ids"]
+    if mode == "auto":
+        assert ids == AutoTokenizer.from_pretrained(smollm2_dir)(TEXTS, add_special_tokens=False)["input_ids"]
+    else:
+        assert ids == [[ord(ch) % 256 for ch in text] for text in TEXTS]
+        assert persistence.identity()["vocab_size"] == 256
