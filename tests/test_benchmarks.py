@@ -821,6 +821,8 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--variant", "x=[1]"], "--variant 'x=[1]': expected NAME=JSON object"),
     (["--waves", "0"], "--waves 0: must be >= 1"),
     (["--waves", "2", "--depth", "0"], "--depth 0: must be >= 1"),
+    (["--temperature", "2.5"], "--temperature 2.5: must be in [0, 2]"),
+    (["--temperature", "-0.1"], "--temperature -0.1: must be in [0, 2]"),
 ])
 def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     bench_serve = _import_bench("bench_serve")
@@ -879,6 +881,22 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
     assert high < 1.0  # a steady 9% loss is told from noise
     _, wide_low, wide_high = bench_serve.ratio_interval([0.8, 1.2, 0.8, 1.2])
     assert wide_low < 0.9 and wide_high > 1.1  # single waves swinging 20% make a wide interval
+
+
+def test_bench_serve_compares_texts_only_when_greedy():
+    """Greedy cells count the requests whose text differs from plain's; sampled cells (--temperature > 0,
+    texts differ by their draws) compare none: mismatches None, not 0."""
+    bench_serve = _import_bench("bench_serve")
+    for sampled, expected in ((False, 1), (True, None)):
+        cell = bench_serve.Cell(sampled=sampled, wall_s=2.0)
+        for name, texts in (("plain", ["a", "b"]), ("lookahead", ["a", "c"])):
+            cell.latency[name], cell.ttft[name] = [1.0, 1.0], [0.1, 0.1]
+            cell.tokens[name], cell.seconds[name] = [8], [1.0]
+            cell.texts[name] = dict(enumerate(texts))
+        out = bench_serve.summarize(cell, 2, "mixed")
+        assert out["methods"]["lookahead"]["mismatches"] == expected
+        assert out["methods"]["plain"]["mismatches"] == (None if sampled else 0)
+    assert bench_serve.parse_args(["--methods", "plain"]).temperature == 0.0  # greedy unless asked
 
 
 def test_bench_serve_tells_refills_in_lockstep_from_refills_apart():
@@ -1060,7 +1078,7 @@ def test_bench_serve_sustained_waves_keep_c_requests_in_flight(monkeypatch):
     assert args.counts == [6, 48]  # c * depth * waves
     live, peak, order = [0], [0], []
 
-    async def fake_request(client, server, prompt, max_tokens):
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
         live[0] += 1
         peak[0] = max(peak[0], live[0])
         order.append(prompt)
@@ -1094,14 +1112,16 @@ def test_bench_serve_varied_lengths_give_each_prompt_one_cap_for_every_method(mo
         bench_serve.parse_args(["--max-tokens", "64", "--vary-lengths", "65"])
     asked = {}
 
-    async def fake_request(client, server, prompt, max_tokens):
-        asked[prompt] = max_tokens
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
+        asked[prompt] = max_tokens, temperature
         return 0.1, 0.01, max_tokens, prompt
 
     monkeypatch.setattr(bench_serve, "one_request", fake_request)
     server = types.SimpleNamespace(url="http://127.0.0.1:9")
     asyncio.run(bench_serve.run_wave(server, prompts[:5], caps[:5], in_flight=2))
-    assert asked == dict(zip(prompts[:5], caps[:5]))
+    assert asked == {p: (cap, 0.0) for p, cap in zip(prompts[:5], caps[:5])}
+    asyncio.run(bench_serve.run_wave(server, prompts[:2], caps[:2], in_flight=2, temperature=0.8))
+    assert [asked[p] for p in prompts[:2]] == [(cap, 0.8) for cap in caps[:2]]  # --temperature reaches each request
 
 
 def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
@@ -1113,7 +1133,7 @@ def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--request-rate", "0"])
 
-    async def fake_request(client, server, prompt, max_tokens):
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
         await asyncio.sleep(0.2)  # slower than the arrivals: an open loop does not wait for it
         return 0.2, 0.01, max_tokens, prompt
 
