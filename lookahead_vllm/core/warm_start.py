@@ -6,66 +6,125 @@ paragraphs split on blank lines, each stripped.
 Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one text and one skipped
 line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
-The file is read once (:func:`read_warm_file`): its digest (sha256, what a snapshot names) and its
-texts come from the same bytes, so a file replaced while the engine starts is never named by one
-version and learned as another.
+A file is streamed (:class:`WarmReader`), never held whole: the texts come one at a time, read as a
+file opened in text mode reads them (UTF-8, undecodable bytes replaced, universal newlines), and
+the sha256 a snapshot names is of exactly the bytes they came from, so a file replaced while the
+engine starts is never named by one version and learned as another.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
-import re
 import stat
-from dataclasses import dataclass, field
+from typing import Iterator
 
 # JSONL fields holding a text, in order of preference.
 TEXT_FIELDS = ("text", "response", "output", "completion")
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
+# What a plain-text line holding only these is: a paragraph break.
+_BLANK = " \t\r\f\v"
+# Bytes read at a time.
+CHUNK_BYTES = 1 << 20
 
 
-@dataclass(slots=True)
-class WarmTexts:
-    texts: list[str] = field(default_factory=list)
-    # JSONL lines that were not an object with a text field (1-based).
-    skipped_lines: list[int] = field(default_factory=list)
+class _Hashing(io.RawIOBase):
+    """A readable file that hashes every byte read from it."""
+
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(fd, "rb", buffering=0)
+        self.sha256 = hashlib.sha256()
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def readinto(self, buffer) -> int:
+        n = self._file.readinto(buffer)
+        if n:
+            self.sha256.update(memoryview(buffer)[:n])
+            self.bytes_read += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
-@dataclass(frozen=True, slots=True)
-class WarmFile:
-    """A warm-start file as read once: its bytes and their sha256."""
-    path: str
-    data: bytes
-    # sha256 (hex) of ``data``: names this version of the file in a snapshot.
-    digest: str
+class WarmReader:
+    """One pass over a warm-start file: :meth:`texts` yields its texts in order (see the module
+    docstring); once they are exhausted, :attr:`digest` is the sha256 (hex) of the bytes read and
+    :attr:`skipped_lines` the JSONL lines that were not an object with a text field (1-based).
+    OSError if the file cannot be opened or is not a regular file (a FIFO would block the engine's
+    start)."""
 
-    def texts(self) -> WarmTexts:
-        """The texts of these bytes (see the module docstring)."""
-        # As a file opened in text mode reads: universal newlines.
-        text = self.data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-        if not self.path.endswith(".jsonl"):
-            return WarmTexts([p.strip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()])
-        out = WarmTexts()
-        for lineno, line in enumerate(text.splitlines(), 1):
-            found = _text_of(line) if line.strip() else ""
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self._raw = _open(path)
+        self.size = os.fstat(self._raw.fileno()).st_size  # when opened: what progress is counted against
+        self.skipped_lines: list[int] = []
+        self.digest = ""
+
+    @property
+    def bytes_read(self) -> int:
+        return self._raw.bytes_read
+
+    def texts(self) -> Iterator[str]:
+        with io.TextIOWrapper(io.BufferedReader(self._raw, CHUNK_BYTES), encoding="utf-8", errors="replace",
+                              newline=None) as lines:
+            yield from (self._jsonl(lines) if self.path.endswith(".jsonl") else _paragraphs(lines))
+        self.digest = self._raw.sha256.hexdigest()
+
+    def _jsonl(self, lines: Iterator[str]) -> Iterator[str]:
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            found = _text_of(line)
             if found is None:
-                out.skipped_lines.append(lineno)
+                self.skipped_lines.append(lineno)
             elif found:
-                out.texts.append(found)
-        return out
+                yield found
 
 
-def read_warm_file(path: str | os.PathLike) -> WarmFile:
-    """Read a warm-start file's bytes once; OSError if it cannot be read or is
-    not a regular file (a FIFO would block the engine's start)."""
+def _paragraphs(lines: Iterator[str]) -> Iterator[str]:
+    """The stripped, non-empty paragraphs of ``lines``, split on lines holding only ``_BLANK``."""
+    paragraph: list[str] = []
+    for line in lines:
+        if line.rstrip("\n").strip(_BLANK):
+            paragraph.append(line)
+            continue
+        text = "".join(paragraph).strip()
+        paragraph.clear()
+        if text:
+            yield text
+    text = "".join(paragraph).strip()
+    if text:
+        yield text
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of a warm-start file, read in chunks (OSError as :class:`WarmReader`)."""
+    with _open(path) as raw:
+        while raw.read(CHUNK_BYTES):
+            pass
+    return raw.sha256.hexdigest()
+
+
+def _open(path: str | os.PathLike) -> _Hashing:
+    """``path`` opened for hashed reading; OSError if it is not a regular file (a FIFO would block)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = f.read()
-    return WarmFile(str(path), data, hashlib.sha256(data).hexdigest())
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Hashing(fd)
 
 
 def _text_of(line: str) -> str | None:

@@ -13,6 +13,7 @@ that waits for the lock retakes it when it frees, and then writes). Data-paralle
 from __future__ import annotations
 
 import atexit
+import itertools
 import multiprocessing.util
 import os
 import stat
@@ -24,12 +25,13 @@ from vllm.logger import init_logger
 
 from lookahead_vllm.core.config import Settings
 from lookahead_vllm.core.snapshot import Snapshot, SnapshotError, SnapshotLock, SnapshotUnreadable, identity_of
-from lookahead_vllm.core.warm_start import WarmFile, read_warm_file
+from lookahead_vllm.core.warm_start import WarmReader, file_digest
 
 logger = init_logger(__name__)
 
-# Texts tokenized per batch (progress is logged per batch on big files).
+# Texts tokenized per batch (a big file's progress is logged every PROGRESS_EVERY_S).
 TOKENIZE_BATCH = 1024
+PROGRESS_EVERY_S = 10.0
 
 
 # Why an engine's first rank does not write its file: another live engine holds its lock.
@@ -94,13 +96,13 @@ class Persistence:
         # unless this run learns the file whole (it must never name a file it does not hold).
         held = self._warm_digest = snap.info.get("warm_start", "") if snap is not None else ""
         try:
-            warm = read_warm_file(path)  # read once: the digest and the texts learned are of these bytes
+            if file_digest(path) == held:
+                logger.info("lookahead warm_start %s: already in the snapshot, not learned again", path)
+                return
+            warm = WarmReader(path)  # a second pass: the digest named is of the bytes it learns
         except OSError as exc:  # whether the snapshot holds it cannot be told: not learned (twice) this run
             logger.warning("lookahead warm_start %s: cannot be read (%s); not learned this run", path,
                            exc.strerror or exc)
-            return
-        if warm.digest == held:
-            logger.info("lookahead warm_start %s: already in the snapshot, not learned again", path)
             return
         try:
             self._warm(drafter, warm)
@@ -230,25 +232,27 @@ class Persistence:
         else:
             logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead)
 
-    def _warm(self, drafter: Any, warm: WarmFile) -> None:
-        """Learn the texts of the warm-start file read (raises where not every text was learned)."""
+    def _warm(self, drafter: Any, warm: WarmReader) -> None:
+        """Learn the texts of the warm-start file, streamed a batch at a time (raises where not every
+        text was learned)."""
         path = self.config.warm_start
-        start = time.perf_counter()
-        found = warm.texts()
-        if found.skipped_lines:
-            logger.warning("lookahead warm_start %s: skipped %d line(s) without a text field (first: line %d)",
-                           path, len(found.skipped_lines), found.skipped_lines[0])
-        tokens = 0
-        texts = found.texts
-        for at in range(0, len(texts), TOKENIZE_BATCH):
-            for ids in self.tokenizer()(texts[at:at + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]:
+        start = last_log = time.perf_counter()
+        count = tokens = 0
+        texts = iter(warm.texts())
+        while batch := list(itertools.islice(texts, TOKENIZE_BATCH)):
+            for ids in self.tokenizer()(batch, add_special_tokens=False)["input_ids"]:
                 drafter.warm(ids)
                 tokens += len(ids)
-            if len(texts) > TOKENIZE_BATCH:
-                logger.info("lookahead warm_start %s: %d/%d texts", path, min(at + TOKENIZE_BATCH, len(texts)),
-                            len(texts))
-        self.learned["warm_start"] = (len(texts), tokens)
-        logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, len(texts), tokens,
+            count += len(batch)
+            if time.perf_counter() - last_log >= PROGRESS_EVERY_S:
+                last_log = time.perf_counter()
+                logger.info("lookahead warm_start %s: %d texts learned, %.1f/%.1f MiB read", path, count,
+                            warm.bytes_read / 2**20, warm.size / 2**20)
+        if warm.skipped_lines:
+            logger.warning("lookahead warm_start %s: skipped %d line(s) without a text field (first: line %d)",
+                           path, len(warm.skipped_lines), warm.skipped_lines[0])
+        self.learned["warm_start"] = (count, tokens)
+        logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, count, tokens,
                     time.perf_counter() - start)
 
     # ------------------------------------------------------------- shutdown

@@ -10,6 +10,7 @@ import builtins
 import fcntl
 import hashlib
 import io
+import json
 import logging
 import os
 import subprocess
@@ -61,19 +62,31 @@ def test_flock_conflicts_between_two_opens_in_one_process(tmp_path):
     os.close(b)
 
 
-def test_a_warm_start_file_is_read_once_as_text_mode_read_it(tmp_path):
-    """``read_warm_file``: the digest is of the bytes whose texts it gives (newlines read as a
-    file opened in text mode reads them); a FIFO is refused, not waited on."""
-    from lookahead_vllm.core.warm_start import read_warm_file
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_a_warm_start_file_is_streamed_as_text_mode_reads_it(tmp_path, monkeypatch, chunk):
+    """``WarmReader``: the texts come as a file opened in text mode reads them (newlines, undecodable
+    bytes replaced), in chunks of any size (a CR-LF split between two), and the digest is of the
+    bytes they came from; ``file_digest`` agrees; a FIFO is refused by both, not waited on."""
+    from lookahead_vllm.core import warm_start
 
+    monkeypatch.setattr(warm_start, "CHUNK_BYTES", chunk)
     path = tmp_path / "past.txt"
-    path.write_bytes(b"one\r\ntwo\r\n\r\nthree\rfour")
-    warm = read_warm_file(path)
-    assert warm.digest == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert warm.texts().texts == ["one\ntwo", "three\nfour"]
+    path.write_bytes(b"one\r\ntwo\r\n\r\nthree\rfour\xff\n \t\n\nfive")
+    warm = warm_start.WarmReader(path)
+    assert warm.digest == ""  # not before the texts were read
+    assert list(warm.texts()) == ["one\ntwo", "three\nfour\ufffd", "five"]
+    assert warm.digest == hashlib.sha256(path.read_bytes()).hexdigest() == warm_start.file_digest(path)
+    assert warm.bytes_read == warm.size == path.stat().st_size
+    big = tmp_path / "big.jsonl"  # 8 MB: read as the texts are taken, not whole
+    big.write_text("".join(json.dumps({"text": f"{i} " + "x" * 1000}) + "\n" for i in range(8000)))
+    streamed = warm_start.WarmReader(big)
+    texts = streamed.texts()
+    assert next(texts).startswith("0 ") and streamed.bytes_read <= 2 * max(chunk, 8192) < streamed.size
+    assert sum(1 for _ in texts) == 7999 and streamed.bytes_read == streamed.size
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(OSError, match="not a regular file"):
-        read_warm_file(tmp_path / "fifo")
+    for read in (warm_start.WarmReader, warm_start.file_digest):
+        with pytest.raises(OSError, match="not a regular file"):
+            read(tmp_path / "fifo")
 
 
 def test_the_snapshot_names_the_warm_start_bytes_it_learned(tmp_path, smollm2_dir, tokenizer, monkeypatch):
@@ -105,7 +118,9 @@ def test_the_snapshot_names_the_warm_start_bytes_it_learned(tmp_path, smollm2_di
     named = decode(snap.read_bytes()).info["warm_start"]
     assert named in tokens and _corpus(first) == tokens[named]  # named by the bytes it learned
     again = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
-    assert _corpus(again) == tokens[named] + tokens[hashlib.sha256(new.encode()).hexdigest()]
+    new_digest = hashlib.sha256(new.encode()).hexdigest()
+    # The new file once: learned now, or (the first engine learned it) held and not learned again.
+    assert _corpus(again) == tokens[named] + ([] if named == new_digest else tokens[new_digest])
     again.close()
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lookahead_vllm.core.warm_start import read_warm_file
+from lookahead_vllm.core.warm_start import WarmReader
 from tests.settings import lookahead
 
 pytestmark = pytest.mark.vllm
@@ -65,11 +65,11 @@ def test_warm_texts_formats(tmp_path):
     jsonl = tmp_path / "past.jsonl"
     jsonl.write_text("\n".join([json.dumps({"text": "a"}), "", json.dumps({"response": "b", "id": 1}),
                                 json.dumps({"output": 3, "completion": "c"}), "not json", json.dumps(["x"])]))
-    found = read_warm_file(jsonl).texts()
-    assert found.texts == ["a", "b", "c"] and found.skipped_lines == [5, 6]
+    found = WarmReader(jsonl)
+    assert list(found.texts()) == ["a", "b", "c"] and found.skipped_lines == [5, 6]
     plain = tmp_path / "corpus.txt"
     plain.write_text("first para\nline two\n\n  \nsecond\n\n\nthird  \n")
-    assert read_warm_file(plain).texts().texts == ["first para\nline two", "second", "third"]
+    assert list(WarmReader(plain).texts()) == ["first para\nline two", "second", "third"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "txt"])
@@ -90,6 +90,26 @@ def test_warm_start_file_is_learned(tmp_path, smollm2_dir, tokenizer, kind):
     assert _probe(cold, tokenizer, TEXTS[0]) == []
 
 
+
+def test_a_big_warm_start_file_is_learned_batch_by_batch_with_progress(tmp_path, smollm2_dir, tokenizer, monkeypatch,
+                                                                       caplog):
+    """Texts are tokenized and learned a batch at a time as the file streams (each learned in file
+    order, none lost at a batch's edge), and a long warm start logs its progress in MiB read."""
+    from lookahead_vllm.vllm import persistence
+
+    monkeypatch.setattr(persistence, "TOKENIZE_BATCH", 2)
+    monkeypatch.setattr(persistence, "PROGRESS_EVERY_S", 0.0)
+    texts = [f"{t} #{i}" for i in range(3) for t in TEXTS] + ["odd one out"]
+    path = tmp_path / "past.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with caplog.at_level(logging.INFO):
+        warm = make_proposer(smollm2_dir, warm_start=str(path))
+    assert warm.drafter.index.corpus_sequences() == [tokenizer(t, add_special_tokens=False)["input_ids"]
+                                                     for t in texts]
+    progress = [r.getMessage() for r in caplog.records if "MiB read" in r.getMessage()]
+    assert len(progress) == -(-len(texts) // 2)  # one line a batch here
+    assert ": 2 texts learned" in progress[0] and f": {len(texts)} texts learned" in progress[-1]
+    assert warm._persistence.learned["warm_start"][0] == len(texts)
 @pytest.mark.parametrize("source", ["index", "index+trie"])
 def test_snapshot_round_trip_through_proposers(tmp_path, smollm2_dir, tokenizer, source):
     snap = tmp_path / "snap" / "learned.bin"
@@ -203,7 +223,7 @@ def test_a_snapshot_never_names_a_warm_start_file_it_does_not_hold(tmp_path, smo
     assert len(learned.drafter.index.corpus_sequences()) == len(TEXTS)  # learned now, not skipped as held
     learned.close()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING):
-        m.setattr(persistence, "read_warm_file", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+        m.setattr(persistence, "file_digest", lambda path: (_ for _ in ()).throw(OSError(5, "Input/output error")))
         unread = make_proposer(smollm2_dir, warm_start=str(past), snapshot_path=str(snap))
         assert len(unread.drafter.index.corpus_sequences()) == len(TEXTS)  # the snapshot's, not twice
         unread.close()
