@@ -210,20 +210,27 @@ def tp_rank() -> int:
         return 0
 
 
-def take_final_snapshots(directory: str, since: float = 0.0) -> dict[str, dict[str, Any]]:
+def read_final_snapshots(directory: str, since: float = 0.0, seen: dict[str, int] | None = None
+                         ) -> dict[str, dict[str, Any]]:
     """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
-    name, each file removed once read (an unreadable one is left for the next time); one last
-    modified before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
+    name, those not read before (``seen``: file name -> its modification time when read; updated).
+    The files stay: every API server's collector reads them (the directory goes with the server);
+    an unreadable one is read next time; one last modified before ``since`` (an earlier server's,
+    in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
+    seen = {} if seen is None else seen
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError, ValueError):
-            if os.stat(path).st_mtime >= since:
+            info = os.stat(path)
+            if info.st_mtime < since:
+                os.remove(path)
+            elif seen.get(name) != info.st_mtime_ns:
                 with open(path) as f:
                     out[name.removesuffix(FINAL_SUFFIX)] = json.load(f)
-            os.remove(path)
+                seen[name] = info.st_mtime_ns
     return out
 
 
@@ -313,6 +320,9 @@ class StatsCollector:
         # Final snapshots older than this collector are an earlier server's: not counted (read on
         # the directory's own clock, which stamps the finals: its granularity and skew alike).
         self._since = _clock_of(directory)
+        # The final snapshots read (read_final_snapshots' ``seen``) and the publishers they counted.
+        self._finals_read: dict[str, int] = {}
+        self._finals_counted: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:
@@ -330,9 +340,12 @@ class StatsCollector:
         # Live files first: a publisher stopping between the two reads is then seen live now and
         # by its final snapshot next time, or by its final now, never by neither.
         live = read_snapshots(self.directory) if found else {}
-        finals = take_final_snapshots(self.directory, self._since) if found else {}
+        finals = read_final_snapshots(self.directory, self._since, self._finals_read) if found else {}
         for name, final in finals.items():  # stopped publishers: their last counts, exactly
             key = (name, final.get("publisher", ""))
+            if key in self._finals_counted:  # its file rewritten: counted once
+                continue
+            self._finals_counted.add(key)
             counted = self._retired.get(key)
             add_cumulative(self._gone, final)
             if counted is not None:  # retired from its last-seen snapshot (its file gone before the final came)

@@ -144,15 +144,18 @@ def test_interval_logger_reports_per_step_means():
 
 def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_path, monkeypatch):
     """A proposer that goes away between two scrapes: its last counts, not only those of the
-    last scrape, reach the counters (its final snapshot, read once and removed); one that lived
-    and stopped between two scrapes counts too."""
-    registry = prometheus_client.CollectorRegistry()
+    last scrape, reach the counters (its final snapshot, read once by each collector); one that
+    lived and stopped between two scrapes counts too. A second API server's collector, which
+    last scraped before the proposer went away, counts the same (the first server's read left
+    the final for it)."""
+    registry, other = prometheus_client.CollectorRegistry(), prometheus_client.CollectorRegistry()
     registry.register(metrics.StatsCollector(str(tmp_path)))
+    other.register(metrics.StatsCollector(str(tmp_path)))
 
-    def scrape() -> dict[str, float]:
+    def scrape(server=registry) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = prometheus_client.generate_latest(registry).decode()
+        text = prometheus_client.generate_latest(server).decode()
         return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
     monkeypatch.setenv(metrics.STATS_DIR_ENV, str(tmp_path))
@@ -167,9 +170,9 @@ def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_p
     deadline = metrics.time.monotonic() + 10
     while scrape().get("lookahead_draft_tokens_total") != 6 and metrics.time.monotonic() < deadline:
         metrics.time.sleep(0.01)
-    assert scrape()["lookahead_draft_tokens_total"] == 6
+    assert scrape()["lookahead_draft_tokens_total"] == 6 and scrape(other)["lookahead_draft_tokens_total"] == 6
     stats.record_step(draft_tokens=3, accepted=1, seconds=0.0003, skipped={"request": 0, "load": 0})
-    del owner  # the proposer goes away before the collector read the 3 more
+    del owner  # the proposer goes away before the collectors read the 3 more
     import gc
 
     gc.collect()
@@ -178,14 +181,16 @@ def test_a_stopping_publisher_leaves_what_it_counted_since_the_last_scrape(tmp_p
         metrics.time.sleep(0.01)
     got = scrape()
     assert got["lookahead_draft_tokens_total"] == 9 and got["lookahead_steps_total"] == 2
-    assert not os.path.exists(publisher.path + metrics.FINAL_SUFFIX)  # read once
-    assert scrape()["lookahead_draft_tokens_total"] == 9
+    assert scrape()["lookahead_draft_tokens_total"] == 9  # read once
+    theirs = scrape(other)  # the other server: the final was left for it
+    assert theirs["lookahead_draft_tokens_total"] == 9 and theirs["lookahead_steps_total"] == 2
+    assert scrape(other)["lookahead_draft_tokens_total"] == 9
     brief, brief_stats = Owner(), metrics.StepStats()  # lives and stops between two scrapes
     metrics.StatsPublisher(brief, brief_stats)
     brief_stats.record_step(draft_tokens=2, accepted=2, seconds=0.0003, skipped={"request": 0, "load": 0})
     del brief
     gc.collect()
-    assert scrape()["lookahead_draft_tokens_total"] == 11
+    assert scrape()["lookahead_draft_tokens_total"] == 11 and scrape(other)["lookahead_draft_tokens_total"] == 11
 
 
 def test_a_final_snapshot_after_its_file_was_seen_gone_adds_what_it_counted_since(tmp_path):
