@@ -14,6 +14,9 @@ from lookahead_vllm.core.config import Settings, default_decoding_length, resolv
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
 ADDITIONAL_CONFIG_KEY = "lookahead"
+# Set (False) beside it where the engine's stats logging is off (--disable-log-stats, offline LLM's default):
+# vLLM keeps that on EngineArgs, out of the VllmConfig the workers get (patches.patch_log_stats).
+LOG_STATS_KEY = "lookahead_log_stats"
 
 
 def is_lookahead(speculative_config: Any) -> bool:

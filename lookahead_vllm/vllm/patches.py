@@ -103,6 +103,16 @@ def patch_lookahead_validation(original, self):
         make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
 
 
+@method_patch("vllm.engine.arg_utils.EngineArgs", "create_engine_config", ("self",))
+def patch_log_stats(original, self, *args, **kwargs):
+    """``--disable-log-stats`` (offline ``LLM``'s default) also silences lookahead's periodic line: carried
+    to the workers in ``additional_config`` (:data:`.config.LOG_STATS_KEY`)."""
+    config = original(self, *args, **kwargs)
+    if getattr(self, "disable_log_stats", False) and la_config.is_lookahead(config.speculative_config):
+        config.additional_config = {**config.additional_config, la_config.LOG_STATS_KEY: False}
+    return config
+
+
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
     """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, which leave attention
     (a splitting op) outside, or to none where a piecewise graph would capture attention too
@@ -363,11 +373,12 @@ def patch_cpu_kernel_overrides_once(original, cls) -> None:
 
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.
-EAGER = ("speculative_method", "lookahead_validation", "request_cache_salt", "cpu_expand_kernel",
+EAGER = ("speculative_method", "lookahead_validation", "log_stats", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model")
 # Each patch by its name: its function's, less "patch_".
 PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
-    patch_speculative_method, patch_lookahead_validation, patch_runner_request_ids, patch_runner_shutdown,
+    patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
+    patch_runner_shutdown,
     patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling, patch_drafter_near_max_len,
     patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,

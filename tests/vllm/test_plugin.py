@@ -52,6 +52,26 @@ def test_default_draft_slots_follow_the_platform(monkeypatch):
             "num_speculative_tokens"] == 5
 
 
+@pytest.mark.parametrize("disable", [False, True])
+def test_the_periodic_line_follows_disable_log_stats(tiny_llama_dir, disable):
+    """``--disable-log-stats`` (offline ``LLM``'s default) lives on EngineArgs, not in the VllmConfig the
+    workers get: the plugin carries it there, and the proposer then logs no periodic line; a plain
+    engine's config gets nothing."""
+    import math
+
+    from lookahead_lab.standalone import engine_free_config
+    from lookahead_vllm.vllm.config import LOG_STATS_KEY
+    from lookahead_vllm.vllm.proposer import LookaheadProposer
+
+    cfg = _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead"}, disable_log_stats=disable)
+    assert cfg.additional_config.get(LOG_STATS_KEY, True) is not disable
+    assert LOG_STATS_KEY not in _engine_config(tiny_llama_dir, disable_log_stats=True).additional_config
+    config = engine_free_config(16, 512)
+    config.additional_config = {**config.additional_config, **{k: v for k, v in cfg.additional_config.items()
+                                                                if k == LOG_STATS_KEY}}
+    assert math.isfinite(LookaheadProposer(config)._interval_log.interval_s) is not disable
+
+
 def test_settings_resolved_once_and_carried_in_the_engine_config(tiny_llama_dir):
     """The VllmConfig patch resolves the settings and writes them into the
     config the workers get; the proposer reads them back unchanged."""
