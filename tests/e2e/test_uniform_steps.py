@@ -15,7 +15,7 @@ import pytest
 
 from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
-from .conftest import MAX_TOKENS, PINNED_PRICES, plain_run
+from .conftest import MAX_TOKENS, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -28,9 +28,13 @@ def test_filled_steps_carry_k_tokens_a_row_and_keep_the_output(engines, prompts,
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     ps = prompts["humaneval"][:8]
     plain = plain_run(engines, ps, params, 8, ("humaneval[:8]", "greedy"))
-    llm = engines.get("lookahead-uniform", lookahead=dict(PINNED_PRICES))
+    # The shared engine (its configuration: the defaults, PINNED_PRICES), started cold as a fresh
+    # one would: its drafter, calibration and prefix cache emptied; the fill is undone below.
+    llm = engines.get("lookahead")
     (proposer,) = find_proposers(llm)
     assert proposer._uniform_tokens == 0  # no CUDA graphs on the CPU: nothing filled unless set
+    proposer.reset()
+    assert llm.reset_prefix_cache()
     proposer._uniform_tokens = 512
     k = proposer.k
     steps = []
@@ -43,7 +47,10 @@ def test_filled_steps_carry_k_tokens_a_row_and_keep_the_output(engines, prompts,
 
     monkeypatch.setattr(LookaheadProposer, "on_step", logged)
     before = proposer.stats.counters()
-    ours = generate(llm, ps, params, 8)
+    try:
+        ours = generate(llm, ps, params, 8)
+    finally:
+        proposer._uniform_tokens = 0
     after = proposer.stats.counters()
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     filled = after["uniform_steps"] - before["uniform_steps"]
@@ -54,4 +61,3 @@ def test_filled_steps_carry_k_tokens_a_row_and_keep_the_output(engines, prompts,
     assert len(uniform) >= filled - 1 and all(set(s) == {k} for s in uniform)
     # Booking reads only the planned part: acceptance stays that of real drafts.
     assert ours.mean_acceptance_length > 1.2
-    engines.release(llm)

@@ -43,6 +43,15 @@ def _both(plain, lookahead, fn):
         return a.result(), b.result()
 
 
+def _both_and_streamed(plain, lookahead, fn):
+    """``fn(plain)``, ``fn(lookahead)`` and ``fn(lookahead, stream=True)`` at once; return the three.
+    The lookahead server runs its two side by side: 2 running requests, not above its
+    ``load_shrink_above`` (tests/serve/conftest.py), so both draft in full."""
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(fn, plain), pool.submit(fn, lookahead), pool.submit(fn, lookahead, True)]
+        return tuple(f.result() for f in futures)
+
+
 def complete(server, prompt, stream=False, **kw):
     client = server.client()
     args = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
@@ -93,9 +102,8 @@ def scrape(server) -> dict[str, float]:
 def test_completions_identical_to_plain(plain, lookahead, code_prompts):
     drafted = 0
     for prompt in code_prompts:
-        ref, la = _both(plain, lookahead, lambda s: complete(s, prompt))
+        ref, la, streamed = _both_and_streamed(plain, lookahead, lambda s, stream=False: complete(s, prompt, stream))
         assert la[0] == ref[0] and la[1] == ref[1]
-        streamed = complete(lookahead, prompt, stream=True)
         assert streamed[:2] == ref[:2]
         drafted += spec_metrics(la[2])["num_accepted_draft_tokens"]
         assert la[2].usage.completion_tokens == ref[2].usage.completion_tokens
@@ -104,16 +112,17 @@ def test_completions_identical_to_plain(plain, lookahead, code_prompts):
 
 def test_chat_identical_to_plain(plain, lookahead, chat_questions):
     for question in chat_questions:
-        ref, la = _both(plain, lookahead, lambda s: chat(s, question))
+        ref, la, streamed = _both_and_streamed(plain, lookahead, lambda s, stream=False: chat(s, question, stream))
         assert la[:2] == ref[:2]
-        assert chat(lookahead, question, stream=True)[:2] == ref[:2]
+        assert streamed[:2] == ref[:2]
 
 
 def test_stop_strings_and_max_tokens(plain, lookahead, code_prompts):
     prompt = code_prompts[0]
-    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, stop=["return"]))
+    ref, la, streamed = _both_and_streamed(plain, lookahead,
+                                           lambda s, stream=False: complete(s, prompt, stream, stop=["return"]))
     assert la[:2] == ref[:2] and ref[1] == "stop" and "return" not in la[0]
-    assert complete(lookahead, prompt, stream=True, stop=["return"])[:2] == ref[:2]
+    assert streamed[:2] == ref[:2]
     ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, max_tokens=7))
     assert la[:2] == ref[:2] and la[1] == "length"
     assert la[2].usage.completion_tokens == 7
@@ -235,11 +244,13 @@ def test_load_adaptation_stops_drafting_under_concurrency(plain, lookahead, code
     # The lookahead server stops drafting at 4 running requests (tests/serve/conftest.py). 16
     # concurrent requests of 40 tokens: with 8 of 24 tokens one clean-clone CI run counted no
     # load-skipped step (timing on a 2-core machine), so the requests now overlap for longer.
+    # Plain's requests run at the same time (one core each), which only stretches that overlap.
     before = scrape(lookahead)
     prompts = code_prompts * 4
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: complete(lookahead, p, max_tokens=40), prompts))
-        refs = list(pool.map(lambda p: complete(plain, p, max_tokens=40), prompts))
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        outs = [pool.submit(complete, lookahead, p, max_tokens=40) for p in prompts]
+        refs = [pool.submit(complete, plain, p, max_tokens=40) for p in prompts]
+        outs, refs = [f.result() for f in outs], [f.result() for f in refs]
     assert [o[:2] for o in outs] == [r[:2] for r in refs]
     after = _wait_for(lookahead, lambda m: m.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0)
                       > before.get('lookahead_skipped_request_steps_total{reason="load"}', 0.0))
