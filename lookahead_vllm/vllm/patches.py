@@ -378,9 +378,8 @@ EAGER = ("speculative_method", "lookahead_validation", "log_stats", "request_cac
 # Each patch by its name: its function's, less "patch_".
 PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
     patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
-    patch_runner_shutdown,
-    patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling, patch_drafter_near_max_len,
-    patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
+    patch_runner_shutdown, patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling,
+    patch_drafter_near_max_len, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
     serve_patches.patch_cli_speculative_model,
 )}
