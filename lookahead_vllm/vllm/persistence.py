@@ -96,7 +96,7 @@ class Persistence:
         # unless this run learns the file whole (it must never name a file it does not hold).
         held = self._warm_digest = snap.info.get("warm_start", "") if snap is not None else ""
         try:
-            if file_digest(path) == held:
+            if held and file_digest(path) == held:  # nothing held: no hashing pass, only the one that learns
                 logger.info("lookahead warm_start %s: already in the snapshot, not learned again", path)
                 return
             warm = WarmReader(path)  # a second pass: the digest named is of the bytes it learns
