@@ -99,6 +99,12 @@ def resolve_engine_settings(vllm_config: Any) -> Settings:
     return settings
 
 
+def logs_stats(vllm_config: Any) -> bool:
+    """Whether the engine logs stats (False where :data:`LOG_STATS_KEY` carried ``--disable-log-stats``)."""
+    additional = vllm_config.additional_config
+    return not isinstance(additional, dict) or additional.get(LOG_STATS_KEY, True)
+
+
 def engine_settings(vllm_config: Any) -> Settings:
     """The settings :func:`resolve_engine_settings` carried in ``vllm_config`` (workers)."""
     additional = vllm_config.additional_config

@@ -35,7 +35,7 @@ from lookahead_vllm.core.prices import OnlinePrices
 from lookahead_vllm.core.request_options import draft_cap
 from lookahead_vllm.core.tree_plan import StepDrafts, TreeOffers, index_within, plan_trees
 from lookahead_vllm.vllm import draft_trace, guards, metrics, persistence
-from lookahead_vllm.vllm.config import LOG_STATS_KEY, engine_settings
+from lookahead_vllm.vllm.config import engine_settings, logs_stats
 from lookahead_vllm.vllm.tree_verify import TreeResults, TreeVerifier
 
 logger = init_logger(__name__)
@@ -215,8 +215,7 @@ class LookaheadProposer:
         self._publisher = metrics.StatsPublisher(self, self.metrics)
         # One line per interval from tensor-parallel rank 0 (every rank drafts the same tokens), unless the
         # engine's stats logging is off.
-        additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-        logs = metrics.tp_rank() == 0 and additional.get(LOG_STATS_KEY, True)
+        logs = metrics.tp_rank() == 0 and logs_stats(vllm_config)
         self._interval_log = metrics.IntervalLogger(
             logger, float(envs.VLLM_LOG_STATS_INTERVAL) if logs else float("inf"))
         # Tree verification's state in this worker (tree_verify.TreeVerifier): the runner patches
