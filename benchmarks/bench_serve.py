@@ -22,7 +22,8 @@ wall seconds), the speedup vs plain, and per wave the paired ratio to plain
 interval (Student t on the log ratios; one wave gives none), the mean acceptance length and the share
 of drafted tokens accepted (from the server's ``vllm:spec_decode_*`` counters),
 and mismatches (requests whose text differs from plain's: must be 0; greedy only: with
-``--temperature T`` the requests sample, ignoring the end-of-text token, and texts are not compared). Every
+``--temperature T`` the requests sample, ignoring the end-of-text token, and their texts are not compared;
+``--sampled-share F`` makes a share F of them sample and the rest greedy, in the same waves). Every
 request's latency, TTFT, tokens and send time (seconds into its wave) and every
 prompt's length are kept in the cell (what a tail is made of). Other
 processes' CPU use is measured around every wave (machine busy jiffies minus
@@ -34,6 +35,7 @@ the CPU time of this script's process tree).
     python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 128 --vary-lengths 16   # sustained, answers of varied length
     python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --depth 4 --waves 9 --max-tokens 64 --request-rate 0.7   # open loop: equal arrivals
     python benchmarks/bench_serve.py --datasets mixed --concurrency 1 8 --waves 12 --temperature 0.8   # sampled
+    python benchmarks/bench_serve.py --datasets mixed --concurrency 8 --temperature 0.8 --sampled-share 0.5  # half
     python benchmarks/bench_serve.py --methods plain lookahead --concurrency 1 --num-prompts 2 --max-tokens 16 --out /tmp/s.json   # smoke
 """
 
@@ -43,6 +45,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -125,7 +128,8 @@ class Cell:
     other_cpu_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     open_loop: bool = False  # requests sent at arrival times, not as others finish
-    sampled: bool = False  # temperature > 0: texts differ by their draws, so none is compared with plain's
+    # The prompts (by index) that sampled: their texts differ by their draws, so none is compared with plain's.
+    sampled: frozenset[int] = frozenset()
 
 
 def free_port() -> int:
@@ -201,8 +205,9 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int,
 
 
 async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None,
-                   arrivals: Sequence[float] | None = None, temperature: float = 0.0) -> tuple[float, list]:
-    """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th) with at most
+                   arrivals: Sequence[float] | None = None, temperature: float | Sequence[float] = 0.0
+                   ) -> tuple[float, list]:
+    """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th; ``temperature`` likewise) with at most
     ``in_flight`` requests out at once (None: all at once), or each at its ``arrivals``
     offset (seconds from the wave's start, whatever is in flight: an open loop);
     the wave's wall seconds and each request's result (latency, TTFT, tokens, text, seconds
@@ -216,17 +221,19 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequenc
     slots = asyncio.Semaphore(in_flight or len(prompts))
 
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    temps = [temperature] * len(prompts) if isinstance(temperature, (int, float)) else list(temperature)
 
-    async def limited(prompt: str, cap: int, at: float | None) -> tuple[float, float, int, str, float]:
+    async def limited(prompt: str, cap: int, temp: float, at: float | None) -> tuple[float, float, int, str, float]:
         if at is not None:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with slots:
             sent = time.perf_counter() - start
-            return (*await one_request(client, server, prompt, cap, temperature), sent)
+            return (*await one_request(client, server, prompt, cap, temp), sent)
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(limited(p, cap, at) for p, cap, at in
-                                     zip(prompts, caps, arrivals if arrivals is not None else [None] * len(prompts))))
+    results = await asyncio.gather(*(limited(p, cap, temp, at) for p, cap, temp, at in
+                                     zip(prompts, caps, temps,
+                                         arrivals if arrivals is not None else [None] * len(prompts))))
     wall = time.perf_counter() - start
     await client.close()
     return wall, results
@@ -291,11 +298,13 @@ def busy_seconds() -> float:
 
 
 def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1,
-             rate: float | None = None, temperature: float = 0.0) -> Cell:
+             rate: float | None = None, temperature: float | Sequence[float] = 0.0) -> Cell:
     """Waves of ``c * depth`` prompts, at most ``c`` requests in flight, or (``rate`` requests a
     second) sent at Poisson arrival times, the same for every method; every method runs each wave
-    (``max_tokens``: one cap, or one per prompt; sampled at ``temperature`` where it is not 0)."""
-    cell = Cell(open_loop=rate is not None, sampled=temperature > 0)
+    (``max_tokens``, ``temperature``: one for every prompt, or one per prompt; a request samples
+    where its temperature is not 0)."""
+    temps = [temperature] * len(prompts) if isinstance(temperature, (int, float)) else list(temperature)
+    cell = Cell(open_loop=rate is not None, sampled=frozenset(i for i, t in enumerate(temps) if t > 0))
     roots = [os.getpid()] + [s.proc.pid for s in servers]
     spec_before = {s.name: spec_counters(s) for s in servers}
     start = time.perf_counter()
@@ -305,10 +314,11 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
         order = servers[w % len(servers):] + servers[:w % len(servers)]
         # one wave's caps and arrival times, the same for every method
         caps = max_tokens if isinstance(max_tokens, int) else max_tokens[lo:lo + size]
+        wave_temps = temps[lo:lo + size]
         arrivals = poisson_arrivals(len(wave), rate, seed=w) if rate else None
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals, temperature))
+            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals, wave_temps))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -326,6 +336,13 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
         after = spec_counters(s)
         cell.spec[s.name] = {k: v - spec_before[s.name].get(k, 0.0) for k, v in after.items()}
     return cell
+
+
+def sampling_temperatures(n: int, temperature: float, share: float = 1.0) -> list[float]:
+    """Each of ``n`` requests' temperature: ``temperature`` for a ``share`` of them spread evenly in
+    prompt order (request i samples when ``floor((i + 1) * share)`` passes ``floor(i * share)``), 0 for
+    the rest."""
+    return [temperature if math.floor((i + 1) * share) > math.floor(i * share) else 0.0 for i in range(n)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -388,8 +405,9 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
             "tokens": sum(cell.tokens[name]),
             "seconds": sum(cell.seconds[name]),
             "requests": len(cell.latency[name]),
-            "mismatches": None if cell.sampled else sum(cell.texts[name][i] != cell.texts["plain"][i]
-                                                        for i in cell.texts["plain"]),
+            # Greedy requests only; None when every request sampled.
+            "mismatches": None if len(cell.sampled) == len(cell.texts["plain"]) else sum(
+                cell.texts[name][i] != cell.texts["plain"][i] for i in cell.texts["plain"] if i not in cell.sampled),
             **acceptance(cell.spec.get(name, {})),
             # How many of a wave's refills went out together (closed loop: 1.0 each alone, c in lockstep).
             "refills_sent_together": None if cell.open_loop else refills_sent_together(cell.sent.get(name, []), c, size),
@@ -542,6 +560,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy, every text compared with plain's; T > 0: sampled at T with the "
                              "end-of-text token ignored (every method generates --max-tokens), texts not compared")
+    parser.add_argument("--sampled-share", type=float, default=1.0, metavar="F",
+                        help="with --temperature: the share of requests that sample, spread evenly in prompt order "
+                             "(the rest greedy, their texts compared with plain's): greedy and sampled requests "
+                             "share every step, as a mixed server's do (default 1: every request samples)")
     parser.add_argument("--max-model-len", type=int, default=4096,
                         help="every server's --max-model-len (the long-document prompts need ~2.6k tokens)")
     parser.add_argument("--omp-threads", type=int, default=2)
@@ -594,6 +616,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
     if not 0 <= args.temperature <= 2:
         parser.error(f"--temperature {args.temperature}: must be in [0, 2]")
+    if not 0 < args.sampled_share <= 1:
+        parser.error(f"--sampled-share {args.sampled_share}: must be in (0, 1]")
+    if args.sampled_share < 1 and not args.temperature:
+        parser.error(f"--sampled-share {args.sampled_share}: needs --temperature > 0 (a share of requests that sample)")
     if args.request_rate is not None and not args.request_rate > 0:
         parser.error(f"--request-rate {args.request_rate}: must be > 0 requests a second")
     if args.vary_lengths is not None and not 1 <= args.vary_lengths <= args.max_tokens:
@@ -679,8 +705,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{dataset}, concurrency {c}: prompts {first}..{first + n - 1}", file=sys.stderr, flush=True)
                 cell_prompts = prompts[dataset][first:first + n]
                 caps = length_caps(cell_prompts, args)
-                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate, args.temperature)
+                temps = sampling_temperatures(len(cell_prompts), args.temperature, args.sampled_share)
+                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate, temps)
                 cells.append(summarize(cell, c, dataset, args.depth))
+                cells[-1]["sampled_requests"] = len(cell.sampled)
                 if args.vary_lengths is not None:
                     cells[-1]["max_tokens"] = caps
                 cells[-1]["prompt_tokens"] = [len(tokenizer(p, add_special_tokens=False)["input_ids"])

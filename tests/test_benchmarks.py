@@ -823,6 +823,9 @@ def test_bench_serve_counts_acceptance_from_the_servers_counters():
     (["--waves", "2", "--depth", "0"], "--depth 0: must be >= 1"),
     (["--temperature", "2.5"], "--temperature 2.5: must be in [0, 2]"),
     (["--temperature", "-0.1"], "--temperature -0.1: must be in [0, 2]"),
+    (["--temperature", "0.8", "--sampled-share", "0"], "--sampled-share 0.0: must be in (0, 1]"),
+    (["--temperature", "0.8", "--sampled-share", "1.5"], "--sampled-share 1.5: must be in (0, 1]"),
+    (["--sampled-share", "0.5"], "--sampled-share 0.5: needs --temperature > 0"),
 ])
 def test_bench_serve_rejects_bad_arguments(argv, message, capsys):
     bench_serve = _import_bench("bench_serve")
@@ -884,19 +887,33 @@ def test_bench_serve_ratio_interval_is_a_t_interval_on_log_ratios():
 
 
 def test_bench_serve_compares_texts_only_when_greedy():
-    """Greedy cells count the requests whose text differs from plain's; sampled cells (--temperature > 0,
-    texts differ by their draws) compare none: mismatches None, not 0."""
+    """Greedy requests count when their text differs from plain's; sampled ones (--temperature > 0, texts
+    differ by their draws) are not compared: a cell that only sampled has mismatches None, not 0, and a
+    mixed one (--sampled-share) counts its greedy requests alone."""
     bench_serve = _import_bench("bench_serve")
-    for sampled, expected in ((False, 1), (True, None)):
+    # lookahead differs from plain on prompt 1 and 2; prompt 2 sampled in the mixed cell
+    for sampled, expected in ((frozenset(), 2), (frozenset({0, 1, 2}), None), (frozenset({2}), 1),
+                              (frozenset({1, 2}), 0)):
         cell = bench_serve.Cell(sampled=sampled, wall_s=2.0)
-        for name, texts in (("plain", ["a", "b"]), ("lookahead", ["a", "c"])):
-            cell.latency[name], cell.ttft[name] = [1.0, 1.0], [0.1, 0.1]
+        for name, texts in (("plain", ["a", "b", "d"]), ("lookahead", ["a", "c", "e"])):
+            cell.latency[name], cell.ttft[name] = [1.0] * 3, [0.1] * 3
             cell.tokens[name], cell.seconds[name] = [8], [1.0]
             cell.texts[name] = dict(enumerate(texts))
-        out = bench_serve.summarize(cell, 2, "mixed")
+        out = bench_serve.summarize(cell, 3, "mixed")
         assert out["methods"]["lookahead"]["mismatches"] == expected
-        assert out["methods"]["plain"]["mismatches"] == (None if sampled else 0)
+        assert out["methods"]["plain"]["mismatches"] == (None if expected is None else 0)
     assert bench_serve.parse_args(["--methods", "plain"]).temperature == 0.0  # greedy unless asked
+
+
+def test_bench_serve_sampled_share_spreads_sampling_evenly():
+    bench_serve = _import_bench("bench_serve")
+    assert bench_serve.sampling_temperatures(4, 0.8) == [0.8] * 4  # the default share: every request
+    assert bench_serve.sampling_temperatures(6, 0.8, 0.5) == [0.0, 0.8] * 3
+    temps = bench_serve.sampling_temperatures(100, 0.7, 0.25)
+    assert temps.count(0.7) == 25 and temps.count(0.0) == 75
+    assert all(temps[i:i + 4].count(0.7) == 1 for i in range(0, 100, 4))  # a wave of 4 holds one sampled request
+    assert bench_serve.sampling_temperatures(3, 0.0, 1.0) == [0.0] * 3
+    assert bench_serve.parse_args(["--temperature", "0.8", "--sampled-share", "0.5"]).sampled_share == 0.5
 
 
 def test_bench_serve_tells_refills_in_lockstep_from_refills_apart():
@@ -1122,6 +1139,8 @@ def test_bench_serve_varied_lengths_give_each_prompt_one_cap_for_every_method(mo
     assert asked == {p: (cap, 0.0) for p, cap in zip(prompts[:5], caps[:5])}
     asyncio.run(bench_serve.run_wave(server, prompts[:2], caps[:2], in_flight=2, temperature=0.8))
     assert [asked[p] for p in prompts[:2]] == [(cap, 0.8) for cap in caps[:2]]  # --temperature reaches each request
+    asyncio.run(bench_serve.run_wave(server, prompts[:3], caps[:3], in_flight=2, temperature=[0.0, 0.8, 0.0]))
+    assert [asked[p] for p in prompts[:3]] == [(caps[0], 0.0), (caps[1], 0.8), (caps[2], 0.0)]  # one per request
 
 
 def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
