@@ -22,7 +22,7 @@ from lookahead_vllm.ops import sampling as sampling_ops
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
-from lookahead_vllm.vllm.wrap import check_params, method_patch, wrap
+from lookahead_vllm.vllm.wrap import method_patch, wrap
 
 logger = init_logger(__name__)
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
@@ -266,15 +266,6 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
             and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
 
 
-def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:
-    """Wrap every ``(owner, attr, hook, params)`` of ``targets`` as :func:`.wrap.method_patch` does, every
-    signature checked before any is wrapped: all or nothing."""
-    for owner, attr, _, params in targets:
-        check_params(owner, attr, params)
-    for owner, attr, hook, params in targets:
-        wrap(owner, attr, hook, params)
-
-
 @method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
 def patch_request_cache_salt(original, cls, request, *args, **kwargs):
     """The request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's partitions
@@ -328,11 +319,11 @@ def patch_tree_verification() -> bool:
         return result
 
     forward_params = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
-    _wrap_all([
+    wrap(  # every signature checked before any is wrapped: all or nothing
         (GPUModelRunner, "_prepare_inputs", _prepare_inputs, ("self", "scheduler_output", "num_scheduled_tokens")),
         (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
         *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()),
-    ])
+    )
     return True
 
 
