@@ -1,6 +1,5 @@
-"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``),
-one target sample per tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's
-``expand_kernel``.
+"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample per
+tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's ``expand_kernel``.
 """
 
 from __future__ import annotations

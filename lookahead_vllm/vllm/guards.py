@@ -1,10 +1,9 @@
-"""Startup guards: what lookahead cannot serve is refused before the first request, with a
-``ValueError`` naming the setting and the fix. Guards only read the config and vLLM's state (what
-lookahead changes is in ``patches``); plain vLLM is never touched by any. They run when the config
-is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker
-(:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the
-attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
-(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
+"""Startup guards: what lookahead cannot serve is refused before the first request, with a ``ValueError`` naming the
+setting and the fix. Guards only read the config and vLLM's state (what lookahead changes is in ``patches``); plain vLLM
+is never touched by any. They run when the config is built (:func:`on_config`, patch ``lookahead_validation``), again in
+every worker (:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the attention
+backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode* (:func:`is_tree_mode`) verifies
+drafts as trees (``tree_verify``); chain mode hands vLLM chains.
 """
 
 from __future__ import annotations

@@ -212,11 +212,10 @@ def tp_rank() -> int:
 
 def read_final_snapshots(directory: str, since: float = 0.0, seen: dict[str, int] | None = None
                          ) -> dict[str, dict[str, Any]]:
-    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
-    name, those not read before (``seen``: file name -> its modification time when read; updated).
-    The files stay: every API server's collector reads them (the directory goes with the server);
-    an unreadable one is read next time; one last modified before ``since`` (an earlier server's,
-    in a directory the user named) is removed unread."""
+    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file name, those not read
+    before (``seen``: file name -> its modification time when read; updated). The files stay: every API server's
+    collector reads them (the directory goes with the server); an unreadable one is read next time; one last modified
+    before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
     seen = {} if seen is None else seen
     for name in sorted(os.listdir(directory)):
