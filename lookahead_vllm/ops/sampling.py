@@ -28,12 +28,11 @@ def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tok
                   target_rows: np.ndarray, bonus_rows: np.ndarray, width: int) -> np.ndarray:
     """vLLM's greedy rejection sampling of a batch, from its logits rows' greedy tokens.
 
-    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after
-    request), scored as vLLM lays them out: its drafts' target rows (``target_rows``) right
-    before its bonus row (``bonus_rows[i]``). It emits the greedy token of each of its rows up to
-    the first whose draft differs from it (the bonus row, which has none, at the latest): the
-    accepted drafts, then the target's token or the bonus. Returns ``[batch, width + 1]`` int32
-    padded with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
+    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after request), scored as vLLM
+    lays them out: its drafts' target rows (``target_rows``) right before its bonus row (``bonus_rows[i]``). It emits
+    the greedy token of each of its rows up to the first whose draft differs from it (the bonus row, which has none, at
+    the latest): the accepted drafts, then the target's token or the bonus. Returns ``[batch, width + 1]`` int32 padded
+    with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
     num_draft_tokens = np.asarray(num_draft_tokens, np.int64)
     rows = len(argmax)
     expected = np.full(rows, -1, np.int64)  # each row's draft (none on a bonus row: never equal)

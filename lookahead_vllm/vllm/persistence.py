@@ -1,13 +1,12 @@
-"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start``
-and ``snapshot_path`` rows, has the rules users see).
+"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start`` and
+``snapshot_path`` rows, has the rules users see).
 
-``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then
-learns the ``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest;
-``close`` writes the snapshot once (from the proposer's ``close()``, its finalizer or ``atexit``).
-One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of prefill-context-parallel
-rank 0) holding ``SnapshotLock``; every other process reads it only and never moves it aside (an engine
-that waits for the lock retakes it when it frees, and then writes). Data-parallel rank ``r`` keeps
-``<path>.dp<r>`` and starts from rank 0's while it has none or its own is refused.
+``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then learns the
+``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest; ``close`` writes the snapshot
+once (from the proposer's ``close()``, its finalizer or ``atexit``). One writer a file: the engine's first drafting rank
+(tensor-parallel rank 0 of prefill-context-parallel rank 0) holding ``SnapshotLock``; every other process reads it only
+and never moves it aside (an engine that waits for the lock retakes it when it frees, and then writes). Data-parallel
+rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while it has none or its own is refused.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions,
-attention, acceptance, compaction), the picture and what they are proven against:
-docs/how-it-works.md, "Tree verification".
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions, attention, acceptance,
+compaction), the picture and what they are proven against: docs/how-it-works.md, "Tree verification".
 
-The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`,
-its trees one :class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per
-tree). Requests whose sampling needs the token history along the draft get chains
-(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is verified.
+The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`, its trees one
+:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per tree). Requests whose sampling needs
+the token history along the draft get chains (:func:`tree_verifiable`); if one still carries a tree, only its leading
+chain is verified.
 """
 
 from __future__ import annotations
