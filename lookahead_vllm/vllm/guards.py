@@ -57,17 +57,14 @@ def tree_mode_label(config: Settings) -> str:
 def vllm_version() -> str:
     import vllm
 
-    return str(getattr(vllm, "__version__", "unknown"))
+    return str(vllm.__version__)
 
 
-def torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
-
-
-def stack_problem(vllm: str, torch: str) -> str | None:
-    """Why lookahead refuses this vLLM / torch pair (None: a pair :data:`TESTED_TORCH` lists)."""
+def stack_problem(vllm: str | None = None, torch: str | None = None) -> str | None:
+    """Why lookahead refuses this vLLM / torch pair (None for either: the installed one), or None: a pair
+    :data:`TESTED_TORCH` lists."""
+    vllm = vllm_version() if vllm is None else vllm
+    torch = str(importlib.import_module("torch").__version__) if torch is None else torch
     base = vllm.split("+")[0]
     if base not in TESTED_VLLM:
         return f"vLLM {vllm} is not a tested release (tested: {', '.join(TESTED_VLLM)})"
@@ -80,8 +77,7 @@ def stack_problem(vllm: str, torch: str) -> str | None:
 def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
     """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested (:data:`TESTED_VLLM`,
     :data:`TESTED_TORCH`; patch ``speculative_method``, and every worker); the environment variable overrides."""
-    version = vllm_version() if version is None else version
-    problem = stack_problem(version, torch_version() if torch is None else torch)
+    problem = stack_problem(version, torch)
     if problem is None:
         return
     if os.environ.get(SKIP_VERSION_ENV, "0") not in ("", "0"):
