@@ -16,9 +16,7 @@ def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
     (that op), else numpy's, each a fraction of torch's there, over float32 as vLLM's sampler casts."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).cpu().numpy()
-    rows = logits.detach()
-    if rows.dtype != torch.float32:
-        rows = rows.float()
+    rows = logits.detach().float()  # no copy where already float32
     if cpu_op is not None and rows.dim() == 2 and rows.is_contiguous():
         return cpu_op(rows).numpy().astype(np.int64, copy=False)
     return rows.numpy().argmax(axis=-1)

@@ -475,9 +475,8 @@ def check_supported(impl: Any) -> None:
     }
     bad = [name for name, yes in unsupported.items() if yes]
     if bad:
-        raise NotImplementedError(
-            f"lookahead tree verification does not support {', '.join(bad)}; use draft_shape='one'"
-        )
+        raise NotImplementedError(f"lookahead tree verification does not support {', '.join(bad)}; "
+                                  "use draft_shape='one'")
 
 
 # ---------------------------------------------------------------- acceptance
@@ -533,6 +532,5 @@ def _compact(step: TreeStep, src_rows: np.ndarray, dst_rows: np.ndarray) -> None
 
         la_cuda.compact_kv([c.key_cache for c in caches], [c.value_cache for c in caches], src, dst)
         return
-    for cache in caches:
-        key, value = cache.gather_slots(src)
-        cache.write_slots(dst, key, value)
+    for cache in caches:  # every source read before any write
+        cache.write_slots(dst, *cache.gather_slots(src))
