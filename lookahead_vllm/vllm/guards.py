@@ -131,7 +131,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
     if method != "standard":  # 'synthetic', 0.33's lossy 'fly': chain rows would not match the tree walk
         problems.append(f"speculative_config.rejection_sample_method={method!r} (use 'standard')")
-    problems += backend_problems(_requested_backends(vllm_config))
+    attention = getattr(vllm_config, "attention_config", None)  # the backends asked for, by name
+    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    problems += backend_problems(getattr(b, "name", str(b)) for b in chosen if b is not None)
     _refuse_unsupported(what, problems)
 
 
@@ -144,12 +146,6 @@ def _on_cuda() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda()
-
-
-def _requested_backends(vllm_config: Any) -> list[str]:
-    attention = getattr(vllm_config, "attention_config", None)
-    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
-    return [getattr(b, "name", str(b)) for b in chosen if b is not None]
 
 
 def backend_problems(names: Iterable[str]) -> list[str]:
