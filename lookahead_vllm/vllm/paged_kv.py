@@ -1,6 +1,6 @@
 """Token slots of vLLM's per-layer paged KV caches, for tree verification: moving the accepted nodes' K/V to the
-sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as ``[seq_len,
-num_kv_heads, head_dim]``.
+sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as
+``[seq_len, num_kv_heads, head_dim]``.
 
 ``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose block interiors
 depend on the ISA kernel (the fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, V row major). Never
