@@ -1,6 +1,5 @@
-"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``),
-one target sample per tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's
-``expand_kernel``.
+"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample per
+tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's ``expand_kernel``.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
     (that op), else numpy's, each a fraction of torch's there, over float32 as vLLM's sampler casts."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).cpu().numpy()
-    rows = logits.detach()
-    if rows.dtype != torch.float32:
-        rows = rows.float()
+    rows = logits.detach().float()  # no copy where already float32
     if cpu_op is not None and rows.dim() == 2 and rows.is_contiguous():
         return cpu_op(rows).numpy().astype(np.int64, copy=False)
     return rows.numpy().argmax(axis=-1)
@@ -29,12 +26,11 @@ def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tok
                   target_rows: np.ndarray, bonus_rows: np.ndarray, width: int) -> np.ndarray:
     """vLLM's greedy rejection sampling of a batch, from its logits rows' greedy tokens.
 
-    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after
-    request), scored as vLLM lays them out: its drafts' target rows (``target_rows``) right
-    before its bonus row (``bonus_rows[i]``). It emits the greedy token of each of its rows up to
-    the first whose draft differs from it (the bonus row, which has none, at the latest): the
-    accepted drafts, then the target's token or the bonus. Returns ``[batch, width + 1]`` int32
-    padded with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
+    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after request), scored as vLLM
+    lays them out: its drafts' target rows (``target_rows``) right before its bonus row (``bonus_rows[i]``). It emits
+    the greedy token of each of its rows up to the first whose draft differs from it (the bonus row, which has none, at
+    the latest): the accepted drafts, then the target's token or the bonus. Returns ``[batch, width + 1]`` int32 padded
+    with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
     num_draft_tokens = np.asarray(num_draft_tokens, np.int64)
     rows = len(argmax)
     expected = np.full(rows, -1, np.int64)  # each row's draft (none on a bonus row: never equal)

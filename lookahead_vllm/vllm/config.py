@@ -71,10 +71,9 @@ def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
     return None
 
 
-def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int,
-                             platform: str | None = None) -> Settings:
-    """``additional_config["lookahead"]`` validated against ``num_speculative_tokens`` and resolved for
-    ``platform`` (None: this process's); ValueError naming the field."""
+def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int) -> Settings:
+    """``additional_config["lookahead"]`` validated against ``num_speculative_tokens`` and resolved for this
+    process's platform; ValueError naming the field."""
     from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN  # the most drafts per request it verifies
 
     values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
@@ -85,8 +84,7 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
         raise ValueError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}: vLLM's rejection "
                          f"sampler verifies at most {MAX_SPEC_LEN} draft tokens per request (MAX_SPEC_LEN); "
                          "lower it (and decoding_length)")
-    return resolve(values, platform=platform or current_platform_name(),
-                   num_speculative_tokens=num_speculative_tokens)
+    return resolve(values, platform=current_platform_name(), num_speculative_tokens=num_speculative_tokens)
 
 
 def resolve_engine_settings(vllm_config: Any) -> Settings:

@@ -1,11 +1,10 @@
 """Draft trace: a debug record proving every tensor-parallel rank drafted the same.
 
-Each tensor-parallel rank runs its own proposer; the scheduler keeps one rank's drafts, but
-tree verification uses each rank's own step plan, so ranks whose drafts differ diverge. With
-``$LOOKAHEAD_DRAFT_TRACE_DIR`` set (read once, at engine start), :func:`record` appends one
-line a step to ``<dir>/rank<r>-<pid>.trace``: ``<step> <digest> <rows> <draft tokens>``
-(``digest``: :func:`draft_digest`). ``python -m lookahead_lab.draft_traces DIR`` reports
-the first step where two ranks' traces differ.
+Each tensor-parallel rank runs its own proposer; the scheduler keeps one rank's drafts, but tree verification uses each
+rank's own step plan, so ranks whose drafts differ diverge. With ``$LOOKAHEAD_DRAFT_TRACE_DIR`` set (read once, at
+engine start), :func:`record` appends one line a step to ``<dir>/rank<r>-<pid>.trace``:
+``<step> <digest> <rows> <draft tokens>`` (``digest``: :func:`draft_digest`). ``python -m lookahead_lab.draft_traces
+DIR`` reports the first step where two ranks' traces differ.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Startup guards: what lookahead cannot serve is refused before the first request, with a
-``ValueError`` naming the setting and the fix. Guards only read the config and vLLM's state (what
-lookahead changes is in ``patches``); plain vLLM is never touched by any. They run when the config
-is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker
-(:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the
-attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
-(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
+"""Startup guards: what lookahead cannot serve is refused before the first request, with a ``ValueError`` naming the
+setting and the fix. Guards only read the config and vLLM's state (what lookahead changes is in ``patches``); plain vLLM
+is never touched by any. They run when the config is built (:func:`on_config`, patch ``lookahead_validation``), again in
+every worker (:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the attention
+backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode* (:func:`is_tree_mode`) verifies
+drafts as trees (``tree_verify``); chain mode hands vLLM chains.
 """
 
 from __future__ import annotations
@@ -58,17 +57,14 @@ def tree_mode_label(config: Settings) -> str:
 def vllm_version() -> str:
     import vllm
 
-    return str(getattr(vllm, "__version__", "unknown"))
+    return str(vllm.__version__)
 
 
-def torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
-
-
-def stack_problem(vllm: str, torch: str) -> str | None:
-    """Why lookahead refuses this vLLM / torch pair (None: a pair :data:`TESTED_TORCH` lists)."""
+def stack_problem(vllm: str | None = None, torch: str | None = None) -> str | None:
+    """Why lookahead refuses this vLLM / torch pair (None for either: the installed one), or None: a pair
+    :data:`TESTED_TORCH` lists."""
+    vllm = vllm_version() if vllm is None else vllm
+    torch = str(importlib.import_module("torch").__version__) if torch is None else torch
     base = vllm.split("+")[0]
     if base not in TESTED_VLLM:
         return f"vLLM {vllm} is not a tested release (tested: {', '.join(TESTED_VLLM)})"
@@ -81,8 +77,7 @@ def stack_problem(vllm: str, torch: str) -> str | None:
 def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
     """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested (:data:`TESTED_VLLM`,
     :data:`TESTED_TORCH`; patch ``speculative_method``, and every worker); the environment variable overrides."""
-    version = vllm_version() if version is None else version
-    problem = stack_problem(version, torch_version() if torch is None else torch)
+    problem = stack_problem(version, torch)
     if problem is None:
         return
     if os.environ.get(SKIP_VERSION_ENV, "0") not in ("", "0"):
@@ -136,7 +131,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
     if method != "standard":  # 'synthetic', 0.33's lossy 'fly': chain rows would not match the tree walk
         problems.append(f"speculative_config.rejection_sample_method={method!r} (use 'standard')")
-    problems += backend_problems(_requested_backends(vllm_config))
+    attention = getattr(vllm_config, "attention_config", None)  # the backends asked for, by name
+    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    problems += backend_problems(getattr(b, "name", str(b)) for b in chosen if b is not None)
     _refuse_unsupported(what, problems)
 
 
@@ -149,12 +146,6 @@ def _on_cuda() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda()
-
-
-def _requested_backends(vllm_config: Any) -> list[str]:
-    attention = getattr(vllm_config, "attention_config", None)
-    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
-    return [getattr(b, "name", str(b)) for b in chosen if b is not None]
 
 
 def backend_problems(names: Iterable[str]) -> list[str]:

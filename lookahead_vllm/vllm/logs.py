@@ -1,11 +1,9 @@
 """Route this package's log records through vLLM's logging setup.
 
-vLLM configures only the ``vllm`` logger; records of ``lookahead_vllm.*``
-loggers would reach Python's last-resort handler, which drops INFO. vLLM
-configures it after the plugins load (``LLM.__init__``, the CLI after parsing
-its arguments), and a forked worker keeps whatever its parent had then; so
-the records are handed to the ``vllm`` logger when they are logged, not its
-handlers copied when the plugin loads.
+vLLM configures only the ``vllm`` logger; records of ``lookahead_vllm.*`` loggers would reach Python's last-resort
+handler, which drops INFO. vLLM configures it after the plugins load (``LLM.__init__``, the CLI after parsing its
+arguments), and a forked worker keeps whatever its parent had then; so the records are handed to the ``vllm`` logger
+when they are logged, not its handlers copied when the plugin loads.
 """
 
 from __future__ import annotations

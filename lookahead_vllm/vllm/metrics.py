@@ -140,9 +140,8 @@ class IntervalLogger:
 class StatsPublisher:
     """Daemon thread writing ``stats.snapshot()`` to the stats directory twice a second.
 
-    If the owner has ``num_request_states()``, each snapshot also carries its
-    value as ``request_states``: read by this thread (a ``len`` of a dict), so
-    the gauge falls to 0 after a drain even when no engine step follows.
+    If the owner has ``num_request_states()``, each snapshot also carries its value as ``request_states``: read by this
+    thread (a ``len`` of a dict), so the gauge falls to 0 after a drain even when no engine step follows.
     """
 
     def __init__(self, owner: object, stats: StepStats) -> None:
@@ -210,15 +209,12 @@ def tp_rank() -> int:
         return 0
 
 
-def read_final_snapshots(directory: str, since: float = 0.0, seen: dict[str, int] | None = None
-                         ) -> dict[str, dict[str, Any]]:
-    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file
-    name, those not read before (``seen``: file name -> its modification time when read; updated).
-    The files stay: every API server's collector reads them (the directory goes with the server);
-    an unreadable one is read next time; one last modified before ``since`` (an earlier server's,
-    in a directory the user named) is removed unread."""
+def read_final_snapshots(directory: str, since: float, seen: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file name, those not read
+    before (``seen``: file name -> its modification time when read; updated). The files stay: every API server's
+    collector reads them (the directory goes with the server); an unreadable one is read next time; one last modified
+    before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
-    seen = {} if seen is None else seen
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
             continue

@@ -1,13 +1,12 @@
-"""Token slots of vLLM's per-layer paged KV caches, for tree verification: moving the accepted nodes' K/V
-to the sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as
+"""Token slots of vLLM's per-layer paged KV caches, for tree verification: moving the accepted nodes' K/V to the
+sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as
 ``[seq_len, num_kv_heads, head_dim]``.
 
-``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose block
-interiors depend on the ISA kernel (the fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, V row
-major). Never hard-coded: the first use writes probe values through vLLM's own ``cpu_attn_reshape_and_cache``
-and reads back where each (token, dim) landed, a permutation per (dtype, block size, head dim, ISA); writes
-always go through the op itself. ``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape), read and
-written directly.
+``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose block interiors
+depend on the ISA kernel (the fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, V row major). Never
+hard-coded: the first use writes probe values through vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where
+each (token, dim) landed, a permutation per (dtype, block size, head dim, ISA); writes always go through the op itself.
+``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape), read and written directly.
 """
 
 from __future__ import annotations
@@ -35,27 +34,22 @@ class CpuPagedKV:
         """K and V ``[seq_len, kv_heads, head_dim]`` of a sequence's first tokens."""
         nblk = (seq_len + self.block_size - 1) // self.block_size
         data = self._flat[block_table[:nblk].long()]  # [nblk, H, 2, bs * D]
-        key = self._unpermute(data[:, :, 0], self._k_index, seq_len)
-        return key, self._unpermute(data[:, :, 1], self._v_index, seq_len)
+        shape = (nblk, self.num_kv_heads, self.block_size, self.head_dim)
+        key, value = (data[:, :, which, index.flatten()].view(shape).transpose(1, 2).flatten(0, 1)[:seq_len]
+                      for which, index in ((0, self._k_index), (1, self._v_index)))
+        return key, value
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, kv_heads, head_dim]`` at the given slots."""
         slots = slots.long()
         data = self._flat[slots // self.block_size]  # [n, H, 2, bs * D]
         offs = slots % self.block_size
-        out = []
-        for which, index in ((0, self._k_index), (1, self._v_index)):
-            idx = index[offs].unsqueeze(1).expand(-1, self.num_kv_heads, -1)  # [n, H, D]
-            out.append(torch.gather(data[:, :, which], 2, idx))
-        return out[0], out[1]
+        key, value = (torch.gather(data[:, :, which], 2, index[offs].unsqueeze(1).expand(-1, self.num_kv_heads, -1))
+                      for which, index in ((0, self._k_index), (1, self._v_index)))  # [n, H, D] each
+        return key, value
 
     def write_slots(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, slots)
-
-    def _unpermute(self, region: torch.Tensor, index: torch.Tensor, seq_len: int) -> torch.Tensor:
-        nblk = region.shape[0]
-        dense = region[..., index.flatten()].view(nblk, self.num_kv_heads, self.block_size, self.head_dim)
-        return dense.transpose(1, 2).reshape(nblk * self.block_size, self.num_kv_heads, self.head_dim)[:seq_len]
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from lookahead_vllm.ops import sampling as sampling_ops
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
 from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
-from lookahead_vllm.vllm.wrap import check_params, method_patch, wrap
+from lookahead_vllm.vllm.wrap import method_patch, wrap
 
 logger = init_logger(__name__)
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
@@ -166,11 +166,9 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
-    """A step's ``SamplerOutput`` from one argmax over its logits rows, or None where vLLM's samplers
-    must run: the tokens vLLM's samplers give where every request samples greedily with nothing that
-    moves the argmax, verification is vLLM's standard rule and scheduling is synchronous (docs/prices.md,
-    "Greedy steps with drafts sample from one argmax"). A step without drafts is left to vLLM's plain
-    sampler. The output carries the argmax (:func:`_argmax_output_type`) for tree verification."""
+    """A step's ``SamplerOutput`` from one argmax over its logits rows (carried for tree verification:
+    :func:`_argmax_output_type`), or None where vLLM's samplers must run (docs/prices.md, "Greedy steps
+    with drafts sample from one argmax": when it gives their tokens)."""
     if spec_metadata is None or logits is None or logits.device.type != "cpu" or runner.use_async_scheduling:
         return None
     if runner.speculative_config.rejection_sample_method != "standard" or runner.rejection_sampler.synthetic_mode:
@@ -193,9 +191,8 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
 
 @functools.cache
 def _argmax_output_type() -> type:
-    """vLLM's ``SamplerOutput`` with ``logits_argmax``, the argmax of every logits row of the step
-    (``TreeVerifier.finish_step`` reads it). Defined on first use: importing ``vllm.v1.outputs``
-    costs about a second in processes that never sample."""
+    """vLLM's ``SamplerOutput`` with ``logits_argmax`` (``TreeVerifier.finish_step`` reads it); defined on
+    first use: importing ``vllm.v1.outputs`` costs about a second in processes that never sample."""
     from vllm.v1.outputs import SamplerOutput
 
     @dataclass
@@ -232,9 +229,8 @@ def _moves_argmax(processor: Any) -> bool:
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
 def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
-    """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs``
-    with the speculative config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft
-    cost what plain vLLM's cost")."""
+    """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs`` with the speculative
+    config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft cost what plain vLLM's cost")."""
     if not runs_draftless(self, scheduler_output):
         return original(self, scheduler_output, *args, **kwargs)
     spec, self.speculative_config = self.speculative_config, None
@@ -248,10 +244,9 @@ def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
 def patch_drafter_near_max_len(original, self, common_attn_metadata):
-    """Lookahead drafts every step, whatever the batch's longest request: vLLM 0.32 runs a drafter only
-    while the longest sequence plus k tokens fits in ``max_model_len`` (else it schedules k zero tokens
-    a row), but lookahead runs no forward of its own and caps each row's draft at ``max_model_len``
-    itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's own rule stands."""
+    """Lookahead drafts every step: vLLM 0.32 runs a drafter only while the longest sequence plus k tokens
+    fits in ``max_model_len`` (else k zero tokens a row), but lookahead runs no forward of its own and caps
+    each row's draft itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's rule stands."""
     if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
         return True
     return original(self, common_attn_metadata)
@@ -264,15 +259,6 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
     return (isinstance(getattr(runner, "drafter", None), LookaheadProposer)
             and not any(scheduler_output.scheduled_spec_decode_tokens.values())
             and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
-
-
-def _wrap_all(targets: list[tuple[type, str, Callable, tuple[str, ...]]]) -> None:
-    """Wrap every ``(owner, attr, hook, params)`` of ``targets`` as :func:`.wrap.method_patch` does, every
-    signature checked before any is wrapped: all or nothing."""
-    for owner, attr, _, params in targets:
-        check_params(owner, attr, params)
-    for owner, attr, hook, params in targets:
-        wrap(owner, attr, hook, params)
 
 
 @method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
@@ -328,11 +314,11 @@ def patch_tree_verification() -> bool:
         return result
 
     forward_params = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")
-    _wrap_all([
+    wrap(  # every signature checked before any is wrapped: all or nothing
         (GPUModelRunner, "_prepare_inputs", _prepare_inputs, ("self", "scheduler_output", "num_scheduled_tokens")),
         (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
         *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()),
-    ])
+    )
     return True
 
 

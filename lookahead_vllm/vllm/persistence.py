@@ -1,13 +1,12 @@
-"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start``
-and ``snapshot_path`` rows, has the rules users see).
+"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start`` and
+``snapshot_path`` rows, has the rules users see).
 
-``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then
-learns the ``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest;
-``close`` writes the snapshot once (from the proposer's ``close()``, its finalizer or ``atexit``).
-One writer a file: the engine's first drafting rank (tensor-parallel rank 0 of prefill-context-parallel
-rank 0) holding ``SnapshotLock``; every other process reads it only and never moves it aside (an engine
-that waits for the lock retakes it when it frees, and then writes). Data-parallel rank ``r`` keeps
-``<path>.dp<r>`` and starts from rank 0's while it has none or its own is refused.
+``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then learns the
+``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest; ``close`` writes the snapshot
+once (from the proposer's ``close()``, its finalizer or ``atexit``). One writer a file: the engine's first drafting rank
+(tensor-parallel rank 0 of prefill-context-parallel rank 0) holding ``SnapshotLock``; every other process reads it only
+and never moves it aside (an engine that waits for the lock retakes it when it frees, and then writes). Data-parallel
+rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while it has none or its own is refused.
 """
 
 from __future__ import annotations
@@ -149,7 +148,7 @@ class Persistence:
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
-            if self._shared and os.path.isfile(self._shared):
+            if os.path.isfile(self._shared):
                 return self._load_shared(drafter)
             logger.info("lookahead snapshot %s: no file yet; drafting starts cold (written on shutdown%s)", path,
                         "" if self.owner else " by the engine that holds its lock")
@@ -168,22 +167,24 @@ class Persistence:
         except SnapshotUnreadable as exc:  # a passing I/O failure must not lose a good file
             if not os.path.lexists(path):  # moved aside meanwhile by another rank, which refused it
                 logger.warning("lookahead snapshot %s: refused by another rank", path)
-                return self._load_shared(drafter) if self._shared else None
+                return self._load_shared(drafter)
             return self._keep(path, str(exc).removeprefix(f"snapshot {path}: "))
         except SnapshotError as exc:
             self._set_aside(path, str(exc),
                             "starts from data-parallel rank 0's file" if self._shared else "starts cold")
             # Where this engine's own file was refused, every tensor-parallel rank starts alike:
             # from rank 0's file (the ranks that find the file already moved aside do the same).
-            return self._load_shared(drafter) if self._shared else None
+            return self._load_shared(drafter)
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             return self._keep(path, f"could not be loaded ({exc!r})")
         return self._learned(path, snap, start)
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
-        """Start from data-parallel rank 0's snapshot (this engine has no usable one of its own):
-        read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
+        """Start from data-parallel rank 0's snapshot, if this engine has one (it has no usable one of its
+        own): read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
         path, start = self._shared, time.perf_counter()
+        if not path:
+            return None
         try:
             snap = drafter.load_snapshot(path, self.identity())
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
@@ -201,17 +202,15 @@ class Persistence:
         return snap
 
     def _keep(self, path: str, why: str) -> None:
-        """A snapshot not judged (unreadable, not a file, no identity) stays as it is, and this
-        run writes none over it."""
+        """A snapshot not judged (unreadable, not a file, no identity) stays; this run writes none over it."""
         self.writes = False
         logger.warning("lookahead snapshot %s: %s; drafting starts cold, and no snapshot is written there this run",
                        path, why)
 
     def _set_aside(self, path: str, why: str, instead: str) -> None:
-        """Keep a refused snapshot out of this run's way: renamed to the first free
-        ``<path>.refused[.N]``; where it cannot be, this run writes none (``writes``).
-        ``instead``: what drafting does. A process that does not write the file leaves it
-        in place (its writer moves it aside, or keeps it: another engine's)."""
+        """Keep a refused snapshot out of this run's way: renamed to the first free ``<path>.refused[.N]``; where it
+        cannot be, this run writes none (``writes``). ``instead``: what drafting does. A process that does not write the
+        file leaves it in place (its writer moves it aside, or keeps it: another engine's)."""
         if not self.owner:
             logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
                            why, instead)
@@ -257,8 +256,7 @@ class Persistence:
 
     # ------------------------------------------------------------- shutdown
     def close(self, drafter: Any) -> None:
-        """Write the snapshot, then release the file's lock (once; later calls do nothing).
-        Never raises."""
+        """Write the snapshot, then release the file's lock (once; later calls do nothing). Never raises."""
         closed, self.closed = self.closed, True
         if closed:
             return
@@ -271,9 +269,8 @@ class Persistence:
                 self._lock.release()
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now (a failure is logged, not raised; nothing where this process
-        does not write the file: ``owner``, or where the snapshot found at start was left in
-        place unloaded: ``writes``)."""
+        """Write the snapshot now (a failure is logged, not raised; nothing where this process does not write the file:
+        ``owner``, or where the snapshot found at start was left in place unloaded: ``writes``)."""
         path = self.path
         if os.getpid() != self._pid:
             return None
@@ -297,8 +294,7 @@ class Persistence:
 
     @property
     def waiting(self) -> bool:
-        """Whether this engine waits for the lock another engine holds, to write its file (not
-        one that will not write: ``writes``)."""
+        """Whether this engine waits for the lock another engine holds, to write its file (``writes``)."""
         return self._read_only == HELD and self.writes
 
     def poll(self) -> None:
@@ -347,11 +343,9 @@ class Persistence:
 
 
 def close_at_exit(proposer: Any) -> None:
-    """Close ``proposer`` (writing its snapshot) at process exit if it is
-    still alive then; holds no strong reference to it. ``atexit`` covers the
-    main process and spawned engine processes; a forked engine process ends
-    with ``os._exit`` after running multiprocessing's exit finalizers, hence
-    the second registration (closing twice writes once)."""
+    """Close ``proposer`` (writing its snapshot) at process exit if it is still alive then; holds no strong
+    reference to it. ``atexit`` covers the main process and spawned engine processes; a forked engine process
+    ends with ``os._exit`` after multiprocessing's exit finalizers, hence the second (closing twice writes once)."""
     ref = weakref.ref(proposer)
     atexit.register(_close_if_alive, ref)
     multiprocessing.util.Finalize(None, _close_if_alive, args=(ref,), exitpriority=100)

@@ -20,7 +20,7 @@ def register() -> None:
     from lookahead_vllm.vllm import guards, logs, metrics, patches
     from lookahead_vllm.vllm.proposer import LookaheadProposer
 
-    problem = guards.stack_problem(guards.vllm_version(), guards.torch_version())
+    problem = guards.stack_problem()
     if problem is not None:
         logger.warning("lookahead-vllm: %s; lookahead will be refused unless %s=1", problem, guards.SKIP_VERSION_ENV)
 

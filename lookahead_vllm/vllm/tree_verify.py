@@ -1,11 +1,10 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions,
-attention, acceptance, compaction), the picture and what they are proven against:
-docs/how-it-works.md, "Tree verification".
+"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions, attention, acceptance,
+compaction), the picture and what they are proven against: docs/how-it-works.md, "Tree verification".
 
-The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`,
-its trees one :class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per
-tree). Requests whose sampling needs the token history along the draft get chains
-(:func:`tree_verifiable`); if one still carries a tree, only its leading chain is verified.
+The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`, its trees one
+:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per tree). Requests whose sampling needs
+the token history along the draft get chains (:func:`tree_verifiable`); if one still carries a tree, only its leading
+chain is verified.
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ GREEDY_EPS = 1e-5
 
 @dataclass(slots=True)
 class TreeStep:
-    """State of one engine step that verifies at least one tree: its trees as one
-    :class:`TreeBatch` (row ``t``: request ``req_ids[t]``), and per tree its batch row, its
-    root's index among the step's tokens and how it is verified."""
+    """State of one engine step that verifies at least one tree: its trees as one :class:`TreeBatch` (row ``t``: request
+    ``req_ids[t]``), and per tree its batch row, its root's index among the step's tokens and how it is verified."""
 
     req_ids: list[str]
     # Row of each request in the persistent batch (and in attention metadata).
@@ -148,8 +146,12 @@ class TreeVerifier:
         differs = (sched != trees.tokens).any(axis=1) | (counts > trees.lengths)
         prefix = trees.chain_prefix()
         tree = ~trees.is_chain(prefix)
-        for i in np.flatnonzero(tree & differs).tolist():
-            self._plan_mismatch(ids[i], drafts[i], trees.tokens[i, :trees.lengths[i]].tolist())
+        for i in np.flatnonzero(tree & differs).tolist():  # vLLM's stock path verifies them as a chain, losslessly
+            self.plan_mismatches += 1
+            if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
+                logger.warning("lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as "
+                               "a chain (%d such request-steps so far)", ids[i], drafts[i][:16],
+                               trees.tokens[i, :min(16, trees.lengths[i])].tolist(), self.plan_mismatches)
         rows = np.fromiter(map(runner.input_batch.req_id_to_index.__getitem__, ids), np.int64, len(ids))
         # Not a decode step of the request: cannot happen (prefill drafts are dropped).
         decode = np.asarray(num_scheduled_tokens)[rows] == trees.lengths + 1
@@ -166,15 +168,6 @@ class TreeVerifier:
         if "positions" not in disabled:
             _tree_positions(runner.positions, step)
         self.current = step
-
-    def _plan_mismatch(self, req_id: str, draft: list[int], planned: list[int]) -> None:
-        """Count (and log at the first and every 1000th) a request-step whose scheduled drafts
-        are not its plan's tokens; vLLM's stock path verifies them as a chain, losslessly."""
-        self.plan_mismatches += 1
-        if self.plan_mismatches == 1 or self.plan_mismatches % 1000 == 0:
-            logger.warning("lookahead: request %s scheduled drafts %s differ from its tree plan %s; verified as a "
-                           "chain (%d such request-steps so far)", req_id, list(draft)[:16],
-                           planned[:16], self.plan_mismatches)
 
     def fix_tree_rows(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor) -> None:
@@ -205,10 +198,9 @@ class TreeVerifier:
                 out[start:start + n] = tree_attention_dense(query[start:start + n], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch
-        transfers a step whatever the number of trees (docs/how-it-works.md). The tree rows' greedy
-        targets come from ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it,
-        else from one argmax here."""
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch transfers a step
+        whatever the number of trees (docs/how-it-works.md). The tree rows' greedy targets come from
+        ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it, else from one argmax here."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
             return
@@ -432,11 +424,10 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
 
 
 def _uncovered_paths(parents: list[int], chain_prefix: int) -> list[tuple[list[int], int]]:
-    """Root-to-leaf paths (rows, root = 0) of a tree (its nodes' ``parents``, parents first, the
-    first ``chain_prefix`` of them a chain from the root) still needing attention after the stock
-    causal call (which got the root and the leading chain right), each with how many trailing
-    rows are new: every other row is computed once, on the first path through it. A row's
-    ancestors are computed before it (the leading chain, or an earlier path through them), so a
+    """Root-to-leaf paths (rows, root = 0) of a tree (its nodes' ``parents``, parents first, the first ``chain_prefix``
+    of them a chain from the root) still needing attention after the stock causal call (which got the root and the
+    leading chain right), each with how many trailing rows are new: every other row is computed once, on the first path
+    through it. A row's ancestors are computed before it (the leading chain, or an earlier path through them), so a
     path's new rows are its last ones: walk up from the leaf until a computed row."""
     done = [True] * (chain_prefix + 1) + [False] * (len(parents) - chain_prefix)
     inner = set(parents)
@@ -484,9 +475,8 @@ def check_supported(impl: Any) -> None:
     }
     bad = [name for name, yes in unsupported.items() if yes]
     if bad:
-        raise NotImplementedError(
-            f"lookahead tree verification does not support {', '.join(bad)}; use draft_shape='one'"
-        )
+        raise NotImplementedError(f"lookahead tree verification does not support {', '.join(bad)}; "
+                                  "use draft_shape='one'")
 
 
 # ---------------------------------------------------------------- acceptance
@@ -510,9 +500,8 @@ def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[li
 
 
 def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
-    """Greedy trees' walks (:func:`_walk`'s) in one ``walk_trees`` call over their
-    verify nodes, each tree's targets the greedy tokens of its rows (``argmax`` from ``ats[t]``
-    on). Per tree, the accepted nodes and the tokens to emit."""
+    """Greedy trees' walks (:func:`_walk`'s) in one ``walk_trees`` call over their verify nodes, each tree's targets the
+    greedy tokens of its rows (``argmax`` from ``ats[t]`` on). Per tree, the accepted nodes and the tokens to emit."""
     lens, width = trees.verify, trees.tokens.shape[1]
     # A tree of n verify nodes has at least n + 1 rows: row j of tree t is argmax[ats[t] + j].
     targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]
@@ -523,9 +512,8 @@ def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list
 
 
 def _window_outputs(cfg: Any, trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> dict[int, list[int]]:
-    """Per tree whose whole Jacobi window was scheduled, the window's new tokens (``argmax``: the
-    step's tree rows' greedy targets, tree ``t``'s from ``ats[t]``; its last level's); a window the
-    scheduler cut stays as it is."""
+    """Per tree whose whole Jacobi window was scheduled, the window's new tokens (``argmax``: the step's tree rows'
+    greedy targets, tree ``t``'s from ``ats[t]``; its last level's); a window the scheduler cut stays as it is."""
     full = np.flatnonzero((trees.lengths - trees.verify == cfg.lookahead_nodes) & (trees.lengths > trees.verify))
     if not len(full):
         return {}
@@ -544,6 +532,5 @@ def _compact(step: TreeStep, src_rows: np.ndarray, dst_rows: np.ndarray) -> None
 
         la_cuda.compact_kv([c.key_cache for c in caches], [c.value_cache for c in caches], src, dst)
         return
-    for cache in caches:
-        key, value = cache.gather_slots(src)
-        cache.write_slots(dst, key, value)
+    for cache in caches:  # every source read before any write
+        cache.write_slots(dst, *cache.gather_slots(src))

@@ -29,20 +29,27 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
         )
 
 
-def wrap(owner: type, attr: str, hook: Callable, params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.attr`` by a wrapper calling ``hook(original, *args, **kwargs)``, once the original's
-    leading parameters are checked to be ``params``, those the hook passes on (else :class:`PatchTargetChanged`,
-    the method left alone). Classmethods and staticmethods are put back as such (``original`` is the plain
-    function, ``cls`` first); the wrapper keeps the original's name, docstring, and it as ``__lookahead_original__``."""
-    check_params(owner, attr, params)
-    original, kind = _target(owner, attr)
+def wrap(*targets: tuple[type, str, Callable, tuple[str, ...]]) -> None:
+    """Replace each ``owner.attr`` of ``targets`` (``(owner, attr, hook, params)``) by a wrapper calling
+    ``hook(original, *args, **kwargs)``, once every original's leading parameters are checked to be ``params``,
+    those its hook passes on (else :class:`PatchTargetChanged`, every method left alone: all or nothing).
+    Classmethods and staticmethods are put back as such (``original`` is the plain function, ``cls`` first);
+    a wrapper keeps the original's name, docstring, and it as ``__lookahead_original__``."""
+    for owner, attr, _, params in targets:
+        check_params(owner, attr, params)
+    for owner, attr, hook, _ in targets:
+        original, kind = _target(owner, attr)
+        wrapper = _calling(hook, original)
+        setattr(owner, attr, kind(wrapper) if kind is not None else wrapper)
 
+
+def _calling(hook: Callable, original: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         return hook(original, *args, **kwargs)
 
     functools.update_wrapper(wrapper, original)
     wrapper.__lookahead_original__ = original
-    setattr(owner, attr, kind(wrapper) if kind is not None else wrapper)
+    return wrapper
 
 
 def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
@@ -52,7 +59,7 @@ def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callabl
     def decorate(hook: Callable) -> Callable[[], bool]:
         def apply() -> bool:
             module, _, name = owner.rpartition(".")
-            wrap(getattr(importlib.import_module(module), name), attr, hook, params)
+            wrap((getattr(importlib.import_module(module), name), attr, hook, params))
             return True
 
         apply.__name__, apply.__qualname__, apply.__doc__ = hook.__name__, hook.__qualname__, hook.__doc__

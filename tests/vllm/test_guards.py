@@ -247,7 +247,7 @@ def test_every_tested_release_names_its_torch_builds():
     assert set(guards.TESTED_TORCH) == set(guards.TESTED_VLLM)
     assert all(reason for builds in guards.TESTED_TORCH.values() for reason in builds.values())
     # This machine's pair is a tested one (the suite runs on it).
-    assert guards.stack_problem(guards.vllm_version(), guards.torch_version()) is None
+    assert guards.stack_problem() is None
 
 
 def test_fp32_trees_refused_on_gpus_with_the_fix(tiny_llama_dir, monkeypatch):
@@ -343,7 +343,8 @@ def test_unsupported_attention_features_refused_at_engine_start(tiny_llama_dir, 
     plain = SimpleNamespace(sliding_window=-1, alibi_slopes=None, logits_soft_cap=0, sinks=None)
     windowed = SimpleNamespace(sliding_window=(4095, 0), alibi_slopes=None, logits_soft_cap=0, sinks=None)
     guards.check_attention_layers([plain, None], "draft_shape='hier'")
-    with pytest.raises(ValueError, match=r"draft_shape='hier': .*does not support sliding window; use draft_shape='one'"):
+    with pytest.raises(ValueError,
+                       match=r"draft_shape='hier': .*does not support sliding window; use draft_shape='one'"):
         guards.check_attention_layers([plain, windowed], "draft_shape='hier'")
 
     check_supported = tree_verify.check_supported
@@ -352,5 +353,6 @@ def test_unsupported_attention_features_refused_at_engine_start(tiny_llama_dir, 
         check_supported(windowed)
 
     monkeypatch.setattr(tree_verify, "check_supported", windowed_model)
-    with pytest.raises(Exception, match=r"does not support sliding window; use draft_shape='one' \(found in this model's attention layers"):
+    with pytest.raises(Exception, match=r"does not support sliding window; use draft_shape='one' "
+                                        r"\(found in this model's attention layers"):
         LLM(model=tiny_llama_dir, **engine_kwargs("lookahead", lookahead=TREE, max_model_len=256))

@@ -56,9 +56,11 @@ def test_changed_signature_is_refused():
             return logits
 
     with pytest.raises(wrap.PatchTargetChanged, match=r"Runner._sample takes \(self, logits, metadata, \.\.\.\)"):
-        wrap.wrap(Runner, "_sample", lambda original, *args: original(*args),
-                      ("self", "logits", "spec_decode_metadata"))
+        wrap.wrap((Runner, "__init__", lambda original, *args: original(*args), ("self",)),
+                  (Runner, "_sample", lambda original, *args: original(*args),
+                   ("self", "logits", "spec_decode_metadata")))
     assert Runner._sample.__name__ == "_sample" and not hasattr(Runner._sample, "__lookahead_original__")
+    assert not hasattr(Runner.__init__, "__lookahead_original__")  # all or nothing: the good target untouched
 
 
 def test_classmethod_and_staticmethod_targets_checked_and_kept():
@@ -75,8 +77,8 @@ def test_classmethod_and_staticmethod_targets_checked_and_kept():
             return cls
 
     with pytest.raises(wrap.PatchTargetChanged, match=r"Args.from_request takes \(cls, req, \.\.\.\)"):
-        wrap.wrap(Args, "from_request", lambda original, *args: original(*args), ("cls", "request"))
-    wrap.wrap(Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",))
+        wrap.wrap((Args, "from_request", lambda original, *args: original(*args), ("cls", "request")))
+    wrap.wrap((Args, "add_cli_args", lambda original, parser: [original(parser)], ("parser",)))
     assert isinstance(inspect.getattr_static(Args, "add_cli_args"), staticmethod)
     assert Args().add_cli_args(1) == [1] and Args.add_cli_args.__name__ == "add_cli_args"
 
