@@ -107,7 +107,7 @@ def test_load_adaptation_follows_the_platform(monkeypatch, platform, budget):
     on_platform(monkeypatch, platform)
     p = make_proposer(k=4)
     batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(16)])
-    load_budget = p._budgets(np.full(16, 10), [None] * 16, batch)[2]
+    load_budget = p._budgets(np.full(16, 100), [None] * 16, batch)[2]
     assert load_budget == budget
 
 
