@@ -83,9 +83,8 @@ class TreeBatch:
     ``lengths[t]`` nodes, parents first (-1: the root; a tree's nodes in DFS order, so any prefix
     the scheduler keeps is a tree), of which the first ``verify[t]`` may be accepted and the rest
     are a Jacobi window's lookahead nodes (never accepted: their outputs refill the window and its
-    pool). docs/how-it-works.md, "Tree
-    verification", has the forward; ``lookahead_lab.reference.trees`` the same as one object per
-    request."""
+    pool). The forward: docs/how-it-works.md, "Tree verification"; one object per request:
+    ``lookahead_lab.reference.trees``."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
