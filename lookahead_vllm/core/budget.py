@@ -5,19 +5,16 @@ A forward over ``T`` tokens costs about one token's up to ``free_tokens``, then 
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
 
-plus ``per_row`` for every row past the first (:meth:`ForwardCost.at_rows`), ``per_context`` per
-thousand context tokens of a drafted row (:meth:`ForwardCost.entry`) and ``draft_setup`` for a step
-with any draft (a draftless one runs as plain decoding). The prices are the profile's prior
-(core/config.py), fitted online by core/prices.py unless pinned (:func:`prices_pinned`).
+plus the :class:`ForwardCost` prices per row, per drafted row's context, per drafted step and per
+extra attention path; the profile's prior, fitted online by core/prices.py unless pinned.
 
 A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests
-keeping nodes of total confidence ``S`` emits ``R + S`` tokens (the bonus token always comes) in
-``cost(R + kept) + draft_setup`` forwards. The planner merges the requests' nodes most-confident-first
-(each request keeps a prefix of its draft order) and keeps the merged prefix with the best
-``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget`` tokens, or nothing where none beats
-``R / cost(R)``. Where tree attention runs each extra root-to-leaf path separately (the CPU path
-rounds), a prefix also pays ``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's
-second or later child opens one) any one request opens.
+keeping nodes of total confidence ``S`` emits ``R + S`` tokens in ``cost(R + kept) + draft_setup``
+forwards. The planner merges the requests' nodes most-confident-first (each keeps a prefix of its
+draft order) and keeps the merged prefix with the best ``(R + S) / (cost(R + kept) + draft_setup)``,
+capped at ``budget`` tokens, or nothing where none beats ``R / cost(R)``; a prefix also pays
+``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's second or later child opens
+one) any one request opens.
 
 Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` +
 ``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
@@ -73,13 +70,10 @@ class ForwardCost:
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or
         a model :meth:`at_rows` made for the step)."""
-        if self.free_tokens == 0:
-            return 1.0
-        extra = self.path_setup + paths * self.per_path if paths else 0.0
-        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
+        return float(self.many(tokens, paths))
 
     def many(self, tokens: np.ndarray, paths: np.ndarray) -> np.ndarray:
-        """:meth:`__call__` for every ``tokens[i]``, ``paths[i]`` (the same values, bit for bit)."""
+        """:meth:`__call__` for every ``tokens[i]``, ``paths[i]``."""
         tokens, paths = np.asarray(tokens, np.int64), np.asarray(paths, np.int64)
         if self.free_tokens == 0:
             return np.ones(tokens.shape)

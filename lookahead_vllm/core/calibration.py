@@ -1,17 +1,15 @@
 """Online calibration of draft confidences from verification outcomes (docs/how-it-works.md,
 "Forward-cost model").
 
-The cost model (core/budget.py) needs confidences that are probabilities, not a ranking; the trie's
-are far too high off a tree's leading chain and the Jacobi pool's and context chains' are priors. Per
-node *kind* (:data:`KIND_NAMES`) and raw-confidence bin the calibrator learns::
+The cost model (core/budget.py) needs confidences that are probabilities. Per node *kind*
+(:data:`KIND_NAMES`) and raw-confidence bin the calibrator learns::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
 ``predicted``: the sum of the raw confidences of the bin's verified nodes; ``accepted``: how many of
-them were accepted; ``prior`` (in accepted tokens): the evidence that overrides raw (factor 1). Counts
-halve once a bin has seen ``HALF_LIFE_NODES`` nodes, so the correction follows the workload.
-Calibrated confidences never grow along a path. Booking (``observe_trees``) and applying
-(core/tree_plan.py) run natively; reference: ``lookahead_lab.reference.planner``.
+them were accepted; ``prior`` in accepted tokens. Counts halve once a bin has seen ``HALF_LIFE_NODES``
+nodes. Calibrated confidences never grow along a path. Booking and applying run natively; reference:
+``lookahead_lab.reference.planner``.
 """
 
 from __future__ import annotations

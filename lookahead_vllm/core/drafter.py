@@ -1,26 +1,17 @@
-"""``Drafter``: the engine-wide drafting state behind one batch call per step.
+"""``Drafter``: the engine-wide drafting state behind one batch call per step (docs/how-it-works.md,
+"The drafting pipeline").
 
-It owns the sources (``config.sources``), each keeping a request's record by an integer *slot*
-the caller assigns (the proposer maps vLLM's request ids to slots):
+It owns the sources (``config.sources``), each keeping a request's record by an integer *slot* the
+caller assigns: ``index`` (core/draft_index.py), ``trie`` (core/trie.py, with each request's context
+chain) and ``jacobi`` (core/jacobi.py: windows and pools, which the proposer opens and feeds), all
+native. Per step the caller hands the runner's token table once (``sync``) and asks for every drafting
+row's tree (``draft``); finished requests are dropped with ``finish``. A merged row leads with the
+index's tree (else the request's context chain), ranked at ``INDEX_WEIGHT * confidence`` so a chain
+cut from it follows them, then the trie's nodes, each with its calibration kind.
 
-  index   core/draft_index.py (native): the continuations of the longest earlier matches in the
-          request's own text and in every request's output.
-  trie    core/trie.py (native: csrc/draft_index/token_trie.h): the shared trie, and each
-          request's context chain.
-  jacobi  core/jacobi.py (native: csrc/draft_index/jacobi.h): a request's Jacobi window and
-          n-gram pool; the proposer opens and feeds the windows.
-
-Per step the caller hands the runner's token table once (``sync``) and asks for every drafting
-row's tree (``draft``): a few batch calls, then one native ``merge_rows`` that puts each row's
-lead (the index's tree, else its context chain) first and the trie's nodes after it, with every
-node's calibration kind. Finished requests are dropped with ``finish``. Index nodes lead a merged
-tree; their ranking weight is ``INDEX_WEIGHT * confidence`` so a chain cut from the tree follows
-them.
-
-Tenant isolation (core/partitions.py, config ``draft_sharing``): a request is admitted into the
-partition of its salt (``partition``); the index keeps partitions apart, warm-start texts join
-the default partition, snapshots keep the partitions the policy saves, each under its label. The
-trie is one shared structure: only default-partition requests feed it and draft from it.
+Tenant isolation (core/partitions.py): a request drafts in its salt's partition (``partition``);
+warm-start texts join the default one; snapshots keep the partitions the policy saves. The trie is
+shared: only default-partition requests feed it and draft from it.
 """
 
 from __future__ import annotations
@@ -93,14 +84,6 @@ class Drafter:
         if self.trie is not None:
             return self.trie.num_slots
         return self.jacobi.num_slots
-
-    def num_context_indexes(self) -> int:
-        """Context chains held (trie source)."""
-        return 0 if self.trie is None else self.trie.num_slot_contexts
-
-    def context_length(self, slot: int) -> int:
-        """Tokens in the request's context chain (-1: it has none)."""
-        return -1 if self.trie is None else self.trie.slot_context_length(slot)
 
     def memory_bytes(self) -> int:
         total = sum(index.memory_bytes() for index in self._indexes())

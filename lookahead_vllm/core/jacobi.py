@@ -25,10 +25,6 @@ Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
 
 After the forward, the slide drops level 0 and (1,0): level 1 becomes level 0, level 2 level 1, the
 new tokens level 2.
-
-Window policy: a window goes out while its expected pool tokens per step (from the last credited
-window's, ``YIELD_PRIOR`` at first, a moving average of weight ``YIELD_ALPHA``) pay for its nodes
-(core/budget.py), else every ``PROBE_EVERY`` steps, each empty probe doubling that up to ``MAX_PROBE_EVERY``.
 """
 
 from __future__ import annotations
@@ -43,7 +39,9 @@ if TYPE_CHECKING:
 
 # A pool n-gram's node at depth d drafts at POOL_CONFIDENCE ** d (the pool has no counts).
 POOL_CONFIDENCE = 0.5
-# The window policy (module docstring; the native table's kYield*, kProbeEvery).
+# The window policy (docs/how-it-works.md, "Jacobi lookahead"; the native table's kYield*, kProbeEvery): a
+# window goes out while its expected pool tokens a step (a moving average of weight YIELD_ALPHA, from
+# YIELD_PRIOR) pay for its nodes, else every PROBE_EVERY steps, each empty probe doubling that up to MAX_PROBE_EVERY.
 YIELD_PRIOR = 1.0
 YIELD_ALPHA = 0.25
 PROBE_EVERY = 32

@@ -1,7 +1,6 @@
 """Partitions: which requests draft from each other's outputs (tenant isolation; config
-``draft_sharing``, docs/configuration.md). Drafts never change a token but change timing, which tells a
-client whether someone else's text continues its prompt the same way, so the drafter isolates its
-corpus by vLLM's ``cache_salt`` as vLLM isolates its prefix cache.
+``draft_sharing``, docs/configuration.md: drafts change timing, a side channel, so the corpus is
+isolated by vLLM's ``cache_salt`` as vLLM isolates its prefix cache).
 
   partition  an int of the draft index (core/draft_index.py): a request drafts from its own text and
              the outputs of its partition only. ``DEFAULT`` (0): requests without a salt; ``PRIVATE``
@@ -22,11 +21,10 @@ Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one
 partitions 1, 2, 1 and 0; a restart restores only partition 0's outputs (``per-salt-saved``: also
 ``"a"``'s and ``"b"``'s, each into whatever partition the salt gets then).
 
-Salted partitions are recycled, so a salt per user or session does not hold a record forever: once
-the labelled partitions reach :data:`SWEEP_FIRST`, then twice as many as the last sweep left, the
-caller hands :meth:`Partitions.release` the partitions in use (a running request's, or one holding
-outputs in an index) and every other salted label is dropped, its id free for the next new salt
-(lowest first, so every tensor-parallel rank numbers alike). A partition freed holds nothing, so a new
+Salted partitions are recycled: once the labelled ones reach :data:`SWEEP_FIRST` (then twice as
+many as the last sweep left), the caller hands :meth:`Partitions.release` those in use (a running
+request's, or one holding outputs in an index) and every other salted label is dropped, its id reused
+lowest first (every tensor-parallel rank numbers alike). A freed partition holds nothing, so a new
 salt never sees an old one's outputs. Past :data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
 """
 

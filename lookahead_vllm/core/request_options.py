@@ -23,10 +23,8 @@ MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound (its schema's max
 
 def draft_cap(extra_args: Mapping[str, Any] | None, seeded: bool = False) -> int | None:
     """This request's cap on draft nodes per step (None = no cap, 0 = off); ``seeded``: the
-    request samples with a seed (off unless ``lookahead_enabled`` says otherwise).
-
-    Raises ``ValueError`` naming the key, the value and what is allowed.
-    """
+    request samples with a seed (off unless ``lookahead_enabled`` says otherwise). Raises
+    ``ValueError`` naming the key, the value and what is allowed."""
     ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.lower().startswith("lookahead")}
     unknown = sorted(set(ours) - set(KEYS))
     if unknown:

@@ -1,22 +1,20 @@
-"""Drafter snapshots: what the engine learned, written on shutdown and read
-back on start, so a restarted server does not start cold.
+"""Drafter snapshots: what the engine learned, written on shutdown and read back on start, so a
+restarted server does not start cold (docs/configuration.md, ``snapshot_path``).
 
 Terms:
 
-  corpus     the draft index's finished outputs, oldest first
-             (``DraftIndex.corpus_sequences``). Adding and finishing them in
-             that order into an empty index rebuilds its corpus exactly, under
-             whatever index settings the new engine runs (they are raw tokens).
-  trie table the trie's output counts as a node table in pre-order
-             (``NativeTrie.output_counts``): ``parents[i]`` indexes an earlier
-             row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its
-             output count. Prompt counts belong to running requests and are
-             not stored.
-  labels     each output's partition (core/partitions.py): "" the default
-             partition, "sha256:<hex>" a salted one (written only where the
-             policy saves salted partitions; the salt itself never is).
-  identity   what the token ids mean: the model (tokenizer) name and its
-             vocabulary size. A snapshot of another identity is refused.
+  corpus     the draft index's finished outputs, oldest first (``DraftIndex.corpus_sequences``).
+             Adding and finishing them in that order into an empty index rebuilds its corpus
+             exactly, under whatever index settings the new engine runs (they are raw tokens).
+  trie table the trie's output counts as a node table in pre-order (``NativeTrie.output_counts``):
+             ``parents[i]`` indexes an earlier row (-1 = the root), ``tokens[i]`` its token,
+             ``counts[i]`` its output count. Prompt counts belong to running requests and are not
+             stored.
+  labels     each output's partition (core/partitions.py): "" the default partition,
+             "sha256:<hex>" a salted one (written only where the policy saves salted partitions;
+             the salt itself never is).
+  identity   what the token ids mean: the model (tokenizer) name and its vocabulary size. A
+             snapshot of another identity is refused.
 
 File layout (little-endian)::
 
@@ -30,16 +28,14 @@ File layout (little-endian)::
     trie      int32[n] parents, int32[n] tokens, float64[n] counts
     crc32     uint32 of every byte before it
 
-``settings`` records the config fields that shape drafts; only those that
-change what is stored are checked (``branch_length``, the trie table's
-depth, when the snapshot has a trie table). A crash leaves the old snapshot or
-the new one, never a part (:func:`write_snapshot`). Version 1 files (no labels: all
-outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
+``settings`` records the config fields that shape drafts; only those that change what is stored are
+checked (``branch_length``, the trie table's depth, when the snapshot has a trie table). A crash
+leaves the old snapshot or the new one, never a part (:func:`write_snapshot`). Version 1 files (no
+labels: all outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
 
-Worked example: an engine served two requests whose outputs were ``5 6 7``
-then ``8 9``; its snapshot holds lengths ``[3, 2]`` and tokens
-``5 6 7 8 9``. A new engine adds ``5 6 7`` then ``8 9`` as finished outputs
-and drafts exactly as the old one did from its corpus.
+Worked example: an engine served two requests whose outputs were ``5 6 7`` then ``8 9``; its
+snapshot holds lengths ``[3, 2]`` and tokens ``5 6 7 8 9``. A new engine adds ``5 6 7`` then ``8 9``
+as finished outputs and drafts exactly as the old one did from its corpus.
 """
 
 from __future__ import annotations
@@ -113,8 +109,8 @@ class Snapshot:
 
 
 def identity_of(model: str, vocab_size: int) -> dict[str, Any]:
-    """The identity of token ids: the model's folder or hub name (not its
-    full path, so a moved checkout still matches) and the vocabulary size."""
+    """The identity of token ids: the model's folder or hub name (not its full path, so a moved
+    checkout still matches) and the vocabulary size."""
     return {"model": Path(str(model).rstrip("/")).name, "vocab_size": int(vocab_size)}
 
 
@@ -125,17 +121,15 @@ def settings_of(config: Any) -> dict[str, Any]:
 
 # -------------------------------------------------------------------- lock
 class SnapshotLock:
-    """The advisory lock of the one process that writes the snapshot at ``path``:
-    ``flock(LOCK_EX | LOCK_NB)`` on ``<path>.lock``, whose text names the holder
-    (``pid <pid> on <host>``). Locks conflict between processes and between two
-    opens of the file in one process (flock locks an open file description); the
-    kernel releases the lock of a process that dies. ``release`` removes the file,
-    so ``acquire`` checks that the file it locked is still the one at the path.
-    A child forked while the lock is held closes its copy of the descriptor at
-    once (``os.register_at_fork``): else the child (a compile worker, a
-    subprocess pool) would keep the lock after this process is gone. A fork
-    waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``), so no
-    child is forked between the open and the lock's entry in ``_held``."""
+    """The advisory lock of the one process that writes the snapshot at ``path``: ``flock(LOCK_EX |
+    LOCK_NB)`` on ``<path>.lock``, whose text names the holder (``pid <pid> on <host>``). Locks
+    conflict between processes and between two opens of the file in one process (flock locks an open
+    file description); the kernel releases the lock of a process that dies. ``release`` removes the
+    file, so ``acquire`` checks that the file it locked is still the one at the path. A child forked
+    while the lock is held closes its copy of the descriptor at once (``os.register_at_fork``): else
+    the child (a compile worker, a subprocess pool) would keep the lock after this process is gone. A
+    fork waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``), so no child is forked
+    between the open and the lock's entry in ``_held``."""
 
     # The locks held in this process, for the forked child to let go of.
     _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()

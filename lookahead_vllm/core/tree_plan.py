@@ -1,23 +1,16 @@
-"""The planner: one engine step's draft math, over the whole batch.
+"""The planner: one engine step's draft math, over the whole batch (docs/how-it-works.md, "The
+drafting pipeline").
 
-Every source and shape plans here; a chain is a tree whose node ``i`` has parent ``i - 1``. The
-draft index drafts every row's tree (or chain) with one ``draft_batch`` call (``tokens``/
-``parents``/``raw`` confidences ``[R, W]``, ``lengths [R]``, parents first); merged sources come
-as the same rows with their nodes' calibration kinds (``Drafter.draft``: core/drafter.py).
-Besides syncing, the proposer then:
-
-1. **books** last step's offers: :meth:`TreeOffers.match` walks each offer the scheduler verified
-   (a prefix of it) with the tokens its row emitted (the accepted nodes' tokens, then the bonus),
-   and :meth:`TreeOffers.observe` books the verified nodes into the calibrator;
-2. **plans** this step's trees (:func:`plan_trees`): a row whose request may not verify a tree
-   keeps its best path as a chain (the heaviest child at every depth); every node gets its
-   calibration kind (``KIND_CONTEXT`` on the drafted tree's leading chain, ``KIND_BRANCH`` off it)
-   and calibrated confidence (core/calibration.py); the batch keeps the prefix of the merged
-   draft-order heads that maximises the expected tokens per forward, a node that opens an
-   attention path priced as such, a drafted step's setup once (core/budget.py);
-3. keeps what it handed out as the next :class:`StepDrafts` (the offers, with the Jacobi windows
-   that ride on them), which tree verification reads as one :class:`TreeBatch` of the trees the
-   scheduler kept (:meth:`StepDrafts.batch`).
+A chain is a tree whose node ``i`` has parent ``i - 1``. Drafts arrive as rows: ``tokens``/
+``parents``/``raw`` confidences ``[R, W]`` and ``lengths [R]``, parents first (the index's
+``draft_batch``, or the merged sources with their nodes' calibration kinds: ``Drafter.draft``).
+Per step the proposer books last step's :class:`TreeOffers` (:meth:`TreeOffers.match`: what the
+scheduler verified of each, walked with the tokens its row emitted; :meth:`TreeOffers.observe`:
+that evidence into the calibrator), plans this step's (:func:`plan_trees`: a row whose request may
+not verify a tree keeps its best path; nodes get kinds, ``KIND_CONTEXT`` on the leading chain and
+``KIND_BRANCH`` off it, and calibrated confidences; the batch keeps the prefix of the merged heads
+that maximises expected tokens per forward, core/budget.py), and keeps what it handed out as a
+:class:`StepDrafts`, which tree verification reads as one :class:`TreeBatch`.
 
 Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw confidences
 ``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with factor 1 and no cost model, a budget
@@ -90,9 +83,8 @@ class TreeBatch:
     ``lengths[t]`` nodes, parents first (-1: the root; a tree's nodes in DFS order, so any prefix
     the scheduler keeps is a tree), of which the first ``verify[t]`` may be accepted and the rest
     are a Jacobi window's lookahead nodes (never accepted: their outputs refill the window and its
-    pool). docs/how-it-works.md, "Tree
-    verification", has the forward; ``lookahead_lab.reference.trees`` the same as one object per
-    request."""
+    pool). The forward: docs/how-it-works.md, "Tree verification"; one object per request:
+    ``lookahead_lab.reference.trees``."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)

@@ -6,10 +6,8 @@ paragraphs split on blank lines, each stripped.
 Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one text and one skipped
 line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
-A file is streamed (:class:`WarmReader`), never held whole: the texts come one at a time, read as a
-file opened in text mode reads them (UTF-8, undecodable bytes replaced, universal newlines), and
-the sha256 a snapshot names is of exactly the bytes they came from, so a file replaced while the
-engine starts is never named by one version and learned as another.
+A file is streamed (:class:`WarmReader`), read as text mode reads it (UTF-8, undecodable bytes
+replaced, universal newlines); the sha256 a snapshot names is of exactly the bytes the texts came from.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
 import stat
@@ -94,7 +93,7 @@ class WarmReader:
 def _paragraphs(lines: Iterator[str]) -> Iterator[str]:
     """The stripped, non-empty paragraphs of ``lines``, split on lines holding only ``_BLANK``."""
     paragraph: list[str] = []
-    for line in lines:
+    for line in itertools.chain(lines, [""]):  # the end closes the last paragraph
         if line.rstrip("\n").strip(_BLANK):
             paragraph.append(line)
             continue
@@ -102,9 +101,6 @@ def _paragraphs(lines: Iterator[str]) -> Iterator[str]:
         paragraph.clear()
         if text:
             yield text
-    text = "".join(paragraph).strip()
-    if text:
-        yield text
 
 
 def file_digest(path: str | os.PathLike) -> str:

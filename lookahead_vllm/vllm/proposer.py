@@ -143,11 +143,10 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
     makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and drops those past
     the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), after this proposer
     is built: the same rounding here."""
-    largest = graph_tokens(vllm_config)
-    compilation = vllm_config.compilation_config if largest else None
-    mode = getattr(compilation, "cudagraph_mode", None)
-    if mode is None or not mode.has_full_cudagraphs():
+    largest = graph_tokens(vllm_config)  # > 0: a compilation_config with a cudagraph_mode
+    if not largest or not vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
         return 0
+    compilation = vllm_config.compilation_config
     q = 1 + k
     sizes = {-(-s // q) * q for s in (getattr(compilation, "cudagraph_capture_sizes", None) or [largest])}
     return max((s for s in sizes if s <= largest), default=q if q <= largest else 0)
@@ -287,10 +286,9 @@ class LookaheadProposer:
         self.metrics.draftless_steps += 1
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
-        """The last step's time (its start to this one's) becomes a price sample if it was a pure
-        decode step and the engine did not idle in between (this step continues a request the last
-        one ran). Draftless steps run the plain sampler path and are cheaper by a fixed amount: the
-        fit learns that amount as the draft setup (core/prices.py)."""
+        """The last step's time (its start to this one's) becomes a price sample (core/prices.py) if
+        it was a pure decode step and the engine did not idle in between (this step continues a
+        request the last one ran)."""
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
@@ -308,13 +306,9 @@ class LookaheadProposer:
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
-        """Create the states of newly admitted requests with their options (``extra_args``,
-        validated when the request was made; a request whose options fail here, changed after that,
-        is logged and drafts nothing, rather than stopping the engine). A request that samples with
-        a seed drafts nothing unless it enables lookahead itself (core/request_options.py): its text
-        is then plain vLLM's for the seed. A prompt given as embeddings drafts nothing: vLLM leaves
-        its positions of the token table unwritten (they hold an earlier request's tokens) or writes
-        placeholders."""
+        """Create the states of newly admitted requests with their options (core/request_options.py;
+        options that fail here are logged and the request drafts nothing, rather than stopping the
+        engine). A prompt given as embeddings drafts nothing (docs/how-it-works.md, "How serving works")."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
@@ -369,9 +363,8 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state (0 once the engine drained). A request's state is its
-        ``RequestState``: the Drafter's slot record is made and dropped only through it (sync,
-        finish)."""
+        """Requests holding drafting state (0 once the engine drained; the Drafter's slot records
+        are made and dropped only through them)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
@@ -385,19 +378,16 @@ class LookaheadProposer:
         cold start). Running requests keep their options and partitions (numbered afresh where none
         runs: tensor-parallel ranks that reset at start number alike), and are indexed anew on their
         next step."""
-        old = getattr(self, "drafter", None)
-        running = old is not None and bool(getattr(self, "_states", None))
+        old = getattr(self, "drafter", None)  # None: called from __init__
+        running = old is not None and bool(self._states)
         self.drafter = Drafter(self.config, old.partitions if running else None)
-        # Draft confidences calibrated from what verification accepted (core/calibration.py; raw
-        # ones, a calibrator that never learns, where the profile turns calibration off).
+        # Calibrated draft confidences (core/calibration.py; raw where the profile turns it off).
         self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
-        # The drafts handed out last step, as tree verification reads them and the next step books
-        # them (core/tree_plan.py).
+        # The drafts handed out last step: tree verification reads them, the next step books them.
         self.handed_out = StepDrafts.none()
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
-        """Learn past responses (token ids) before serving: they join the draft index's corpus (and
-        the trie's output counts)."""
+        """Learn past responses (token ids) before serving (``Drafter.warm``)."""
         for tokens in texts:
             self.drafter.warm(tokens)
 
@@ -458,18 +448,17 @@ class LookaheadProposer:
             draft_trace.record(self.metrics.steps, batch.req_ids, drafts, self._trace_dir)
         return drafts
 
-    def _budgets(self, num_tokens: np.ndarray, caps: list[int | None], batch: Any
-                 ) -> tuple[np.ndarray, dict[str, int], int]:
+    def _budgets(self, room: np.ndarray, caps: list[int | None], batch: Any) -> tuple[np.ndarray, dict[str, int], int]:
         """Per row its draft budget: load adaptation (core/load.py), the cost model (no draft can
-        pay at this many rows: ForwardCost.draft_pays), the request's cap, the room left before
-        max_model_len; and the rows skipped (by load, by cost, by their request's cap)."""
+        pay at this many rows: ForwardCost.draft_pays), and its ``room`` (:meth:`_room`: the request's
+        cap, max_model_len); and the rows skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
-        if load_budget == 0 or not self.cost.at_rows(len(num_tokens)).draft_pays(len(num_tokens)):
+        if load_budget == 0 or not self.cost.at_rows(len(room)).draft_pays(len(room)):
             skipped["load" if load_budget == 0 else "cost"] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         skipped["request"] = caps.count(0)
-        return np.minimum(load_budget, self._room(num_tokens, caps)), skipped, load_budget
+        return np.minimum(load_budget, room), skipped, load_budget
 
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
@@ -489,7 +478,8 @@ class LookaheadProposer:
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, prompt_lens, partitions)
         if self._uses_jacobi:
             self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens, prompt_lens)
-        budgets, skipped, load_budget = self._budgets(num_tokens, caps, batch)
+        room = self._room(num_tokens, caps)
+        budgets, skipped, load_budget = self._budgets(room, caps, batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
         picked = drafting.tolist()
@@ -515,8 +505,7 @@ class LookaheadProposer:
         if self._can_fill(drafts, rows, num_tokens, states):
             self._fill_uniform(drafts, rows, rows[drafting], tok, lens, token_ids_cpu, num_tokens)
         windows = (self._send_windows(offers, drafts, calibrated, tree_ok, rows[drafting], len(rows),
-                                      np.zeros(len(picked)) if entry is None else entry,
-                                      self._room(num_tokens[drafting], [caps[j] for j in picked]))
+                                      np.zeros(len(picked)) if entry is None else entry, room[drafting])
                    if self._uses_jacobi and picked else {})
         planned = np.flatnonzero(offers.trees).tolist() + list(windows)
         p = self.config.profile
@@ -583,11 +572,9 @@ class LookaheadProposer:
 
     def _pool_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray, token_ids_cpu: np.ndarray,
                    rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Per drafting row with a Jacobi window, the pool's n-grams keyed by its last committed
-        token as branches from the root (confidence ``POOL_CONFIDENCE ** depth``), :func:`rows_of`
-        arrays, in one call; the window rides along only with the full budget (no load shrink, no
-        per-request cap)."""
-        lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1]  # each row's last committed token
+        """Per drafting row, the Jacobi pool's n-grams keyed by its last committed token as branches
+        (``jacobi.pool_rows``); the window rides along only with the full budget."""
+        lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1]
         pool, branches = self.drafter.jacobi.pool_rows(slots, lasts, budgets == self.config.decoding_length)
         self.stats.pool_branches += branches
         return pool

@@ -107,7 +107,7 @@ def test_load_adaptation_follows_the_platform(monkeypatch, platform, budget):
     on_platform(monkeypatch, platform)
     p = make_proposer(k=4)
     batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(16)])
-    load_budget = p._budgets(np.full(16, 10), [None] * 16, batch)[2]
+    load_budget = p._budgets(np.full(16, 100), [None] * 16, batch)[2]
     assert load_budget == budget
 
 
@@ -541,7 +541,7 @@ def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
     assert p.stats.context_drafts == 1
     off = make_proposer(k=8, branch_length=4, max_match_length=2, min_draft_confidence=0.0, context_match=0,
                         source="trie")
-    assert step(off, rows, lens) == [run[3:6]] and off.drafter.num_context_indexes() == 0
+    assert step(off, rows, lens) == [run[3:6]] and off.drafter.trie.num_slot_contexts == 0
     # The target accepts five context tokens (then 99, the bonus): booked as context tokens.
     grown = rows["a"] + run[3:8] + [99]
     step(p, {"a": grown}, lens, sampled=[run[3:8] + [99]], scheduled={"a": run[3:11]})
@@ -549,12 +549,12 @@ def test_context_chain_drafts_a_long_repeat_of_the_requests_own_text():
     from lookahead_vllm.core.calibration import KIND_CONTEXT
 
     assert p.calibrator.nodes[KIND_CONTEXT].sum() == 8 and p.calibrator.accepted[KIND_CONTEXT].sum() == 5
-    assert p.drafter.context_length(p.request_state("a").slot) == len(grown)
+    assert p.drafter.trie.slot_context_length(p.request_state("a").slot) == len(grown)
     # Finished requests drop their index; reset drops all.
     step(p, {"b": B + [7]}, {"b": len(B)}, finished=["a"])
-    assert p.drafter.num_context_indexes() == 1
+    assert p.drafter.trie.num_slot_contexts == 1
     p.reset()
-    assert p.drafter.num_context_indexes() == 0
+    assert p.drafter.trie.num_slot_contexts == 0
 
 
 def test_context_chain_is_not_used_by_source_jacobi():
@@ -563,7 +563,7 @@ def test_context_chain_is_not_used_by_source_jacobi():
     p = make_proposer(k=16, source="jacobi", jacobi_window=3, jacobi_ngram=3, jacobi_guesses=2)
     p.verifier.runner_requests = {"a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0))}
     step(p, {"a": A + [1]}, {"a": len(A)})
-    assert p.drafter.num_context_indexes() == 0 and p.stats.context_drafts == 0
+    assert p.drafter.trie is None and p.stats.context_drafts == 0  # no trie: no context chains
 
 
 def test_index_tree_offers_the_branches_of_diverging_matches():
