@@ -69,11 +69,15 @@ class ForwardCost:
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
         """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or
-        a model :meth:`at_rows` made for the step)."""
-        return float(self.many(tokens, paths))
+        a model :meth:`at_rows` made for the step). Scalar arithmetic: the replays call it per step, and
+        :meth:`many`'s arrays cost ~20x a call."""
+        if self.free_tokens == 0:
+            return 1.0
+        extra = self.path_setup + paths * self.per_path if paths else 0.0
+        return 1.0 + max(0, tokens - self.free_tokens) / self.marginal_tokens + extra
 
     def many(self, tokens: np.ndarray, paths: np.ndarray) -> np.ndarray:
-        """:meth:`__call__` for every ``tokens[i]``, ``paths[i]``."""
+        """:meth:`__call__` for every ``tokens[i]``, ``paths[i]`` (the same values, bit for bit)."""
         tokens, paths = np.asarray(tokens, np.int64), np.asarray(paths, np.int64)
         if self.free_tokens == 0:
             return np.ones(tokens.shape)
