@@ -7,7 +7,8 @@ Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one t
 line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
 A file is streamed (:class:`WarmReader`), read as text mode reads it (UTF-8, undecodable bytes
-replaced, universal newlines); the sha256 a snapshot names is of exactly the bytes the texts came from.
+replaced, universal newlines); the sha256 a snapshot names is of exactly the bytes the texts came from,
+so a file replaced while the engine starts is never named by one version and learned as another.
 """
 
 from __future__ import annotations
