@@ -288,7 +288,8 @@ class LookaheadProposer:
     def _time_step(self, shape: "StepShape", now: float) -> None:
         """The last step's time (its start to this one's) becomes a price sample (core/prices.py) if
         it was a pure decode step and the engine did not idle in between (this step continues a
-        request the last one ran)."""
+        request the last one ran). Draftless steps run plain's sampler path, cheaper by a fixed amount: the
+        fit learns it as the draft setup."""
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
