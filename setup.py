@@ -1,4 +1,5 @@
-"""Builds the native drafting core, lookahead_vllm._draft_index (csrc/draft_index).
+"""Builds the native drafting core, lookahead_vllm._draft_index (csrc/draft_index), and the CPU
+verification attention, lookahead_vllm._cpu_attention (csrc/cpu_attention).
 
 Everything else about the package lives in pyproject.toml; `pip install -e .`
 compiles the extension (pybind11 comes from [build-system] requires).
@@ -20,4 +21,13 @@ draft_index = Pybind11Extension(
     extra_compile_args=["-O3", "-ffp-contract=off"],
 )
 
-setup(ext_modules=[draft_index], cmdclass={"build_ext": build_ext})
+# Vectorised per ISA inside the source (picked at run time); OpenMP resolves to the runtime torch loads.
+cpu_attention = Pybind11Extension(
+    "lookahead_vllm._cpu_attention",
+    ["csrc/cpu_attention/verify_attention.cpp"],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+
+setup(ext_modules=[draft_index, cpu_attention], cmdclass={"build_ext": build_ext})
