@@ -1,5 +1,4 @@
-"""Builds the native drafting core, lookahead_vllm._draft_index (csrc/draft_index), and the CPU
-verification attention, lookahead_vllm._cpu_attention (csrc/cpu_attention).
+"""Builds the native drafting core, lookahead_vllm._draft_index (csrc/draft_index).
 
 Everything else about the package lives in pyproject.toml; `pip install -e .`
 compiles the extension (pybind11 comes from [build-system] requires).
@@ -21,13 +20,4 @@ draft_index = Pybind11Extension(
     extra_compile_args=["-O3", "-ffp-contract=off"],
 )
 
-# Vectorised per ISA inside the source (picked at run time); OpenMP resolves to the runtime torch loads.
-cpu_attention = Pybind11Extension(
-    "lookahead_vllm._cpu_attention",
-    ["csrc/cpu_attention/verify_attention.cpp"],
-    cxx_std=17,
-    extra_compile_args=["-O3", "-fopenmp"],
-    extra_link_args=["-fopenmp"],
-)
-
-setup(ext_modules=[draft_index, cpu_attention], cmdclass={"build_ext": build_ext})
+setup(ext_modules=[draft_index], cmdclass={"build_ext": build_ext})

@@ -199,9 +199,6 @@ class Profile:
     calibrate_confidence: bool = True
     # CPU: greedy steps verified from one argmax over the logits (vllm/patches.py greedy_sample).
     argmax_sampling: bool = True
-    # CPU, fp32, AVX-512: a step with drafts runs attention with the native verification kernel
-    # (ops/cpu_attention.py; vllm/patches.py cpu_verify_attention).
-    cpu_verify_attention: bool = True
     # Draft index (core/draft_index.py); index_threads 0 = min(4, cores).
     index_ngram: int = _knob(2, within=(1, 4))
     index_backoff: int = _knob(1, within=(0, 3))

