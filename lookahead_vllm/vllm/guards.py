@@ -108,6 +108,20 @@ def check_runner(vllm_config: Any) -> None:
         )
 
 
+def check_logits_processors(input_batch: Any) -> None:
+    """A lookahead runner's input batch holds vLLM's ``min_p`` and ``logit_bias`` processors (patch
+    ``runner_logits_processors``): else the requests that use them, which a lookahead engine accepts, would be
+    sampled without them."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+
+    kinds = {type(p) for p in input_batch.logitsprocs.all}
+    missing = [k.__name__ for k in (MinPLogitsProcessor, LogitBiasLogitsProcessor) if k not in kinds]
+    if missing:
+        raise RuntimeError(f"lookahead: the model runner's input batch lacks vLLM's {missing}: patch "
+                           "runner_logits_processors did not reach it (a vLLM that builds its input batch before "
+                           "its drafter); see docs/vllm-versions.md")
+
+
 def check_tree_config(vllm_config: Any, what: str) -> None:
     """Settings tree verification cannot serve: one ValueError naming each and its fix."""
     problems = []

@@ -8,6 +8,7 @@ Failing closed: a patch that raises or finds no target is logged and remembered,
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from lookahead_vllm.core.config import Settings
 from lookahead_vllm.ops import sampling as sampling_ops
 from lookahead_vllm.vllm import config as la_config
 from lookahead_vllm.vllm import guards, serve_patches, tree_verify
-from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape
+from lookahead_vllm.vllm.proposer import LookaheadProposer, StepShape, samples_plain_only
 from lookahead_vllm.vllm.wrap import method_patch, wrap
 
 logger = init_logger(__name__)
@@ -33,7 +34,7 @@ _failed: dict[str, str] = {}
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
-                     "draftless_steps", "drafter_near_max_len", "runner_sampling")
+                     "draftless_steps", "drafter_near_max_len", "runner_sampling", "runner_logits_processors")
 
 
 def apply(name: str) -> bool:
@@ -101,6 +102,42 @@ def patch_lookahead_validation(original, self):
     guards.on_config(self, config)  # after vLLM resolved cudagraph mode, async scheduling, ...
     if guards.is_tree_mode(config):
         make_cudagraphs_piecewise(self, guards.tree_mode_label(config))
+
+
+@method_patch("vllm.sampling_params.SamplingParams", "_validate_spec_decode", ("self", "speculative_config"))
+def patch_plain_sampling_params(original, self, speculative_config):
+    """A lookahead engine serves ``min_p`` and ``logit_bias``, which vLLM refuses with any speculative method: such
+    a request drafts nothing (:func:`.proposer.samples_plain_only`), so each of its tokens is sampled by vLLM's
+    sampler through the logits processors ``runner_logits_processors`` builds, as in plain vLLM. vLLM's other
+    checks still run."""
+    if not (la_config.is_lookahead(speculative_config) and samples_plain_only(self)):
+        return original(self, speculative_config)
+    rest = copy.copy(self)
+    rest.min_p, rest.logit_bias = 0.0, None
+    return original(rest, speculative_config)
+
+
+def patch_runner_logits_processors() -> bool:
+    """A lookahead engine's runner builds vLLM's built-in logits processors (``min_p``, ``logit_bias``,
+    ``min_tokens``) as a plain engine's does, where vLLM builds ``min_tokens`` alone for any speculative method.
+    vLLM's rejection sampler applies only ``min_tokens`` at draft positions; the others act where vLLM samples a
+    row's one token (a step without drafts, a row's bonus token), the only tokens the requests that use them get
+    (:func:`patch_plain_sampling_params`). The runner looks the builder up when it builds its input batch, after
+    the proposer (which applies this patch) is made."""
+    from vllm.v1.worker import gpu_model_runner
+
+    def build(original, vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=(), *args,
+              **kwargs):
+        if is_pooling_model or custom_logitsprocs or not la_config.is_lookahead(vllm_config.speculative_config):
+            return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs, *args,
+                            **kwargs)
+        unspeculative = copy.copy(vllm_config)
+        unspeculative.speculative_config = None
+        return original(unspeculative, device, is_pin_memory, is_pooling_model, custom_logitsprocs, *args, **kwargs)
+
+    wrap((gpu_model_runner, "build_logitsprocs", build,
+          ("vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs")))
+    return True
 
 
 @method_patch("vllm.engine.arg_utils.EngineArgs", "create_engine_config", ("self",))
@@ -360,12 +397,14 @@ def patch_cpu_kernel_overrides_once(original, cls) -> None:
 
 # The rest are applied by prepare_engine: the plugin never imports the model runner.
 EAGER = ("speculative_method", "lookahead_validation", "log_stats", "request_cache_salt", "cpu_expand_kernel",
-         "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model")
+         "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model",
+         "plain_sampling_params")
 # Each patch by its name: its function's, less "patch_".
 PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
     patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
     patch_runner_shutdown, patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling,
     patch_drafter_near_max_len, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
+    patch_plain_sampling_params, patch_runner_logits_processors,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
     serve_patches.patch_cli_speculative_model,
 )}

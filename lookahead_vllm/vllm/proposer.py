@@ -126,6 +126,9 @@ _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np
 # need not pay for.
 MEMORY_GAUGE_EVERY = 16
 
+# vLLM's threshold below which a sampling parameter such as min_p is off (vllm/sampling_params.py).
+SAMPLING_EPS = 1e-5
+
 
 def graph_tokens(vllm_config: Any) -> int:
     """The most tokens one step runs inside a captured CUDA graph (0 where none are captured)."""
@@ -273,6 +276,8 @@ class LookaheadProposer:
     # Called by the runner patch at the start of every step.
     def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
                 scheduled_drafts: dict[str, list[int]] | None = None, shape: "StepShape | None" = None) -> None:
+        if self._input_batch is None and hasattr(input_batch, "logitsprocs"):  # a runner's, first step
+            guards.check_logits_processors(input_batch)
         self._input_batch = input_batch
         for req_id in finished_req_ids:
             self.finish(req_id)
@@ -309,7 +314,9 @@ class LookaheadProposer:
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
         """Create the states of newly admitted requests with their options (core/request_options.py;
         options that fail here are logged and the request drafts nothing, rather than stopping the
-        engine). A prompt given as embeddings drafts nothing (docs/how-it-works.md, "How serving works")."""
+        engine). A prompt given as embeddings, or a request whose sampling vLLM's rejection sampler
+        does not apply at draft positions (:func:`samples_plain_only`), drafts nothing
+        (docs/how-it-works.md, "How serving works")."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
@@ -318,6 +325,8 @@ class LookaheadProposer:
                 st.cap = draft_cap(params.extra_args, seeded) if params is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
+                st.cap = 0
+            if params is not None and samples_plain_only(params):
                 st.cap = 0
             if _has_embedded_prompt(req):
                 st.cap, st.partition = 0, PRIVATE
@@ -720,6 +729,13 @@ class StepShape:
             context = sum(computed.get(req_id, 0) for req_id, d in spec.items() if d)
         return cls(tokens, not scheduler_output.scheduled_new_reqs and tokens == rows + drafts,
                    bool(cached.req_ids), drafts > 0, rows, context)
+
+
+def samples_plain_only(params: Any) -> bool:
+    """Whether a request samples with ``min_p`` or ``logit_bias``: vLLM's rejection sampler does not apply them
+    at draft positions, so such a request drafts nothing and each of its tokens is sampled as in plain vLLM
+    (patches ``plain_sampling_params``, ``runner_logits_processors``)."""
+    return getattr(params, "min_p", 0.0) > SAMPLING_EPS or bool(getattr(params, "logit_bias", None))
 
 
 def _has_embedded_prompt(req: Any) -> bool:

@@ -142,6 +142,21 @@ def test_n_greater_than_one(plain, lookahead, code_prompts):
     assert all(c.text for c in r.choices) and r.usage.completion_tokens > 16
 
 
+def test_logit_bias_and_min_p_served_as_plain(plain, lookahead, code_prompts):
+    """vLLM answers ``logit_bias`` and ``min_p`` with a 400 under any speculative method; the lookahead server
+    serves them, drafting nothing for those requests, with plain's text."""
+    prompt = code_prompts[0]
+    first = plain.client().completions.create(model=plain.model, prompt=prompt, max_tokens=1, temperature=0,
+                                              extra_body={"return_token_ids": True}).choices[0]
+    banned = {"logit_bias": {str(first.token_ids[0]): -100}}  # greedy's first token banned
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, max_tokens=24, **banned))
+    assert la[:2] == ref[:2] and not ref[0].startswith(first.text)  # the bias moved the text
+    assert spec_metrics(la[2])["num_draft_tokens"] == 0
+    sampled = {"temperature": 1.0, "seed": 5, "extra_body": {"min_p": 0.3}}
+    ref, la = _both(plain, lookahead, lambda s: complete(s, prompt, max_tokens=24, **sampled))
+    assert la[:2] == ref[:2] and spec_metrics(la[2])["num_draft_tokens"] == 0
+
+
 def test_per_request_off_identical_and_undrafted(plain, lookahead, code_prompts):
     prompt = code_prompts[1]
     before = scrape(lookahead)

@@ -1,0 +1,70 @@
+"""``min_p`` and ``logit_bias`` in a lookahead engine (patches plain_sampling_params, runner_logits_processors).
+
+vLLM refuses both with any speculative method, because its rejection sampler does not apply them at draft
+positions; a lookahead engine accepts them (the requests that use them draft nothing: the end-to-end test in
+tests/e2e/test_request_options.py holds their tokens to plain vLLM's), and every other engine still refuses them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lookahead_vllm.vllm import config as la_config  # noqa: E402
+from lookahead_vllm.vllm import guards  # noqa: E402
+from lookahead_vllm.vllm.proposer import samples_plain_only  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LOOKAHEAD = SimpleNamespace(method="custom_class", model=la_config.PROPOSER_PATH)
+NGRAM = SimpleNamespace(method="ngram", model=None)
+REFUSAL = "min_p and logit_bias sampling parameters are not yet supported"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin():
+    from lookahead_vllm.vllm.plugin import register
+
+    register()
+
+
+def _params(**kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=8, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"min_p": 0.1}, {"logit_bias": {5: -3.0}}, {"min_p": 0.2, "logit_bias": {7: 1.0}}])
+def test_lookahead_accepts_what_other_methods_refuse(kwargs):
+    params = _params(temperature=0.7, **kwargs)
+    assert samples_plain_only(params)
+    params._validate_spec_decode(LOOKAHEAD)  # no error
+    assert params.min_p == kwargs.get("min_p", 0.0) and params.logit_bias == kwargs.get("logit_bias")  # untouched
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=REFUSAL):
+        params._validate_spec_decode(NGRAM)
+
+
+def test_other_requests_are_not_plain_only():
+    assert not samples_plain_only(_params(temperature=0.7, min_p=0.0, logit_bias={}))
+    assert not samples_plain_only(_params(temperature=0.0))
+
+
+def test_input_batch_without_the_processors_is_refused():
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+
+    def batch(*kinds):
+        procs = LogitsProcessors()
+        for kind in kinds:  # built without __init__: the check reads only their types
+            procs.non_argmax_invariant.append(kind.__new__(kind))
+        return SimpleNamespace(logitsprocs=procs)
+
+    guards.check_logits_processors(batch(MinPLogitsProcessor, LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
+    with pytest.raises(RuntimeError, match=r"lacks vLLM's \['MinPLogitsProcessor', 'LogitBiasLogitsProcessor'\]"):
+        guards.check_logits_processors(batch(MinTokensLogitsProcessor))  # what vLLM builds for ngram, suffix
