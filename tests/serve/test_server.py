@@ -157,6 +157,44 @@ def test_logit_bias_and_min_p_served_as_plain(plain, lookahead, code_prompts):
     assert la[:2] == ref[:2] and spec_metrics(la[2])["num_draft_tokens"] == 0
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _api_shapes(server, prompt: str, token_ids: list[int]) -> dict:
+    """One answer (greedy) per request shape a client may send besides plain completions and chat."""
+    client, model = server.client(), server.model
+    out = {"token_ids": client.completions.create(model=model, prompt=token_ids, max_tokens=24,
+                                                  temperature=0).choices[0].text}
+    streamed = [(c.text, c.logprobs.tokens if c.logprobs else None)
+                for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0,
+                                                       stream=True, logprobs=2, stop=["\n\n", "return"])
+                for c in chunk.choices]
+    out["stream_logprobs_stop"] = streamed
+    r = client.chat.completions.create(model=model, temperature=0, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        messages=[{"role": "user", "content": "Alice is 30. Reply as JSON."}])
+    out["json_schema"] = r.choices[0].message.content
+    r = client.chat.completions.create(model=model, temperature=0, max_tokens=12,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+                                       messages=[{"role": "user", "content": "Give a phone number."}])
+    out["regex"] = r.choices[0].message.content
+    out["responses"] = client.responses.create(model=model, input="Count from one to twelve in words.",
+                                               max_output_tokens=40, temperature=0).output_text
+    return out
+
+
+def test_other_api_shapes_identical_to_plain(plain, lookahead, code_prompts):
+    """Token-id prompts, streamed logprobs with stop strings, structured output (a JSON schema, a regex) and the
+    Responses API: the lookahead server answers each as plain does."""
+    prompt = code_prompts[2]
+    ids = plain.client().completions.create(model=plain.model, prompt=prompt, max_tokens=1, temperature=0,
+                                            extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    ref, la = _both(plain, lookahead, lambda s: _api_shapes(s, prompt, ids))
+    assert la == ref
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", ref["regex"]) and '"age"' in ref["json_schema"]  # formats held
+
+
 def test_per_request_off_identical_and_undrafted(plain, lookahead, code_prompts):
     prompt = code_prompts[1]
     before = scrape(lookahead)
