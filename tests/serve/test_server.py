@@ -9,8 +9,11 @@ serving); a tenant's outputs do not speed up another tenant (``cache_salt``);
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -350,10 +353,34 @@ def test_several_api_servers_each_serve_the_lookahead_series(plain, smollm2_dir,
             assert text == complete(plain, prompt)[0]
             accepted += spec_metrics(r)["num_accepted_draft_tokens"]
         assert accepted > 0
-        scrapes = [_wait_for(server, lambda m: m.get("lookahead_accepted_tokens_total", 0) >= accepted)
-                   for _ in range(6)]  # SO_REUSEPORT spreads them over both API servers
-        assert "ApiServer_1" in server.log_text()
-        for m in scrapes:
-            assert m["lookahead_accepted_tokens_total"] == accepted and m["lookahead_steps_total"] > 0
+        api_servers = _api_server_pids(server)
+        assert sorted(api_servers) == ["APIServer_0", "APIServer_1"]
+        for name in api_servers:  # each scrape answered by one known API server: the other is stopped
+            others = [pid for other, pid in api_servers.items() if other != name]
+            for pid in others:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                m = _wait_for(server, lambda m: m.get("lookahead_accepted_tokens_total", 0) >= accepted)
+            finally:
+                for pid in others:
+                    os.kill(pid, signal.SIGCONT)
+            assert m["lookahead_accepted_tokens_total"] == accepted and m["lookahead_steps_total"] > 0, name
     finally:
         server.stop()
+
+
+def _api_server_pids(server) -> dict[str, int]:
+    """The API server processes of ``server`` (its process group), by the title vLLM gives them."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != server.proc.pid:
+                continue
+            title = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ProcessLookupError):
+            continue
+        if match := re.search(r"APIServer_\d+", title):
+            found[match.group(0)] = int(entry.name)
+    return found
