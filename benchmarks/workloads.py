@@ -1,5 +1,10 @@
 """Replay workloads: prompts of the dataset splits and plain vLLM's greedy outputs for them, cached.
 
+With ``--temperature T`` the outputs are plain vLLM's samples at T instead (one seed per prompt). A replay
+over them estimates what speculative sampling accepts: a draft token is accepted with the probability the
+model gives it, which is the chance that plain's sampled token equals it, and a rejected one is replaced by a
+token drawn from the rest of that distribution, as plain's sample is when it differs.
+
 Shared by the replay scripts (``sim_acceptance.py``, ``suffix_replay.py``,
 ``copy_ceiling.py``, ``predraft_outlook.py``, ``warm_start_gain.py``): their
 common arguments, the cached outputs, the modelled time of plain decoding and
@@ -30,10 +35,12 @@ def plain_wave_forwards(lengths: list[int], timing: Callable[[int], float]) -> f
 
 
 def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache: Path,
-                   split: str = "dev") -> tuple[list, list]:
+                   split: str = "dev", temperature: float = 0.0) -> tuple[list, list]:
     """(prompt ids, plain vLLM greedy output ids) for the first ``count``
-    prompts of ``split``, cached."""
-    path = cache / f"{dataset}_{split}_{count}_{max_tokens}_{model.name}.json"
+    prompts of ``split``, cached; with ``temperature`` > 0, plain's samples
+    at that temperature (prompt ``i`` seeded ``i``)."""
+    sampled = f"_t{temperature:g}" if temperature else ""
+    path = cache / f"{dataset}_{split}_{count}_{max_tokens}_{model.name}{sampled}.json"
     if path.exists():
         data = json.loads(path.read_text())
         return data["prompts"], data["outputs"]
@@ -50,11 +57,12 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     texts = load_split(dataset, split, tokenizer, limit=count)
     start = time.perf_counter()
     llm = LLM(model=str(model), **engine_kwargs("plain", max_model_len=4096))  # docqa prompts reach 2.6k tokens
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = ([SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens) for i in range(len(texts))]
+              if temperature else SamplingParams(temperature=0.0, max_tokens=max_tokens))
     outputs = generate(llm, texts, params, batch_size=8).token_ids
     shutdown_engine(llm)
     prompts = [tokenizer(t).input_ids for t in texts]
-    log(f"[{dataset}] {count} greedy outputs in {time.perf_counter() - start:.1f} s -> {path}")
+    log(f"[{dataset}] {count} {'sampled' if temperature else 'greedy'} outputs in {time.perf_counter() - start:.1f} s -> {path}")
     cache.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     return prompts, outputs
@@ -71,6 +79,8 @@ def workload_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--model", type=Path, default=None, help="model folder (default: the bundled model)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="greedy outputs cache")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="replay plain's samples at this temperature instead of its greedy outputs (0: greedy)")
     return p
 
 
@@ -92,8 +102,10 @@ def workloads(args: argparse.Namespace, count: int | None = None
         from lookahead_vllm.models import prepare_smollm2
 
         args.model = prepare_smollm2()
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature {args.temperature}: must be >= 0")
     return [(dataset, *greedy_outputs(dataset, count or args.num_prompts, args.max_tokens, args.model, args.cache,
-                                      args.split)) for dataset in args.datasets]
+                                      args.split, args.temperature)) for dataset in args.datasets]
 
 
 def save_rows(args: argparse.Namespace, rows: list[dict[str, Any]],

@@ -1247,3 +1247,22 @@ def test_bench_arrivals_rejects_bad_arguments(capsys):
     eargs = bench_arrivals.engine_args(args)
     assert offline.lookahead_config("lookahead:f", eargs) == {"decoding_length": 4}  # what build_engine applies
     assert offline.lookahead_config("lookahead", eargs) == {}
+
+
+def test_replay_workloads_keep_sampled_outputs_apart(tmp_path):
+    """``--temperature T`` replays plain's samples at T: cached under their own name, never the greedy
+    outputs', and a negative temperature is refused naming the flag."""
+    workloads = _import_bench("workloads")
+    model = tmp_path / "model"
+    greedy, sampled = ({"prompts": [[1, 2]], "outputs": [[3, 4]]}, {"prompts": [[1, 2]], "outputs": [[5, 6]]})
+    (tmp_path / f"humaneval_dev_1_8_{model.name}.json").write_text(json.dumps(greedy))
+    (tmp_path / f"humaneval_dev_1_8_{model.name}_t0.8.json").write_text(json.dumps(sampled))
+    assert workloads.greedy_outputs("humaneval", 1, 8, model, tmp_path) == ([[1, 2]], [[3, 4]])
+    assert workloads.greedy_outputs("humaneval", 1, 8, model, tmp_path, temperature=0.8) == ([[1, 2]], [[5, 6]])
+    args = workloads.workload_parser("replay").parse_args(
+        ["--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "8", "--cache", str(tmp_path),
+         "--model", str(model), "--temperature", "0.8"])
+    assert workloads.workloads(args) == [("humaneval", [[1, 2]], [[5, 6]])]
+    args.temperature = -1.0
+    with pytest.raises(SystemExit, match=r"--temperature -1.0: must be >= 0"):
+        workloads.workloads(args)
