@@ -62,7 +62,8 @@ def greedy_outputs(dataset: str, count: int, max_tokens: int, model: Path, cache
     outputs = generate(llm, texts, params, batch_size=8).token_ids
     shutdown_engine(llm)
     prompts = [tokenizer(t).input_ids for t in texts]
-    log(f"[{dataset}] {count} {'sampled' if temperature else 'greedy'} outputs in {time.perf_counter() - start:.1f} s -> {path}")
+    kind = "sampled" if temperature else "greedy"
+    log(f"[{dataset}] {count} {kind} outputs in {time.perf_counter() - start:.1f} s -> {path}")
     cache.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     return prompts, outputs

@@ -1,5 +1,6 @@
 """Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample per
-tree row (tree acceptance samples lazily, row by row), and a fix for vLLM's ``expand_kernel``.
+tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and the exponential draws of
+speculative sampling's recovered tokens (:func:`recovery_exponentials`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,31 @@ def expand_kernel_impl(
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     total = int(cu[-1]) if cu.numel() else 0
     output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def recovery_exponentials(num_draft_tokens: list[int], draws: torch.Tensor | None, generators: dict[int, Any],
+                          vocab_size: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """``q [batch, vocab]``: what vLLM's ``sample_recovered_tokens`` draws for speculative sampling's recovered
+    tokens (a rejected draft token is replaced by ``argmax(p / q)`` over its row's target probabilities ``p`` less
+    the draft: a sample of them when ``q`` is Exp(1) noise), drawn only where a recovered token can be used: each
+    request with draft tokens that samples (``draws [batch]`` bool, None: all). vLLM draws the whole batch with
+    ``exponential_``, about a fourth of a batch-1 CPU step's sampling; here the global RNG's rows are ``-log(1 - U)``
+    of float64 uniforms (Exp(1), a few times faster on the CPU), and the rows of requests with their own generator
+    are drawn as vLLM draws them (``q[i].exponential_(generator=...)``, the same numbers). The other rows are 1."""
+    q = torch.ones((len(num_draft_tokens), vocab_size), dtype=dtype, device=device)
+    wanted = torch.as_tensor(num_draft_tokens, device=device) > 0
+    if draws is not None:
+        wanted &= draws.to(device=device, dtype=torch.bool)
+    for i in generators:
+        wanted[i] = False
+    rows = torch.nonzero(wanted).flatten()
+    if rows.numel():
+        uniform = torch.rand((rows.numel(), vocab_size), dtype=torch.float64, device=device)
+        q[rows] = uniform.neg_().log1p_().neg_().to(dtype)
+    for i, generator in generators.items():
+        if num_draft_tokens[i] > 0:
+            q[i].exponential_(generator=generator)
+    return q
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -92,6 +92,24 @@ def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, pla
     assert abs(ll_ours - ll_plain) < TOLERANCE, (ll_plain, ll_ours)
 
 
+def test_unseeded_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, plain_loglik, monkeypatch):
+    """Requests without a seed draw their recovered tokens' noise from lookahead's draws (patch recovery_draws,
+    tests/vllm/test_recovery_draws.py): drafted, their samples stay on the target distribution."""
+    from vllm import SamplingParams
+
+    from lookahead_vllm.ops import sampling
+
+    calls = []
+    draws = sampling.recovery_exponentials
+    monkeypatch.setattr(sampling, "recovery_exponentials", lambda *a, **k: calls.append(1) or draws(*a, **k))
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS)
+    out = generate(engines.get("lookahead"), sampling_prompts, params, 8)
+    assert out.num_accepted > 2 * len(sampling_prompts) and calls, "few drafts accepted, or vLLM's draws ran"
+    ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, out.token_ids)
+    print(f"mean log-likelihood per token: plain {plain_loglik:.3f}, lookahead unseeded {ll_ours:.3f}")
+    assert abs(ll_ours - plain_loglik) < TOLERANCE, (plain_loglik, ll_ours)
+
+
 def test_seeded_requests_give_plain_text(engines, sampling_prompts):
     """A seeded request that does not enable lookahead drafts nothing and gives plain vLLM's text
     for its seed, token for token, in a batch whose greedy requests draft; one that enables it
