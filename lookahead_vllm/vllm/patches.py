@@ -216,15 +216,15 @@ RECOVERY_PARAMS = ("max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "d
 
 
 def patch_recovery_draws() -> bool:
-    """In a lookahead engine's steps, speculative sampling's recovered tokens are drawn with
+    """In a lookahead engine's steps on the CPU, speculative sampling's recovered tokens are drawn with
     :func:`lookahead_vllm.ops.sampling.recovery_exponentials` (the same distribution; noise only for the rows that
-    can use it, from faster draws) and vLLM's own kernel; in any other engine vLLM's ``sample_recovered_tokens``
-    runs as it is."""
+    can use it, from faster draws) and vLLM's own kernel; in any other engine, and on a GPU, vLLM's
+    ``sample_recovered_tokens`` runs as it is."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def sample_recovered_tokens(original, max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                                 draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
-        if not _lookahead_sampling:
+        if not _lookahead_sampling or target_probs.device.type != "cpu":  # a GPU draws the batch's at once
             return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
                             target_probs, sampling_metadata, device, use_fp64_gumbel)
         sampled = None if sampling_metadata.all_random else sampling_metadata.temperature != rs.GREEDY_TEMPERATURE
