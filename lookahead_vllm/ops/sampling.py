@@ -71,10 +71,10 @@ def recovery_exponentials(num_draft_tokens: list[int], draws: torch.Tensor | Non
     tokens (a rejected draft token is replaced by ``argmax(p / q)`` over its row's target probabilities ``p`` less
     the draft: a sample of them when ``q`` is Exp(1) noise), drawn only where a recovered token can be used: each
     request with draft tokens that samples (``draws [batch]`` bool, None: all). vLLM draws the whole batch with
-    ``exponential_``, most of a drafted step's sampling on the CPU (docs/prices.md); here the global RNG's rows are
-    ``-log(1 - U)`` of float64 uniforms (Exp(1), a few times faster there), and the rows of requests with their own
-    generator are drawn as vLLM draws them (``q[i].exponential_(generator=...)``, the same numbers). The other rows
-    are 1."""
+    ``exponential_``, at batch 8 most of a drafted step's sampling on the CPU (docs/prices.md); the global RNG's
+    rows are ``-log(1 - U)`` of float64 uniforms (Exp(1), a few times faster there), and the rows of requests with
+    their own generator are drawn as vLLM draws them (``q[i].exponential_(generator=...)``, the same numbers). The
+    other rows are 1."""
     q = torch.ones((len(num_draft_tokens), vocab_size), dtype=dtype, device=device)
     wanted = torch.as_tensor(num_draft_tokens, device=device) > 0
     if draws is not None:
