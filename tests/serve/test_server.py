@@ -169,11 +169,13 @@ def _api_shapes(server, prompt: str, token_ids: list[int]) -> dict:
     client, model = server.client(), server.model
     out = {"token_ids": client.completions.create(model=model, prompt=token_ids, max_tokens=24,
                                                   temperature=0).choices[0].text}
-    streamed = [(c.text, c.logprobs.tokens if c.logprobs else None)
-                for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0,
-                                                       stream=True, logprobs=2, stop=["\n\n", "return"])
-                for c in chunk.choices]
-    out["stream_logprobs_stop"] = streamed
+    text, tokens = "", []  # chunks differ (a lookahead step may emit several tokens): their concatenation may not
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                           logprobs=2, stop=["\n\n", "return"]):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens if c.logprobs else []
+    out["stream_logprobs_stop"] = (text, tokens)
     r = client.chat.completions.create(model=model, temperature=0, max_tokens=40, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
         messages=[{"role": "user", "content": "Alice is 30. Reply as JSON."}])
