@@ -23,7 +23,7 @@ import numpy as np
 import vllm.envs as envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.sampling_params import SamplingType
+from vllm.sampling_params import _SAMPLING_EPS, SamplingType
 
 from lookahead_vllm.core.budget import ForwardCost, confidence_floor, forward_cost, prices_pinned
 from lookahead_vllm.core.calibration import KIND_CONTEXT, KIND_POOL, ConfidenceCalibrator
@@ -125,9 +125,6 @@ _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np
 # estimate visits every sequence the index holds, up to thousands with a full corpus, which a step
 # need not pay for.
 MEMORY_GAUGE_EVERY = 16
-
-# vLLM's threshold below which a sampling parameter such as min_p is off (vllm/sampling_params.py).
-SAMPLING_EPS = 1e-5
 
 
 def graph_tokens(vllm_config: Any) -> int:
@@ -735,7 +732,7 @@ def samples_plain_only(params: Any) -> bool:
     """Whether a request samples with ``min_p`` or ``logit_bias``: vLLM's rejection sampler does not apply them
     at draft positions, so such a request drafts nothing and each of its tokens is sampled as in plain vLLM
     (patches ``plain_sampling_params``, ``runner_logits_processors``)."""
-    return getattr(params, "min_p", 0.0) > SAMPLING_EPS or bool(getattr(params, "logit_bias", None))
+    return getattr(params, "min_p", 0.0) > _SAMPLING_EPS or bool(getattr(params, "logit_bias", None))
 
 
 def _has_embedded_prompt(req: Any) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.sampling_params import _SAMPLING_EPS as SAMPLING_EPS  # below it a temperature is greedy, min_p off
 
 from lookahead_vllm.core import native
 from lookahead_vllm.core.jacobi import output_nodes
@@ -33,10 +34,6 @@ TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
 # Set by the tree_verification patch on every attention impl of a tree-mode engine: its TreeVerifier.
 IMPL_ATTR = "_lookahead_verifier"
-
-# vLLM treats temperatures below this as greedy (vllm/v1/sample/sampler.py).
-GREEDY_EPS = 1e-5
-
 
 @dataclass(slots=True)
 class TreeStep:
@@ -215,7 +212,7 @@ class TreeVerifier:
         chain_only = np.flatnonzero(~step.walk)
         stock = sampled[step.rows[chain_only]].tolist() if len(chain_only) else []
         temps = np.fromiter((sp.temperature for sp in step.sampling_params), np.float64, len(num_rows))
-        greedy = np.flatnonzero(step.walk & (temps < GREEDY_EPS))
+        greedy = np.flatnonzero(step.walk & (temps < SAMPLING_EPS))
         found: list[tuple[list[int], list[int]] | None] = [None] * len(num_rows)
         if len(greedy):
             for t, walk in zip(greedy.tolist(), _greedy_walks(trees.take(greedy), ats[greedy], argmax)):
@@ -224,7 +221,7 @@ class TreeVerifier:
             tokens = [token for token in chain_row if token >= 0]
             keep = min(len(tokens) - 1, int(step.chain[t]))  # its rows are exact
             found[t] = list(range(keep)), tokens[: keep + 1]
-        for t in np.flatnonzero(step.walk & (temps >= GREEDY_EPS)).tolist():  # drawn as the walk reaches a row
+        for t in np.flatnonzero(step.walk & (temps >= SAMPLING_EPS)).tolist():  # drawn as the walk reaches a row
             rows, sp = logits[int(firsts[t]):int(ends[t])], step.sampling_params[t]  # rows: [1 + k, vocab]
             generator = runner.input_batch.generators.get(int(step.rows[t]))
             found[t] = _walk(trees, t, lambda i: sample_row(rows[i], sp.temperature, sp.top_k, sp.top_p, generator))

@@ -118,7 +118,7 @@ def _step(seed: int, vocab: int = 64):
 
 def _reference(runner, num_tokens, logits, sampled, seed):
     """Request by request: positions, walks and rows as the verifier computed them one tree at a time."""
-    from lookahead_vllm.vllm.tree_verify import GREEDY_EPS, tree_verifiable
+    from lookahead_vllm.vllm.tree_verify import SAMPLING_EPS, tree_verifiable
 
     positions, sampled = runner.positions.clone(), sampled.clone()
     starts = np.cumsum(num_tokens) - num_tokens
@@ -140,7 +140,7 @@ def _reference(runner, num_tokens, logits, sampled, seed):
             tokens = [t for t in sampled[row].tolist() if t >= 0]
             keep = min(len(tokens) - 1, plan.chain_prefix_length())
             nodes, tokens = list(range(keep)), tokens[:keep + 1]
-        elif sp.temperature < GREEDY_EPS:
+        elif sp.temperature < SAMPLING_EPS:
             nodes, tokens = walk_tree(plan, rows.argmax(dim=-1).tolist().__getitem__)
         else:
             nodes, tokens = walk_tree(plan, lambda i: sample_row(rows[i], sp.temperature, sp.top_k, sp.top_p,
