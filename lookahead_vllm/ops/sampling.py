@@ -1,6 +1,6 @@
 """Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample per
-tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and the exponential draws of
-speculative sampling's recovered tokens (:func:`recovery_exponentials`).
+tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and speculative
+sampling of drafts on the CPU (:func:`sample_drafted`).
 """
 
 from __future__ import annotations
@@ -65,30 +65,76 @@ def expand_kernel_impl(
     output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
-def recovery_exponentials(num_draft_tokens: list[int], draws: torch.Tensor | None, generators: dict[int, Any],
-                          vocab_size: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """``q [batch, vocab]``: what vLLM's ``sample_recovered_tokens`` draws for speculative sampling's recovered
-    tokens (a rejected draft token is replaced by ``argmax(p / q)`` over its row's target probabilities ``p`` less
-    the draft: a sample of them when ``q`` is Exp(1) noise), drawn only where a recovered token can be used: each
-    request with draft tokens that samples (``draws [batch]`` bool, None: all). vLLM draws the whole batch with
-    ``exponential_``, at batch 8 most of a drafted step's sampling on the CPU (docs/prices.md); the global RNG's
-    rows are ``-log(1 - U)`` of float64 uniforms (Exp(1), a few times faster there), and the rows of requests with
-    their own generator are drawn as vLLM draws them (``q[i].exponential_(generator=...)``, the same numbers). The
-    other rows are 1."""
-    q = torch.ones((len(num_draft_tokens), vocab_size), dtype=dtype, device=device)
-    wanted = torch.as_tensor(num_draft_tokens, device=device) > 0
-    if draws is not None:
-        wanted &= draws.to(device=device, dtype=torch.bool)
-    for i in generators:
-        wanted[i] = False
-    rows = torch.nonzero(wanted).flatten()
-    if rows.numel():
-        uniform = torch.rand((rows.numel(), vocab_size), dtype=torch.float64, device=device)
-        q[rows] = uniform.neg_().log1p_().neg_().to(dtype)
-    for i, generator in generators.items():
-        if num_draft_tokens[i] > 0:
-            q[i].exponential_(generator=generator)
-    return q
+def sample_drafted(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], target_logits: torch.Tensor,
+                   bonus_token_ids: torch.Tensor, greedy: np.ndarray, generators: dict[int, Any],
+                   width: int) -> torch.Tensor:
+    """vLLM's ``rejection_sample`` for drafts without draft probabilities, on the CPU: ``[batch, width + 1]`` int32
+    padded with -1. Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after request;
+    ``target_logits``: a row each, temperature and top-k/top-p applied) and keeps them up to the first rejected, then
+    that row's replacement, or its bonus token (``bonus_token_ids``) when none is rejected.
+
+    A greedy request (``greedy[i]``) rejects a draft that is not its row's argmax and emits the argmax. A sampled one
+    accepts a draft token ``d`` when a uniform is at most ``p(d)`` and replaces the first rejected by a sample of ``p``
+    without ``d``. A request with its own generator (``generators[i]``, a seed) draws what vLLM draws, in its order
+    (its uniforms, then a vocabulary of Exp(1) noise ``q``), and is replaced by vLLM's ``argmax(p / q)``: its tokens
+    are vLLM's. The others draw the uniforms and, only where rejected, one token by inversion: the same distribution,
+    without vLLM's noise over the vocabulary for every request and its pass over every drafted row (docs/prices.md)."""
+    counts = np.asarray(num_draft_tokens, np.int64)
+    batch, n = len(counts), int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    greedy = np.asarray(greedy, bool)
+    greedy_row = np.repeat(greedy, counts)
+    draft = draft_token_ids.numpy().astype(np.int64)
+    accept, replacement = np.zeros(n, bool), np.full(n, -1, np.int64)
+    rows = np.flatnonzero(greedy_row)
+    if len(rows):
+        top = row_argmax(target_logits[torch.from_numpy(rows)])
+        accept[rows], replacement[rows] = draft[rows] == top, top
+    sampled = np.flatnonzero(~greedy_row)
+    seeded = [i for i in generators if counts[i]]
+    if len(sampled):
+        probs = (target_logits if len(sampled) == n else target_logits[torch.from_numpy(sampled)]).softmax(
+            dim=-1, dtype=torch.float32)
+        d = torch.from_numpy(draft[sampled])
+        uniform = torch.rand(len(sampled), dtype=torch.float64)
+        for i in seeded:
+            at = int(np.searchsorted(sampled, starts[i]))
+            uniform[at:at + counts[i]] = torch.empty(int(counts[i]), dtype=torch.float64).uniform_(
+                generator=generators[i])
+        # vLLM's comparison: float32 probability against the uniform made float32.
+        p_draft = probs.gather(1, d.clamp(min=0)[:, None])[:, 0]
+        accept[sampled] = ((uniform.float() <= p_draft) & (d >= 0)).numpy()
+    rejected = np.flatnonzero(~accept)
+    first = np.append(rejected, n)[np.searchsorted(rejected, starts)]  # each request's first rejected row
+    stops = first < starts + counts
+    kept = np.where(stops, first - starts, counts)
+    last = bonus_token_ids.reshape(-1).numpy().astype(np.int64)
+    last[stops] = replacement[first[stops]]
+    redraw = np.flatnonzero(stops & ~greedy)  # sampled requests that rejected a draft
+    if len(redraw):
+        residual = probs[torch.from_numpy(np.searchsorted(sampled, first[redraw]))]
+        d = torch.from_numpy(draft[first[redraw]])
+        residual[torch.arange(len(redraw))[d >= 0], d[d >= 0]] = 0.0
+        last[redraw] = _draw(residual)
+    for i in seeded:
+        noise = torch.empty(target_logits.shape[-1], dtype=torch.float32).exponential_(generator=generators[i])
+        if stops[i] and not greedy[i]:
+            last[i] = int((residual[int(np.searchsorted(redraw, i))] * noise.reciprocal()).argmax())
+    cols = np.arange(width + 1)
+    padded = np.append(draft, -1)
+    out = np.where(cols < kept[:, None], padded[np.minimum(starts[:, None] + cols, n)], -1)
+    out[np.arange(batch), kept] = last
+    return torch.from_numpy(out.astype(np.int32))
+
+
+def _draw(weights: torch.Tensor) -> np.ndarray:
+    """One token a row of ``weights`` (``[rows, vocab]``, not normalised), in proportion: the first whose cumulative
+    weight passes a uniform fraction of the row's (``torch.multinomial`` takes 1.4 ms a 49k-token row here)."""
+    cdf = weights.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, torch.rand(len(weights), 1) * cdf[:, -1:], right=True)[:, 0]
+    past = picked >= weights.shape[1]  # the fraction rounded up to the total: the row's likeliest token
+    picked[past] = weights[past].argmax(dim=-1)
+    return picked.numpy()
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -74,7 +74,7 @@ def prepare_engine(config: Settings) -> None:
     tree = guards.is_tree_mode(config)
     what = f"lookahead {guards.tree_mode_label(config)}" if tree else "lookahead"
     require(LOOKAHEAD_PATCHES + (("tree_verification",) if tree else ()), what)
-    apply("recovery_draws")  # optional: vLLM's own draws where it fails (the same distribution, slower)
+    apply("rejection_sampling")  # optional: vLLM's own where it fails (the same distribution, slower)
     if config.snapshot_path:
         apply("runner_shutdown")  # optional: process exit writes the snapshot too
 
@@ -208,35 +208,32 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
     return out
 
 
-# True while a lookahead runner's step samples through vLLM's samplers (patch_runner_sampling): the rejection
-# sampler's recovered tokens then take their noise from sampling.recovery_exponentials (patch recovery_draws).
+# True while a lookahead runner's step samples through vLLM's samplers (patch_runner_sampling): its speculative
+# sampling then runs through sampling.sample_drafted (patch rejection_sampling).
 _lookahead_sampling = False
-RECOVERY_PARAMS = ("max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "draft_token_ids", "draft_probs",
-                   "target_probs", "sampling_metadata", "device")
+REJECTION_PARAMS = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
+                    "target_logits", "bonus_token_ids", "sampling_metadata")
 
 
-def patch_recovery_draws() -> bool:
-    """In a lookahead engine's steps on the CPU, speculative sampling's recovered tokens are drawn with
-    :func:`lookahead_vllm.ops.sampling.recovery_exponentials` (the same distribution; noise only for the rows that
-    can use it, from faster draws) and vLLM's own kernel; in any other engine, and on a GPU, vLLM's
-    ``sample_recovered_tokens`` runs as it is."""
+def patch_rejection_sampling() -> bool:
+    """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
+    :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
+    distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in
+    synthetic mode, in any other engine and on a GPU, vLLM's function runs as it is."""
     from vllm.v1.sample import rejection_sampler as rs
 
-    def sample_recovered_tokens(original, max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
-                                draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
-        if not _lookahead_sampling or target_probs.device.type != "cpu":  # a GPU draws the batch's at once
-            return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                            target_probs, sampling_metadata, device, use_fp64_gumbel)
-        sampled = None if sampling_metadata.all_random else sampling_metadata.temperature != rs.GREEDY_TEMPERATURE
-        q = sampling_ops.recovery_exponentials(num_draft_tokens, sampled, sampling_metadata.generators,
-                                               target_probs.shape[-1],
-                                               torch.float64 if use_fp64_gumbel else torch.float32, device)
-        recovered = torch.empty_like(draft_token_ids)
-        rs._sample_recovered_tokens(recovered, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                                    q.reciprocal(), max_spec_len=max_spec_len)
-        return recovered
+    def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+        md, synthetic = sampling_metadata, kwargs.get("synthetic_mode", args[0] if args else False)
+        if not _lookahead_sampling or target_logits.device.type != "cpu" or draft_probs is not None or synthetic:
+            return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                            target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        greedy = (np.full(len(num_draft_tokens), md.all_greedy) if md.all_greedy or md.all_random
+                  else (md.temperature == rs.GREEDY_TEMPERATURE).numpy())
+        return sampling_ops.sample_drafted(draft_token_ids, num_draft_tokens, target_logits, bonus_token_ids, greedy,
+                                           md.generators, max_spec_len)
 
-    wrap((rs, "sample_recovered_tokens", sample_recovered_tokens, RECOVERY_PARAMS))
+    wrap((rs, "rejection_sample", rejection_sample, REJECTION_PARAMS))
     return True
 
 
@@ -442,7 +439,7 @@ PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"):
     patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
     patch_runner_shutdown, patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling,
     patch_drafter_near_max_len, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
-    patch_plain_sampling_params, patch_runner_logits_processors, patch_recovery_draws,
+    patch_plain_sampling_params, patch_runner_logits_processors, patch_rejection_sampling,
     serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
     serve_patches.patch_cli_speculative_model,
 )}

@@ -76,22 +76,22 @@ def plain_loglik(engines, tokenizer, sampling_prompts) -> float:
 
 def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, plain_loglik, monkeypatch):
     """Chains verified by sampling stay on the target distribution, drafted: in batches of 8 (with 20
-    running requests load adaptation, load_stop_at=16, would stop drafting, leaving plain sampling). Rejected
-    draft tokens are replaced through lookahead's recovered-token draws (patch recovery_draws; their distribution:
-    tests/vllm/test_recovery_draws.py)."""
+    running requests load adaptation, load_stop_at=16, would stop drafting, leaving plain sampling). The drafts are
+    verified by lookahead's speculative sampling (patch rejection_sampling; its distribution:
+    tests/vllm/test_rejection_sampling.py)."""
     from lookahead_lab.offline import find_proposers
     from lookahead_vllm.ops import sampling
 
     calls = []
-    draws = sampling.recovery_exponentials
-    monkeypatch.setattr(sampling, "recovery_exponentials", lambda *a, **k: calls.append(1) or draws(*a, **k))
+    sample = sampling.sample_drafted
+    monkeypatch.setattr(sampling, "sample_drafted", lambda *a, **k: calls.append(1) or sample(*a, **k))
     llm = engines.get("lookahead")
     (proposer,) = find_proposers(llm)
     before = proposer.metrics.accepted_tokens
     ours = generate(llm, sampling_prompts, _params(2000)[: len(sampling_prompts)], 8).token_ids
     # Measured: 209-251 accepted in batches of 8; 0 with the 20 prompts in one batch.
     assert proposer.metrics.accepted_tokens - before > 2 * len(sampling_prompts), "few drafts accepted while sampling"
-    assert calls, "vLLM's recovered-token draws ran, not lookahead's"
+    assert calls, "vLLM's rejection sampling ran, not lookahead's"
     ll_plain = plain_loglik
     ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
     print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead {ll_ours:.3f}")
