@@ -212,22 +212,26 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
 # sampling then runs through sampling.sample_drafted (patch rejection_sampling).
 _lookahead_sampling = False
 REJECTION_PARAMS = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
-                    "target_logits", "bonus_token_ids", "sampling_metadata")
+                    "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
+                    "synthetic_conditional_rates", "use_fp64_gumbel")
 
 
 def patch_rejection_sampling() -> bool:
     """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
     :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
     distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in
-    synthetic mode, in any other engine and on a GPU, vLLM's function runs as it is."""
+    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
-        md, synthetic = sampling_metadata, kwargs.get("synthetic_mode", args[0] if args else False)
-        if not _lookahead_sampling or target_logits.device.type != "cpu" or draft_probs is not None or synthetic:
+                         target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False,
+                         synthetic_conditional_rates=None, use_fp64_gumbel=False):
+        md = sampling_metadata
+        if (not _lookahead_sampling or target_logits.device.type != "cpu" or draft_probs is not None or synthetic_mode
+                or use_fp64_gumbel):  # float64 noise: a seeded request's draws would not be vLLM's
             return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-                            target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+                            target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=synthetic_mode,
+                            synthetic_conditional_rates=synthetic_conditional_rates, use_fp64_gumbel=use_fp64_gumbel)
         greedy = (np.full(len(num_draft_tokens), md.all_greedy) if md.all_greedy or md.all_random
                   else (md.temperature == rs.GREEDY_TEMPERATURE).numpy())
         return sampling_ops.sample_drafted(draft_token_ids, num_draft_tokens, target_logits, bonus_token_ids, greedy,

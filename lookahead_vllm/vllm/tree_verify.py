@@ -35,6 +35,7 @@ TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 # Set by the tree_verification patch on every attention impl of a tree-mode engine: its TreeVerifier.
 IMPL_ATTR = "_lookahead_verifier"
 
+
 @dataclass(slots=True)
 class TreeStep:
     """State of one engine step that verifies at least one tree: its trees as one :class:`TreeBatch` (row ``t``: request
