@@ -137,6 +137,40 @@ def _draw(weights: torch.Tensor) -> np.ndarray:
     return picked.numpy()
 
 
+def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fallback: Any,
+             candidates: int = 256) -> torch.Tensor:
+    """vLLM's top-k and top-p masks on CPU logits rows (``k [rows]`` or None, ``p [rows]``), in place, from each row's
+    ``candidates`` largest logits instead of a sort of the vocabulary: a row keeps the tokens at or above its k-th
+    largest logit, then the most likely of them until their probability reaches its ``p`` (the one that crosses it
+    included); the rest become -inf. A row whose kept tokens may reach past its candidates (their probability under
+    ``p``, or a tie with the k-th at the last) goes through ``fallback`` (vLLM's sort,
+    ``apply_top_k_top_p_pytorch``). The mask is vLLM's up to float rounding at the nucleus' edge."""
+    rows, vocab = logits.shape
+    c = min(candidates, vocab)
+    kk = torch.full((rows,), vocab) if k is None else k.to(torch.long).clamp(1, vocab)
+    has_k, has_p = kk < vocab, p < 1.0
+    vals, idx = logits.topk(c, dim=-1)
+    kth = vals.gather(1, (kk.clamp(max=c) - 1)[:, None])
+    in_k = ~has_k[:, None] | (vals >= kth)
+    # The normaliser: over the row's top-k tokens (all among the candidates), else over the row.
+    top = vals[:, :1]
+    total = torch.where(has_k, (vals - top).exp().mul_(in_k).sum(-1), (logits - top).exp().sum(-1))
+    probs = (vals - top).exp().mul_(in_k) / total[:, None]
+    above = probs.cumsum(-1) - probs
+    keep = in_k & (~has_p[:, None] | (above < p[:, None]))
+    beyond = (has_k & (kk > c)) | (has_k & (kk <= c) & (vals[:, -1] >= kth[:, 0]) & (c < vocab))
+    beyond |= ~has_k & has_p & (probs.sum(-1) < p)
+    filtered = (has_k | has_p) & ~beyond
+    if filtered.any():
+        f = torch.nonzero(filtered)[:, 0]
+        masked = torch.full((len(f), vocab), float("-inf"), dtype=logits.dtype)
+        logits[f] = masked.scatter_(1, idx[f], torch.where(keep[f], vals[f], float("-inf")))
+    if beyond.any():
+        b = torch.nonzero(beyond)[:, 0]
+        logits[b] = fallback(logits[b], None if k is None else k[b], p[b])
+    return logits
+
+
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """``softmax(logits / T)`` (``logits``: ``[vocab]``) restricted to the top-k tokens, then to the top-p
     nucleus: the most likely tokens until their mass reaches ``top_p``, the one that crosses it included, as

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -220,7 +220,10 @@ def patch_rejection_sampling() -> bool:
     """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
     :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
     distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in
-    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is."""
+    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. Its
+    ``apply_sampling_constraints`` masks the draft rows' top-p (and top-k) with
+    :func:`lookahead_vllm.ops.sampling.nucleus_` (no sort of the vocabulary a row) unless a seeded request is in
+    the step."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
@@ -237,7 +240,22 @@ def patch_rejection_sampling() -> bool:
         return sampling_ops.sample_drafted(draft_token_ids, num_draft_tokens, target_logits, bonus_token_ids, greedy,
                                            md.generators, max_spec_len)
 
-    wrap((rs, "rejection_sample", rejection_sample, REJECTION_PARAMS))
+    def apply_sampling_constraints(original, logits, cu_num_draft_tokens, sampling_metadata):
+        md = sampling_metadata
+        if (not _lookahead_sampling or logits.device.type != "cpu" or md.all_greedy or md.top_p is None
+                or md.generators):  # a seeded request in the step: vLLM's masks, to the bit
+            return original(logits, cu_num_draft_tokens, md)
+        logits = original(logits, cu_num_draft_tokens, replace(md, top_k=None, top_p=None))
+        n = logits.shape[0]
+        k = None if md.top_k is None else rs.expand_batch_to_tokens(md.top_k, cu_num_draft_tokens, n)
+        return sampling_ops.nucleus_(logits, k, rs.expand_batch_to_tokens(md.top_p, cu_num_draft_tokens, n),
+                                     apply_top_k_top_p_pytorch)
+
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    wrap((rs, "rejection_sample", rejection_sample, REJECTION_PARAMS),
+         (rs, "apply_sampling_constraints", apply_sampling_constraints,
+          ("logits", "cu_num_draft_tokens", "sampling_metadata")))
     return True
 
 

@@ -78,20 +78,27 @@ def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, pla
     """Chains verified by sampling stay on the target distribution, drafted: in batches of 8 (with 20
     running requests load adaptation, load_stop_at=16, would stop drafting, leaving plain sampling). The drafts are
     verified by lookahead's speculative sampling (patch rejection_sampling; its distribution:
-    tests/vllm/test_rejection_sampling.py)."""
+    tests/vllm/test_rejection_sampling.py): the first and last batches seeded (vLLM's draws and top-p masks), the
+    second unseeded (the draft rows' top-p masked by ``nucleus_``)."""
+    from vllm import SamplingParams
+
     from lookahead_lab.offline import find_proposers
     from lookahead_vllm.ops import sampling
 
-    calls = []
-    sample = sampling.sample_drafted
-    monkeypatch.setattr(sampling, "sample_drafted", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    calls = {"sample_drafted": [], "nucleus_": []}
+    for name, calls_of in calls.items():
+        op = getattr(sampling, name)
+        monkeypatch.setattr(sampling, name, lambda *a, op=op, c=calls_of: c.append(1) or op(*a))
+    params = _params(2000)[: len(sampling_prompts)]
+    params[8:16] = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS)] * 8
     llm = engines.get("lookahead")
     (proposer,) = find_proposers(llm)
     before = proposer.metrics.accepted_tokens
-    ours = generate(llm, sampling_prompts, _params(2000)[: len(sampling_prompts)], 8).token_ids
+    ours = generate(llm, sampling_prompts, params, 8).token_ids
     # Measured: 209-251 accepted in batches of 8; 0 with the 20 prompts in one batch.
     assert proposer.metrics.accepted_tokens - before > 2 * len(sampling_prompts), "few drafts accepted while sampling"
-    assert calls, "vLLM's rejection sampling ran, not lookahead's"
+    assert calls["sample_drafted"], "vLLM's rejection sampling ran, not lookahead's"
+    assert calls["nucleus_"], "the unseeded batch's draft rows were masked by vLLM's sort, not lookahead's"
     ll_plain = plain_loglik
     ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
     print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead {ll_ours:.3f}")

@@ -146,3 +146,60 @@ def test_sample_drafted_without_vllm_rows():
     out = sample_drafted(torch.zeros(0, dtype=torch.int32), [0, 0], torch.zeros(0, 10), torch.tensor([[4], [5]]),
                          np.array([False, True]), {}, 2)
     assert out.tolist() == [[4, -1, -1], [5, -1, -1]]
+
+
+@pytest.mark.parametrize("scale", [0.2, 1.0, 3.0, 8.0])  # flat (the sort's fallback) to peaked rows
+def test_nucleus_masks_what_vllms_sort_masks(rs, scale):
+    """Top-p, top-k and both, per row (p 1 and k the vocabulary: that filter off), against vLLM's sort."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from lookahead_vllm.ops.sampling import nucleus_
+
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    rows, vocab = 240, 5000
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    logits[::7, :40] = logits[::7, :1]  # ties at the top
+    p = torch.tensor([0.5, 0.9, 0.95, 1.0])[torch.arange(rows) % 4]
+    k = torch.tensor([vocab, 1, 20, 300, vocab, 50])[torch.arange(rows) % 6]
+    for top_k in (None, k):
+        ours = nucleus_(logits.clone(), top_k, p, apply_top_k_top_p_pytorch)
+        vllm = apply_top_k_top_p_pytorch(logits.clone(), top_k, p)
+        assert torch.equal(ours.isfinite(), vllm.isfinite()), (ours.isfinite() != vllm.isfinite()).nonzero()[:5]
+        assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])  # kept logits unchanged
+
+
+def test_draft_rows_masked_as_vllm_masks_them(rs, monkeypatch):
+    """``apply_sampling_constraints`` in a lookahead step (temperature, then per-request top-k/top-p over each
+    request's draft rows) gives vLLM's logits; with a seeded request in the step, vLLM's function runs."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    from lookahead_vllm.ops import sampling
+
+    batch, counts = 4, [3, 1, 0, 2]
+    torch.manual_seed(4)
+    logits = torch.randn(sum(counts), 3000) * 4
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+
+    def metadata(generators):
+        return SamplingMetadata(
+            temperature=torch.tensor([0.8, 0.0, 1.2, 0.6]), all_greedy=False, all_random=False,
+            top_p=torch.tensor([0.9, 1.0, 0.5, 0.95]), top_k=torch.tensor([3000, 3000, 40, 20]),
+            generators=generators, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+            frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+            repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+            logprob_token_ids=None, spec_token_ids=None, thinking_budget_state_holder=None)
+
+    calls = []
+    nucleus = sampling.nucleus_
+    monkeypatch.setattr(sampling, "nucleus_", lambda *a: calls.append(1) or nucleus(*a))
+    for generators, used in (({}, [1]), ({3: torch.Generator()}, [1])):
+        outs = []
+        for lookahead in (True, False):
+            monkeypatch.setattr(patches, "_lookahead_sampling", lookahead)
+            outs.append(rs.apply_sampling_constraints(logits.clone(), cu, metadata(generators)))
+        assert torch.equal(outs[0].isfinite(), outs[1].isfinite()) and torch.equal(outs[0], outs[1])
+        assert calls == used
+    kept = outs[0].isfinite().sum(-1).tolist()
+    assert kept[3] == 3000 and all(0 < n < 20 for n in kept[4:])  # no filter; top-p within the top 20
