@@ -184,14 +184,14 @@ def stop_servers(servers: list[Server]) -> None:
             s.proc.wait(timeout=30)
 
 
-async def one_request(client: Any, server: Server, prompt: str, max_tokens: int, temperature: float = 0.0
-                      ) -> tuple[float, float, int, str]:
-    """One streamed completion: greedy, or sampled at ``temperature`` with the end-of-text token ignored
-    (every method then generates ``max_tokens``, whatever its draws)."""
+async def one_request(client: Any, server: Server, prompt: str, max_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0) -> tuple[float, float, int, str]:
+    """One streamed completion: greedy, or sampled at ``temperature`` (and ``top_p``) with the end-of-text token
+    ignored (every method then generates ``max_tokens``, whatever its draws)."""
     start = time.perf_counter()
     ttft, text, tokens = None, "", 0
     stream = await client.completions.create(
-        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if temperature else None,
     )
     async for chunk in stream:
@@ -205,8 +205,8 @@ async def one_request(client: Any, server: Server, prompt: str, max_tokens: int,
 
 
 async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequence[int], in_flight: int | None = None,
-                   arrivals: Sequence[float] | None = None, temperature: float | Sequence[float] = 0.0
-                   ) -> tuple[float, list]:
+                   arrivals: Sequence[float] | None = None, temperature: float | Sequence[float] = 0.0,
+                   top_p: float = 1.0) -> tuple[float, list]:
     """Send ``prompts`` (``max_tokens`` each, or the i-th cap to the i-th; ``temperature`` likewise) with at most
     ``in_flight`` requests out at once (None: all at once), or each at its ``arrivals``
     offset (seconds from the wave's start, whatever is in flight: an open loop);
@@ -228,7 +228,7 @@ async def run_wave(server: Server, prompts: list[str], max_tokens: int | Sequenc
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with slots:
             sent = time.perf_counter() - start
-            return (*await one_request(client, server, prompt, cap, temp), sent)
+            return (*await one_request(client, server, prompt, cap, temp, top_p if temp else 1.0), sent)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(p, cap, temp, at) for p, cap, temp, at in
@@ -298,7 +298,7 @@ def busy_seconds() -> float:
 
 
 def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int | Sequence[int], depth: int = 1,
-             rate: float | None = None, temperature: float | Sequence[float] = 0.0) -> Cell:
+             rate: float | None = None, temperature: float | Sequence[float] = 0.0, top_p: float = 1.0) -> Cell:
     """Waves of ``c * depth`` prompts, at most ``c`` requests in flight, or (``rate`` requests a
     second) sent at Poisson arrival times, the same for every method; every method runs each wave
     (``max_tokens``, ``temperature``: one for every prompt, or one per prompt; a request samples
@@ -318,7 +318,7 @@ def run_cell(servers: list[Server], prompts: list[str], c: int, max_tokens: int 
         arrivals = poisson_arrivals(len(wave), rate, seed=w) if rate else None
         busy0, ours0 = busy_seconds(), tree_cpu_seconds(roots)
         for s in order:
-            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals, wave_temps))
+            wall, results = asyncio.run(run_wave(s, wave, caps, None if rate else c, arrivals, wave_temps, top_p))
             cell.seconds.setdefault(s.name, []).append(wall)
             cell.tokens.setdefault(s.name, []).append(sum(r[2] for r in results))
             cell.latency.setdefault(s.name, []).extend(r[0] for r in results)
@@ -560,6 +560,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy, every text compared with plain's; T > 0: sampled at T with the "
                              "end-of-text token ignored (every method generates --max-tokens), texts not compared")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="with --temperature: the sampled requests' top_p (default 1: off)")
     parser.add_argument("--sampled-share", type=float, default=1.0, metavar="F",
                         help="with --temperature: the share of requests that sample, spread evenly in prompt order "
                              "(the rest greedy, their texts compared with plain's): greedy and sampled requests "
@@ -616,6 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {low}")
     if not 0 <= args.temperature <= 2:
         parser.error(f"--temperature {args.temperature}: must be in [0, 2]")
+    if not 0 < args.top_p <= 1 or (args.top_p < 1 and not args.temperature):
+        parser.error(f"--top-p {args.top_p}: must be in (0, 1], and below 1 only with --temperature > 0")
     if not 0 < args.sampled_share <= 1:
         parser.error(f"--sampled-share {args.sampled_share}: must be in (0, 1]")
     if args.sampled_share < 1 and not args.temperature:
@@ -706,7 +710,7 @@ def main(argv: list[str] | None = None) -> None:
                 cell_prompts = prompts[dataset][first:first + n]
                 caps = length_caps(cell_prompts, args)
                 temps = sampling_temperatures(len(cell_prompts), args.temperature, args.sampled_share)
-                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate, temps)
+                cell = run_cell(servers, cell_prompts, c, caps, args.depth, args.request_rate, temps, args.top_p)
                 cells.append(summarize(cell, c, dataset, args.depth))
                 cells[-1]["sampled_requests"] = len(cell.sampled)
                 if args.vary_lengths is not None:

@@ -1095,7 +1095,7 @@ def test_bench_serve_sustained_waves_keep_c_requests_in_flight(monkeypatch):
     assert args.counts == [6, 48]  # c * depth * waves
     live, peak, order = [0], [0], []
 
-    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0, top_p=1.0):
         live[0] += 1
         peak[0] = max(peak[0], live[0])
         order.append(prompt)
@@ -1129,18 +1129,21 @@ def test_bench_serve_varied_lengths_give_each_prompt_one_cap_for_every_method(mo
         bench_serve.parse_args(["--max-tokens", "64", "--vary-lengths", "65"])
     asked = {}
 
-    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
-        asked[prompt] = max_tokens, temperature
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0, top_p=1.0):
+        asked[prompt] = max_tokens, temperature, top_p
         return 0.1, 0.01, max_tokens, prompt
 
     monkeypatch.setattr(bench_serve, "one_request", fake_request)
     server = types.SimpleNamespace(url="http://127.0.0.1:9")
     asyncio.run(bench_serve.run_wave(server, prompts[:5], caps[:5], in_flight=2))
-    assert asked == {p: (cap, 0.0) for p, cap in zip(prompts[:5], caps[:5])}
+    assert asked == {p: (cap, 0.0, 1.0) for p, cap in zip(prompts[:5], caps[:5])}
     asyncio.run(bench_serve.run_wave(server, prompts[:2], caps[:2], in_flight=2, temperature=0.8))
-    assert [asked[p] for p in prompts[:2]] == [(cap, 0.8) for cap in caps[:2]]  # --temperature reaches each request
-    asyncio.run(bench_serve.run_wave(server, prompts[:3], caps[:3], in_flight=2, temperature=[0.0, 0.8, 0.0]))
-    assert [asked[p] for p in prompts[:3]] == [(caps[0], 0.0), (caps[1], 0.8), (caps[2], 0.0)]  # one per request
+    assert [asked[p] for p in prompts[:2]] == [(cap, 0.8, 1.0) for cap in caps[:2]]  # --temperature reaches each
+    asyncio.run(bench_serve.run_wave(server, prompts[:3], caps[:3], in_flight=2, temperature=[0.0, 0.8, 0.0],
+                                     top_p=0.9))  # --top-p reaches the sampled requests only
+    assert [asked[p] for p in prompts[:3]] == [(caps[0], 0.0, 1.0), (caps[1], 0.8, 0.9), (caps[2], 0.0, 1.0)]
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--top-p", "0.9"])  # greedy requests have no top_p
 
 
 def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
@@ -1152,7 +1155,7 @@ def test_bench_serve_open_loop_sends_each_request_at_its_arrival(monkeypatch):
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--request-rate", "0"])
 
-    async def fake_request(client, server, prompt, max_tokens, temperature=0.0):
+    async def fake_request(client, server, prompt, max_tokens, temperature=0.0, top_p=1.0):
         await asyncio.sleep(0.2)  # slower than the arrivals: an open loop does not wait for it
         return 0.2, 0.01, max_tokens, prompt
 
