@@ -80,7 +80,9 @@ def _cpu_rejection_sample():
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's CPU kernels: a CPU build of vLLM")
-    patches.apply("cpu_kernel_overrides_once")
+    # As an engine's process: vLLM's expand kernel fixed before the overrides register it (they are registered once a
+    # process, so a later test sampling at T > 0 reads the fixed one).
+    assert patches.apply("cpu_expand_kernel") and patches.apply("cpu_kernel_overrides_once")
     current_platform.register_triton_kernel_overrides()
     return rejection_sampler.rejection_sample
 
