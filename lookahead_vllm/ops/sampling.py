@@ -152,13 +152,16 @@ def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fall
     vals, idx = logits.topk(c, dim=-1)
     kth = vals.gather(1, (kk.clamp(max=c) - 1)[:, None])
     in_k = ~has_k[:, None] | (vals >= kth)
-    # The normaliser: over the row's top-k tokens (all among the candidates), else over the row.
+    # The normaliser: over the row's top-k tokens (all among the candidates), else (a top-p row) over the row.
     top = vals[:, :1]
-    total = torch.where(has_k, (vals - top).exp().mul_(in_k).sum(-1), (logits - top).exp().sum(-1))
-    probs = (vals - top).exp().mul_(in_k) / total[:, None]
+    weights = (vals - top).exp_().mul_(in_k)
+    total = weights.sum(-1)
+    whole = torch.nonzero(~has_k & has_p)[:, 0]
+    total[whole] = (logits[whole] - top[whole]).exp_().sum(-1)
+    probs = weights.div_(total[:, None])
     above = probs.cumsum(-1) - probs
     keep = in_k & (~has_p[:, None] | (above < p[:, None]))
-    beyond = (has_k & (kk > c)) | (has_k & (kk <= c) & (vals[:, -1] >= kth[:, 0]) & (c < vocab))
+    beyond = has_k & ((kk > c) | ((vals[:, -1] >= kth[:, 0]) & (c < vocab)))
     beyond |= ~has_k & has_p & (probs.sum(-1) < p)
     filtered = (has_k | has_p) & ~beyond
     if filtered.any():
