@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -196,12 +196,13 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
             and drafter.config.profile.argmax_sampling):
         out = greedy_sample(self, logits, spec_decode_metadata)
     if out is None:
-        global _lookahead_sampling
+        global _lookahead_sampling, _seeded_step
         _lookahead_sampling = isinstance(drafter, LookaheadProposer)
+        _seeded_step = bool(self.input_batch.generators)
         try:
             out = original(self, logits, spec_decode_metadata)
         finally:
-            _lookahead_sampling = False
+            _lookahead_sampling = _seeded_step = False
     verifier = getattr(drafter, "verifier", None)
     if verifier is not None:
         verifier.finish_step(self, logits, spec_decode_metadata, out)
@@ -209,8 +210,9 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
 
 
 # True while a lookahead runner's step samples through vLLM's samplers (patch_runner_sampling): its speculative
-# sampling then runs through sampling.sample_drafted (patch rejection_sampling).
-_lookahead_sampling = False
+# sampling then runs through sampling.sample_drafted, its top-p masks through sampling.nucleus_ (patch
+# rejection_sampling); _seeded_step: a seeded request is in that step (vLLM's masks then, to the bit).
+_lookahead_sampling = _seeded_step = False
 REJECTION_PARAMS = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
                     "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
                     "synthetic_conditional_rates", "use_fp64_gumbel")
@@ -220,10 +222,10 @@ def patch_rejection_sampling() -> bool:
     """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
     :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
     distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in
-    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. Its
-    ``apply_sampling_constraints`` masks the draft rows' top-p (and top-k) with
-    :func:`lookahead_vllm.ops.sampling.nucleus_` (no sort of the vocabulary a row) unless a seeded request is in
-    the step."""
+    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. In the
+    same steps, unless a seeded request is in them, every top-p mask vLLM's samplers apply (draft rows, bonus rows,
+    rows of a step without drafts) is :func:`lookahead_vllm.ops.sampling.nucleus_`'s: no sort of the vocabulary
+    a row."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
@@ -240,22 +242,16 @@ def patch_rejection_sampling() -> bool:
         return sampling_ops.sample_drafted(draft_token_ids, num_draft_tokens, target_logits, bonus_token_ids, greedy,
                                            md.generators, max_spec_len)
 
-    def apply_sampling_constraints(original, logits, cu_num_draft_tokens, sampling_metadata):
-        md = sampling_metadata
-        if (not _lookahead_sampling or logits.device.type != "cpu" or md.all_greedy or md.top_p is None
-                or md.generators):  # a seeded request in the step: vLLM's masks, to the bit
-            return original(logits, cu_num_draft_tokens, md)
-        logits = original(logits, cu_num_draft_tokens, replace(md, top_k=None, top_p=None))
-        n = logits.shape[0]
-        k = None if md.top_k is None else rs.expand_batch_to_tokens(md.top_k, cu_num_draft_tokens, n)
-        return sampling_ops.nucleus_(logits, k, rs.expand_batch_to_tokens(md.top_p, cu_num_draft_tokens, n),
-                                     apply_top_k_top_p_pytorch)
+    def top_k_top_p(original, logits, k, p):
+        if not _lookahead_sampling or _seeded_step or p is None or logits.device.type != "cpu":
+            return original(logits, k, p)
+        return sampling_ops.nucleus_(logits, k, p, original)
 
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+    from vllm.v1.sample.ops import topk_topp_sampler
 
     wrap((rs, "rejection_sample", rejection_sample, REJECTION_PARAMS),
-         (rs, "apply_sampling_constraints", apply_sampling_constraints,
-          ("logits", "cu_num_draft_tokens", "sampling_metadata")))
+         (rs, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")),
+         (topk_topp_sampler, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")))
     return True
 
 

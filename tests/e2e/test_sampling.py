@@ -79,7 +79,7 @@ def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, pla
     running requests load adaptation, load_stop_at=16, would stop drafting, leaving plain sampling). The drafts are
     verified by lookahead's speculative sampling (patch rejection_sampling; its distribution:
     tests/vllm/test_rejection_sampling.py): the first and last batches seeded (vLLM's draws and top-p masks), the
-    second unseeded (the draft rows' top-p masked by ``nucleus_``)."""
+    second unseeded (its top-p masks, draft rows and one-token rows alike, by ``nucleus_``)."""
     from vllm import SamplingParams
 
     from lookahead_lab.offline import find_proposers
@@ -98,7 +98,7 @@ def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, pla
     # Measured: 209-251 accepted in batches of 8; 0 with the 20 prompts in one batch.
     assert proposer.metrics.accepted_tokens - before > 2 * len(sampling_prompts), "few drafts accepted while sampling"
     assert calls["sample_drafted"], "vLLM's rejection sampling ran, not lookahead's"
-    assert calls["nucleus_"], "the unseeded batch's draft rows were masked by vLLM's sort, not lookahead's"
+    assert calls["nucleus_"], "the unseeded batch was masked by vLLM's sort, not lookahead's"
     ll_plain = plain_loglik
     ll_ours = _mean_loglik(engines.get("plain"), tokenizer, sampling_prompts, ours)
     print(f"mean log-likelihood per token: plain {ll_plain:.3f}, lookahead {ll_ours:.3f}")

@@ -196,6 +196,7 @@ def test_draft_rows_masked_as_vllm_masks_them(rs, monkeypatch):
     monkeypatch.setattr(sampling, "nucleus_", lambda *a: calls.append(1) or nucleus(*a))
     for generators, used in (({}, [1]), ({3: torch.Generator()}, [1])):
         outs = []
+        monkeypatch.setattr(patches, "_seeded_step", bool(generators))
         for lookahead in (True, False):
             monkeypatch.setattr(patches, "_lookahead_sampling", lookahead)
             outs.append(rs.apply_sampling_constraints(logits.clone(), cu, metadata(generators)))
@@ -203,3 +204,33 @@ def test_draft_rows_masked_as_vllm_masks_them(rs, monkeypatch):
         assert calls == used
     kept = outs[0].isfinite().sum(-1).tolist()
     assert kept[3] == 3000 and all(0 < n < 20 for n in kept[4:])  # no filter; top-p within the top 20
+
+
+def test_one_token_rows_masked_as_vllm_masks_them(rs, monkeypatch):
+    """vLLM's sampler (a bonus row, a row of a step without drafts) in a lookahead step: its top-p/top-k masks are
+    ``nucleus_``'s and equal vLLM's (the processed logits it returns), and every token sampled is one the mask
+    keeps; with a seeded request in the step, or outside a lookahead step, vLLM's sort runs."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from lookahead_vllm.ops import sampling
+
+    sampler = TopKTopPSampler("processed_logits")
+    torch.manual_seed(5)
+    logits = torch.randn(6, 3000) * 4
+    p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.8, 0.7])
+    k = torch.tensor([3000, 3000, 40, 20, 3000, 5])
+    calls = []
+    nucleus = sampling.nucleus_
+    monkeypatch.setattr(sampling, "nucleus_", lambda *a: calls.append(1) or nucleus(*a))
+    for top_k in (None, k):
+        outs = {}
+        for lookahead, seeded in ((True, False), (True, True), (False, False)):
+            monkeypatch.setattr(patches, "_lookahead_sampling", lookahead)
+            monkeypatch.setattr(patches, "_seeded_step", seeded)
+            tokens, masked = sampler(logits.clone(), {}, top_k, p)
+            assert masked[torch.arange(6), tokens].isfinite().all()
+            outs[lookahead, seeded] = masked
+        assert torch.equal(outs[True, False], outs[False, False]) and torch.equal(outs[True, True], outs[False, False])
+    assert len(calls) == 2  # once a batch: in the lookahead step without a seeded request
+    kept = outs[True, False].isfinite().sum(-1).tolist()
+    assert kept[1] == 3000 and all(0 < n <= 40 for n in kept[2:4]) and kept[5] <= 5
