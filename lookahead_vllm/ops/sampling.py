@@ -137,14 +137,18 @@ def _draw(weights: torch.Tensor) -> np.ndarray:
     return picked.numpy()
 
 
+WIDEST = 4096  # nucleus_'s widest candidate set before vLLM's sort
+
+
 def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fallback: Any,
              candidates: int = 256) -> torch.Tensor:
     """vLLM's top-k and top-p masks on CPU logits rows (``k [rows]`` or None, ``p [rows]``), in place, from each row's
     ``candidates`` largest logits instead of a sort of the vocabulary: a row keeps the tokens at or above its k-th
     largest logit, then the most likely of them until their probability reaches its ``p`` (the one that crosses it
     included); the rest become -inf. A row whose kept tokens may reach past its candidates (their probability under
-    ``p``, or a tie with the k-th at the last) goes through ``fallback`` (vLLM's sort,
-    ``apply_top_k_top_p_pytorch``). The mask is vLLM's up to float rounding at the nucleus' edge."""
+    ``p``, or a tie with the k-th at the last) is masked again from 16 times as many, and past ``WIDEST`` through
+    ``fallback`` (vLLM's ``apply_top_k_top_p``, a sort of the vocabulary a row: 6.3 ms here, ``topk`` of 256 0.36 ms
+    and of 4096 1.2 ms). The mask is vLLM's up to float rounding at the nucleus' edge."""
     rows, vocab = logits.shape
     c = min(candidates, vocab)
     kk = torch.full((rows,), vocab) if k is None else k.to(torch.long).clamp(1, vocab)
@@ -170,7 +174,9 @@ def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fall
         logits[f] = masked.scatter_(1, idx[f], torch.where(keep[f], vals[f], float("-inf")))
     if beyond.any():
         b = torch.nonzero(beyond)[:, 0]
-        logits[b] = fallback(logits[b], None if k is None else k[b], p[b])
+        wider = min(c * 16, WIDEST)
+        logits[b] = (nucleus_(logits[b], None if k is None else k[b], p[b], fallback, wider) if c < wider < vocab
+                     else fallback(logits[b], None if k is None else k[b], p[b]))
     return logits
 
 

@@ -162,10 +162,21 @@ def test_nucleus_masks_what_vllms_sort_masks(rs, scale):
     p = torch.tensor([0.5, 0.9, 0.95, 1.0])[torch.arange(rows) % 4]
     k = torch.tensor([vocab, 1, 20, 300, vocab, 50])[torch.arange(rows) % 6]
     for top_k in (None, k):
-        ours = nucleus_(logits.clone(), top_k, p, apply_top_k_top_p_pytorch)
+        sorted_rows = []
+
+        def sort(*args):
+            sorted_rows.append(len(args[0]))
+            return apply_top_k_top_p_pytorch(*args)
+
+        ours = nucleus_(logits.clone(), top_k, p, sort)
         vllm = apply_top_k_top_p_pytorch(logits.clone(), top_k, p)
         assert torch.equal(ours.isfinite(), vllm.isfinite()), (ours.isfinite() != vllm.isfinite()).nonzero()[:5]
         assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])  # kept logits unchanged
+        kept = vllm.isfinite().sum(-1)
+        # Rows keeping up to 4096 tokens are masked from candidates, without the sort (k-th ties aside).
+        assert sum(sorted_rows) <= int((kept >= 4000).sum()) + int((kept == k).sum() if top_k is not None else 0)
+        if scale == 1.0:
+            assert ((kept > 256) & (kept < 4000)).any()  # the second candidate set is exercised
 
 
 def test_draft_rows_masked_as_vllm_masks_them(rs, monkeypatch):
