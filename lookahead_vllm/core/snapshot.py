@@ -1,41 +1,31 @@
-"""Drafter snapshots: what the engine learned, written on shutdown and read back on start, so a
-restarted server does not start cold (docs/configuration.md, ``snapshot_path``).
+"""Drafter snapshots: what the engine learned, written on shutdown and read back on start, so a restarted
+server does not start cold (docs/configuration.md, ``snapshot_path``).
 
-Terms:
-
-  corpus     the draft index's finished outputs, oldest first (``DraftIndex.corpus_sequences``).
-             Adding and finishing them in that order into an empty index rebuilds its corpus
-             exactly, under whatever index settings the new engine runs (they are raw tokens).
-  trie table the trie's output counts as a node table in pre-order (``NativeTrie.output_counts``):
-             ``parents[i]`` indexes an earlier row (-1 = the root), ``tokens[i]`` its token,
-             ``counts[i]`` its output count. Prompt counts belong to running requests and are not
-             stored.
-  labels     each output's partition (core/partitions.py): "" the default partition,
-             "sha256:<hex>" a salted one (written only where the policy saves salted partitions;
-             the salt itself never is).
-  identity   what the token ids mean: the model (tokenizer) name and its vocabulary size. A
-             snapshot of another identity is refused.
+  corpus     the draft index's finished outputs, oldest first (``DraftIndex.corpus_sequences``): added and
+             finished in that order into an empty index, they rebuild its corpus exactly, under any settings.
+  trie table the trie's output counts as a pre-order node table (``NativeTrie.output_counts``): ``parents[i]``
+             an earlier row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its output count. Prompt
+             counts belong to running requests and are not stored.
+  labels     each output's partition (core/partitions.py): "" the default one, "sha256:<hex>" a salted one
+             (written only where the policy saves salted partitions; the salt itself never is).
+  identity   what the token ids mean: the tokenizer's name and vocabulary size; another identity is refused.
 
 File layout (little-endian)::
 
     magic     8 bytes  b"LKAHSNAP"
     version   uint32   FORMAT_VERSION
-    header    uint32 length + JSON: identity, settings, info, counts,
-              "partitions": the salted labels held
+    header    uint32 length + JSON: identity, settings, info, counts, "partitions": the salted labels held
     lengths   int32[num_sequences]
     labels    int32[num_sequences]: 0 = "", i = partitions[i - 1]  (version 2)
     tokens    int32[sum(lengths)]
     trie      int32[n] parents, int32[n] tokens, float64[n] counts
     crc32     uint32 of every byte before it
 
-``settings`` records the config fields that shape drafts; only those that change what is stored are
-checked (``branch_length``, the trie table's depth, when the snapshot has a trie table). A crash
-leaves the old snapshot or the new one, never a part (:func:`write_snapshot`). Version 1 files (no
-labels: all outputs in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
+``settings`` records the config fields that shape drafts; only ``branch_length`` (the trie table's depth) is
+checked, where the snapshot has a trie table. A crash leaves the old snapshot or the new one, never a part. Version
+1 files (no labels: every output in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
 
-Worked example: an engine served two requests whose outputs were ``5 6 7`` then ``8 9``; its
-snapshot holds lengths ``[3, 2]`` and tokens ``5 6 7 8 9``. A new engine adds ``5 6 7`` then ``8 9``
-as finished outputs and drafts exactly as the old one did from its corpus.
+Example: outputs ``5 6 7`` then ``8 9`` are stored as lengths ``[3, 2]`` and tokens ``5 6 7 8 9``.
 """
 
 from __future__ import annotations
@@ -43,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -59,8 +50,7 @@ import numpy as np
 
 MAGIC = b"LKAHSNAP"
 FORMAT_VERSION = 2
-# Versions this build reads (1: before partitions, every output in the default one).
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2)  # 1: before partitions, every output in the default one
 # Config fields written to the header (those that shape drafts).
 DRAFT_SETTINGS = ("source", "branch_length", "index_ngram", "index_backoff",
                   "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
@@ -86,18 +76,12 @@ class TrieTable:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    # Model name and vocabulary size the token ids belong to.
-    identity: dict[str, Any]
-    # DRAFT_SETTINGS of the engine that wrote it.
-    settings: dict[str, Any]
-    # Free-form facts (e.g. the warm_start file's digest).
-    info: dict[str, Any]
-    # Finished outputs, oldest first.
-    sequences: list[list[int]]
-    # The trie's output counts (None: no trie source).
-    trie: TrieTable | None
-    # Each output's partition label (core/partitions.py).
-    labels: list[str]
+    identity: dict[str, Any]  # model name and vocabulary size the token ids belong to
+    settings: dict[str, Any]  # DRAFT_SETTINGS of the engine that wrote it
+    info: dict[str, Any]  # free-form facts (e.g. the warm_start file's digest)
+    sequences: list[list[int]]  # finished outputs, oldest first
+    trie: TrieTable | None  # the trie's output counts (None: no trie source)
+    labels: list[str]  # each output's partition label
 
     def __post_init__(self) -> None:
         if len(self.labels) != len(self.sequences):
@@ -119,27 +103,21 @@ def settings_of(config: Any) -> dict[str, Any]:
     return {name: getattr(config if hasattr(config, name) else config.profile, name) for name in DRAFT_SETTINGS}
 
 
-# -------------------------------------------------------------------- lock
 class SnapshotLock:
-    """The advisory lock of the one process that writes the snapshot at ``path``: ``flock(LOCK_EX |
-    LOCK_NB)`` on ``<path>.lock``, whose text names the holder (``pid <pid> on <host>``). Locks
-    conflict between processes and between two opens of the file in one process (flock locks an open
-    file description); the kernel releases the lock of a process that dies. ``release`` removes the
-    file, so ``acquire`` checks that the file it locked is still the one at the path. A child forked
-    while the lock is held closes its copy of the descriptor at once (``os.register_at_fork``): else
-    the child (a compile worker, a subprocess pool) would keep the lock after this process is gone. A
-    fork waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``), so no child is forked
-    between the open and the lock's entry in ``_held``."""
+    """The advisory lock of the one process that writes the snapshot at ``path``: ``flock(LOCK_EX | LOCK_NB)`` on
+    ``<path>.lock``, whose text names the holder (``pid <pid> on <host>``). flock locks an open file description, so
+    two opens in one process conflict too; the kernel releases a dead process's lock. ``release`` removes the file, so
+    ``acquire`` checks that the file it locked is still the one at the path. A child forked while the lock is held
+    closes its copy of the descriptor at once (else a compile worker or subprocess pool would keep the lock after this
+    process is gone); a fork waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``)."""
 
-    # The locks held in this process, for the forked child to let go of.
+    # The locks held in this process, for a forked child to let go of.
     _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = f"{path}.lock"
-        # The locked file while held.
-        self._fd: int | None = None
-        # Who held it when acquire found it taken ("" unknown).
-        self.holder = ""
+        self._fd: int | None = None  # the locked file while held
+        self.holder = ""  # who held it when acquire found it taken ("" unknown)
 
     @property
     def held(self) -> bool:
@@ -205,12 +183,11 @@ class SnapshotLock:
         return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
-# Held by SnapshotLock.acquire / release, and by os.fork around the fork (in a list: the child
-# gets a new one, the one it inherits being held by the forking thread). Reentrant: a release
-# can run inside an acquire on one thread (a garbage collection closing an old engine).
+# Held by SnapshotLock.acquire and release, and by os.fork around the fork, so no child is forked between
+# the open and the lock's entry in ``_held``. In a list: the child makes a new one (the one it inherits is
+# held by the forking thread). Reentrant: a garbage collection can close an old engine inside an acquire.
 _FORK_GUARD = [threading.RLock()]
-# Whether the fork under way took the guard (a signal can interrupt the wait; the fork goes on).
-_FORK_TOOK = [False]
+_FORK_TOOK = [False]  # whether the fork under way took the guard (a signal can interrupt the wait)
 
 
 def _before_fork() -> None:
@@ -225,8 +202,7 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """Close this process's copies of the held locks' descriptors (the lock stays the parent's:
-    it belongs to the open file description) and hold none."""
+    """Close this process's copies of the held locks' descriptors (the lock stays the parent's)."""
     _FORK_GUARD[0], _FORK_TOOK[0] = threading.RLock(), False
     for lock in list(SnapshotLock._held):
         fd, lock._fd = lock._fd, None
@@ -239,7 +215,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-# ------------------------------------------------------------------- write
 def encode(snap: Snapshot) -> bytes:
     lengths = np.asarray([len(s) for s in snap.sequences], "<i4")
     tokens = np.concatenate([np.asarray(s, "<i4") for s in snap.sequences]) if snap.sequences else np.zeros(0, "<i4")
@@ -282,7 +257,6 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot) -> None:
             os.close(fd)
 
 
-# -------------------------------------------------------------------- read
 def decode(data: bytes) -> Snapshot:
     """Parse and check a snapshot's bytes; SnapshotError says what is wrong."""
     if len(data) < _PREFIX.size + 4:
@@ -305,14 +279,13 @@ def decode(data: bytes) -> Snapshot:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"unreadable header ({exc!r})") from None
     nl = ns if version >= 2 else 0
-    sizes = tuple(zip((ns, nl, nt, nn, nn, nn), _DTYPES))
-    at, arrays = _PREFIX.size + hlen, []
-    if at + sum(n * np.dtype(d).itemsize for n, d in sizes) != len(data) - 4:
+    sizes = (ns, nl, nt, nn, nn, nn)
+    starts = list(itertools.accumulate((n * np.dtype(d).itemsize for n, d in zip(sizes, _DTYPES)),
+                                       initial=_PREFIX.size + hlen))
+    if starts[-1] != len(data) - 4:
         raise SnapshotError("payload size does not match the header (truncated or corrupt file)")
-    for n, dtype in sizes:
-        arrays.append(np.frombuffer(data, dtype, n, at))
-        at += n * np.dtype(dtype).itemsize
-    lengths, label_ids, tokens, parents, ttokens, counts = arrays
+    lengths, label_ids, tokens, parents, ttokens, counts = (
+        np.frombuffer(data, dtype, n, at) for n, dtype, at in zip(sizes, _DTYPES, starts))
     if nl and ((label_ids < 0) | (label_ids > len(salted))).any():
         raise SnapshotError("an output's partition is not in the header's partitions")
     names = ["", *salted]

@@ -1,14 +1,13 @@
-"""Warm-start files (config ``warm_start``): past responses or a corpus the drafter learns before
-serving. ``*.jsonl``: one JSON object a line, its text the first of ``TEXT_FIELDS`` that holds a
-string (blank lines skipped; any other line skipped and counted); any other name: plain text,
-paragraphs split on blank lines, each stripped.
+"""Warm-start files (config ``warm_start``): past responses or a corpus the drafter learns before serving.
 
-Worked example: ``{"response": "def f(): pass"}`` then ``{"id": 3}`` gives one text and one skipped
-line; the plain text ``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
+``*.jsonl``: one JSON object a line, its text the first of ``TEXT_FIELDS`` holding a string (blank lines skipped,
+any other line skipped and counted); any other name: plain text, paragraphs split on blank lines, each stripped.
+E.g. ``{"response": "def f(): pass"}`` then ``{"id": 3}`` give one text and one skipped line; the plain text
+``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
 
-A file is streamed (:class:`WarmReader`), read as text mode reads it (UTF-8, undecodable bytes
-replaced, universal newlines); the sha256 a snapshot names is of exactly the bytes the texts came from,
-so a file replaced while the engine starts is never named by one version and learned as another.
+A file is streamed as text mode reads it (UTF-8, undecodable bytes replaced, universal newlines), and the sha256 a
+snapshot names is of exactly the bytes the texts came from: a file replaced while the engine starts is never named
+by one version and learned as another.
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ import os
 import stat
 from typing import Iterator
 
-# JSONL fields holding a text, in order of preference.
-TEXT_FIELDS = ("text", "response", "output", "completion")
-# What a plain-text line holding only these is: a paragraph break.
-_BLANK = " \t\r\f\v"
-# Bytes read at a time.
-CHUNK_BYTES = 1 << 20
+TEXT_FIELDS = ("text", "response", "output", "completion")  # in order of preference
+_BLANK = " \t\r\f\v"  # a plain-text line holding only these is a paragraph break
+CHUNK_BYTES = 1 << 20  # bytes read at a time
 
 
 class _Hashing(io.RawIOBase):
@@ -57,11 +53,9 @@ class _Hashing(io.RawIOBase):
 
 
 class WarmReader:
-    """One pass over a warm-start file: :meth:`texts` yields its texts in order (see the module
-    docstring); once they are exhausted, :attr:`digest` is the sha256 (hex) of the bytes read and
-    :attr:`skipped_lines` the JSONL lines that were not an object with a text field (1-based).
-    OSError if the file cannot be opened or is not a regular file (a FIFO would block the engine's
-    start)."""
+    """One pass over a warm-start file: :meth:`texts` yields its texts in order; once they are exhausted,
+    :attr:`digest` is the sha256 (hex) of the bytes read and :attr:`skipped_lines` the 1-based JSONL lines
+    with no text field. OSError if the file cannot be opened or is not a regular file."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
@@ -113,7 +107,7 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 def _open(path: str | os.PathLike) -> _Hashing:
-    """``path`` opened for hashed reading; OSError if it is not a regular file (a FIFO would block)."""
+    """``path`` opened for hashed reading; OSError if it is not a regular file (a FIFO would block the start)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -1,9 +1,8 @@
 """Route this package's log records through vLLM's logging setup.
 
-vLLM configures only the ``vllm`` logger; records of ``lookahead_vllm.*`` loggers would reach Python's last-resort
-handler, which drops INFO. vLLM configures it after the plugins load (``LLM.__init__``, the CLI after parsing its
-arguments), and a forked worker keeps whatever its parent had then; so the records are handed to the ``vllm`` logger
-when they are logged, not its handlers copied when the plugin loads.
+vLLM configures only the ``vllm`` logger (else Python's last-resort handler drops our INFO), and only after the plugins
+load (``LLM.__init__``, the CLI after parsing its arguments), a forked worker keeping what its parent had then: so each
+record is handed to the ``vllm`` logger when it is logged, rather than its handlers copied when the plugin loads.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ PACKAGE_LOGGER = "lookahead_vllm"
 
 
 class _ThroughVllm(logging.Handler):
-    """Log a record as if it came from a child of the ``vllm`` logger: its level, its
-    handlers, and its propagation (to the root where vLLM's configuration is off)."""
+    """Log a record as a child of the ``vllm`` logger would: its level, handlers and propagation."""
 
     def emit(self, record: logging.LogRecord) -> None:
         theirs = logging.getLogger("vllm")

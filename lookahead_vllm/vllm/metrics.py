@@ -1,12 +1,8 @@
-"""Lookahead's own metrics: Prometheus ``lookahead_*`` series and a periodic log line.
+"""Lookahead's own metrics: Prometheus ``lookahead_*`` series (the README's metrics table) and a periodic log line.
 
-Each proposer's :class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots
-of its :class:`StepStats` into ``$LOOKAHEAD_VLLM_STATS_DIR`` (:func:`setup_process`), and the
-API server's :class:`StatsCollector` sums them at each scrape (docs/how-it-works.md, "How
-serving works"). The series are in the README's metrics table (tests/test_readme.py).
-
-Accepted tokens are counted from what vLLM sampled: a row that returns ``m``
-tokens accepted ``m - 1`` drafts of the previous step.
+Each proposer's :class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of its :class:`StepStats`
+into ``$LOOKAHEAD_VLLM_STATS_DIR``, and the API server's :class:`StatsCollector` sums them at each scrape
+(docs/how-it-works.md, "How serving works"). A row that returns ``m`` sampled tokens accepted ``m - 1`` drafts.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ from typing import Any, Iterator
 
 STATS_DIR_ENV = "LOOKAHEAD_VLLM_STATS_DIR"
 PUBLISH_INTERVAL_S = 0.5
-# A publisher that stops writes its last snapshot to its file name plus this, for the collector.
-FINAL_SUFFIX = ".final"
+FINAL_SUFFIX = ".final"  # a stopped publisher's last snapshot: its file name plus this
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
 TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SKIP_REASONS = ("request", "load", "cost")
@@ -63,8 +58,7 @@ class StepStats:
     trie_nodes: int = 0
     drafter_bytes: int = 0
     load_budget: int = 0
-    # The forward-cost model's live prices (core/prices.py): "pinned" by the
-    # configuration, the platform's "prior", or "fitted" to step times.
+    # The forward-cost model's live prices (core/prices.py); source: "pinned", "prior" or "fitted".
     price_free_tokens: int = 0
     price_marginal_tokens: float = 0.0
     price_draft_setup: float = 0.0
@@ -73,14 +67,12 @@ class StepStats:
     price_step_seconds: float = 0.0
     price_samples: int = 0
     price_source: str = "pinned"
-    # Tenant isolation (core/partitions.py): the policy, the partitions held
-    # and the corpus's charge over them (read with the memory gauges).
+    # Tenant isolation (core/partitions.py): the policy, the partitions held and the corpus's charge.
     draft_sharing: str = ""
     draft_partitions: int = 0
     corpus_bytes: int = 0
     steps: int = 0
-    # Steps with no draft token in the batch, run as plain decoding.
-    draftless_steps: int = 0
+    draftless_steps: int = 0  # steps with no draft token in the batch, run as plain decoding
     draft_tokens: int = 0
     accepted_tokens: int = 0
     skipped_request_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
@@ -138,11 +130,9 @@ class IntervalLogger:
 
 
 class StatsPublisher:
-    """Daemon thread writing ``stats.snapshot()`` to the stats directory twice a second.
-
-    If the owner has ``num_request_states()``, each snapshot also carries its value as ``request_states``: read by this
-    thread (a ``len`` of a dict), so the gauge falls to 0 after a drain even when no engine step follows.
-    """
+    """Daemon thread writing ``stats.snapshot()`` to the stats directory every PUBLISH_INTERVAL_S. With the owner's
+    ``num_request_states()`` as ``request_states``, read by this thread: the gauge falls to 0 after a drain with no
+    engine step after it."""
 
     def __init__(self, owner: object, stats: StepStats) -> None:
         self.path = None
@@ -152,12 +142,10 @@ class StatsPublisher:
         self.path = os.path.join(directory, f"{os.getpid()}-{next(_counter)}.json")
         stop = threading.Event()
         states = weakref.WeakMethod(owner.num_request_states) if hasattr(owner, "num_request_states") else None
-        # Tells this publisher from a later one under the same file name (a reused process id).
-        instance = uuid.uuid4().hex
+        instance = uuid.uuid4().hex  # tells this publisher from a later one under its file name (a reused pid)
         threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states, instance),
                          name="lookahead-stats", daemon=True).start()
-        # The owner (the proposer) going away stops the thread, leaves its last counts for the
-        # collector (FINAL_SUFFIX) and removes its file.
+        # The owner going away stops the thread, leaves its last counts (FINAL_SUFFIX) and removes its file.
         weakref.finalize(owner, _stop_publishing, stop, self.path, stats, instance)
 
 
@@ -185,9 +173,7 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
 
 
 def _stop_publishing(stop: threading.Event, path: str, stats: StepStats, instance: str) -> None:
-    # The final first (what it counted since the collector last read its file): the thread, once
-    # stopped, removes the live file, and a scrape must never find neither (the collector also
-    # takes a final after its live file was seen gone).
+    # The final first: the stopped thread removes the live file, and a scrape must never find neither.
     write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
     stop.set()
     _remove_files(path)
@@ -210,10 +196,9 @@ def tp_rank() -> int:
 
 
 def read_final_snapshots(directory: str, since: float, seen: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """The last snapshots of publishers that stopped (``<file>`` + FINAL_SUFFIX), by their file name, those not read
-    before (``seen``: file name -> its modification time when read; updated). The files stay: every API server's
-    collector reads them (the directory goes with the server); an unreadable one is read next time; one last modified
-    before ``since`` (an earlier server's, in a directory the user named) is removed unread."""
+    """The final snapshots of stopped publishers by their live file's name, those not read before (``seen``: final's
+    name -> its mtime when read; updated). They stay for every API server's collector; an unreadable one is read next
+    time; one older than ``since`` (an earlier server's, in a directory the user named) is removed unread."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
@@ -231,8 +216,7 @@ def read_final_snapshots(directory: str, since: float, seen: dict[str, int]) -> 
 
 
 def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
-    """Snapshots written by live processes, by file name (files of dead processes are skipped;
-    None: listed, but it could not be read this time)."""
+    """Snapshots of live processes by file name (None: listed, but unreadable this time)."""
     out: dict[str, dict[str, Any] | None] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json") or not _alive(name.split("-", 1)[0]):
@@ -243,8 +227,36 @@ def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-# The cumulative parts of a snapshot, (series, snapshot key, help): counters and histograms (the
-# skip reasons too); all else is a gauge. The collector exports these and keeps departed ones'.
+# The series as (name, snapshot key, help): GAUGES summed over the live publishers, PRICES averaged, BY_POLICY
+# summed per draft_sharing policy (label ``sharing``); COUNTERS and HISTOGRAMS (with the skip reasons) are
+# cumulative: the collector keeps what departed publishers counted.
+GAUGES = (
+    ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
+    ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index and trie), bytes."),
+    ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
+    ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
+)
+PRICES = (
+    ("lookahead_price_free_tokens", "price_free_tokens",
+     "Tokens a forward scores for the price of one (forward-cost model, live)."),
+    ("lookahead_price_marginal_tokens", "price_marginal_tokens",
+     "Tokens past the free ones that cost one more forward (forward-cost model, live)."),
+    ("lookahead_price_draft_setup", "price_draft_setup",
+     "Forwards a step with drafts costs over one without (forward-cost model, live)."),
+    ("lookahead_price_row", "price_row",
+     "Forwards each row of a step past the first adds, whatever its tokens (forward-cost model, live)."),
+    ("lookahead_price_context", "price_context",
+     "Forwards a row with drafts adds per 1000 tokens of its context (forward-cost model, live)."),
+    ("lookahead_price_step_seconds", "price_step_seconds",
+     "Fitted seconds of a step within the free tokens (0 until fitted)."),
+    ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
+)
+BY_POLICY = (
+    ("lookahead_draft_partitions", "draft_partitions",
+     "Draft index partitions holding a request or an output, by draft_sharing policy."),
+    ("lookahead_corpus_bytes", "corpus_bytes",
+     "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
+)
 COUNTERS = (
     ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
     ("lookahead_draftless_steps", "draftless_steps",
@@ -261,8 +273,8 @@ HISTOGRAMS = (
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:
-    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to
-    start); ``sign`` -1 takes them away (a publisher's earlier snapshot, counted before its final)."""
+    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to start);
+    ``sign`` -1 takes them away (a publisher's earlier snapshot, counted before its final)."""
     for _, key, _ in COUNTERS:
         into[key] = into.get(key, 0) + sign * snap.get(key, 0)
     skipped = into.setdefault("skipped_request_steps", dict.fromkeys(SKIP_REASONS, 0))
@@ -278,8 +290,7 @@ def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) ->
 
 
 def _clock_of(directory: str) -> float:
-    """Now, as the file system holding ``directory`` stamps a file's modification time
-    (``time.time()`` where no file can be made there)."""
+    """Now, as ``directory``'s file system stamps a modification time (``time.time()`` where it cannot)."""
     try:
         with tempfile.TemporaryFile(dir=directory, prefix=".clock-") as f:
             return os.fstat(f.fileno()).st_mtime
@@ -300,23 +311,20 @@ def _alive(pid: str) -> bool:
 class StatsCollector:
     """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
 
-    Counters and histograms never fall (Prometheus would read a reset): a publisher that goes away
-    (file removed, process dead, another publisher under its file name) keeps what its last snapshot
-    seen here (or its final one) counted, and an unreadable file counts its last snapshot again.
-    Gauges and prices are the live publishers'. Scrapes are serialized (one lock), each after the last."""
+    Counters and histograms never fall (Prometheus would read a reset): a publisher that goes away (file removed,
+    process dead, another publisher under its file name) keeps what its final snapshot, or its last one seen here,
+    counted, and an unreadable file counts its last snapshot again. Gauges are the live publishers'."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._last: dict[str, dict[str, Any]] = {}  # file name -> its snapshot at the last scrape
         self._gone: dict[str, Any] = {}  # cumulative parts of the publishers gone since (add_cumulative)
-        # (file name, publisher) of those -> the snapshot of it counted: a dead process's file that
-        # comes back (its id reused) is not counted again, and a final snapshot of a publisher
-        # already retired from its last-seen one adds only what it counted since.
+        # (file name, publisher) of those -> its snapshot counted: a file that comes back (a reused pid) is not
+        # counted again, and the final of one retired from its last-seen snapshot adds only what it counted since.
         self._retired: dict[tuple[str, str], dict[str, Any]] = {}
-        # Final snapshots older than this collector are an earlier server's: not counted (read on
-        # the directory's own clock, which stamps the finals: its granularity and skew alike).
+        # Finals older than this collector are an earlier server's (on the clock that stamps them).
         self._since = _clock_of(directory)
-        # The final snapshots read (read_final_snapshots' ``seen``) and the publishers they counted.
+        # read_final_snapshots' ``seen``, and the publishers the finals counted.
         self._finals_read: dict[str, int] = {}
         self._finals_counted: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # scrapes may come on several threads
@@ -333,8 +341,7 @@ class StatsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         found = os.path.isdir(self.directory)
-        # Live files first: a publisher stopping between the two reads is then seen live now and
-        # by its final snapshot next time, or by its final now, never by neither.
+        # Live files first: a publisher stopping in between is seen live now or by its final, never by neither.
         live = read_snapshots(self.directory) if found else {}
         finals = read_final_snapshots(self.directory, self._since, self._finals_read) if found else {}
         for name, final in finals.items():  # stopped publishers: their last counts, exactly
@@ -364,41 +371,17 @@ class StatsCollector:
         if not snaps and not self._gone:
             return
         counted: dict[str, Any] = {}  # counters and histograms: the publishers gone since too
-        for snap in snaps + ([self._gone] if self._gone else []):
+        for snap in [*snaps, self._gone]:
             add_cumulative(counted, snap)
 
         def total(key: str) -> float:
             return sum(s.get(key, 0) for s in snaps)
 
-        for name, key, doc in (
-            ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
-            ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index and trie), bytes."),
-            ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
-            ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
-        ):
+        for name, key, doc in GAUGES:
             yield GaugeMetricFamily(name, doc, value=total(key))
-        for name, key, doc in (
-            ("lookahead_price_free_tokens", "price_free_tokens",
-             "Tokens a forward scores for the price of one (forward-cost model, live)."),
-            ("lookahead_price_marginal_tokens", "price_marginal_tokens",
-             "Tokens past the free ones that cost one more forward (forward-cost model, live)."),
-            ("lookahead_price_draft_setup", "price_draft_setup",
-             "Forwards a step with drafts costs over one without (forward-cost model, live)."),
-            ("lookahead_price_row", "price_row",
-             "Forwards each row of a step past the first adds, whatever its tokens (forward-cost model, live)."),
-            ("lookahead_price_context", "price_context",
-             "Forwards a row with drafts adds per 1000 tokens of its context (forward-cost model, live)."),
-            ("lookahead_price_step_seconds", "price_step_seconds",
-             "Fitted seconds of a step within the free tokens (0 until fitted)."),
-            ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
-        ):
-            yield GaugeMetricFamily(name, doc, value=total(key) / max(1, len(snaps)))  # prices: averaged
-        for name, key, doc in (  # summed per draft_sharing policy
-            ("lookahead_draft_partitions", "draft_partitions",
-             "Draft index partitions holding a request or an output, by draft_sharing policy."),
-            ("lookahead_corpus_bytes", "corpus_bytes",
-             "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
-        ):
+        for name, key, doc in PRICES:
+            yield GaugeMetricFamily(name, doc, value=total(key) / max(1, len(snaps)))
+        for name, key, doc in BY_POLICY:
             gauge, by_policy = GaugeMetricFamily(name, doc, labels=["sharing"]), Counter()
             for snap in snaps:
                 by_policy[snap.get("draft_sharing") or "per-salt"] += snap.get(key, 0)

@@ -1,12 +1,9 @@
-"""Warm start and snapshots at engine start and shutdown (docs/configuration.md, the ``warm_start`` and
-``snapshot_path`` rows, has the rules users see).
+"""Warm start and snapshots at engine start and shutdown (the rules users see: docs/configuration.md).
 
-``Persistence.start`` takes the snapshot file's lock, loads the snapshot (core/snapshot.py), then learns the
-``warm_start`` file's texts (core/warm_start.py) unless the snapshot names their digest; ``close`` writes the snapshot
-once (from the proposer's ``close()``, its finalizer or ``atexit``). One writer a file: the engine's first drafting rank
-(tensor-parallel rank 0 of prefill-context-parallel rank 0) holding ``SnapshotLock``; every other process reads it only
-and never moves it aside (an engine that waits for the lock retakes it when it frees, and then writes). Data-parallel
-rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while it has none or its own is refused.
+``Persistence.start`` locks the snapshot file, loads it (core/snapshot.py), then learns the ``warm_start`` file
+(core/warm_start.py) unless the snapshot names its digest; ``close`` writes the snapshot once. One writer a file: the
+engine's first drafting rank holding ``SnapshotLock``; every other process only reads it and never moves it aside.
+Data-parallel rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while its own is absent or refused.
 """
 
 from __future__ import annotations
@@ -28,15 +25,10 @@ from lookahead_vllm.core.warm_start import WarmReader, file_digest
 
 logger = init_logger(__name__)
 
-# Texts tokenized per batch (a big file's progress is logged every PROGRESS_EVERY_S).
-TOKENIZE_BATCH = 1024
-PROGRESS_EVERY_S = 10.0
-
-
-# Why an engine's first rank does not write its file: another live engine holds its lock.
-HELD = "another engine holds it"
-# How often a read-only engine tries that lock again while it runs (Persistence.poll).
-RETAKE_EVERY_S = 30.0
+TOKENIZE_BATCH = 1024  # warm-start texts tokenized at a time
+PROGRESS_EVERY_S = 10.0  # a big warm-start file's progress is logged this often
+HELD = "another engine holds it"  # why a first rank does not write: another live engine holds the lock
+RETAKE_EVERY_S = 30.0  # how often a read-only engine tries that lock again (Persistence.poll)
 
 
 def _first_drafting_rank() -> bool:
@@ -53,37 +45,34 @@ def _first_drafting_rank() -> bool:
     return True
 
 
+def _sizes(snap: Snapshot) -> tuple[int, int, int]:
+    """Outputs, tokens and trie nodes of ``snap``, as logged."""
+    return len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens)
+
+
 class Persistence:
     def __init__(self, config: Settings, model_config: Any, dp_rank: int = 0) -> None:
         self.config = config
         self.model_config = model_config
-        # This engine's file, and the file it starts from while it has none (rank 0's).
+        # This engine's file, and the one it starts from while it has none (data-parallel rank 0's).
         shared = config.snapshot_path
         self.path = f"{shared}.dp{dp_rank}" if shared and dp_rank else shared
         self._shared = shared if self.path != shared else ""
         self._tokenizer: Any = None
         self._identity: dict | None = None
-        self._warm_digest = ""
+        self._warm_digest = ""  # sha256 of the warm-start file the snapshot holds
         self.closed = False
-        # False once a snapshot was left in place unloaded: writing would overwrite it.
-        self.writes = True
-        # Whether this process writes the file (start() decides: the engine's first drafting rank
-        # holding its lock); one that does not only reads it, and never moves it aside.
-        self.owner = False
+        self.writes = True  # False once a snapshot was left in place unloaded: writing would overwrite it
+        self.owner = False  # whether this process writes the file (start() decides)
         self._lock: SnapshotLock | None = None
-        # Why this engine does not write its file ("" where it does, or is not its first rank).
-        self._read_only = ""
-        # When poll() next tries the lock another engine holds (``waiting``).
-        self._next_retake = 0.0
-        # What start() learned: the snapshot loaded (file, outputs, tokens) and the warm-start
-        # texts (texts, tokens); tensor-parallel ranks compare it in tree mode (the proposer).
+        self._read_only = ""  # why this engine's first rank does not write its file ("" where it does)
+        self._next_retake = 0.0  # when poll() next tries the lock (``waiting``)
+        # What start() learned, compared across tensor-parallel ranks in tree mode (the proposer):
+        # "snapshot" (file, outputs, tokens, written_at) and "warm_start" (texts, tokens).
         self.learned: dict[str, tuple] = {}
-        # The process that started it: a child forked from it neither writes nor takes the lock (an
-        # atexit handler it inherited calls close; its copy of the lock was let go at the fork, so
-        # close releases nothing there: core/snapshot.py).
+        # A child forked from this process (inheriting its atexit handler) neither writes nor takes the lock.
         self._pid = os.getpid()
 
-    # ---------------------------------------------------------------- start
     def start(self, drafter: Any) -> None:
         """Lock the snapshot file, learn the snapshot, then the warm-start texts."""
         self._claim()
@@ -91,8 +80,8 @@ class Persistence:
         path = self.config.warm_start
         if not path:
             return
-        # The warm-start file the snapshot holds: what the snapshot written at shutdown names
-        # unless this run learns the file whole (it must never name a file it does not hold).
+        # The digest the snapshot written at shutdown names: the one loaded, unless this run
+        # learns the file whole (it must never name a file it does not hold).
         held = self._warm_digest = snap.info.get("warm_start", "") if snap is not None else ""
         try:
             if held and file_digest(path) == held:  # nothing held: no hashing pass, only the one that learns
@@ -122,7 +111,7 @@ class Persistence:
             logger.warning("lookahead snapshot %s: %s (%s); this engine starts from it read only and writes nothing",
                            self.path, self._read_only, exc.strerror or exc)
             return
-        except OSError as exc:  # the file system cannot lock: written as before, unguarded
+        except OSError as exc:  # the file system cannot lock: written unguarded
             logger.warning("lookahead snapshot %s: cannot be locked (%s); written without a lock, so another "
                            "server given the same path would go unnoticed", self.path, exc.strerror or exc)
             self.owner = True
@@ -172,16 +161,16 @@ class Persistence:
         except SnapshotError as exc:
             self._set_aside(path, str(exc),
                             "starts from data-parallel rank 0's file" if self._shared else "starts cold")
-            # Where this engine's own file was refused, every tensor-parallel rank starts alike:
-            # from rank 0's file (the ranks that find the file already moved aside do the same).
+            # Every tensor-parallel rank starts alike: from rank 0's file (as do the ranks that find
+            # the file already moved aside).
             return self._load_shared(drafter)
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             return self._keep(path, f"could not be loaded ({exc!r})")
         return self._learned(path, snap, start)
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
-        """Start from data-parallel rank 0's snapshot, if this engine has one (it has no usable one of its
-        own): read only; whatever goes wrong, drafting starts cold and the file stays as it is."""
+        """Start from data-parallel rank 0's snapshot, if this engine has one, read only; on any failure
+        drafting starts cold and the file stays as it is."""
         path, start = self._shared, time.perf_counter()
         if not path:
             return None
@@ -194,10 +183,9 @@ class Persistence:
         return self._learned(path, snap, start, f" (data-parallel rank 0's; this engine's own is {self.path})")
 
     def _learned(self, path: str, snap: Snapshot, start: float, whose: str = "") -> Snapshot:
-        """Log the snapshot loaded from ``path`` (since ``start``) and book it in ``learned``; returns it."""
+        """Log the snapshot loaded from ``path`` since ``start``, book it in ``learned`` and return it."""
         logger.info("lookahead snapshot %s loaded%s: %d outputs, %d tokens, %d trie nodes (%.2f s)", path, whose,
-                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens),
-                    time.perf_counter() - start)
+                    *_sizes(snap), time.perf_counter() - start)
         self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
         return snap
 
@@ -208,18 +196,15 @@ class Persistence:
                        path, why)
 
     def _set_aside(self, path: str, why: str, instead: str) -> None:
-        """Keep a refused snapshot out of this run's way: renamed to the first free ``<path>.refused[.N]``; where it
-        cannot be, this run writes none (``writes``). ``instead``: what drafting does. A process that does not write the
-        file leaves it in place (its writer moves it aside, or keeps it: another engine's)."""
+        """Rename a refused snapshot to the first free ``<path>.refused[.N]``; where it cannot be, this run writes
+        none. ``instead``: what drafting does. A process that does not write the file leaves it in place."""
         if not self.owner:
             logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
                            why, instead)
             self.writes = False  # not overwritten by this engine either, should it take the lock later
             return
-        aside, n = f"{path}.refused", 0
-        while os.path.lexists(aside):
-            n += 1
-            aside = f"{path}.refused.{n}"
+        names = (f"{path}.refused" + (f".{n}" if n else "") for n in itertools.count())
+        aside = next(name for name in names if not os.path.lexists(name))
         try:
             os.rename(path, aside)
         except FileNotFoundError:  # gone meanwhile (another rank of this engine moved it)
@@ -232,8 +217,7 @@ class Persistence:
             logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead)
 
     def _warm(self, drafter: Any, warm: WarmReader) -> None:
-        """Learn the texts of the warm-start file, streamed a batch at a time (raises where not every
-        text was learned)."""
+        """Learn the warm-start file's texts, streamed a batch at a time (raises where not every text was learned)."""
         path = self.config.warm_start
         start = last_log = time.perf_counter()
         count = tokens = 0
@@ -254,12 +238,11 @@ class Persistence:
         logger.info("lookahead warm_start %s: learned %d texts, %d tokens (%.2f s)", path, count, tokens,
                     time.perf_counter() - start)
 
-    # ------------------------------------------------------------- shutdown
     def close(self, drafter: Any) -> None:
         """Write the snapshot, then release the file's lock (once; later calls do nothing). Never raises."""
-        closed, self.closed = self.closed, True
-        if closed:
+        if self.closed:
             return
+        self.closed = True
         try:
             if self.config.snapshot_path:
                 self.save(drafter)
@@ -269,8 +252,8 @@ class Persistence:
                 self._lock.release()
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now (a failure is logged, not raised; nothing where this process does not write the file:
-        ``owner``, or where the snapshot found at start was left in place unloaded: ``writes``)."""
+        """Write the snapshot now; a failure is logged, not raised. Nothing where this process does not write the
+        file (``owner``) or the snapshot found at start was left in place (``writes``)."""
         path = self.path
         if os.getpid() != self._pid:
             return None
@@ -288,8 +271,7 @@ class Persistence:
         except Exception as exc:  # noqa: BLE001 - shutdown must not fail over a snapshot
             logger.warning("lookahead snapshot %s: not written (%s)", path, exc)
             return None
-        logger.info("lookahead snapshot %s written: %d outputs, %d tokens, %d trie nodes", path,
-                    len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens))
+        logger.info("lookahead snapshot %s written: %d outputs, %d tokens, %d trie nodes", path, *_sizes(snap))
         return snap
 
     @property
@@ -306,9 +288,8 @@ class Persistence:
             self._retake()
 
     def _retake(self) -> None:
-        """A read-only engine whose file's holder has shut down takes the lock: it writes the
-        file at shutdown (it started from it; what the holder saved after that is replaced). Not
-        one that will not write (``writes``: a file refused or left in place unread)."""
+        """A waiting engine takes the lock its holder freed: it writes the file at shutdown (it started
+        from it; what the holder saved since is replaced)."""
         if not self.waiting or os.getpid() != self._pid:
             return
         lock = SnapshotLock(self.path)
@@ -321,7 +302,9 @@ class Persistence:
                         "and writes it at shutdown", self.path)
             self.owner, self._lock, self._read_only = True, lock, ""
 
-    # ------------------------------------------------------------ tokenizer
+    def _model(self) -> str:
+        return getattr(self.model_config, "tokenizer", None) or self.model_config.model
+
     def tokenizer(self) -> Any:
         """The model's tokenizer as vLLM loads it (its ``tokenizer_mode``, revision and remote code)."""
         if self._tokenizer is None:
@@ -329,7 +312,7 @@ class Persistence:
 
             mc = self.model_config
             self._tokenizer = get_tokenizer(
-                getattr(mc, "tokenizer", None) or mc.model, tokenizer_mode=getattr(mc, "tokenizer_mode", "auto"),
+                self._model(), tokenizer_mode=getattr(mc, "tokenizer_mode", "auto"),
                 revision=getattr(mc, "tokenizer_revision", None),
                 trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
         return self._tokenizer
@@ -337,15 +320,14 @@ class Persistence:
     def identity(self) -> dict:
         """The snapshot identity: tokenizer folder name and vocabulary size."""
         if self._identity is None:
-            mc = self.model_config
-            self._identity = identity_of(getattr(mc, "tokenizer", None) or mc.model, len(self.tokenizer()))
+            self._identity = identity_of(self._model(), len(self.tokenizer()))
         return self._identity
 
 
 def close_at_exit(proposer: Any) -> None:
-    """Close ``proposer`` (writing its snapshot) at process exit if it is still alive then; holds no strong
-    reference to it. ``atexit`` covers the main process and spawned engine processes; a forked engine process
-    ends with ``os._exit`` after multiprocessing's exit finalizers, hence the second (closing twice writes once)."""
+    """Close ``proposer`` (writing its snapshot) at process exit if it is still alive, holding no strong
+    reference to it. ``atexit`` covers the main and spawned processes; a forked engine process ends with
+    ``os._exit`` after multiprocessing's exit finalizers, hence the second (closing twice writes once)."""
     ref = weakref.ref(proposer)
     atexit.register(_close_if_alive, ref)
     multiprocessing.util.Finalize(None, _close_if_alive, args=(ref,), exitpriority=100)
