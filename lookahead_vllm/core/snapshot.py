@@ -127,38 +127,35 @@ class SnapshotLock:
         """Take the lock without waiting: True when taken (held until ``release``),
         False when another holds it (``holder``); OSError when it cannot be tried."""
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        with _FORK_GUARD[0]:
-            return self._acquire()
-
-    def _acquire(self) -> bool:
         denied: PermissionError | None = None
-        for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except PermissionError as exc:  # another user's lock file: flock works on a read-only open too
+        with _FORK_GUARD[0]:
+            for _ in range(16):  # each retry: the file was removed by a holder releasing it meanwhile
                 try:
-                    fd = os.open(self.path, os.O_RDONLY)
-                except FileNotFoundError:  # none there (a holder removed it, or none may be made here)
-                    denied = exc
-                    continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                with contextlib.suppress(OSError):
-                    self.holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except PermissionError as exc:  # another user's lock file: flock works on a read-only open too
+                    try:
+                        fd = os.open(self.path, os.O_RDONLY)
+                    except FileNotFoundError:  # none there (a holder removed it, or none may be made here)
+                        denied = exc
+                        continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    with contextlib.suppress(OSError):
+                        self.holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                    os.close(fd)
+                    return False
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if self._is_at_path(fd):
+                    with contextlib.suppress(OSError):  # the holder's name only informs
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                    self._fd = fd
+                    SnapshotLock._held.add(self)
+                    return True
                 os.close(fd)
-                return False
-            except BaseException:
-                os.close(fd)
-                raise
-            if self._is_at_path(fd):
-                with contextlib.suppress(OSError):  # the holder's name only informs
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-                self._fd = fd
-                SnapshotLock._held.add(self)
-                return True
-            os.close(fd)
         if denied is not None:  # this process may not make the lock file (the folder's mode)
             raise denied
         raise OSError(errno.EAGAIN, "the lock file kept being replaced", self.path)

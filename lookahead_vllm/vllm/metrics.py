@@ -356,9 +356,8 @@ class StatsCollector:
             elif self._last.get(name, {}).get("publisher", "") == key[1]:
                 del self._last[name]  # counted by its final snapshot, not by its last seen here
             self._retired[key] = final
-        for name, snap in list(live.items()):
-            if snap is not None and (name, snap.get("publisher", "")) in self._retired:
-                del live[name]
+        live = {name: snap for name, snap in live.items()
+                if snap is None or (name, snap.get("publisher", "")) not in self._retired}
         for name, last in self._last.items():
             now = live.get(name, last)
             if name not in live or (now is not None and now.get("publisher") != last.get("publisher")):
