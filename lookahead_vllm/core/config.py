@@ -1,10 +1,10 @@
 """Lookahead configuration (fields, knobs and terms: docs/configuration.md).
 
-  LookaheadConfig   the public fields (pydantic): exactly the keys of ``additional_config={"lookahead": {...}}``.
-  Profile           every tuning knob (a frozen dataclass, internal): per-platform values in
-                    :data:`PLATFORM_VALUES`; set by developers under the ``"_profile"`` key.
-  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve` where the engine's
-                    config is built, carried to the workers (:meth:`Settings.to_carried` / ``from_carried``).
+  LookaheadConfig   the public fields (pydantic): the keys of ``additional_config={"lookahead": {...}}``.
+  Profile           the internal tuning knobs (frozen dataclass): per-platform values in :data:`PLATFORM_VALUES`,
+                    overridden by developers under the ``"_profile"`` key.
+  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve` with the engine's config,
+                    carried to the workers (:meth:`Settings.to_carried` / ``from_carried``).
 """
 
 from __future__ import annotations
@@ -21,27 +21,23 @@ if TYPE_CHECKING:
     from lookahead_vllm.core.draft_index import DraftIndexConfig
 
 DRAFT_SHAPES = ("hier", "par", "one")
-# Draft sources (see ``source`` below): "+"-joined names; "both" = "trie+jacobi".
-SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")
+SOURCES = ("index", "trie", "jacobi", "both", "index+trie", "index+jacobi")  # "both" = "trie+jacobi"
 DEBUG_SWITCHES = ("positions", "mask", "compaction")
-# Who drafts from whose outputs (``draft_sharing`` below; core/partitions.py).
 DRAFT_SHARINGS = ("per-salt", "per-salt-saved", "all", "none")
 # vLLM's num_speculative_tokens when the user gives none (and decoding_length without an engine). CPU: 16
 # beat 8 on every class of the dev suite's replay; GPU: k sets a full-graph step's price (docs/gpu.md).
 DEFAULT_DECODING_LENGTH = 16
 PLATFORM_DECODING_LENGTH = {"cpu": DEFAULT_DECODING_LENGTH, "gpu": 8}
-# The key, next to the public fields, that sets profile knobs (developers only).
-PROFILE_KEY = "_profile"
-PLATFORMS = ("cpu", "gpu")
+PLATFORMS = tuple(PLATFORM_DECODING_LENGTH)
+PROFILE_KEY = "_profile"  # beside the public fields: the profile knobs to override (developers only)
 
 
 class LookaheadConfig(BaseModel):
-    """The public configuration; validation raises ``ValueError`` naming the field, the value and
-    what is allowed (retired fields: :data:`RETIRED`). Each field's meaning: docs/configuration.md."""
+    """The public fields; a bad one raises ``ValueError`` naming it, its value and what is allowed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    # Where drafts come from (core/draft_index.py, core/trie.py, core/jacobi.py), merged in that order.
+    # Where drafts come from ("+"-joined, merged in that order): core/draft_index.py, trie.py, jacobi.py.
     source: Literal[SOURCES] = "index"
     # A chain ("one") or a tree ("hier", "par"), verified with tree attention (vllm/tree_verify.py).
     draft_shape: Literal[DRAFT_SHAPES] = "one"
@@ -92,8 +88,8 @@ class LookaheadConfig(BaseModel):
 
     @model_validator(mode="after")
     def _snapshot_is_not_the_warm_file(self) -> "LookaheadConfig":
-        # A snapshot_path file that is not a snapshot is moved aside (<path>.refused) and replaced
-        # at shutdown: naming the warm-start file there would cost the user that file.
+        # A snapshot_path file that is not a snapshot is moved aside and replaced at shutdown: the warm-start
+        # file named there would be lost.
         if self.snapshot_path and self.warm_start and _same_file(self.snapshot_path, self.warm_start):
             raise ValueError(f"snapshot_path={self.snapshot_path!r} names the warm_start file: the snapshot "
                              "(a binary file the engine writes at shutdown) needs a path of its own")
@@ -125,29 +121,25 @@ RETIRED = {
 
 
 def _explain(err: ValidationError) -> str:
-    """One line per failed field: its name, its value and what is allowed."""
-    return "; ".join(
-        str(e["ctx"]["error"]) if e["type"] == "value_error" and not e["loc"]  # _known_fields
-        else f"{e['loc'][0]}={e['input']!r}: {_allowed(str(e['loc'][0]), e)}"
-        for e in err.errors(include_url=False)
-    )
+    """One clause per failed field: its name, its value and what is allowed."""
+    return "; ".join(map(_clause, err.errors(include_url=False)))
 
 
-def _allowed(name: str, error: Mapping[str, Any]) -> str:
-    if error["type"] == "value_error":
-        return str(error["ctx"]["error"])
-    info = LookaheadConfig.model_fields[name]
+def _clause(error: Mapping[str, Any]) -> str:
+    if error["type"] == "value_error":  # a validator's own message (a model validator's names no field)
+        message = str(error["ctx"]["error"])
+        return f"{error['loc'][0]}={error['input']!r}: {message}" if error["loc"] else message
+    info = LookaheadConfig.model_fields[str(error["loc"][0])]
+    head = f"{error['loc'][0]}={error['input']!r}: must be"
     choices = getattr(info.annotation, "__args__", ())
-    if all(isinstance(c, str) for c in choices) and choices:
-        return f"must be one of {choices}"
+    if choices and all(isinstance(c, str) for c in choices):
+        return f"{head} one of {choices}"
+    kind = {float: "a number", str: 'a file path (a string; "" = none)'}.get(info.annotation, "an integer")
     bounds = {type(m).__name__: m for m in info.metadata}
-    lo, hi = getattr(bounds.get("Ge"), "ge", None), getattr(bounds.get("Le"), "le", None)
-    kind = {int: "an integer", float: "a number", str: "a file path (a string; \"\" = none)"}.get(
-        info.annotation, "an integer")
-    if lo is None:
-        return f"must be {kind}"
-    extra = " (-1: measured online)" if lo == -1 else ""
-    return f"must be {kind} in [{_num(lo)}, {_num(hi)}]{extra}"
+    if "Ge" not in bounds:
+        return f"{head} {kind}"
+    lo, hi = bounds["Ge"].ge, bounds["Le"].le
+    return f"{head} {kind} in [{_num(lo)}, {_num(hi)}]" + (" (-1: measured online)" if lo == -1 else "")
 
 
 def _num(x: float) -> str:
@@ -163,10 +155,9 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 class Profile:
     """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
-    # ---- per platform (PLATFORM_VALUES): "cpu" or "gpu"; the prices are the online fit's prior (core/prices.py)
+    # Per platform (PLATFORM_VALUES), no default. Token prices (core/budget.py; the online fit's prior, prices.py):
+    # free_tokens cost one forward, one more every marginal_tokens past them; path_setup on are in forwards.
     platform: str
-    # Token prices (core/budget.py): free_tokens scored for the price of one forward, one more forward
-    # every marginal_tokens past them; the knobs from path_setup on are in forwards.
     free_tokens: int = _knob(within=(1, 1 << 16))
     marginal_tokens: float = _knob(within=(1.0, 8192.0))  # the online fit's bounds (prices.MARGINAL_BOUNDS)
     path_setup: float = _knob(within=(0.0, 100.0))
@@ -180,8 +171,7 @@ class Profile:
     # The native index's upkeep on a thread while the forward runs, or inline (same drafts).
     upkeep_thread: bool
 
-    # ---- one default everywhere
-    # Trie (core/trie.py).
+    # One default everywhere. Trie (core/trie.py).
     branch_length: int = _knob(12, within=(2, 128))
     max_match_length: int = _knob(6, within=(1, 127))
     min_match_length: int = _knob(1, within=(1, 127))
@@ -215,9 +205,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
-        for f in dataclasses.fields(self):  # bool knobs: any bool; the others: their _knob range
+        for f in dataclasses.fields(self):  # bool knobs: a bool; the others: their _knob range
             value, within = getattr(self, f.name), f.metadata.get("within")
-            if f.type in ("bool", bool) and not isinstance(value, bool):  # the annotation, a string here
+            if f.type in ("bool", bool) and not isinstance(value, bool):  # a string annotation here
                 raise ValueError(f"{PROFILE_KEY}.{f.name}={value!r}: must be true or false")
             if within is not None:
                 (lo, hi), number = within, isinstance(within[0], float)
@@ -279,6 +269,7 @@ PLATFORM_VALUES: dict[str, dict[str, Any]] = {
 }
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What the engine runs on: the public fields (``decoding_length`` resolved) and the profile (:func:`resolve`)."""
@@ -326,8 +317,7 @@ class Settings:
                                 p.index_candidates, self.index_corpus_bytes // shares)
 
     def to_carried(self) -> dict[str, Any]:
-        """A JSON-able mapping that carries these settings in vLLM's ``additional_config`` to the workers
-        (:meth:`from_carried`); :func:`resolve` maps it to these same settings."""
+        """These settings as JSON for vLLM's ``additional_config`` (read by :meth:`from_carried`, :func:`resolve`)."""
         profile = dataclasses.asdict(self.profile)
         profile["debug_disable"] = list(self.profile.debug_disable)
         return {**{name: getattr(self, name) for name in PUBLIC_FIELDS}, PROFILE_KEY: profile}

@@ -26,7 +26,8 @@ CI_ARCHS = ("90a", "80")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
 BUILD_DIR_ENV = "LOOKAHEAD_VLLM_KERNEL_DIR"
 
-# c10/cuda/impl/cuda_cmake_macros.h as torch's CMake generates it for CUDA builds (CPU wheels lack it).
+# The header torch's CMake generates for CUDA builds (CPU wheels lack it), and its text there.
+_CUDA_CMAKE_MACROS_H = "c10/cuda/impl/cuda_cmake_macros.h"
 _CUDA_CMAKE_MACROS = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
 
 
@@ -49,10 +50,8 @@ class CompileResult:
 def csrc_dir() -> Path:
     """The ``csrc/`` folder of this checkout; a clear error if absent (wheel install)."""
     if not (CSRC_DIR / CUDA_SOURCES[0]).is_file():
-        raise FileNotFoundError(
-            f"{CSRC_DIR} has no {CUDA_SOURCES[0]}: the kernels build from a source checkout "
-            "(pip install -e .), not from an installed wheel"
-        )
+        raise FileNotFoundError(f"{CSRC_DIR} has no {CUDA_SOURCES[0]}: the kernels build from a source checkout "
+                                "(pip install -e .), not from an installed wheel")
     return CSRC_DIR
 
 
@@ -110,16 +109,16 @@ def host_cxx() -> str:
 
 
 def bindings_include_paths(work_dir: Path) -> list[str]:
-    """Include folders for compiling the bindings with the installed torch; where it lacks the CMake-made
-    ``c10/cuda/impl/cuda_cmake_macros.h`` (CPU wheels), a copy is written under ``work_dir``."""
+    """Include folders for compiling the bindings with the installed torch; where it lacks
+    :data:`_CUDA_CMAKE_MACROS_H` (CPU wheels), a copy is written under ``work_dir``."""
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), str(find_cuda_include()), str(csrc_dir())]
-    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in includes):
-        shim = Path(work_dir) / "include" / "c10/cuda/impl/cuda_cmake_macros.h"
-        shim.parent.mkdir(parents=True, exist_ok=True)
-        shim.write_text(_CUDA_CMAKE_MACROS)
-        includes.append(str(Path(work_dir) / "include"))
+    if not any((Path(p) / _CUDA_CMAKE_MACROS_H).is_file() for p in includes):
+        shim = Path(work_dir) / "include"
+        (shim / _CUDA_CMAKE_MACROS_H).parent.mkdir(parents=True, exist_ok=True)
+        (shim / _CUDA_CMAKE_MACROS_H).write_text(_CUDA_CMAKE_MACROS)
+        includes.append(str(shim))
     return includes
 
 
@@ -152,8 +151,7 @@ def load_extension(verbose: bool = False) -> str:
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU build: the CUDA kernels cannot be built")
     src = csrc_dir()
-    build_dir = os.environ.get(BUILD_DIR_ENV)
-    if build_dir:
+    if build_dir := os.environ.get(BUILD_DIR_ENV):
         Path(build_dir).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = cpp_extension.load(
@@ -176,21 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not args.check:
-        try:
-            print(load_extension(verbose=args.verbose))
-        except Exception as exc:  # noqa: BLE001 - a CLI: report, don't trace
-            print(f"kernel build failed: {exc}\n(compile-only check: lookahead-vllm-build-kernels --check)",
-                  file=sys.stderr)
-            return 1
-        return 0
-    out = args.out or Path(tempfile.mkdtemp(prefix="lookahead_kernels_"))
-    results = compile_objects(out, tuple(args.arch), bindings=True)
-    for r in results:
-        print(f"{'ok  ' if r.ok else 'FAIL'} {r.source.name:22s} {r.seconds:6.1f} s  {r.output or '(syntax only)'}")
-        if not r.ok or args.verbose:
-            print(r.log, file=sys.stderr)
-    return 0 if all(r.ok for r in results) else 1
+    if args.check:
+        out = args.out or Path(tempfile.mkdtemp(prefix="lookahead_kernels_"))
+        results = compile_objects(out, tuple(args.arch), bindings=True)
+        for r in results:
+            print(f"{'ok  ' if r.ok else 'FAIL'} {r.source.name:22s} {r.seconds:6.1f} s  {r.output or '(syntax only)'}")
+            if not r.ok or args.verbose:
+                print(r.log, file=sys.stderr)
+        return 0 if all(r.ok for r in results) else 1
+    try:
+        print(load_extension(verbose=args.verbose))
+    except Exception as exc:  # noqa: BLE001 - a CLI: report, don't trace
+        print(f"kernel build failed: {exc}\n(compile-only check: lookahead-vllm-build-kernels --check)",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

