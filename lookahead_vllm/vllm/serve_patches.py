@@ -42,16 +42,12 @@ def patch_cli_speculative_model(original, parser):
     parser = original(parser)
     known = set(parser._option_string_actions)
     if "--speculative-model" not in known:
-        parser.add_argument(
-            "--speculative-model", dest="spec_model", choices=[METHOD], default=None,
-            help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
-            "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').",
-        )
+        parser.add_argument("--speculative-model", dest="spec_model", choices=[METHOD], default=None,
+                            help="Shorthand restored by lookahead-vllm: '--speculative-model lookahead' selects "
+                            "lookahead drafting (same as --speculative-config '{\"method\": \"lookahead\"}').")
     if "--num-speculative-tokens" not in known:
-        parser.add_argument(
-            "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
-            help="Alias of --spec-tokens (restored by lookahead-vllm).",
-        )
+        parser.add_argument("--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+                            help="Alias of --spec-tokens (restored by lookahead-vllm).")
     return parser
 
 
