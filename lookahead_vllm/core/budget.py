@@ -1,23 +1,22 @@
-"""Sharing one step's draft budget across the batch, by expected gain vs cost (docs/how-it-works.md,
-"Forward-cost model"; the measurements behind the prices: docs/prices.md).
+"""Sharing one step's draft budget across the batch, by expected gain vs cost (docs/how-it-works.md, "Forward-cost
+model"; the measurements behind the prices: docs/prices.md).
 
 A forward over ``T`` tokens costs about one token's up to ``free_tokens``, then (in forwards)::
 
     cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
 
-plus the :class:`ForwardCost` prices per row, per drafted row's context, per drafted step and per
-extra attention path; the profile's prior, fitted online by core/prices.py unless pinned.
+plus the :class:`ForwardCost` prices per row, per drafted row's context, per drafted step and per extra attention
+path; the profile's prior, fitted online by core/prices.py unless pinned.
 
-A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests
-keeping nodes of total confidence ``S`` emits ``R + S`` tokens in ``cost(R + kept) + draft_setup``
-forwards. The planner merges the requests' nodes most-confident-first (each keeps a prefix of its
-draft order) and keeps the merged prefix with the best ``(R + S) / (cost(R + kept) + draft_setup)``,
-capped at ``budget`` tokens, or nothing where none beats ``R / cost(R)``; a prefix also pays
-``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's second or later child opens
-one) any one request opens.
+A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests keeping nodes of
+total confidence ``S`` emits ``R + S`` tokens in ``cost(R + kept) + draft_setup`` forwards. The planner merges the
+requests' nodes most-confident-first (each keeps a prefix of its draft order) and keeps the merged prefix with the
+best ``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget`` tokens, or nothing where none beats
+``R / cost(R)``; a prefix also pays ``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's
+second or later child opens one) any one request opens.
 
-Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` +
-``[0.8, 0.7]`` -> prefix lengths ``[1, 2]``.
+Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` + ``[0.8, 0.7]`` -> prefix
+lengths ``[1, 2]``.
 
 The allocation runs natively in ``plan_trees`` (core/tree_plan.py); reference:
 ``lookahead_lab.reference.planner.allocate_step_budget``.
@@ -38,21 +37,17 @@ if TYPE_CHECKING:
 class ForwardCost:
     """The forward-cost model (module docstring); every price in single-token forwards."""
 
-    # Tokens one forward scores at about the cost of one (0 = no cost model: every draft token is free).
-    free_tokens: int
-    # Past ``free_tokens``, this many more tokens cost one more forward.
-    marginal_tokens: float
-    # Each root-to-leaf path tree attention runs separately (0 where one kernel launch covers all),
-    # and a step that runs any.
+    free_tokens: int  # tokens one forward scores at about the cost of one (0 = no cost model: drafts are free)
+    marginal_tokens: float  # past ``free_tokens``, this many more tokens cost one more forward
+    # Each root-to-leaf path tree attention runs separately (0 where one kernel launch covers all), and a step
+    # that runs any.
     per_path: float = 0.0
     path_setup: float = 0.0
-    # A step with any draft token over a draftless one (patches.patch_draftless_steps); the first kept
-    # draft token pays it.
+    # A step with any draft token over a draftless one (patches.patch_draftless_steps); its first kept draft
+    # token pays it.
     draft_setup: float = 0.0
-    # Every row past the first, whatever its tokens (per-sequence attention, sampling, bookkeeping).
-    per_row: float = 0.0
-    # A row that carries any draft token, per thousand tokens of its context.
-    per_context: float = 0.0
+    per_row: float = 0.0  # every row past the first (per-sequence attention, sampling, bookkeeping)
+    per_context: float = 0.0  # a row that carries any draft token, per thousand tokens of its context
 
     def at_rows(self, rows: int) -> "ForwardCost":
         """This model for a step of ``rows`` rows in units of its draftless base ``1 + per_row * (rows - 1)``,
@@ -68,9 +63,8 @@ class ForwardCost:
         return np.asarray(context, np.float64) * (self.per_context / 1000.0)
 
     def __call__(self, tokens: int, paths: int = 0) -> float:
-        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or
-        a model :meth:`at_rows` made for the step). Scalar arithmetic: the replays call it per step, and
-        :meth:`many`'s arrays cost ~20x a call."""
+        """Forward time for ``tokens`` scored tokens and ``paths`` extra attention paths (one row, or a model
+        :meth:`at_rows` made for the step). Scalar arithmetic: the replays call it per step (arrays cost ~20x)."""
         if self.free_tokens == 0:
             return 1.0
         extra = self.path_setup + paths * self.per_path if paths else 0.0
@@ -89,14 +83,14 @@ class ForwardCost:
         return self(tokens, paths) + self.draft_setup
 
     def draft_pays(self, rows: int) -> bool:
-        """Whether any draft can raise the expected throughput of a step of ``rows`` one-token rows: not
-        past the free tokens with ``marginal_tokens <= free_tokens``, where ``t / cost(t)`` no longer grows."""
+        """Whether any draft can raise the expected throughput of a step of ``rows`` one-token rows: not past the
+        free tokens with ``marginal_tokens <= free_tokens``, where ``t / cost(t)`` no longer grows."""
         return not self.free_tokens or rows < self.free_tokens or self.marginal_tokens > self.free_tokens
 
 
 def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
-    """The cost model of ``config``: token prices pinned by the public fields (>= 0) or the profile's
-    prior; its path prices where drafts may open extra attention paths (``paths``: tree mode)."""
+    """The cost model of ``config``: token prices pinned by the public fields (>= 0) or the profile's prior; its
+    path prices where drafts may open extra attention paths (``paths``: tree mode)."""
     p = config.profile
     free = p.free_tokens if config.cost_free_tokens < 0 else config.cost_free_tokens
     marginal = p.marginal_tokens if config.cost_marginal_tokens < 0 else config.cost_marginal_tokens
@@ -105,18 +99,17 @@ def forward_cost(config: "Settings", paths: bool = True) -> ForwardCost:
 
 
 def prices_pinned(config: "Settings") -> bool:
-    """Whether ``config`` pins the token prices (a ``cost_*`` field >= 0; ``cost_free_tokens=0``: model
-    off), so the engine fits none (core/prices.py)."""
+    """Whether ``config`` pins the token prices (a ``cost_*`` field >= 0; ``cost_free_tokens=0``: model off), so
+    the engine fits none (core/prices.py)."""
     return config.cost_free_tokens >= 0 or config.cost_marginal_tokens >= 0
 
 
-# The batch-scaled floor's cap: large batches still draft their most certain continuations.
-MAX_CONFIDENCE_FLOOR = 0.5
+MAX_CONFIDENCE_FLOOR = 0.5  # the batch-scaled floor's cap: large batches still draft their surest continuations
 
 
 def confidence_floor(config: "Settings", drafting: int) -> float:
-    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``, flat while the
-    cost model prices every node against the load (scaled, it cut free drafts at the GPU's prices); with
-    the model off, times the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
+    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``, flat while the cost model
+    prices every node against the load (scaled, it cut free drafts at the GPU's prices); with the model off, times
+    the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)

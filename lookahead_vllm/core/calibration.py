@@ -1,14 +1,12 @@
-"""Online calibration of draft confidences from verification outcomes (docs/how-it-works.md,
-"Forward-cost model").
-
-The cost model (core/budget.py) needs confidences that are probabilities. Per node *kind*
+"""Online calibration of draft confidences from verification outcomes (docs/how-it-works.md, "Forward-cost
+model"). The cost model (core/budget.py) needs confidences that are probabilities. Per node *kind*
 (:data:`KIND_NAMES`) and raw-confidence bin the calibrator learns::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
-``predicted``: the sum of the raw confidences of the bin's verified nodes; ``accepted``: how many of
-them were accepted; ``prior`` in accepted tokens. Counts halve once a bin has seen ``HALF_LIFE_NODES``
-nodes. Calibrated confidences never grow along a path. Booking and applying run natively; reference:
+``predicted``: the sum of the raw confidences of the bin's verified nodes; ``accepted``: how many of them were
+accepted; ``prior`` in accepted tokens. Counts halve once a bin has seen ``HALF_LIFE_NODES`` nodes. Calibrated
+confidences never grow along a path. Booking and applying run natively; reference:
 ``lookahead_lab.reference.planner``.
 """
 
@@ -20,23 +18,20 @@ from lookahead_vllm.core import native
 
 KIND_CHAIN, KIND_BRANCH, KIND_POOL, KIND_CONTEXT = 0, 1, 2, 3
 KIND_NAMES = ("chain", "branch", "pool", "context")
-# Upper edges of the raw-confidence bins (the last bin runs to 1).
-BIN_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+BIN_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # upper edges (the last bin runs to 1)
 HALF_LIFE_NODES = 4096
 
 
 class ConfidenceCalibrator:
     """Per (kind, raw-confidence bin): predicted and accepted totals; see the module docstring."""
 
-    # BIN_EDGES as an array, for the native kernels.
-    bin_edges = np.asarray(BIN_EDGES, np.float64)
+    bin_edges = np.asarray(BIN_EDGES, np.float64)  # for the native kernels
 
     def __init__(self, prior: float = 8.0, learns: bool = True) -> None:
         if prior <= 0:
             raise ValueError(f"prior={prior!r}: must be > 0")
         self.prior = prior
-        # False: the factors stay 1 (raw confidences; profile calibrate_confidence off).
-        self.learns = learns
+        self.learns = learns  # False: the factors stay 1 (profile calibrate_confidence off)
         shape = (len(KIND_NAMES), len(BIN_EDGES) + 1)
         self.predicted = np.zeros(shape)
         self.accepted = np.zeros(shape)
@@ -51,9 +46,9 @@ class ConfidenceCalibrator:
 
     def observe_trees(self, raw: np.ndarray, kinds: np.ndarray, accepted: np.ndarray, at: np.ndarray,
                       verified: np.ndarray) -> None:
-        """Learn from verified drafts stored as rows (core/tree_plan.py), in order: row ``at[i]`` of
-        ``raw``/``kinds``/``accepted [D, W]`` (raw confidences, calibration kinds, whether accepted)
-        had its first ``verified[i]`` nodes verified."""
+        """Learn from verified drafts stored as rows (core/tree_plan.py), in order: row ``at[i]`` of ``raw``, ``kinds``,
+        ``accepted [D, W]`` (raw confidences, calibration kinds, whether accepted) had ``verified[i]`` nodes verified
+        (its first)."""
         if self.learns:
             native.extension().observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                              raw, kinds, accepted, at, verified, self.prior, float(HALF_LIFE_NODES))

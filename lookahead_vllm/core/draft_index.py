@@ -1,44 +1,33 @@
-"""Draft index: the drafting core. Drafts the tokens that followed the longest earlier match of a
-request's trailing tokens, in its own text and in every request's output, for a whole batch in
-one call.
+"""Draft index: the drafting core. Drafts the tokens that followed the longest earlier match of a request's
+trailing tokens, in its own text and in every request's output, for a whole batch in one call.
 
-The engine's index is native: ``lookahead_vllm._draft_index`` (``csrc/draft_index/draft_index.cpp``,
-built at install time; :func:`lookahead_vllm.core.native.make_draft_index`). This module defines
-its settings; its terms (sequence, key, candidate, continuation, draft and its confidences), charge,
-upkeep and partitions are defined in docs/how-it-works.md, "The draft index", with worked examples.
-Tests hold it to the pure-Python reference ``lookahead_lab.reference.draft_index``.
-
-Every operation is deterministic, so every tensor-parallel rank drafts the same tokens from the
-same inputs (where the upkeep runs never changes them).
+The engine's index is native: ``lookahead_vllm._draft_index`` (``csrc/draft_index/draft_index.cpp``, built at
+install time; :func:`lookahead_vllm.core.native.make_draft_index`). This module defines its settings; its terms
+(sequence, key, candidate, continuation, draft and its confidences), charge, upkeep and partitions are defined in
+docs/how-it-works.md, "The draft index", with worked examples. Tests hold it to the pure-Python reference
+``lookahead_lab.reference.draft_index``. Every operation is deterministic, so every tensor-parallel rank drafts
+the same tokens from the same inputs (where the upkeep runs never changes them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Partitions (docs/how-it-works.md, "The draft index"): the shared default one, and no partition at all.
-DEFAULT, PRIVATE = 0, -1
-# The largest partition id (the native index keeps a record per id up to the largest seen).
-MAX_PARTITION = (1 << 24) - 1
-# The corpus's charge, in bytes (docs/how-it-works.md, "The draft index"; the native header's kSequenceCharge...).
+DEFAULT, PRIVATE = 0, -1  # partitions: the shared default one, and no partition at all
+MAX_PARTITION = (1 << 24) - 1  # the native index keeps a record per id up to the largest seen
+# The corpus's charge, in bytes (the native header's kSequenceCharge...).
 SEQUENCE_CHARGE, TOKEN_CHARGE, ENTRY_CHARGE, KEY_CHARGE = 256, 8, 40, 48
 
 
 @dataclass(frozen=True, slots=True)
 class DraftIndexConfig:
-    """One index's settings; no defaults of its own: the engine builds it from its settings
-    (``config.Settings.index_config``, the profile's index knobs)."""
+    """One index's settings, no defaults of its own (``config.Settings.index_config``: the profile's index knobs)."""
 
-    # Key length: a candidate must agree on at least this many trailing tokens.
-    ngram: int
-    # Matches are measured backwards at most this far (tokens).
-    max_match: int
-    # Occurrences kept per key (own: per sequence; corpus: across outputs).
-    max_occurrences: int
-    # Candidates merged into one draft (best-ranked first).
-    max_candidates: int
-    # The corpus's cap: its charge in bytes (oldest finished outputs evicted first).
-    corpus_bytes: int
+    ngram: int  # key length: a candidate must agree on at least this many trailing tokens
+    max_match: int  # matches are measured backwards at most this far (tokens)
+    max_occurrences: int  # occurrences kept per key (own: per sequence; corpus: across outputs)
+    max_candidates: int  # candidates merged into one draft (best-ranked first)
+    corpus_bytes: int  # the corpus's cap: its charge in bytes (oldest finished outputs evicted first)
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("ngram", 1, 4), ("max_match", 1, 1 << 16), ("max_occurrences", 1, 1024),

@@ -1,17 +1,17 @@
-"""``Drafter``: the engine-wide drafting state behind one batch call per step (docs/how-it-works.md,
-"The drafting pipeline").
+"""``Drafter``: the engine-wide drafting state behind one batch call per step (docs/how-it-works.md, "The drafting
+pipeline").
 
-It owns the sources (``config.sources``), each keeping a request's record by an integer *slot* the
-caller assigns: ``index`` (core/draft_index.py), ``trie`` (core/trie.py, with each request's context
-chain) and ``jacobi`` (core/jacobi.py: windows and pools, which the proposer opens and feeds), all
-native. Per step the caller hands the runner's token table once (``sync``) and asks for every drafting
-row's tree (``draft``); finished requests are dropped with ``finish``. A merged row leads with the
-index's tree (else the request's context chain), ranked at ``INDEX_WEIGHT * confidence`` so a chain
-cut from it follows them, then the trie's nodes, each with its calibration kind.
+It owns the sources (``config.sources``), each keeping a request's record by an integer *slot* the caller assigns:
+``index`` (core/draft_index.py), ``trie`` (core/trie.py, with each request's context chain) and ``jacobi``
+(core/jacobi.py: windows and pools, which the proposer opens and feeds), all native. Per step the caller hands the
+runner's token table once (``sync``) and asks for every drafting row's tree (``draft``); finished requests are
+dropped with ``finish``. A merged row leads with the index's tree (else the request's context chain), ranked at
+``INDEX_WEIGHT * confidence`` so a chain cut from it follows them, then the trie's nodes, each with its
+calibration kind.
 
-Tenant isolation (core/partitions.py): a request drafts in its salt's partition (``partition``);
-warm-start texts join the default one; snapshots keep the partitions the policy saves. The trie is
-shared: only default-partition requests feed it and draft from it.
+Tenant isolation (core/partitions.py): a request drafts in its salt's partition (``partition``); warm-start texts
+join the default one; snapshots keep the partitions the policy saves. The trie is shared: only default-partition
+requests feed it and draft from it.
 """
 
 from __future__ import annotations
@@ -30,27 +30,26 @@ from lookahead_vllm.core.trie import make_trie
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
 
-# Ranking weight scale of index nodes (above any trie count).
-INDEX_WEIGHT = 1e18
+INDEX_WEIGHT = 1e18  # ranking weight scale of index nodes (above any trie count)
 
 
 def make_index(config: Settings, ngram: int | None = None) -> Any:
-    """The native draft index for ``config`` (keyed by ``ngram`` tokens, default the profile's
-    ``index_ngram``), its upkeep on a thread of its own where the profile says it pays."""
+    """The native draft index for ``config`` (keyed by ``ngram`` tokens, default the profile's ``index_ngram``), its
+    upkeep on a thread of its own where the profile says it pays."""
     return native.make_draft_index(config.index_config(ngram), config.profile.upkeep_thread)
 
 
 def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
-    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents (-1: the
-    root; parents first), weights, confidence, and the lengths."""
+    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents (-1: the root; parents
+    first), weights, confidence, and the lengths."""
     return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
             np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
 
 
 def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's last ``width`` tokens (``token_ids[rows[i], :ends[i]]``'s tail) as
-    :meth:`Drafter.draft`'s ``contexts``, gathered in one indexing call."""
+    """Each row's last ``width`` tokens (``token_ids[rows[i], :ends[i]]``'s tail) as :meth:`Drafter.draft`'s
+    ``contexts``, gathered in one indexing call."""
     ends = np.asarray(ends, np.int64)
     lens = np.minimum(ends, width)
     inside = np.arange(width) < lens[:, None]
@@ -62,8 +61,7 @@ class Drafter:
     """See the module docstring."""
 
     def __init__(self, config: Settings, partitions: Partitions | None = None) -> None:
-        """``partitions``: an earlier drafter's (a reset with requests still running keeps which
-        salt owns which partition)."""
+        """``partitions``: an earlier drafter's (a reset with requests still running keeps which salt owns which)."""
         self.config = config
         knobs = config.profile
         self.index = make_index(config) if config.uses_index else None
@@ -72,10 +70,8 @@ class Drafter:
         self.trie = make_trie(config) if config.uses_trie else None
         self.jacobi = make_jacobi(config) if config.uses_jacobi else None
         self.threads = knobs.draft_threads
-        # Salts -> partitions under the config's draft_sharing policy.
         self.partitions = partitions if partitions is not None else Partitions(config.draft_sharing)
-        # Warm-start texts get slots -1, -2, ... (callers' slots are >= 0).
-        self._warm_slots = 0
+        self._warm_slots = 0  # warm-start texts get slots -1, -2, ... (callers' slots are >= 0)
 
     def num_requests(self) -> int:
         """Running requests holding drafting state."""
@@ -95,33 +91,29 @@ class Drafter:
         return self.partitions.of_salt(salt)
 
     def release_partitions(self, held: Iterable[int]) -> int:
-        """Free the salted partitions that hold nothing: no running request (``held``: the
-        partitions of the requests the caller keeps state for, synced here or not yet) and no output
-        in any index (core/partitions.py). Returns how many were freed."""
+        """Free the salted partitions that hold nothing: no running request (``held``: the partitions of the requests
+        the caller keeps state for, synced here or not yet) and no output in any index. Returns how many were freed."""
         in_use = set(held)
         for index in self._indexes():
             in_use.update(index.partition_bytes())  # settled: running sequences and outputs held
         return self.partitions.release(in_use)
 
     def partition_stats(self) -> tuple[int, int]:
-        """(partitions holding a request or an output, the corpus's charge in bytes over all of
-        them, back-off index included)."""
+        """(partitions holding a request or an output, the corpus's charge in bytes over all of them, back-off
+        index included)."""
         charges = [index.partition_bytes() for index in self._indexes()]
         return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
-    # ------------------------------------------------------------ lifecycle
     def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
              num_tokens: Sequence[int], prompt_lens: Sequence[int], partitions: Sequence[int] | None = None) -> int:
-        """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s committed tokens (its
-        first ``prompt_lens[i]`` the prompt): admit new requests (into ``partitions[i]``, from
-        :meth:`partition`; None: the partition of no salt), extend or rewind known ones. Returns how
-        many were rewound."""
+        """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s committed tokens (its first
+        ``prompt_lens[i]`` the prompt): admit new requests (into ``partitions[i]``, from :meth:`partition`; None: the
+        partition of no salt), extend or rewind known ones. Returns how many were rewound."""
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
         partitions = np.asarray(np.full(len(args[0]), self.partition(None)) if partitions is None else partitions,
                                 np.int64)
-        # The index and its back-off in one call.
-        rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions)]
+        rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions)]  # and the back-off
         if self.trie is not None:
             rewound.append(self.trie.sync(*args, partitions))
         return int(rewound[0]) if rewound else 0
@@ -139,9 +131,8 @@ class Drafter:
             self.jacobi.finish(slot)
 
     def warm(self, tokens: Sequence[int]) -> None:
-        """Learn a past response (warm start): into the index's corpus as a finished output of the
-        default partition, and into the trie as output counts (nothing where no request shares:
-        ``draft_sharing`` "none")."""
+        """Learn a past response (warm start): into the index's corpus as a finished output of the default
+        partition, and into the trie as output counts (nothing under ``draft_sharing`` "none")."""
         self._learn(tokens, self.partition(None), self.trie is not None)
 
     def _learn(self, tokens: Sequence[int], partition: int, trie: bool) -> None:
@@ -154,18 +145,16 @@ class Drafter:
         if trie and partition == DEFAULT:
             self.trie.insert_output(tokens)
 
-    # ------------------------------------------------------------- drafting
     def draft(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray] | None, budgets: Sequence[int],
               floor: float, tree: bool, cut: np.ndarray | None = None, pool: tuple[np.ndarray, ...] | None = None
               ) -> tuple[np.ndarray, ...]:
-        """Every request's draft as rows (a few batch calls): ``tokens``, ``parents``, ``weights``,
-        ``confidence``, calibration ``kinds [R, W]`` and ``lengths [R]``; row ``i`` at most
-        ``budgets[i]`` nodes, none below ``floor``, the index's tree (a chain unless ``tree``) or,
-        where it has none, the request's context chain, first, the trie's merged after it, then
-        ``pool``'s row (the Jacobi pool's branches, :func:`rows_of` arrays: ``jacobi.pool_rows``)
-        (the native ``merge_rows``); cut to its best path where ``cut[i]``. ``contexts``: the
-        requests' last ``max_match_length`` tokens as ``(tokens [R, W], lengths [R])``, row ``i``'s
-        first ``lengths[i]`` columns (trie source only; None otherwise)."""
+        """Every request's draft as rows (a few batch calls): ``tokens``, ``parents``, ``weights``, ``confidence``,
+        calibration ``kinds [R, W]`` and ``lengths [R]``; row ``i`` at most ``budgets[i]`` nodes, none below
+        ``floor``: the index's tree (a chain unless ``tree``) or, where it has none, the request's context chain,
+        first, the trie's merged after it, then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of` arrays:
+        ``jacobi.pool_rows``), by the native ``merge_rows``; cut to its best path where ``cut[i]``. ``contexts``: the
+        requests' last ``max_match_length`` tokens as ``(tokens [R, W], lengths [R])``, row ``i``'s first
+        ``lengths[i]`` columns (trie source only; None otherwise)."""
         count = len(slots)
         budgets = np.asarray(budgets, np.int64)
         width = max(1, int(budgets.max(initial=0)))
@@ -193,18 +182,15 @@ class Drafter:
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The index's drafts for many requests as arrays (chains unless ``tree``): ``tokens``,
-        ``parents`` (-1: the root; parents first), ``confidence [R, W]`` and ``lengths [R]``, row
-        ``i`` holding ``lengths[i]`` nodes (the back-off index's where the main one finds no
-        candidate)."""
+        """The index's drafts for many requests as arrays (chains unless ``tree``): ``tokens``, ``parents`` (-1: the
+        root; parents first), ``confidence [R, W]`` and ``lengths [R]``, row ``i`` holding ``lengths[i]`` nodes (the
+        back-off index's where the main one finds no candidate)."""
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
-    # ------------------------------------------------------------ snapshots
     def snapshot(self, identity: dict, info: dict | None = None) -> "Snapshot":
-        """What the drafter learned (core/snapshot.py): the index's corpus in the partitions its
-        policy saves (``Partitions.saved``), each output with its partition's label, and the trie's
-        output counts."""
+        """What the drafter learned (core/snapshot.py): the index's corpus in the partitions its policy saves
+        (``Partitions.saved``), each output with its partition's label, and the trie's output counts."""
         from lookahead_vllm.core.snapshot import Snapshot, TrieTable, settings_of
 
         sequences, labels = [], []
@@ -228,11 +214,10 @@ class Drafter:
         return snap
 
     def load_snapshot(self, path: str, identity: dict) -> "Snapshot":
-        """Read a snapshot written for ``identity`` and learn it: its corpus (oldest first) into the
-        index as finished outputs, each into the partition its label names under this policy
-        (``Partitions.of_label``; outputs of partitions the policy does not restore are skipped),
-        its output counts into the trie (or, without a trie table, its default partition's outputs
-        as warm texts). Raises SnapshotError, before changing anything, if it is refused."""
+        """Read a snapshot written for ``identity`` and learn it: its corpus (oldest first) into the index as finished
+        outputs, each into the partition its label names under this policy (``Partitions.of_label``; the others are
+        skipped), its output counts into the trie (or, without a trie table, its default partition's outputs as warm
+        texts). Raises SnapshotError, before changing anything, if it is refused."""
         from lookahead_vllm.core.snapshot import read_snapshot, settings_of
 
         snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)

@@ -1,8 +1,6 @@
-"""Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool
-(docs/how-it-works.md, "Jacobi lookahead").
-
-Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h) by
-the caller's slot, a whole step's rows per call; pure-Python reference: ``lookahead_lab.reference.jacobi``.
+"""Jacobi lookahead decoding (seeds 001 and 004): the 2D window and the n-gram pool (docs/how-it-works.md,
+"Jacobi lookahead"). Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h)
+by the caller's slot, a whole step's rows per call; reference: ``lookahead_lab.reference.jacobi``.
 
 Terms (digest sections 2 and 5):
   W, N, G    window columns, n-gram size (N - 1 levels), most pool n-grams verified per step and kept per key.
@@ -23,8 +21,8 @@ Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
     level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
     level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
 
-After the forward, the slide drops level 0 and (1,0): level 1 becomes level 0, level 2 level 1, the
-new tokens level 2.
+After the forward, the slide drops level 0 and (1,0): level 1 becomes level 0, level 2 level 1, the new tokens
+level 2.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ from lookahead_vllm.core import native
 if TYPE_CHECKING:
     from lookahead_vllm.core.config import Settings
 
-# A pool n-gram's node at depth d drafts at POOL_CONFIDENCE ** d (the pool has no counts).
-POOL_CONFIDENCE = 0.5
+POOL_CONFIDENCE = 0.5  # a pool n-gram's node at depth d drafts at POOL_CONFIDENCE ** d (the pool has no counts)
 # The window policy (docs/how-it-works.md, "Jacobi lookahead"; the native table's kYield*, kProbeEvery): a
 # window goes out while its expected pool tokens a step (a moving average of weight YIELD_ALPHA, from
 # YIELD_PRIOR) pay for its nodes, else every PROBE_EVERY steps, each empty probe doubling that up to MAX_PROBE_EVERY.
@@ -56,8 +53,7 @@ def make_jacobi(config: "Settings") -> Any:
 
 @lru_cache(maxsize=256)
 def lookahead_parents(window: int, ngram: int, base: int = 0) -> tuple[int, ...]:
-    """Parent of every lookahead node in plan order (-1 = x0), see the module docstring; after
-    ``base`` nodes of a verify tree, their indices shifted by it."""
+    """Parent of every lookahead node in plan order (-1 = x0); after ``base`` nodes of a verify tree, shifted by it."""
     parents = [-1 if i == 1 else i - 2 for i in range(1, window)]  # (0, 1..W-1)
     parents += [_index(level - 1, col, window) for level in range(1, ngram - 1) for col in range(window)]
     return tuple(p if p < 0 else p + base for p in parents)

@@ -1,11 +1,9 @@
 """Load adaptation: the per-request draft budget as a function of batch size.
 
-Draft tokens are nearly free while the forward is memory-bound, not with many requests running, and
-lookahead must never make a busy server slower: the budget stays at ``decoding_length`` up to
-``load_shrink_above`` running requests, shrinks linearly above it and reaches zero at
-``load_stop_at``; the forward-cost model (core/budget.py) prices what is left.
-
-Example: decoding_length 8, shrink above 8, stop at 16 (the CPU's defaults): running
+Draft tokens are nearly free while the forward is memory-bound, not with many requests running, and lookahead must
+never make a busy server slower: the budget stays at ``decoding_length`` up to ``load_shrink_above`` running
+requests, shrinks linearly above it and reaches zero at ``load_stop_at``; the forward-cost model (core/budget.py)
+prices what is left. Example: decoding_length 8, shrink above 8, stop at 16 (the CPU's defaults): running
 8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
 """
 
@@ -15,8 +13,7 @@ from lookahead_vllm.core.config import Settings
 
 
 def load_scaled_budget(config: Settings, num_running: int) -> int:
-    """Draft nodes per request when ``num_running`` requests share the step (the limits: the
-    profile's ``load_shrink_above`` and ``load_stop_at``, core/config.py)."""
+    """Draft nodes per request when ``num_running`` requests share the step."""
     shrink_above, stop_at = config.profile.load_shrink_above, config.profile.load_stop_at
     if num_running <= shrink_above:
         return config.decoding_length

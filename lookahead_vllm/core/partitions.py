@@ -1,12 +1,11 @@
-"""Partitions: which requests draft from each other's outputs (tenant isolation; config
-``draft_sharing``, docs/configuration.md: drafts change timing, a side channel, so the corpus is
-isolated by vLLM's ``cache_salt`` as vLLM isolates its prefix cache).
+"""Partitions: which requests draft from each other's outputs (tenant isolation; config ``draft_sharing``,
+docs/configuration.md). Drafts change timing, a side channel, so the corpus is isolated by vLLM's ``cache_salt`` as
+vLLM isolates its prefix cache.
 
-  partition  an int of the draft index (core/draft_index.py): a request drafts from its own text and
-             the outputs of its partition only. ``DEFAULT`` (0): requests without a salt; ``PRIVATE``
-             (-1): none at all (own text only).
-  label      a partition's name in a snapshot: ``""`` for the default one, ``"sha256:<hex>"`` of the
-             salt for a salted one (the salt itself is never written).
+  partition  an int of the draft index: a request drafts from its own text and its partition's outputs only.
+             ``DEFAULT`` (0): requests without a salt; ``PRIVATE`` (-1): none at all (own text only).
+  label      a partition's name in a snapshot: ``""`` for the default one, ``"sha256:<hex>"`` of the salt for a
+             salted one (the salt itself is never written).
 
   ==============  ===============  ================  ==============
   sharing         salted request   unsalted request  snapshot keeps
@@ -17,15 +16,15 @@ isolated by vLLM's ``cache_salt`` as vLLM isolates its prefix cache).
   none            PRIVATE          PRIVATE           nothing
   ==============  ===============  ================  ==============
 
-Worked example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one without a salt get
-partitions 1, 2, 1 and 0; a restart restores only partition 0's outputs (``per-salt-saved``: also
-``"a"``'s and ``"b"``'s, each into whatever partition the salt gets then).
+Example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one without a salt get partitions 1, 2, 1
+and 0; a restart restores only partition 0's outputs (``per-salt-saved``: also ``"a"``'s and ``"b"``'s, each into
+whatever partition the salt gets then).
 
-Salted partitions are recycled: once the labelled ones reach :data:`SWEEP_FIRST` (then twice as
-many as the last sweep left), the caller hands :meth:`Partitions.release` those in use (a running
-request's, or one holding outputs in an index) and every other salted label is dropped, its id reused
-lowest first (every tensor-parallel rank numbers alike). A freed partition holds nothing, so a new
-salt never sees an old one's outputs. Past :data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
+Salted partitions are recycled: once the labelled ones reach :data:`SWEEP_FIRST` (then twice as many as the last
+sweep left), the caller hands :meth:`Partitions.release` those in use (a running request's, or one holding outputs
+in an index); every other salted label is dropped and its id reused lowest first (every tensor-parallel rank
+numbers alike). A freed partition holds nothing, so a new salt never sees an old one's outputs. Past
+:data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from lookahead_vllm.core.config import DRAFT_SHARINGS
 from lookahead_vllm.core.draft_index import DEFAULT, MAX_PARTITION, PRIVATE
 
 DEFAULT_LABEL = ""
-# Labelled partitions at which the first sweep (Partitions.release) is due.
-SWEEP_FIRST = 256
+SWEEP_FIRST = 256  # labelled partitions at which the first sweep (Partitions.release) is due
 
 
 def salt_label(salt: str) -> str:
@@ -74,8 +72,7 @@ class Partitions:
         return self._of_label(salt_label(salt))
 
     def of_label(self, label: str) -> int | None:
-        """The partition a snapshot's ``label`` restores into (None: not under this policy: a salted
-        partition only where salts partition, nothing under "none")."""
+        """The partition a snapshot's ``label`` restores into (None: not under this policy)."""
         if self.sharing == "none" or (label != DEFAULT_LABEL and not self.per_salt):
             return None
         return DEFAULT if label == DEFAULT_LABEL else self._of_label(label)
@@ -112,8 +109,8 @@ class Partitions:
         return len(self._labels) >= self._sweep_at
 
     def release(self, in_use: Iterable[int]) -> int:
-        """Drop every salted partition not in ``in_use`` (its label goes; its id is reused); returns
-        how many were dropped. Next due at twice the partitions kept."""
+        """Drop every salted partition not in ``in_use`` (its id is reused); returns how many were dropped.
+        Next due at twice the partitions kept."""
         keep = set(in_use)
         dropped = [p for p in self._labels if p != DEFAULT and p not in keep]
         for p in dropped:

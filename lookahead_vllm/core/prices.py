@@ -1,18 +1,18 @@
-"""Token prices the engine measures itself: the forward-cost model fitted online (docs/prices.md:
-why each price is there, how samples are bucketed and the prior held).
+"""Token prices the engine measures itself: the forward-cost model fitted online (docs/prices.md: why each price
+is there, how samples are bucketed and the prior held).
 
-The cost model (core/budget.py) prices a step scoring ``T`` tokens in ``R`` rows at ``cost(T) = 1 +
-max(0, T - free_tokens) / marginal_tokens`` forwards plus ``row_price`` per row past the first,
-``draft_setup`` if it carries drafts, and ``context_price`` per thousand context tokens of its drafted
-rows (``K``). Every pure decode step is a sample ``(T, R, K, seconds, drafted)``, seconds to the start
-of the next step (as ``benchmarks/bench_forward_cost.py`` times ``engine.step()``); :class:`OnlinePrices`
-fits the five prices and a per-step time ``t0``::
+The cost model (core/budget.py) prices a step scoring ``T`` tokens in ``R`` rows at ``cost(T) = 1 + max(0, T -
+free_tokens) / marginal_tokens`` forwards plus ``row_price`` per row past the first, ``draft_setup`` if it carries
+drafts, and ``context_price`` per thousand context tokens of its drafted rows (``K``). Every pure decode step is a
+sample ``(T, R, K, seconds, drafted)``, seconds to the start of the next step (as
+``benchmarks/bench_forward_cost.py`` times ``engine.step()``); :class:`OnlinePrices` fits the five prices and a
+per-step time ``t0``::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
 
 The same samples give the same prices bit for bit (tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
-Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior (5, 20): a flat start then
-0.6 forwards over 12 tokens: ``free`` near 5 and ``marginal`` near 20.
+Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior (5, 20): a flat start then 0.6 forwards
+over 12 tokens: ``free`` near 5 and ``marginal`` near 20.
 """
 
 from __future__ import annotations
@@ -22,22 +22,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Samples a bucket keeps (the median of these enters the fit).
-RING = 32
-# A bucket enters the fit with at least this many samples.
-MIN_BUCKET_SAMPLES = 6
-# Buckets visited within this many observed steps enter the fit.
-MAX_AGE_STEPS = 4096
+RING = 32  # samples a bucket keeps (the median of these enters the fit)
+MIN_BUCKET_SAMPLES = 6  # a bucket enters the fit with at least this many samples
+MAX_AGE_STEPS = 4096  # buckets visited within this many observed steps enter the fit
 # A bucket per count up to EXACT_TOKENS, then GROWTH times wider each up to MAX_TOKENS (then the last).
 EXACT_TOKENS = 64
 GROWTH = 1.0625
 MAX_TOKENS = 1 << 16
 NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / math.log(GROWTH)) + 1
-# Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5 on
-# one sample; a full bucket's median scatters by ~0.04 on a busy 2-core CPU, a real slope by ~0.5.
+# Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5 on one sample;
+# a full bucket's median scatters by ~0.04 on a busy 2-core CPU, a real slope by ~0.5.
 PRIOR_WEIGHT = 0.25
-# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the other prices:
-# a weighted least squares per candidate, within these bounds).
+# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the other prices: a weighted
+# least squares per candidate, within these bounds).
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
@@ -51,12 +48,9 @@ CONTEXT_WIDTH = 0.1
 CONTEXT_FIRST = 0.125
 CONTEXT_GROWTH = 1.25
 CONTEXT_BUCKETS = 48
-# The weight that holds a price the samples cannot tell (or one at its bound).
-HELD = 1e6
-# Buckets kept at once (each a ring of RING samples): bounded memory whatever the mix of steps.
-MAX_BUCKETS = 512
-# Refit after this many new samples (docs/prices.md: a fit's time).
-REFIT_EVERY = 64
+HELD = 1e6  # the weight that holds a price the samples cannot tell (or one at its bound)
+MAX_BUCKETS = 512  # buckets kept at once (each a ring of RING samples): bounded memory whatever the mix of steps
+REFIT_EVERY = 64  # refit after this many new samples (docs/prices.md: a fit's time)
 
 
 def bucket_of(tokens: int) -> int:
@@ -80,16 +74,11 @@ class Prices:
 
     free_tokens: int
     marginal_tokens: float
-    # Forwards a step with drafts costs over one without.
-    draft_setup: float = 0.0
-    # Forwards every row of a step past the first adds.
-    row_price: float = 0.0
-    # Forwards a row that carries drafts adds per thousand tokens of its context.
-    context_price: float = 0.0
-    # Seconds of a draftless step within the free tokens (the fit's t0; 0 = prior only).
-    step_seconds: float = 0.0
-    # Buckets and samples the fit used (0 = the prior alone).
-    buckets: int = 0
+    draft_setup: float = 0.0  # forwards a step with drafts costs over one without
+    row_price: float = 0.0  # forwards every row of a step past the first adds
+    context_price: float = 0.0  # forwards a row that carries drafts adds per thousand tokens of its context
+    step_seconds: float = 0.0  # seconds of a draftless step within the free tokens (the fit's t0; 0 = prior only)
+    buckets: int = 0  # buckets and samples the fit used (0 = the prior alone)
     samples: int = 0
 
 
@@ -119,9 +108,8 @@ class OnlinePrices:
         self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
 
     def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1, context: int = 0) -> bool:
-        """One pure decode step of ``rows`` requests that scored ``tokens`` tokens in ``seconds``
-        (``drafted``: it carried draft tokens, in rows whose contexts sum to ``context`` tokens);
-        True when the prices were refitted (every :data:`REFIT_EVERY` samples)."""
+        """One pure decode step of ``rows`` requests that scored ``tokens`` tokens in ``seconds`` (``drafted``: it
+        carried draft tokens, in rows whose contexts sum to ``context`` tokens); True when the prices were refitted."""
         if (tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds)
                 or not context >= 0):
             return False
@@ -151,20 +139,17 @@ class OnlinePrices:
         return b
 
     def buckets(self) -> tuple[np.ndarray, ...]:
-        """The buckets that enter the fit: median scored tokens, median rows, median seconds, sample
-        count, whether the steps were drafted and the median drafted-row context (thousands of
-        tokens), of each."""
+        """The buckets that enter the fit: median scored tokens, median rows, median seconds, sample count, whether
+        the steps were drafted and the median drafted-row context (thousands of tokens), of each."""
         n = np.minimum(self._count, RING)
         idx = np.flatnonzero((n >= MIN_BUCKET_SAMPLES) & (self.observed - self._last_seen <= MAX_AGE_STEPS))
         tokens, rows, seconds, context = _ring_median(self._samples[idx], n[idx]).T
         return tokens, rows, seconds, n[idx], self._drafted[idx], context
 
     def fit(self) -> Prices:
-        """The prices that best explain the live buckets, under the prior.
-
-        For every candidate ``free`` the other prices come in closed form (:func:`_solve`); the best
-        ``free`` (residuals plus its own prior) wins. A price the samples cannot tell from ``t0`` is
-        held at the prior."""
+        """The prices that best explain the live buckets, under the prior: for every candidate ``free`` the other
+        prices in closed form (:func:`_solve`); the best ``free`` (residuals plus its own prior) wins. A price the
+        samples cannot tell from ``t0`` is held at the prior."""
         tokens, rows, seconds, weight, drafted, context = self.buckets()
         if len(tokens) < 2:
             return self.prior
@@ -186,8 +171,8 @@ class OnlinePrices:
         xs[:, :, 2] = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])
         theta, sse = _solve(xs, seconds, weight, prior, strength, lower, upper)
         score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
-        # A degenerate candidate (non-finite, or no positive step time or token price) is never
-        # picked; where every one is, pricing stays as it was.
+        # A degenerate candidate (non-finite, or no positive step time or token price) is never picked; where
+        # every one is, pricing stays as it was.
         valid = np.isfinite(score) & np.isfinite(theta).all(axis=1) & (theta[:, 0] > 0) & (theta[:, 2] > 0)
         if not valid.any():
             return self.prices
@@ -200,14 +185,14 @@ class OnlinePrices:
 
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
            lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)`` on
-    relative errors weighted by ``weight`` (``c1``..``c4``: row price, ``1 / marginal``, setup, context
-    price), each ``c`` pulled to ``prior[j]`` with ``strength[j]`` (normal priors, ``c2``'s log-normal)
-    and kept within ``[lower, upper]``. Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a
-    pseudo-observation ``(theta_j - target_j * theta_0) / t0`` at the last pass's ``t0`` (``c2``'s prior
-    a normal one around the last ``c2``): three batched QR passes; a price past a bound is held there
-    from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums of
-    squared relative residuals plus the priors' penalty on the prices they do not hold."""
+    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)`` on relative
+    errors weighted by ``weight`` (``c1``..``c4``: row price, ``1 / marginal``, setup, context price), each ``c``
+    pulled to ``prior[j]`` with ``strength[j]`` (normal priors, ``c2``'s log-normal) and kept within ``[lower,
+    upper]``. Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a pseudo-observation ``(theta_j -
+    target_j * theta_0) / t0`` at the last pass's ``t0`` (``c2``'s prior a normal one around the last ``c2``): three
+    batched QR passes; a price past a bound is held there from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1,
+    ..., c4)`` and ``[F]`` weighted sums of squared relative residuals plus the priors' penalty on the prices they
+    do not hold."""
     f, k = x.shape[0], len(prior)
     sw = np.sqrt(weight) / seconds
     c = np.repeat(prior[None], f, axis=0)
@@ -215,8 +200,8 @@ def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.nda
     bound = np.zeros((f, k), bool)
     eye = np.zeros((k, k + 1))
     eye[np.arange(k), np.arange(1, k + 1)] = 1.0
-    # The samples' block is the same in every pass: reduce it once to its R (least squares on [R;
-    # pseudo] equals least squares on [samples; pseudo]), so each pass solves 5 + 4 rows.
+    # The samples' block is the same in every pass: reduce it once to its R (least squares on [R; pseudo] equals
+    # least squares on [samples; pseudo]), so each pass solves 5 + 4 rows.
     q0, r0 = np.linalg.qr(x * sw[None, :, None])
     rhs = np.concatenate([np.einsum("fnj,n->fj", q0, seconds * sw), np.zeros((f, k))], axis=1)
     for _ in range(3):

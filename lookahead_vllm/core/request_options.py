@@ -1,11 +1,11 @@
-"""Per-request lookahead control in ``SamplingParams.extra_args`` (README's per-request table):
-``lookahead_enabled`` and ``lookahead_max_draft_tokens``; over HTTP in the body's ``vllm_xargs``
-(flat keys: JSON ``true``/``false`` arrive as 1/0). Any other key starting with ``lookahead`` (in any
-case) is rejected, so a typo cannot leave speculation on.
+"""Per-request lookahead control in ``SamplingParams.extra_args`` (README's per-request table): ``lookahead_enabled``
+and ``lookahead_max_draft_tokens``; over HTTP in the body's ``vllm_xargs`` (flat keys: JSON ``true``/``false``
+arrive as 1/0). Any other key starting with ``lookahead`` (in any case) is rejected, so a typo cannot leave
+speculation on.
 
-A seeded request drafts nothing unless it sets ``lookahead_enabled`` itself: the rejection sampler
-draws one uniform per draft token from its generator, and drafts depend on other requests and step
-times, so drafting keeps the target distribution but not the text the seed names::
+A seeded request drafts nothing unless it sets ``lookahead_enabled`` itself: the rejection sampler draws one uniform
+per draft token from its generator, and drafts depend on other requests and step times, so drafting keeps the
+target distribution but not the text the seed names::
 
     SamplingParams(max_tokens=64, extra_args={"lookahead_max_draft_tokens": 2})
     client.completions.create(..., extra_body={"vllm_xargs": {"lookahead_enabled": False}})
@@ -22,9 +22,8 @@ MAX_CAP = 256  # LookaheadConfig.decoding_length's upper bound (its schema's max
 
 
 def draft_cap(extra_args: Mapping[str, Any] | None, seeded: bool = False) -> int | None:
-    """This request's cap on draft nodes per step (None = no cap, 0 = off); ``seeded``: the
-    request samples with a seed (off unless ``lookahead_enabled`` says otherwise). Raises
-    ``ValueError`` naming the key, the value and what is allowed."""
+    """This request's cap on draft nodes per step (None = no cap, 0 = off); ``seeded``: the request samples with a
+    seed (off unless ``lookahead_enabled`` says otherwise). ValueError names the key, the value and what is allowed."""
     ours = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.lower().startswith("lookahead")}
     unknown = sorted(set(ours) - set(KEYS))
     if unknown:

@@ -1,25 +1,21 @@
-"""The planner: one engine step's draft math, over the whole batch (docs/how-it-works.md, "The
-drafting pipeline").
+"""The planner: one engine step's draft math, over the whole batch (docs/how-it-works.md, "The drafting pipeline").
 
-A chain is a tree whose node ``i`` has parent ``i - 1``. Drafts arrive as rows: ``tokens``/
-``parents``/``raw`` confidences ``[R, W]`` and ``lengths [R]``, parents first (the index's
-``draft_batch``, or the merged sources with their nodes' calibration kinds: ``Drafter.draft``).
-Per step the proposer books last step's :class:`TreeOffers` (:meth:`TreeOffers.match`: what the
-scheduler verified of each, walked with the tokens its row emitted; :meth:`TreeOffers.observe`:
-that evidence into the calibrator), plans this step's (:func:`plan_trees`: a row whose request may
-not verify a tree keeps its best path; nodes get kinds, ``KIND_CONTEXT`` on the leading chain and
-``KIND_BRANCH`` off it, and calibrated confidences; the batch keeps the prefix of the merged heads
-that maximises expected tokens per forward, core/budget.py), and keeps what it handed out as a
-:class:`StepDrafts`, which tree verification reads as one :class:`TreeBatch`.
+A chain is a tree whose node ``i`` has parent ``i - 1``. Drafts arrive as rows: ``tokens``/``parents``/``raw``
+confidences ``[R, W]`` and ``lengths [R]``, parents first (the index's ``draft_batch``, or the merged sources with
+their nodes' calibration kinds: ``Drafter.draft``). Per step the proposer books last step's :class:`TreeOffers`
+(:meth:`TreeOffers.match`: what the scheduler verified of each, walked with the tokens its row emitted;
+:meth:`TreeOffers.observe`: that evidence into the calibrator), plans this step's (:func:`plan_trees`: a row whose
+request may not verify a tree keeps its best path; nodes get kinds, ``KIND_CONTEXT`` on the leading chain and
+``KIND_BRANCH`` off it, and calibrated confidences; the batch keeps the prefix of the merged heads that maximises
+expected tokens per forward, core/budget.py), and keeps what it handed out as a :class:`StepDrafts`, which tree
+verification reads as one :class:`TreeBatch`.
 
-Worked example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw confidences
-``[0.8, 0.5, 0.3]`` (kinds context, context, branch); with factor 1 and no cost model, a budget
-of 2 keeps ``a, b`` (a chain: no plan), a budget of 3 all three (a tree: ``c`` opens a second
-path).
+Example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw confidences ``[0.8, 0.5, 0.3]`` (kinds context,
+context, branch); with factor 1 and no cost model, a budget of 2 keeps ``a, b`` (a chain: no plan), a budget of 3
+all three (a tree: ``c`` opens a second path).
 
-Each runs as one call into ``lookahead_vllm._draft_index`` (csrc/draft_index/trees.cpp); tests
-hold the calls to the pure-Python reference ``lookahead_lab.reference.planner``, confidences bit
-for bit.
+Each runs as one call into ``lookahead_vllm._draft_index`` (csrc/draft_index/trees.cpp); tests hold the calls to
+the pure-Python reference ``lookahead_lab.reference.planner``, confidences bit for bit.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TreeOffers:
-    """The drafts the planner handed out in one step, one row per drafting request (a tree, or a
-    chain where its request may not verify one): booked against what verification accepted in the
-    next step, then replaced."""
+    """The drafts the planner handed out in one step, one row per drafting request (a tree, or a chain where its
+    request may not verify one): booked against what verification accepted in the next step, then replaced."""
 
     slots: np.ndarray  # [D] int64 request slots, each at most once
     tokens: np.ndarray  # [D, W] int32 node tokens
@@ -60,18 +55,16 @@ class TreeOffers:
 
     def match(self, slots: np.ndarray, scheduled: np.ndarray, emitted: list[list[int]]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This step's rows (``slots``; ``scheduled``: draft tokens the scheduler verified;
-        ``emitted``: the tokens each row emitted) against the offers. Per row that verified part of
-        its offer, in row order: the offer's index and the nodes verified (at most the offer's
-        length); and ``hits [D, W]``: the verified nodes accepted."""
+        """This step's rows (``slots``; ``scheduled``: draft tokens the scheduler verified; ``emitted``: the tokens
+        each row emitted) against the offers. Per row that verified part of its offer, in row order: the offer's
+        index and the nodes verified (at most the offer's length); and ``hits [D, W]``: the verified nodes accepted."""
         return native.extension().match_trees(self.slots, self.lengths, self.tokens, self.parents, slots,
                                               scheduled, emitted)
 
     def observe(self, calibrator: "ConfidenceCalibrator", at: np.ndarray, verified: np.ndarray,
                 hits: np.ndarray) -> tuple[int, int]:
-        """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into the calibrator
-        (:meth:`match`'s results); returns how many accepted nodes were context nodes and how many
-        Jacobi pool nodes."""
+        """Book offer ``at[i]``'s first ``verified[i]`` nodes, in order, into the calibrator (:meth:`match`'s
+        results); returns how many accepted nodes were context nodes and how many Jacobi pool nodes."""
         calibrator.observe_trees(self.raw, self.kinds, hits, at, verified)
         return (int(np.count_nonzero(hits[self.kinds == KIND_CONTEXT])),
                 int(np.count_nonzero(hits[self.kinds == KIND_POOL])))
@@ -79,12 +72,11 @@ class TreeOffers:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeBatch:
-    """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds
-    ``lengths[t]`` nodes, parents first (-1: the root; a tree's nodes in DFS order, so any prefix
-    the scheduler keeps is a tree), of which the first ``verify[t]`` may be accepted and the rest
-    are a Jacobi window's lookahead nodes (never accepted: their outputs refill the window and its
-    pool). The forward: docs/how-it-works.md, "Tree verification"; one object per request:
-    ``lookahead_lab.reference.trees``."""
+    """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds ``lengths[t]`` nodes,
+    parents first (-1: the root; a tree's nodes in DFS order, so any prefix the scheduler keeps is a tree), of which
+    the first ``verify[t]`` may be accepted and the rest are a Jacobi window's lookahead nodes (never accepted:
+    their outputs refill the window and its pool). The forward: docs/how-it-works.md, "Tree verification"; one
+    object per request: ``lookahead_lab.reference.trees``."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
@@ -116,15 +108,15 @@ class TreeBatch:
         return np.argmax(off, axis=1).astype(np.int64)
 
     def is_chain(self, prefix: np.ndarray | None = None) -> np.ndarray:
-        """``[T]`` bool: the row is a chain of verify nodes (vLLM's chain verification applies);
-        ``prefix``: :meth:`chain_prefix`, where the caller has it."""
+        """``[T]`` bool: the row is a chain of verify nodes (vLLM's chain verification applies); ``prefix``:
+        :meth:`chain_prefix`, where the caller has it."""
         prefix = self.chain_prefix() if prefix is None else prefix
         return (self.verify == self.lengths) & (prefix == self.lengths)
 
     def visibility(self, size: int) -> np.ndarray:
-        """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at
-        least ``1 + max(lengths)``): row ``i`` sees row ``j`` iff ``j`` is the root, ``i``, or an
-        ancestor of ``i`` (False past a row's length)."""
+        """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at least ``1 +
+        max(lengths)``): row ``i`` sees row ``j`` iff ``j`` is the root, ``i``, or an ancestor of ``i`` (False past
+        a row's length)."""
         count, width = self.parents.shape
         vis = np.zeros((count, size, size), bool)
         vis[:, :, 0] = True
@@ -139,12 +131,10 @@ class TreeBatch:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StepDrafts:
-    """What one step handed out, as tree verification reads it in the next (the proposer's only
-    hand-over to ``tree_verify``): the planner's offers (booked against what the rows emit), the
-    offer row of each request that verifies a plan other than a chain, and the Jacobi windows riding
-    on offer rows (offer row -> the window's lookahead tokens in plan order; one shape for every
-    window: ``window`` columns, ``ngram``). Tree verification reads the scheduled trees as one
-    :class:`TreeBatch` (:meth:`batch`)."""
+    """What one step handed out, as tree verification reads it in the next (the proposer's only hand-over to
+    ``tree_verify``): the planner's offers (booked against what the rows emit), the offer row of each request that
+    verifies a plan other than a chain, and the Jacobi windows riding on offer rows (offer row -> the window's
+    lookahead tokens in plan order; one shape for every window: ``window`` columns, ``ngram``)."""
 
     offers: TreeOffers
     rows: dict[str, int]
@@ -157,10 +147,9 @@ class StepDrafts:
         return cls(TreeOffers.none(), {}, {})
 
     def batch(self, req_ids: Sequence[str], counts: np.ndarray) -> tuple[TreeBatch, np.ndarray]:
-        """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first
-        ``counts[i]`` nodes (what the scheduler kept), as one :class:`TreeBatch` (the offer's kept
-        nodes, then its window's lookahead nodes, parents as ``lookahead_parents``), and each whole
-        plan's nodes (more than ``counts[i]``: the scheduler cut it)."""
+        """The plans of ``req_ids`` (each with a row: ``req_id in rows``), each cut to its first ``counts[i]`` nodes
+        (what the scheduler kept), as one :class:`TreeBatch` (the offer's kept nodes, then its window's lookahead
+        nodes, parents as ``lookahead_parents``), and each whole plan's nodes (more than ``counts[i]``: it was cut)."""
         offers = self.offers
         d = np.fromiter(map(self.rows.__getitem__, req_ids), np.int64, len(req_ids))
         kept = offers.lengths[d]
@@ -198,14 +187,13 @@ def plan_trees(
     slots: np.ndarray, out_rows: np.ndarray, num_out: int, kinds: np.ndarray | None = None,
     entry: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
-    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft index's tree of
-    ``lengths[r]`` nodes for request ``slots[r]`` at batch row ``out_rows[r]``; ``tree_ok[r]``:
-    whether it may verify a tree. With ``kinds [R, W]`` given (merged sources: ``Drafter.draft``),
-    the rows are planned as they are, already cut to what their requests may verify. ``entry [R]``:
-    what a row pays, in forwards, once it keeps any node (``ForwardCost.entry`` of its context;
-    None: nothing). Returns the offers (each row's kept prefix), the calibrated confidences of the
-    offered rows (cells past a row's length are unspecified) and the ``num_out`` batch rows' drafts
-    (``[]`` where none)."""
+    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft index's tree of ``lengths[r]`` nodes for
+    request ``slots[r]`` at batch row ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With ``kinds
+    [R, W]`` given (merged sources: ``Drafter.draft``), the rows are planned as they are, already cut to what their
+    requests may verify. ``entry [R]``: what a row pays, in forwards, once it keeps any node (``ForwardCost.entry``
+    of its context; None: nothing). Returns the offers (each row's kept prefix), the calibrated confidences of the
+    offered rows (cells past a row's length are unspecified) and the ``num_out`` batch rows' drafts (``[]`` where
+    none)."""
     tok, par, conf, out_kinds, keep, calibrated, trees, drafts = native.extension().plan_trees(
         tokens, parents, raw, lengths, np.asarray(tree_ok, bool), calibrator.bin_edges, calibrator.factor_table(),
         -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),

@@ -1,15 +1,11 @@
 """Tree attention over a paged KV cache: the pure-torch reference.
 
-Terms. A request verifying a draft tree this step has ``q`` query rows, its
-*tail*: the root (last committed token) and the ``q - 1`` draft nodes in
-flattened DFS order. Their K/V are already written into the cache at the
-sequence's next slots, so the request's cache holds ``seq_len`` tokens: the
-*context* (``seq_len - q`` committed tokens) followed by the tail. Tail row
-``i`` attends to the whole context plus exactly the tail tokens ``j`` whose bit
-is set in its mask row (itself and its ancestors, root included).
-
-Worked example: context of 5 tokens, root ``r`` and nodes ``a`` (parent r),
-``b`` (parent a), ``c`` (parent r)::
+A request verifying a draft tree this step has ``q`` query rows, its *tail*: the root (last committed token) and
+the ``q - 1`` draft nodes in flattened DFS order. Their K/V are already written into the cache at the sequence's
+next slots, so the request's cache holds ``seq_len`` tokens: the *context* (``seq_len - q`` committed tokens)
+followed by the tail. Tail row ``i`` attends to the whole context plus exactly the tail tokens ``j`` whose bit is
+set in its mask row (itself and its ancestors, root included). Example: context of 5 tokens, root ``r`` and nodes
+``a`` (parent r), ``b`` (parent a), ``c`` (parent r)::
 
     tail row   r  a  b  c        visible cache positions
     r          1  .  .  .        0..4, 5
@@ -19,15 +15,13 @@ Worked example: context of 5 tokens, root ``r`` and nodes ``a`` (parent r),
 
 A plain chain's mask is lower-triangular, i.e. causal attention.
 
-Mask encoding: ``tree_mask`` is int64 ``[num_tokens, num_words]``; bit ``j % 64``
-of word ``j // 64`` in row ``t`` says query row ``t`` sees tail token ``j`` of its
-request. The CUDA kernel in ``csrc/`` takes the same arguments.
+Mask encoding: ``tree_mask`` is int64 ``[num_tokens, num_words]``; bit ``j % 64`` of word ``j // 64`` in row ``t``
+says query row ``t`` sees tail token ``j`` of its request. The CUDA kernel in ``csrc/`` takes the same arguments.
 
-Paged layout (vLLM's FlashAttention layout): ``key_cache`` and ``value_cache``
-are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``p`` of request
-``r`` lives in block ``block_tables[r, p // block_size]`` at offset
-``p % block_size``. GQA: query head ``h`` uses KV head ``h // (num_heads //
-num_kv_heads)``. Scores and softmax run in fp32 whatever the storage dtype.
+Paged layout (vLLM's FlashAttention layout): ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; token ``p`` of request ``r`` lives in block ``block_tables[r, p // block_size]`` at
+offset ``p % block_size``. GQA: query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Scores and
+softmax run in fp32 whatever the storage dtype.
 """
 
 from __future__ import annotations
@@ -122,8 +116,8 @@ def compact_kv_ref(
     src_slots: torch.Tensor,  # [n] int64: accepted nodes' slots
     dst_slots: torch.Tensor,  # [n] int64: the sequence's next contiguous slots
 ) -> None:
-    """Move the accepted path's K/V into place, in place (reference for csrc); all sources are read
-    before any write, so overlapping moves (``dst <= src``, as along an accepted path) are safe."""
+    """Move the accepted path's K/V into place, in place (reference for csrc); all sources are read before any
+    write, so overlapping moves (``dst <= src``, as along an accepted path) are safe."""
     assert src_slots.shape == dst_slots.shape
     block_size = key_cache.shape[1]
     src, dst = src_slots.long(), dst_slots.long()

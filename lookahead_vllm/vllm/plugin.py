@@ -1,7 +1,7 @@
-"""``vllm.general_plugins`` entry point, called by vLLM in every process (API server, engine core,
-each worker) before it builds configs or registers kernels. Without lookahead selected the patches
-are inert, except the two CPU fixes (``cpu_expand_kernel``, ``cpu_kernel_overrides_once``) that change
-plain vLLM on purpose; greedy plain output is unchanged (tested with the plugin filtered out).
+"""``vllm.general_plugins`` entry point, called by vLLM in every process (API server, engine core, each worker)
+before it builds configs or registers kernels. Without lookahead selected the patches are inert, except the two CPU
+fixes (``cpu_expand_kernel``, ``cpu_kernel_overrides_once``) that change plain vLLM on purpose; greedy plain output
+is unchanged (tested with the plugin filtered out).
 """
 
 from __future__ import annotations
