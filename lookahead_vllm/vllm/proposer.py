@@ -1,14 +1,14 @@
 """``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
 
-Per step, for the rows that just sampled: book last step's drafts, one ``Drafter.sync`` (every
-committed token not yet seen: robust to steps vLLM skipped drafting, and to rewinds), one
-``Drafter.draft`` and one ``plan_trees`` call for the whole batch, then the Jacobi windows that pay
-(docs/how-it-works.md, "The drafting pipeline"). What a step handed out is one :class:`StepDrafts`
-(``handed_out``): ``tree_verify`` reads each tree's plan from it, the next step books it.
+Per step, for the rows that just sampled: book last step's drafts, one ``Drafter.sync`` (every committed token not
+yet seen: robust to steps vLLM skipped drafting, and to rewinds), one ``Drafter.draft`` and one ``plan_trees`` call
+for the whole batch, then the Jacobi windows that pay (docs/how-it-works.md, "The drafting pipeline"). What a step
+handed out is one :class:`StepDrafts` (``handed_out``): ``tree_verify`` reads each tree's plan from it, the next step
+books it.
 
-A request's drafting state is one :class:`RequestState`, dropped in one place (``finish``). The
-proposer checks (``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine` applies
-the worker's patches (``patches`` imports this module, never the reverse).
+A request's drafting state is one :class:`RequestState`, dropped in one place (``finish``). The proposer checks
+(``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine` applies the worker's patches (``patches``
+imports this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -43,39 +43,31 @@ logger = init_logger(__name__)
 
 @dataclass(slots=True)
 class ProposerStats:
-    """Counters for benchmarks and tests. Steps, draft tokens and drafter time are counted once, in
-    the :class:`metrics.StepStats` the server publishes (``step``); :meth:`counters` reads them from
-    there."""
+    """Counters for benchmarks and tests. Steps, draft tokens and drafter time are counted once, in the
+    :class:`metrics.StepStats` the server publishes (``step``); :meth:`counters` reads them from there."""
 
     step: metrics.StepStats = field(default_factory=metrics.StepStats, repr=False)
-    # Request-steps that were given a (possibly empty) draft.
-    request_steps: int = 0
-    # Request-steps whose committed tokens the runner had rewound (preemption).
-    rewinds: int = 0
-    # Largest number of draft tokens handed out in one step (whole batch).
-    max_step_draft_tokens: int = 0
-    # Tree verification: request-steps verified as trees, their draft nodes, tokens emitted
-    # (accepted + bonus), and accepted nodes that were not on the leading chain (what chain
-    # verification could not have accepted).
+    request_steps: int = 0  # request-steps given a (possibly empty) draft
+    rewinds: int = 0  # request-steps whose committed tokens the runner had rewound (preemption)
+    max_step_draft_tokens: int = 0  # most draft tokens handed out in one step (whole batch)
+    # Tree verification: request-steps verified as trees, their draft nodes, tokens emitted (accepted + bonus), and
+    # accepted nodes off the leading chain (what chain verification could not have accepted).
     tree_request_steps: int = 0
     tree_nodes: int = 0
     tree_tokens: int = 0
     tree_off_chain_accepts: int = 0
-    # Trees the scheduler cut to a prefix (token budget / max_model_len).
-    tree_truncated: int = 0
-    # Jacobi lookahead: request-steps that carried the window (its nodes: times the profile's
-    # jacobi_nodes), n-grams added to the pools, pool branches offered for verification and accepted
-    # tokens that came from pool nodes.
+    tree_truncated: int = 0  # trees the scheduler cut to a prefix (token budget / max_model_len)
+    # Jacobi lookahead: request-steps that carried the window (its nodes: times the profile's jacobi_nodes), n-grams
+    # added to the pools, pool branches offered for verification and accepted tokens from pool nodes.
     jacobi_steps: int = 0
     pool_ngrams_added: int = 0
     pool_branches: int = 0
     pool_accepted_tokens: int = 0
-    # Context match: request-steps whose draft led with a context chain, and accepted tokens that
-    # came from context chains.
+    # Context match: request-steps whose draft led with a context chain, and accepted tokens from context chains.
     context_drafts: int = 0
     context_accepted_tokens: int = 0
-    # Uniform steps (profile uniform_steps): steps whose rows were filled to exactly k draft tokens,
-    # and the tokens added past the planned drafts.
+    # Uniform steps (profile uniform_steps): steps whose rows were filled to exactly k draft tokens, and the tokens
+    # added past the planned drafts.
     uniform_steps: int = 0
     fill_tokens: int = 0
 
@@ -100,19 +92,16 @@ class ProposerStats:
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """Everything the proposer keeps for one running request (compared by identity: a step looks its
-    states up in bulk, ``None in states``)."""
+    """Everything the proposer keeps for one running request (compared by identity: a step looks its states up in
+    bulk, ``None in states``)."""
 
-    # The request's id in the Drafter (its index slot).
-    slot: int
-    # Per-request draft cap from extra_args (None = none; 0 = off). Kept across rewinds: it is the
-    # request's option, not drafting state.
-    cap: int | None = None
-    # Its draft index partition (its cache_salt's: Drafter.partition; a request made without the
-    # runner's new-request hook: that of no salt). Kept across rewinds, like the cap.
+    slot: int  # the request's id in the Drafter (its index slot)
+    cap: int | None = None  # extra_args' draft cap (None: none; 0: off): the request's option, kept across rewinds
+    # Its draft index partition (its cache_salt's: Drafter.partition; a request made without the runner's new-request
+    # hook: that of no salt). Kept across rewinds, like the cap.
     partition: int = 0
-    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable; None until the runner
-    # knows the request). Fixed for its lifetime.
+    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable; None until the runner knows the
+    # request). Fixed for its lifetime.
     verifiable: bool | None = None
 
 
@@ -121,9 +110,8 @@ _SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgette
 # A step in which no row drafts: its (empty) draft rows, lengths and offers.
 _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np.int64), TreeOffers.none()
 
-# The drafter's memory gauges are refreshed every this many steps (and on the first): the native
-# estimate visits every sequence the index holds, up to thousands with a full corpus, which a step
-# need not pay for.
+# The drafter's memory gauges are refreshed every this many steps (and on the first): the native estimate visits
+# every sequence the index holds, up to thousands with a full corpus, which a step need not pay for.
 MEMORY_GAUGE_EVERY = 16
 
 
@@ -138,11 +126,10 @@ def graph_tokens(vllm_config: Any) -> int:
 
 
 def full_graph_tokens(vllm_config: Any, k: int) -> int:
-    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a full
-    CUDA graph (0 where the engine captures none: no graphs, or piecewise only, as tree verification
-    makes them). vLLM 0.32 rounds every capture size up to a multiple of 1 + k and drops those past
-    the largest (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``), after this proposer
-    is built: the same rounding here."""
+    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a full CUDA graph (0
+    where the engine captures none: no graphs, or piecewise only, as tree verification makes them). vLLM 0.32 rounds
+    every capture size up to a multiple of 1 + k and drops those past the largest, after this proposer is built
+    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``): the same rounding here."""
     largest = graph_tokens(vllm_config)  # > 0: a compilation_config with a cudagraph_mode
     if not largest or not vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
         return 0
@@ -153,9 +140,8 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
 
 
 def separate_decode_graphs(vllm_config: Any) -> bool:
-    """Whether decode steps have full graphs apart from the rest (``FULL_AND_PIECEWISE``,
-    ``FULL_DECODE_ONLY``): only a step whose every row scores 1 + k tokens replays one (with
-    ``FULL`` any step does; with none, none does)."""
+    """Whether decode steps have full graphs apart from the rest (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``): only
+    a step whose every row scores 1 + k tokens replays one (with ``FULL`` any step does; with none, none does)."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     return mode is not None and mode.separate_routine()
 
@@ -163,17 +149,15 @@ def separate_decode_graphs(vllm_config: Any) -> bool:
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
-    # Applies the patches the worker needs for these settings, or raises naming them: the plugin
-    # sets it (patches.prepare_engine) in every process. None: no plugin registered, which only an
-    # engine-free proposer (no model runner to patch, lab/standalone.py) may run without.
+    # Set by the plugin in every process (patches.prepare_engine): applies the worker's patches for these settings, or
+    # raises naming them. None: no plugin, which only an engine-free proposer (lab/standalone.py) may run without.
     prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        # Resolved once where the engine's config was built, carried in it.
-        self.config = engine_settings(vllm_config)
-        # Before any step: the patches this worker needs (applied, or the engine refuses naming
-        # them); version, tree settings, CUDA graphs checked; the kernels loaded.
+        self.config = engine_settings(vllm_config)  # resolved once where the engine's config was built, carried in it
+        # Before any step: the patches this worker needs (applied, or the engine refuses naming them); version, tree
+        # settings, CUDA graphs checked; the kernels loaded.
         if self.prepare_engine is not None:
             self.prepare_engine(self.config)
         elif isinstance(vllm_config, VllmConfig):
@@ -181,11 +165,9 @@ class LookaheadProposer:
                                "(vLLM's general plugin 'lookahead'; VLLM_PLUGINS, if set, must name it)")
         guards.check_engine_start(vllm_config, self.config)
         self.tree_mode = guards.is_tree_mode(self.config)
-        # Read once, not every step: the sources (the index alone drafts through one call) and the
-        # draft trace's directory ($LOOKAHEAD_DRAFT_TRACE_DIR; None: no trace).
-        self._index_only = self.config.sources == ("index",)
+        self._index_only = self.config.sources == ("index",)  # the index alone drafts through one call
         self._uses_jacobi = self.config.uses_jacobi
-        self._trace_dir = draft_trace.directory()
+        self._trace_dir = draft_trace.directory()  # $LOOKAHEAD_DRAFT_TRACE_DIR; None: no trace
         if self.tree_mode:
             from vllm.platforms import current_platform
 
@@ -194,54 +176,43 @@ class LookaheadProposer:
 
                 la_cuda.prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
-        # The largest step CUDA graphs cover (0: none, as on the CPU): drafts stop short of it (past
-        # it an H200 step ran eager at 2-3x the time, benchmarks/results/gpu_h200.json).
+        # The largest step CUDA graphs cover (0: none, as on the CPU): drafts stop short of it (past it an H200 step ran
+        # eager at 2-3x the time, benchmarks/results/gpu_h200.json).
         full = full_graph_tokens(vllm_config, self.k)
         self._graph_tokens = full or graph_tokens(vllm_config)
         self._input_batch: Any = None
-        # request id -> its drafting state (the only per-request store).
-        self._states: dict[str, RequestState] = {}
+        self._states: dict[str, RequestState] = {}  # request id -> its drafting state (the only per-request store)
         self._next_slot = 0
-        # The last step's rows' states, slots, partitions and caps (_rows_of), valid while
-        # _rows_version (bumped wherever a state is made, changed or dropped) is unchanged.
+        # The last step's rows' states, slots, partitions and caps (_rows_of), valid while _rows_version (bumped
+        # wherever a state is made, changed or dropped) is unchanged.
         self._rows_version = 0
         self._rows_cache: tuple[int, list[str], tuple] | None = None
-        # The Drafter, calibrator, window prior and last step's drafts (see reset).
-        self.reset()
-        # Prometheus lookahead_* series and the periodic log line (metrics.py).
-        self.metrics = metrics.StepStats()
+        self.reset()  # the Drafter, calibrator, window prior and last step's drafts
+        self.metrics = metrics.StepStats()  # Prometheus lookahead_* series and the periodic log line
         self.stats = ProposerStats(self.metrics)
         self._publisher = metrics.StatsPublisher(self, self.metrics)
-        # One line per interval from tensor-parallel rank 0 (every rank drafts the same tokens), unless the
-        # engine's stats logging is off.
+        # One line an interval from tensor-parallel rank 0 (all ranks draft the same tokens) unless stats logs are off.
         logs = metrics.tp_rank() == 0 and logs_stats(vllm_config)
         self._interval_log = metrics.IntervalLogger(
             logger, float(envs.VLLM_LOG_STATS_INTERVAL) if logs else float("inf"))
-        # Tree verification's state in this worker (tree_verify.TreeVerifier): the runner patches
-        # and the attention wrapper reach it from here.
-        self.verifier = TreeVerifier()
-        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph,
-        # any other runs piecewise (0: fill nothing; docs/gpu.md, "Fifth session: uniform steps"). Only where decode
-        # steps have graphs of their own (separate_decode_graphs), chains only.
+        self.verifier = TreeVerifier()  # the runner patches and the attention wrapper reach it from here
+        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph, others run
+        # piecewise (0: fill nothing; docs/gpu.md, "Fifth session: uniform steps"). Chains only, and only where decode
+        # steps have graphs of their own (separate_decode_graphs).
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
-        # Chains open no extra attention paths: only trees pay path prices.
-        self.cost = forward_cost(self.config, paths=self.tree_mode)
-        # Token prices fitted to this engine's own step times (core/prices.py), unless the
-        # configuration pins them or turns the cost model off.
+        self.cost = forward_cost(self.config, paths=self.tree_mode)  # chains open no extra attention paths
+        # Token prices fitted to this engine's own step times (core/prices.py) unless pinned or the cost model is off.
         p = self.config.profile
         self.prices = (None if prices_pinned(self.config)
                        else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price,
                                           p.context_price)))
-        # The last step's shape and start time (on_step), for the fit.
-        self._last_step: tuple[StepShape, float] | None = None
+        self._last_step: tuple[StepShape, float] | None = None  # the last step's shape and start time, for the fit
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
-        # Draft tokens vLLM scheduled per request this step (on_step).
-        self._scheduled: dict[str, list[int]] = {}
+        self._scheduled: dict[str, list[int]] = {}  # draft tokens vLLM scheduled per request this step (on_step)
         logger.info("lookahead proposer ready: %s", self.config)
-        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot is
-        # written again when the engine shuts down (patch runner_shutdown, applied by
-        # prepare_engine: close()), else at exit.
+        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot is written again when
+        # the engine shuts down (patch runner_shutdown, applied by prepare_engine: close()), else at exit.
         self._persistence = persistence.Persistence(
             self.config, vllm_config.model_config,
             getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0)
@@ -252,10 +223,9 @@ class LookaheadProposer:
             persistence.close_at_exit(self)
 
     def _agree_on_what_was_learned(self) -> None:
-        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so the
-        ranks must start from the same state. A snapshot or warm-start file that one rank could not
-        read (a passing I/O error, its tokenizer failing) would leave them apart: then every rank
-        starts cold and writes no snapshot (keeping the file)."""
+        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so the ranks must start
+        from the same state. A snapshot or warm-start file that one rank could not read (a passing I/O error, its
+        tokenizer failing) would set them apart: then all ranks start cold and write no snapshot (keeping the file)."""
         trie = self.drafter.trie
         learned = (sorted(self._persistence.learned.items()), self.drafter.partition_stats(),
                    0 if trie is None else trie.num_nodes)
@@ -269,7 +239,6 @@ class LookaheadProposer:
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from the Drafter."""
 
-    # ------------------------------------------------------------ lifecycle
     # Called by the runner patch at the start of every step.
     def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
                 scheduled_drafts: dict[str, list[int]] | None = None, shape: "StepShape | None" = None) -> None:
@@ -283,15 +252,13 @@ class LookaheadProposer:
             self._time_step(shape, time.perf_counter())
 
     def on_draftless_step(self) -> None:
-        """This step carries no draft token and runs as plain decoding
-        (patches.patch_draftless_steps)."""
+        """This step carries no draft token and runs as plain decoding (patches.patch_draftless_steps)."""
         self.metrics.draftless_steps += 1
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
-        """The last step's time (its start to this one's) becomes a price sample (core/prices.py) if
-        it was a pure decode step and the engine did not idle in between (this step continues a
-        request the last one ran). Draftless steps run plain's sampler path, cheaper by a fixed amount: the
-        fit learns it as the draft setup."""
+        """The last step's time (its start to this one's) becomes a price sample (core/prices.py) if it was a pure
+        decode step and the engine did not idle in between (this step continues a request the last one ran).
+        Draftless steps run plain's sampler path, cheaper by a fixed amount: the fit learns it as the draft setup."""
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
@@ -299,9 +266,8 @@ class LookaheadProposer:
             self._adopt_prices()
 
     def _adopt_prices(self) -> None:
-        """Price the next steps with the new fit; tensor-parallel ranks take rank 0's, so every rank
-        drafts the same tokens (a refit falls on the same step everywhere: the samples' count
-        depends on the schedule alone)."""
+        """Price the next steps with the new fit; tensor-parallel ranks take rank 0's, so every rank drafts the same
+        tokens (a refit falls on the same step everywhere: the samples' count depends on the schedule alone)."""
         fit = self.prices.prices
         free, marginal, setup, row, context = _shared_across_ranks(
             (fit.free_tokens, fit.marginal_tokens, fit.draft_setup, fit.row_price, fit.context_price))
@@ -309,11 +275,10 @@ class LookaheadProposer:
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
-        """Create the states of newly admitted requests with their options (core/request_options.py;
-        options that fail here are logged and the request drafts nothing, rather than stopping the
-        engine). A prompt given as embeddings, or a request whose sampling vLLM's rejection sampler
-        does not apply at draft positions (:func:`samples_plain_only`), drafts nothing
-        (docs/how-it-works.md, "How serving works")."""
+        """Create the states of newly admitted requests with their options (core/request_options.py; options that
+        fail here are logged and the request drafts nothing, rather than stopping the engine). A prompt given as
+        embeddings, or a request whose sampling vLLM's rejection sampler does not apply at draft positions
+        (:func:`samples_plain_only`), drafts nothing (docs/how-it-works.md, "How serving works")."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
@@ -342,9 +307,8 @@ class LookaheadProposer:
         return st
 
     def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list[int | None]]:
-        """The rows' states (created for requests not seen yet), slots, partitions and caps, kept
-        while the batch holds the same requests in the same order and no state was made, changed or
-        dropped (``_rows_version``)."""
+        """The rows' states (created for requests not seen yet), slots, partitions and caps, kept while the batch
+        holds the same requests in the same order and no state was made, changed or dropped (``_rows_version``)."""
         cached = self._rows_cache
         if cached is not None and cached[0] == self._rows_version and cached[1] == req_ids:
             return cached[2]
@@ -370,28 +334,25 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state (0 once the engine drained; the Drafter's slot records
-        are made and dropped only through them)."""
+        """Requests holding drafting state (0 once the engine drained; the Drafter's slot records are made and
+        dropped only through them)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
-        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no more
-        than keeps the step's scored tokens within the largest CUDA graph."""
+        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no more than keeps the
+        step's scored tokens within the largest CUDA graph."""
         room = max(0, self._graph_tokens - num_rows)
         return min((cap for cap in (self.config.profile.step_draft_budget, room) if cap), default=None)
 
     def reset(self) -> None:
-        """Forget everything learned: a fresh Drafter, calibration and window policy (benchmarks'
-        cold start). Running requests keep their options and partitions (numbered afresh where none
-        runs: tensor-parallel ranks that reset at start number alike), and are indexed anew on their
-        next step."""
+        """Forget everything learned: a fresh Drafter, calibration and window policy (benchmarks' cold start).
+        Running requests keep their options and partitions (numbered afresh where none runs: tensor-parallel ranks
+        that reset at start number alike), and are indexed anew on their next step."""
         old = getattr(self, "drafter", None)  # None: called from __init__
         running = old is not None and bool(self._states)
         self.drafter = Drafter(self.config, old.partitions if running else None)
-        # Calibrated draft confidences (core/calibration.py; raw where the profile turns it off).
-        self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)
-        # The drafts handed out last step: tree verification reads them, the next step books them.
-        self.handed_out = StepDrafts.none()
+        self.calibrator = ConfidenceCalibrator(learns=self.config.profile.calibrate_confidence)  # core/calibration.py
+        self.handed_out = StepDrafts.none()  # last step's drafts: tree verification reads them, the next books them
 
     def warm_start(self, texts: Iterable[list[int]]) -> None:
         """Learn past responses (token ids) before serving (``Drafter.warm``)."""
@@ -404,9 +365,8 @@ class LookaheadProposer:
             self._persistence.save(self.drafter)
 
     def close(self) -> None:
-        """Engine shutdown: write the snapshot (``snapshot_path``) once. The requests still held
-        finish first (the last step's finished ids reach the proposer only with the next step), so
-        their outputs are in it."""
+        """Engine shutdown: write the snapshot (``snapshot_path``) once. The requests still held finish first (the
+        last step's finished ids reach the proposer only with the next step), so their outputs are in it."""
         keeper = getattr(self, "_persistence", None)
         if keeper is None or keeper.closed:
             return
@@ -425,7 +385,6 @@ class LookaheadProposer:
             self.drafter.finish(st.slot)
             self._rows_version += 1
 
-    # ------------------------------------------------------------- drafting
     def propose(
         self,
         sampled_token_ids: list[list[int]],
@@ -456,9 +415,9 @@ class LookaheadProposer:
         return drafts
 
     def _budgets(self, room: np.ndarray, caps: list[int | None], batch: Any) -> tuple[np.ndarray, dict[str, int], int]:
-        """Per row its draft budget: load adaptation (core/load.py), the cost model (no draft can
-        pay at this many rows: ForwardCost.draft_pays), and its ``room`` (:meth:`_room`: the request's
-        cap, max_model_len); and the rows skipped (by load, by cost, by their request's cap)."""
+        """Per row its draft budget: load adaptation (core/load.py), the cost model (no draft can pay at this many
+        rows: ForwardCost.draft_pays), and its ``room`` (:meth:`_room`: the request's cap, max_model_len); and the
+        rows skipped (by load, by cost, by their request's cap)."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
         if load_budget == 0 or not self.cost.at_rows(len(room)).draft_pays(len(room)):
@@ -470,8 +429,8 @@ class LookaheadProposer:
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
                         ) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """Book last step's drafts, sync, draft and plan the batch's rows in one :func:`plan_trees`
-        call (a chain unless the request may verify a tree); then the Jacobi windows that pay."""
+        """Book last step's drafts, sync, draft and plan the batch's rows in one :func:`plan_trees` call (a chain
+        unless the request may verify a tree); then the Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         if len(rows) == num_out:  # every row (the usual step): no per-row gathering in Python
@@ -521,8 +480,8 @@ class LookaheadProposer:
         return drafts, len(rows), skipped, load_budget
 
     def _room(self, num_tokens: np.ndarray, caps: list[int | None]) -> np.ndarray:
-        """Per row, the draft nodes it may carry in all (a Jacobi window's included): what fits
-        before max_model_len, and no more than its request's own cap."""
+        """Per row, the draft nodes it may carry in all (a Jacobi window's included): what fits before
+        max_model_len, and no more than its request's own cap."""
         room = self.max_model_len - 1 - np.asarray(num_tokens, np.int64)
         if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
             return room
@@ -530,9 +489,9 @@ class LookaheadProposer:
 
     def _can_fill(self, drafts: list[list[int]], rows: np.ndarray, num_tokens: np.ndarray,
                   states: list[RequestState]) -> bool:
-        """Whether this step filled to k tokens a row replays a full CUDA graph (uniform steps on):
-        every batch row decodes, each has room for k more tokens, no request's own draft cap is
-        below k, and the step's (1 + k) tokens a row fit the largest graph."""
+        """Whether this step filled to k tokens a row replays a full CUDA graph (uniform steps on): every batch row
+        decodes, each has room for k more tokens, no request's own draft cap is below k, and the step's (1 + k)
+        tokens a row fit the largest graph."""
         k = self.k
         return bool(self._uniform_tokens and len(rows) and len(rows) == len(drafts)
                     and len(rows) * (1 + k) <= self._uniform_tokens and int(num_tokens.max()) + k < self.max_model_len
@@ -540,10 +499,10 @@ class LookaheadProposer:
 
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Fill every row's chain to exactly k tokens (in place; the step passed :meth:`_can_fill`).
-        A row's fill is its draft's unplanned continuation (``tok[j, :lens[j]]``, which the planned
-        chain is a prefix of), then its last token repeated. Verification keeps the output
-        identical; the booking reads only the planned part (``TreeOffers.match``)."""
+        """Fill every row's chain to exactly k tokens (in place; the step passed :meth:`_can_fill`). A row's fill is
+        its draft's unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix of), then its
+        last token repeated. Verification keeps the output identical; the booking reads only the planned part
+        (``TreeOffers.match``)."""
         k = self.k
         raw = {int(r): tok[j, :lens[j]] for j, r in enumerate(drafted_rows.tolist())}
         added = 0
@@ -563,10 +522,9 @@ class LookaheadProposer:
     def _merged_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The drafting rows' trees from every source as :func:`plan_trees` rows with their nodes'
-        calibration kinds (``Drafter.draft``: the index's or the context chain, then the trie's,
-        then the Jacobi pool's branches keyed by the row's last token, cut to the best path where
-        the request may not verify a tree)."""
+        """The drafting rows' trees from every source as :func:`plan_trees` rows with their nodes' calibration kinds
+        (``Drafter.draft``: the index's or the context chain, then the trie's, then the Jacobi pool's branches keyed
+        by the row's last token, cut to the best path where the request may not verify a tree)."""
         contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
                                       self.config.profile.max_match_length) if self.drafter.trie is not None else None)
         pool = self._pool_rows(slots, picked, budgets, token_ids_cpu, rows, num_tokens) if self._uses_jacobi else None
@@ -587,8 +545,7 @@ class LookaheadProposer:
         return pool
 
     def _verifiable(self, req_id: str, st: RequestState) -> bool:
-        """Whether the request may verify a tree (asked of the verifier once the runner knows the
-        request, then kept)."""
+        """Whether the request may verify a tree (asked of the verifier once the runner knows it, then kept)."""
         if st.verifiable is None:
             if req_id not in self.verifier.runner_requests:
                 return False
@@ -596,9 +553,9 @@ class LookaheadProposer:
         return st.verifiable
 
     def _book_trees(self, slots: np.ndarray, req_ids: list[str], emitted: list[list[int]]) -> None:
-        """Book last step's :class:`TreeOffers` against what this step's rows emitted
-        (``emitted[i]``: the accepted tokens, then the bonus), cut to what the scheduler verified of
-        them: context and pool tokens accepted and the calibrator's evidence (core/tree_plan.py)."""
+        """Book last step's :class:`TreeOffers` against what this step's rows emitted (``emitted[i]``: the accepted
+        tokens, then the bonus), cut to what the scheduler verified of them: context and pool tokens accepted and the
+        calibrator's evidence (core/tree_plan.py)."""
         offers = self.handed_out.offers
         if not len(offers.slots):
             return
@@ -612,9 +569,9 @@ class LookaheadProposer:
 
     def _track_windows(self, req_ids: list[str], states: list[RequestState], slots: np.ndarray, rows: np.ndarray,
                        token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
-        """Open the Jacobi window of each request admitted or rewound (fewer committed tokens than
-        last step), on verifiable requests only (a request the runner does not know yet is asked
-        again next step); the others' windows leave the step until their row drafts."""
+        """Open the Jacobi window of each request admitted or rewound (fewer committed tokens than last step), on
+        verifiable requests only (a request the runner does not know yet is asked again next step); the others'
+        windows leave the step until their row drafts."""
         jacobi = self.drafter.jacobi
         stale = jacobi.track(slots, num_tokens).tolist()
         if not stale:
@@ -627,15 +584,14 @@ class LookaheadProposer:
     def _send_windows(self, offers: TreeOffers, drafts: list[list[int]], calibrated: np.ndarray,
                       tree_ok: np.ndarray, out_rows: np.ndarray, num_rows: int, entry: np.ndarray,
                       room: np.ndarray) -> dict[int, tuple[int, ...]]:
-        """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``,
-        changed in place); returns their lookahead tokens by offer row. The step scores ``tokens``
-        tokens and is expected to emit ``gain``; a window of ``w`` nodes must be expected to add
-        more accepted tokens than ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``,
-        what its extra tokens and its W column paths cost at the step's rate (``JacobiTable.choose``,
-        the step's windows priced together); ``extra`` starts at the trees' own path ``rounds``. The
-        first draft of a step also pays the draft setup, and a window on a row that kept no node its
-        row's ``entry``. A row's window goes only where its kept nodes and the window fit the row's
-        ``room`` (:meth:`_room`)."""
+        """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``, changed in place);
+        returns their lookahead tokens by offer row. The step scores ``tokens`` tokens and is expected to emit
+        ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
+        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens and its W column
+        paths cost at the step's rate (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts
+        at the trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a window on a row
+        that kept no node its row's ``entry``. A row's window goes only where its kept nodes and the window fit the
+        row's ``room`` (:meth:`_room`)."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
@@ -663,23 +619,22 @@ class LookaheadProposer:
         return dict(zip(went.tolist(), map(tuple, windows)))
 
     def _read_memory_gauges(self) -> None:
-        """The drafter's size (the estimate walks every held sequence). Read before the step's
-        drafting: by then the last step's upkeep is done, so this does not wait for it."""
+        """The drafter's size (the estimate walks every held sequence). Read before the step's drafting: by then the
+        last step's upkeep is done, so this does not wait for it."""
         trie = self.drafter.trie
         self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
         self.metrics.drafter_bytes = self.drafter.memory_bytes()
         self.metrics.draft_sharing = self.config.draft_sharing
         self.metrics.draft_partitions, self.metrics.corpus_bytes = self.drafter.partition_stats()
 
-    # ------------------------------------------- contract with tree_verify
     def on_tree_truncated(self, count: int) -> None:
         """``count`` trees of this step were cut by the scheduler's token budget."""
         self.stats.tree_truncated += count
 
     def on_tree_results(self, results: TreeResults) -> None:
-        """Book what verification did with this step's trees, and feed the Jacobi windows their new
-        tokens in one call: each window slides, fills its pool, and is credited the pool nodes
-        accepted (the yield new windows start from)."""
+        """Book what verification did with this step's trees (tree_verify's contract), and feed the Jacobi windows
+        their new tokens in one call: each window slides, fills its pool, and is credited the pool nodes accepted (the
+        yield new windows start from)."""
         s, accepted = self.stats, results.accepted
         s.tree_request_steps += len(accepted)
         s.tree_nodes += int(results.num_nodes.sum())
@@ -698,20 +653,13 @@ class LookaheadProposer:
 class StepShape:
     """What the scheduler put into one engine step, as the price fit needs it."""
 
-    # Tokens the forward scores (prefill chunks, decode rows, draft tokens).
-    tokens: int
-    # No prefill in the step: every scheduled request scores its one new token and its draft.
-    pure_decode: bool
-    # The step runs a request that the step before it ran too (no idle gap).
-    continuing: bool
-    # Some request in the step carries draft tokens (else the step runs as plain decoding:
-    # patches.patch_draftless_steps).
+    tokens: int  # tokens the forward scores (prefill chunks, decode rows, draft tokens)
+    pure_decode: bool  # no prefill: every scheduled request scores its one new token and its draft
+    continuing: bool  # the step runs a request that the step before it ran too (no idle gap)
+    # Some request in the step carries draft tokens (else it runs as plain decoding: patches.patch_draftless_steps).
     drafted: bool = True
-    # Requests in the step.
-    rows: int = 1
-    # Context tokens of the requests that carry drafts, summed (each row's tokens computed before
-    # this step).
-    context: int = 0
+    rows: int = 1  # requests in the step
+    context: int = 0  # the drafted rows' context tokens (computed before this step), summed
 
     @classmethod
     def of(cls, scheduler_output: Any) -> "StepShape":
@@ -744,8 +692,7 @@ def _has_embedded_prompt(req: Any) -> bool:
 
 
 def _tp_group() -> Any:
-    """vLLM's tensor-parallel group, or None where there is one rank (or no distributed state: unit
-    tests)."""
+    """vLLM's tensor-parallel group, or None where there is one rank (or no distributed state: unit tests)."""
     from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 
     try:
@@ -755,8 +702,8 @@ def _tp_group() -> Any:
 
 
 def _differs_across_ranks(value: Any) -> bool:
-    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is one
-    rank): rank 0's is broadcast, and every rank's verdict summed over the group."""
+    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is one rank): rank 0's is
+    broadcast, and every rank's verdict summed over the group."""
     group = _tp_group()
     if group is None:
         return False

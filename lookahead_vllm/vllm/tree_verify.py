@@ -32,8 +32,7 @@ logger = init_logger(__name__)
 # the paged KV, pure-torch masked attention) or "kernel" (GPU: the csrc tree kernel, one launch a step).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
-# Set by the tree_verification patch on every attention impl of a tree-mode engine: its TreeVerifier.
-IMPL_ATTR = "_lookahead_verifier"
+IMPL_ATTR = "_lookahead_verifier"  # each tree-mode attention impl's TreeVerifier (patch tree_verification)
 
 
 @dataclass(slots=True)
@@ -42,28 +41,20 @@ class TreeStep:
     ``req_ids[t]``), and per tree its batch row, its root's index among the step's tokens and how it is verified."""
 
     req_ids: list[str]
-    # Row of each request in the persistent batch (and in attention metadata).
-    rows: np.ndarray
-    # Index of each request's root among the step's flattened tokens.
-    starts: np.ndarray
+    rows: np.ndarray  # each request's row in the persistent batch (and in attention metadata)
+    starts: np.ndarray  # each request's root's index among the step's flattened tokens
     trees: TreeBatch
-    # Each tree's leading nodes that form a chain from the root (TreeBatch.chain_prefix).
-    chain: np.ndarray
-    # False: only the leading chain is verified (history-dependent sampling).
-    walk: np.ndarray
+    chain: np.ndarray  # each tree's leading nodes that form a chain from the root (TreeBatch.chain_prefix)
+    walk: np.ndarray  # False: only the leading chain is verified (history-dependent sampling)
     sampling_params: list[Any]
-    # Tokens scheduled this step (to recognise this step's attention calls).
-    num_tokens: int
+    num_tokens: int  # tokens scheduled this step (to recognise this step's attention calls)
     disabled: frozenset[str]
-    # [num_tokens] slot of every scheduled token (first attention layer's).
-    slot_mapping: torch.Tensor | None = None
-    # One slot accessor per distinct KV cache tensor, in layer order.
-    caches: dict[int, Any] = field(default_factory=dict)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] slot of every scheduled token (first attention layer's)
+    caches: dict[int, Any] = field(default_factory=dict)  # one slot accessor per distinct KV cache tensor, layer order
     # Built lazily, shared by all layers: the path rounds, the csrc kernel's arguments.
     path_plan: PathPlan | None = None
     kernel_args: tuple | None = None
-    # Each tree's visibility among its rows, for the dense reference attention.
-    visible: list[torch.Tensor] | None = None
+    visible: list[torch.Tensor] | None = None  # each tree's visibility among its rows (dense reference attention)
 
     @property
     def num_rows(self) -> np.ndarray:
@@ -97,21 +88,15 @@ def tree_verifiable(sp: Any) -> bool:
             and sp.repetition_detection is None)
 
 
-# ---------------------------------------------------------------- the verifier
-
-
 class TreeVerifier:
-    """Tree verification's state in one worker, one per proposer (``LookaheadProposer.verifier``; the
-    attention wrapper finds it on the layer impls, :data:`IMPL_ATTR`): verifies the plans of the
-    proposer's ``handed_out`` and hands back one :class:`TreeResults` a step."""
+    """Tree verification's state in one worker, one per proposer (``LookaheadProposer.verifier``; the attention
+    wrapper finds it on the layer impls, :data:`IMPL_ATTR`): verifies the plans of the proposer's ``handed_out`` and
+    hands back one :class:`TreeResults` a step."""
 
     def __init__(self) -> None:
-        # The step being executed (between begin_step and finish_step).
-        self.current: TreeStep | None = None
-        # Request-steps whose scheduled drafts differed from the kept plan (verified as chains).
-        self.plan_mismatches = 0
-        # The runner's request states by id (bound by begin_step; tests bind their own).
-        self.runner_requests: dict[str, Any] = {}
+        self.current: TreeStep | None = None  # the step being executed (between begin_step and finish_step)
+        self.plan_mismatches = 0  # request-steps whose scheduled drafts differ from the kept plan (verified as chains)
+        self.runner_requests: dict[str, Any] = {}  # runner's requests by id (bound by begin_step; tests bind their own)
 
     def verifiable(self, req_id: str) -> bool:
         """Whether a running request's sampling lets it verify a tree."""
@@ -119,8 +104,8 @@ class TreeVerifier:
         return state is not None and tree_verifiable(state.sampling_params)
 
     def begin_step(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
-        """Collect this step's trees (the handed-out plans the scheduler kept, as one
-        :class:`TreeBatch`) and give their rows tree positions."""
+        """Collect this step's trees (the handed-out plans the scheduler kept, as one :class:`TreeBatch`) and give
+        their rows tree positions."""
         self.current = None
         self.runner_requests = runner.requests  # the same dict for the runner's lifetime
         drafter = runner.drafter
@@ -135,8 +120,8 @@ class TreeVerifier:
         truncated = int(np.count_nonzero(counts < full))  # the scheduler's token budget cut the tree
         if truncated:
             drafter.on_tree_truncated(truncated)
-        # The scheduled drafts against the plans' tokens (rows of one array, each draft's first
-        # lengths[i] tokens; a draft longer than its whole plan differs too).
+        # The scheduled drafts against the plans' tokens (rows of one array, each draft's first lengths[i] tokens; a
+        # draft longer than its whole plan differs too).
         flat = np.fromiter(chain.from_iterable(drafts), np.int64, int(counts.sum()))
         sched = np.zeros_like(trees.tokens)
         sched[np.repeat(np.arange(len(ids)), trees.lengths), index_within(trees.lengths)] = flat[
@@ -246,8 +231,8 @@ class TreeVerifier:
 
 
 def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
-    """Give every tree's rows their root's position plus their depth (RoPE sees each node at its
-    depth), in one indexed write for the whole step."""
+    """Give every tree's rows their root's position plus their depth (RoPE sees each node at its depth), in one
+    indexed write for the whole step."""
     counts = step.num_rows
     offsets = np.concatenate([np.zeros((len(counts), 1), np.int64), step.trees.depths()], axis=1)
     offsets = offsets[np.arange(offsets.shape[1]) < counts[:, None]]  # each tree's root and nodes, in order
@@ -257,13 +242,10 @@ def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
     positions[index[0]] = positions[index[1]] + index[2]
 
 
-# ---------------------------------------------------------------- attention
-
-
 def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`):
-    each path's K/V written into its request's next slots, its new rows the tail of a causal query."""
+    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`): each path's
+    K/V written into its request's next slots, its new rows the tail of a causal query."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -294,8 +276,8 @@ def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
 def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
     """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
-    ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses
-    (the tree kernel's rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
+    ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses (the tree kernel's
+    rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
     forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -317,8 +299,8 @@ def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tenso
 
 def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      out: torch.Tensor, write: Any, attend: Any) -> None:
-    """Every round: ``write`` its paths' K/V into their slots, ``attend`` their new rows; then
-    restore the borrowed slots. Rows are gathered once per layer and scattered once."""
+    """Every round: ``write`` its paths' K/V into their slots, ``attend`` their new rows; then restore the borrowed
+    slots. Rows are gathered once per layer and scattered once."""
     if not plan.rounds:
         return
     path_k, path_v = key.index_select(0, plan.kv_rows), value.index_select(0, plan.kv_rows)
@@ -333,9 +315,9 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
                   out: torch.Tensor) -> None:
-    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the rows off
-    each request's leading chain are written back: the stock causal call's rows there are exact and keep
-    plain decoding's bf16 rounding, so a step accepted along the leading chain gives plain's tokens."""
+    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the rows off each
+    request's leading chain are written back: the stock causal call's rows there are exact and keep plain decoding's
+    bf16 rounding, so a step accepted along the leading chain gives plain's tokens."""
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
@@ -374,10 +356,9 @@ class PathRound:
 
 @dataclass(slots=True)
 class PathPlan:
-    """The step's path rounds; shared by all layers."""
+    """The step's path rounds, shared by all layers; row and slot indices live on the slot mapping's device."""
 
     rounds: list[PathRound]
-    # Row and slot indices live on the step's device (the slot mapping's).
     kv_rows: torch.Tensor  # [n] long: step rows whose K/V the rounds write, round by round
     query_rows: torch.Tensor  # [m] long: step rows the rounds compute, round by round
     restore_rows: torch.Tensor  # [r] long: rows whose slots the rounds overwrote
@@ -448,8 +429,8 @@ def _uncovered_paths(parents: list[int], chain_prefix: int) -> list[tuple[list[i
 
 
 def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tensor) -> Any:
-    """The layer's slot accessor, kept on the layer (its cache tensor lives as
-    long as the engine), registered with the step for compaction."""
+    """The layer's slot accessor, kept on the layer (its cache tensor lives as long as the engine), registered with
+    the step for compaction."""
     key = kv_cache.data_ptr()
     cache = step.caches.get(key)
     if cache is None:
@@ -477,14 +458,11 @@ def check_supported(impl: Any) -> None:
                                   "use draft_shape='one'")
 
 
-# ---------------------------------------------------------------- acceptance
-
-
 def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token
-    (``target_at(row)``, called once a reached row, in walk order, so a sampler draws as the
-    walk goes) is accepted where a child of the row carries it, else it is the bonus. Returns
-    the accepted nodes (root to leaf) and the tokens to emit (theirs, then the bonus)."""
+    """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token (``target_at(row)``,
+    called once a reached row, in walk order, so a sampler draws as the walk goes) is accepted where a child of the
+    row carries it, else it is the bonus. Returns the accepted nodes (root to leaf) and the tokens to emit (theirs,
+    then the bonus)."""
     v = int(trees.verify[t])
     tokens, parents = trees.tokens[t, :v].tolist(), trees.parents[t, :v].tolist()
     accepted, node = [], -1
