@@ -1,15 +1,4 @@
-"""``LookaheadProposer``: the drafter vLLM builds through ``custom_class``.
-
-Per step, for the rows that just sampled: book last step's drafts, one ``Drafter.sync`` (every committed token not
-yet seen: robust to steps vLLM skipped drafting, and to rewinds), one ``Drafter.draft`` and one ``plan_trees`` call
-for the whole batch, then the Jacobi windows that pay (docs/how-it-works.md, "The drafting pipeline"). What a step
-handed out is one :class:`StepDrafts` (``handed_out``): ``tree_verify`` reads each tree's plan from it, the next step
-books it.
-
-A request's drafting state is one :class:`RequestState`, dropped in one place (``finish``). The proposer checks
-(``guards``) but patches nothing: :attr:`LookaheadProposer.prepare_engine` applies the worker's patches (``patches``
-imports this module, never the reverse).
-"""
+"""``LookaheadProposer``: the drafter vLLM builds (docs/how-it-works.md, "The drafting pipeline")."""
 
 from __future__ import annotations
 
@@ -43,33 +32,25 @@ logger = init_logger(__name__)
 
 @dataclass(slots=True)
 class ProposerStats:
-    """Counters for benchmarks and tests. Steps, draft tokens and drafter time are counted once, in the
-    :class:`metrics.StepStats` the server publishes (``step``); :meth:`counters` reads them from there."""
+    """Counters for benchmarks and tests; steps, draft tokens and drafter time are read from ``step``."""
 
     step: metrics.StepStats = field(default_factory=metrics.StepStats, repr=False)
     request_steps: int = 0  # request-steps given a (possibly empty) draft
     rewinds: int = 0  # request-steps whose committed tokens the runner had rewound (preemption)
     max_step_draft_tokens: int = 0  # most draft tokens handed out in one step (whole batch)
-    # Tree verification: request-steps verified as trees, their draft nodes, tokens emitted (accepted + bonus), and
-    # accepted nodes off the leading chain (what chain verification could not have accepted).
     tree_request_steps: int = 0
     tree_nodes: int = 0
-    tree_tokens: int = 0
-    tree_off_chain_accepts: int = 0
+    tree_tokens: int = 0  # emitted: accepted + bonus
+    tree_off_chain_accepts: int = 0  # accepted nodes off the leading chain (no chain could have had them)
     tree_truncated: int = 0  # trees the scheduler cut to a prefix (token budget / max_model_len)
-    # Jacobi lookahead: request-steps that carried the window (its nodes: times the profile's jacobi_nodes), n-grams
-    # added to the pools, pool branches offered for verification and accepted tokens from pool nodes.
-    jacobi_steps: int = 0
+    jacobi_steps: int = 0  # request-steps that carried a Jacobi window
     pool_ngrams_added: int = 0
-    pool_branches: int = 0
+    pool_branches: int = 0  # pool branches offered for verification
     pool_accepted_tokens: int = 0
-    # Context match: request-steps whose draft led with a context chain, and accepted tokens from context chains.
-    context_drafts: int = 0
+    context_drafts: int = 0  # request-steps whose draft led with a context chain
     context_accepted_tokens: int = 0
-    # Uniform steps (profile uniform_steps): steps whose rows were filled to exactly k draft tokens, and the tokens
-    # added past the planned drafts.
-    uniform_steps: int = 0
-    fill_tokens: int = 0
+    uniform_steps: int = 0  # steps whose rows were filled to exactly k draft tokens (profile uniform_steps)
+    fill_tokens: int = 0  # tokens added past the planned drafts
 
     def counters(self) -> dict[str, int]:
         """Every raw counter (summable across proposers), ``propose_ns`` included."""
@@ -92,26 +73,21 @@ class ProposerStats:
 
 @dataclass(slots=True, eq=False)
 class RequestState:
-    """Everything the proposer keeps for one running request (compared by identity: a step looks its states up in
-    bulk, ``None in states``)."""
+    """Everything the proposer keeps for one running request (compared by identity: ``None in states``)."""
 
     slot: int  # the request's id in the Drafter (its index slot)
-    cap: int | None = None  # extra_args' draft cap (None: none; 0: off): the request's option, kept across rewinds
-    # Its draft index partition (its cache_salt's: Drafter.partition; a request made without the runner's new-request
-    # hook: that of no salt). Kept across rewinds, like the cap.
-    partition: int = 0
-    # Whether its sampling lets it verify a tree (tree_verify.tree_verifiable; None until the runner knows the
-    # request). Fixed for its lifetime.
-    verifiable: bool | None = None
+    cap: int | None = None  # extra_args' draft cap (None: none; 0: off), kept across rewinds
+    partition: int = 0  # its cache_salt's draft index partition (Drafter.partition), kept across rewinds
+    verifiable: bool | None = None  # tree_verify.tree_verifiable of its sampling; None until the runner knows it
 
 
 _SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgetter("cap")
+_PRICES = attrgetter("free_tokens", "marginal_tokens", "draft_setup", "row_price", "context_price")
 
 # A step in which no row drafts: its (empty) draft rows, lengths and offers.
 _NO_TOKENS, _NO_LENGTHS, _NO_OFFERS = np.zeros((0, 1), np.int32), np.zeros(0, np.int64), TreeOffers.none()
 
-# The drafter's memory gauges are refreshed every this many steps (and on the first): the native estimate visits
-# every sequence the index holds, up to thousands with a full corpus, which a step need not pay for.
+# The drafter's memory gauges are read every this many steps: the estimate walks every sequence the index holds.
 MEMORY_GAUGE_EVERY = 16
 
 
@@ -126,10 +102,8 @@ def graph_tokens(vllm_config: Any) -> int:
 
 
 def full_graph_tokens(vllm_config: Any, k: int) -> int:
-    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a full CUDA graph (0
-    where the engine captures none: no graphs, or piecewise only, as tree verification makes them). vLLM 0.32 rounds
-    every capture size up to a multiple of 1 + k and drops those past the largest, after this proposer is built
-    (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``): the same rounding here."""
+    """The most tokens a step of rows scoring 1 + ``k`` tokens each may hold and still replay a full CUDA graph (0:
+    none captured), rounded as vLLM will (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``)."""
     largest = graph_tokens(vllm_config)  # > 0: a compilation_config with a cudagraph_mode
     if not largest or not vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
         return 0
@@ -140,8 +114,7 @@ def full_graph_tokens(vllm_config: Any, k: int) -> int:
 
 
 def separate_decode_graphs(vllm_config: Any) -> bool:
-    """Whether decode steps have full graphs apart from the rest (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``): only
-    a step whose every row scores 1 + k tokens replays one (with ``FULL`` any step does; with none, none does)."""
+    """Whether decode steps have full graphs of their own (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``)."""
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     return mode is not None and mode.separate_routine()
 
@@ -149,15 +122,12 @@ def separate_decode_graphs(vllm_config: Any) -> bool:
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
-    # Set by the plugin in every process (patches.prepare_engine): applies the worker's patches for these settings, or
-    # raises naming them. None: no plugin, which only an engine-free proposer (lab/standalone.py) may run without.
+    # Set by the plugin in every process (patches.prepare_engine); None: no plugin (engine-free, lab/standalone.py).
     prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.config = engine_settings(vllm_config)  # resolved once where the engine's config was built, carried in it
-        # Before any step: the patches this worker needs (applied, or the engine refuses naming them); version, tree
-        # settings, CUDA graphs checked; the kernels loaded.
         if self.prepare_engine is not None:
             self.prepare_engine(self.config)
         elif isinstance(vllm_config, VllmConfig):
@@ -176,15 +146,12 @@ class LookaheadProposer:
 
                 la_cuda.prepare_kernels()
         self.max_model_len = vllm_config.model_config.max_model_len
-        # The largest step CUDA graphs cover (0: none, as on the CPU): drafts stop short of it (past it an H200 step ran
-        # eager at 2-3x the time, benchmarks/results/gpu_h200.json).
+        # The largest step CUDA graphs cover (0: none): drafts stop short of it (past it a step runs eager).
         full = full_graph_tokens(vllm_config, self.k)
         self._graph_tokens = full or graph_tokens(vllm_config)
         self._input_batch: Any = None
         self._states: dict[str, RequestState] = {}  # request id -> its drafting state (the only per-request store)
         self._next_slot = 0
-        # The last step's rows' states, slots, partitions and caps (_rows_of), valid while _rows_version (bumped
-        # wherever a state is made, changed or dropped) is unchanged.
         self._rows_version = 0
         self._rows_cache: tuple[int, list[str], tuple] | None = None
         self.reset()  # the Drafter, calibrator, window prior and last step's drafts
@@ -196,23 +163,17 @@ class LookaheadProposer:
         self._interval_log = metrics.IntervalLogger(
             logger, float(envs.VLLM_LOG_STATS_INTERVAL) if logs else float("inf"))
         self.verifier = TreeVerifier()  # the runner patches and the attention wrapper reach it from here
-        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph, others run
-        # piecewise (0: fill nothing; docs/gpu.md, "Fifth session: uniform steps"). Chains only, and only where decode
-        # steps have graphs of their own (separate_decode_graphs).
+        # Steps up to this many tokens whose every row scores 1 + k tokens replay a full CUDA graph (0: fill nothing).
         self._uniform_tokens = (full if self.config.profile.uniform_steps and not self.tree_mode
                                 and separate_decode_graphs(vllm_config) else 0)
         self.cost = forward_cost(self.config, paths=self.tree_mode)  # chains open no extra attention paths
         # Token prices fitted to this engine's own step times (core/prices.py) unless pinned or the cost model is off.
-        p = self.config.profile
-        self.prices = (None if prices_pinned(self.config)
-                       else OnlinePrices((p.free_tokens, p.marginal_tokens, p.draft_setup, p.row_price,
-                                          p.context_price)))
+        self.prices = None if prices_pinned(self.config) else OnlinePrices(_PRICES(self.config.profile))
         self._last_step: tuple[StepShape, float] | None = None  # the last step's shape and start time, for the fit
         self.metrics.set_prices(self.cost, "pinned" if self.prices is None else "prior")
         self._scheduled: dict[str, list[int]] = {}  # draft tokens vLLM scheduled per request this step (on_step)
         logger.info("lookahead proposer ready: %s", self.config)
-        # Warm start and snapshot (config warm_start, snapshot_path): learned now; the snapshot is written again when
-        # the engine shuts down (patch runner_shutdown, applied by prepare_engine: close()), else at exit.
+        # Warm start and snapshot: learned now, written again at engine shutdown (close()), else at exit.
         self._persistence = persistence.Persistence(
             self.config, vllm_config.model_config,
             getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0)
@@ -223,9 +184,7 @@ class LookaheadProposer:
             persistence.close_at_exit(self)
 
     def _agree_on_what_was_learned(self) -> None:
-        """Tree mode: every tensor-parallel rank verifies the trees its own drafter planned, so the ranks must start
-        from the same state. A snapshot or warm-start file that one rank could not read (a passing I/O error, its
-        tokenizer failing) would set them apart: then all ranks start cold and write no snapshot (keeping the file)."""
+        """Tree mode: ranks verify their own drafters' trees, so unless every rank learned alike all start cold."""
         trie = self.drafter.trie
         learned = (sorted(self._persistence.learned.items()), self.drafter.partition_stats(),
                    0 if trie is None else trie.num_nodes)
@@ -256,9 +215,8 @@ class LookaheadProposer:
         self.metrics.draftless_steps += 1
 
     def _time_step(self, shape: "StepShape", now: float) -> None:
-        """The last step's time (its start to this one's) becomes a price sample (core/prices.py) if it was a pure
-        decode step and the engine did not idle in between (this step continues a request the last one ran).
-        Draftless steps run plain's sampler path, cheaper by a fixed amount: the fit learns it as the draft setup."""
+        """The last step's time (its start to this one's) is a price sample if it was pure decode and the engine did
+        not idle in between. Draftless steps run plain's cheaper sampler path: the fit learns it as the draft setup."""
         last, self._last_step = self._last_step, (shape, now)
         if last is None or not shape.continuing or not last[0].pure_decode:
             return
@@ -269,16 +227,13 @@ class LookaheadProposer:
         """Price the next steps with the new fit; tensor-parallel ranks take rank 0's, so every rank drafts the same
         tokens (a refit falls on the same step everywhere: the samples' count depends on the schedule alone)."""
         fit = self.prices.prices
-        free, marginal, setup, row, context = _shared_across_ranks(
-            (fit.free_tokens, fit.marginal_tokens, fit.draft_setup, fit.row_price, fit.context_price))
+        free, marginal, setup, row, context = _shared_across_ranks(_PRICES(fit))
         self.cost = ForwardCost(free, marginal, self.cost.per_path, self.cost.path_setup, setup, row, context)
         self.metrics.set_prices(self.cost, "fitted" if fit.samples else "prior", fit.step_seconds, fit.samples)
 
     def on_new_requests(self, new_reqs: Iterable[Any]) -> None:
-        """Create the states of newly admitted requests with their options (core/request_options.py; options that
-        fail here are logged and the request drafts nothing, rather than stopping the engine). A prompt given as
-        embeddings, or a request whose sampling vLLM's rejection sampler does not apply at draft positions
-        (:func:`samples_plain_only`), drafts nothing (docs/how-it-works.md, "How serving works")."""
+        """Create newly admitted requests' states with their options (core/request_options.py; options that fail are
+        logged and the request drafts nothing). Embedded prompts and :func:`samples_plain_only` draft nothing."""
         for req in new_reqs:
             params = getattr(req, "sampling_params", None)
             st = self._state(req.req_id)
@@ -307,8 +262,7 @@ class LookaheadProposer:
         return st
 
     def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list[int | None]]:
-        """The rows' states (created for requests not seen yet), slots, partitions and caps, kept while the batch
-        holds the same requests in the same order and no state was made, changed or dropped (``_rows_version``)."""
+        """The rows' states (made where missing), slots, partitions and caps, cached per batch and ``_rows_version``."""
         cached = self._rows_cache
         if cached is not None and cached[0] == self._rows_version and cached[1] == req_ids:
             return cached[2]
@@ -334,20 +288,17 @@ class LookaheadProposer:
         return self.drafter.trie
 
     def num_request_states(self) -> int:
-        """Requests holding drafting state (0 once the engine drained; the Drafter's slot records are made and
-        dropped only through them)."""
+        """Requests holding drafting state (0 once the engine drained)."""
         return len(self._states)
 
     def _step_budget(self, num_rows: int) -> int | None:
-        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), and no more than keeps the
-        step's scored tokens within the largest CUDA graph."""
+        """Draft tokens the whole step may carry: ``step_draft_budget`` (0 = no cap), within the largest CUDA graph."""
         room = max(0, self._graph_tokens - num_rows)
         return min((cap for cap in (self.config.profile.step_draft_budget, room) if cap), default=None)
 
     def reset(self) -> None:
-        """Forget everything learned: a fresh Drafter, calibration and window policy (benchmarks' cold start).
-        Running requests keep their options and partitions (numbered afresh where none runs: tensor-parallel ranks
-        that reset at start number alike), and are indexed anew on their next step."""
+        """Forget everything learned (benchmarks' cold start). Running requests keep their options and partitions
+        (numbered afresh where none runs, alike on every rank), and are indexed anew on their next step."""
         old = getattr(self, "drafter", None)  # None: called from __init__
         running = old is not None and bool(self._states)
         self.drafter = Drafter(self.config, old.partitions if running else None)
@@ -365,8 +316,8 @@ class LookaheadProposer:
             self._persistence.save(self.drafter)
 
     def close(self) -> None:
-        """Engine shutdown: write the snapshot (``snapshot_path``) once. The requests still held finish first (the
-        last step's finished ids reach the proposer only with the next step), so their outputs are in it."""
+        """Engine shutdown: write the snapshot once, after finishing the requests still held (the last step's
+        finished ids would only come with the next step)."""
         keeper = getattr(self, "_persistence", None)
         if keeper is None or keeper.closed:
             return
@@ -415,9 +366,7 @@ class LookaheadProposer:
         return drafts
 
     def _budgets(self, room: np.ndarray, caps: list[int | None], batch: Any) -> tuple[np.ndarray, dict[str, int], int]:
-        """Per row its draft budget: load adaptation (core/load.py), the cost model (no draft can pay at this many
-        rows: ForwardCost.draft_pays), and its ``room`` (:meth:`_room`: the request's cap, max_model_len); and the
-        rows skipped (by load, by cost, by their request's cap)."""
+        """Per row its draft budget (load, ``draft_pays``, ``room``), and the rows skipped by load, cost and cap."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
         if load_budget == 0 or not self.cost.at_rows(len(room)).draft_pays(len(room)):
@@ -429,8 +378,7 @@ class LookaheadProposer:
     def _draft_and_plan(self, sampled_token_ids: list[list[int]], sampled_lens: np.ndarray,
                         num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, batch: Any
                         ) -> tuple[list[list[int]], int, dict[str, int], int]:
-        """Book last step's drafts, sync, draft and plan the batch's rows in one :func:`plan_trees` call (a chain
-        unless the request may verify a tree); then the Jacobi windows that pay."""
+        """Book last step's drafts, sync, draft and plan the batch's rows, then the Jacobi windows that pay."""
         num_out = len(sampled_lens)
         rows = np.flatnonzero((sampled_lens > 0) & (num_tokens_no_spec[:num_out] < self.max_model_len))
         if len(rows) == num_out:  # every row (the usual step): no per-row gathering in Python
@@ -480,8 +428,7 @@ class LookaheadProposer:
         return drafts, len(rows), skipped, load_budget
 
     def _room(self, num_tokens: np.ndarray, caps: list[int | None]) -> np.ndarray:
-        """Per row, the draft nodes it may carry in all (a Jacobi window's included): what fits before
-        max_model_len, and no more than its request's own cap."""
+        """Per row, the draft nodes it may carry in all: what fits before max_model_len, within its request's cap."""
         room = self.max_model_len - 1 - np.asarray(num_tokens, np.int64)
         if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
             return room
@@ -489,9 +436,7 @@ class LookaheadProposer:
 
     def _can_fill(self, drafts: list[list[int]], rows: np.ndarray, num_tokens: np.ndarray,
                   states: list[RequestState]) -> bool:
-        """Whether this step filled to k tokens a row replays a full CUDA graph (uniform steps on): every batch row
-        decodes, each has room for k more tokens, no request's own draft cap is below k, and the step's (1 + k)
-        tokens a row fit the largest graph."""
+        """Whether every batch row decodes with room and cap for k tokens, and the step so filled fits a full graph."""
         k = self.k
         return bool(self._uniform_tokens and len(rows) and len(rows) == len(drafts)
                     and len(rows) * (1 + k) <= self._uniform_tokens and int(num_tokens.max()) + k < self.max_model_len
@@ -499,10 +444,8 @@ class LookaheadProposer:
 
     def _fill_uniform(self, drafts: list[list[int]], rows: np.ndarray, drafted_rows: np.ndarray, tok: np.ndarray,
                       lens: np.ndarray, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Fill every row's chain to exactly k tokens (in place; the step passed :meth:`_can_fill`). A row's fill is
-        its draft's unplanned continuation (``tok[j, :lens[j]]``, which the planned chain is a prefix of), then its
-        last token repeated. Verification keeps the output identical; the booking reads only the planned part
-        (``TreeOffers.match``)."""
+        """Fill every row's chain to exactly k tokens, in place: its draft's unplanned continuation, then its last
+        token repeated. Verification keeps the output identical; booking reads only the planned part."""
         k = self.k
         raw = {int(r): tok[j, :lens[j]] for j, r in enumerate(drafted_rows.tolist())}
         added = 0
@@ -522,9 +465,7 @@ class LookaheadProposer:
     def _merged_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray,
                      floor: float, tree_ok: np.ndarray, token_ids_cpu: np.ndarray, rows: np.ndarray,
                      num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The drafting rows' trees from every source as :func:`plan_trees` rows with their nodes' calibration kinds
-        (``Drafter.draft``: the index's or the context chain, then the trie's, then the Jacobi pool's branches keyed
-        by the row's last token, cut to the best path where the request may not verify a tree)."""
+        """The drafting rows' trees from every source (``Drafter.draft``), with their nodes' calibration kinds."""
         contexts = (trailing_contexts(token_ids_cpu, rows[picked], num_tokens[picked],
                                       self.config.profile.max_match_length) if self.drafter.trie is not None else None)
         pool = self._pool_rows(slots, picked, budgets, token_ids_cpu, rows, num_tokens) if self._uses_jacobi else None
@@ -537,8 +478,7 @@ class LookaheadProposer:
 
     def _pool_rows(self, slots: np.ndarray, picked: list[int], budgets: np.ndarray, token_ids_cpu: np.ndarray,
                    rows: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Per drafting row, the Jacobi pool's n-grams keyed by its last committed token as branches
-        (``jacobi.pool_rows``); the window rides along only with the full budget."""
+        """Per drafting row, the Jacobi pool's branches keyed by its last token; windows only with the full budget."""
         lasts = token_ids_cpu[rows[picked], num_tokens[picked] - 1]
         pool, branches = self.drafter.jacobi.pool_rows(slots, lasts, budgets == self.config.decoding_length)
         self.stats.pool_branches += branches
@@ -553,9 +493,7 @@ class LookaheadProposer:
         return st.verifiable
 
     def _book_trees(self, slots: np.ndarray, req_ids: list[str], emitted: list[list[int]]) -> None:
-        """Book last step's :class:`TreeOffers` against what this step's rows emitted (``emitted[i]``: the accepted
-        tokens, then the bonus), cut to what the scheduler verified of them: context and pool tokens accepted and the
-        calibrator's evidence (core/tree_plan.py)."""
+        """Book last step's :class:`TreeOffers` against what this step's rows emitted, cut to what was verified."""
         offers = self.handed_out.offers
         if not len(offers.slots):
             return
@@ -569,9 +507,8 @@ class LookaheadProposer:
 
     def _track_windows(self, req_ids: list[str], states: list[RequestState], slots: np.ndarray, rows: np.ndarray,
                        token_ids_cpu: np.ndarray, num_tokens: np.ndarray, prompt_lens: np.ndarray) -> None:
-        """Open the Jacobi window of each request admitted or rewound (fewer committed tokens than last step), on
-        verifiable requests only (a request the runner does not know yet is asked again next step); the others'
-        windows leave the step until their row drafts."""
+        """Open the Jacobi window of each request admitted or rewound, on verifiable requests only (one the runner
+        does not know yet is asked again next step)."""
         jacobi = self.drafter.jacobi
         stale = jacobi.track(slots, num_tokens).tolist()
         if not stale:
@@ -584,14 +521,10 @@ class LookaheadProposer:
     def _send_windows(self, offers: TreeOffers, drafts: list[list[int]], calibrated: np.ndarray,
                       tree_ok: np.ndarray, out_rows: np.ndarray, num_rows: int, entry: np.ndarray,
                       room: np.ndarray) -> dict[int, tuple[int, ...]]:
-        """The Jacobi windows that go out this step, appended to their rows' drafts (``drafts``, changed in place);
-        returns their lookahead tokens by offer row. The step scores ``tokens`` tokens and is expected to emit
-        ``gain``; a window of ``w`` nodes must be expected to add more accepted tokens than
-        ``gain * (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)``, what its extra tokens and its W column
-        paths cost at the step's rate (``JacobiTable.choose``, the step's windows priced together); ``extra`` starts
-        at the trees' own path ``rounds``. The first draft of a step also pays the draft setup, and a window on a row
-        that kept no node its row's ``entry``. A row's window goes only where its kept nodes and the window fit the
-        row's ``room`` (:meth:`_room`)."""
+        """Append the Jacobi windows that pay to their rows' drafts (in place); returns their lookahead tokens by
+        offer row. A window of ``w`` nodes and ``W`` paths must add more expected accepted tokens than ``gain *
+        (cost(tokens + w, extra + W) / cost(tokens, extra) - 1)`` (the step scoring ``tokens``, emitting ``gain``;
+        ``extra`` from ``rounds``; draft setup and ``entry`` where due; ``JacobiTable.choose``) and fit its ``room``."""
         cols = np.arange(offers.parents.shape[1])
         kept = cols < offers.lengths[:, None]
         # A tree's extra attention paths: its kept nodes that are not their parent's first child.
@@ -611,7 +544,6 @@ class LookaheadProposer:
                                       num_rows + float(np.where(kept, calibrated, 0.0).sum()))
         went = cands[chosen]
         windows = ahead.tolist()
-        # Each row's draft: the offer's kept nodes, then the window's (read in bulk, cut per row).
         for r, kept_tokens, n, window in zip(out_rows[went].tolist(), offers.tokens[went].tolist(),
                                              offers.lengths[went].tolist(), windows):
             drafts[r] = kept_tokens[:n] + window
@@ -619,8 +551,7 @@ class LookaheadProposer:
         return dict(zip(went.tolist(), map(tuple, windows)))
 
     def _read_memory_gauges(self) -> None:
-        """The drafter's size (the estimate walks every held sequence). Read before the step's drafting: by then the
-        last step's upkeep is done, so this does not wait for it."""
+        """The drafter's size, read before the step's drafting: the last step's upkeep is done by then."""
         trie = self.drafter.trie
         self.metrics.trie_nodes = trie.num_nodes if trie is not None else 0
         self.metrics.drafter_bytes = self.drafter.memory_bytes()
@@ -632,9 +563,7 @@ class LookaheadProposer:
         self.stats.tree_truncated += count
 
     def on_tree_results(self, results: TreeResults) -> None:
-        """Book what verification did with this step's trees (tree_verify's contract), and feed the Jacobi windows
-        their new tokens in one call: each window slides, fills its pool, and is credited the pool nodes accepted (the
-        yield new windows start from)."""
+        """Book what verification did with this step's trees; feed the Jacobi windows their new tokens in one call."""
         s, accepted = self.stats, results.accepted
         s.tree_request_steps += len(accepted)
         s.tree_nodes += int(results.num_nodes.sum())
@@ -656,8 +585,7 @@ class StepShape:
     tokens: int  # tokens the forward scores (prefill chunks, decode rows, draft tokens)
     pure_decode: bool  # no prefill: every scheduled request scores its one new token and its draft
     continuing: bool  # the step runs a request that the step before it ran too (no idle gap)
-    # Some request in the step carries draft tokens (else it runs as plain decoding: patches.patch_draftless_steps).
-    drafted: bool = True
+    drafted: bool = True  # some request carries draft tokens (else the step runs as plain decoding)
     rows: int = 1  # requests in the step
     context: int = 0  # the drafted rows' context tokens (computed before this step), summed
 
@@ -677,9 +605,8 @@ class StepShape:
 
 
 def samples_plain_only(params: Any) -> bool:
-    """Whether a request samples with ``min_p`` or ``logit_bias``: vLLM's rejection sampler does not apply them
-    at draft positions, so such a request drafts nothing and each of its tokens is sampled as in plain vLLM
-    (patches ``plain_sampling_params``, ``runner_logits_processors``)."""
+    """Whether a request samples with ``min_p`` or ``logit_bias``, which vLLM's rejection sampler does not apply at
+    draft positions: such a request drafts nothing (patches ``plain_sampling_params``)."""
     return getattr(params, "min_p", 0.0) > _SAMPLING_EPS or bool(getattr(params, "logit_bias", None))
 
 
@@ -702,8 +629,7 @@ def _tp_group() -> Any:
 
 
 def _differs_across_ranks(value: Any) -> bool:
-    """Whether ``value`` is not the same on every tensor-parallel rank (False where there is one rank): rank 0's is
-    broadcast, and every rank's verdict summed over the group."""
+    """Whether ``value`` differs between tensor-parallel ranks (rank 0's broadcast, every rank's verdict summed)."""
     group = _tp_group()
     if group is None:
         return False

@@ -1,11 +1,4 @@
-"""Multi-branch tree verification inside vLLM 0.32 (V1 model runner); the four hooks (positions, attention, acceptance,
-compaction), the picture and what they are proven against: docs/how-it-works.md, "Tree verification".
-
-The trees the scheduler kept of the proposer's plans (``StepDrafts``) become one :class:`TreeStep`, its trees one
-:class:`~lookahead_vllm.core.tree_plan.TreeBatch` (rows of arrays, no object per tree). Requests whose sampling needs
-the token history along the draft get chains (:func:`tree_verifiable`); if one still carries a tree, only its leading
-chain is verified.
-"""
+"""Multi-branch tree verification inside vLLM 0.32's V1 model runner (docs/how-it-works.md, "Tree verification")."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ from lookahead_vllm.vllm.paged_kv import CpuPagedKV, FlashPagedKV
 
 logger = init_logger(__name__)
 
-# Tree attention: "paths" (vLLM's own kernel, one root-to-leaf path per round), "reference" (CPU: gather
-# the paged KV, pure-torch masked attention) or "kernel" (GPU: the csrc tree kernel, one launch a step).
+# "paths" (vLLM's kernel, a root-to-leaf path a round), "reference" (CPU, dense torch) or "kernel" (GPU csrc kernel).
 TREE_ATTENTION = os.environ.get("LOOKAHEAD_TREE_ATTENTION", "paths")
 
 IMPL_ATTR = "_lookahead_verifier"  # each tree-mode attention impl's TreeVerifier (patch tree_verification)
@@ -37,8 +29,7 @@ IMPL_ATTR = "_lookahead_verifier"  # each tree-mode attention impl's TreeVerifie
 
 @dataclass(slots=True)
 class TreeStep:
-    """State of one engine step that verifies at least one tree: its trees as one :class:`TreeBatch` (row ``t``: request
-    ``req_ids[t]``), and per tree its batch row, its root's index among the step's tokens and how it is verified."""
+    """One engine step that verifies at least one tree: its trees as one :class:`TreeBatch` (row ``t``: req_ids[t])."""
 
     req_ids: list[str]
     rows: np.ndarray  # each request's row in the persistent batch (and in attention metadata)
@@ -51,8 +42,7 @@ class TreeStep:
     disabled: frozenset[str]
     slot_mapping: torch.Tensor | None = None  # [num_tokens] slot of every scheduled token (first attention layer's)
     caches: dict[int, Any] = field(default_factory=dict)  # one slot accessor per distinct KV cache tensor, layer order
-    # Built lazily, shared by all layers: the path rounds, the csrc kernel's arguments.
-    path_plan: PathPlan | None = None
+    path_plan: PathPlan | None = None  # built lazily and shared by all layers, as kernel_args
     kernel_args: tuple | None = None
     visible: list[torch.Tensor] | None = None  # each tree's visibility among its rows (dense reference attention)
 
@@ -64,15 +54,13 @@ class TreeStep:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TreeResults:
-    """What verification did with one step's trees (tree ``t``: request ``req_ids[t]``; each emitted its
-    accepted nodes' tokens and a bonus), the contract back to ``LookaheadProposer.on_tree_results``."""
+    """What verification did with one step's trees (tree ``t``: ``req_ids[t]``), for ``on_tree_results``."""
 
     req_ids: list[str]
     num_nodes: np.ndarray  # [T] int64: plan nodes verified
     accepted: np.ndarray  # [T] int64: nodes accepted
     nodes: np.ndarray  # [sum(accepted)] int64: each tree's accepted nodes (root to leaf), tree after tree
-    # Tree -> its Jacobi window's new tokens (its last level's argmax), where the whole window was scheduled.
-    windows: dict[int, list[int]]
+    windows: dict[int, list[int]]  # tree -> its Jacobi window's new tokens, where the whole window was scheduled
 
     def accepted_nodes(self) -> list[np.ndarray]:
         """Each tree's accepted nodes, tree by tree."""
@@ -89,9 +77,7 @@ def tree_verifiable(sp: Any) -> bool:
 
 
 class TreeVerifier:
-    """Tree verification's state in one worker, one per proposer (``LookaheadProposer.verifier``; the attention
-    wrapper finds it on the layer impls, :data:`IMPL_ATTR`): verifies the plans of the proposer's ``handed_out`` and
-    hands back one :class:`TreeResults` a step."""
+    """Tree verification's state in one worker (``LookaheadProposer.verifier``): verifies its ``handed_out`` plans."""
 
     def __init__(self) -> None:
         self.current: TreeStep | None = None  # the step being executed (between begin_step and finish_step)
@@ -104,8 +90,7 @@ class TreeVerifier:
         return state is not None and tree_verifiable(state.sampling_params)
 
     def begin_step(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
-        """Collect this step's trees (the handed-out plans the scheduler kept, as one :class:`TreeBatch`) and give
-        their rows tree positions."""
+        """Collect this step's trees (the handed-out plans the scheduler kept) and give their rows tree positions."""
         self.current = None
         self.runner_requests = runner.requests  # the same dict for the runner's lifetime
         drafter = runner.drafter
@@ -120,8 +105,7 @@ class TreeVerifier:
         truncated = int(np.count_nonzero(counts < full))  # the scheduler's token budget cut the tree
         if truncated:
             drafter.on_tree_truncated(truncated)
-        # The scheduled drafts against the plans' tokens (rows of one array, each draft's first lengths[i] tokens; a
-        # draft longer than its whole plan differs too).
+        # The scheduled drafts against the plans' tokens (a draft longer than its whole plan differs too).
         flat = np.fromiter(chain.from_iterable(drafts), np.int64, int(counts.sum()))
         sched = np.zeros_like(trees.tokens)
         sched[np.repeat(np.arange(len(ids)), trees.lengths), index_within(trees.lengths)] = flat[
@@ -181,8 +165,7 @@ class TreeVerifier:
                 out[start:start + n] = tree_attention_dense(query[start:start + n], k, v, visible, impl.scale)
 
     def finish_step(self, runner: Any, logits: torch.Tensor, spec_metadata: Any, sampler_output: Any) -> None:
-        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. A few batch transfers a step
-        whatever the number of trees (docs/how-it-works.md). The tree rows' greedy targets come from
+        """Replace tree requests' rejection-sampler rows by tree walks; compact KV. Greedy targets come from
         ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it, else from one argmax here."""
         step, self.current = self.current, None
         if step is None or spec_metadata is None:
@@ -231,8 +214,7 @@ class TreeVerifier:
 
 
 def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
-    """Give every tree's rows their root's position plus their depth (RoPE sees each node at its depth), in one
-    indexed write for the whole step."""
+    """Give every tree's rows their root's position plus their depth, in one indexed write for the whole step."""
     counts = step.num_rows
     offsets = np.concatenate([np.zeros((len(counts), 1), np.int64), step.trees.depths()], axis=1)
     offsets = offsets[np.arange(offsets.shape[1]) < counts[:, None]]  # each tree's root and nodes, in order
@@ -244,8 +226,7 @@ def _tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
 
 def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
-    """Tree attention with vLLM's own CPU kernel, one root-to-leaf path a round (:func:`_path_plan`): each path's
-    K/V written into its request's next slots, its new rows the tail of a causal query."""
+    """Tree attention with vLLM's CPU kernel, one root-to-leaf path a round (:func:`_run_path_rounds`)."""
     from vllm import _custom_ops as ops
 
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -275,9 +256,8 @@ def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
 
 def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
-    """The CPU's path rounds (:func:`_cpu_path_rounds`) through FlashAttention's stock ``forward`` and
-    ``do_kv_cache_update``: every tree row with the kernel, and the rounding, plain decoding uses (the tree kernel's
-    rows left greedy outputs at bf16 near-ties on the H200, docs/gpu.md)."""
+    """The path rounds through FlashAttention's stock ``forward``: every tree row with the kernel, and the rounding,
+    plain decoding uses (the tree kernel's rows differed at bf16 near-ties, docs/gpu.md)."""
     forward = getattr(type(impl).forward, "__lookahead_original__", type(impl).forward)  # not our wrapper
 
     def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -299,8 +279,7 @@ def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tenso
 
 def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      out: torch.Tensor, write: Any, attend: Any) -> None:
-    """Every round: ``write`` its paths' K/V into their slots, ``attend`` their new rows; then restore the borrowed
-    slots. Rows are gathered once per layer and scattered once."""
+    """Every round: ``write`` its paths' K/V into their slots and ``attend`` their new rows; restore borrowed slots."""
     if not plan.rounds:
         return
     path_k, path_v = key.index_select(0, plan.kv_rows), value.index_select(0, plan.kv_rows)
@@ -315,9 +294,8 @@ def _run_path_rounds(plan: PathPlan, query: torch.Tensor, key: torch.Tensor, val
 
 def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPagedKV, metadata: Any,
                   out: torch.Tensor) -> None:
-    """All tree rows of the batch in one call (csrc kernel on CUDA, else the reference); only the rows off each
-    request's leading chain are written back: the stock causal call's rows there are exact and keep plain decoding's
-    bf16 rounding, so a step accepted along the leading chain gives plain's tokens."""
+    """All tree rows of the batch in one csrc kernel call; only rows off each leading chain are written back (the
+    stock causal call's rows there are exact, with plain decoding's rounding)."""
     from lookahead_vllm.ops import cuda as la_cuda
 
     if step.kernel_args is None:
@@ -329,7 +307,6 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         rows = torch.from_numpy(np.repeat(step.starts, num_rows) + within).to(device)
         req_rows = torch.from_numpy(step.rows).to(device)
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(num_rows)]).astype(np.int32))
-        # Kernel output rows to write back: each request's rows past root + leading chain.
         write = torch.from_numpy(np.flatnonzero(within > np.repeat(step.chain, num_rows))).to(device)
         step.kernel_args = (rows, write, rows[write], dict(
             block_tables=metadata.block_table[req_rows], seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
@@ -374,7 +351,6 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
     seq_lens = metadata.seq_lens.tolist()
     rounds, all_kv, all_q = [], [], []
     restore: set[int] = set()
-    # Each round's slots and block-table rows are gathered in one indexed read (not a slice a request).
     slot_mapping, block_table = step.slot_mapping, metadata.block_table
     requests = list(zip(step.rows.tolist(), step.starts.tolist(), step.num_rows.tolist(), per_request))
     for j in range(max(len(p) for p in per_request)):
@@ -403,11 +379,8 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
 
 
 def _uncovered_paths(parents: list[int], chain_prefix: int) -> list[tuple[list[int], int]]:
-    """Root-to-leaf paths (rows, root = 0) of a tree (its nodes' ``parents``, parents first, the first ``chain_prefix``
-    of them a chain from the root) still needing attention after the stock causal call (which got the root and the
-    leading chain right), each with how many trailing rows are new: every other row is computed once, on the first path
-    through it. A row's ancestors are computed before it (the leading chain, or an earlier path through them), so a
-    path's new rows are its last ones: walk up from the leaf until a computed row."""
+    """Root-to-leaf paths (rows, root = 0) of a tree (``parents``, its first ``chain_prefix`` nodes a chain) that the
+    stock causal call left wrong, each with its count of new rows: its last ones, as ancestors are computed first."""
     done = [True] * (chain_prefix + 1) + [False] * (len(parents) - chain_prefix)
     inner = set(parents)
     out = []
@@ -429,8 +402,7 @@ def _uncovered_paths(parents: list[int], chain_prefix: int) -> list[tuple[list[i
 
 
 def _cache_accessor(step: TreeStep, impl: Any, layer: Any, kv_cache: torch.Tensor) -> Any:
-    """The layer's slot accessor, kept on the layer (its cache tensor lives as long as the engine), registered with
-    the step for compaction."""
+    """The layer's slot accessor (kept on the layer), registered with the step for compaction."""
     key = kv_cache.data_ptr()
     cache = step.caches.get(key)
     if cache is None:
@@ -459,10 +431,8 @@ def check_supported(impl: Any) -> None:
 
 
 def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """Tree ``t``'s walk over its verify nodes: from the root, a reached row's target token (``target_at(row)``,
-    called once a reached row, in walk order, so a sampler draws as the walk goes) is accepted where a child of the
-    row carries it, else it is the bonus. Returns the accepted nodes (root to leaf) and the tokens to emit (theirs,
-    then the bonus)."""
+    """Tree ``t``'s walk from the root: a reached row's ``target_at(row)`` (called once a row, in walk order) is
+    accepted where a child carries it, else it is the bonus. Returns the accepted nodes and the tokens to emit."""
     v = int(trees.verify[t])
     tokens, parents = trees.tokens[t, :v].tolist(), trees.parents[t, :v].tolist()
     accepted, node = [], -1
@@ -476,8 +446,7 @@ def _walk(trees: TreeBatch, t: int, target_at: Callable[[int], int]) -> tuple[li
 
 
 def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list[tuple[list[int], list[int]]]:
-    """Greedy trees' walks (:func:`_walk`'s) in one ``walk_trees`` call over their verify nodes, each tree's targets the
-    greedy tokens of its rows (``argmax`` from ``ats[t]`` on). Per tree, the accepted nodes and the tokens to emit."""
+    """Greedy trees' :func:`_walk` results in one ``walk_trees`` call, tree t's targets ``argmax`` from ``ats[t]``."""
     lens, width = trees.verify, trees.tokens.shape[1]
     # A tree of n verify nodes has at least n + 1 rows: row j of tree t is argmax[ats[t] + j].
     targets = argmax[np.minimum(np.asarray(ats, np.int64)[:, None] + np.arange(width + 1), len(argmax) - 1)]
@@ -488,8 +457,7 @@ def _greedy_walks(trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> list
 
 
 def _window_outputs(cfg: Any, trees: TreeBatch, ats: np.ndarray, argmax: np.ndarray) -> dict[int, list[int]]:
-    """Per tree whose whole Jacobi window was scheduled, the window's new tokens (``argmax``: the step's tree rows'
-    greedy targets, tree ``t``'s from ``ats[t]``; its last level's); a window the scheduler cut stays as it is."""
+    """Per tree whose whole Jacobi window was scheduled, the window's new tokens (its last level's ``argmax``)."""
     full = np.flatnonzero((trees.lengths - trees.verify == cfg.lookahead_nodes) & (trees.lengths > trees.verify))
     if not len(full):
         return {}
