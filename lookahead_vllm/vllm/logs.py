@@ -1,9 +1,5 @@
-"""Route this package's log records through vLLM's logging setup.
-
-vLLM configures only the ``vllm`` logger (else Python's last-resort handler drops our INFO), and only after the plugins
-load (``LLM.__init__``, the CLI after parsing its arguments), a forked worker keeping what its parent had then: so each
-record is handed to the ``vllm`` logger when it is logged, rather than its handlers copied when the plugin loads.
-"""
+"""Route this package's log records through vLLM's logging setup. vLLM configures only the ``vllm`` logger, and only
+after the plugins load: each record is handed to it when logged, rather than its handlers copied at plugin load."""
 
 from __future__ import annotations
 

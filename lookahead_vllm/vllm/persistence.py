@@ -1,10 +1,6 @@
-"""Warm start and snapshots at engine start and shutdown (the rules users see: docs/configuration.md).
-
-``Persistence.start`` locks the snapshot file, loads it (core/snapshot.py), then learns the ``warm_start`` file
-(core/warm_start.py) unless the snapshot names its digest; ``close`` writes the snapshot once. One writer a file: the
-engine's first drafting rank holding ``SnapshotLock``; every other process only reads it and never moves it aside.
-Data-parallel rank ``r`` keeps ``<path>.dp<r>`` and starts from rank 0's while its own is absent or refused.
-"""
+"""Warm start and snapshots at engine start and shutdown (the rules users see: docs/configuration.md). One writer a
+snapshot file: the engine's first drafting rank holding ``SnapshotLock``; every other process only reads it, never moves
+it aside. Data-parallel rank ``r`` keeps ``<path>.dp<r>``, starting from rank 0's while it has none."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ RETAKE_EVERY_S = 30.0  # how often a read-only engine tries that lock again (Per
 
 
 def _first_drafting_rank() -> bool:
-    """Whether this process is its engine's first drafting rank (drafters run on the last pipeline
-    stage only). True without distributed state (one rank: unit tests)."""
+    """Whether this process is its engine's first drafting rank (True without distributed state)."""
     from vllm.distributed import parallel_state
 
     for group in (parallel_state.get_tp_group, parallel_state.get_pcp_group):
@@ -46,7 +41,7 @@ def _first_drafting_rank() -> bool:
 
 
 def _sizes(snap: Snapshot) -> tuple[int, int, int]:
-    """Outputs, tokens and trie nodes of ``snap``, as logged."""
+    """Outputs, tokens and trie nodes of ``snap``."""
     return len(snap.sequences), snap.num_tokens, 0 if snap.trie is None else len(snap.trie.tokens)
 
 
@@ -54,10 +49,9 @@ class Persistence:
     def __init__(self, config: Settings, model_config: Any, dp_rank: int = 0) -> None:
         self.config = config
         self.model_config = model_config
-        # This engine's file, and the one it starts from while it has none (data-parallel rank 0's).
         shared = config.snapshot_path
         self.path = f"{shared}.dp{dp_rank}" if shared and dp_rank else shared
-        self._shared = shared if self.path != shared else ""
+        self._shared = shared if self.path != shared else ""  # the file started from while self.path is absent
         self._tokenizer: Any = None
         self._identity: dict | None = None
         self._warm_digest = ""  # sha256 of the warm-start file the snapshot holds
@@ -67,21 +61,18 @@ class Persistence:
         self._lock: SnapshotLock | None = None
         self._read_only = ""  # why this engine's first rank does not write its file ("" where it does)
         self._next_retake = 0.0  # when poll() next tries the lock (``waiting``)
-        # What start() learned, compared across tensor-parallel ranks in tree mode (the proposer):
-        # "snapshot" (file, outputs, tokens, written_at) and "warm_start" (texts, tokens).
+        # What start() learned: "snapshot" (file, outputs, tokens, written_at) and "warm_start" (texts, tokens).
         self.learned: dict[str, tuple] = {}
-        # A child forked from this process (inheriting its atexit handler) neither writes nor takes the lock.
-        self._pid = os.getpid()
+        self._pid = os.getpid()  # a forked child (inheriting the atexit handler) neither writes nor takes the lock
 
     def start(self, drafter: Any) -> None:
-        """Lock the snapshot file, learn the snapshot, then the warm-start texts."""
+        """Lock the snapshot file, learn the snapshot, then the warm-start texts unless the snapshot names them."""
         self._claim()
         snap = self._load_snapshot(drafter)
         path = self.config.warm_start
         if not path:
             return
-        # The digest the snapshot written at shutdown names: the one loaded, unless this run
-        # learns the file whole (it must never name a file it does not hold).
+        # Named by the snapshot written at shutdown: the one loaded, unless this run learns the file whole.
         held = self._warm_digest = snap.info.get("warm_start", "") if snap is not None else ""
         try:
             if held and file_digest(path) == held:  # nothing held: no hashing pass, only the one that learns
@@ -100,7 +91,7 @@ class Persistence:
         self._warm_digest = warm.digest
 
     def _claim(self) -> None:
-        """Decide whether this process writes the snapshot file (the module docstring)."""
+        """Decide whether this process writes the snapshot file."""
         if not self.path or not _first_drafting_rank():
             return
         lock = SnapshotLock(self.path)
@@ -161,16 +152,13 @@ class Persistence:
         except SnapshotError as exc:
             self._set_aside(path, str(exc),
                             "starts from data-parallel rank 0's file" if self._shared else "starts cold")
-            # Every tensor-parallel rank starts alike: from rank 0's file (as do the ranks that find
-            # the file already moved aside).
-            return self._load_shared(drafter)
+            return self._load_shared(drafter)  # as every rank that finds the file moved aside
         except Exception as exc:  # noqa: BLE001 - a snapshot never stops the engine
             return self._keep(path, f"could not be loaded ({exc!r})")
         return self._learned(path, snap, start)
 
     def _load_shared(self, drafter: Any) -> Snapshot | None:
-        """Start from data-parallel rank 0's snapshot, if this engine has one, read only; on any failure
-        drafting starts cold and the file stays as it is."""
+        """Start from data-parallel rank 0's snapshot, if this engine has one, read only (on any failure: cold)."""
         path, start = self._shared, time.perf_counter()
         if not path:
             return None
@@ -183,7 +171,7 @@ class Persistence:
         return self._learned(path, snap, start, f" (data-parallel rank 0's; this engine's own is {self.path})")
 
     def _learned(self, path: str, snap: Snapshot, start: float, whose: str = "") -> Snapshot:
-        """Log the snapshot loaded from ``path`` since ``start``, book it in ``learned`` and return it."""
+        """Log ``snap``, loaded from ``path`` since ``start``, book it in ``learned`` and return it."""
         logger.info("lookahead snapshot %s loaded%s: %d outputs, %d tokens, %d trie nodes (%.2f s)", path, whose,
                     *_sizes(snap), time.perf_counter() - start)
         self.learned["snapshot"] = (path, len(snap.sequences), snap.num_tokens, snap.info.get("written_at"))
@@ -196,8 +184,8 @@ class Persistence:
                        path, why)
 
     def _set_aside(self, path: str, why: str, instead: str) -> None:
-        """Rename a refused snapshot to the first free ``<path>.refused[.N]``; where it cannot be, this run writes
-        none. ``instead``: what drafting does. A process that does not write the file leaves it in place."""
+        """Rename a refused snapshot to the first free ``<path>.refused[.N]`` (where it cannot be, this run writes
+        none); a process that does not write the file leaves it. ``instead``: what drafting does."""
         if not self.owner:
             logger.warning("lookahead %s; refused, drafting %s (the file is left to the process that writes it)",
                            why, instead)
@@ -217,7 +205,7 @@ class Persistence:
             logger.warning("lookahead %s; refused and kept as %s, drafting %s", why, aside, instead)
 
     def _warm(self, drafter: Any, warm: WarmReader) -> None:
-        """Learn the warm-start file's texts, streamed a batch at a time (raises where not every text was learned)."""
+        """Learn the warm-start file's texts a batch at a time (raises where not every text was learned)."""
         path = self.config.warm_start
         start = last_log = time.perf_counter()
         count = tokens = 0
@@ -252,8 +240,7 @@ class Persistence:
                 self._lock.release()
 
     def save(self, drafter: Any) -> Snapshot | None:
-        """Write the snapshot now; a failure is logged, not raised. Nothing where this process does not write the
-        file (``owner``) or the snapshot found at start was left in place (``writes``)."""
+        """Write the snapshot now, where this process writes the file (``owner``, ``writes``); never raises."""
         path = self.path
         if os.getpid() != self._pid:
             return None
@@ -280,16 +267,14 @@ class Persistence:
         return self._read_only == HELD and self.writes
 
     def poll(self) -> None:
-        """While ``waiting``, try the lock every :data:`RETAKE_EVERY_S` (the proposer calls this after
-        its steps), so this engine holds the file before any engine started later can."""
+        """While ``waiting``, try the lock every :data:`RETAKE_EVERY_S` (called after each engine step)."""
         now = time.monotonic()
         if now >= self._next_retake:
             self._next_retake = now + RETAKE_EVERY_S
             self._retake()
 
     def _retake(self) -> None:
-        """A waiting engine takes the lock its holder freed: it writes the file at shutdown (it started
-        from it; what the holder saved since is replaced)."""
+        """A waiting engine takes the lock its holder freed, to write the file at shutdown."""
         if not self.waiting or os.getpid() != self._pid:
             return
         lock = SnapshotLock(self.path)
@@ -325,9 +310,8 @@ class Persistence:
 
 
 def close_at_exit(proposer: Any) -> None:
-    """Close ``proposer`` (writing its snapshot) at process exit if it is still alive, holding no strong
-    reference to it. ``atexit`` covers the main and spawned processes; a forked engine process ends with
-    ``os._exit`` after multiprocessing's exit finalizers, hence the second (closing twice writes once)."""
+    """Close ``proposer`` (writing its snapshot) at process exit if still alive, holding no strong reference. A forked
+    engine process ends with ``os._exit`` after multiprocessing's exit finalizers, hence the second hook."""
     ref = weakref.ref(proposer)
     atexit.register(_close_if_alive, ref)
     multiprocessing.util.Finalize(None, _close_if_alive, args=(ref,), exitpriority=100)

@@ -16,8 +16,7 @@ logger = init_logger(__name__)
 
 @method_patch("vllm.sampling_params.SamplingParams", "_verify_args", ("self",))
 def patch_request_options(original, self) -> None:
-    """Validate the per-request lookahead keys of ``extra_args`` (core/request_options.py): offline that
-    raises at construction, in the API server the request gets an HTTP 400."""
+    """Validate the per-request lookahead keys of ``extra_args``: an error at construction (HTTP 400 in the server)."""
     original(self)
     try:
         draft_cap(self.extra_args)
@@ -37,8 +36,7 @@ def _request_error() -> type:
 
 @method_patch("vllm.engine.arg_utils.EngineArgs", "add_cli_args", ("parser",))  # a staticmethod, put back as one
 def patch_cli_speculative_model(original, parser):
-    """vLLM's parser accepts the removed ``--speculative-model lookahead`` (only that value: it sets
-    ``--spec-model``, which ``speculative_method`` routes) and ``--num-speculative-tokens``."""
+    """vLLM's parser accepts the removed ``--speculative-model lookahead`` and ``--num-speculative-tokens``."""
     parser = original(parser)
     known = set(parser._option_string_actions)
     if "--speculative-model" not in known:
@@ -53,8 +51,7 @@ def patch_cli_speculative_model(original, parser):
 
 @method_patch("prometheus_client.multiprocess.MultiProcessCollector", "__init__", ("self", "registry"))
 def patch_multiprocess_metrics(original, self, registry, *args, **kwargs):
-    """With several API servers ``/metrics`` is served from a registry built for each scrape holding a
-    ``MultiProcessCollector`` (vLLM's and its instrumentator's): the ``lookahead_*`` collector joins it."""
+    """The ``lookahead_*`` collector joins the registry several API servers build per scrape for ``/metrics``."""
     original(self, registry, *args, **kwargs)
     if registry is None:
         return

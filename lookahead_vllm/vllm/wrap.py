@@ -29,10 +29,9 @@ def check_params(owner: type, attr: str, params: tuple[str, ...]) -> None:
 
 
 def wrap(*targets: tuple[type, str, Callable, tuple[str, ...]]) -> None:
-    """Replace each ``owner.attr`` of ``targets`` (``(owner, attr, hook, params)``) by a wrapper calling
-    ``hook(original, *args, **kwargs)``, all or none: only if every original starts with its ``params`` (else
-    :class:`PatchTargetChanged`). Classmethods and staticmethods stay such (``original`` is the plain function);
-    a wrapper keeps the original's name and docstring, and the original as ``__lookahead_original__``."""
+    """Replace each ``owner.attr`` of ``(owner, attr, hook, params)`` by a wrapper calling ``hook(original, *args,
+    **kwargs)``, all or none (:func:`check_params`). Classmethods and staticmethods stay such (``original``: the plain
+    function); a wrapper keeps the original's name, docstring and itself as ``__lookahead_original__``."""
     for owner, attr, _, params in targets:
         check_params(owner, attr, params)
     for owner, attr, hook, _ in targets:
