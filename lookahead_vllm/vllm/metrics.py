@@ -1,9 +1,6 @@
-"""Lookahead's own metrics: Prometheus ``lookahead_*`` series (the README's metrics table) and a periodic log line.
-
-Each proposer's :class:`StatsPublisher` (tensor-parallel rank 0 only) writes JSON snapshots of its :class:`StepStats`
-into ``$LOOKAHEAD_VLLM_STATS_DIR``, and the API server's :class:`StatsCollector` sums them at each scrape
-(docs/how-it-works.md, "How serving works"). A row that returns ``m`` sampled tokens accepted ``m - 1`` drafts.
-"""
+"""Lookahead's Prometheus ``lookahead_*`` series (the README's metrics table) and periodic log line: each proposer's
+:class:`StatsPublisher` (tensor-parallel rank 0) writes JSON snapshots of its :class:`StepStats` into
+``$LOOKAHEAD_VLLM_STATS_DIR``, summed by the API server's :class:`StatsCollector` at each scrape."""
 
 from __future__ import annotations
 
@@ -74,7 +71,7 @@ class StepStats:
     steps: int = 0
     draftless_steps: int = 0  # steps with no draft token in the batch, run as plain decoding
     draft_tokens: int = 0
-    accepted_tokens: int = 0
+    accepted_tokens: int = 0  # a row that returns m sampled tokens accepted m - 1 drafts
     skipped_request_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
     drafter_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     draft_tokens_per_step: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
@@ -130,9 +127,8 @@ class IntervalLogger:
 
 
 class StatsPublisher:
-    """Daemon thread writing ``stats.snapshot()`` to the stats directory every PUBLISH_INTERVAL_S. With the owner's
-    ``num_request_states()`` as ``request_states``, read by this thread: the gauge falls to 0 after a drain with no
-    engine step after it."""
+    """Daemon thread writing ``stats.snapshot()``, with the owner's ``num_request_states()`` read by this thread (so
+    it falls to 0 after a drain with no engine step after it), every PUBLISH_INTERVAL_S."""
 
     def __init__(self, owner: object, stats: StepStats) -> None:
         self.path = None
@@ -145,7 +141,6 @@ class StatsPublisher:
         instance = uuid.uuid4().hex  # tells this publisher from a later one under its file name (a reused pid)
         threading.Thread(target=_publish_loop, args=(self.path, stats, stop, states, instance),
                          name="lookahead-stats", daemon=True).start()
-        # The owner going away stops the thread, leaves its last counts (FINAL_SUFFIX) and removes its file.
         weakref.finalize(owner, _stop_publishing, stop, self.path, stats, instance)
 
 
@@ -157,10 +152,8 @@ def _publish_loop(path: str, stats: StepStats, stop: threading.Event, states: An
 
 def snapshot_with_states(stats: StepStats, states: Any = None) -> dict[str, Any]:
     """``stats.snapshot()`` plus ``request_states`` from the (weak) ``num_request_states`` method."""
-    snap = stats.snapshot()
     count = states() if states is not None else None
-    snap["request_states"] = int(count()) if count is not None else 0
-    return snap
+    return {**stats.snapshot(), "request_states": int(count()) if count is not None else 0}
 
 
 def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
@@ -173,7 +166,7 @@ def write_snapshot(path: str, snapshot: dict[str, Any]) -> None:
 
 
 def _stop_publishing(stop: threading.Event, path: str, stats: StepStats, instance: str) -> None:
-    # The final first: the stopped thread removes the live file, and a scrape must never find neither.
+    # The owner gone: its final counts first (the stopped thread removes the live file; a scrape must find one).
     write_snapshot(path + FINAL_SUFFIX, {**snapshot_with_states(stats), "publisher": instance})
     stop.set()
     _remove_files(path)
@@ -196,9 +189,8 @@ def tp_rank() -> int:
 
 
 def read_final_snapshots(directory: str, since: float, seen: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """The final snapshots of stopped publishers by their live file's name, those not read before (``seen``: final's
-    name -> its mtime when read; updated). They stay for every API server's collector; an unreadable one is read next
-    time; one older than ``since`` (an earlier server's, in a directory the user named) is removed unread."""
+    """Stopped publishers' final snapshots not read before (``seen``: final's name -> mtime read; updated), by live
+    file name. They stay for every API server's collector; one older than ``since`` (an earlier server's) is removed."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".json" + FINAL_SUFFIX):
@@ -227,16 +219,13 @@ def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-# The series as (name, snapshot key, help): GAUGES summed over the live publishers, PRICES averaged, BY_POLICY
-# summed per draft_sharing policy (label ``sharing``); COUNTERS and HISTOGRAMS (with the skip reasons) are
-# cumulative: the collector keeps what departed publishers counted.
+# (name, snapshot key, help). GAUGES: the live publishers' sums (``price_*``: means), BY_POLICY's per draft_sharing
+# policy (label ``sharing``). COUNTERS, HISTOGRAMS and skip reasons are cumulative, departed publishers' counts kept.
 GAUGES = (
     ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
     ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index and trie), bytes."),
     ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
     ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
-)
-PRICES = (
     ("lookahead_price_free_tokens", "price_free_tokens",
      "Tokens a forward scores for the price of one (forward-cost model, live)."),
     ("lookahead_price_marginal_tokens", "price_marginal_tokens",
@@ -273,8 +262,7 @@ HISTOGRAMS = (
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:
-    """Add ``snap``'s counters, skip reasons and histograms to ``into`` (the same layout; empty to start);
-    ``sign`` -1 takes them away (a publisher's earlier snapshot, counted before its final)."""
+    """Add ``snap``'s cumulative parts to ``into`` (same layout; empty to start); ``sign`` -1 takes them away."""
     for _, key, _ in COUNTERS:
         into[key] = into.get(key, 0) + sign * snap.get(key, 0)
     skipped = into.setdefault("skipped_request_steps", dict.fromkeys(SKIP_REASONS, 0))
@@ -309,11 +297,8 @@ def _alive(pid: str) -> bool:
 
 
 class StatsCollector:
-    """``prometheus_client`` collector summing the live snapshots into ``lookahead_*`` families.
-
-    Counters and histograms never fall (Prometheus would read a reset): a publisher that goes away (file removed,
-    process dead, another publisher under its file name) keeps what its final snapshot, or its last one seen here,
-    counted, and an unreadable file counts its last snapshot again. Gauges are the live publishers'."""
+    """``prometheus_client`` collector summing the snapshots into ``lookahead_*`` families. Counters and histograms
+    never fall (Prometheus would read a reset): a publisher gone keeps its final (or last seen) snapshot's counts."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -322,11 +307,9 @@ class StatsCollector:
         # (file name, publisher) of those -> its snapshot counted: a file that comes back (a reused pid) is not
         # counted again, and the final of one retired from its last-seen snapshot adds only what it counted since.
         self._retired: dict[tuple[str, str], dict[str, Any]] = {}
-        # Finals older than this collector are an earlier server's (on the clock that stamps them).
-        self._since = _clock_of(directory)
-        # read_final_snapshots' ``seen``, and the publishers the finals counted.
-        self._finals_read: dict[str, int] = {}
-        self._finals_counted: set[tuple[str, str]] = set()
+        self._since = _clock_of(directory)  # finals older than this are an earlier server's
+        self._finals_read: dict[str, int] = {}  # read_final_snapshots' ``seen``
+        self._finals_counted: set[tuple[str, str]] = set()  # (file name, publisher) of the finals counted
         self._lock = threading.Lock()  # scrapes may come on several threads
 
     def describe(self) -> list:
@@ -372,14 +355,9 @@ class StatsCollector:
         counted: dict[str, Any] = {}  # counters and histograms: the publishers gone since too
         for snap in [*snaps, self._gone]:
             add_cumulative(counted, snap)
-
-        def total(key: str) -> float:
-            return sum(s.get(key, 0) for s in snaps)
-
         for name, key, doc in GAUGES:
-            yield GaugeMetricFamily(name, doc, value=total(key))
-        for name, key, doc in PRICES:
-            yield GaugeMetricFamily(name, doc, value=total(key) / max(1, len(snaps)))
+            total = sum(s.get(key, 0) for s in snaps)
+            yield GaugeMetricFamily(name, doc, value=total / max(1, len(snaps)) if key.startswith("price_") else total)
         for name, key, doc in BY_POLICY:
             gauge, by_policy = GaugeMetricFamily(name, doc, labels=["sharing"]), Counter()
             for snap in snaps:
@@ -402,8 +380,7 @@ class StatsCollector:
 
 
 def setup_process() -> None:
-    """Stats directory in the environment (created by the first process) and the collector registered;
-    once per process (a failed registration is not retried)."""
+    """Once per process, never retried: the stats directory (made by the first process) and the collector registered."""
     global _setup_done, _collector
     if _setup_done:
         return
@@ -422,8 +399,6 @@ def setup_process() -> None:
 
 
 def export_to(registry: Any) -> None:
-    """Also export the ``lookahead_*`` series through ``registry``: with several API servers
-    ``/metrics`` is served from a registry built for the scrape (serve_patches.patch_multiprocess_metrics;
-    what each server sums: docs/how-it-works.md, "How serving works")."""
+    """Also export the ``lookahead_*`` series through ``registry`` (serve_patches.patch_multiprocess_metrics)."""
     if _collector is not None:
         registry.register(_collector)

@@ -1,13 +1,6 @@
-"""Token slots of vLLM's per-layer paged KV caches, for tree verification: moving the accepted nodes' K/V to the
-sequence's next slots (compaction) and, for the CPU's dense reference attention, a request's K/V as
-``[seq_len, num_kv_heads, head_dim]``.
-
-``CpuPagedKV``: vLLM's CPU_ATTN cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` whose block interiors
-depend on the ISA kernel (the fp32 "vec" kernel stores K transposed, ``[head_dim, block_size]``, V row major). Never
-hard-coded: the first use writes probe values through vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where
-each (token, dim) landed, a permutation per (dtype, block size, head dim, ISA); writes always go through the op itself.
-``FlashPagedKV``: the GPU FlashAttention cache (same 4-D shape), read and written directly.
-"""
+"""Token slots of vLLM's per-layer paged KV caches ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, for tree
+verification. CPU_ATTN's block interiors depend on the ISA kernel: probed through vLLM's own
+``cpu_attn_reshape_and_cache`` (which does every write), never hard-coded. FlashAttention's are used directly."""
 
 from __future__ import annotations
 
@@ -35,18 +28,16 @@ class CpuPagedKV:
         nblk = (seq_len + self.block_size - 1) // self.block_size
         data = self._flat[block_table[:nblk].long()]  # [nblk, H, 2, bs * D]
         shape = (nblk, self.num_kv_heads, self.block_size, self.head_dim)
-        key, value = (data[:, :, which, index.flatten()].view(shape).transpose(1, 2).flatten(0, 1)[:seq_len]
-                      for which, index in ((0, self._k_index), (1, self._v_index)))
-        return key, value
+        return tuple(data[:, :, which, index.flatten()].view(shape).transpose(1, 2).flatten(0, 1)[:seq_len]
+                     for which, index in ((0, self._k_index), (1, self._v_index)))
 
     def gather_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[n, kv_heads, head_dim]`` at the given slots."""
         slots = slots.long()
         data = self._flat[slots // self.block_size]  # [n, H, 2, bs * D]
         offs = slots % self.block_size
-        key, value = (torch.gather(data[:, :, which], 2, index[offs].unsqueeze(1).expand(-1, self.num_kv_heads, -1))
-                      for which, index in ((0, self._k_index), (1, self._v_index)))  # [n, H, D] each
-        return key, value
+        return tuple(torch.gather(data[:, :, which], 2, index[offs].unsqueeze(1).expand(-1, self.num_kv_heads, -1))
+                     for which, index in ((0, self._k_index), (1, self._v_index)))  # [n, H, D] each
 
     def write_slots(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, slots)
@@ -59,10 +50,8 @@ def _discover_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: st
 
     tok = torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_dim)
     dim = torch.arange(head_dim).view(1, 1, -1).expand(block_size, 1, head_dim)
-    # Codes below 64 are exact in every supported dtype (bf16 included).
-    codes = [tok % 64, tok // 64, dim % 64, dim // 64]
     seen = []
-    for code in codes:
+    for code in (tok % 64, tok // 64, dim % 64, dim // 64):  # below 64: exact in every supported dtype (bf16 too)
         cache = torch.full((1, 1, 2 * block_size, head_dim), -1.0, dtype=dtype)
         key_cache, value_cache = cache.chunk(2, dim=2)
         value = code.to(dtype).contiguous()
@@ -81,8 +70,7 @@ def _discover_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: st
 
 
 class FlashPagedKV:
-    """Slot access for one FlashAttention layer, by (block, offset) on vLLM 0.32's strided K/V views
-    (never through a flattening copy)."""
+    """Slot access for one FlashAttention layer, by (block, offset) on its strided K/V views (no flattening copy)."""
 
     def __init__(self, impl: Any, layer: Any, kv_cache: torch.Tensor) -> None:
         by_token = kv_cache.transpose(1, 2)  # [nb, bs, H, 2D]

