@@ -1,10 +1,7 @@
-"""The CPU preload vLLM's CPU install guide recommends (it warns without): tcmalloc and Intel OpenMP.
-
-A median 1.13x tokens/s on a 2-core host (``benchmarks/results/cpu_preload.json``), so on wherever the libraries
-are found (``LOOKAHEAD_CPU_PRELOAD=0``: off): ``lookahead-vllm-serve`` re-executes itself with them and
-``scripts/cpu_env.sh`` exports them.
-
-    python -m lookahead_vllm.cpu_preload      # the LD_PRELOAD it would set ('' if none found)
+"""The CPU preload vLLM's CPU install guide recommends (it warns without): tcmalloc and Intel OpenMP, on wherever
+found (``benchmarks/results/cpu_preload.json``; ``LOOKAHEAD_CPU_PRELOAD=0``: off): ``lookahead-vllm-serve``
+re-executes itself with them and ``scripts/cpu_env.sh`` exports them. ``python -m lookahead_vllm.cpu_preload``
+prints the LD_PRELOAD it would set ('' if none found).
 """
 
 from __future__ import annotations

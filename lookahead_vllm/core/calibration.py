@@ -1,13 +1,11 @@
-"""Online calibration of draft confidences from verification outcomes (docs/how-it-works.md, "Forward-cost
-model"). The cost model (core/budget.py) needs confidences that are probabilities. Per node *kind*
-(:data:`KIND_NAMES`) and raw-confidence bin the calibrator learns::
+"""Online calibration of draft confidences, which the cost model (core/budget.py) needs to be probabilities
+(docs/how-it-works.md, "Forward-cost model"). Per node *kind* (:data:`KIND_NAMES`) and raw-confidence bin::
 
     calibrated = raw * (accepted + prior) / (predicted + prior)
 
 ``predicted``: the sum of the raw confidences of the bin's verified nodes; ``accepted``: how many of them were
-accepted; ``prior`` in accepted tokens. Counts halve once a bin has seen ``HALF_LIFE_NODES`` nodes. Calibrated
-confidences never grow along a path. Booking and applying run natively; reference:
-``lookahead_lab.reference.planner``.
+accepted (``prior`` in accepted tokens). Counts halve once a bin has seen ``HALF_LIFE_NODES`` nodes; calibrated
+confidences never grow along a path. Native; reference: ``lookahead_lab.reference.planner``.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ class ConfidenceCalibrator:
 
     def observe_trees(self, raw: np.ndarray, kinds: np.ndarray, accepted: np.ndarray, at: np.ndarray,
                       verified: np.ndarray) -> None:
-        """Learn from verified drafts stored as rows (core/tree_plan.py), in order: row ``at[i]`` of ``raw``, ``kinds``,
-        ``accepted [D, W]`` (raw confidences, calibration kinds, whether accepted) had ``verified[i]`` nodes verified
-        (its first)."""
+        """Learn from verified drafts stored as rows (core/tree_plan.py), in order: row ``at[i]`` of ``raw``
+        confidences, ``kinds`` and ``accepted [D, W]`` had its first ``verified[i]`` nodes verified."""
         if self.learns:
             native.extension().observe_trees(self.predicted, self.accepted, self.nodes, self._factor, self.bin_edges,
                                              raw, kinds, accepted, at, verified, self.prior, float(HALF_LIFE_NODES))

@@ -1,10 +1,5 @@
-"""Lookahead configuration (fields, knobs and terms: docs/configuration.md).
-
-  LookaheadConfig   the public fields (pydantic): the keys of ``additional_config={"lookahead": {...}}``.
-  Profile           the internal tuning knobs (frozen dataclass): per-platform values in :data:`PLATFORM_VALUES`,
-                    overridden by developers under the ``"_profile"`` key.
-  Settings          both, ``decoding_length`` resolved: built once by :func:`resolve` with the engine's config,
-                    carried to the workers (:meth:`Settings.to_carried` / ``from_carried``).
+"""Lookahead configuration (fields, knobs and terms: docs/configuration.md): the public :class:`LookaheadConfig`,
+the internal :class:`Profile` knobs and both as :class:`Settings`, resolved once and carried to the workers.
 """
 
 from __future__ import annotations
@@ -37,20 +32,14 @@ class LookaheadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    # Where drafts come from ("+"-joined, merged in that order): core/draft_index.py, trie.py, jacobi.py.
-    source: Literal[SOURCES] = "index"
-    # A chain ("one") or a tree ("hier", "par"), verified with tree attention (vllm/tree_verify.py).
-    draft_shape: Literal[DRAFT_SHAPES] = "one"
+    source: Literal[SOURCES] = "index"  # "+"-joined, merged in that order: core/draft_index.py, trie.py, jacobi.py
+    draft_shape: Literal[DRAFT_SHAPES] = "one"  # a chain, or a tree verified with tree attention (vllm/tree_verify.py)
     # Max draft nodes per request per step (None: num_speculative_tokens less the Jacobi window).
     decoding_length: int | None = Field(None, ge=1, le=256)
-    # Memory cap, in bytes, of the outputs kept for cross-request drafting.
-    index_corpus_bytes: int = Field(128 << 20, ge=0, le=1 << 40)
-    # Texts learned at engine start (core/warm_start.py); "" = none.
-    warm_start: str = ""
-    # What the drafter learned, loaded on start and written on shutdown (vllm/persistence.py); "" = none.
-    snapshot_path: str = ""
-    # Whose outputs a request drafts from (core/partitions.py).
-    draft_sharing: Literal[DRAFT_SHARINGS] = "per-salt"
+    index_corpus_bytes: int = Field(128 << 20, ge=0, le=1 << 40)  # memory cap of the outputs kept for drafting
+    warm_start: str = ""  # texts learned at engine start (core/warm_start.py); "" = none
+    snapshot_path: str = ""  # what the drafter learned, read on start, written on shutdown (vllm/persistence.py)
+    draft_sharing: Literal[DRAFT_SHARINGS] = "per-salt"  # whose outputs a request drafts from (core/partitions.py)
     # Forward-cost model (core/budget.py): -1 (both) = fitted online (core/prices.py); 0 free tokens = off.
     cost_free_tokens: int = Field(-1, ge=-1, le=1 << 16)
     cost_marginal_tokens: float = Field(-1.0, ge=-1.0, le=1e6)
@@ -88,8 +77,7 @@ class LookaheadConfig(BaseModel):
 
     @model_validator(mode="after")
     def _snapshot_is_not_the_warm_file(self) -> "LookaheadConfig":
-        # A snapshot_path file that is not a snapshot is moved aside and replaced at shutdown: the warm-start
-        # file named there would be lost.
+        # A non-snapshot file at snapshot_path is moved aside and replaced at shutdown: the warm-start file is lost.
         if self.snapshot_path and self.warm_start and _same_file(self.snapshot_path, self.warm_start):
             raise ValueError(f"snapshot_path={self.snapshot_path!r} names the warm_start file: the snapshot "
                              "(a binary file the engine writes at shutdown) needs a path of its own")
@@ -155,8 +143,7 @@ def _knob(default: Any = dataclasses.MISSING, *, within: tuple[Any, Any]) -> Any
 class Profile:
     """Internal tuning knobs (docs/configuration.md, "Developer settings"). Build with :meth:`for_platform`."""
 
-    # Per platform (PLATFORM_VALUES), no default. Token prices (core/budget.py; the online fit's prior, prices.py):
-    # free_tokens cost one forward, one more every marginal_tokens past them; path_setup on are in forwards.
+    # Per platform (PLATFORM_VALUES), no default. Token prices in forwards (core/budget.py; the online fit's prior).
     platform: str
     free_tokens: int = _knob(within=(1, 1 << 16))
     marginal_tokens: float = _knob(within=(1.0, 8192.0))  # the online fit's bounds (prices.MARGINAL_BOUNDS)
@@ -165,11 +152,9 @@ class Profile:
     draft_setup: float = _knob(within=(0.0, 10.0))
     row_price: float = _knob(within=(0.0, 1.0))
     context_price: float = _knob(within=(0.0, 2.0))
-    # Load adaptation (core/load.py).
-    load_shrink_above: int = _knob(within=(0, 1 << 16))
+    load_shrink_above: int = _knob(within=(0, 1 << 16))  # load adaptation (core/load.py)
     load_stop_at: int = _knob(within=(1, (1 << 16) + 1))
-    # The native index's upkeep on a thread while the forward runs, or inline (same drafts).
-    upkeep_thread: bool
+    upkeep_thread: bool  # the native index's upkeep on a thread while the forward runs, or inline (same drafts)
 
     # One default everywhere. Trie (core/trie.py).
     branch_length: int = _knob(12, within=(2, 128))
@@ -180,15 +165,11 @@ class Profile:
     prompt_weight: float = _knob(1e4, within=(0.0, 1e9))
     insert_prompt: bool = True
     context_match: int = _knob(3, within=(0, 64))
-    # Branch confidence floor (budget.confidence_floor) and draft tokens per step (0 = no cap).
-    min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))
-    step_draft_budget: int = _knob(0, within=(0, 1 << 16))
-    # Full CUDA graphs: fill chains to k (vLLM replays them for uniform 1 + k steps only; docs/gpu.md).
-    uniform_steps: bool = True
-    # Learn how often each kind of draft node is accepted (core/calibration.py).
-    calibrate_confidence: bool = True
-    # CPU: greedy steps verified from one argmax over the logits (vllm/patches.py greedy_sample).
-    argmax_sampling: bool = True
+    min_draft_confidence: float = _knob(0.025, within=(0.0, 1.0))  # budget.confidence_floor
+    step_draft_budget: int = _knob(0, within=(0, 1 << 16))  # draft tokens per step (0 = no cap)
+    uniform_steps: bool = True  # full CUDA graphs: fill chains to k (uniform 1 + k steps only; docs/gpu.md)
+    calibrate_confidence: bool = True  # core/calibration.py
+    argmax_sampling: bool = True  # CPU: greedy steps verified from one argmax (vllm/patches.py greedy_sample)
     # Draft index (core/draft_index.py); index_threads 0 = min(4, cores).
     index_ngram: int = _knob(2, within=(1, 4))
     index_backoff: int = _knob(1, within=(0, 3))
@@ -196,12 +177,10 @@ class Profile:
     index_candidates: int = _knob(16, within=(1, 1024))
     index_occurrences: int = _knob(32, within=(1, 1024))
     index_threads: int = _knob(1, within=(0, 256))
-    # Jacobi window columns W, n-gram size N, pool n-grams per step G.
-    jacobi_window: int = _knob(4, within=(1, 64))
-    jacobi_ngram: int = _knob(3, within=(2, 16))
-    jacobi_guesses: int = _knob(4, within=(1, 64))
-    # Debug only: switch off pieces of tree verification (DEBUG_SWITCHES); output is NOT lossless.
-    debug_disable: tuple[str, ...] = ()
+    jacobi_window: int = _knob(4, within=(1, 64))  # W: window columns
+    jacobi_ngram: int = _knob(3, within=(2, 16))  # N: n-gram size
+    jacobi_guesses: int = _knob(4, within=(1, 64))  # G: pool n-grams per step
+    debug_disable: tuple[str, ...] = ()  # debug only: DEBUG_SWITCHES off in tree verification; NOT lossless
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
@@ -256,9 +235,8 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# Where CPU and GPU differ. "cpu": this project's 2-core host with SmolLM2 (docs/prices.md, docs/history.md;
-# load adaptation from 8 rows: they already score past the free tokens); "gpu": one H200, a Llama-3-8B shape
-# in bf16 (docs/gpu.md; one kernel launch runs every path: no path price; setup and context price unmeasured).
+# "cpu": a 2-core host with SmolLM2 (docs/prices.md; load adaptation from 8 rows, already past the free tokens);
+# "gpu": one H200, Llama-3-8B shape, bf16 (docs/gpu.md; one launch runs every path; setup, context price unmeasured).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
                 draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
@@ -343,9 +321,8 @@ def default_decoding_length(platform: str) -> int:
 
 def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platform: str = "cpu",
             num_speculative_tokens: int | None = None) -> Settings:
-    """The settings of the public ``values`` (plus an optional ``"_profile"`` mapping of knobs) on
-    ``platform``, checked against vLLM's ``num_speculative_tokens`` (None: no engine; ``decoding_length``
-    defaults to :data:`PLATFORM_DECODING_LENGTH`). Raises ValueError naming the field."""
+    """The settings of public ``values`` (and an optional ``"_profile"`` of knobs) on ``platform``, checked against
+    vLLM's ``num_speculative_tokens`` (None: no engine; ``decoding_length`` per platform). ValueError names a field."""
     if isinstance(values, LookaheadConfig):
         values = values.model_dump()
     if values is not None and not isinstance(values, Mapping):

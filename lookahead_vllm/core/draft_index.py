@@ -1,12 +1,8 @@
-"""Draft index: the drafting core. Drafts the tokens that followed the longest earlier match of a request's
-trailing tokens, in its own text and in every request's output, for a whole batch in one call.
-
-The engine's index is native: ``lookahead_vllm._draft_index`` (``csrc/draft_index/draft_index.cpp``, built at
-install time; :func:`lookahead_vllm.core.native.make_draft_index`). This module defines its settings; its terms
-(sequence, key, candidate, continuation, draft and its confidences), charge, upkeep and partitions are defined in
-docs/how-it-works.md, "The draft index", with worked examples. Tests hold it to the pure-Python reference
-``lookahead_lab.reference.draft_index``. Every operation is deterministic, so every tensor-parallel rank drafts
-the same tokens from the same inputs (where the upkeep runs never changes them).
+"""Draft index settings. The index drafts the tokens that followed the longest earlier match of a request's trailing
+tokens, in its own text and in every request's output, for a whole batch in one call; it is native
+(``csrc/draft_index/draft_index.cpp``, :func:`lookahead_vllm.core.native.make_draft_index`; terms, charge, upkeep,
+partitions and worked examples: docs/how-it-works.md, "The draft index"; reference:
+``lookahead_lab.reference.draft_index``). It is deterministic: every tensor-parallel rank drafts the same tokens.
 """
 
 from __future__ import annotations

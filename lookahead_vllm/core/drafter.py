@@ -1,17 +1,10 @@
 """``Drafter``: the engine-wide drafting state behind one batch call per step (docs/how-it-works.md, "The drafting
-pipeline").
-
-It owns the sources (``config.sources``), each keeping a request's record by an integer *slot* the caller assigns:
-``index`` (core/draft_index.py), ``trie`` (core/trie.py, with each request's context chain) and ``jacobi``
-(core/jacobi.py: windows and pools, which the proposer opens and feeds), all native. Per step the caller hands the
-runner's token table once (``sync``) and asks for every drafting row's tree (``draft``); finished requests are
-dropped with ``finish``. A merged row leads with the index's tree (else the request's context chain), ranked at
-``INDEX_WEIGHT * confidence`` so a chain cut from it follows them, then the trie's nodes, each with its
-calibration kind.
-
-Tenant isolation (core/partitions.py): a request drafts in its salt's partition (``partition``); warm-start texts
-join the default one; snapshots keep the partitions the policy saves. The trie is shared: only default-partition
-requests feed it and draft from it.
+pipeline"). It owns the native sources (``config.sources``: core/draft_index.py, trie.py, jacobi.py), each keeping
+a request's record by an integer *slot* the caller assigns. Per step the caller hands the runner's token table once
+(``sync``) and asks for every drafting row's tree (``draft``); finished requests are dropped with ``finish``. Tenant
+isolation (core/partitions.py): a request drafts in its salt's partition (``partition``); warm-start texts join the
+default one; snapshots keep the partitions the policy saves. The trie is shared: only default-partition requests
+feed it and draft from it.
 """
 
 from __future__ import annotations
@@ -30,26 +23,23 @@ from lookahead_vllm.core.trie import make_trie
 if TYPE_CHECKING:
     from lookahead_vllm.core.snapshot import Snapshot
 
-INDEX_WEIGHT = 1e18  # ranking weight scale of index nodes (above any trie count)
+INDEX_WEIGHT = 1e18  # index nodes rank above any trie count: a chain cut from a merged row follows them
 
 
 def make_index(config: Settings, ngram: int | None = None) -> Any:
-    """The native draft index for ``config`` (keyed by ``ngram`` tokens, default the profile's ``index_ngram``), its
-    upkeep on a thread of its own where the profile says it pays."""
+    """The native draft index for ``config``, keyed by ``ngram`` tokens (default the profile's ``index_ngram``)."""
     return native.make_draft_index(config.index_config(ngram), config.profile.upkeep_thread)
 
 
 def rows_of(count: int, width: int) -> tuple[np.ndarray, ...]:
-    """Empty ``[count, width]`` draft rows, many requests' trees as arrays: tokens, parents (-1: the root; parents
-    first), weights, confidence, and the lengths."""
+    """Empty ``[count, width]`` draft rows: tokens, parents (-1: root, parents first), weights, confidence, lengths."""
     return (np.zeros((count, width), np.int32), np.full((count, width), -1, np.int32),
             np.zeros((count, width)), np.zeros((count, width)), np.zeros(count, np.int64))
 
 
 def trailing_contexts(token_ids: np.ndarray, rows: np.ndarray, ends: np.ndarray, width: int
                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's last ``width`` tokens (``token_ids[rows[i], :ends[i]]``'s tail) as :meth:`Drafter.draft`'s
-    ``contexts``, gathered in one indexing call."""
+    """Each row's last ``width`` tokens (of ``token_ids[rows[i], :ends[i]]``) as :meth:`Drafter.draft`'s contexts."""
     ends = np.asarray(ends, np.int64)
     lens = np.minimum(ends, width)
     inside = np.arange(width) < lens[:, None]
@@ -99,8 +89,7 @@ class Drafter:
         return self.partitions.release(in_use)
 
     def partition_stats(self) -> tuple[int, int]:
-        """(partitions holding a request or an output, the corpus's charge in bytes over all of them, back-off
-        index included)."""
+        """(Partitions holding a request or an output, the corpus's charge in bytes over all, back-off included)."""
         charges = [index.partition_bytes() for index in self._indexes()]
         return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
@@ -148,13 +137,11 @@ class Drafter:
     def draft(self, slots: Sequence[int], contexts: tuple[np.ndarray, np.ndarray] | None, budgets: Sequence[int],
               floor: float, tree: bool, cut: np.ndarray | None = None, pool: tuple[np.ndarray, ...] | None = None
               ) -> tuple[np.ndarray, ...]:
-        """Every request's draft as rows (a few batch calls): ``tokens``, ``parents``, ``weights``, ``confidence``,
-        calibration ``kinds [R, W]`` and ``lengths [R]``; row ``i`` at most ``budgets[i]`` nodes, none below
-        ``floor``: the index's tree (a chain unless ``tree``) or, where it has none, the request's context chain,
-        first, the trie's merged after it, then ``pool``'s row (the Jacobi pool's branches, :func:`rows_of` arrays:
-        ``jacobi.pool_rows``), by the native ``merge_rows``; cut to its best path where ``cut[i]``. ``contexts``: the
-        requests' last ``max_match_length`` tokens as ``(tokens [R, W], lengths [R])``, row ``i``'s first
-        ``lengths[i]`` columns (trie source only; None otherwise)."""
+        """Every request's draft as :func:`rows_of` arrays, calibration ``kinds`` before ``lengths``; row ``i`` at most
+        ``budgets[i]`` nodes, none below ``floor``: the index's tree (a chain unless ``tree``) or, where it has none,
+        the request's context chain, then the trie's nodes, then ``pool``'s row (the Jacobi pool's branches:
+        ``jacobi.pool_rows``), merged natively; cut to its best path where ``cut[i]``. ``contexts`` (trie source only,
+        else None): the requests' last ``max_match_length`` tokens as ``(tokens [R, W], lengths [R])``."""
         count = len(slots)
         budgets = np.asarray(budgets, np.int64)
         width = max(1, int(budgets.max(initial=0)))
@@ -182,9 +169,8 @@ class Drafter:
 
     def draft_rows(self, slots: Sequence[int], budgets: Sequence[int], floor: float, tree: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The index's drafts for many requests as arrays (chains unless ``tree``): ``tokens``, ``parents`` (-1: the
-        root; parents first), ``confidence [R, W]`` and ``lengths [R]``, row ``i`` holding ``lengths[i]`` nodes (the
-        back-off index's where the main one finds no candidate)."""
+        """The index's drafts (chains unless ``tree``; the back-off's where the main index finds no candidate) as
+        :func:`rows_of` arrays less the weights: ``tokens``, ``parents``, ``confidence [R, W]`` and ``lengths [R]``."""
         s, b = np.asarray(slots, np.int64), np.asarray(budgets, np.int64)
         return self.index.draft_batch(s, b, float(floor), bool(tree), self.threads, self.backoff)
 
@@ -214,10 +200,9 @@ class Drafter:
         return snap
 
     def load_snapshot(self, path: str, identity: dict) -> "Snapshot":
-        """Read a snapshot written for ``identity`` and learn it: its corpus (oldest first) into the index as finished
-        outputs, each into the partition its label names under this policy (``Partitions.of_label``; the others are
-        skipped), its output counts into the trie (or, without a trie table, its default partition's outputs as warm
-        texts). Raises SnapshotError, before changing anything, if it is refused."""
+        """Learn the snapshot at ``path`` (written for ``identity``): its outputs, oldest first, into the index, each
+        into the partition its label names under this policy (else skipped), its output counts into the trie (without
+        a trie table: its default partition's outputs as warm texts). SnapshotError, before any change, if refused."""
         from lookahead_vllm.core.snapshot import read_snapshot, settings_of
 
         snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)

@@ -2,27 +2,16 @@
 "Jacobi lookahead"). Every request's window and pool live in the native ``JacobiTable`` (csrc/draft_index/jacobi.h)
 by the caller's slot, a whole step's rows per call; reference: ``lookahead_lab.reference.jacobi``.
 
-Terms (digest sections 2 and 5):
   W, N, G    window columns, n-gram size (N - 1 levels), most pool n-grams verified per step and kept per key.
-  window     level 0 holds W - 1 tokens (column 0 is x0, the last committed token), levels 1..N-2 W each;
-             filled from the prompt at admission and after a rewind (node j of plan order: the prompt's
+  window     level 0 holds W - 1 tokens (column 0 is x0, the last committed token, at position p), levels 1..N-2
+             W each; filled from the prompt at admission and after a rewind (node j of plan order: the prompt's
              token at ``splitmix64(seed + j + 1) % len``, ``seed`` the prompt's FNV-1a hash).
-  lookahead  the window's nodes in a step plan: node (l, i) sits at position p + l + i and its parent is
-             (l-1, i), (0, i-1) on level 0, x0 for (1, 0) and (0, 1); a token tree rooted at x0,
-             verified by the same tree attention as the trie's drafts, whose nodes are never accepted.
-  new tokens the target's argmax at level N-2 (at x0 for column 0 when N = 2): one per column, for
-             position p + N - 1 + i; column i yields the n-gram ((0, i), ..., (N-2, i), new_i), keyed by
-             its first token. The pool keeps per key the G most recently seen continuations (LRU); up to
-             G keyed by x0 become draft branches from x0, merged with the trie's tree.
-
-Layout for W = 5, N = 4 (x0 at position p, lookahead nodes in plan order)::
-
-    level 0:   x0   (0,1) (0,2) (0,3) (0,4)        positions p .. p+4
-    level 1: (1,0) (1,1) (1,2) (1,3) (1,4)         positions p+1 .. p+5
-    level 2: (2,0) (2,1) (2,2) (2,3) (2,4)         positions p+2 .. p+6
-
-After the forward, the slide drops level 0 and (1,0): level 1 becomes level 0, level 2 level 1, the new tokens
-level 2.
+  lookahead  the window's nodes in a step plan, a token tree rooted at x0 that is never accepted: node (l, i)
+             sits at position p + l + i and its parent is (l-1, i), (0, i-1) on level 0, x0 for (1, 0) and (0, 1).
+  new tokens the target's argmax at level N-2 (at x0 for column 0 when N = 2): one per column, for position
+             p + N - 1 + i; column i yields the n-gram ((0, i), ..., (N-2, i), new_i), keyed by its first token,
+             into the pool (per key the G most recent, LRU). Then the slide drops level 0 and (1, 0): every
+             level moves down one and the new tokens become level N-2.
 """
 
 from __future__ import annotations
@@ -36,9 +25,8 @@ if TYPE_CHECKING:
     from lookahead_vllm.core.config import Settings
 
 POOL_CONFIDENCE = 0.5  # a pool n-gram's node at depth d drafts at POOL_CONFIDENCE ** d (the pool has no counts)
-# The window policy (docs/how-it-works.md, "Jacobi lookahead"; the native table's kYield*, kProbeEvery): a
-# window goes out while its expected pool tokens a step (a moving average of weight YIELD_ALPHA, from
-# YIELD_PRIOR) pay for its nodes, else every PROBE_EVERY steps, each empty probe doubling that up to MAX_PROBE_EVERY.
+# Window policy (docs/how-it-works.md; native kYield*, kProbeEvery): out while its yield (a moving average of weight
+# YIELD_ALPHA from YIELD_PRIOR) pays, else every PROBE_EVERY steps, each empty probe doubling that to MAX_PROBE_EVERY.
 YIELD_PRIOR = 1.0
 YIELD_ALPHA = 0.25
 PROBE_EVERY = 32

@@ -1,10 +1,8 @@
-"""Load adaptation: the per-request draft budget as a function of batch size.
-
-Draft tokens are nearly free while the forward is memory-bound, not with many requests running, and lookahead must
-never make a busy server slower: the budget stays at ``decoding_length`` up to ``load_shrink_above`` running
-requests, shrinks linearly above it and reaches zero at ``load_stop_at``; the forward-cost model (core/budget.py)
-prices what is left. Example: decoding_length 8, shrink above 8, stop at 16 (the CPU's defaults): running
-8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
+"""Load adaptation: the per-request draft budget as a function of batch size. Draft tokens are nearly free while the
+forward is memory-bound, not with many requests running, and lookahead must never make a busy server slower: the
+budget stays at ``decoding_length`` up to ``load_shrink_above`` running requests, shrinks linearly above it and
+reaches zero at ``load_stop_at``; the forward-cost model (core/budget.py) prices what is left. Example:
+decoding_length 8, shrink above 8, stop at 16 (the CPU's): running 8 -> 8, 12 -> 4, 15 -> 1, 16 -> 0.
 """
 
 from __future__ import annotations

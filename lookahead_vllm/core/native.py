@@ -1,7 +1,5 @@
-"""The native drafting core ``lookahead_vllm._draft_index`` (C++, ``csrc/draft_index``, compiled by
-``pip install -e .``): the draft index, the trie and the planner's batch kernels. Every caller reaches it
-through :func:`extension`, so tests can run the pipeline on its pure-Python reference
-(``lookahead_lab.reference``). Never compiles anything: a missing build is an ImportError saying how to build it.
+"""The native drafting core ``lookahead_vllm._draft_index`` (``csrc/draft_index``, compiled by ``pip install -e .``),
+reached through :func:`extension` so tests can swap in ``lookahead_lab.reference``. Never compiles anything.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def load_extension():
 
 
 def make_draft_index(config: DraftIndexConfig, upkeep_thread: bool = False):
-    """A draft index for ``config``; ``upkeep_thread``: its upkeep (pushes and evictions; docs/how-it-works.md,
-    "The draft index") runs on a thread of its own while the forward runs (the drafts are the same)."""
+    """A draft index for ``config``; ``upkeep_thread``: its upkeep on a thread of its own (the drafts are the same)."""
     index = extension().DraftIndex(config.ngram, config.max_match, config.max_occurrences, config.max_candidates,
                                    config.corpus_bytes, upkeep_thread=upkeep_thread)
     index.config = config

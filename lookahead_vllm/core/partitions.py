@@ -1,30 +1,13 @@
-"""Partitions: which requests draft from each other's outputs (tenant isolation; config ``draft_sharing``,
-docs/configuration.md). Drafts change timing, a side channel, so the corpus is isolated by vLLM's ``cache_salt`` as
-vLLM isolates its prefix cache.
+"""Partitions: which requests draft from each other's outputs (tenant isolation; config ``draft_sharing``: its
+policies in docs/configuration.md). Drafts change timing, a side channel, so the corpus is isolated by vLLM's
+``cache_salt`` as vLLM isolates its prefix cache. A freed salted partition (:meth:`Partitions.release`) holds nothing,
+so a new salt never sees an old one's outputs; ids are reused lowest first (every tensor-parallel rank numbers alike).
+Past :data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
 
   partition  an int of the draft index: a request drafts from its own text and its partition's outputs only.
              ``DEFAULT`` (0): requests without a salt; ``PRIVATE`` (-1): none at all (own text only).
   label      a partition's name in a snapshot: ``""`` for the default one, ``"sha256:<hex>"`` of the salt for a
              salted one (the salt itself is never written).
-
-  ==============  ===============  ================  ==============
-  sharing         salted request   unsalted request  snapshot keeps
-  ==============  ===============  ================  ==============
-  per-salt        its salt's       DEFAULT           DEFAULT
-  per-salt-saved  its salt's       DEFAULT           all partitions
-  all             DEFAULT          DEFAULT           DEFAULT
-  none            PRIVATE          PRIVATE           nothing
-  ==============  ===============  ================  ==============
-
-Example (``per-salt``): requests salted ``"a"``, ``"b"``, ``"a"`` and one without a salt get partitions 1, 2, 1
-and 0; a restart restores only partition 0's outputs (``per-salt-saved``: also ``"a"``'s and ``"b"``'s, each into
-whatever partition the salt gets then).
-
-Salted partitions are recycled: once the labelled ones reach :data:`SWEEP_FIRST` (then twice as many as the last
-sweep left), the caller hands :meth:`Partitions.release` those in use (a running request's, or one holding outputs
-in an index); every other salted label is dropped and its id reused lowest first (every tensor-parallel rank
-numbers alike). A freed partition holds nothing, so a new salt never sees an old one's outputs. Past
-:data:`MAX_PARTITION` ids in use, a new salt drafts PRIVATE.
 """
 
 from __future__ import annotations
@@ -53,15 +36,12 @@ class Partitions:
         if sharing not in DRAFT_SHARINGS:
             raise ValueError(f"draft_sharing={sharing!r}: must be one of {DRAFT_SHARINGS}")
         self.sharing = sharing
+        self.per_salt = sharing in ("per-salt", "per-salt-saved")  # salts get partitions of their own
         self._by_label: dict[str, int] = {}
         self._labels: dict[int, str] = {DEFAULT: DEFAULT_LABEL}  # partition id -> label
         self._free: list[int] = []  # released ids (a heap: the lowest is reused first)
         self._next = DEFAULT + 1  # the next id never used
         self._sweep_at = SWEEP_FIRST
-
-    @property
-    def per_salt(self) -> bool:
-        return self.sharing in ("per-salt", "per-salt-saved")
 
     def of_salt(self, salt: str | None) -> int:
         """The partition of a request carrying ``salt`` (None or "": no salt)."""

@@ -1,18 +1,13 @@
-"""Token prices the engine measures itself: the forward-cost model fitted online (docs/prices.md: why each price
-is there, how samples are bucketed and the prior held).
-
-The cost model (core/budget.py) prices a step scoring ``T`` tokens in ``R`` rows at ``cost(T) = 1 + max(0, T -
-free_tokens) / marginal_tokens`` forwards plus ``row_price`` per row past the first, ``draft_setup`` if it carries
-drafts, and ``context_price`` per thousand context tokens of its drafted rows (``K``). Every pure decode step is a
-sample ``(T, R, K, seconds, drafted)``, seconds to the start of the next step (as
-``benchmarks/bench_forward_cost.py`` times ``engine.step()``); :class:`OnlinePrices` fits the five prices and a
-per-step time ``t0``::
+"""Token prices the engine measures itself: the forward-cost model (core/budget.py) fitted online (docs/prices.md:
+why each price is there, how samples are bucketed and the prior held). Every pure decode step is a sample ``(T, R,
+K, seconds, drafted)``: ``T`` tokens scored in ``R`` rows, ``K`` thousand context tokens of its drafted rows,
+seconds to the start of the next step (as ``benchmarks/bench_forward_cost.py`` times ``engine.step()``).
+:class:`OnlinePrices` fits the five prices and a per-step time ``t0``::
 
     seconds(T, R, K) ~= t0 * (cost(T) + row_price * (R - 1) + draft_setup * drafted + context_price * K)
+    cost(T) = 1 + max(0, T - free_tokens) / marginal_tokens
 
 The same samples give the same prices bit for bit (tensor-parallel ranks adopt rank 0's, vllm/proposer.py).
-Example: samples at ``T = 1..4`` all 10 ms and ``T = 17`` at 16 ms, prior (5, 20): a flat start then 0.6 forwards
-over 12 tokens: ``free`` near 5 and ``marginal`` near 20.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / mat
 # Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5 on one sample;
 # a full bucket's median scatters by ~0.04 on a busy 2-core CPU, a real slope by ~0.5.
 PRIOR_WEIGHT = 0.25
-# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the other prices: a weighted
-# least squares per candidate, within these bounds).
+# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the others: :func:`_solve`).
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)
@@ -87,9 +81,8 @@ class OnlinePrices:
 
     def __init__(self, prior: tuple[float, ...]) -> None:
         free, marginal, setup, row, context = (*prior, 0.0, 0.0, 0.0)[:5]
-        if (free < 1 or not MARGINAL_BOUNDS[0] <= marginal <= MARGINAL_BOUNDS[1]
-                or not SETUP_BOUNDS[0] <= setup <= SETUP_BOUNDS[1] or not ROW_BOUNDS[0] <= row <= ROW_BOUNDS[1]
-                or not CONTEXT_BOUNDS[0] <= context <= CONTEXT_BOUNDS[1]):
+        bounds = (MARGINAL_BOUNDS, SETUP_BOUNDS, ROW_BOUNDS, CONTEXT_BOUNDS)
+        if free < 1 or any(not lo <= v <= hi for v, (lo, hi) in zip((marginal, setup, row, context), bounds)):
             raise ValueError(f"prior={prior!r}: free tokens must be >= 1, marginal tokens in {list(MARGINAL_BOUNDS)}, "
                              f"the draft setup in {list(SETUP_BOUNDS)}, the row price in {list(ROW_BOUNDS)} "
                              f"and the context price in {list(CONTEXT_BOUNDS)}")
@@ -98,14 +91,12 @@ class OnlinePrices:
         # Bucket key (token bucket, row bucket, drafted, context bucket) -> its row in the arrays.
         self._slot: dict[tuple[int, int, bool, int], int] = {}
         self._key: list[tuple[int, int, bool, int]] = []
-        # Per sample: scored tokens, rows, seconds, drafted rows' context (thousands of tokens).
-        self._samples = np.zeros((MAX_BUCKETS, RING, 4))
+        self._samples = np.zeros((MAX_BUCKETS, RING, 4))  # per sample: tokens, rows, seconds, context (kilotokens)
         self._count = np.zeros(MAX_BUCKETS, np.int64)  # samples ever put in (ring position = count % RING)
         self._last_seen = np.full(MAX_BUCKETS, -MAX_AGE_STEPS - 1, np.int64)
         self._drafted = np.zeros(MAX_BUCKETS, bool)
         self.observed = 0  # samples so far
-        # The candidates, the prior's own prices among them.
-        self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)
+        self._free_grid = np.unique(np.append(FREE_GRID, free)).astype(np.float64)  # the prior's among them
 
     def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1, context: int = 0) -> bool:
         """One pure decode step of ``rows`` requests that scored ``tokens`` tokens in ``seconds`` (``drafted``: it
@@ -148,8 +139,7 @@ class OnlinePrices:
 
     def fit(self) -> Prices:
         """The prices that best explain the live buckets, under the prior: for every candidate ``free`` the other
-        prices in closed form (:func:`_solve`); the best ``free`` (residuals plus its own prior) wins. A price the
-        samples cannot tell from ``t0`` is held at the prior."""
+        prices in closed form (:func:`_solve`); the best ``free`` (residuals plus its own prior) wins."""
         tokens, rows, seconds, weight, drafted, context = self.buckets()
         if len(tokens) < 2:
             return self.prior
@@ -171,8 +161,7 @@ class OnlinePrices:
         xs[:, :, 2] = np.maximum(0.0, tokens[None, :] - self._free_grid[:, None])
         theta, sse = _solve(xs, seconds, weight, prior, strength, lower, upper)
         score = sse + PRIOR_WEIGHT * (np.log(self._free_grid / p.free_tokens) / math.log(2)) ** 2
-        # A degenerate candidate (non-finite, or no positive step time or token price) is never picked; where
-        # every one is, pricing stays as it was.
+        # A degenerate candidate (non-finite, no positive step time or token price) never wins; if all are, prices stay.
         valid = np.isfinite(score) & np.isfinite(theta).all(axis=1) & (theta[:, 0] > 0) & (theta[:, 2] > 0)
         if not valid.any():
             return self.prices
@@ -185,14 +174,13 @@ class OnlinePrices:
 
 def _solve(x: np.ndarray, seconds: np.ndarray, weight: np.ndarray, prior: np.ndarray, strength: np.ndarray,
            lower: np.ndarray, upper: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)`` on relative
-    errors weighted by ``weight`` (``c1``..``c4``: row price, ``1 / marginal``, setup, context price), each ``c``
-    pulled to ``prior[j]`` with ``strength[j]`` (normal priors, ``c2``'s log-normal) and kept within ``[lower,
-    upper]``. Linear in ``theta = t0 * (1, c1, ..., c4)`` once each prior is a pseudo-observation ``(theta_j -
-    target_j * theta_0) / t0`` at the last pass's ``t0`` (``c2``'s prior a normal one around the last ``c2``): three
-    batched QR passes; a price past a bound is held there from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1,
-    ..., c4)`` and ``[F]`` weighted sums of squared relative residuals plus the priors' penalty on the prices they
-    do not hold."""
+    """For each candidate ``f`` of ``x [F, n, 5]``: ``seconds ~= t0 * x[f] @ (1, c1, c2, c3, c4)`` on relative errors
+    weighted by ``weight`` (``c1``..``c4``: row price, ``1 / marginal``, setup, context price), each ``c`` pulled to
+    ``prior[j]`` with ``strength[j]`` (normal priors, ``c2``'s log-normal) and kept within ``[lower, upper]``. Linear in
+    ``theta = t0 * (1, c1, ..., c4)`` once each prior is a pseudo-observation ``(theta_j - target_j * theta_0) / t0`` at
+    the last pass's ``t0`` (``c2``'s prior a normal one around the last ``c2``): three batched QR passes; a price past a
+    bound is held there from the next pass on. Returns ``[F, 5]`` rows ``(t0, c1, ..., c4)`` and ``[F]`` weighted sums
+    of squared relative residuals plus the priors' penalty on the prices they do not hold."""
     f, k = x.shape[0], len(prior)
     sw = np.sqrt(weight) / seconds
     c = np.repeat(prior[None], f, axis=0)

@@ -1,14 +1,9 @@
 """Per-request lookahead control in ``SamplingParams.extra_args`` (README's per-request table): ``lookahead_enabled``
 and ``lookahead_max_draft_tokens``; over HTTP in the body's ``vllm_xargs`` (flat keys: JSON ``true``/``false``
 arrive as 1/0). Any other key starting with ``lookahead`` (in any case) is rejected, so a typo cannot leave
-speculation on.
-
-A seeded request drafts nothing unless it sets ``lookahead_enabled`` itself: the rejection sampler draws one uniform
-per draft token from its generator, and drafts depend on other requests and step times, so drafting keeps the
-target distribution but not the text the seed names::
-
-    SamplingParams(max_tokens=64, extra_args={"lookahead_max_draft_tokens": 2})
-    client.completions.create(..., extra_body={"vllm_xargs": {"lookahead_enabled": False}})
+speculation on. A seeded request drafts nothing unless it sets ``lookahead_enabled`` itself: the rejection sampler
+draws one uniform per draft token from its generator, and drafts depend on other requests and step times, so
+drafting keeps the target distribution but not the text the seed names.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""Drafter snapshots: what the engine learned, written on shutdown and read back on start, so a restarted
-server does not start cold (docs/configuration.md, ``snapshot_path``).
-
-  corpus     the draft index's finished outputs, oldest first (``DraftIndex.corpus_sequences``): added and
-             finished in that order into an empty index, they rebuild its corpus exactly, under any settings.
-  trie table the trie's output counts as a pre-order node table (``NativeTrie.output_counts``): ``parents[i]``
-             an earlier row (-1 = the root), ``tokens[i]`` its token, ``counts[i]`` its output count. Prompt
-             counts belong to running requests and are not stored.
-  labels     each output's partition (core/partitions.py): "" the default one, "sha256:<hex>" a salted one
-             (written only where the policy saves salted partitions; the salt itself never is).
-  identity   what the token ids mean: the tokenizer's name and vocabulary size; another identity is refused.
+"""Drafter snapshots: what the engine learned, written on shutdown and read back on start (``snapshot_path``): the
+draft index's finished outputs, oldest first (added and finished in that order into an empty index, they rebuild its
+corpus exactly, under any settings), each with its partition's label (core/partitions.py; salted ones only where the
+policy saves them), and the trie's output counts as a pre-order node table (prompt counts belong to running requests
+and are not stored). Token ids mean what the snapshot's identity (tokenizer name, vocabulary size) says; a snapshot
+of another identity is refused. Of the header's ``settings`` only ``branch_length`` (the trie table's depth) is
+checked, where there is a trie table. A crash leaves the old snapshot or the new one, never a part. One writer a
+file: :class:`SnapshotLock`.
 
 File layout (little-endian)::
 
@@ -16,16 +13,10 @@ File layout (little-endian)::
     version   uint32   FORMAT_VERSION
     header    uint32 length + JSON: identity, settings, info, counts, "partitions": the salted labels held
     lengths   int32[num_sequences]
-    labels    int32[num_sequences]: 0 = "", i = partitions[i - 1]  (version 2)
+    labels    int32[num_sequences]: 0 = "", i = partitions[i - 1]  (version 2; version 1: all "")
     tokens    int32[sum(lengths)]
     trie      int32[n] parents, int32[n] tokens, float64[n] counts
     crc32     uint32 of every byte before it
-
-``settings`` records the config fields that shape drafts; only ``branch_length`` (the trie table's depth) is
-checked, where the snapshot has a trie table. A crash leaves the old snapshot or the new one, never a part. Version
-1 files (no labels: every output in the default partition) are still read. One writer a file: :class:`SnapshotLock`.
-
-Example: outputs ``5 6 7`` then ``8 9`` are stored as lengths ``[3, 2]`` and tokens ``5 6 7 8 9``.
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ READ_VERSIONS = (1, 2)  # 1: before partitions, every output in the default one
 DRAFT_SETTINGS = ("source", "branch_length", "index_ngram", "index_backoff",
                   "index_max_match", "index_candidates", "index_occurrences", "index_corpus_bytes")
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
-# The arrays after the header, in file order: lengths, labels, tokens, trie parents, tokens, counts.
-_DTYPES = ("<i4", "<i4", "<i4", "<i4", "<i4", "<f8")
+_DTYPES = ("<i4", "<i4", "<i4", "<i4", "<i4", "<f8")  # lengths, labels, tokens, trie parents, tokens, counts
 
 
 class SnapshotError(ValueError):
@@ -105,14 +95,11 @@ def settings_of(config: Any) -> dict[str, Any]:
 
 class SnapshotLock:
     """The advisory lock of the one process that writes the snapshot at ``path``: ``flock(LOCK_EX | LOCK_NB)`` on
-    ``<path>.lock``, whose text names the holder (``pid <pid> on <host>``). flock locks an open file description, so
-    two opens in one process conflict too; the kernel releases a dead process's lock. ``release`` removes the file, so
-    ``acquire`` checks that the file it locked is still the one at the path. A child forked while the lock is held
-    closes its copy of the descriptor at once (else a compile worker or subprocess pool would keep the lock after this
-    process is gone); a fork waits for an ``acquire`` or ``release`` under way (``_FORK_GUARD``)."""
+    ``<path>.lock``, whose text names the holder (``pid <pid> on <host>``); two opens in one process conflict too, and
+    the kernel releases a dead process's lock. ``release`` removes the file, so ``acquire`` checks that the file it
+    locked is still the one at the path. A forked child closes its copy at once (lest a compile worker keep it)."""
 
-    # The locks held in this process, for a forked child to let go of.
-    _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()
+    _held: "weakref.WeakSet[SnapshotLock]" = weakref.WeakSet()  # held in this process: a forked child lets go
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = f"{path}.lock"
@@ -180,9 +167,8 @@ class SnapshotLock:
         return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
-# Held by SnapshotLock.acquire and release, and by os.fork around the fork, so no child is forked between
-# the open and the lock's entry in ``_held``. In a list: the child makes a new one (the one it inherits is
-# held by the forking thread). Reentrant: a garbage collection can close an old engine inside an acquire.
+# Held by acquire, release and around os.fork (no fork between the open and ``_held``); in a list: a child makes a
+# new one (its copy is held by the forking thread); reentrant: a GC can close an old engine inside an acquire.
 _FORK_GUARD = [threading.RLock()]
 _FORK_TOOK = [False]  # whether the fork under way took the guard (a signal can interrupt the wait)
 
@@ -299,9 +285,8 @@ def decode(data: bytes) -> Snapshot:
 
 def read_snapshot(path: str | os.PathLike, identity: Mapping[str, Any],
                   settings: Mapping[str, Any] | None = None) -> Snapshot:
-    """Read a snapshot written for ``identity`` (and, where it has a trie table, ``settings``'
-    ``branch_length``: its windows' depth); SnapshotError (naming the file and the reason)
-    when it is unreadable, corrupt or someone else's."""
+    """Read a snapshot written for ``identity`` (and, where it has a trie table, ``settings``' ``branch_length``);
+    SnapshotError (naming the file and the reason) when it is unreadable, corrupt or someone else's."""
     try:
         snap = decode(Path(path).read_bytes())
         for key, want in identity.items():

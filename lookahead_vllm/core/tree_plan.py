@@ -1,21 +1,15 @@
 """The planner: one engine step's draft math, over the whole batch (docs/how-it-works.md, "The drafting pipeline").
 
-A chain is a tree whose node ``i`` has parent ``i - 1``. Drafts arrive as rows: ``tokens``/``parents``/``raw``
-confidences ``[R, W]`` and ``lengths [R]``, parents first (the index's ``draft_batch``, or the merged sources with
-their nodes' calibration kinds: ``Drafter.draft``). Per step the proposer books last step's :class:`TreeOffers`
-(:meth:`TreeOffers.match`: what the scheduler verified of each, walked with the tokens its row emitted;
-:meth:`TreeOffers.observe`: that evidence into the calibrator), plans this step's (:func:`plan_trees`: a row whose
-request may not verify a tree keeps its best path; nodes get kinds, ``KIND_CONTEXT`` on the leading chain and
-``KIND_BRANCH`` off it, and calibrated confidences; the batch keeps the prefix of the merged heads that maximises
-expected tokens per forward, core/budget.py), and keeps what it handed out as a :class:`StepDrafts`, which tree
-verification reads as one :class:`TreeBatch`.
+Drafts arrive as rows: ``tokens``/``parents``/``raw`` confidences ``[R, W]`` and ``lengths [R]``, parents first (a
+chain: node ``i``'s parent is ``i - 1``). Per step the proposer books last step's :class:`TreeOffers` against what
+its rows emitted (:meth:`TreeOffers.match`, then :meth:`TreeOffers.observe` into the calibrator), plans this step's
+(:func:`plan_trees`) and keeps what it handed out as a :class:`StepDrafts`, which tree verification reads as one
+:class:`TreeBatch`. Each is one native call (csrc/draft_index/trees.cpp), held to ``lookahead_lab.reference.planner``
+bit for bit.
 
 Example: one verifiable row drafts ``a(-1) b(0) c(-1)`` with raw confidences ``[0.8, 0.5, 0.3]`` (kinds context,
 context, branch); with factor 1 and no cost model, a budget of 2 keeps ``a, b`` (a chain: no plan), a budget of 3
 all three (a tree: ``c`` opens a second path).
-
-Each runs as one call into ``lookahead_vllm._draft_index`` (csrc/draft_index/trees.cpp); tests hold the calls to
-the pure-Python reference ``lookahead_lab.reference.planner``, confidences bit for bit.
 """
 
 from __future__ import annotations
@@ -75,8 +69,7 @@ class TreeBatch:
     """Plans of one step as rows of arrays (what tree verification reads): row ``t`` holds ``lengths[t]`` nodes,
     parents first (-1: the root; a tree's nodes in DFS order, so any prefix the scheduler keeps is a tree), of which
     the first ``verify[t]`` may be accepted and the rest are a Jacobi window's lookahead nodes (never accepted:
-    their outputs refill the window and its pool). The forward: docs/how-it-works.md, "Tree verification"; one
-    object per request: ``lookahead_lab.reference.trees``."""
+    their outputs refill the window and its pool; docs/how-it-works.md, "Tree verification")."""
 
     tokens: np.ndarray  # [T, W] int32 (0 past a row's length)
     parents: np.ndarray  # [T, W] int32 (-1 past a row's length)
@@ -114,9 +107,8 @@ class TreeBatch:
         return (self.verify == self.lengths) & (prefix == self.lengths)
 
     def visibility(self, size: int) -> np.ndarray:
-        """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size`` at least ``1 +
-        max(lengths)``): row ``i`` sees row ``j`` iff ``j`` is the root, ``i``, or an ancestor of ``i`` (False past
-        a row's length)."""
+        """``[T, size, size]`` bool over each plan's rows (the root, then its nodes; ``size > max(lengths)``): row ``i``
+        sees row ``j`` iff ``j`` is the root, ``i``, or an ancestor of ``i`` (False past a row's length)."""
         count, width = self.parents.shape
         vis = np.zeros((count, size, size), bool)
         vis[:, :, 0] = True
@@ -132,14 +124,12 @@ class TreeBatch:
 @dataclass(frozen=True, slots=True, eq=False)
 class StepDrafts:
     """What one step handed out, as tree verification reads it in the next (the proposer's only hand-over to
-    ``tree_verify``): the planner's offers (booked against what the rows emit), the offer row of each request that
-    verifies a plan other than a chain, and the Jacobi windows riding on offer rows (offer row -> the window's
-    lookahead tokens in plan order; one shape for every window: ``window`` columns, ``ngram``)."""
+    ``tree_verify``)."""
 
-    offers: TreeOffers
-    rows: dict[str, int]
-    windows: dict[int, tuple[int, ...]]
-    window: int = 0
+    offers: TreeOffers  # the planner's, booked against what the rows emit
+    rows: dict[str, int]  # request -> its offer row, where it verifies a plan other than a chain
+    windows: dict[int, tuple[int, ...]]  # offer row -> its Jacobi window's lookahead tokens, in plan order
+    window: int = 0  # every window's shape: columns, n-gram size
     ngram: int = 0
 
     @classmethod
@@ -187,13 +177,14 @@ def plan_trees(
     slots: np.ndarray, out_rows: np.ndarray, num_out: int, kinds: np.ndarray | None = None,
     entry: np.ndarray | None = None,
 ) -> tuple[TreeOffers, np.ndarray, list[list[int]]]:
-    """Row ``r`` of ``tokens``/``parents``/``raw [R, W]`` holds the draft index's tree of ``lengths[r]`` nodes for
-    request ``slots[r]`` at batch row ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree. With ``kinds
-    [R, W]`` given (merged sources: ``Drafter.draft``), the rows are planned as they are, already cut to what their
-    requests may verify. ``entry [R]``: what a row pays, in forwards, once it keeps any node (``ForwardCost.entry``
-    of its context; None: nothing). Returns the offers (each row's kept prefix), the calibrated confidences of the
-    offered rows (cells past a row's length are unspecified) and the ``num_out`` batch rows' drafts (``[]`` where
-    none)."""
+    """Calibrate every node (kind ``KIND_CONTEXT`` on the leading chain, ``KIND_BRANCH`` off it) and keep the batch's
+    merged prefix that maximises expected tokens per forward (core/budget.py). Row ``r`` of ``tokens``/``parents``/
+    ``raw [R, W]`` holds the draft index's tree of ``lengths[r]`` nodes for request ``slots[r]`` at batch row
+    ``out_rows[r]``; ``tree_ok[r]``: whether it may verify a tree (else it keeps its best path). With ``kinds [R, W]``
+    given (merged sources: ``Drafter.draft``), the rows are planned as they are, already cut to what their requests
+    may verify. ``entry [R]``: what a row pays, in forwards, once it keeps any node (``ForwardCost.entry`` of its
+    context; None: nothing). Returns the offers (each row's kept prefix), the calibrated confidences of the offered
+    rows (cells past a row's length unspecified) and the ``num_out`` batch rows' drafts (``[]`` where none)."""
     tok, par, conf, out_kinds, keep, calibrated, trees, drafts = native.extension().plan_trees(
         tokens, parents, raw, lengths, np.asarray(tree_ok, bool), calibrator.bin_edges, calibrator.factor_table(),
         -1 if budget is None else budget, num_rows, cost.free_tokens, float(cost.marginal_tokens),

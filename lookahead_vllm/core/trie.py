@@ -1,21 +1,13 @@
-"""Global token trie of prompt and output n-grams (seed 000, section 4.3), one per engine, shared by every request.
-A path from the (token-less) root is an n-gram; a node's counts say how many inserted windows pass through it:
-
-  out     output count (float, decays on pruning): windows of generated text, inserted every step, and warm-up text.
-  prompt  per-request counts ``{request slot: count}``: every window ``P[i:i+branch_length]`` of a request's
-          prompt, inserted on admission and removed when the request finishes or aborts.
-
-Retrieval matches the longest trailing context first, then picks the highest-weighted nodes below the match
-within the node budget, ``weight = prompt_weight * own_prompt + other_prompts + out``; a chain tries shorter
-matches while a match yields under ``min_retrieved_nodes`` nodes and keeps the largest draft; a tree adds the
-shorter matches' branches below the longer ones' until the budget is full.
-
-Example (branch_length 4): after prompt ``a b c a b d`` the trie holds ``a b c a``, ``b c a b``, ``c a b d``,
-``a b d``, ``b d``, ``d``; the context ``... a b`` matches ``a -> b`` whose children are ``c`` (1) and ``d`` (1),
-and ``b`` alone matches ``b -> c, d``.
-
-Past ``trie_capacity`` nodes the trie halves output counts, drops nodes whose weight fell below one, then the
-lightest leaves until it is at 75% of capacity.
+"""Global token trie of prompt and output n-grams (seed 000, section 4.3), one per engine, shared by every request
+(native: ``csrc/draft_index/token_trie.h``, each request's record by slot; reference: ``lookahead_lab.reference.trie``).
+A path from the (token-less) root is an n-gram; a node counts the inserted windows through it: ``out`` (float,
+decays on pruning) of generated text, inserted every step, and warm-up text, and per-request prompt counts
+(``{slot: count}``) of every window ``P[i:i+branch_length]`` of a request's prompt, from admission until it
+finishes or aborts. Retrieval matches the longest trailing context first, then picks the highest-weighted nodes
+below the match within the node budget, ``weight = prompt_weight * own_prompt + other_prompts + out``; a chain
+tries shorter matches while a match yields under ``min_retrieved_nodes`` nodes and keeps the largest draft; a tree
+adds the shorter matches' branches below the longer ones' until the budget is full. Past ``trie_capacity`` nodes
+the trie halves output counts, drops nodes whose weight fell below one, then the lightest leaves to 75% of it.
 
 A request's *context chain* (profile ``context_match`` = ``m``): the tokens (at most 32) that followed the one of
 the latest 8 earlier occurrences of its last ``m`` tokens whose match extends furthest backwards, the period
@@ -23,9 +15,6 @@ repeated where they run into the sequence's end; a match of ``l`` tokens drafts 
 ``(l / (l + 1)) ** depth``. It leads a request's draft where the index has none (the trie cuts branches at
 ``branch_length``). Example (``m = 2``): ``a b c d x a b`` ends with ``a b``, seen at 0..1 and followed by
 ``c d x a b``: the chain is ``c d x a`` for a budget of 4.
-
-Native: ``csrc/draft_index/token_trie.h``, each request's record by slot (per step one ``sync``, one
-``retrieve_slots``, one ``context_slots``); reference: ``lookahead_lab.reference.trie``.
 """
 
 from __future__ import annotations

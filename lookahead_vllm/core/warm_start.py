@@ -1,10 +1,6 @@
 """Warm-start files (config ``warm_start``): past responses or a corpus the drafter learns before serving.
-
 ``*.jsonl``: one JSON object a line, its text the first of ``TEXT_FIELDS`` holding a string (blank lines skipped,
 any other line skipped and counted); any other name: plain text, paragraphs split on blank lines, each stripped.
-E.g. ``{"response": "def f(): pass"}`` then ``{"id": 3}`` give one text and one skipped line; the plain text
-``"a b\\n\\nc\\n"`` gives ``["a b", "c"]``.
-
 A file is streamed as text mode reads it (UTF-8, undecodable bytes replaced, universal newlines), and the sha256 a
 snapshot names is of exactly the bytes the texts came from: a file replaced while the engine starts is never named
 by one version and learned as another.
@@ -53,9 +49,8 @@ class _Hashing(io.RawIOBase):
 
 
 class WarmReader:
-    """One pass over a warm-start file: :meth:`texts` yields its texts in order; once they are exhausted,
-    :attr:`digest` is the sha256 (hex) of the bytes read and :attr:`skipped_lines` the 1-based JSONL lines
-    with no text field. OSError if the file cannot be opened or is not a regular file."""
+    """One pass over a warm-start file: :meth:`texts` yields its texts in order, then :attr:`digest` is the sha256 (hex)
+    of the bytes read and :attr:`skipped_lines` the 1-based JSONL lines with no text. OSError as :func:`_open`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)

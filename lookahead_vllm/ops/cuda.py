@@ -97,9 +97,8 @@ def compact_kv(
         raise ValueError(f"compact_kv: {len(key_caches)} key caches but {len(value_caches)} value caches")
     if not key_caches:
         return
-    device = key_caches[0].device  # slots may come from the CPU: move them next to the caches
-    src = src_slots.to(device=device, dtype=torch.int64, non_blocking=True)
-    dst = dst_slots.to(device=device, dtype=torch.int64, non_blocking=True)
+    # The slots may come from the CPU: move them next to the caches.
+    src, dst = (s.to(device=key_caches[0].device, dtype=torch.int64, non_blocking=True) for s in (src_slots, dst_slots))
     if key_caches[0].is_cuda and kernels_available():  # any strides with a contiguous head_dim (vLLM's HND too)
         torch.ops.lookahead_vllm.compact_kv(key_caches, value_caches, src, dst)
         return

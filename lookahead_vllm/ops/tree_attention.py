@@ -1,11 +1,9 @@
-"""Tree attention over a paged KV cache: the pure-torch reference.
-
-A request verifying a draft tree this step has ``q`` query rows, its *tail*: the root (last committed token) and
-the ``q - 1`` draft nodes in flattened DFS order. Their K/V are already written into the cache at the sequence's
-next slots, so the request's cache holds ``seq_len`` tokens: the *context* (``seq_len - q`` committed tokens)
-followed by the tail. Tail row ``i`` attends to the whole context plus exactly the tail tokens ``j`` whose bit is
-set in its mask row (itself and its ancestors, root included). Example: context of 5 tokens, root ``r`` and nodes
-``a`` (parent r), ``b`` (parent a), ``c`` (parent r)::
+"""Tree attention over a paged KV cache: the pure-torch reference of the ``csrc/`` kernels (same arguments). A request
+verifying a draft tree has ``q`` query rows, its *tail*: the root (last committed token) and the ``q - 1`` draft nodes
+in flattened DFS order, their K/V already at the sequence's next cache slots. Its cache holds ``seq_len`` tokens: the
+*context* (``seq_len - q`` committed tokens), then the tail. Tail row ``i`` attends to the whole context plus the tail
+tokens ``j`` set in its mask row (itself and its ancestors, root included). Example: context of 5 tokens, root ``r`` and
+nodes ``a`` (parent r), ``b`` (parent a), ``c`` (parent r)::
 
     tail row   r  a  b  c        visible cache positions
     r          1  .  .  .        0..4, 5
@@ -13,15 +11,10 @@ set in its mask row (itself and its ancestors, root included). Example: context 
     b          1  1  1  .        0..4, 5, 6, 7
     c          1  .  .  1        0..4, 5, 8      (not a, not b)
 
-A plain chain's mask is lower-triangular, i.e. causal attention.
-
-Mask encoding: ``tree_mask`` is int64 ``[num_tokens, num_words]``; bit ``j % 64`` of word ``j // 64`` in row ``t``
-says query row ``t`` sees tail token ``j`` of its request. The CUDA kernel in ``csrc/`` takes the same arguments.
-
-Paged layout (vLLM's FlashAttention layout): ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; token ``p`` of request ``r`` lives in block ``block_tables[r, p // block_size]`` at
-offset ``p % block_size``. GQA: query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Scores and
-softmax run in fp32 whatever the storage dtype.
+``tree_mask`` is int64 ``[num_tokens, num_words]``: bit ``j % 64`` of word ``j // 64`` in row ``t`` says query row
+``t`` sees tail token ``j`` of its request. Caches are vLLM's FlashAttention layout ``[num_blocks, block_size,
+num_kv_heads, head_dim]``: token ``p`` of request ``r`` lives in block ``block_tables[r, p // block_size]`` at offset
+``p % block_size``; query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Math in fp32.
 """
 
 from __future__ import annotations
