@@ -59,17 +59,6 @@ class ProposerStats:
         return {**own, "steps": step.steps, "draft_tokens": step.draft_tokens, "draftless_steps": step.draftless_steps,
                 "propose_ns": round(step.drafter_seconds.total * 1e9)}
 
-    def as_dict(self) -> dict[str, float]:
-        c = self.counters()
-        ms = c["propose_ns"] / 1e6
-        return {**{k: c[k] for k in ("steps", "request_steps", "draft_tokens", "max_step_draft_tokens")},
-                "drafter_ms_per_step": ms / (c["steps"] or 1),
-                "drafter_ms_per_request_step": ms / (c["request_steps"] or 1),
-                "tree_request_steps": c["tree_request_steps"],
-                "tree_tokens_per_request_step": c["tree_tokens"] / (c["tree_request_steps"] or 1),
-                **{k: c[k] for k in ("tree_off_chain_accepts", "jacobi_steps", "pool_ngrams_added", "pool_branches",
-                                     "pool_accepted_tokens", "context_drafts", "context_accepted_tokens")}}
-
 
 @dataclass(slots=True, eq=False)
 class RequestState:

@@ -56,7 +56,7 @@ def _greedy(n: int, max_tokens: int = MAX_TOKENS):
 def test_jacobi_greedy_identical_to_plain(engines, prompts, source, dataset, n, bs):
     llm = _engine(engines, source)
     (proposer,) = find_proposers(llm)
-    before = proposer.stats.as_dict()
+    before = proposer.stats.counters()
     ps = prompts[dataset][:n]
     ours = generate(llm, ps, _greedy(len(ps)), bs)
     key = dataset if n is None else f"{dataset}[:{n}]"
@@ -65,7 +65,7 @@ def test_jacobi_greedy_identical_to_plain(engines, prompts, source, dataset, n, 
     else:
         plain_ids = plain_run(engines, ps, _greedy(len(ps)), bs, (key, "greedy")).token_ids
     assert count_mismatches(plain_ids, ours.token_ids) == 0
-    after = proposer.stats.as_dict()
+    after = proposer.stats.counters()
     if source == "trie":
         assert after["jacobi_steps"] == 0
         return
@@ -81,12 +81,12 @@ def test_pool_fills_and_its_ngrams_get_accepted(engines):
     """On a repetitive prompt, n-grams the window produced are verified and accepted."""
     llm = _engine(engines, "jacobi")
     (proposer,) = find_proposers(llm)
-    before = proposer.stats.as_dict()
+    before = proposer.stats.counters()
     prompt = "Count with me: one two three four, one two three four, one two three four, one two"
     ours = generate(llm, [prompt], _greedy(1, 48), 1)
     plain = generate(engines.get("plain"), [prompt], _greedy(1, 48), 1)
     assert ours.token_ids == plain.token_ids
-    after = proposer.stats.as_dict()
+    after = proposer.stats.counters()
     steps = after["jacobi_steps"] - before["jacobi_steps"]
     # Every verified window adds W = 4 n-grams; the request's last proposal
     # may go unverified (it finished first).

@@ -85,7 +85,7 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs,
     # side branches; unit-tested) is off here.
     llm = _tree_engine(engines, shape, cost_free_tokens=0)
     (proposer,) = find_proposers(llm)
-    before = proposer.stats.as_dict()
+    before = proposer.stats.counters()
     cal = proposer.calibrator
     seen_before, accepted_before = cal.nodes.copy(), cal.accepted.sum()
     ps, _ = _subset(prompts, dataset, n)
@@ -95,7 +95,7 @@ def test_tree_greedy_identical_to_plain(engines, prompts, shape, dataset, n, bs,
     else:
         plain_ids = _plain(engines, prompts, dataset, bs, mixed, n).token_ids
     assert count_mismatches(plain_ids, ours.token_ids) == 0
-    after = proposer.stats.as_dict()
+    after = proposer.stats.counters()
     # Trees were really verified, and some accepted node was off the leading
     # chain: something chain verification cannot produce.
     assert after["tree_request_steps"] > before["tree_request_steps"]
@@ -117,11 +117,11 @@ def test_index_trees_greedy_identical_to_plain(engines, prompts):
     llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
     (proposer,) = find_proposers(llm)
     assert proposer.tree_mode
-    before = proposer.stats.as_dict()
+    before = proposer.stats.counters()
     ps, _ = _subset(prompts, "humaneval", (5, 13))
     ours = generate(llm, ps, _params(len(ps), True), 8)
     assert count_mismatches(_plain(engines, prompts, "humaneval", 8, True, (5, 13)).token_ids, ours.token_ids) == 0
-    after = proposer.stats.as_dict()
+    after = proposer.stats.counters()
     assert after["tree_request_steps"] > before["tree_request_steps"]
     assert after["tree_off_chain_accepts"] > before["tree_off_chain_accepts"]
     assert proposer.calibrator.nodes[KIND_BRANCH].sum() > 0
@@ -149,13 +149,13 @@ def test_each_piece_is_needed(engines, prompts, switch):
     settings = proposer.config
     proposer.config = dataclasses.replace(
         settings, profile=dataclasses.replace(settings.profile, debug_disable=(switch,)))
-    before = proposer.stats.as_dict()["tree_request_steps"]
+    before = proposer.stats.counters()["tree_request_steps"]
     try:
         ours = generate(llm, subset, _params(len(subset), False), 8)
     finally:
         proposer.config = settings
         assert llm.reset_prefix_cache()
-    assert proposer.stats.as_dict()["tree_request_steps"] > before, "no tree was verified"
+    assert proposer.stats.counters()["tree_request_steps"] > before, "no tree was verified"
     assert count_mismatches(plain.token_ids, ours.token_ids) > 0, f"identity held without {switch}"
 
 

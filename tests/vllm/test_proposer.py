@@ -123,7 +123,7 @@ def test_step_budget_and_stats():
     p = make_proposer(step_draft_budget=5, min_draft_confidence=0.0)
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})
     assert sum(map(len, drafts)) == 5
-    stats = p.stats.as_dict()
+    stats = p.stats.counters()
     assert stats["max_step_draft_tokens"] == 5 and stats["request_steps"] == 2
 
 
