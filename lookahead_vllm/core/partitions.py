@@ -29,19 +29,22 @@ def salt_label(salt: str) -> str:
 
 
 class Partitions:
-    """Salts (and snapshot labels) -> draft index partitions under one sharing policy (module docstring);
+    """Salts (and snapshot labels) -> draft index partitions under one sharing policy (docs/configuration.md);
     salted ones numbered from 1, an id reused only after :meth:`release` freed it."""
 
     def __init__(self, sharing: str = "per-salt") -> None:
         if sharing not in DRAFT_SHARINGS:
             raise ValueError(f"draft_sharing={sharing!r}: must be one of {DRAFT_SHARINGS}")
         self.sharing = sharing
-        self.per_salt = sharing in ("per-salt", "per-salt-saved")  # salts get partitions of their own
         self._by_label: dict[str, int] = {}
         self._labels: dict[int, str] = {DEFAULT: DEFAULT_LABEL}  # partition id -> label
         self._free: list[int] = []  # released ids (a heap: the lowest is reused first)
         self._next = DEFAULT + 1  # the next id never used
         self._sweep_at = SWEEP_FIRST
+
+    @property
+    def per_salt(self) -> bool:
+        return self.sharing in ("per-salt", "per-salt-saved")
 
     def of_salt(self, salt: str | None) -> int:
         """The partition of a request carrying ``salt`` (None or "": no salt)."""
