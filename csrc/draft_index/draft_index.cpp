@@ -695,10 +695,10 @@ void DraftIndex::collect_candidates(Scratch& s, uint32_t slot, int64_t row) cons
   if (s.cands.size() > static_cast<size_t>(cfg_.max_candidates)) s.cands.resize(cfg_.max_candidates);
 }
 
-void DraftIndex::prefetch_drafts(const int64_t* sids, int64_t rows) const {
+void DraftIndex::prefetch_drafts(const int64_t* sids, const int64_t* which, int64_t rows) const {
   const int ng = cfg_.ngram;
   auto key_of = [&](int64_t i, const Sequence*& seq) -> const int32_t* {
-    const uint32_t slot = running_slot(sids[i]);
+    const uint32_t slot = running_slot(sids[which != nullptr ? which[i] : i]);
     if (slot == kNone) return nullptr;
     seq = seqs_[slot].get();
     return seq->tokens.size() < static_cast<size_t>(ng) ? nullptr : seq->tokens.data() + seq->tokens.size() - ng;
@@ -933,39 +933,48 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
   // workers (each with its own scratch, used by both) take contiguous row ranges.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, rows / kRowsPerThread));
   if (static_cast<int64_t>(pool_scratch_.size()) < workers) pool_scratch_.resize(workers);
-  prefetch_drafts(sids, rows);
+  prefetch_drafts(sids, nullptr, rows);
   auto run = [&](int64_t w) {
     const int64_t lo = rows * w / workers, hi = rows * (w + 1) / workers;
     Scratch& scratch = pool_scratch_[w];
     // Groups of rows gather their occurrences together (gather_occurrences), then draft one by one.
-    // The back-off index then drafts, the same way, the group's rows the main one found nothing for.
+    // The back-off index then drafts, the same way, the rows the main one found no candidate for,
+    // in full groups (`missed`: their misses overlap as the main pass's do).
     uint32_t group[kGatherRows];
+    int64_t at[kGatherRows];  // the group's rows
     bool found[kGatherRows];
-    auto draft_group = [&](const DraftIndex& index, int64_t g, int64_t n) {
+    std::vector<int64_t>& missed = scratch.missed;
+    missed.clear();
+    auto draft_group = [&](const DraftIndex& index, int64_t n) {
       index.gather_occurrences(scratch, group, n);
       for (int64_t i = 0; i < n; ++i) {
         if (group[i] == kNone) continue;
-        const int64_t row = g + i;
+        const int64_t row = at[i];
         const DraftRow out{base.tokens + row * width, base.parents + row * width, base.confidence + row * width};
         lengths[row] = index.draft_gathered(scratch, group[i], i, static_cast<int>(budgets[row]), floor, tree, out,
                                             found[i]);
+        if (!found[i] && backoff != nullptr && &index == this) missed.push_back(row);
       }
     };
     for (int64_t g = lo; g < hi; g += kGatherRows) {
       const int64_t n = std::min<int64_t>(kGatherRows, hi - g);
       for (int64_t i = 0; i < n; ++i) {
         group[i] = budgets[g + i] > 0 ? running_slot(sids[g + i]) : kNone;
-        found[i] = false;
+        at[i] = g + i;
         lengths[g + i] = 0;
+        if (group[i] == kNone && budgets[g + i] > 0 && backoff != nullptr) missed.push_back(g + i);
       }
-      draft_group(*this, g, n);
-      if (backoff == nullptr) continue;
-      bool any = false;
+      draft_group(*this, n);
+    }
+    if (missed.empty()) return;
+    backoff->prefetch_drafts(sids, missed.data(), static_cast<int64_t>(missed.size()));
+    for (size_t g = 0; g < missed.size(); g += kGatherRows) {
+      const int64_t n = std::min<int64_t>(kGatherRows, static_cast<int64_t>(missed.size() - g));
       for (int64_t i = 0; i < n; ++i) {
-        group[i] = !found[i] && budgets[g + i] > 0 ? backoff->running_slot(sids[g + i]) : kNone;
-        any |= group[i] != kNone;
+        at[i] = missed[g + i];
+        group[i] = backoff->running_slot(sids[at[i]]);
       }
-      if (any) draft_group(*backoff, g, n);
+      draft_group(*backoff, n);
     }
   };
   std::vector<std::thread> pool;

@@ -292,12 +292,14 @@ class DraftIndex {
     std::vector<Occurrence> occ, ordered;
     std::vector<RowOccurrences> rows;
     std::vector<uint32_t> own_cursor, corpus_cursor;
+    std::vector<int64_t> missed;  // draft_rows: rows the main index found no candidate for
     size_t memory_bytes() const {
       return cands.capacity() * sizeof(Candidate) + nodes.capacity() * sizeof(Node) + conf.capacity() * 8 +
              heap.capacity() * 4 + kids.capacity() * 4 + stack.capacity() * 8 + picked.capacity() +
              (alive.capacity() + next_alive.capacity() + continuation.capacity()) * 4 + ends.capacity() * 8 +
              children.capacity() * sizeof(Child) + (occ.capacity() + ordered.capacity()) * sizeof(Occurrence) +
-             rows.capacity() * sizeof(RowOccurrences) + (own_cursor.capacity() + corpus_cursor.capacity()) * 4;
+             rows.capacity() * sizeof(RowOccurrences) + (own_cursor.capacity() + corpus_cursor.capacity()) * 4 +
+             missed.capacity() * 8;
     }
   };
   // Fewer rows than this per thread are not worth a thread.
@@ -312,10 +314,11 @@ class DraftIndex {
   void collect_candidates(Scratch& s, uint32_t slot, int64_t row) const;
   int draft_gathered(Scratch& s, uint32_t slot, int64_t row, int budget, double floor, bool tree, DraftRow out,
                      bool& found) const;
-  // Starts loading what drafting rows [0, rows) reads first, for all of
-  // them ahead of drafting: each key's table slots, then the newest
-  // occurrence's text and the corpus list's newest entry (see sync).
-  void prefetch_drafts(const int64_t* sids, int64_t rows) const;
+  // Starts loading what drafting rows [0, rows) (rows which[0:rows] if
+  // `which` is given) reads first, for all of them ahead of drafting: each
+  // key's table slots, then the newest occurrence's text and the corpus
+  // list's newest entry (see sync).
+  void prefetch_drafts(const int64_t* sids, const int64_t* which, int64_t rows) const;
   void merge(Scratch& s, uint32_t slot, int budget) const;
   double confidence(const Scratch& s, int32_t i) const;
   // The first (at most) `n` tokens of candidate c's continuation in sequence
