@@ -953,7 +953,6 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
         const DraftRow out{base.tokens + row * width, base.parents + row * width, base.confidence + row * width};
         lengths[row] = index.draft_gathered(scratch, group[i], i, static_cast<int>(budgets[row]), floor, tree, out,
                                             found[i]);
-        if (!found[i] && backoff != nullptr && &index == this) missed.push_back(row);
       }
     };
     for (int64_t g = lo; g < hi; g += kGatherRows) {
@@ -962,9 +961,11 @@ void DraftIndex::draft_rows(const int64_t* sids, const int64_t* budgets, int64_t
         group[i] = budgets[g + i] > 0 ? running_slot(sids[g + i]) : kNone;
         at[i] = g + i;
         lengths[g + i] = 0;
-        if (group[i] == kNone && budgets[g + i] > 0 && backoff != nullptr) missed.push_back(g + i);
       }
       draft_group(*this, n);
+      for (int64_t i = 0; i < n && backoff != nullptr; ++i) {  // the rows with a budget and no candidate
+        if (budgets[g + i] > 0 && (group[i] == kNone || !found[i])) missed.push_back(g + i);
+      }
     }
     if (missed.empty()) return;
     backoff->prefetch_drafts(sids, missed.data(), static_cast<int64_t>(missed.size()));
