@@ -375,6 +375,18 @@ def paired_wave_ratios(values: list[float], plain: list[float], size: int) -> li
     return ratios
 
 
+def paired_wave_percentiles(values: list[float], plain: list[float], size: int, q: float = 0.99) -> list[float]:
+    """Per wave (``size`` requests, in prompt order for every method), the ``q`` percentile of the
+    method's values over plain's in the same wave: a tail compared wave by wave, so the machine's
+    drift between waves cancels (the pooled p99 does not)."""
+    ratios = []
+    for lo in range(0, min(len(values), len(plain)), size):
+        mine, theirs = values[lo:lo + size], plain[lo:lo + size]
+        if mine and theirs and percentile(theirs, q) > 0:
+            ratios.append(percentile(mine, q) / percentile(theirs, q))
+    return ratios
+
+
 def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any]:
     out: dict[str, Any] = {"dataset": dataset, "concurrency": c, "depth": depth, "wall_s": cell.wall_s,
                            "other_cpu_s": sum(cell.other_cpu_s),
@@ -388,6 +400,8 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
         size = c * depth
         ttft_ratio, ttft_low, ttft_high = ratio_interval(paired_wave_ratios(cell.ttft[name], cell.ttft["plain"], size))
         lat_ratio, lat_low, lat_high = ratio_interval(paired_wave_ratios(cell.latency[name], cell.latency["plain"], size))
+        p99_ratio, p99_low, p99_high = ratio_interval(paired_wave_percentiles(cell.latency[name],
+                                                                             cell.latency["plain"], size))
         out["methods"][name] = {
             "output_tok_s": tok_s,
             "speedup": tok_s / plain_tok_s,
@@ -402,6 +416,8 @@ def summarize(cell: Cell, c: int, dataset: str, depth: int = 1) -> dict[str, Any
             # mean, then the interval over waves: tells a TTFT or latency change from prompt mix.
             "ttft_ratio_geomean": ttft_ratio, "ttft_ratio_ci95": [ttft_low, ttft_high],
             "latency_ratio_geomean": lat_ratio, "latency_ratio_ci95": [lat_low, lat_high],
+            # Each wave's p99 over plain's in the same wave (paired_wave_percentiles), then the interval.
+            "latency_p99_ratio_geomean": p99_ratio, "latency_p99_ratio_ci95": [p99_low, p99_high],
             "tokens": sum(cell.tokens[name]),
             "seconds": sum(cell.seconds[name]),
             "requests": len(cell.latency[name]),
@@ -474,7 +490,8 @@ def print_table(cells: list[dict[str, Any]]) -> None:
             if name != "plain" and m.get("ttft_ratio_geomean") is not None:
                 print(f"  {name} paired with plain: TTFT {m['ttft_ratio_geomean']:.3f}x "
                       f"{_interval(m['ttft_ratio_ci95'])}, latency {m['latency_ratio_geomean']:.3f}x "
-                      f"{_interval(m['latency_ratio_ci95'])}")
+                      f"{_interval(m['latency_ratio_ci95'])}, p99 wave by wave {m['latency_p99_ratio_geomean']:.3f}x "
+                      f"{_interval(m['latency_p99_ratio_ci95'])}")
             if "vs_plain_sync" in m:
                 r = m["vs_plain_sync"]
                 print(f"  {name} over plain-sync: {r['geomean']:.3f}x {_interval(r['ci95'])}")

@@ -5,7 +5,8 @@ which keep every request's send time, latency and prompt length).
     python benchmarks/serve_tails.py benchmarks/results/serve_mixed_c8_sustained_run2.json --long 1000
 
 prints, per method, the median latency (and the requests) with 0, 1, 2, ... long
-prompts sent during a request's lifetime, and its slowest requests.
+prompts sent during a request's lifetime, its slowest requests, and its p99 over plain's
+wave by wave.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+from bench_serve import paired_wave_percentiles
+from paired import ratio_interval
 
 
 def overlapped(cell: dict, method: str, long_tokens: int) -> list[int]:
@@ -57,6 +61,20 @@ def main(argv: list[str] | None = None) -> None:
             slowest = sorted(range(len(lat)), key=lambda i: -lat[i])[:3]
             print(f"  {method:12s} by long prompts sent while it ran: {groups}; slowest: "
                   + ", ".join(f"{lat[i]:.1f} s ({lengths[i]}-token prompt)" for i in slowest))
+            if method != "plain":
+                print(f"  {'':12s} {wave_p99(cell, method)}")
+
+
+def wave_p99(cell: dict, method: str) -> str:
+    """The method's p99 latency over plain's wave by wave (bench_serve.paired_wave_percentiles): the
+    geometric mean, its 95% interval and the waves above 1, which tell a tail from the machine's drift."""
+    size = cell["concurrency"] * cell.get("depth", 1)
+    ratios = paired_wave_percentiles(cell["methods"][method]["per_request"]["latency_s"],
+                                     cell["methods"]["plain"]["per_request"]["latency_s"], size)
+    mean, low, high = ratio_interval(ratios)
+    interval = "" if low is None else f" ({low:.2f}-{high:.2f})"
+    return (f"p99 over plain's wave by wave {mean:.2f}x{interval}, above 1 in {sum(r > 1 for r in ratios)} of "
+            f"{len(ratios)} waves")
 
 
 if __name__ == "__main__":

@@ -1184,6 +1184,21 @@ def test_serve_tails_counts_long_prompts_sent_while_a_request_ran():
     assert serve_tails.overlapped(cell, "plain", 5000) == [0, 0, 0, 0]
 
 
+def test_tails_are_compared_wave_by_wave():
+    bench_serve = _import_bench("bench_serve")
+    serve_tails = _import_bench("serve_tails")
+    # Waves of 2, the second on a machine twice as slow for both methods: each wave's ratio is the same. A
+    # wave's p99 lies 0.99 of the way from its smaller value to its larger one.
+    mine, plain = [1.0, 4.0, 2.0, 8.0], [1.0, 2.0, 2.0, 4.0]
+    assert bench_serve.paired_wave_percentiles(mine, plain, 2) == pytest.approx([3.97 / 1.99, 7.94 / 3.98])
+    assert bench_serve.paired_wave_percentiles(mine, plain, 2, q=0.0) == pytest.approx([1.0, 1.0])
+    assert bench_serve.paired_wave_percentiles([], plain, 2) == []
+    cell = {"concurrency": 2, "depth": 1, "methods": {
+        "plain": {"per_request": {"latency_s": plain}}, "lookahead": {"per_request": {"latency_s": mine}}}}
+    assert serve_tails.wave_p99(cell, "lookahead") == \
+        "p99 over plain's wave by wave 1.99x (1.99-1.99), above 1 in 2 of 2 waves"
+
+
 @pytest.mark.vllm
 def test_bench_tree_verify_times_both_host_calls_and_digests_the_rows(tmp_path):
     """Each cell times begin_step and finish_step; the rows written depend on the walks alone
