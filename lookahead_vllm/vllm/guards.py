@@ -87,16 +87,22 @@ def check_runner(vllm_config: Any) -> None:
                          "VLLM_USE_V2_MODEL_RUNNER selects V2: unset it (or set VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
-def check_logits_processors(input_batch: Any) -> None:
-    """Refuse a runner's input batch without vLLM's ``min_p`` and ``logit_bias`` processors (lookahead accepts them)."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+def check_logits_processors(input_batch: Any) -> list[str]:
+    """Refuse a runner's input batch without vLLM's own logits processors (lookahead accepts min_p and logit_bias);
+    return the plugin processors it holds beside them: vLLM verifies drafts without those, so then no request drafts."""
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
 
     kinds = {type(p) for p in input_batch.logitsprocs.all}
-    missing = [k.__name__ for k in (MinPLogitsProcessor, LogitBiasLogitsProcessor) if k not in kinds]
+    missing = [k.__name__ for k in BUILTIN_LOGITS_PROCESSORS if k not in kinds]
     if missing:
         raise RuntimeError(f"lookahead: the model runner's input batch lacks vLLM's {missing}: patch "
                            "runner_logits_processors did not reach it (a vLLM that builds its input batch before "
                            "its drafter); see docs/vllm-versions.md")
+    foreign = sorted(k.__qualname__ for k in kinds - set(BUILTIN_LOGITS_PROCESSORS))
+    if foreign:
+        logger.warning("lookahead: logits processor plugins %s loaded: no request drafts (vLLM would verify drafts "
+                       "without them)", foreign)
+    return foreign
 
 
 def check_tree_config(vllm_config: Any, what: str) -> None:

@@ -122,8 +122,7 @@ class IntervalLogger:
             (cur[1] - last[1]) / steps, (cur[2] - last[2]) / steps, stats.trie_nodes,
             stats.drafter_bytes / 2**20, (cur[3] - last[3]) * 1e3 / steps, stats.load_budget,
             stats.price_free_tokens, stats.price_marginal_tokens, stats.price_draft_setup, stats.price_row,
-            stats.price_context, stats.price_source, stats.price_samples,
-        )
+            stats.price_context, stats.price_source, stats.price_samples)
 
 
 class StatsPublisher:
@@ -219,8 +218,8 @@ def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-# (name, snapshot key, help). GAUGES: the live publishers' sums (``price_*``: means), BY_POLICY's per draft_sharing
-# policy (label ``sharing``). COUNTERS, HISTOGRAMS and skip reasons are cumulative, departed publishers' counts kept.
+# (name, snapshot key, help). GAUGES: live publishers' sums (``price_*``, ``load_budget``: means); BY_POLICY's per
+# draft_sharing policy (label ``sharing``); COUNTERS, HISTOGRAMS, skip reasons: cumulative, departed publishers' kept.
 GAUGES = (
     ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
     ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index and trie), bytes."),
@@ -356,8 +355,8 @@ class StatsCollector:
         for snap in [*snaps, self._gone]:
             add_cumulative(counted, snap)
         for name, key, doc in GAUGES:
-            total = sum(s.get(key, 0) for s in snaps)
-            yield GaugeMetricFamily(name, doc, value=total / max(1, len(snaps)) if key.startswith("price_") else total)
+            total, mean = sum(s.get(key, 0) for s in snaps), key.startswith("price_") or key == "load_budget"
+            yield GaugeMetricFamily(name, doc, value=total / max(1, len(snaps)) if mean else total)
         for name, key, doc in BY_POLICY:
             gauge, by_policy = GaugeMetricFamily(name, doc, labels=["sharing"]), Counter()
             for snap in snaps:

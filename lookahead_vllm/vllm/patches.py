@@ -60,8 +60,7 @@ def require(names: Iterable[str], what: str) -> None:
     raise RuntimeError(
         f"{what} cannot start: vLLM {guards.vllm_version()} failed lookahead-vllm's "
         f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
-        "without speculative_config method 'lookahead' plain vLLM is unaffected"
-    )
+        "without speculative_config method 'lookahead' plain vLLM is unaffected")
 
 
 def prepare_engine(config: Settings) -> None:
@@ -152,8 +151,7 @@ def make_cudagraphs_piecewise(vllm_config: Any, what: str) -> None:
     logger.warning(
         "lookahead %s: cudagraph_mode %s -> %s for this engine (tree attention runs outside CUDA graphs; "
         "full graphs would skip it). Pass -cc.cudagraph_mode=PIECEWISE to silence this.",
-        what, old.name, compilation.cudagraph_mode.name,
-    )
+        what, old.name, compilation.cudagraph_mode.name)
 
 
 @method_patch(RUNNER, "_update_states", ("self", "scheduler_output"))
@@ -366,8 +364,7 @@ def patch_tree_verification() -> bool:
     wrap(  # every signature checked before any is wrapped: all or nothing
         (GPUModelRunner, "_prepare_inputs", _prepare_inputs, ("self", "scheduler_output", "num_scheduled_tokens")),
         (GPUModelRunner, "initialize_attn_backend", initialize_attn_backend, ("self", "kv_cache_config")),
-        *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()),
-    )
+        *((impl, "forward", forward, forward_params) for impl in guards.wrapped_attention_impls()))
     return True
 
 

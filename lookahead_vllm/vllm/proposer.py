@@ -139,6 +139,7 @@ class LookaheadProposer:
         full = full_graph_tokens(vllm_config, self.k)
         self._graph_tokens = full or graph_tokens(vllm_config)
         self._input_batch: Any = None
+        self._plugin_logitsprocs: list[str] = []  # logits processor plugins the runner loaded (on_step)
         self._states: dict[str, RequestState] = {}  # request id -> its drafting state (the only per-request store)
         self._next_slot = 0
         self._rows_version = 0
@@ -191,7 +192,7 @@ class LookaheadProposer:
     def on_step(self, input_batch: Any, finished_req_ids: Iterable[str],
                 scheduled_drafts: dict[str, list[int]] | None = None, shape: "StepShape | None" = None) -> None:
         if self._input_batch is None and hasattr(input_batch, "logitsprocs"):  # a runner's, first step
-            guards.check_logits_processors(input_batch)
+            self._plugin_logitsprocs = guards.check_logits_processors(input_batch)  # any: no request drafts
         self._input_batch = input_batch
         for req_id in finished_req_ids:
             self.finish(req_id)
@@ -232,7 +233,7 @@ class LookaheadProposer:
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
                 st.cap = 0
-            if params is not None and samples_plain_only(params):
+            if self._plugin_logitsprocs or (params is not None and samples_plain_only(params)):
                 st.cap = 0
             if _has_embedded_prompt(req):
                 st.cap, st.partition = 0, PRIVATE

@@ -242,14 +242,12 @@ def _cpu_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tensor,
                 num_reqs=len(rnd.seq_lens), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
                 head_dim=impl.head_size, seq_lens=rnd.seq_lens, dtype=query.dtype,
                 query_start_loc=rnd.query_start_loc, causal=True, sliding_window_size=-1, isa=layer.isa,
-                enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype,
-            )
+                enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=o,
             query_start_loc=rnd.query_start_loc, seq_lens=rnd.seq_lens, scale=impl.scale, causal=True,
             alibi_slopes=None, sliding_window=-1, block_table=rnd.block_table, softcap=0,
-            scheduler_metadata=rnd.kernel_meta, s_aux=None, **scales,
-        )
+            scheduler_metadata=rnd.kernel_meta, s_aux=None, **scales)
 
     _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)
 
@@ -270,8 +268,7 @@ def _flash_path_rounds(step: TreeStep, impl: Any, layer: Any, query: torch.Tenso
                 max_query_len=int((rnd.query_start_loc[1:] - rnd.query_start_loc[:-1]).max()),
                 query_start_loc=rnd.query_start_loc.to(query.device), max_seq_len=int(rnd.seq_lens.max()),
                 seq_lens=rnd.seq_lens.to(query.device), block_table=rnd.block_table.to(query.device),
-                slot_mapping=rnd.slots, scheduler_metadata=None, causal=True,
-            )
+                slot_mapping=rnd.slots, scheduler_metadata=None, causal=True)
         forward(impl, layer, q, k, v, kv_cache, rnd.kernel_meta, o)
 
     _run_path_rounds(_path_plan(step, metadata), query, key, value, out, write, attend)

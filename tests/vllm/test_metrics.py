@@ -114,6 +114,15 @@ def test_live_prices_are_averaged_over_processes(tmp_path):
     assert got["lookahead_price_context"] == pytest.approx(0.05)
 
 
+def test_the_load_budget_is_averaged_over_processes(tmp_path):
+    """A request's node budget after load adaptation: two engines at 8 each report 8, not 16 (the trie sums)."""
+    for i, budget in enumerate((8, 8)):
+        snap = metrics.StepStats(load_budget=budget, trie_nodes=100).snapshot()
+        metrics.write_snapshot(str(tmp_path / f"{os.getpid()}-{i}.json"), {**snap, "publisher": f"p{i}"})
+    got = _scrape(tmp_path)
+    assert got["lookahead_load_budget"] == 8 and got["lookahead_trie_nodes"] == 200
+
+
 def test_no_snapshot_no_series(tmp_path):
     assert not any(k.startswith("lookahead_") for k in _scrape(tmp_path))
 

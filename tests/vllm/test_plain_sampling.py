@@ -1,4 +1,5 @@
-"""``min_p`` and ``logit_bias`` in a lookahead engine (patches plain_sampling_params, runner_logits_processors).
+"""``min_p``, ``logit_bias`` and logits processor plugins in a lookahead engine (patches plain_sampling_params,
+runner_logits_processors).
 
 vLLM refuses both with any speculative method, because its rejection sampler does not apply them at draft
 positions; a lookahead engine accepts them (the requests that use them draft nothing: the end-to-end test in
@@ -65,6 +66,63 @@ def test_input_batch_without_the_processors_is_refused():
             procs.non_argmax_invariant.append(kind.__new__(kind))
         return SimpleNamespace(logitsprocs=procs)
 
-    guards.check_logits_processors(batch(MinPLogitsProcessor, LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
-    with pytest.raises(RuntimeError, match=r"lacks vLLM's \['MinPLogitsProcessor', 'LogitBiasLogitsProcessor'\]"):
+    assert guards.check_logits_processors(batch(MinPLogitsProcessor, LogitBiasLogitsProcessor,
+                                                MinTokensLogitsProcessor)) == []
+    with pytest.raises(RuntimeError, match=r"lacks vLLM's \['LogitBiasLogitsProcessor', 'MinPLogitsProcessor'\]"):
         guards.check_logits_processors(batch(MinTokensLogitsProcessor))  # what vLLM builds for ngram, suffix
+
+
+def _plugin_batch(*plugins):
+    """A runner's input batch holding vLLM's own logits processors and ``plugins`` (types; built without __init__)."""
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+
+    procs = LogitsProcessors()
+    for kind in (*BUILTIN_LOGITS_PROCESSORS, *plugins):
+        procs.non_argmax_invariant.append(kind.__new__(kind))
+    return procs
+
+
+def test_logits_processor_plugins_stop_every_request_drafting(caplog):
+    """An installed ``vllm.logits_processors`` plugin is loaded with vLLM's own processors (the runner patch builds
+    them as a plain engine does), but vLLM's rejection sampler runs only min_tokens at draft positions: a draft token
+    the plugin forbids would be accepted. While one is loaded, no request drafts, so every token is sampled where the
+    plugin applies, as in plain vLLM."""
+    import logging
+
+    import numpy as np
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    from lookahead_lab.standalone import standalone_proposer
+    from tests.settings import lookahead
+
+    class BanToken(LogitsProcessor):  # as a plugin's (the check reads only its type)
+        def __init__(self, vllm_config, device, is_pin_memory):
+            pass
+
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, batch_update):
+            pass
+
+        def apply(self, logits):
+            return logits
+
+    with caplog.at_level(logging.WARNING):
+        assert guards.check_logits_processors(SimpleNamespace(logitsprocs=_plugin_batch(BanToken))) == [
+            "test_logits_processor_plugins_stop_every_request_drafting.<locals>.BanToken"]
+    assert any("no request drafts" in r.getMessage() for r in caplog.records)
+
+    def drafts(plugins):
+        p = standalone_proposer(4, 64, lookahead(cost_free_tokens=0))
+        text = [1, 2, 3, 4, 5] * 3 + [1]
+        batch = SimpleNamespace(req_ids=["a"], num_prompt_tokens=np.array([15]), logitsprocs=_plugin_batch(*plugins))
+        p.on_step(batch, [], None)
+        p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=None)])
+        tokens = np.zeros((1, 64), np.int64)
+        tokens[0, :len(text)] = text
+        return p.propose([[1]], np.array([len(text)]), tokens), p.metrics.skipped_request_steps["request"]
+
+    assert drafts(()) == ([[2, 3, 4, 5]], 0)
+    assert drafts((BanToken,)) == ([[]], 1)
