@@ -170,10 +170,10 @@ std::pair<std::unique_lock<std::mutex>, std::unique_lock<std::mutex>> lock_with_
 // sync's arguments (the index's and the trie's), checked against the token
 // table: row i is sequence sids[i], table row rows[i]'s first num_tokens[i]
 // tokens, prompt_lens[i] of them its prompt, in partitions[i] (null: none
-// given).
+// given), the last sampled[i] of them sampled this step (null: none given).
 struct SyncArgs {
   SyncArgs(py::handle sids_obj, py::handle rows_obj, const TokenTable& table, py::handle num_tokens_obj,
-           py::handle prompt_lens_obj, py::handle partitions_obj)
+           py::handle prompt_lens_obj, py::handle partitions_obj, py::handle sampled_obj = py::none())
       : sids(int_array(sids_obj, "sids")),
         rows(int_array(rows_obj, "rows")),
         num_tokens(int_array(num_tokens_obj, "num_tokens")),
@@ -193,23 +193,36 @@ struct SyncArgs {
       table.check_row("rows", i, row[i]);
       table.check_end("num_tokens", i, num[i]);
     }
+    if (!sampled_obj.is_none()) {
+      sampled_counts = int_array(sampled_obj, "sampled");
+      if (sampled_counts.shape(0) != batch) throw py::value_error("sids and sampled must have the same length");
+      sampled = sampled_counts.data();
+      for (int64_t i = 0; i < batch; ++i) {
+        if (sampled[i] < 0 || sampled[i] > num[i]) {
+          throw py::value_error("sampled[" + std::to_string(i) + "] = " + std::to_string(sampled[i]) +
+                                ": must be in [0, num_tokens[" + std::to_string(i) + "]] (" + std::to_string(num[i]) +
+                                ")");
+        }
+      }
+    }
   }
-  IntArray sids, rows, num_tokens, prompt_lens, partitions;
+  IntArray sids, rows, num_tokens, prompt_lens, partitions, sampled_counts;
   int64_t batch;
-  const int64_t *sid, *row, *num, *plen, *part = nullptr;
+  const int64_t *sid, *row, *num, *plen, *part = nullptr, *sampled = nullptr;
 };
 
 int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
-                  py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff, py::handle partitions_obj) {
+                  py::handle num_tokens_obj, py::handle prompt_lens_obj, BoundIndex* backoff, py::handle partitions_obj,
+                  py::handle sampled_obj) {
   if (backoff == &b) throw py::value_error("backoff: must be another index");
   const TokenTable table(token_ids);
-  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj);
+  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj, sampled_obj);
   py::gil_scoped_release nogil;
   const auto locks = lock_with_backoff(b, backoff);
   // One thread: a second one costs more to start (~40 us here) than the
   // back-off's sync takes.
-  const int64_t rewound = b.core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part);
-  if (backoff != nullptr) backoff->core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part);
+  const int64_t rewound = b.core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part, a.sampled);
+  if (backoff != nullptr) backoff->core.sync(a.sid, a.row, a.num, a.plen, a.batch, table, a.part, a.sampled);
   return rewound;
 }
 
@@ -677,13 +690,15 @@ py::tuple context_rows(BoundTrie& b, py::handle handles_obj, py::handle budgets_
 // table row, committed tokens, prompt length and partition (None: all the
 // default partition); returns how many were rewound.
 int64_t trie_sync(BoundTrie& b, py::handle sids_obj, py::handle rows_obj, const py::array& token_ids,
-                  py::handle num_tokens_obj, py::handle prompt_lens_obj, py::handle partitions_obj) {
+                  py::handle num_tokens_obj, py::handle prompt_lens_obj, py::handle partitions_obj,
+                  py::handle sampled_obj) {
   const TokenTable table(token_ids);
-  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj);
+  const SyncArgs a(sids_obj, rows_obj, table, num_tokens_obj, prompt_lens_obj, partitions_obj, sampled_obj);
   const std::vector<int64_t> defaults(a.part == nullptr ? a.batch : 0, lookahead::TokenTrie::kDefault);
   py::gil_scoped_release nogil;
   std::lock_guard<std::mutex> lock(b.mu);
-  return b.core.sync(a.sid, a.row, a.num, a.plen, a.part != nullptr ? a.part : defaults.data(), a.batch, table);
+  return b.core.sync(a.sid, a.row, a.num, a.plen, a.part != nullptr ? a.part : defaults.data(), a.batch, table,
+                     a.sampled);
 }
 
 // retrieve_rows by slot (the slots' record handles; a slot kept off the trie
@@ -930,7 +945,7 @@ void bind_trie(py::module_& m) {
       .def("extend_rows", &extend_rows, py::arg("handles"), py::arg("token_ids"), py::arg("rows"), py::arg("starts"),
            py::arg("ends"))
       .def("sync", &trie_sync, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
-           py::arg("prompt_lens"), py::arg("partitions") = py::none())
+           py::arg("prompt_lens"), py::arg("partitions") = py::none(), py::arg("sampled") = py::none())
       .def(
           "finish_slot",
           [](BoundTrie& b, int64_t sid) {
@@ -1277,7 +1292,8 @@ PYBIND11_MODULE(_draft_index, m) {
            })
       .def("draft", &draft_one, py::arg("sid"), py::arg("budget"), py::arg("floor") = 0.0, py::arg("tree") = false)
       .def("sync", &sync_rows, py::arg("sids"), py::arg("rows"), py::arg("token_ids"), py::arg("num_tokens"),
-           py::arg("prompt_lens"), py::arg("backoff") = py::none(), py::arg("partitions") = py::none())
+           py::arg("prompt_lens"), py::arg("backoff") = py::none(), py::arg("partitions") = py::none(),
+           py::arg("sampled") = py::none())
       .def("draft_batch", &draft_batch, py::arg("sids"), py::arg("budgets"), py::arg("floor") = 0.0,
            py::arg("tree") = false, py::arg("threads") = 1, py::arg("backoff") = py::none());
   m.def("plan_trees", &plan_trees_py, py::arg("tokens"), py::arg("parents"), py::arg("raw"), py::arg("lens"),

@@ -226,7 +226,7 @@ uint32_t DraftIndex::running_slot(int64_t sid) const {
 }
 
 int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-                         int64_t batch, const TokenSource& table, const int64_t* parts) {
+                         int64_t batch, const TokenSource& table, const int64_t* parts, const int64_t* sampled) {
   settle();
   // Four passes start loading what the updates touch, each from what the
   // previous one loaded: the sequences' records; the ends of their texts
@@ -294,9 +294,10 @@ int64_t DraftIndex::sync(const int64_t* sids, const int64_t* rows, const int64_t
       continue;
     }
     int64_t have = static_cast<int64_t>(seqs_[at]->tokens.size());
-    if (num[i] < have) {  // rewind keeps the sequence's slot
-      rewind(sids[i], num[i]);
-      have = num[i];
+    const int64_t kept = sampled != nullptr ? num[i] - sampled[i] : num[i];  // tokens from before this step
+    if (kept < have) {  // rewind keeps the sequence's slot
+      rewind(sids[i], kept);
+      have = kept;
       ++rewound;
     }
     if (num[i] > have) {

@@ -147,11 +147,16 @@ class DraftIndex {
   // tokens (the first `prompt_lens[i]` of them its prompt). An unknown
   // sequence is added (into partition `parts[i]`; all kDefaultPartition if
   // `parts` is null), a known one extended, or rewound if the row is
-  // shorter. Returns how many were rewound. Settles first. The sequences'
-  // memory is fetched for all rows ahead of the updates (one cache miss
-  // latency for the batch rather than a few per row).
+  // shorter. `sampled[i]` (null: none): how many of row i's last tokens
+  // this step sampled; a sequence holding more than the tokens before them
+  // is rewound to those (a runner that dropped tokens, as after a failed KV
+  // load, may have sampled others in their place, even as many). Returns
+  // how many were rewound. Settles first. The sequences' memory is fetched
+  // for all rows ahead of the updates (one cache miss latency for the batch
+  // rather than a few per row).
   int64_t sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-               int64_t batch, const TokenSource& table, const int64_t* parts = nullptr);
+               int64_t batch, const TokenSource& table, const int64_t* parts = nullptr,
+               const int64_t* sampled = nullptr);
   size_t memory_bytes();
   // Finished outputs held in the corpus of partition `part` (all: by
   // partition), oldest first (what a snapshot stores).

@@ -680,7 +680,7 @@ void TokenTrie::flatten_parallel(int32_t start, int64_t budget, FlatTree& out) c
 
 // _TrieCore.sync
 int64_t TokenTrie::sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-                        const int64_t* parts, int64_t batch, const TokenSource& table) {
+                        const int64_t* parts, int64_t batch, const TokenSource& table, const int64_t* sampled) {
   int64_t rewound = 0;
   std::vector<int32_t>& tokens = sync_tokens_;
   for (int64_t i = 0; i < batch; ++i) {
@@ -690,7 +690,8 @@ int64_t TokenTrie::sync(const int64_t* sids, const int64_t* rows, const int64_t*
     }
     auto it = slots_.find(sids[i]);
     int64_t counted = 0;
-    if (it != slots_.end() && num[i] < it->second.inserted) {  // the runner rewound tokens: start over
+    const int64_t kept = sampled != nullptr ? num[i] - sampled[i] : num[i];  // tokens from before this step
+    if (it != slots_.end() && kept < it->second.inserted) {  // the runner rewound tokens: start over
       ++rewound;
       counted = std::max(it->second.counted, it->second.inserted);
       finish_request(it->second.handle);

@@ -156,11 +156,13 @@ class TokenTrie {
   // partition than `kDefault` is kept off the shared trie (known, never
   // inserted). An unknown slot is admitted (its prompt as of this step, then
   // the rest as output), a known one extended, or started over where the row
-  // is shorter than what it inserted (a rewind). Returns how many were
-  // rewound.
+  // is shorter than what it inserted (a rewind), or where it inserted more
+  // than the tokens before the last `sampled[i]` (null: none), which this
+  // step sampled (maybe in place of tokens the runner dropped). Returns how
+  // many were rewound.
   static constexpr int64_t kDefault = 0;
   int64_t sync(const int64_t* sids, const int64_t* rows, const int64_t* num, const int64_t* prompt_lens,
-               const int64_t* parts, int64_t batch, const TokenSource& table);
+               const int64_t* parts, int64_t batch, const TokenSource& table, const int64_t* sampled = nullptr);
   // The slot's request finished or was aborted (unknown slots are ignored).
   void finish_slot(int64_t sid);
   // The slot's record handle: -1 for a slot never synced (it drafts from the

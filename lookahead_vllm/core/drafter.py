@@ -93,18 +93,20 @@ class Drafter:
         charges = [index.partition_bytes() for index in self._indexes()]
         return len(set().union(*charges)), sum(sum(charge.values()) for charge in charges)
 
-    def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
-             num_tokens: Sequence[int], prompt_lens: Sequence[int], partitions: Sequence[int] | None = None) -> int:
+    def sync(self, slots: Sequence[int], rows: Sequence[int], token_ids: np.ndarray, num_tokens: Sequence[int],
+             prompt_lens: Sequence[int], partitions: Sequence[int] | None = None,
+             sampled: np.ndarray | None = None) -> int:
         """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s committed tokens (its first
-        ``prompt_lens[i]`` the prompt): admit new requests (into ``partitions[i]``, from :meth:`partition`; None: the
-        partition of no salt), extend or rewind known ones. Returns how many were rewound."""
+        ``prompt_lens[i]`` the prompt, its last ``sampled[i]`` sampled this step): admit new requests (into
+        ``partitions[i]``, from :meth:`partition`; None: no salt's), extend or rewind known ones (the indexes to before
+        this step's samples). Returns how many were rewound."""
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
         partitions = np.asarray(np.full(len(args[0]), self.partition(None)) if partitions is None else partitions,
                                 np.int64)
-        rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions)]  # and the back-off
+        rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions, sampled)]
         if self.trie is not None:
-            rewound.append(self.trie.sync(*args, partitions))
+            rewound.append(self.trie.sync(*args, partitions, sampled))
         return int(rewound[0]) if rewound else 0
 
     def _indexes(self) -> list[Any]:

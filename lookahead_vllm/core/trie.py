@@ -43,10 +43,10 @@ class NativeTrie:
         self._core.insert_output(tokens)
 
     def sync(self, slots: np.ndarray, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-             prompt_lens: np.ndarray, partitions: np.ndarray | None = None) -> int:
-        """Slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]``, its prompt the first ``prompt_lens[i]``,
-        in ``partitions[i]`` (only the default partition's use the shared trie); returns how many rewound."""
-        return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions)
+             prompt_lens: np.ndarray, partitions: np.ndarray | None = None, sampled: np.ndarray | None = None) -> int:
+        """Slot ``slots[i]`` has ``token_ids[rows[i], :num_tokens[i]]`` (the first ``prompt_lens[i]``: its prompt, the
+        last ``sampled[i]``: this step's) in ``partitions[i]`` (the default one's share the trie). Returns rewinds."""
+        return self._core.sync(slots, rows, token_ids, num_tokens, prompt_lens, partitions, sampled)
 
     def finish_slot(self, slot: int) -> None:
         self._core.finish_slot(slot)

@@ -158,8 +158,7 @@ def load_extension(verbose: bool = False) -> str:
         name=EXTENSION_NAME, sources=[str(src / BINDINGS_SOURCE), *(str(src / s) for s in CUDA_SOURCES)],
         extra_include_paths=[str(src)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
         # The shared libstdc++ by file name: a static one crashed the first TORCH_CHECK (csrc/README.md).
-        extra_ldflags=["-l:libstdc++.so.6"], build_directory=build_dir, is_python_module=False, verbose=verbose,
-    )
+        extra_ldflags=["-l:libstdc++.so.6"], build_directory=build_dir, is_python_module=False, verbose=verbose)
     logger.info("lookahead_vllm kernels loaded from %s in %.1f s", path, time.perf_counter() - start)
     return str(path)
 

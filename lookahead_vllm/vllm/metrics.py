@@ -237,8 +237,7 @@ GAUGES = (
      "Forwards a row with drafts adds per 1000 tokens of its context (forward-cost model, live)."),
     ("lookahead_price_step_seconds", "price_step_seconds",
      "Fitted seconds of a step within the free tokens (0 until fitted)."),
-    ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."),
-)
+    ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."))
 BY_POLICY = (
     ("lookahead_draft_partitions", "draft_partitions",
      "Draft index partitions holding a request or an output, by draft_sharing policy."),

@@ -377,9 +377,9 @@ class LookaheadProposer:
             row_list = rows.tolist()
             req_ids, emitted = [batch.req_ids[i] for i in row_list], [sampled_token_ids[i] for i in row_list]
         states, slots, partitions, caps = self._rows_of(req_ids)
-        num_tokens, prompt_lens = num_tokens_no_spec[rows], batch.num_prompt_tokens[rows]
+        num_tokens, prompt_lens, fresh = num_tokens_no_spec[rows], batch.num_prompt_tokens[rows], sampled_lens[rows]
         self._book_trees(slots, req_ids, emitted)
-        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, prompt_lens, partitions)
+        self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, prompt_lens, partitions, fresh)
         if self._uses_jacobi:
             self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens, prompt_lens)
         room = self._room(num_tokens, caps)

@@ -136,7 +136,9 @@ def test_random_operations_match_reference(cfg, vocab, upkeep_thread, data):
 def test_batch_with_backoff_matches_reference(cfg, vocab, data):
     """draft_batch with a back-off index (one key length shorter, as the
     Drafter pairs them) drafts, for rows the main index has no candidate for,
-    exactly what the reference does, natively in the same call."""
+    exactly what the reference does, natively in the same call. Syncs may say
+    how many of each row's last tokens were sampled this step (both indexes
+    then rewind to before them where they hold more)."""
     if cfg.ngram == 1:
         cfg = DraftIndexConfig(2, max(cfg.max_match, 2), cfg.max_occurrences, cfg.max_candidates, cfg.corpus_bytes)
     short = DraftIndexConfig(cfg.ngram - 1, cfg.max_match, cfg.max_occurrences, cfg.max_candidates, cfg.corpus_bytes)
@@ -149,10 +151,11 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
             for index in (ref, nat, ref_b, nat_b):
                 index.finish(done)
         table = _sync_table(data, ref, vocab, running)
+        sampled = data.draw(st.none() | st.just([data.draw(st.integers(0, min(3, n))) for n in table[3]]))
         # The reference's two indexes one by one, the native pair in one call.
-        rewound = ref.sync(*table)
-        ref_b.sync(*table)
-        assert nat.sync(*table, backoff=nat_b) == rewound
+        rewound = ref.sync(*table, sampled=sampled)
+        ref_b.sync(*table, sampled=sampled)
+        assert nat.sync(*table, backoff=nat_b, sampled=sampled) == rewound
         for sid in SIDS:
             assert (nat.length(sid), nat_b.length(sid)) == (ref.length(sid), ref_b.length(sid))
         sids = data.draw(st.lists(st.sampled_from(SIDS), max_size=5))
@@ -173,6 +176,27 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
     for index in (ref, nat):
         with pytest.raises(ValueError, match="backoff"):
             index.sync(*table, backoff=index)
+        with pytest.raises(ValueError, match="sampled"):
+            index.sync(*table, sampled=[n + 1 for n in table[3]])
+
+
+def test_tokens_sampled_in_place_of_dropped_ones_are_read_again():
+    """A runner that dropped a row's last tokens (a failed KV load) samples others in their place, as many or fewer:
+    told how many of the row's tokens this step sampled, the index rewinds to before them and reads them again,
+    where counting tokens alone sees nothing (the same count) or keeps the dropped ones (fewer)."""
+    cfg = DraftIndexConfig(2, 8, 4, 4, 0)
+    text = [1, 2, 3, 4, 5] * 3
+    for index in _pair(cfg):
+        table = np.array([text + [1, 2]])
+        index.sync([0], [0], table, [17], [15])
+        table[0, 15:17] = [4, 9]  # the two sampled tokens replaced
+        assert index.sync([0], [0], table, [17], [15]) == 0  # by count: nothing to do
+        assert index.draft(0, 3, 0.0, False)[0] == [3, 4, 5]  # still drafting after "1 2"
+        assert index.sync([0], [0], table, [17], [15], sampled=[2]) == 1
+        assert index.draft(0, 3, 0.0, False)[0] == []  # "4 9" is new: no earlier occurrence
+        table[0, 15] = 1  # one token fewer, sampled in place of the "4" held: by count the index would keep "4"
+        assert index.sync([0], [0], table, [16], [15], sampled=[1]) == 1
+        assert index.draft(0, 3, 0.0, False)[0] == [2, 3, 4]  # after "5 1"
 
 
 def test_backoff_drafts_only_where_the_main_index_has_no_candidate():

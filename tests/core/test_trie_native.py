@@ -231,8 +231,10 @@ def test_native_slots_equal_reference(texts, program, kw, shape):
             sids = np.array(sorted(lengths), np.int64)
             nums = np.array([lengths[s] for s in sids], np.int64)
             parts = np.where(sids % 3 == 2, 7, 0)
+            # Half the steps say how many of each row's last tokens they sampled (re-read where inserted before).
+            sampled = np.minimum(nums, (sids + grow) % 3) if grow % 2 else None
             for t, core in enumerate(cores):
-                rewound[t] += core.sync(sids, sids, table, nums, np.full(len(sids), 6, np.int64), parts)
+                rewound[t] += core.sync(sids, sids, table, nums, np.full(len(sids), 6, np.int64), parts, sampled)
         elif op == "finish":
             lengths.pop(slot, None)
             for core in cores:
@@ -271,6 +273,9 @@ def test_slot_sync_admits_extends_rewinds_and_keeps_partitions_off():
     assert rows[5].tolist() == [1, 0] and rows[4][1] == 0  # kept off: drafts nothing
     assert rows[0][0, :rows[4][0]].tolist() == [3, 1]  # 1 2 is followed by 3 1 in slot 0's text
     assert core.sync([0], [0], table, [5], [3], [0]) == 1  # rewound: started over
+    assert core.slot_context_length(0) == 5
+    assert core.sync([0], [0], table, [5], [3], [0], [0]) == 0
+    assert core.sync([0], [0], table, [5], [3], [0], [2]) == 1  # the same count, its last 2 sampled anew: re-read
     assert core.slot_context_length(0) == 5
     core.finish_slot(0)
     core.finish_slot(0)  # unknown slots are ignored

@@ -119,6 +119,19 @@ def test_rewound_request_is_readmitted():
     assert p.drafter.num_requests() == 1
 
 
+@pytest.mark.parametrize("source", ["index", "index+trie", "trie"])
+def test_tokens_sampled_in_place_of_dropped_ones_are_drafted_from(source):
+    """vLLM's runner drops a request's last sampled tokens when their KV failed to load, and samples again in their
+    place, as many tokens or fewer: the next drafts follow the new tokens, as a fresh proposer's do."""
+    def fresh(rows):
+        return step(make_proposer(source=source), rows, {"a": len(A)})
+
+    for before, after in (([1], [4]), ([1, 2], [1])):  # the same count (the last token replaced), one fewer
+        p = make_proposer(source=source)
+        step(p, {"a": A + before}, {"a": len(A)})
+        assert step(p, {"a": A + after}, {"a": len(A)}) == fresh({"a": A + after}) != [[]]
+
+
 def test_step_budget_and_stats():
     p = make_proposer(step_draft_budget=5, min_draft_confidence=0.0)
     drafts = step(p, {"a": A + [1], "b": B + [7]}, {"a": len(A), "b": len(B)})

@@ -96,20 +96,22 @@ class _TrieCore:
 
     # The engine's requests by the caller's slot: what TokenTrie::sync and its
     # companions do natively (csrc/draft_index/token_trie.h).
-    def sync(self, sids, rows, token_ids, num_tokens, prompt_lens, partitions=None) -> int:
+    def sync(self, sids, rows, token_ids, num_tokens, prompt_lens, partitions=None, sampled=None) -> int:
         """Row by row: a slot of another partition than the default is kept off the shared
         trie; an unknown slot is admitted (its prompt as of this step, then the rest as
         output), a known one extended, or started over where the row is shorter than what it
-        inserted (a rewind, counted)."""
+        inserted, or it inserted more than the tokens before the row's last ``sampled[i]``
+        (None: none; sampled this step) (a rewind, counted)."""
         rewound = 0
         parts = [0] * len(sids) if partitions is None else list(partitions)
-        for sid, row, n, plen, part in zip(map(int, sids), map(int, rows), map(int, num_tokens),
-                                           map(int, prompt_lens), map(int, parts)):
+        fresh = [0] * len(sids) if sampled is None else list(sampled)
+        for sid, row, n, plen, part, new in zip(map(int, sids), map(int, rows), map(int, num_tokens),
+                                                map(int, prompt_lens), map(int, parts), map(int, fresh)):
             if part != 0:
                 self._slots.setdefault(sid, [None, 0, 0])
                 continue
             rec, counted = self._slots.get(sid), 0
-            if rec is not None and n < rec[1]:
+            if rec is not None and n - new < rec[1]:
                 rewound += 1
                 counted = max(rec[2], rec[1])
                 self.finish_slot(sid)

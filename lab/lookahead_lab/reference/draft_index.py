@@ -321,20 +321,26 @@ class DraftIndex:
 
     def sync(self, sids: Sequence[int], rows: Sequence[int], token_ids: np.ndarray,
              num_tokens: Sequence[int], prompt_lens: Sequence[int], backoff: "DraftIndex | None" = None,
-             partitions: Sequence[int] | None = None) -> int:
+             partitions: Sequence[int] | None = None, sampled: Sequence[int] | None = None) -> int:
         """Bring many sequences up to date with the runner's token table:
         ``token_ids[rows[i], :num_tokens[i]]`` (``[max_rows, max_len]``) are
         sequence ``sids[i]``'s committed tokens. Unknown ids are admitted
         (``prompt_lens[i]`` prompt tokens) into ``partitions[i]`` (None: all
-        ``DEFAULT``), shorter ones rewound, longer ones extended. ``backoff``
-        (another index) is synced the same way in the same call. Returns how
-        many were rewound (of this index)."""
+        ``DEFAULT``), shorter ones rewound, longer ones extended; the last
+        ``sampled[i]`` tokens (None: none) were sampled this step, so a
+        sequence holding more than the tokens before them is rewound to those
+        first. ``backoff`` (another index) is synced the same way in the same
+        call. Returns how many were rewound (of this index)."""
         if backoff is self:
             raise ValueError("backoff: must be another index")
         if partitions is not None and len(partitions) != len(sids):
             raise ValueError("sids and partitions must have the same length")
+        if sampled is not None and len(sampled) != len(sids):
+            raise ValueError("sids and sampled must have the same length")
+        if sampled is not None and any(not 0 <= int(s) <= int(n) for s, n in zip(sampled, num_tokens)):
+            raise ValueError("sampled: each must be in [0, num_tokens]")
         if backoff is not None:
-            backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens, partitions=partitions)
+            backoff.sync(sids, rows, token_ids, num_tokens, prompt_lens, partitions=partitions, sampled=sampled)
         self.settle()
         rewound = 0
         for i, sid in enumerate(sids):
@@ -344,9 +350,10 @@ class DraftIndex:
                 self._add(sid, token_ids[row, :n].tolist(), min(int(prompt_lens[i]), n),
                           DEFAULT if partitions is None else partitions[i])
                 continue
-            if n < have:
-                self.rewind(sid, n)
-                have = n
+            kept = n if sampled is None else n - int(sampled[i])  # tokens from before this step
+            if kept < have:
+                self.rewind(sid, kept)
+                have = kept
                 rewound += 1
             if n > have:
                 self._extend(sid, token_ids[row, have:n].tolist())
