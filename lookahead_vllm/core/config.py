@@ -104,8 +104,7 @@ RETIRED = {
     "index_corpus_tokens": "renamed; use index_corpus_bytes (a cap in bytes: an output token is charged 80-190 of it)",
     "index_upkeep": "internal now (the platform profile's upkeep_thread: a thread on GPUs, inline on the CPU)",
     "insert_output": "removed (it was never read: generated tokens always enter the trie)",
-    "cost_per_path": "internal now (the platform profile's path_setup and cost_per_path)",
-}
+    "cost_per_path": "internal now (the platform profile's path_setup and cost_per_path)"}
 
 
 def _explain(err: ValidationError) -> str:
@@ -183,6 +182,8 @@ class Profile:
     debug_disable: tuple[str, ...] = ()  # debug only: DEBUG_SWITCHES off in tree verification; NOT lossless
 
     def __post_init__(self) -> None:
+        if not isinstance(self.debug_disable, list | tuple) or any(x not in DEBUG_SWITCHES for x in self.debug_disable):
+            raise ValueError(f"{PROFILE_KEY}.debug_disable={self.debug_disable!r}: a list drawn from {DEBUG_SWITCHES}")
         object.__setattr__(self, "debug_disable", tuple(self.debug_disable))
         for f in dataclasses.fields(self):  # bool knobs: a bool; the others: their _knob range
             value, within = getattr(self, f.name), f.metadata.get("within")
@@ -201,16 +202,17 @@ class Profile:
                              ("load_stop_at", self.load_shrink_above + 1, (1 << 16) + 1)):
             if not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"{PROFILE_KEY}.{name}={getattr(self, name)!r}: must be in [{lo}, {hi}]")
-        if self.platform not in PLATFORMS or any(x not in DEBUG_SWITCHES for x in self.debug_disable):
-            raise ValueError(f"_profile: platform={self.platform!r} must be one of {PLATFORMS}, "
-                             f"debug_disable={self.debug_disable!r} drawn from {DEBUG_SWITCHES}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"{PROFILE_KEY}.platform={self.platform!r}: must be one of {PLATFORMS}")
 
     @classmethod
     def for_platform(cls, platform: str, overrides: Mapping[str, Any] | None = None) -> "Profile":
         """The profile of ``platform`` ("cpu" or "gpu"), knobs in ``overrides`` replaced."""
         overrides = dict(overrides or {})
-        if platform not in PLATFORM_VALUES or overrides.get("platform", platform) != platform:
-            raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS} (and {PROFILE_KEY}'s, if given)")
+        if platform not in PLATFORM_VALUES:
+            raise ValueError(f"platform={platform!r}: must be one of {PLATFORMS}")
+        if overrides.get("platform", platform) != platform:
+            raise ValueError(f"{PROFILE_KEY}.platform={overrides['platform']!r}: this engine runs on {platform!r}")
         unknown = sorted(set(overrides) - set(PROFILE_FIELDS))
         if unknown:
             raise ValueError(f"{PROFILE_KEY}: unknown knob(s) {unknown}; the knobs are {list(PROFILE_FIELDS)}")
@@ -243,8 +245,7 @@ PLATFORM_VALUES: dict[str, dict[str, Any]] = {
                 upkeep_thread=False),
     "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
                 draft_setup=0.0, row_price=0.0, context_price=0.0, load_shrink_above=32, load_stop_at=128,
-                upkeep_thread=True),
-}
+                upkeep_thread=True)}
 PROFILE_FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
 
 
@@ -328,8 +329,8 @@ def resolve(values: Mapping[str, Any] | LookaheadConfig | None = None, *, platfo
     if values is not None and not isinstance(values, Mapping):
         raise ValueError(f"the lookahead config must be a mapping of lookahead fields, got {type(values).__name__}")
     values = dict(values or {})
-    overrides = values.pop(PROFILE_KEY, None) or {}
-    if not isinstance(overrides, Mapping):
+    overrides = values.pop(PROFILE_KEY, None)
+    if overrides is not None and not isinstance(overrides, Mapping):
         raise ValueError(f"{PROFILE_KEY} must be a mapping of profile knobs, got {type(overrides).__name__}")
     user = LookaheadConfig(**values)
     profile = Profile.for_platform(platform, overrides)

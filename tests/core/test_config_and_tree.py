@@ -95,6 +95,21 @@ def test_a_retired_knob_and_an_unknown_platform_are_named():
     assert default_decoding_length("cpu") == resolve(platform="cpu").decoding_length
 
 
+@pytest.mark.parametrize("profile, message", [
+    ({"debug_disable": 5}, r"_profile.debug_disable=5: a list drawn from \('positions', 'mask', 'compaction'\)"),
+    ({"debug_disable": "mask"}, r"_profile.debug_disable='mask': a list drawn from"),  # not split into letters
+    ({"debug_disable": ["mask", "cache"]}, r"_profile.debug_disable=\['mask', 'cache'\]: a list drawn from"),
+    ({"platform": "gpu"}, r"_profile.platform='gpu': this engine runs on 'cpu'"),
+    ([], r"_profile must be a mapping of profile knobs, got list"),
+    (0, r"_profile must be a mapping of profile knobs, got int"),
+])
+def test_a_bad_profile_is_named_with_its_value(profile, message):
+    with pytest.raises(ValueError, match=message):
+        resolve({PROFILE_KEY: profile}, platform="cpu")
+    assert resolve({PROFILE_KEY: {"debug_disable": ["mask"]}}).profile.debug_disable == ("mask",)
+    assert resolve({PROFILE_KEY: None}).profile == resolve().profile
+
+
 def test_profile_overrides_are_explicit_and_checked():
     s = resolve({"source": "trie", PROFILE_KEY: {"branch_length": 8, "upkeep_thread": True}})
     assert (s.profile.branch_length, s.profile.upkeep_thread, s.profile.max_match_length) == (8, True, 6)
