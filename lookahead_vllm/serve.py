@@ -28,8 +28,7 @@ CPU_ENV: dict[str, str] = {
     "NUMBA_THREADING_LAYER": "workqueue",
     "TOKENIZERS_PARALLELISM": "false",
     # Only ours: arctic-inference (installed for the "suffix" baseline) registers a plugin that must not load.
-    "VLLM_PLUGINS": "lookahead",
-}
+    "VLLM_PLUGINS": "lookahead"}
 
 
 def is_cpu_install() -> bool:

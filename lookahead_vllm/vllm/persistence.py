@@ -118,8 +118,7 @@ class Persistence:
         logger.warning("lookahead snapshot %s: another engine holds it (%s; lock %s); this engine starts from it "
                        "read only and writes nothing while that engine holds it; it tries the lock every %.0f s and, "
                        "once it holds it, writes at its own shutdown, replacing what that engine saved. Give each "
-                       "server its own snapshot_path",
-                       self.path, holder, lock.path, RETAKE_EVERY_S)
+                       "server its own snapshot_path", self.path, holder, lock.path, RETAKE_EVERY_S)
 
     def _load_snapshot(self, drafter: Any) -> Snapshot | None:
         path = self.path

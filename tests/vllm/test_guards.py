@@ -165,6 +165,19 @@ def test_async_scheduling_refused(tiny_llama_dir):
         guards.check_tree_config(cfg, "draft_shape='hier'")
 
 
+@pytest.mark.parametrize("field", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                   "prefill_context_parallel_size"])
+def test_pipeline_and_context_parallelism_refused_for_trees(tiny_llama_dir, field):
+    """vLLM builds the drafter on the last pipeline stage only: the earlier stages would score a tree's nodes as a
+    chain. Chains (verified as vLLM's own methods' are) keep them."""
+    from lookahead_vllm.vllm import guards
+
+    cfg = _config(tiny_llama_dir, TREE)
+    setattr(cfg.parallel_config, field, 2)
+    with pytest.raises(ValueError, match=r"does not support pipeline or context parallelism \(use tensor"):
+        guards.check_tree_config(cfg, "draft_shape='hier'")
+
+
 def test_recurrent_layers_refused_for_trees(tiny_llama_dir, monkeypatch):
     """Mamba, GDN and linear-attention layers keep one state per sequence: a tree cannot be
     verified in it, so tree mode is refused at config time (vLLM's recurrent backends would
