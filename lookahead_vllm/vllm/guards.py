@@ -113,9 +113,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     model_config = vllm_config.model_config
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
-    parallel = vllm_config.parallel_config  # vLLM builds the drafter (and the tree plans) on the last stage only
-    if max(parallel.pipeline_parallel_size, parallel.decode_context_parallel_size,
-           parallel.prefill_context_parallel_size) > 1:
+    parallel = getattr(vllm_config, "parallel_config", None)  # the drafter (tree plans) lives on the last stage only
+    sizes = [getattr(parallel, f"{p}_parallel_size", 1) for p in ("pipeline", "decode_context", "prefill_context")]
+    if max(sizes) > 1:
         problems.append("pipeline or context parallelism (use tensor parallelism, or draft_shape='one')")
     if model_config is not None and (model_config.is_hybrid or model_config.is_attention_free):
         problems.append("models with recurrent layers (Mamba, GDN, linear attention: their state follows one "
