@@ -199,9 +199,9 @@ struct SyncArgs {
       sampled = sampled_counts.data();
       for (int64_t i = 0; i < batch; ++i) {
         if (sampled[i] < 0 || sampled[i] > num[i]) {
-          throw py::value_error("sampled[" + std::to_string(i) + "] = " + std::to_string(sampled[i]) +
-                                ": must be in [0, num_tokens[" + std::to_string(i) + "]] (" + std::to_string(num[i]) +
-                                ")");
+          throw py::value_error("sampled[" + std::to_string(i) + "]=" + std::to_string(sampled[i]) +
+                                ": must be in [0, num_tokens[" + std::to_string(i) + "]=" + std::to_string(num[i]) +
+                                "]");
         }
       }
     }

@@ -98,8 +98,8 @@ class Drafter:
              sampled: np.ndarray | None = None) -> int:
         """``token_ids[rows[i], :num_tokens[i]]`` are request ``slots[i]``'s committed tokens (its first
         ``prompt_lens[i]`` the prompt, its last ``sampled[i]`` sampled this step): admit new requests (into
-        ``partitions[i]``, from :meth:`partition`; None: no salt's), extend or rewind known ones (the indexes to before
-        this step's samples). Returns how many were rewound."""
+        ``partitions[i]``, from :meth:`partition`; None: no salt's), extend or rewind known ones (to before this step's
+        samples where an index or the trie held more). Returns how many were rewound."""
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
         partitions = np.asarray(np.full(len(args[0]), self.partition(None)) if partitions is None else partitions,

@@ -176,8 +176,10 @@ def test_batch_with_backoff_matches_reference(cfg, vocab, data):
     for index in (ref, nat):
         with pytest.raises(ValueError, match="backoff"):
             index.sync(*table, backoff=index)
-        with pytest.raises(ValueError, match="sampled"):
+        with pytest.raises(ValueError, match=r"sampled"):
             index.sync(*table, sampled=[n + 1 for n in table[3]])
+    with pytest.raises(ValueError, match=r"sampled\[0\]=3: must be in \[0, num_tokens\[0\]=2\]"):
+        nat.sync([0], [0], np.array([[1, 2]]), [2], [1], sampled=[3])
 
 
 def test_tokens_sampled_in_place_of_dropped_ones_are_read_again():
