@@ -55,32 +55,25 @@ def test_other_requests_are_not_plain_only():
     assert not samples_plain_only(_params(temperature=0.0))
 
 
-def test_input_batch_without_the_processors_is_refused():
-    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
-                                                         MinTokensLogitsProcessor)
-    from vllm.v1.sample.logits_processor.state import LogitsProcessors
-
-    def batch(*kinds):
-        procs = LogitsProcessors()
-        for kind in kinds:  # built without __init__: the check reads only their types
-            procs.non_argmax_invariant.append(kind.__new__(kind))
-        return SimpleNamespace(logitsprocs=procs)
-
-    assert guards.check_logits_processors(batch(MinPLogitsProcessor, LogitBiasLogitsProcessor,
-                                                MinTokensLogitsProcessor)) == []
-    with pytest.raises(RuntimeError, match=r"lacks vLLM's \['LogitBiasLogitsProcessor', 'MinPLogitsProcessor'\]"):
-        guards.check_logits_processors(batch(MinTokensLogitsProcessor))  # what vLLM builds for ngram, suffix
-
-
-def _plugin_batch(*plugins):
-    """A runner's input batch holding vLLM's own logits processors and ``plugins`` (types; built without __init__)."""
-    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS
+def _input_batch(*kinds):
+    """A runner's input batch holding logits processors of ``kinds`` (built without __init__: the check reads only
+    their types)."""
     from vllm.v1.sample.logits_processor.state import LogitsProcessors
 
     procs = LogitsProcessors()
-    for kind in (*BUILTIN_LOGITS_PROCESSORS, *plugins):
+    for kind in kinds:
         procs.non_argmax_invariant.append(kind.__new__(kind))
-    return procs
+    return SimpleNamespace(logitsprocs=procs)
+
+
+def test_input_batch_without_the_processors_is_refused():
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    assert guards.check_logits_processors(_input_batch(MinPLogitsProcessor, LogitBiasLogitsProcessor,
+                                                       MinTokensLogitsProcessor)) == []
+    with pytest.raises(RuntimeError, match=r"lacks vLLM's \['LogitBiasLogitsProcessor', 'MinPLogitsProcessor'\]"):
+        guards.check_logits_processors(_input_batch(MinTokensLogitsProcessor))  # what vLLM builds for ngram, suffix
 
 
 def test_logits_processor_plugins_stop_every_request_drafting(caplog):
@@ -91,7 +84,7 @@ def test_logits_processor_plugins_stop_every_request_drafting(caplog):
     import logging
 
     import numpy as np
-    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessor
 
     from lookahead_lab.standalone import standalone_proposer
     from tests.settings import lookahead
@@ -110,14 +103,15 @@ def test_logits_processor_plugins_stop_every_request_drafting(caplog):
             return logits
 
     with caplog.at_level(logging.WARNING):
-        assert guards.check_logits_processors(SimpleNamespace(logitsprocs=_plugin_batch(BanToken))) == [
+        assert guards.check_logits_processors(_input_batch(*BUILTIN_LOGITS_PROCESSORS, BanToken)) == [
             "test_logits_processor_plugins_stop_every_request_drafting.<locals>.BanToken"]
     assert any("no request drafts" in r.getMessage() for r in caplog.records)
 
     def drafts(plugins):
         p = standalone_proposer(4, 64, lookahead(cost_free_tokens=0))
         text = [1, 2, 3, 4, 5] * 3 + [1]
-        batch = SimpleNamespace(req_ids=["a"], num_prompt_tokens=np.array([15]), logitsprocs=_plugin_batch(*plugins))
+        batch = SimpleNamespace(req_ids=["a"], num_prompt_tokens=np.array([15]),
+                                logitsprocs=_input_batch(*BUILTIN_LOGITS_PROCESSORS, *plugins).logitsprocs)
         p.on_step(batch, [], None)
         p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=None)])
         tokens = np.zeros((1, 64), np.int64)
