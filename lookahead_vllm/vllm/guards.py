@@ -108,9 +108,9 @@ def check_tree_config(vllm_config: Any, what: str) -> None:
     problems = []
     if vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling (pass --no-async-scheduling / async_scheduling=False)")
-    if str(vllm_config.cache_config.cache_dtype).startswith("fp8"):
-        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} (use kv_cache_dtype='auto')")
-    model_config = vllm_config.model_config
+    model_config, kv = vllm_config.model_config, str(vllm_config.cache_config.cache_dtype)
+    if kv != "auto" and f"torch.{kv}" != str(getattr(model_config, "dtype", "")):  # quantized (fp8, int8...), cast
+        problems.append(f"kv_cache_dtype={kv!r} (use kv_cache_dtype='auto')")
     if model_config is not None and model_config.uses_mrope:
         problems.append("M-RoPE models")
     parallel = getattr(vllm_config, "parallel_config", None)  # the drafter (tree plans) lives on the last stage only

@@ -147,11 +147,22 @@ def test_picked_backends_checked(tiny_llama_dir):
 # ---------------------------------------------------------------- other tree-mode settings
 
 
-def test_fp8_kv_refused(tiny_llama_dir):
+@pytest.mark.parametrize("dtype", ["fp8", "int8_per_token_head", "turboquant_k8v4", "nvfp4"])
+def test_quantized_kv_refused(tiny_llama_dir, dtype):
+    """Every quantized KV cache dtype is refused (the guard once caught only the fp8 family); chains keep it."""
     with pytest.raises(ValueError, match=r"lookahead draft_shape='hier' \(tree verification\) does not support "
-                                         r"kv_cache_dtype='fp8' \(use kv_cache_dtype='auto'\)"):
-        _config(tiny_llama_dir, TREE, kv_cache_dtype="fp8")
-    assert _config(tiny_llama_dir, {"draft_shape": "one"}, kv_cache_dtype="fp8").cache_config.cache_dtype == "fp8"
+                                         rf"kv_cache_dtype='{dtype}' \(use kv_cache_dtype='auto'\)"):
+        _config(tiny_llama_dir, TREE, kv_cache_dtype=dtype)
+    assert _config(tiny_llama_dir, {"draft_shape": "one"}, kv_cache_dtype=dtype).cache_config.cache_dtype == dtype
+
+
+def test_kv_dtype_other_than_the_models_refused(tiny_llama_dir):
+    """A KV cache cast to another float dtype than the model's is refused too (untested with trees); the model's
+    own dtype named explicitly is what 'auto' gives, and accepted."""
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' \(use kv_cache_dtype='auto'\)"):
+        _config(tiny_llama_dir, TREE, kv_cache_dtype="bfloat16")
+    same = _config(tiny_llama_dir, TREE, kv_cache_dtype="bfloat16", dtype="bfloat16")
+    assert same.cache_config.cache_dtype == "bfloat16"
 
 
 def test_async_scheduling_refused(tiny_llama_dir):
