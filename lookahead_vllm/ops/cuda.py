@@ -63,8 +63,7 @@ def tree_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32: context + tail
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     tree_mask: torch.Tensor,  # [num_tokens, num_words] int64
-    scale: float,
-    *,
+    scale: float, *,
     max_query_len: int | None = None,  # host-side bounds; computed (one sync) if None
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; rows outside requests untouched

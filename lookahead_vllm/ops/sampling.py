@@ -42,8 +42,7 @@ def expand_kernel_impl(
     output: torch.Tensor,  # [num_tokens]
     input_val: torch.Tensor,  # [batch_size]
     cu_num_tokens: torch.Tensor,  # [batch_size], inclusive cumulative counts
-    replace_from,
-    replace_to,
+    replace_from, replace_to,
     MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
 ) -> None:
     """Pure-torch ``expand_kernel`` (rejection sampler): one value per request over its tokens, ``replace_from``

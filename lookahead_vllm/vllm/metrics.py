@@ -242,8 +242,7 @@ BY_POLICY = (
     ("lookahead_draft_partitions", "draft_partitions",
      "Draft index partitions holding a request or an output, by draft_sharing policy."),
     ("lookahead_corpus_bytes", "corpus_bytes",
-     "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."),
-)
+     "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."))
 COUNTERS = (
     ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
     ("lookahead_draftless_steps", "draftless_steps",
@@ -254,8 +253,7 @@ HISTOGRAMS = (
     ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
     ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),
     ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
-     "Accepted lookahead draft tokens per engine step."),
-)
+     "Accepted lookahead draft tokens per engine step."))
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:

@@ -158,6 +158,19 @@ def test_non_mapping_lookahead_config_rejected(tiny_llama_dir):
         _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead"}, additional_config={"lookahead": [1]})
 
 
+def test_non_dict_additional_config_refused_with_lookahead(tiny_llama_dir):
+    """vLLM takes any hashable object as additional_config; lookahead carries its resolved settings in a dict there,
+    so it refuses one it would have replaced (the object was lost). Other methods keep it."""
+
+    class Other:
+        def compute_hash(self) -> str:
+            return "other"
+
+    with pytest.raises(ValueError, match=r"additional_config is a Other: lookahead needs a dict"):
+        _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead"}, additional_config=Other())
+    assert isinstance(_engine_config(tiny_llama_dir, additional_config=Other()).additional_config, Other)
+
+
 def test_lookahead_with_draft_model_rejected(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"speculative_config.model='some/model': method 'lookahead' needs no draft"):
         _engine_config(tiny_llama_dir, speculative_config={"method": "lookahead", "model": "some/model"})
