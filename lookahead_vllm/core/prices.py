@@ -101,8 +101,7 @@ class OnlinePrices:
     def observe(self, tokens: int, seconds: float, drafted: bool = True, rows: int = 1, context: int = 0) -> bool:
         """One pure decode step of ``rows`` requests that scored ``tokens`` tokens in ``seconds`` (``drafted``: it
         carried draft tokens, in rows whose contexts sum to ``context`` tokens); True when the prices were refitted."""
-        if (tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds)
-                or not context >= 0):
+        if tokens < 1 or not 1 <= rows <= tokens or not seconds > 0 or not math.isfinite(seconds) or not context >= 0:
             return False
         kilo = context / 1000.0 if drafted else 0.0
         key = (bucket_of(tokens), bucket_of(rows), bool(drafted), context_bucket(kilo))

@@ -235,8 +235,7 @@ GAUGES = (
      "Forwards each row of a step past the first adds, whatever its tokens (forward-cost model, live)."),
     ("lookahead_price_context", "price_context",
      "Forwards a row with drafts adds per 1000 tokens of its context (forward-cost model, live)."),
-    ("lookahead_price_step_seconds", "price_step_seconds",
-     "Fitted seconds of a step within the free tokens (0 until fitted)."),
+    ("lookahead_price_step_seconds", "price_step_seconds", "Fitted step seconds within the free tokens (0: unfitted)."),
     ("lookahead_price_samples", "price_samples", "Step-time samples the live token prices rest on."))
 BY_POLICY = (
     ("lookahead_draft_partitions", "draft_partitions",
@@ -245,15 +244,13 @@ BY_POLICY = (
      "Draft index corpus charge over all partitions (capped by index_corpus_bytes), bytes."))
 COUNTERS = (
     ("lookahead_steps", "steps", "Engine steps in which the lookahead drafter ran."),
-    ("lookahead_draftless_steps", "draftless_steps",
-     "Steps with no lookahead draft token in the batch, run as plain decoding."),
+    ("lookahead_draftless_steps", "draftless_steps", "Steps with no draft token in the batch, run as plain decoding."),
     ("lookahead_draft_tokens", "draft_tokens", "Draft nodes handed to vLLM by lookahead."),
     ("lookahead_accepted_tokens", "accepted_tokens", "Lookahead draft tokens accepted by the target."))
 HISTOGRAMS = (
     ("lookahead_drafter_seconds", "drafter_seconds", "Lookahead drafter wall time per engine step."),
     ("lookahead_draft_tokens_per_step", "draft_tokens_per_step", "Lookahead draft nodes per engine step."),
-    ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step",
-     "Accepted lookahead draft tokens per engine step."))
+    ("lookahead_accepted_tokens_per_step", "accepted_tokens_per_step", "Accepted draft tokens per engine step."))
 
 
 def add_cumulative(into: dict[str, Any], snap: dict[str, Any], sign: int = 1) -> None:

@@ -112,8 +112,7 @@ def patch_runner_logits_processors() -> bool:
     engine's does (:func:`patch_plain_sampling_params`); it looks the builder up after the proposer applied this."""
     from vllm.v1.worker import gpu_model_runner
 
-    def build(original, vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=(), *args,
-              **kwargs):
+    def build(original, vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=(), *args, **kwargs):
         if not (is_pooling_model or custom_logitsprocs) and la_config.is_lookahead(vllm_config.speculative_config):
             vllm_config = copy.copy(vllm_config)
             vllm_config.speculative_config = None
@@ -170,8 +169,10 @@ def patch_runner_sampling(original, self, logits, spec_decode_metadata):
     """Sample through :func:`greedy_sample` where it applies, else vLLM's samplers; then tree verification's rows."""
     out = None
     drafter = getattr(self, "drafter", None)
-    if (spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
-            and drafter.config.profile.argmax_sampling):
+    ours = spec_decode_metadata is not None and isinstance(drafter, LookaheadProposer)
+    if ours and self.input_batch.sampling_metadata.logprob_token_ids:  # vLLM's rejection sampler drops them
+        out = sample_undrafted(self, logits, spec_decode_metadata)
+    elif ours and drafter.config.profile.argmax_sampling:
         out = greedy_sample(self, logits, spec_decode_metadata)
     if out is None:
         global _lookahead_sampling, _seeded_step
@@ -220,6 +221,12 @@ def patch_rejection_sampling() -> bool:
          (rs, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")),
          (topk_topp_sampler, "apply_top_k_top_p", top_k_top_p, ("logits", "k", "p")))
     return True
+
+
+def sample_undrafted(runner: Any, logits: Any, spec_metadata: Any) -> Any:
+    """The step as plain decoding samples it, every draft rejected: each row's first logits row, vLLM's sampler."""
+    firsts = spec_metadata.bonus_logits_indices - torch.as_tensor(spec_metadata.num_draft_tokens, device=logits.device)
+    return runner.sampler(logits=logits[firsts], sampling_metadata=runner.input_batch.sampling_metadata)
 
 
 def greedy_sample(runner: Any, logits: Any, spec_metadata: Any) -> Any:

@@ -164,9 +164,8 @@ class LookaheadProposer:
         self._scheduled: dict[str, list[int]] = {}  # draft tokens vLLM scheduled per request this step (on_step)
         logger.info("lookahead proposer ready: %s", self.config)
         # Warm start and snapshot: learned now, written again at engine shutdown (close()), else at exit.
-        self._persistence = persistence.Persistence(
-            self.config, vllm_config.model_config,
-            getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0)
+        dp_rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_index", 0) or 0
+        self._persistence = persistence.Persistence(self.config, vllm_config.model_config, dp_rank)
         self._persistence.start(self.drafter)
         if self.tree_mode and (self.config.snapshot_path or self.config.warm_start):
             self._agree_on_what_was_learned()
@@ -356,11 +355,13 @@ class LookaheadProposer:
         return drafts
 
     def _budgets(self, room: np.ndarray, caps: list[int | None], batch: Any) -> tuple[np.ndarray, dict[str, int], int]:
-        """Per row its draft budget (load, ``draft_pays``, ``room``), and the rows skipped by load, cost and cap."""
+        """Per row its draft budget (load, ``draft_pays``, ``room``), and the rows skipped by load, cost and request."""
         load_budget = load_scaled_budget(self.config, len(batch.req_ids))
         skipped = dict.fromkeys(metrics.SKIP_REASONS, 0)
-        if load_budget == 0 or not self.cost.at_rows(len(room)).draft_pays(len(room)):
-            skipped["load" if load_budget == 0 else "cost"] = len(caps)
+        stop = ("request" if getattr(batch, "logprob_token_ids", None) else "load" if load_budget == 0
+                else None if self.cost.at_rows(len(room)).draft_pays(len(room)) else "cost")  # patches.sample_undrafted
+        if stop:
+            skipped[stop] = len(caps)
             return np.zeros(len(caps), np.int64), skipped, load_budget
         skipped["request"] = caps.count(0)
         return np.minimum(load_budget, room), skipped, load_budget
@@ -396,8 +397,7 @@ class LookaheadProposer:
             drafts = [[] for _ in range(num_out)]
         else:
             if self._index_only:
-                tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor,
-                                                              self.tree_mode)
+                tok, par, raw, lens = self.drafter.draft_rows(slots[drafting], budgets[drafting], floor, self.tree_mode)
                 kinds = None
                 self.stats.context_drafts += int(np.count_nonzero(lens))
             else:

@@ -168,7 +168,7 @@ class TreeVerifier:
         """Replace tree requests' rejection-sampler rows by tree walks; compact KV. Greedy targets come from
         ``sampler_output.logits_argmax`` where ``patches.greedy_sample`` took it, else from one argmax here."""
         step, self.current = self.current, None
-        if step is None or spec_metadata is None:
+        if step is None or spec_metadata is None or sampler_output.sampled_token_ids.shape[1] == 1:  # undrafted
             return
         trees, num_rows = step.trees, step.num_rows
         ends = spec_metadata.cu_num_sampled_tokens.cpu().numpy()[step.rows]
@@ -308,8 +308,7 @@ def _paged_kernel(step: TreeStep, impl: Any, query: torch.Tensor, cache: FlashPa
         step.kernel_args = (rows, write, rows[write], dict(
             block_tables=metadata.block_table[req_rows], seq_lens=metadata.seq_lens[req_rows].to(torch.int32),
             query_start_loc=qsl.to(device), tree_mask=pack_tree_mask(masks).to(device),
-            scale=impl.scale, max_query_len=q_max, max_seq_len=int(metadata.max_seq_len),
-        ))
+            scale=impl.scale, max_query_len=q_max, max_seq_len=int(metadata.max_seq_len)))
     rows, write, out_rows, args = step.kernel_args
     if len(write):  # else every tree is its leading chain so far (the scheduler cut the rest)
         out[out_rows] = la_cuda.tree_attention(query[rows], cache.key_cache, cache.value_cache, **args)[write]
@@ -367,8 +366,7 @@ def _path_plan(step: TreeStep, metadata: Any) -> PathPlan:
         rounds.append(PathRound(
             slice(kv0, len(all_kv)), slot_mapping[torch.tensor(slot_rows, device=slot_mapping.device)],
             slice(q0, len(all_q)), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-            block_table[torch.tensor(table_rows, device=block_table.device)],
-        ))
+            block_table[torch.tensor(table_rows, device=block_table.device)]))
     kv_rows, query_rows, restore_rows = (torch.tensor(rows, dtype=torch.long, device=slot_mapping.device)
                                          for rows in (all_kv, all_q, sorted(restore)))
     step.path_plan = PathPlan(rounds, kv_rows, query_rows, restore_rows, slot_mapping[restore_rows])
@@ -419,8 +417,7 @@ def check_supported(impl: Any) -> None:
         "sliding window": getattr(impl, "sliding_window", -1) not in (-1, None, (-1, -1)),
         "ALiBi": getattr(impl, "alibi_slopes", None) is not None,
         "logits soft-cap": bool(getattr(impl, "logits_soft_cap", 0)),
-        "attention sinks": getattr(impl, "sinks", None) is not None,
-    }
+        "attention sinks": getattr(impl, "sinks", None) is not None}
     bad = [name for name, yes in unsupported.items() if yes]
     if bad:
         raise NotImplementedError(f"lookahead tree verification does not support {', '.join(bad)}; "

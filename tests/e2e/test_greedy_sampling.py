@@ -16,7 +16,7 @@ import pytest
 
 from lookahead_lab.offline import count_mismatches, generate
 
-from .conftest import MAX_TOKENS, plain_run
+from .conftest import MAX_TOKENS, PINNED_PRICES, plain_run
 
 pytestmark = pytest.mark.vllm
 
@@ -141,3 +141,35 @@ def test_tree_steps_read_the_argmax_greedy_sample_took(engines, prompts, both_wa
     assert count_mismatches(plain.token_ids, ours.token_ids) == 0
     assert both_ways["differ"] == [] and both_ways["stock_only"] == 0
     assert log["tree_steps"] > 0 and log["handed"] == log["tree_steps"] and log["taken"] == 0, log
+
+
+@pytest.mark.parametrize("lookahead", [dict(PINNED_PRICES), {"draft_shape": "hier", "cost_free_tokens": 0}],
+                         ids=["chain", "hier"])
+def test_logprob_token_ids_answered_as_plain(engines, prompts, monkeypatch, lookahead):
+    """vLLM's rejection sampler answers a drafted step without ``logprob_token_ids``' logprobs (for every row), so no
+    request drafts while one runs, and the step that admits one beside rows drafted the step before is sampled as
+    plain decoding (``patches.sample_undrafted``): every token and logprob is plain's. Two sequences at a time: the
+    third request joins when the second ends, while the first still drafts."""
+    from vllm import SamplingParams
+
+    from lookahead_vllm.vllm import patches
+
+    undrafted = []
+    sample = patches.sample_undrafted
+    monkeypatch.setattr(patches, "sample_undrafted", lambda *a: undrafted.append(1) or sample(*a))
+    ps = prompts["humaneval"][:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=32), SamplingParams(temperature=0.0, max_tokens=6),
+              SamplingParams(temperature=0.0, max_tokens=12, logprob_token_ids=[28, 1003, 18526])]
+    plain = engines.get("plain-2seqs", max_num_seqs=2).generate(ps, params, use_tqdm=False)
+    from lookahead_lab.offline import find_proposers
+
+    llm = engines.get(f"lookahead-2seqs-{lookahead.get('draft_shape', 'one')}", max_num_seqs=2, lookahead=lookahead)
+    (proposer,) = find_proposers(llm)
+    ours = llm.generate(ps, params, use_tqdm=False)
+    for p, o in zip(plain, ours):
+        assert o.outputs[0].token_ids == p.outputs[0].token_ids
+    expected, got = plain[2].outputs[0].logprobs, ours[2].outputs[0].logprobs
+    assert len(got) == len(expected) == 12  # before the fix: the first token's only
+    for e, g in zip(expected, got):
+        assert sorted(g) == sorted(e) and all(abs(g[t].logprob - e[t].logprob) < 1e-4 for t in e)
+    assert len(undrafted) == 1 and proposer.stats.counters()["draft_tokens"] > 0  # the admission step; drafts
