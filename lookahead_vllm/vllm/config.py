@@ -71,7 +71,7 @@ def resolve_lookahead_config(additional_config: Any, num_speculative_tokens: int
     if additional_config is not None and not isinstance(additional_config, dict):  # vLLM takes any SupportsHash
         raise ValueError(f"additional_config is a {type(additional_config).__name__}: lookahead needs a dict, which "
                          f"it carries its settings in ({{'lookahead': {{...}}}} beside other keys)")
-    values = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    values = _dict(additional_config).get(ADDITIONAL_CONFIG_KEY)
     if values is not None and not isinstance(values, dict):
         raise ValueError(f"additional_config['lookahead'] must be a mapping of lookahead fields, "
                          f"got {type(values).__name__}")

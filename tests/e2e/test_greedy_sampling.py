@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead_lab.offline import count_mismatches, generate
+from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
 from .conftest import MAX_TOKENS, PINNED_PRICES, plain_run
 
@@ -52,7 +52,6 @@ def test_every_step_samples_what_vllms_samplers_sample(engines, prompts, both_wa
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    from lookahead_lab.offline import find_proposers
 
     ps = prompts["mtbench"]
     plain = plain_run(engines, ps, params, 8, ("mtbench", "greedy"))
@@ -112,7 +111,6 @@ def test_tree_steps_read_the_argmax_greedy_sample_took(engines, prompts, both_wa
     stays plain vLLM's."""
     from vllm import SamplingParams
 
-    from lookahead_lab.offline import find_proposers
     from lookahead_vllm.ops.sampling import row_argmax
     from lookahead_vllm.vllm import tree_verify
 
@@ -161,8 +159,6 @@ def test_logprob_token_ids_answered_as_plain(engines, prompts, monkeypatch, look
     params = [SamplingParams(temperature=0.0, max_tokens=32), SamplingParams(temperature=0.0, max_tokens=6),
               SamplingParams(temperature=0.0, max_tokens=12, logprob_token_ids=[28, 1003, 18526])]
     plain = engines.get("plain-2seqs", max_num_seqs=2).generate(ps, params, use_tqdm=False)
-    from lookahead_lab.offline import find_proposers
-
     llm = engines.get(f"lookahead-2seqs-{lookahead.get('draft_shape', 'one')}", max_num_seqs=2, lookahead=lookahead)
     (proposer,) = find_proposers(llm)
     ours = llm.generate(ps, params, use_tqdm=False)
