@@ -114,3 +114,39 @@ def test_aborted_request_state_released(engines, prompts):
         engine.step()
     assert not any(r.startswith("abort-me") for r in proposer.request_ids())
     assert proposer.drafter.num_requests() <= 1
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_request_options_vllm_applies_keep_plain_output(engines, prompts, tokenizer, bs):
+    """Options vLLM applies at every position, drafted ones included (stops, penalties, token limits, logprobs):
+    each request's tokens, text, finish reason and logprob ids are plain vLLM's, with the options mixed in one
+    batch or alone."""
+    from vllm import SamplingParams
+
+    from lookahead_lab.offline import find_proposers
+
+    newline = tokenizer.encode("\n")[-1]
+    options = [{"stop_token_ids": [newline]}, {"stop": ["return", "\n\n"], "include_stop_str_in_output": True},
+               {"ignore_eos": True}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.8},
+               {"bad_words": ["return", " the"]}, {"allowed_token_ids": list(range(4000))},
+               {"prompt_logprobs": 2, "logprobs": 3}]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, **kw) for kw in options]
+    ps = prompts["humaneval"][16:20] + prompts["mtbench"][6:10]
+
+    def run(llm):
+        got = []
+        for lo in range(0, len(ps), bs):
+            for out in llm.generate(ps[lo:lo + bs], params[lo:lo + bs], use_tqdm=False):
+                c = out.outputs[0]
+                got.append((list(c.token_ids), c.text, c.finish_reason,
+                            [sorted(d) for d in c.logprobs or ()], [sorted(d or ()) for d in out.prompt_logprobs or ()]))
+        return got
+
+    plain = run(engines.get("plain"))
+    llm = engines.get("lookahead")
+    (proposer,) = find_proposers(llm)
+    drafted = proposer.stats.counters()["draft_tokens"]
+    ours = run(llm)
+    assert [o[2] for o in plain].count("stop") >= 2 and plain[-1][3] and plain[-1][4]  # stops end some early
+    assert [i for i, (a, b) in enumerate(zip(plain, ours)) if a != b] == []
+    assert proposer.stats.counters()["draft_tokens"] > drafted
