@@ -138,8 +138,9 @@ def test_request_options_vllm_applies_keep_plain_output(engines, prompts, tokeni
         for lo in range(0, len(ps), bs):
             for out in llm.generate(ps[lo:lo + bs], params[lo:lo + bs], use_tqdm=False):
                 c = out.outputs[0]
-                got.append((list(c.token_ids), c.text, c.finish_reason,
-                            [sorted(d) for d in c.logprobs or ()], [sorted(d or ()) for d in out.prompt_logprobs or ()]))
+                prompt_lps = [sorted(d or ()) for d in out.prompt_logprobs or ()]
+                got.append((list(c.token_ids), c.text, c.finish_reason, [sorted(d) for d in c.logprobs or ()],
+                            prompt_lps))
         return got
 
     plain = run(engines.get("plain"))
