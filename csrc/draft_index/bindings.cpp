@@ -985,9 +985,9 @@ void bind_trie(py::module_& m) {
               throw py::value_error("parents, tokens and counts must have the same length");
             }
             std::lock_guard<std::mutex> lock(b.mu);
-            if (!b.core.load_output_counts(parents.data(), tokens.data(), counts.data(), tokens.size())) {
-              throw py::value_error("parents: every row's parent must be -1 or an earlier row");
-            }
+            const std::string refused =
+                b.core.load_output_counts(parents.data(), tokens.data(), counts.data(), tokens.size());
+            if (!refused.empty()) throw py::value_error(refused);
           },
           py::arg("parents"), py::arg("tokens"), py::arg("counts"))
       .def("prune", locked([](lookahead::TokenTrie& t) { t.prune(); }));

@@ -759,9 +759,23 @@ void TokenTrie::output_counts(std::vector<int32_t>& parents, std::vector<int32_t
   for (int32_t c : kids(0)) visit(c, -1);
 }
 
-bool TokenTrie::load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, size_t n) {
+std::string TokenTrie::load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts,
+                                          size_t n) {
+  // Every check before any change: a table this trie could not have written
+  // (output_counts recurses as deep as a path, at most branch_length) is refused whole.
+  std::vector<int32_t> depth(n);
   for (size_t i = 0; i < n; ++i) {
-    if (parents[i] >= static_cast<int64_t>(i)) return false;
+    if (parents[i] < -1 || parents[i] >= static_cast<int64_t>(i)) {
+      return "parents: every row's parent must be -1 or an earlier row";
+    }
+    depth[i] = parents[i] < 0 ? 1 : depth[parents[i]] + 1;
+    if (depth[i] > config_.branch_length) {
+      return "row " + std::to_string(i) + " is " + std::to_string(depth[i]) + " nodes deep: must be at most " +
+             "branch_length=" + std::to_string(config_.branch_length);
+    }
+    if (!std::isfinite(counts[i]) || counts[i] < 0.0) {
+      return "counts: row " + std::to_string(i) + " has " + std::to_string(counts[i]) + ": must be finite and >= 0";
+    }
   }
   std::vector<int32_t> rows;
   rows.reserve(n);
@@ -771,7 +785,7 @@ bool TokenTrie::load_output_counts(const int32_t* parents, const int32_t* tokens
     rows.push_back(node);
   }
   maybe_prune();
-  return true;
+  return {};
 }
 
 }  // namespace lookahead

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -175,7 +176,8 @@ class TokenTrie {
   // The output counts as a pre-order node table (the reference's output_counts).
   void output_counts(std::vector<int32_t>& parents, std::vector<int32_t>& tokens, std::vector<double>& counts) const;
   // Add such a table; false (nothing added) if a parent is not an earlier row.
-  bool load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, std::size_t n);
+  // Empty, or why the table was refused (nothing changed then).
+  std::string load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, std::size_t n);
   void prune();
 
  private:

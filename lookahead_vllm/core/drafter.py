@@ -102,8 +102,7 @@ class Drafter:
         samples where an index or the trie held more). Returns how many were rewound."""
         args = (np.asarray(slots, np.int64), np.asarray(rows, np.int64), token_ids,
                 np.asarray(num_tokens, np.int64), np.asarray(prompt_lens, np.int64))
-        partitions = np.asarray(np.full(len(args[0]), self.partition(None)) if partitions is None else partitions,
-                                np.int64)
+        partitions = np.asarray([self.partition(None)] * len(slots) if partitions is None else partitions, np.int64)
         rewound = [] if self.index is None else [self.index.sync(*args, self.backoff, partitions, sampled)]
         if self.trie is not None:
             rewound.append(self.trie.sync(*args, partitions, sampled))
@@ -205,14 +204,16 @@ class Drafter:
         """Learn the snapshot at ``path`` (written for ``identity``): its outputs, oldest first, into the index, each
         into the partition its label names under this policy (else skipped), its output counts into the trie (without
         a trie table: its default partition's outputs as warm texts). SnapshotError, before any change, if refused."""
-        from lookahead_vllm.core.snapshot import read_snapshot, settings_of
+        from lookahead_vllm.core.snapshot import SnapshotError, read_snapshot, settings_of
 
         snap = read_snapshot(path, identity, settings_of(self.config) if self.trie is not None else None)
+        if self.trie is not None and (table := snap.trie) is not None and self.partition(None) == DEFAULT:
+            try:  # first: the trie checks the whole table before it changes (depth, counts)
+                self.trie.load_output_counts(table.parents.tolist(), table.tokens.tolist(), table.counts.tolist())
+            except ValueError as exc:
+                raise SnapshotError(f"snapshot {path}: trie table refused: {exc}") from None
         for tokens, label in zip(snap.sequences, snap.labels):
             partition = self.partitions.of_label(label)
             if partition is not None:
                 self._learn(tokens, partition, self.trie is not None and snap.trie is None)
-        if self.trie is not None and snap.trie is not None and self.partition(None) == DEFAULT:
-            self.trie.load_output_counts(snap.trie.parents.tolist(), snap.trie.tokens.tolist(),
-                                         snap.trie.counts.tolist())
         return snap

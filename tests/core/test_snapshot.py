@@ -181,3 +181,22 @@ def test_empty_drafter_round_trips(tmp_path):
     Drafter(lookahead_settings()).save_snapshot(path, IDENTITY)
     snap = Drafter(lookahead_settings()).load_snapshot(path, IDENTITY)
     assert snap.sequences == [] and snap.trie is None
+
+
+@pytest.mark.parametrize("flaw", ["too deep", "nan count", "negative count"])
+def test_trie_table_this_trie_could_not_write_is_refused(tmp_path, flaw):
+    """A crafted table (checksum right) is refused whole, before the index learns the file's outputs: a path
+    deeper than branch_length (saving it again would recurse that deep: 100k rows crashed the process) or a
+    count that is not finite and >= 0."""
+    import dataclasses
+
+    d = Drafter(lookahead_settings(source="index+trie"))
+    _serve(d, _traffic(3))
+    n = 13 if flaw == "too deep" else 3
+    counts = np.ones(n)
+    counts[-1] = {"too deep": 1.0, "nan count": np.nan, "negative count": -1.0}[flaw]
+    table = snapshot.TrieTable(np.arange(-1, n - 1, dtype=np.int32), np.full(n, 5, np.int32), counts)
+    path = str(tmp_path / "crafted.bin")
+    snapshot.write_snapshot(path, dataclasses.replace(d.snapshot(IDENTITY), trie=table))
+    message = _refused(path)
+    assert ("13 nodes deep: must be at most branch_length=12" if flaw == "too deep" else "must be finite") in message

@@ -319,3 +319,20 @@ def test_memory_estimate_follows_what_the_trie_holds():
     core.finish_request(handle)  # every node goes (the free list keeps 4 bytes a node slot)
     assert core.num_nodes == 0 and empty < core.memory_bytes() < held
     assert core.memory_bytes() - twin.memory_bytes() < 16 * twin.num_nodes  # the counts are gone
+
+
+@pytest.mark.parametrize("parents,counts,match", [
+    ([-1, 0, 1, 2, 3], [1.0] * 5, "row 4 is 5 nodes deep: must be at most branch_length=4"),
+    ([-1, -2], [1.0, 1.0], "earlier row"),
+    ([-1, 0], [1.0, float("nan")], "row 1 has nan: must be finite and >= 0"),
+    ([-1, 0], [float("inf"), 1.0], "row 0 has inf"),
+    ([-1, 0], [1.0, -0.5], "must be finite and >= 0"),
+])
+def test_a_table_the_trie_could_not_write_is_refused_whole(parents, counts, match):
+    """Native and reference refuse the same tables, and change nothing; a table as deep as branch_length loads."""
+    for trie in pair("hier", branch_length=4):
+        with pytest.raises(ValueError, match=match):
+            trie.load_output_counts(parents, [7] * len(parents), counts)
+        assert trie.output_counts() == ([], [], [])
+        trie.load_output_counts([-1, 0, 1, 2], [7] * 4, [1.0] * 4)
+        assert trie.output_counts()[0] == [-1, 0, 1, 2]

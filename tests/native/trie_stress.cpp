@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
       std::vector<double> counts;
       trie.output_counts(parents, toks, counts);
       TokenTrie fresh(config);
-      if (!fresh.load_output_counts(parents.data(), toks.data(), counts.data(), toks.size())) {
+      if (!fresh.load_output_counts(parents.data(), toks.data(), counts.data(), toks.size()).empty()) {
         return fail("a written table refused", step);
       }
       std::vector<int32_t> again_parents, again_toks;

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -377,6 +378,16 @@ class TokenTrie:
     def load_output_counts(self, parents: Sequence[int], tokens: Sequence[int], counts: Sequence[float]) -> None:
         """Add a node table written by :meth:`output_counts` (into an empty
         trie: the same output counts, the same children order)."""
+        depth: list[int] = []
+        for i, (parent, count) in enumerate(zip(parents, counts)):  # every check before any change
+            if not -1 <= parent < i:
+                raise ValueError("parents: every row's parent must be -1 or an earlier row")
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            if depth[-1] > self.knobs.branch_length:
+                raise ValueError(f"row {i} is {depth[-1]} nodes deep: must be at most branch_length="
+                                 f"{self.knobs.branch_length}")
+            if not (math.isfinite(count) and count >= 0):
+                raise ValueError(f"counts: row {i} has {count}: must be finite and >= 0")
         rows: list[_Node] = []
         for parent, token, count in zip(parents, tokens, counts):
             node = self._child(self.root if parent < 0 else rows[parent], int(token))
