@@ -192,6 +192,9 @@ struct SyncArgs {
     for (int64_t i = 0; i < batch; ++i) {
       table.check_row("rows", i, row[i]);
       table.check_end("num_tokens", i, num[i]);
+      if (plen[i] < 0) {  // here, not where a row is admitted: a batch is applied whole or not at all
+        throw py::value_error("prompt_lens[" + std::to_string(i) + "]=" + std::to_string(plen[i]) + ": must be >= 0");
+      }
     }
     if (!sampled_obj.is_none()) {
       sampled_counts = int_array(sampled_obj, "sampled");

@@ -352,6 +352,10 @@ def test_lifecycle_errors():
         nat.sync([3], [1], np.zeros((1, 4), np.int32), [2], [1])
     with pytest.raises(ValueError, match="num_tokens"):
         nat.sync([3], [0], np.zeros((1, 4), np.int32), [5], [1])
+    live = nat.num_live()
+    with pytest.raises(ValueError, match=r"prompt_lens\[1\]=-1: must be >= 0"):  # before row 0 is admitted
+        nat.sync([5, 6], [0, 1], np.ones((2, 4), np.int32), [3, 3], [2, -1])
+    assert nat.num_live() == live
     with pytest.raises(ValueError, match="outside int32"):
         nat.add(4, [1 << 40], 0)
 
