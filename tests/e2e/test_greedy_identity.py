@@ -116,7 +116,7 @@ def test_aborted_request_state_released(engines, prompts):
     assert proposer.drafter.num_requests() <= 1
 
 
-@pytest.mark.parametrize("bs", [1, 8])
+@pytest.mark.parametrize("bs", [pytest.param(1, marks=pytest.mark.slow), 8])  # each alone: 40 s, so -m slow
 def test_request_options_vllm_applies_keep_plain_output(engines, prompts, tokenizer, bs):
     """Options vLLM applies at every position, drafted ones included (stops, penalties, token limits, logprobs):
     each request's tokens, text, finish reason and logprob ids are plain vLLM's, with the options mixed in one
