@@ -175,8 +175,9 @@ class TokenTrie {
   int64_t num_slot_contexts() const;
   // The output counts as a pre-order node table (the reference's output_counts).
   void output_counts(std::vector<int32_t>& parents, std::vector<int32_t>& tokens, std::vector<double>& counts) const;
-  // Add such a table; false (nothing added) if a parent is not an earlier row.
-  // Empty, or why the table was refused (nothing changed then).
+  // Add such a table. Returns empty, or why it was refused (a parent not -1 or an
+  // earlier row, a path deeper than branch_length, a count not finite and >= 0;
+  // nothing changed then).
   std::string load_output_counts(const int32_t* parents, const int32_t* tokens, const double* counts, std::size_t n);
   void prune();
 

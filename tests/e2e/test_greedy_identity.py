@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead_lab.offline import count_mismatches, generate
+from lookahead_lab.offline import count_mismatches, find_proposers, generate
 
 from .conftest import MAX_TOKENS, NUM_BS1, plain_run
 
@@ -69,8 +69,6 @@ def test_lookahead_greedy_identical_to_plain(engines, prompts, dataset, bs):
 
 
 def test_step_draft_budget_honoured_and_lossless(engines, prompts):
-    from lookahead_lab.offline import find_proposers
-
     # One batch of 8 (its plain run shared with other modules).
     ps = prompts["humaneval"][:8]
     plain = plain_run(engines, ps, _greedy(), 8, ("humaneval[:8]", "greedy"))
@@ -83,8 +81,6 @@ def test_step_draft_budget_honoured_and_lossless(engines, prompts):
 
 
 def test_proposer_state_released_after_requests_finish(engines, prompts):
-    from lookahead_lab.offline import find_proposers
-
     llm = engines.get("lookahead")
     generate(llm, prompts["mtbench"][:3], _greedy(8), 3)
     generate(llm, prompts["mtbench"][:1], _greedy(4), 1)  # a step that reports the finished ids
@@ -97,8 +93,6 @@ def test_proposer_state_released_after_requests_finish(engines, prompts):
 def test_aborted_request_state_released(engines, prompts):
     """An aborted request's drafting state goes (finished ones are covered above)."""
     from vllm import SamplingParams
-
-    from lookahead_lab.offline import find_proposers
 
     llm = engines.get("lookahead-abort")
     engine = llm.llm_engine
@@ -122,8 +116,6 @@ def test_request_options_vllm_applies_keep_plain_output(engines, prompts, tokeni
     each request's tokens, text, finish reason and logprob ids are plain vLLM's, with the options mixed in one
     batch or alone."""
     from vllm import SamplingParams
-
-    from lookahead_lab.offline import find_proposers
 
     newline = tokenizer.encode("\n")[-1]
     options = [{"stop_token_ids": [newline]}, {"stop": ["return", "\n\n"], "include_stop_str_in_output": True},
