@@ -21,7 +21,7 @@ from paired import ratio_interval
 
 
 def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
-    """Per method (plain excluded): the waves of every file's cell at ``concurrency``, pooled, and
+    """Per method (plain and ``lookahead:NAME`` variants excluded): the waves of every file's cell at ``concurrency``, pooled, and
     the geometric mean over files of its p99 latency and TTFT p50 over plain's in the same file.
     Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
     one request in flight and pool), with one cap on answers or the same ``--vary-lengths``, closed loop or one
@@ -46,7 +46,7 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
                              f"({', '.join(map(str, kinds.values()))}); pool one kind of wave")
         plain = methods["plain"]
         for name, row in methods.items():
-            if name != "plain":
+            if name != "plain" and ":" not in name:
                 waves.setdefault(name, []).extend(row["speedup_waves"])
                 if "latency_p99_s" in row:
                     tails.setdefault(name, []).append((row["latency_p99_s"] / plain["latency_p99_s"],

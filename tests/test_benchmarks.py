@@ -948,6 +948,11 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     assert curve[1]["lookahead"]["ci95"] == [None, None]  # one wave: no interval
     assert (tmp_path / "curve.png").stat().st_size > 0
     assert json.loads((tmp_path / "curve.json").read_text())["cells"]["32"]["lookahead"]["waves"] == 4
+    with_variant = json.loads(a.read_text())
+    with_variant["cells"][0]["methods"]["lookahead:dear"] = {"speedup_waves": [0.5, 0.5]}
+    (tmp_path / "v.json").write_text(json.dumps(with_variant))
+    curve = plot_load_curve.main([f"32={tmp_path / 'v.json'}", f"32={b}", "--out", str(tmp_path / "v_curve.json")])
+    assert set(curve[32]) == {"lookahead"} and curve[32]["lookahead"]["waves"] == 4  # a variant is not a method
     with pytest.raises(SystemExit, match="no cells at concurrency 8"):
         plot_load_curve.main([f"8={a}", "--out", str(tmp_path / "x.json")])
     sustained = tmp_path / "d.json"

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -229,6 +231,14 @@ int64_t sync_rows(BoundIndex& b, py::handle sids_obj, py::handle rows_obj, const
   return rewound;
 }
 
+// A draft's node budget: its rows are allocated at this width before any sequence is looked up.
+constexpr int64_t kMaxDraftBudget = 1 << 16;
+void check_budget(int64_t budget) {
+  if (budget > kMaxDraftBudget) {
+    throw py::value_error("budget " + std::to_string(budget) + ": must be at most " + std::to_string(kMaxDraftBudget));
+  }
+}
+
 py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj, double floor, bool tree,
                       int threads, BoundIndex* backoff) {
   if (threads < 1 || threads > 256) throw py::value_error("threads=" + std::to_string(threads) + ": must be in [1, 256]");
@@ -240,7 +250,7 @@ py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj
   const int64_t* budget = budgets.data();
   int64_t width = 0;
   for (int64_t i = 0; i < batch; ++i) width = std::max(width, budget[i]);
-  if (width > INT32_MAX) throw py::value_error("budgets must be < 2**31");
+  check_budget(width);  // before the rows are allocated
   py::array_t<int32_t> tokens({batch, width}), parents({batch, width});
   py::array_t<double> conf({batch, width});
   py::array_t<int32_t> lengths(batch);
@@ -263,7 +273,8 @@ py::tuple draft_batch(BoundIndex& b, py::handle sids_obj, py::handle budgets_obj
 std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>> draft_one(BoundIndex& b, int64_t sid,
                                                                                    int64_t budget, double floor,
                                                                                    bool tree) {
-  const int width = static_cast<int>(std::clamp<int64_t>(budget, 0, INT32_MAX));
+  check_budget(budget);
+  const int width = static_cast<int>(std::max<int64_t>(budget, 0));
   std::vector<int32_t> tokens(width), parents(width);
   std::vector<double> conf(width);
   std::lock_guard<std::mutex> lock(b.mu);
@@ -278,6 +289,28 @@ std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<double>> draf
 // ------------------------------------------------------------ kernel helpers
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// `obj` as a C-contiguous array of T, refusing integers T cannot hold (forcecast alone wraps them: 2**32 + 1 as an
+// int32 parent would read as 1). Arrays of T pass through without a copy or a scan.
+template <typename T>
+py::array_t<T, py::array::c_style | py::array::forcecast> narrow(py::handle obj, const char* name) {
+  if (py::isinstance<py::array>(obj)) {
+    const auto a = py::reinterpret_borrow<py::array>(obj);
+    const char kind = a.dtype().kind();
+    if ((kind == 'i' || kind == 'u') && !a.dtype().is(py::dtype::of<T>())) {
+      const IntArray wide = IntArray::ensure(obj);
+      if (kind == 'u' && a.itemsize() == 8) throw py::value_error(std::string(name) + ": uint64 is not accepted");
+      for (py::ssize_t i = 0; i < wide.size(); ++i) {
+        const int64_t v = wide.data()[i];
+        if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
+          throw py::value_error(std::string(name) + ": " + std::to_string(v) + " does not fit " +
+                                std::to_string(8 * sizeof(T)) + "-bit integers");
+        }
+      }
+    }
+  }
+  return py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(obj);
+}
 
 void check_same_length(const char* what, int64_t a, int64_t b) {
   if (a != b) throw py::value_error(std::string(what) + " must have the same length");
@@ -322,12 +355,19 @@ void check_out_rows(const IntArray& out_rows, int64_t num_out) {
   }
 }
 
-// The forward-cost model's prices (free_tokens 0: no cost model).
-void check_prices(int64_t free_tokens, double marginal_tokens, double draft_setup) {
-  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0))) {
-    throw py::value_error("free_tokens must be >= 0 and marginal_tokens > 0 where free_tokens > 0");
+// The forward-cost model's prices (free_tokens 0: no cost model); NaN and infinities are refused.
+void check_prices(int64_t free_tokens, double marginal_tokens, double per_path, double path_setup,
+                  double draft_setup) {
+  if (free_tokens < 0 || (free_tokens > 0 && !(marginal_tokens > 0 && std::isfinite(marginal_tokens)))) {
+    throw py::value_error("free_tokens must be >= 0 and marginal_tokens finite and > 0 where free_tokens > 0");
   }
-  if (!(draft_setup >= 0.0)) throw py::value_error("draft_setup=" + std::to_string(draft_setup) + ": must be >= 0");
+  const std::pair<const char*, double> forwards[] = {
+      {"per_path", per_path}, {"path_setup", path_setup}, {"draft_setup", draft_setup}};
+  for (const auto& [name, value] : forwards) {
+    if (!(value >= 0.0 && std::isfinite(value))) {
+      throw py::value_error(std::string(name) + "=" + std::to_string(value) + ": must be finite and >= 0");
+    }
+  }
 }
 
 // ------------------------------------------------------------- tree kernels
@@ -369,7 +409,8 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
                         int64_t num_rows, int64_t free_tokens, double marginal_tokens, double per_path,
                         double path_setup, double draft_setup, py::handle out_rows_obj, int64_t num_out,
                         py::handle kinds_obj, py::handle entry_obj) {
-  const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
+  if (num_out < 0) throw py::value_error("num_out=" + std::to_string(num_out) + ": must be >= 0");
+  const Int32Array tokens = narrow<int32_t>(tokens_obj, "tokens"), parents = narrow<int32_t>(parents_obj, "parents");
   const DoubleArray raw = DoubleArray::ensure(raw_obj), edges = DoubleArray::ensure(edges_obj);
   const DoubleArray factor = DoubleArray::ensure(factor_obj);
   if (!raw || raw.ndim() != 2) throw py::type_error("raw must be a 2-D float array [rows, width]");
@@ -390,7 +431,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   check_lengths("lens", lens.data(), rows, width);
   check_parents(parents.data(), lens.data(), rows, width);
   check_out_rows(out_rows, num_out);
-  check_prices(free_tokens, marginal_tokens, draft_setup);
+  check_prices(free_tokens, marginal_tokens, per_path, path_setup, draft_setup);
   DoubleArray entry;
   const bool priced = !entry_obj.is_none();
   if (priced) {
@@ -406,7 +447,7 @@ py::tuple plan_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handl
   Int8Array kinds;
   const bool given = !kinds_obj.is_none();
   if (given) {
-    kinds = Int8Array::ensure(kinds_obj);
+    kinds = narrow<int8_t>(kinds_obj, "kinds");
     if (!kinds) throw py::type_error("kinds must be an int8 array [rows, width] or None");
     check_rows("kinds", kinds, rows, width);
     const int8_t* k = kinds.data();
@@ -472,7 +513,8 @@ py::tuple match_trees_py(py::handle offer_slots_obj, py::handle offer_lens_obj, 
                          py::sequence emitted) {
   const IntArray offer_slots = int_array(offer_slots_obj, "offer_slots");
   const IntArray offer_lens = int_array(offer_lens_obj, "offer_lens");
-  const Int32Array tokens = Int32Array::ensure(offer_tokens_obj), parents = Int32Array::ensure(offer_parents_obj);
+  const Int32Array tokens = narrow<int32_t>(offer_tokens_obj, "offer_tokens");
+  const Int32Array parents = narrow<int32_t>(offer_parents_obj, "offer_parents");
   if (!tokens || tokens.ndim() != 2) throw py::type_error("offer_tokens must be a 2-D int array [offers, width]");
   const int64_t offers = tokens.shape(0), width = tokens.shape(1);
   check_rows("offer_parents", parents, offers, width);
@@ -509,7 +551,7 @@ void observe_trees_py(py::array predicted, py::array accepted_table, py::array n
   const lookahead::CalibrationTables t = calibration_tables(predicted, accepted_table, nodes, factor, edges);
   const int64_t kinds_n = t.kinds;
   const int64_t offers = raw.shape(0), width = raw.shape(1);
-  const Int8Array kinds = Int8Array::ensure(kinds_obj);
+  const Int8Array kinds = narrow<int8_t>(kinds_obj, "kinds");
   const UInt8Array hits = UInt8Array::ensure(hits_obj);
   check_rows("kinds", kinds, offers, width);
   check_rows("hits", hits, offers, width);
@@ -533,7 +575,7 @@ void observe_trees_py(py::array predicted, py::array accepted_table, py::array n
 }
 
 py::tuple walk_trees_py(py::handle tokens_obj, py::handle parents_obj, py::handle lens_obj, py::handle targets_obj) {
-  const Int32Array tokens = Int32Array::ensure(tokens_obj), parents = Int32Array::ensure(parents_obj);
+  const Int32Array tokens = narrow<int32_t>(tokens_obj, "tokens"), parents = narrow<int32_t>(parents_obj, "parents");
   if (!tokens || tokens.ndim() != 2) throw py::type_error("tokens must be a 2-D int array [trees, width]");
   const int64_t trees = tokens.shape(0), width = tokens.shape(1);
   check_rows("parents", parents, trees, width);
@@ -805,8 +847,8 @@ py::tuple merge_rows_py(py::handle lead_obj, py::handle lead_context_obj, py::ha
       std::fill(r.lens.mutable_data(), r.lens.mutable_data() + rows, 0);
       return r;
     }
-    r.tok = Int32Array::ensure(t[0]);
-    r.par = Int32Array::ensure(t[1]);
+    r.tok = narrow<int32_t>(t[0], (what + " tokens").c_str());
+    r.par = narrow<int32_t>(t[1], (what + " parents").c_str());
     r.w = DoubleArray::ensure(t[2]);
     r.cf = DoubleArray::ensure(t[3]);
     r.width = r.tok && r.tok.ndim() == 2 ? r.tok.shape(1) : -1;
@@ -1024,7 +1066,16 @@ void bind_jacobi(py::module_& m) {
       .def("memory_bytes", &JacobiTable::memory_bytes)
       .def_property(
           "prior", [](const JacobiTable& t) { return py::make_tuple(t.prior_yield(), t.prior_probe_every()); },
-          [](JacobiTable& t, std::pair<double, int64_t> prior) { t.set_prior(prior.first, prior.second); })
+          [](JacobiTable& t, std::pair<double, int64_t> prior) {
+            if (!(prior.first >= 0.0 && std::isfinite(prior.first))) {
+              throw py::value_error("prior yield=" + std::to_string(prior.first) + ": must be finite and >= 0");
+            }
+            if (prior.second < 1 || prior.second > lookahead::kMaxProbeEvery) {
+              throw py::value_error("prior probe_every=" + std::to_string(prior.second) + ": must be in [1, " +
+                                    std::to_string(lookahead::kMaxProbeEvery) + "]");
+            }
+            t.set_prior(prior.first, prior.second);
+          })
       .def(
           "track",
           [](JacobiTable& t, py::handle slots_obj, py::handle num_obj) {
@@ -1117,7 +1168,7 @@ void bind_jacobi(py::module_& m) {
           [](JacobiTable& t, py::handle slots_obj, py::handle new_obj, py::handle nodes_obj, py::handle starts_obj) {
             const IntArray slots = int_array(slots_obj, "slots"), nodes = int_array(nodes_obj, "nodes");
             const IntArray starts = int_array(starts_obj, "starts");
-            const Int32Array fresh = Int32Array::ensure(new_obj);
+            const Int32Array fresh = narrow<int32_t>(new_obj, "new_tokens");
             const int64_t n = slots.shape(0);
             check_rows("new_tokens", fresh, n, t.window());
             if (starts.shape(0) != n + 1) throw py::value_error("starts must hold len(slots) + 1 offsets");

@@ -358,6 +358,9 @@ def test_lifecycle_errors():
     assert nat.num_live() == live
     with pytest.raises(ValueError, match="outside int32"):
         nat.add(4, [1 << 40], 0)
+    for draw in (lambda: nat.draft_batch([3], [1 << 27]), lambda: nat.draft(3, 1 << 27)):  # refused before allocating
+        with pytest.raises(ValueError, match=r"budget 134217728: must be at most 65536"):
+            draw()
 
 
 def test_memory_bytes_follows_the_held_tokens():

@@ -229,6 +229,15 @@ def test_native_table_checks_its_shape_and_arguments():
         table.open([0], [1], np.zeros((2, 8), np.int32), [9], [9], [True])
     with pytest.raises(KeyError, match="slot 9 has no window"):
         table.credit(9, 1)
+    for prior, message in (((float("nan"), 32), r"prior yield=nan: must be finite and >= 0"),
+                           ((-0.5, 32), r"prior yield=-0.500000: must be finite and >= 0"),
+                           ((1.0, 0), r"prior probe_every=0: must be in \[1, 512\]"),
+                           ((1.0, 2**40), r"prior probe_every=1099511627776: must be in \[1, 512\]")):
+        with pytest.raises(ValueError, match=message):
+            table.prior = prior
+    assert table.prior == (YIELD_PRIOR, PROBE_EVERY)  # nothing changed
+    table.prior = (0.25, 512)
+    assert table.prior == (0.25, 512)
 
 
 SHAPES = [(3, 2, 2), (3, 3, 2), (4, 3, 3), (5, 4, 2), (2, 5, 4)]

@@ -259,6 +259,28 @@ def test_kernels_reject_bad_input():
     with pytest.raises(TypeError, match="kinds must be"):
         k.plan_trees(tok, np.full((1, 2), -1, np.int32), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
                      0.0, [0], 1, np.zeros((2, 2), np.int8))
+    none = np.full((1, 2), -1, np.int32)
+    with pytest.raises(ValueError, match="num_out=-1: must be >= 0"):
+        k.plan_trees(tok, none, raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0, 0.0, [0], -1)
+    for at, name in ((11, "per_path"), (12, "path_setup"), (13, "draft_setup")):
+        args = [tok, none, raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0, 0.0, [0], 1]
+        args[at] = float("nan")
+        with pytest.raises(ValueError, match=f"{name}=nan: must be finite and >= 0"):
+            k.plan_trees(*args)
+    with pytest.raises(ValueError, match="marginal_tokens finite"):
+        k.plan_trees(tok, none, raw, [1], [True], edges, factor, -1, 1, 4, float("inf"), 0.0, 0.0, 0.0, [0], 1)
+    # Integers the kernels' narrow types cannot hold are refused, not wrapped (2**32 - 1 would read as parent -1).
+    with pytest.raises(ValueError, match="parents: 4294967295 does not fit 32-bit integers"):
+        k.plan_trees(tok, np.array([[2**32 - 1, -1]]), raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0,
+                     0.0, [0], 1)
+    with pytest.raises(ValueError, match="kinds: 257 does not fit 8-bit integers"):  # would wrap to kind 1
+        k.plan_trees(tok, none, raw, [1], [True], edges, factor, -1, 1, 0, 1.0, 0.0, 0.0, 0.0, [0], 1,
+                     np.full((1, 2), 257))
+    with pytest.raises(ValueError, match="tokens: -4294967296 does not fit 32-bit integers"):
+        k.walk_trees(np.full((1, 2), -2**32), none, [1], np.zeros((1, 2), np.int64))
+    wide = k.walk_trees(np.array([[7, 8]]), np.array([[-1, 0]]), [2], np.array([[7, 8, 9]]))  # int64 that fits
+    assert [w.tolist() for w in wide] == [w.tolist() for w in k.walk_trees(
+        np.array([[7, 8]], np.int32), np.array([[-1, 0]], np.int32), [2], np.array([[7, 8, 9]]))]
     with pytest.raises(ValueError, match="emitted"):
         k.match_trees([1], [1], tok, np.full((1, 2), -1, np.int32), [1], [1], [[5], [6]])
     with pytest.raises(ValueError, match=r"lens\[0\]=2: a tree of n nodes needs n \+ 1 targets, targets has 2"):
