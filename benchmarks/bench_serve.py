@@ -649,12 +649,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def round_robin(classes: list[list[Any]]) -> list[Any]:
+    """The classes' items interleaved round robin (a class that runs out drops out)."""
+    return [c[i] for i in range(max(map(len, classes))) for c in classes if i < len(c)]
+
+
 def mixed_split(split: str, tokenizer: Any) -> list[str]:
-    """Every class's ``split`` interleaved round robin (a class that runs out drops out)."""
+    """Every class's ``split`` interleaved round robin (``serve_by_class.py`` reads the classes back)."""
     from lookahead_lab.datasets import DATASETS, load_split
 
-    classes = [load_split(d, split, tokenizer) for d in DATASETS]
-    return [p for i in range(max(map(len, classes))) for c in classes if i < len(c) for p in (c[i],)]
+    return round_robin([load_split(d, split, tokenizer) for d in DATASETS])
 
 
 def workload_prompts(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[str]]:

@@ -1189,6 +1189,35 @@ def test_serve_tails_counts_long_prompts_sent_while_a_request_ran():
     assert serve_tails.overlapped(cell, "plain", 5000) == [0, 0, 0, 0]
 
 
+def test_serve_by_class_pairs_requests_within_their_class(tmp_path):
+    """Mixed traffic sends the classes round robin (a class that runs out drops out); each request's latency
+    ratio lands in its own class, and a later cell's prompts follow the earlier cells'."""
+    bench_serve = _import_bench("bench_serve")
+    by_class = _import_bench("serve_by_class")
+    assert bench_serve.round_robin([["a"] * 3, ["b"], ["c"] * 2]) == ["a", "b", "c", "a", "c", "a"]
+    classes = ["a", "b", "c", "a", "c", "a"]
+
+    def cell(concurrency, plain, mine, theirs):
+        return {"dataset": "mixed", "concurrency": concurrency,
+                "methods": {name: {"per_request": {"latency_s": lat}}
+                            for name, lat in (("plain", plain), ("lookahead", mine), ("suffix", theirs))}}
+
+    result = {"cells": [cell(8, [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]),  # prompts 0-1, another concurrency
+                        cell(1, [4.0, 4.0, 4.0, 4.0], [1.0, 2.0, 3.0, 2.0], [2.0, 2.0, 1.0, 4.0])]}  # prompts 2-5
+    got = by_class.ratios_by_class(result, classes, 1, "lookahead", "suffix")
+    assert got == {"c": [(0.5, 0.25, 0.5), (3.0, 0.75, 0.25)], "a": [(1.0, 0.5, 0.5), (0.5, 0.5, 1.0)]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    pooled = by_class.main([str(path), str(path)])  # the test split's real classes: pooled over both files
+    assert sum(row["requests"] for row in pooled.values()) == 8
+    with pytest.raises(SystemExit, match=r"no lookahead:floor \(methods: plain, lookahead, suffix\)"):
+        by_class.main([str(path), "--method", "lookahead:floor"])
+    result["cells"][1]["methods"]["plain"].pop("per_request")
+    path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="keeps no latency per request"):
+        by_class.main([str(path)])
+
+
 def test_tails_are_compared_wave_by_wave():
     bench_serve = _import_bench("bench_serve")
     serve_tails = _import_bench("serve_tails")
