@@ -21,9 +21,9 @@ from paired import ratio_interval
 
 
 def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
-    """Per method (plain and ``lookahead:NAME`` variants excluded): the waves of every file's cell at ``concurrency``, pooled, and
-    the geometric mean over files of its p99 latency and TTFT p50 over plain's in the same file.
-    Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
+    """Per method (plain and ``lookahead:NAME`` variants excluded): the waves of every file's cell at
+    ``concurrency``, pooled, and the geometric mean over files of its p99 latency and TTFT p50 over plain's
+    in the same file. Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
     one request in flight and pool), with one cap on answers or the same ``--vary-lengths``, closed loop or one
     ``--request-rate``."""
     waves: dict[str, list[float]] = {}

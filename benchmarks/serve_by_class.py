@@ -11,6 +11,7 @@ mean of the latency ratio with its 95% interval, and each method's latency over 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -19,6 +20,7 @@ from bench_serve import MIXED, round_robin
 from paired import ratio_interval
 
 
+@functools.cache  # read once per split, however many files
 def mixed_classes(split: str) -> list[str]:
     """The class of each prompt of ``--datasets mixed`` for ``split``, in the order it sends them."""
     from lookahead_lab.datasets import DATASETS, split_prompts

@@ -298,8 +298,8 @@ py::array_t<T, py::array::c_style | py::array::forcecast> narrow(py::handle obj,
     const auto a = py::reinterpret_borrow<py::array>(obj);
     const char kind = a.dtype().kind();
     if ((kind == 'i' || kind == 'u') && !a.dtype().is(py::dtype::of<T>())) {
-      const IntArray wide = IntArray::ensure(obj);
       if (kind == 'u' && a.itemsize() == 8) throw py::value_error(std::string(name) + ": uint64 is not accepted");
+      const IntArray wide = IntArray::ensure(obj);
       for (py::ssize_t i = 0; i < wide.size(); ++i) {
         const int64_t v = wide.data()[i];
         if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) {
