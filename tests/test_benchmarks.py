@@ -1218,6 +1218,43 @@ def test_serve_by_class_pairs_requests_within_their_class(tmp_path):
         by_class.main([str(path)])
 
 
+def test_serve_step_cost_reads_decode_steps_at_concurrency_one(tmp_path):
+    """A request's decode steps are its tokens less the prefill's first less the draft tokens accepted, their
+    time its latency less its TTFT; the extra draft tokens' price is the step ratios' difference over theirs."""
+    step_cost = _import_bench("serve_step_cost")
+
+    def method(tokens, accepted, draft_tokens, latency, ttft, waves):
+        return {"tokens": tokens, "accepted_tokens": accepted, "draft_tokens": draft_tokens, "drafts": 10,
+                "speedup_waves": waves, "per_request": {"latency_s": latency, "ttft_s": ttft}}
+
+    # Two requests of 51 tokens: 100 decode steps for plain (1 s each request less 0.1 s TTFT: 9 ms a step).
+    cell = {"dataset": "mixed", "concurrency": 1, "methods": {
+        "plain": method(102, 0, 0, [1.0, 1.0], [0.1, 0.1], [1.0, 1.0]),
+        "suffix": method(102, 50, 100, [0.6, 0.6], [0.1, 0.1], [1.5, 1.6]),  # 50 steps of 20 ms, 2 tokens each
+        "lookahead": method(102, 60, 160, [0.58, 0.58], [0.1, 0.1], [1.65, 1.6])}}  # 40 steps of 24 ms, 4 each
+    costs = step_cost.step_costs(cell)
+    assert costs["plain"]["steps"] == 100 and costs["suffix"]["steps"] == 50 and costs["lookahead"]["steps"] == 40
+    assert costs["lookahead"]["ms_per_step"] == pytest.approx(24.0)
+    assert costs["suffix"]["over_plain"] == pytest.approx(20.0 / 18.0)
+    assert costs["lookahead"]["draft_tokens_per_step"] == pytest.approx(4.0)
+    versus = step_cost.compare(cell, costs, "lookahead", "suffix")
+    assert versus["step_ratio"] == pytest.approx(1.2)
+    assert versus["cost_per_extra_token"] == pytest.approx((24.0 - 20.0) / 18.0 / 2.0)
+    assert versus["tok_s_ratio"] == pytest.approx((1.1 * 1.0) ** 0.5)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"cells": [dict(cell, concurrency=8), cell]}))
+    assert list(step_cost.main([str(path)])) == ["r.json:mixed"]  # the concurrency-8 cell is left out
+    with pytest.raises(SystemExit, match=r"no ngram \(methods: plain, suffix, lookahead\)"):
+        step_cost.main([str(path), "--against", "ngram"])
+    path.write_text(json.dumps({"cells": [dict(cell, concurrency=8)]}))
+    with pytest.raises(SystemExit, match="no cell at concurrency 1"):
+        step_cost.main([str(path)])
+    del cell["methods"]["plain"]["per_request"]["ttft_s"]
+    path.write_text(json.dumps({"cells": [cell]}))
+    with pytest.raises(SystemExit, match="keeps no latency and TTFT per request"):
+        step_cost.main([str(path)])
+
+
 def test_tails_are_compared_wave_by_wave():
     bench_serve = _import_bench("bench_serve")
     serve_tails = _import_bench("serve_tails")
