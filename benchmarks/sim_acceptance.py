@@ -66,7 +66,8 @@ from workloads import check_positive, plain_wave_forwards, workload_parser, work
 
 def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list[int]], outputs: list[list[int]],
              warm: list[list[int]], paths: tuple[float, float] | None = None, batch: int = 1,
-             native: bool | None = None, platform: str = "cpu") -> dict[str, float]:
+             native: bool | None = None, platform: str = "cpu", classes: list[str] | None = None,
+             per_class_calibration: bool = False) -> dict[str, Any]:
     """Replay the drafter over (prompt, greedy output) pairs; see the module docstring.
     ``config``: lookahead fields as the engine takes them (profile knobs under
     ``"_profile"``), resolved for ``platform``.
@@ -78,13 +79,20 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
     running requests, and plain decoding is timed over the same waves.
     ``platform``: whose token prices the proposer decides with and the
     steps are timed at ("cpu": this machine's; "gpu": the GPU defaults, paths
-    free, as with the CUDA kernel)."""
+    free, as with the CUDA kernel).
+    ``classes``: each request's traffic class (batch 1 only): the result adds
+    ``by_class``, each class's modelled speed, steps, draft and accepted
+    tokens; ``per_class_calibration``: each class learns its own calibration
+    (an oracle that knows every request's class) instead of sharing one."""
+    if classes is not None and batch != 1:
+        raise ValueError(f"classes with batch={batch}: steps are one request's only at batch 1")
     config = resolve(config, platform=platform)
     drafter = make_drafter(config, native is not False)
     for ids in warm:
         drafter.warm(ids)
     cost, timing = batch1_cost(config, paths), batch1_cost(resolve(platform=platform), paths)
-    calibrator = ConfidenceCalibrator() if config.profile.calibrate_confidence else None
+    calibrators: dict[str, ConfidenceCalibrator] = {}
+    by_class: dict[str, dict[str, float]] = {}
     audit = ConfidenceCalibrator()  # raw confidences vs acceptance, every drafted node
     steps = emitted = nodes = off_chain = drafted = accepted_total = 0
     # Pre-drafting's outlook (chains from the draft index only): steps whose
@@ -102,6 +110,13 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
         # Plain decoding: one token per running request per step.
         lengths = [len(outputs[r]) - 1 for r in wave]
         plain_forwards += plain_wave_forwards(lengths, timing)
+        name = "all" if classes is None else classes[first]
+        calibrator = (calibrators.setdefault(name if per_class_calibration else "all", ConfidenceCalibrator())
+                      if config.profile.calibrate_confidence else None)
+        mine = by_class.setdefault(name, dict.fromkeys(("forwards", "plain_forwards", "steps", "draft_tokens",
+                                                        "accepted_tokens"), 0.0))
+        mine["plain_forwards"] += plain_wave_forwards(lengths, timing)
+        before = (forwards, steps, drafted, accepted_total)
         running = [r for r in wave if pos[r] < len(outputs[r])]
         while running:
             floor = confidence_floor(config, len(running))
@@ -151,13 +166,19 @@ def simulate(config: dict[str, Any] | LookaheadConfig | None, prompts: list[list
                 if pos[r] >= len(outputs[r]):
                     drafter.finish(r)
             running = [r for r in running if pos[r] < len(outputs[r])]
+        for key, now, then in zip(("forwards", "steps", "draft_tokens", "accepted_tokens"),
+                                  (forwards, steps, drafted, accepted_total), before):
+            mine[key] += now - then
     return {"mal": emitted / max(steps, 1), "speed": plain_forwards / max(forwards, 1e-9), "steps": steps,
             "tokens": emitted, "nodes_per_step": nodes / max(steps, 1), "off_chain_steps": off_chain,
             "draft_tokens": drafted, "accepted_tokens": accepted_total,
             "acceptance_per_drafted_token": accepted_total / max(drafted, 1),
             "whole_draft_steps": whole if predicts else None,
             "predraft_hit_steps": hits if predicts else None,
-            "raw_calibration": audit.summary()}
+            "raw_calibration": audit.summary(),
+            **({} if classes is None else {"by_class": {
+                name: {**row, "speed": row["plain_forwards"] / max(row["forwards"], 1e-9)}
+                for name, row in by_class.items()}})}
 
 
 def _predicted_bonus(drafter: Any, slot: int, n: int) -> int:
@@ -195,8 +216,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                    help="token prices the drafts are cut with and the steps timed at: this CPU's measured ones, "
                         "or the GPU defaults (64 tokens about free; tree paths free, as with the CUDA kernel)")
+    p.add_argument("--mixed", action="store_true",
+                   help="one run of the datasets' prompts interleaved round robin (as bench_serve.py's mixed "
+                        "traffic at concurrency 1) through one drafter, reported by class; batch 1")
+    p.add_argument("--per-class-calibration", action="store_true",
+                   help="with --mixed: each class learns its own confidence calibration (knowing each request's "
+                        "class) instead of the one the drafter shares")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
+    if args.mixed and args.batch != 1:
+        p.error(f"--mixed with --batch {args.batch}: a step is one request's only at batch 1")
+    if args.per_class_calibration and not args.mixed:
+        p.error("--per-class-calibration needs --mixed")
     check_positive(p, num_prompts=args.num_prompts, max_tokens=args.max_tokens, batch=args.batch, rounds=args.rounds)
     specs = args.variant or ['chain={"draft_shape": "one"}', 'hier={"draft_shape": "hier"}']
     variants = {}
@@ -209,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"--variant {spec!r}: {exc}")
     loaded = workloads(args, args.num_prompts + args.warm_prompts)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    if args.mixed:
+        return _mixed(args, loaded, variants, results)
     for dataset, prompts, outputs in loaded:
         warm = outputs[args.num_prompts:]
         prompts, outputs = prompts[:args.num_prompts] * args.rounds, outputs[:args.num_prompts] * args.rounds
@@ -229,6 +262,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{dataset:10s} {'suffix':16s} MAL {r['mal']:.3f}  speed {r['speed']:.3f}  nodes/step "
                   f"{r['draft_tokens'] / max(r['steps'], 1):5.2f}  acc/drafted "
                   f"{r['acceptance_per_drafted_token']:.3f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _mixed(args: Any, loaded: list[tuple[str, list, list]], variants: dict[str, Any],
+           results: dict[str, Any]) -> dict[str, Any]:
+    """``--mixed``: every variant over the datasets' prompts interleaved round robin, by class."""
+    from bench_serve import round_robin
+
+    n = args.num_prompts
+    items = round_robin([[(d, p, o) for p, o in zip(ps[:n] * args.rounds, os[:n] * args.rounds)]
+                         for d, ps, os in loaded])
+    warm = round_robin([os[n:] for _, _, os in loaded])
+    classes, prompts, outputs = (list(col) for col in zip(*items))
+    for name, config in variants.items():
+        r = simulate(config, prompts, outputs, warm, args.path_cost and tuple(args.path_cost), 1,
+                     platform=args.platform, classes=classes, per_class_calibration=args.per_class_calibration)
+        r.pop("raw_calibration")
+        results["cells"].append({"dataset": "mixed", "variant": name, **r})
+        print(f"mixed      {name:16s} speed {r['speed']:.3f}  " + "  ".join(
+            f"{c} {row['speed']:.3f}" for c, row in r["by_class"].items()), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results

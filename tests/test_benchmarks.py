@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -202,6 +203,34 @@ def test_sim_acceptance_batches_share_the_step_and_time_plain_over_the_same_wave
     with pytest.raises(SystemExit):
         sim_acceptance.main(["--batch", "0"])
     assert "--batch 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_sim_acceptance_mixed_traffic_reports_each_class(capsys):
+    """Classes interleaved through one drafter: each class's steps and tokens add up to the run's, its speed is
+    its own plain forwards over its own; a calibration per class is the shared one when there is one class."""
+    sim_acceptance = _import_bench("sim_acceptance")
+    rng = random.Random(0)
+    cycle = [[7, 8, 9, 10 + r, 11 + r] for r in range(4)]
+    prompts = [p for c in cycle for p in (c * 4, [rng.randrange(1, 4) for _ in range(20)])]
+    outputs = [o for c in cycle for o in (c * 8, [rng.randrange(1, 4) for _ in range(60)])]
+    classes = ["cycle", "noise"] * 4
+    mixed = sim_acceptance.simulate({"draft_shape": "one"}, prompts, outputs, [], classes=classes)
+    rows = mixed["by_class"]
+    assert set(rows) == {"cycle", "noise"}
+    for key in ("steps", "draft_tokens", "accepted_tokens"):
+        assert sum(row[key] for row in rows.values()) == mixed[key]
+    assert rows["noise"]["accepted_tokens"] < rows["noise"]["draft_tokens"] / 2  # random text: drafts mostly miss
+    assert rows["cycle"]["speed"] > 2 * rows["noise"]["speed"] > 2  # repetition pays far more
+    one = ["cycle"] * len(prompts)
+    shared = sim_acceptance.simulate({"draft_shape": "one"}, prompts, outputs, [], classes=one)
+    own = sim_acceptance.simulate({"draft_shape": "one"}, prompts, outputs, [], classes=one,
+                                  per_class_calibration=True)
+    assert own["by_class"] == shared["by_class"] and own["speed"] == shared["speed"]
+    with pytest.raises(ValueError, match="classes with batch=2"):
+        sim_acceptance.simulate({}, prompts, outputs, [], batch=2, classes=classes)
+    with pytest.raises(SystemExit):
+        sim_acceptance.main(["--per-class-calibration"])
+    assert "--per-class-calibration needs --mixed" in capsys.readouterr().err
 
 
 def test_bench_offline_refuses_runs_that_cannot_fit_in_memory(tiny_llama_dir):
