@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import statistics
 import sys
@@ -381,7 +382,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{cell['admit_ms_one_more_prompt']:.2f} ms; {cell['draft_tokens_per_step']:.0f} draft tokens/step; "
             f"drafter {cell['drafter_bytes'] / 2**20:.1f} MiB"
             + "".join(f"; {name} {ms:.3f}" for name, ms in cell.get("phase_ms_median", {}).items()))
-        report = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": cells}
+        # The allocator and OpenMP runtime this process started with (the server preloads tcmalloc:
+        # lookahead_vllm/cpu_preload.py; run as LD_PRELOAD=$(python -m lookahead_vllm.cpu_preload) python ...).
+        report = {"args": {k: str(v) for k, v in vars(args).items()}, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+                  "cells": cells}
         args.out.write_text(json.dumps(report, indent=1))
         plot(cells, args.out.with_suffix(".png"))
     return report
