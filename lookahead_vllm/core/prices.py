@@ -28,7 +28,7 @@ NUM_BUCKETS = EXACT_TOKENS + math.ceil(math.log(MAX_TOKENS / EXACT_TOKENS) / mat
 # Prior strength: a price a factor of 2 from the prior costs as much as a log-time residual of 0.5 on one sample;
 # a full bucket's median scatters by ~0.04 on a busy 2-core CPU, a real slope by ~0.5.
 PRIOR_WEIGHT = 0.25
-# The candidate free-token counts: every count up to 16, then 25% apart up to 4096 (the others: :func:`_solve`).
+# The candidate free-token counts: every count up to 16, then 25% apart up to 4235 (the others: :func:`_solve`).
 FREE_GRID = np.unique(np.concatenate([np.arange(1, 17), np.round(16 * 1.25 ** np.arange(1, 26))]))
 MARGINAL_BOUNDS = (1.0, 8192.0)
 SETUP_BOUNDS = (0.0, 10.0)

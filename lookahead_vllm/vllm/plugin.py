@@ -1,5 +1,6 @@
 """``vllm.general_plugins`` entry point, called by vLLM in every process before it builds configs or registers kernels.
-Without lookahead selected the patches are inert, except the two CPU fixes that change plain vLLM on purpose."""
+Without lookahead selected the patches are inert, except the two CPU fixes that change plain vLLM on purpose and the
+check of the per-request ``lookahead*`` keys of ``extra_args`` (a malformed one is refused in any engine)."""
 
 from __future__ import annotations
 
