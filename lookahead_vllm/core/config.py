@@ -237,11 +237,11 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# "cpu": a 2-core host with SmolLM2 (docs/prices.md; load adaptation from 8 rows, already past the free tokens);
+# "cpu": a 2-core host with SmolLM2 (docs/prices.md; load adaptation from 16 rows, tuned on the dev split's serving, docs/results.md);
 # "gpu": one H200, Llama-3-8B shape, bf16 (docs/gpu.md; one launch runs every path; setup, context price unmeasured).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,
-                draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=8, load_stop_at=16,
+                draft_setup=0.05, row_price=0.04, context_price=0.08, load_shrink_above=16, load_stop_at=64,
                 upkeep_thread=False),
     "gpu": dict(platform="gpu", free_tokens=32, marginal_tokens=675.0, path_setup=0.0, cost_per_path=0.0,
                 draft_setup=0.0, row_price=0.0, context_price=0.0, load_shrink_above=32, load_stop_at=128,

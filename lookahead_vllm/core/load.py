@@ -2,7 +2,7 @@
 forward is memory-bound, not with many requests running, and lookahead must never make a busy server slower: the
 budget stays at ``decoding_length`` up to ``load_shrink_above`` running requests, shrinks linearly above it and
 reaches zero at ``load_stop_at``; the forward-cost model (core/budget.py) prices what is left. Example:
-decoding_length 16, shrink above 8, stop at 16 (the CPU's): running 8 -> 16, 12 -> 8, 15 -> 2, 16 -> 0.
+decoding_length 16, shrink above 16, stop at 64 (the CPU's): running 16 -> 16, 32 -> 11, 48 -> 6, 63 -> 1, 64 -> 0.
 """
 
 from __future__ import annotations

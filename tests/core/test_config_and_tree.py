@@ -80,7 +80,7 @@ def test_profile_has_one_set_of_defaults_and_per_platform_values():
     differ = {f.name for f in dataclasses.fields(Profile) if getattr(cpu, f.name) != getattr(gpu, f.name)}
     assert differ == set(PLATFORM_VALUES["cpu"]) == set(PLATFORM_VALUES["gpu"])
     assert (cpu.upkeep_thread, gpu.upkeep_thread) == (False, True)
-    assert (cpu.load_shrink_above, cpu.load_stop_at, gpu.load_shrink_above, gpu.load_stop_at) == (8, 16, 32, 128)
+    assert (cpu.load_shrink_above, cpu.load_stop_at, gpu.load_shrink_above, gpu.load_stop_at) == (16, 64, 32, 128)
     with pytest.raises(TypeError):  # the per-platform knobs have no default outside PLATFORM_VALUES
         Profile()
 
@@ -117,7 +117,7 @@ def test_profile_overrides_are_explicit_and_checked():
         resolve({PROFILE_KEY: {"branch_length": 1}})
     with pytest.raises(ValueError, match=r"_profile.max_match_length=12: must be in \[1, 11\]"):
         resolve({PROFILE_KEY: {"max_match_length": 12}})
-    with pytest.raises(ValueError, match=r"_profile.load_stop_at=4: must be in \[9, 65537\]"):
+    with pytest.raises(ValueError, match=r"_profile.load_stop_at=4: must be in \[17, 65537\]"):
         resolve({PROFILE_KEY: {"load_stop_at": 4}})
     with pytest.raises(ValueError, match=r"_profile.insert_prompt='yes': must be true or false"):
         resolve({PROFILE_KEY: {"insert_prompt": "yes"}})

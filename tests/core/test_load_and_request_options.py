@@ -27,9 +27,9 @@ def test_load_knobs_validated():
 
 
 def test_load_limits_follow_the_platform():
-    """The profile's limits: CPU 8/16, GPU 32/128."""
+    """The profile's limits: CPU 16/64, GPU 32/128."""
     cpu, gpu = lookahead_settings(decoding_length=8), lookahead_settings(decoding_length=8, platform="gpu")
-    assert [load_scaled_budget(cpu, n) for n in (8, 12, 16)] == [8, 4, 0]
+    assert [load_scaled_budget(cpu, n) for n in (8, 16, 40, 63, 64)] == [8, 8, 4, 1, 0]
     assert [load_scaled_budget(gpu, n) for n in (16, 32, 80, 127, 128)] == [8, 8, 4, 1, 0]
 
 

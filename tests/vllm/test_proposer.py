@@ -100,14 +100,15 @@ def test_index_upkeep_thread_follows_the_platform(monkeypatch, platform, upkeep,
     assert p.drafter.index.upkeep_thread is thread
 
 
-@pytest.mark.parametrize("platform, budget", [("cpu", 0), ("gpu", 4)])
-def test_load_adaptation_follows_the_platform(monkeypatch, platform, budget):
-    """With the default load limits, 16 running requests stop drafting on
-    the CPU (8 to 16) but keep the full budget on a GPU (32 to 128)."""
+@pytest.mark.parametrize("platform, rows, budget", [("cpu", 16, 4), ("cpu", 40, 2), ("cpu", 64, 0), ("gpu", 16, 4),
+                                                   ("gpu", 64, 3)])
+def test_load_adaptation_follows_the_platform(monkeypatch, platform, rows, budget):
+    """With the default load limits the budget (k=4) is whole up to 16 running requests on the CPU and shrinks to
+    nothing at 64 (16 to 64); on a GPU it is whole up to 32 and shrinks to nothing at 128."""
     on_platform(monkeypatch, platform)
     p = make_proposer(k=4)
-    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(16)])
-    load_budget = p._budgets(np.full(16, 100), [None] * 16, batch)[2]
+    batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(rows)])
+    load_budget = p._budgets(np.full(rows, 100), [None] * rows, batch)[2]
     assert load_budget == budget
 
 
