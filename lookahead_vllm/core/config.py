@@ -237,7 +237,7 @@ class Profile:
         return (self.jacobi_window + self.jacobi_guesses) * (self.jacobi_ngram - 1) - 1
 
 
-# "cpu": a 2-core host with SmolLM2 (docs/prices.md; load adaptation from 16 rows, tuned on the dev split's serving, docs/results.md);
+# "cpu": a 2-core host with SmolLM2 (docs/prices.md; load adaptation from 16 rows, tuned on dev-split serving);
 # "gpu": one H200, Llama-3-8B shape, bf16 (docs/gpu.md; one launch runs every path; setup, context price unmeasured).
 PLATFORM_VALUES: dict[str, dict[str, Any]] = {
     "cpu": dict(platform="cpu", free_tokens=5, marginal_tokens=20.0, path_setup=0.09, cost_per_path=0.02,

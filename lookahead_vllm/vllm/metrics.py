@@ -222,7 +222,7 @@ def read_snapshots(directory: str) -> dict[str, dict[str, Any] | None]:
 # draft_sharing policy (label ``sharing``); COUNTERS, HISTOGRAMS, skip reasons: cumulative, departed publishers' kept.
 GAUGES = (
     ("lookahead_trie_nodes", "trie_nodes", "Nodes in the lookahead token trie."),
-    ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (draft index, trie and Jacobi table), bytes."),
+    ("lookahead_drafter_bytes", "drafter_bytes", "Estimated drafter memory (index, trie, Jacobi table), bytes."),
     ("lookahead_load_budget", "load_budget", "Draft nodes per request after load adaptation."),
     ("lookahead_request_states", "request_states", "Requests the lookahead drafter holds state for."),
     ("lookahead_price_free_tokens", "price_free_tokens",

@@ -1,6 +1,5 @@
 """``vllm.general_plugins`` entry point, called by vLLM in every process before it builds configs or registers kernels.
-Without lookahead selected the patches are inert, except the two CPU fixes that change plain vLLM on purpose and the
-check of the per-request ``lookahead*`` keys of ``extra_args`` (a malformed one is refused in any engine)."""
+Without lookahead selected the patches are inert but for two CPU fixes and the ``lookahead*`` ``extra_args`` check."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def separate_decode_graphs(vllm_config: Any) -> bool:
 class LookaheadProposer:
     """Drafts for the whole batch through one engine-wide :class:`Drafter`."""
 
-    # Set by the plugin in every process (patches.prepare_engine); None: no plugin (engine-free, lab/lookahead_lab/standalone.py).
+    # Set by the plugin in every process (patches.prepare_engine); None: no plugin (lookahead_lab.standalone).
     prepare_engine: ClassVar[Callable[[Settings], None] | None] = None
 
     def __init__(self, vllm_config: VllmConfig) -> None:

@@ -75,8 +75,8 @@ def plain_loglik(engines, tokenizer, sampling_prompts) -> float:
 
 
 def test_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts, plain_loglik, monkeypatch):
-    """Chains verified by sampling stay on the target distribution, drafted: in batches of 8 (with 20
-    running requests in one batch the cost model drafts little, leaving mostly plain sampling). The drafts are
+    """Chains verified by sampling stay on the target distribution, drafted: in batches of 8 (load adaptation
+    keeps the whole budget up to 16 running requests and shrinks it past them). The drafts are
     verified by lookahead's speculative sampling (patch rejection_sampling; its distribution:
     tests/vllm/test_rejection_sampling.py): the first and last batches seeded (vLLM's draws and top-p masks), the
     second unseeded (its top-p masks, draft rows and one-token rows alike, by ``nucleus_``)."""
@@ -164,7 +164,7 @@ def test_tree_sampling_loglik_matches_plain(engines, tokenizer, sampling_prompts
     llm = engines.get("lookahead-hier-cost0", lookahead={"draft_shape": "hier", "cost_free_tokens": 0})
     (proposer,) = find_proposers(llm)
     before = proposer.stats.tree_request_steps
-    # Batches of 8: with 20 running requests in one batch the cost model keeps few drafts.
+    # Batches of 8: load adaptation keeps the whole budget up to 16 running requests.
     ours = generate(llm, sampling_prompts, _params(4000)[: len(sampling_prompts)], 8).token_ids
     assert proposer.stats.tree_request_steps > before, "no tree was verified while sampling"
     ll_plain = plain_loglik
