@@ -112,7 +112,7 @@ CHEAP_PATHS = {"cost_free_tokens": 48, "cost_marginal_tokens": 32.0, "cost_per_p
     (1, {"draft_shape": "par", "load_shrink_above": 4, "load_stop_at": 12}, 0),
     (2, {"draft_shape": "hier", "step_draft_budget": 24, "cost_free_tokens": 16, "cost_marginal_tokens": 8.0}, 0),
     (3, {"draft_shape": "hier", "cost_free_tokens": 0, "min_draft_confidence": 0.0}, 500),
-    (4, {"draft_shape": "hier", **CHEAP_PATHS}, 200),
+    (4, {"draft_shape": "hier", "load_shrink_above": 8, "load_stop_at": 16, **CHEAP_PATHS}, 200),  # budgets cut at 9+
     (5, {"draft_shape": "hier", "source": "trie", **CHEAP_PATHS}, 50),
     (6, {"draft_shape": "hier", "source": "index+trie", **CHEAP_PATHS}, 50),
     (7, {"draft_shape": "hier", "source": "index+jacobi", "cost_free_tokens": 0, "min_draft_confidence": 0.0}, 200),
