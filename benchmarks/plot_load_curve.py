@@ -7,7 +7,9 @@ given for it (geometric mean, 95% t interval: ``paired.ratio_interval``).
         32=benchmarks/results/serve_mixed_c32_9waves.json,benchmarks/results/serve_mixed_c32_9waves_run2.json \\
         --out benchmarks/results/serve_load_curve.json
 
-writes the pooled table as JSON and the plot next to it (``.png``).
+writes the pooled table as JSON and the plot next to it (``.png``). ``FILE@ROW`` takes the file's row ``ROW``
+(a ``lookahead:NAME`` variant run with what is now the default) as its lookahead row, in place of its own;
+``FILE@-`` leaves its lookahead row out (run with settings that are no longer the default) and pools the others.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 from paired import ratio_interval
 
 
-def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
-    """Per method (plain and ``lookahead:NAME`` variants excluded): the waves of every file's cell at
+def pooled(concurrency: int, files: list[Path], lookahead_rows: dict[Path, str | None] | None = None
+           ) -> dict[str, dict]:
+    """Per method (plain and ``lookahead:NAME`` variants excluded; ``lookahead_rows`` maps a file to the row that
+    stands for lookahead in it, None for none): the waves of every file's cell at
     ``concurrency``, pooled, and the geometric mean over files of its p99 latency and TTFT p50 over plain's
     in the same file. Files of one wave kind only: bursts, or sustained waves of one ``--depth`` (at c=1 both keep
     one request in flight and pool), with one cap on answers or the same ``--vary-lengths``, closed loop or one
@@ -45,8 +49,14 @@ def pooled(concurrency: int, files: list[Path]) -> dict[str, dict]:
                              f"{sorted(kinds, key=str)} "
                              f"({', '.join(map(str, kinds.values()))}); pool one kind of wave")
         plain = methods["plain"]
+        chosen = (lookahead_rows or {}).get(path, "lookahead")
+        if chosen is not None and chosen not in methods:
+            raise SystemExit(f"{path}: no row {chosen!r} at concurrency {concurrency} (rows: {sorted(methods)})")
+        methods = {name: row for name, row in methods.items() if name != "lookahead" and ":" not in name}
+        if chosen is not None:
+            methods["lookahead"] = cells[0]["methods"][chosen]
         for name, row in methods.items():
-            if name != "plain" and ":" not in name:
+            if name != "plain":
                 waves.setdefault(name, []).extend(row["speedup_waves"])
                 if "latency_p99_s" in row:
                     tails.setdefault(name, []).append((row["latency_p99_s"] / plain["latency_p99_s"],
@@ -94,17 +104,25 @@ def plot(curve: dict[int, dict[str, dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[int, dict[str, dict]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cells", nargs="+", metavar="C=FILE[,FILE...]",
-                        help="a concurrency and the bench_serve.py results whose waves it pools (repeatable)")
+    parser.add_argument("cells", nargs="+", metavar="C=FILE[@ROW][,FILE...]",
+                        help="a concurrency and the bench_serve.py results whose waves it pools (repeatable); "
+                             "@ROW: the file's row that stands for lookahead, @-: none")
     parser.add_argument("--out", type=Path, required=True, help="JSON path (the plot: the same name, .png)")
     args = parser.parse_args(argv)
     files: dict[int, list[Path]] = {}
+    rows: dict[Path, str | None] = {}
     for spec in args.cells:  # a concurrency given twice pools both specs' files
         level, _, names = spec.partition("=")
         if not level.isdigit() or not names:
-            parser.error(f"{spec!r}: expected C=FILE[,FILE...], C a concurrency")
-        files.setdefault(int(level), []).extend(Path(f) for f in names.split(","))
-    curve = {level: pooled(level, paths) for level, paths in files.items()}
+            parser.error(f"{spec!r}: expected C=FILE[@ROW][,FILE...], C a concurrency")
+        for name in names.split(","):
+            path, at, row = name.partition("@")
+            if at and not row:
+                parser.error(f"{spec!r}: {name!r} names no row after '@' (a row, or '-' for none)")
+            files.setdefault(int(level), []).append(Path(path))
+            if at:
+                rows[Path(path)] = None if row == "-" else row
+    curve = {level: pooled(level, paths, rows) for level, paths in files.items()}
     args.out.write_text(json.dumps({"cells": {str(c): curve[c] for c in sorted(curve)}, "sources": args.cells},
                                    indent=2) + "\n")
     plot(curve, args.out.with_suffix(".png"))

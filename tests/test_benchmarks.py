@@ -982,6 +982,12 @@ def test_plot_load_curve_pools_each_concurrencys_waves_over_files(tmp_path):
     (tmp_path / "v.json").write_text(json.dumps(with_variant))
     curve = plot_load_curve.main([f"32={tmp_path / 'v.json'}", f"32={b}", "--out", str(tmp_path / "v_curve.json")])
     assert set(curve[32]) == {"lookahead"} and curve[32]["lookahead"]["waves"] == 4  # a variant is not a method
+    curve = plot_load_curve.main([f"32={tmp_path / 'v.json'}@lookahead:dear,{b}", "--out", str(tmp_path / "w.json")])
+    assert curve[32]["lookahead"]["speedup"] == pytest.approx(math.exp(sum(map(math.log, [0.5, 0.5, 1.1, 1.0])) / 4))
+    curve = plot_load_curve.main([f"32={tmp_path / 'v.json'}@-", f"32={b}", "--out", str(tmp_path / "w.json")])
+    assert curve[32]["lookahead"]["waves"] == 2 and curve[32]["lookahead"]["speedup"] == pytest.approx(1.1 ** 0.5)
+    with pytest.raises(SystemExit, match="no row 'lookahead:gone'"):
+        plot_load_curve.main([f"32={a}@lookahead:gone", "--out", str(tmp_path / "w.json")])
     with pytest.raises(SystemExit, match="no cells at concurrency 8"):
         plot_load_curve.main([f"8={a}", "--out", str(tmp_path / "x.json")])
     sustained = tmp_path / "d.json"
