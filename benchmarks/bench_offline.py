@@ -421,7 +421,8 @@ STEP_KINDS = ("decode_draftless", "decode_drafted", "mixed")
 def start_step_clock(llm: Any) -> None:
     """Log every engine step from now on: when ``execute_model`` began, the step's kind
     (:data:`STEP_KINDS`: decode rows only, without or with draft tokens as scheduled; a prefill
-    among them) and whether every row in it is new (the first step of a ``generate`` call).
+    among them), whether every row in it is new (the first step of a ``generate`` call), the
+    draft tokens scheduled and how long its forwards took (:func:`read_step_anatomy`).
     Under async scheduling with vLLM's ``ngram_gpu`` every decode step is scheduled with k
     placeholder drafts, trimmed only inside ``execute_model``: there all count as drafted."""
     on_engine(llm, _start_step_clock)
@@ -434,7 +435,8 @@ def _start_step_clock(root: Any) -> None:
     if hasattr(runner, "bench_step_log"):
         runner.bench_step_log.clear()
         return
-    steps: list[tuple[int, str, bool]] = []
+    # Per step: start (ns), kind, every row new, draft tokens scheduled, and the ns its forwards took.
+    steps: list[list[Any]] = []
     execute = runner.execute_model
 
     def clocked(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -443,11 +445,22 @@ def _start_step_clock(root: Any) -> None:
             drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
             decode = scheduler_output.total_num_scheduled_tokens == rows + drafts
             kind = STEP_KINDS[2] if not decode else STEP_KINDS[1] if drafts else STEP_KINDS[0]
-            steps.append((time.perf_counter_ns(), kind, len(scheduler_output.scheduled_new_reqs) == rows))
+            steps.append([time.perf_counter_ns(), kind, len(scheduler_output.scheduled_new_reqs) == rows, drafts, 0])
         return execute(scheduler_output, *args, **kwargs)
 
     runner.execute_model = clocked
     runner.bench_step_log = steps
+    forward = getattr(runner, "_model_forward", None)
+    if forward is not None:  # on a GPU this times the launches only (no synchronisation here)
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if steps:
+                    steps[-1][4] += time.perf_counter_ns() - start
+
+        runner._model_forward = timed_forward
 
 
 def read_step_clock(llm: Any) -> dict[str, Any]:
@@ -459,13 +472,39 @@ def read_step_clock(llm: Any) -> dict[str, Any]:
 
 
 def _read_step_clock(root: Any) -> dict[str, Any]:
-    steps = getattr(model_runner(root), "bench_step_log", [])
     periods: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
-    for (start, kind, _), (end, _, fresh) in zip(steps, steps[1:]):
-        if not fresh:
-            periods[kind].append((end - start) / 1e6)
+    for period, kind, _, _ in _timed_steps(root):
+        periods[kind].append(period / 1e6)
     return {kind: {"steps": len(v), "median_ms": round(statistics.median(v), 3) if v else None}
             for kind, v in periods.items()}
+
+
+def _timed_steps(root: Any) -> Iterator[tuple[int, str, int, int]]:
+    """Each clocked step that has a period: (period ns, kind, draft tokens, forward ns)."""
+    steps = getattr(model_runner(root), "bench_step_log", [])
+    for (start, kind, _, drafts, forward), (end, _, fresh, _, _) in zip(steps, steps[1:]):
+        if not fresh:
+            yield end - start, kind, drafts, forward
+
+
+def read_step_anatomy(llm: Any) -> dict[int, dict[str, Any]]:
+    """Decode steps (no prefill) by the draft tokens they scored: how many, their median period
+    and the median time of their forwards (the runner's ``_model_forward``; on a CPU the forward
+    itself, on a GPU its launches only) and of the rest (the period less the forward: input
+    preparation, sampling, drafting, the scheduler and output processing). Draftless steps
+    count as 0 draft tokens. Periods as :func:`read_step_clock`'s."""
+    return on_engine(llm, _read_step_anatomy)
+
+
+def _read_step_anatomy(root: Any) -> dict[int, dict[str, Any]]:
+    by: dict[int, list[tuple[int, int]]] = {}
+    for period, kind, drafts, forward in _timed_steps(root):
+        if kind != STEP_KINDS[2]:
+            by.setdefault(drafts, []).append((period, forward))
+    return {d: {"steps": len(v), "median_ms": round(statistics.median(p for p, _ in v) / 1e6, 3),
+                "forward_median_ms": round(statistics.median(f for _, f in v) / 1e6, 3),
+                "rest_median_ms": round(statistics.median(p - f for p, f in v) / 1e6, 3)}
+            for d, v in sorted(by.items())}
 
 
 def reset_drafters(llm: Any) -> None:
@@ -588,6 +627,8 @@ class MethodRun:
     calibration: dict | None = None
     # Per step kind, the cell's steps and their median period (read_step_clock).
     step_periods: dict | None = None
+    # Decode steps by draft tokens: median period, forward and the rest (read_step_anatomy).
+    step_anatomy: dict | None = None
 
     def run_chunk(self, llm: Any, chunk: list[str], params: Any) -> float:
         """Generate one chunk, timed; return its tok/s."""
@@ -637,6 +678,7 @@ def run_cell(tag: str, engines: dict[str, Any], prompts: list[str], bs: int, par
         runs[m].drafter_size_end = drafter_size(llm)
         runs[m].calibration = calibration(llm)
         runs[m].step_periods = read_step_clock(llm)
+        runs[m].step_anatomy = read_step_anatomy(llm)
     return runs
 
 
@@ -670,6 +712,7 @@ def summarize(run: MethodRun, plain: MethodRun) -> dict[str, Any]:
         "mismatches": count_mismatches(plain.token_ids, run.token_ids),
         "mismatched_prompts": mismatched,
         "step_periods": run.step_periods,
+        "step_anatomy": run.step_anatomy,
         "chunk_tokens": run.chunk_tokens,
         "chunk_seconds": [round(s, 4) for s in run.chunk_seconds],
         "chunk_other_cpu_s": run.noise.samples,

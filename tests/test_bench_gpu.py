@@ -254,6 +254,55 @@ def test_step_clock_classifies_and_times_each_step(monkeypatch):
     assert bench_offline._read_step_clock(SimpleNamespace())["decode_draftless"] == {"steps": 0, "median_ms": None}
 
 
+def test_step_anatomy_splits_decode_steps_by_drafts_and_forward(monkeypatch):
+    """The step clock also times the runner's forwards: decode steps grouped by the draft tokens they
+    scored, each group's median period, forward and the rest; prefill steps and a call's last step
+    left out."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_offline
+    finally:
+        sys.path.pop(0)
+    now = [0]
+    monkeypatch.setattr(bench_offline.time, "perf_counter_ns", lambda: now[0])
+
+    def forward(ms):
+        now[0] += ms * 1_000_000
+
+    def execute(out):
+        runner._model_forward(out.forward_ms)  # the forward runs inside execute_model
+        now[0] += out.rest_ms * 1_000_000
+
+    runner = SimpleNamespace(input_batch=object(), execute_model=execute, _model_forward=forward)
+    root = SimpleNamespace(model_runner=runner)
+
+    def step(drafts, forward_ms, rest_ms, prefill=0, new=0):
+        out = SimpleNamespace(num_scheduled_tokens={"a": 1 + drafts + prefill}, forward_ms=forward_ms,
+                              rest_ms=rest_ms, total_num_scheduled_tokens=1 + drafts + prefill,
+                              scheduled_spec_decode_tokens={"a": [5] * drafts} if drafts else {},
+                              scheduled_new_reqs=[object()] * new)
+        runner.execute_model(out)
+
+    bench_offline._start_step_clock(root)
+    step(0, 30, 5, prefill=40, new=1)  # the prompt's prefill: a mixed step
+    step(0, 30, 6)
+    step(0, 34, 6)
+    step(3, 36, 7)
+    step(3, 38, 9)
+    step(3, 40, 7)
+    step(8, 45, 8)  # its call's last step: the next is a new call's
+    step(0, 30, 5, prefill=40, new=1)
+    assert bench_offline._read_step_anatomy(root) == {
+        0: {"steps": 2, "median_ms": 38.0, "forward_median_ms": 32.0, "rest_median_ms": 6.0},
+        3: {"steps": 3, "median_ms": 47.0, "forward_median_ms": 38.0, "rest_median_ms": 7.0}}
+    assert bench_offline._read_step_clock(root)["mixed"] == {"steps": 1, "median_ms": 35.0}
+    bench_offline._start_step_clock(root)  # a second start clears the log and keeps one forward timer
+    step(2, 20, 4)
+    step(2, 20, 4)
+    assert bench_offline._read_step_anatomy(root) == {
+        2: {"steps": 1, "median_ms": 24.0, "forward_median_ms": 20.0, "rest_median_ms": 4.0}}
+
+
 def test_batch_invariance_is_asked_for_on_a_gpu_only(monkeypatch):
     """--batch-invariant sets VLLM_BATCH_INVARIANT for the engines on a GPU and is refused, naming
     why, where there is none (vLLM's batch-invariant kernels fail in a CPU engine)."""
