@@ -80,8 +80,7 @@ def tree_attention(
     if out is None:
         out = torch.empty_like(query)
     torch.ops.lookahead_vllm.tree_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                            query_start_loc, tree_mask, float(scale), max_query_len,
-                                            max_seq_len, out)
+                                            query_start_loc, tree_mask, float(scale), max_query_len, max_seq_len, out)
     return out
 
 

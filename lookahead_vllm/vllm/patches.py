@@ -57,10 +57,9 @@ def require(names: Iterable[str], what: str) -> None:
     if not missing:
         return
     reasons = "; ".join(f"{name} ({_failed.get(name, 'not applied')})" for name in missing)
-    raise RuntimeError(
-        f"{what} cannot start: vLLM {guards.vllm_version()} failed lookahead-vllm's "
-        f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
-        "without speculative_config method 'lookahead' plain vLLM is unaffected")
+    raise RuntimeError(f"{what} cannot start: vLLM {guards.vllm_version()} failed lookahead-vllm's "
+                       f"patch(es) {reasons}. See docs/vllm-versions.md for the vLLM releases that run; "
+                       "without speculative_config method 'lookahead' plain vLLM is unaffected")
 
 
 def prepare_engine(config: Settings) -> None:

@@ -295,10 +295,9 @@ class Persistence:
             from vllm.tokenizers import get_tokenizer
 
             mc = self.model_config
-            self._tokenizer = get_tokenizer(
-                self._model(), tokenizer_mode=getattr(mc, "tokenizer_mode", "auto"),
-                revision=getattr(mc, "tokenizer_revision", None),
-                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+            self._tokenizer = get_tokenizer(self._model(), tokenizer_mode=getattr(mc, "tokenizer_mode", "auto"),
+                                            revision=getattr(mc, "tokenizer_revision", None),
+                                            trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
         return self._tokenizer
 
     def identity(self) -> dict:

@@ -67,10 +67,11 @@ class RequestState:
     slot: int  # the request's id in the Drafter (its index slot)
     cap: int | None = None  # extra_args' draft cap (None: none; 0: off), kept across rewinds
     partition: int = 0  # its cache_salt's draft index partition (Drafter.partition), kept across rewinds
+    max_tokens: int = 1 << 40  # its sampling's max_tokens: no draft runs past its last token
     verifiable: bool | None = None  # tree_verify.tree_verifiable of its sampling; None until the runner knows it
 
 
-_SLOT, _PARTITION, _CAP = attrgetter("slot"), attrgetter("partition"), attrgetter("cap")
+_SLOT, _PARTITION, _CAP, _MAX_TOKENS = map(attrgetter, ("slot", "partition", "cap", "max_tokens"))
 _PRICES = attrgetter("free_tokens", "marginal_tokens", "draft_setup", "row_price", "context_price")
 
 # A step in which no row drafts: its (empty) draft rows, lengths and offers.
@@ -229,6 +230,7 @@ class LookaheadProposer:
             try:
                 seeded = getattr(params, "sampling_type", None) == SamplingType.RANDOM_SEED  # sampled, seed set
                 st.cap = draft_cap(params.extra_args, seeded) if params is not None else None
+                st.max_tokens = getattr(params, "max_tokens", None) or st.max_tokens
             except Exception as exc:  # noqa: BLE001 - one request's options never stop the engine
                 logger.warning("lookahead: request %s: %s; it drafts nothing", req.req_id, exc)
                 st.cap = 0
@@ -250,8 +252,8 @@ class LookaheadProposer:
             self._rows_version += 1
         return st
 
-    def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list[int | None]]:
-        """The rows' states (made where missing), slots, partitions and caps, cached per batch and ``_rows_version``."""
+    def _rows_of(self, req_ids: list[str]) -> tuple[list[RequestState], np.ndarray, np.ndarray, list, np.ndarray]:
+        """The rows' states (made where missing), slots, partitions, caps, max_tokens; cached per ``_rows_version``."""
         cached = self._rows_cache
         if cached is not None and cached[0] == self._rows_version and cached[1] == req_ids:
             return cached[2]
@@ -259,7 +261,8 @@ class LookaheadProposer:
         if None in states:  # requests the proposer has not seen yet
             states = list(map(self._state, req_ids))
         facts = (states, np.fromiter(map(_SLOT, states), np.int64, len(states)),
-                 np.fromiter(map(_PARTITION, states), np.int64, len(states)), list(map(_CAP, states)))
+                 np.fromiter(map(_PARTITION, states), np.int64, len(states)), list(map(_CAP, states)),
+                 np.fromiter(map(_MAX_TOKENS, states), np.int64, len(states)))
         self._rows_cache = (self._rows_version, list(req_ids), facts)
         return facts
 
@@ -377,13 +380,13 @@ class LookaheadProposer:
         else:
             row_list = rows.tolist()
             req_ids, emitted = [batch.req_ids[i] for i in row_list], [sampled_token_ids[i] for i in row_list]
-        states, slots, partitions, caps = self._rows_of(req_ids)
+        states, slots, partitions, caps, max_tokens = self._rows_of(req_ids)
         num_tokens, prompt_lens, fresh = num_tokens_no_spec[rows], batch.num_prompt_tokens[rows], sampled_lens[rows]
         self._book_trees(slots, req_ids, emitted)
         self.stats.rewinds += self.drafter.sync(slots, rows, token_ids_cpu, num_tokens, prompt_lens, partitions, fresh)
         if self._uses_jacobi:
             self._track_windows(req_ids, states, slots, rows, token_ids_cpu, num_tokens, prompt_lens)
-        room = self._room(num_tokens, caps)
+        room = self._room(num_tokens, prompt_lens + max_tokens, caps)
         budgets, skipped, load_budget = self._budgets(room, caps, batch)
         drafting = np.flatnonzero(budgets > 0)
         floor = confidence_floor(self.config, len(drafting))
@@ -417,9 +420,9 @@ class LookaheadProposer:
                                      p.jacobi_ngram)
         return drafts, len(rows), skipped, load_budget
 
-    def _room(self, num_tokens: np.ndarray, caps: list[int | None]) -> np.ndarray:
-        """Per row, the draft nodes it may carry in all: what fits before max_model_len, within its request's cap."""
-        room = self.max_model_len - 1 - np.asarray(num_tokens, np.int64)
+    def _room(self, num_tokens: np.ndarray, ends: np.ndarray, caps: list[int | None]) -> np.ndarray:
+        """Per row, the draft nodes it may carry: what fits before max_model_len and its ``ends``, within its cap."""
+        room = np.minimum(self.max_model_len, ends) - 1 - np.asarray(num_tokens, np.int64)
         if caps.count(None) == len(caps):  # no request caps its drafts (the usual step)
             return room
         return np.minimum(room, [r if cap is None else cap for r, cap in zip(room.tolist(), caps)])

@@ -398,6 +398,18 @@ def test_a_window_stays_within_its_requests_cap(cap, sent):
     assert p.stats.jacobi_steps == (sent > 11)
 
 
+@pytest.mark.parametrize("max_tokens, sent", [(None, 16), (40, 16), (12, 10), (3, 1), (2, 0)])
+def test_drafts_stop_at_the_requests_max_tokens(max_tokens, sent):
+    """A request stops at its max_tokens, and vLLM drops what a step accepts past it: a row one output token into
+    a 30-token prompt drafts at most max_tokens - 2 tokens (its draft, then the bonus token, end there)."""
+    p = make_proposer(k=16, min_draft_confidence=0.0)
+    p.on_new_requests([SimpleNamespace(req_id="a", sampling_params=SimpleNamespace(extra_args={},
+                                                                                   max_tokens=max_tokens))])
+    tokens = (A * 10)[:31]  # its own repeats: the index would draft all 16
+    drafts = step(p, {"a": tokens}, {"a": 30})
+    assert len(drafts[0]) == sent and drafts[0] == ((A * 10)[31:31 + sent])
+
+
 @pytest.mark.parametrize("left, sent", [(16, 16), (15, 11)])
 def test_a_window_goes_only_where_it_fits_before_max_model_len(left, sent):
     """A row ``left`` positions short of max_model_len - 1 keeps an 11-node draft (its own
